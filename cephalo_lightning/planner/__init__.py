@@ -1,0 +1,23 @@
+"""The assignment planner (torch-free): per-GPU batch, micro-batches and state share."""
+
+from cephalo_lightning.planner.cluster import (
+    Cluster,
+    DeviceProfile,
+    Emulation,
+    ModelSpec,
+    Settings,
+    cluster_from_dict,
+    cluster_to_dict,
+    load_cluster,
+    save_cluster,
+)
+from cephalo_lightning.planner.cost import evaluate, split_sizes
+from cephalo_lightning.planner.errors import PlanningError
+from cephalo_lightning.planner.plan import BaselineResult, Plan, RankPlan
+from cephalo_lightning.planner.solver import plan
+
+__all__ = [
+    "BaselineResult", "Cluster", "DeviceProfile", "Emulation", "ModelSpec", "Plan", "PlanningError",
+    "RankPlan", "Settings", "cluster_from_dict", "cluster_to_dict", "evaluate", "load_cluster", "plan",
+    "save_cluster", "split_sizes",
+]

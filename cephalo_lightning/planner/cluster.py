@@ -1,0 +1,317 @@
+"""The cluster file: what the planner knows about the model, the settings and every device.
+
+One format, YAML or JSON (see the README, "Cluster file"). Devices are listed in rank order and
+``count`` repeats an entry. A device entry either carries measured per-layer profiles or only a
+catalog ``name``, in which case it is estimated from public datasheet figures and the model shape
+(:mod:`cephalo_lightning.planner.catalog`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from cephalo_lightning.atomic_io import write_text_atomic
+from cephalo_lightning.planner.errors import PlanningError
+
+COLLECTIVE_MODES = ("padded", "exact")
+PROFILE_SOURCES = ("measured", "catalog", "emulated")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model as the cost model sees it: a stack of identical layers and a parameter count."""
+
+    name: str
+    num_layers: int
+    parameters: int
+    state_bytes_per_param: float = 16.0
+    hidden_size: int | None = None
+    seq_len: int | None = None
+    compute_bytes_per_param: float = 2.0  # bytes of a gathered parameter (bf16)
+
+    @property
+    def state_bytes(self) -> float:
+        return self.state_bytes_per_param * self.parameters
+
+    @property
+    def layer_parameters(self) -> float:
+        return self.parameters / self.num_layers
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Knobs of the cost model; the defaults are the reference implementation's."""
+
+    usable_memory_fraction: float = 0.75
+    reserved_memory_gb: float = 2.0
+    micro_batch_overhead_ms: float = 10.0
+    allgather_ms: float = 0.0  # one layer, even shares; or priced from link_bandwidth_gbps
+    reduce_scatter_ms: float = 0.0
+    link_bandwidth_gbps: float | None = None  # GB/s per direction between ranks
+    collective: str = "padded"  # how the runtime moves uneven shards: padded | exact
+    estimated_mfu: float = 0.4  # for catalog estimates only
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """CPU emulation of a slower or smaller device (see ``cephalo_lightning.runtime.emulation``)."""
+
+    slowdown: float = 1.0
+    memory_gb: float | None = None
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One rank's device: capacity and one layer's measured (or estimated) costs at sizes 1..k."""
+
+    name: str
+    memory_gb: float
+    layer_fwd_ms: tuple[float, ...]
+    layer_bwd_ms: tuple[float, ...]
+    compute_memory_gb: tuple[float, ...]
+    source: str = "measured"
+    emulate: Emulation | None = None
+
+
+@dataclass(frozen=True)
+class Cluster:
+    model: ModelSpec
+    devices: tuple[DeviceProfile, ...]
+    settings: Settings = field(default_factory=Settings)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.devices)
+
+    @property
+    def emulated(self) -> bool:
+        return any(d.source == "emulated" for d in self.devices)
+
+
+# --------------------------------------------------------------------------------------------
+# parsing and validation
+
+
+def _number(value: Any, where: str, *, minimum: float = 0.0, strict: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PlanningError(f"{where} must be a number, got {value!r}")
+    if value < minimum or (strict and value == minimum):
+        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+        raise PlanningError(f"{where} must be {bound}, got {value!r}")
+    return float(value)
+
+
+def _integer(value: Any, where: str, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise PlanningError(f"{where} must be a whole number, got {value!r}")
+    if value < minimum:
+        raise PlanningError(f"{where} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _series(value: Any, where: str, *, strict: bool) -> tuple[float, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) == 0:
+        raise PlanningError(
+            f"{where} must be a non-empty list of numbers (micro-batch sizes 1, 2, ...), got {value!r}"
+        )
+    return tuple(_number(v, f"{where}[{i}]", strict=strict) for i, v in enumerate(value))
+
+
+def _reject_unknown(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise PlanningError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise PlanningError(f"{where} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def parse_model(data: Any) -> ModelSpec:
+    data = _mapping(data, "model")
+    allowed = {f.name for f in fields(ModelSpec)}
+    _reject_unknown(data, allowed, "model")
+    for key in ("num_layers", "parameters"):
+        if key not in data:
+            raise PlanningError(f"model.{key} is required (the cost model is per layer)")
+    optional_ints = {k: _integer(data[k], f"model.{k}") for k in ("hidden_size", "seq_len") if data.get(k) is not None}
+    return ModelSpec(
+        name=str(data.get("name", "model")),
+        num_layers=_integer(data["num_layers"], "model.num_layers"),
+        parameters=_integer(data["parameters"], "model.parameters"),
+        state_bytes_per_param=_number(data.get("state_bytes_per_param", 16), "model.state_bytes_per_param"),
+        compute_bytes_per_param=_number(data.get("compute_bytes_per_param", 2), "model.compute_bytes_per_param"),
+        **optional_ints,
+    )
+
+
+def parse_settings(data: Any) -> Settings:
+    if data is None:
+        return Settings()
+    data = _mapping(data, "settings")
+    _reject_unknown(data, {f.name for f in fields(Settings)}, "settings")
+    values: dict[str, Any] = {}
+    for key in ("allgather_ms", "reduce_scatter_ms", "micro_batch_overhead_ms", "reserved_memory_gb"):
+        if key in data:
+            values[key] = _number(data[key], f"settings.{key}", strict=False)
+    if "usable_memory_fraction" in data:
+        frac = _number(data["usable_memory_fraction"], "settings.usable_memory_fraction")
+        if frac > 1:
+            raise PlanningError(f"settings.usable_memory_fraction must be <= 1, got {frac}")
+        values["usable_memory_fraction"] = frac
+    if data.get("link_bandwidth_gbps") is not None:
+        values["link_bandwidth_gbps"] = _number(data["link_bandwidth_gbps"], "settings.link_bandwidth_gbps")
+    if "estimated_mfu" in data:
+        values["estimated_mfu"] = _number(data["estimated_mfu"], "settings.estimated_mfu")
+    if "collective" in data:
+        if data["collective"] not in COLLECTIVE_MODES:
+            raise PlanningError(f"settings.collective must be one of {COLLECTIVE_MODES}, got {data['collective']!r}")
+        values["collective"] = data["collective"]
+    return Settings(**values)
+
+
+def _parse_emulation(data: Any, where: str) -> Emulation | None:
+    if data is None:
+        return None
+    data = _mapping(data, where)
+    _reject_unknown(data, {"slowdown", "memory_gb"}, where)
+    slowdown = _number(data.get("slowdown", 1.0), f"{where}.slowdown")
+    if slowdown < 1:
+        raise PlanningError(f"{where}.slowdown must be >= 1 (1 = full speed), got {slowdown}")
+    memory = data.get("memory_gb")
+    return Emulation(slowdown, None if memory is None else _number(memory, f"{where}.memory_gb"))
+
+
+_DEVICE_KEYS = {
+    "name", "count", "memory_gb", "layer_fwd_ms", "layer_bwd_ms", "compute_memory_gb", "source", "emulate",
+}
+_PROFILE_KEYS = ("layer_fwd_ms", "layer_bwd_ms", "compute_memory_gb")
+
+
+def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[DeviceProfile, ...]:
+    from cephalo_lightning.planner.catalog import estimate_profile  # catalog needs parse-free types
+
+    if isinstance(data, (str, bytes)) or not isinstance(data, Sequence) or len(data) == 0:
+        raise PlanningError("devices must be a non-empty list (one entry per GPU kind, in rank order)")
+    devices: list[DeviceProfile] = []
+    for i, entry in enumerate(data):
+        where = f"devices[{i}]"
+        entry = _mapping(entry, where)
+        _reject_unknown(entry, _DEVICE_KEYS, where)
+        if "name" not in entry:
+            raise PlanningError(f"{where}.name is required")
+        name = str(entry["name"])
+        count = _integer(entry.get("count", 1), f"{where}.count")
+        emulate = _parse_emulation(entry.get("emulate"), f"{where}.emulate")
+        given = [k for k in _PROFILE_KEYS if k in entry]
+        if given and len(given) != len(_PROFILE_KEYS):
+            missing = sorted(set(_PROFILE_KEYS) - set(given))
+            raise PlanningError(f"{where} ({name}) gives {given} but not {missing}: give all three or none")
+        if given:
+            fwd = _series(entry["layer_fwd_ms"], f"{where}.layer_fwd_ms", strict=True)
+            bwd = _series(entry["layer_bwd_ms"], f"{where}.layer_bwd_ms", strict=True)
+            mem = _series(entry["compute_memory_gb"], f"{where}.compute_memory_gb", strict=False)
+            if not len(fwd) == len(bwd) == len(mem):
+                raise PlanningError(
+                    f"{where} ({name}): layer_fwd_ms, layer_bwd_ms and compute_memory_gb must have the "
+                    f"same length (one value per micro-batch size 1..k), got {len(fwd)}, {len(bwd)}, {len(mem)}"
+                )
+            if "memory_gb" not in entry:
+                raise PlanningError(f"{where} ({name}).memory_gb is required with a measured profile")
+            source = str(entry.get("source", "emulated" if emulate else "measured"))
+            if source not in PROFILE_SOURCES:
+                raise PlanningError(f"{where}.source must be one of {PROFILE_SOURCES}, got {source!r}")
+            device = DeviceProfile(
+                name, _number(entry["memory_gb"], f"{where}.memory_gb"), fwd, bwd, mem, source, emulate
+            )
+        else:
+            device = estimate_profile(name, model, settings, where=where)
+            if "memory_gb" in entry:
+                device = replace(device, memory_gb=_number(entry["memory_gb"], f"{where}.memory_gb"))
+            device = replace(device, emulate=emulate)
+        devices.extend([device] * count)
+    return tuple(devices)
+
+
+def cluster_from_dict(data: Any) -> Cluster:
+    data = _mapping(data, "cluster file")
+    _reject_unknown(data, {"model", "settings", "devices"}, "cluster file")
+    if "model" not in data:
+        raise PlanningError("the cluster file needs a 'model:' section (num_layers, parameters)")
+    if "devices" not in data:
+        raise PlanningError("the cluster file needs a 'devices:' list")
+    model = parse_model(data["model"])
+    settings = parse_settings(data.get("settings"))
+    return Cluster(model=model, devices=parse_devices(data["devices"], model, settings), settings=settings)
+
+
+def _read_structured(path: str | Path) -> Any:
+    path = Path(path)
+    if not path.is_file():
+        raise PlanningError(f"cluster file {str(path)!r} does not exist")
+    text = path.read_text()
+    if path.suffix.lower() == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as err:
+            raise PlanningError(f"{path}: not valid JSON ({err})") from err
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise PlanningError(f"{path}: not valid YAML ({err})") from err
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    """Read a cluster file (YAML or JSON)."""
+    return cluster_from_dict(_read_structured(path))
+
+
+def _device_entry(device: DeviceProfile) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "name": device.name,
+        "memory_gb": device.memory_gb,
+        "layer_fwd_ms": list(device.layer_fwd_ms),
+        "layer_bwd_ms": list(device.layer_bwd_ms),
+        "compute_memory_gb": list(device.compute_memory_gb),
+        "source": device.source,
+    }
+    if device.emulate is not None:
+        entry["emulate"] = {k: v for k, v in asdict(device.emulate).items() if v is not None}
+    return entry
+
+
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    """The cluster file form, with runs of identical devices folded into ``count``."""
+    entries: list[dict[str, Any]] = []
+    previous: DeviceProfile | None = None
+    for device in cluster.devices:
+        if device == previous:
+            entries[-1]["count"] += 1
+            continue
+        entries.append({**_device_entry(device), "count": 1})
+        previous = device
+    model = {k: v for k, v in asdict(cluster.model).items() if v is not None}
+    settings = {k: v for k, v in asdict(cluster.settings).items() if v is not None}
+    return {"model": model, "settings": settings, "devices": entries}
+
+
+def save_cluster(cluster: Cluster, path: str | Path) -> None:
+    """Write a cluster file; the format follows the suffix (.json, else YAML)."""
+    path = Path(path)
+    data = cluster_to_dict(cluster)
+    if path.suffix.lower() == ".json":
+        text = json.dumps(data, indent=2)
+    else:
+        import yaml
+
+        text = yaml.safe_dump(data, sort_keys=False)
+    write_text_atomic(path, text)

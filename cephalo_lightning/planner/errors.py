@@ -1,0 +1,8 @@
+"""The one error the planner raises for input it cannot plan."""
+
+
+class PlanningError(ValueError):
+    """A cluster, model or batch the planner cannot turn into a feasible plan.
+
+    The message always says what is wrong or short, by how much, and what to change.
+    """
