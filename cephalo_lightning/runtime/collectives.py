@@ -1,0 +1,126 @@
+"""All-gather and reduce-scatter of uneven contiguous shards, in two interchangeable ways.
+
+``padded``: pad every shard to the largest and use the equal-size all-gather / reduce-scatter
+(``all_gather_into_tensor`` / ``reduce_scatter_tensor``, renamed ``*_single`` in torch 2.13) (one fast collective on gloo and NCCL; wastes ``W*max/total - 1`` of the
+bandwidth on uneven units, nothing on even ones). ``exact``: ``all_to_all_single`` with per-rank
+split sizes (no padding, works on gloo and NCCL). Even units always take the direct path.
+
+Every call is recorded in :attr:`Collectives.log` when ``record=True``, which is how the tests prove
+that every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from cephalo_lightning.runtime.layout import UnitLayout
+
+COLLECTIVE_MODES = ("padded", "exact")
+
+# torch 2.13 renamed the equal-size collectives (the old names warn); keep older torch working.
+_all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_equal = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class PendingGather:
+    """An all-gather in flight; ``wait()`` makes ``out`` hold the whole unit."""
+
+    out: torch.Tensor
+    work: dist.Work | None = None
+    staging: torch.Tensor | None = None
+    unit: UnitLayout | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.staging is not None and self.unit is not None:
+            chunk = self.unit.max_shard
+            for r, (lo, hi) in enumerate(zip(self.unit.bounds, self.unit.bounds[1:])):
+                self.out[lo:hi].copy_(self.staging[r * chunk : r * chunk + hi - lo])
+            self.staging = None
+        return self.out
+
+
+@dataclass
+class Collectives:
+    """Collectives of one process group (``None`` = single process)."""
+
+    group: dist.ProcessGroup | None = None
+    mode: str = "padded"
+    record: bool = False
+    log: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode not in COLLECTIVE_MODES:
+            raise ValueError(f"collective mode must be one of {COLLECTIVE_MODES}, got {self.mode!r}")
+        self.world_size = dist.get_world_size(self.group) if self._distributed else 1
+        self.rank = dist.get_rank(self.group) if self._distributed else 0
+
+    @property
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def _note(self, op: str, unit: UnitLayout) -> None:
+        if self.record:
+            self.log.append((op, unit.name, unit.numel))
+
+    def all_gather(self, shard: torch.Tensor, out: torch.Tensor, unit: UnitLayout, async_op: bool = False) -> PendingGather:
+        """Fill ``out`` (the unit's full flat buffer) from every rank's ``shard``."""
+        self._note("all_gather", unit)
+        if self.world_size == 1:
+            out.copy_(shard)
+            return PendingGather(out)
+        lo, hi = unit.shard_range(self.rank)
+        if unit.is_even:
+            work = _all_gather_equal(out, shard, group=self.group, async_op=async_op)
+            return PendingGather(out, work)
+        if self.mode == "exact":
+            sizes = list(unit.shard_sizes)
+            send = shard.repeat(self.world_size) if shard.numel() else shard.new_empty(0)
+            work = dist.all_to_all_single(
+                out, send, output_split_sizes=sizes, input_split_sizes=[hi - lo] * self.world_size,
+                group=self.group, async_op=async_op,
+            )
+            return PendingGather(out, work)
+        chunk = unit.max_shard
+        padded = shard.new_zeros(chunk)
+        padded[: hi - lo].copy_(shard)
+        staging = shard.new_empty(chunk * self.world_size)
+        work = _all_gather_equal(staging, padded, group=self.group, async_op=async_op)
+        return PendingGather(out, work, staging, unit)
+
+    def reduce_scatter(self, full: torch.Tensor, unit: UnitLayout) -> torch.Tensor:
+        """Sum ``full`` (this rank's whole-unit gradient) over ranks; return this rank's range."""
+        self._note("reduce_scatter", unit)
+        lo, hi = unit.shard_range(self.rank)
+        if self.world_size == 1:
+            return full[lo:hi].clone()
+        if unit.is_even:
+            out = full.new_empty(hi - lo)
+            _reduce_scatter_equal(out, full, op=dist.ReduceOp.SUM, group=self.group)
+            return out
+        if self.mode == "exact":
+            sizes = list(unit.shard_sizes)
+            received = full.new_empty((hi - lo) * self.world_size)
+            dist.all_to_all_single(
+                received, full, output_split_sizes=[hi - lo] * self.world_size, input_split_sizes=sizes,
+                group=self.group,
+            )
+            return received.view(self.world_size, hi - lo).sum(0)
+        chunk = unit.max_shard
+        padded = full.new_zeros(self.world_size, chunk)
+        for r, (a, b) in enumerate(zip(unit.bounds, unit.bounds[1:])):
+            padded[r, : b - a].copy_(full[a:b])
+        out = full.new_empty(chunk)
+        _reduce_scatter_equal(out, padded.view(-1), op=dist.ReduceOp.SUM, group=self.group)
+        return out[: hi - lo].clone()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
