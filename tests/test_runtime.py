@@ -1,0 +1,272 @@
+"""The uneven sharding runtime against single-process training on the global batch (gloo ranks)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cephalo_lightning.runtime import checkpoint
+from cephalo_lightning.runtime.engine import ShardedModel
+from cephalo_lightning.runtime.layout import build_layout, quotas
+from cephalo_lightning.runtime.wrap import WrapPolicyError, find_units
+from tests.distributed import run_distributed
+from tests.models import TinyLM, batches
+from tests.reference import make_optimizer, reference_state, split, train_reference
+
+GLOBAL_BATCH = 12
+TOL = 1e-5
+
+
+# ----------------------------------------------------------------------------- helpers run on ranks
+
+
+def local_pieces(sharded: ShardedModel, optimizer: torch.optim.Optimizer) -> dict[str, tuple[int, torch.Tensor]]:
+    """This rank's pieces of every parameter and Adam moment: name -> (start, values)."""
+    out = {}
+    for unit in sharded.units:
+        for span, p in zip(unit.spans, unit.local_params):
+            start, _ = unit.layout.param_piece(span, sharded.rank)
+            out[span.name] = (start, p.detach().clone())
+            state = optimizer.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    out[f"{span.name}.{key}"] = (start, state[key].detach().clone())
+    return out
+
+
+def train_uniform(sharded: ShardedModel, model: TinyLM, optimizer, batch_sizes, n, steps, start=0, clip=None):
+    """Micro-batch-major accumulation: same n on every rank, uneven sizes, loss weighted s/B."""
+    rank, total = sharded.rank, sum(batch_sizes)
+    lo = sum(batch_sizes[:rank])
+    for x, y in batches(start + steps, total)[start:]:
+        x, y = x[lo : lo + batch_sizes[rank]], y[lo : lo + batch_sizes[rank]]
+        offset = 0
+        sizes = split(batch_sizes[rank], n)
+        for k, s in enumerate(sizes):
+            sharded.set_requires_gradient_sync(k == len(sizes) - 1)
+            loss = model.loss(model(x[offset : offset + s]), y[offset : offset + s]) * (s / total)
+            sharded.backward(loss)
+            offset += s
+        if clip is not None:
+            sharded.clip_grad_norm_(clip)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def assemble(per_rank: list[dict[str, tuple[int, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Full flattened tensors from every rank's pieces; each element must come exactly once."""
+    sizes: dict[str, int] = {}
+    for pieces in per_rank:
+        for name, (start, values) in pieces.items():
+            sizes[name] = max(sizes.get(name, 0), start + values.numel())
+    full = {name: torch.full((n,), float("nan")) for name, n in sizes.items()}
+    for pieces in per_rank:
+        for name, (start, values) in pieces.items():
+            window = full[name][start : start + values.numel()]
+            assert torch.isnan(window).all(), f"{name}: an element is owned twice"
+            window.copy_(values)
+    return full
+
+
+def assert_matches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name in want:
+        assert not torch.isnan(got[name]).any(), f"{name}: an element is owned by nobody"
+        err = (got[name] - want[name]).abs().max().item()
+        assert err <= TOL, f"{name}: max abs difference {err:.2e} > {TOL}"
+
+
+# ----------------------------------------------------------------------------- 3 ranks, one spawn
+
+SHARE_CASES = [
+    ([0.6, 0.3, 0.1], [6, 4, 2], 2, "padded"),
+    ([0.7, 0.2, 0.1], [2, 3, 7], 3, "exact"),
+    ([0.0005, 0.5, 0.4995], [4, 4, 4], 1, "padded"),  # a rank that stores almost nothing
+    ([0.25, 0.0, 0.75], [5, 6, 1], 1, "exact"),  # and one that stores nothing at all
+]
+STEPS = 3
+
+
+def _three_ranks(rank: int, world: int, ckpt_dir: str):
+    out = {"cases": [], "logs": []}
+    for shares, bs, n, mode in SHARE_CASES:
+        model = TinyLM()
+        sharded = ShardedModel(model, shares, collective=mode, record_collectives=True)
+        optimizer = make_optimizer(model.parameters())
+        train_uniform(sharded, model, optimizer, bs, n, STEPS)
+        out["cases"].append(local_pieces(sharded, optimizer))
+        out["logs"].append(sharded.comm.log)
+    # gradient clipping across uneven shards
+    model = TinyLM()
+    sharded = ShardedModel(model, [0.5, 0.2, 0.3])
+    optimizer = make_optimizer(model.parameters())
+    train_uniform(sharded, model, optimizer, [3, 5, 4], 1, STEPS, clip=0.05)
+    out["clipped"] = local_pieces(sharded, optimizer)
+    # checkpoint after STEPS steps at shares [0.6, 0.3, 0.1]
+    model = TinyLM()
+    sharded = ShardedModel(model, [0.6, 0.3, 0.1])
+    optimizer = make_optimizer(model.parameters())
+    train_uniform(sharded, model, optimizer, [6, 4, 2], 1, STEPS)
+    checkpoint.save_sharded(ckpt_dir, sharded, [optimizer], {"step": STEPS})
+    return out
+
+
+@pytest.fixture(scope="module")
+def three_rank_run(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ckpt") / "step3"
+    results = run_distributed(_three_ranks, 3, str(ckpt))
+    return results, ckpt
+
+
+@pytest.mark.multiprocess
+def test_uneven_shares_and_batches_match_single_process(three_rank_run):
+    results, _ = three_rank_run
+    want = reference_state(*train_reference(STEPS, GLOBAL_BATCH))
+    for i, case in enumerate(SHARE_CASES):
+        got = assemble([r["cases"][i] for r in results])
+        assert_matches(got, want)
+
+
+@pytest.mark.multiprocess
+def test_every_rank_issues_the_same_collectives_in_the_same_order(three_rank_run):
+    results, _ = three_rank_run
+    for i in range(len(SHARE_CASES)):
+        logs = [r["logs"][i] for r in results]
+        assert logs[0] and all(log == logs[0] for log in logs[1:])
+
+
+@pytest.mark.multiprocess
+def test_near_zero_share_rank_stores_almost_nothing_and_still_trains(three_rank_run):
+    results, _ = three_rank_run
+    case = SHARE_CASES.index(([0.0005, 0.5, 0.4995], [4, 4, 4], 1, "padded"))
+    owned = [sum(v.numel() for k, (_, v) in r["cases"][case].items() if "exp_avg" not in k) for r in results]
+    assert 0 < owned[0] < 0.002 * sum(owned)
+    empty = SHARE_CASES.index(([0.25, 0.0, 0.75], [5, 6, 1], 1, "exact"))
+    assert sum(v.numel() for _, v in results[1]["cases"][empty].values()) == 0
+
+
+@pytest.mark.multiprocess
+def test_global_norm_clipping_across_uneven_shards(three_rank_run):
+    results, _ = three_rank_run
+    want = reference_state(*train_reference(STEPS, GLOBAL_BATCH, clip=0.05))
+    assert_matches(assemble([r["clipped"] for r in results]), want)
+
+
+# ----------------------------------------------------------------------------- checkpoint resharding
+
+
+def _resume(rank: int, world: int, ckpt_dir: str, shares: list[float], batch_sizes: list[int]):
+    model = TinyLM(seed=123)  # different init: everything must come from the checkpoint
+    sharded = ShardedModel(model, shares)
+    optimizer = make_optimizer(model.parameters())
+    meta = checkpoint.load_sharded(ckpt_dir, sharded, [optimizer])
+    assert meta["step"] == STEPS
+    train_uniform(sharded, model, optimizer, batch_sizes, 1, 2, start=STEPS)
+    return local_pieces(sharded, optimizer)
+
+
+def _continued_reference():
+    model, optimizer = train_reference(STEPS, GLOBAL_BATCH)
+    return reference_state(*train_reference(2, GLOBAL_BATCH, start=STEPS, model=model, optimizer=optimizer))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "shares,batch_sizes", [([0.25, 0.75], [9, 3]), ([0.25, 0.25, 0.25, 0.25], [3, 3, 3, 3])], ids=["2-ranks", "4-even"]
+)
+def test_checkpoint_reshards_to_another_world_size(three_rank_run, shares, batch_sizes):
+    _, ckpt = three_rank_run
+    results = run_distributed(_resume, len(shares), str(ckpt), shares, batch_sizes)
+    assert_matches(assemble(results), _continued_reference())
+
+
+def test_checkpoint_loads_into_a_plain_model_without_process_group(three_rank_run):
+    _, ckpt = three_rank_run
+    model, _ = train_reference(STEPS, GLOBAL_BATCH)
+    plain = TinyLM(seed=99)
+    plain.load_state_dict(checkpoint.load_full_state_dict(ckpt))
+    for (name, got), want in zip(plain.named_parameters(), model.parameters()):
+        assert torch.allclose(got, want, atol=TOL), name
+
+
+def test_checkpoint_directory_is_published_atomically(tmp_path):
+    model = TinyLM()
+    sharded = ShardedModel(model, [1.0])
+    target = tmp_path / "ckpt"
+    checkpoint.save_sharded(target, sharded, [], {"step": 1})
+    first = checkpoint.read_meta(target)
+    assert first["step"] == 1 and not list(tmp_path.glob(".ckpt.*"))
+    checkpoint.save_sharded(target, sharded, [], {"step": 2})  # overwrite: old one replaced whole
+    assert checkpoint.read_meta(target)["step"] == 2 and not list(tmp_path.glob(".ckpt.*"))
+    # a save that dies before publishing leaves only a staging directory, never a checkpoint
+    staging = tmp_path / ".other.staging-dead"
+    staging.mkdir()
+    assert not checkpoint.is_checkpoint(tmp_path / "other")
+
+
+# ----------------------------------------------------------------------------- single process
+
+
+def test_bf16_compute_keeps_fp32_master_and_tracks_fp32_training():
+    x, y = batches(1, 8)[0]
+    ref_model, ref_opt = train_reference(1, 8)
+    model = TinyLM()
+    sharded = ShardedModel(model, [1.0], compute_dtype=torch.bfloat16)
+    assert all(u.master.dtype == torch.float32 for u in sharded.units)
+    with torch.no_grad(), sharded.summon_full_params():
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        bf16_loss = model.loss(model(x), y).item()
+    assert abs(bf16_loss - TinyLM().loss(TinyLM()(x), y).item()) < 0.05
+    optimizer = make_optimizer(model.parameters())
+    train_uniform(sharded, model, optimizer, [8], 1, 1)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # local pieces: fp32 master
+    got = sharded.full_state_dict()
+    for name, want in ref_model.named_parameters():
+        assert (got[name] - want).abs().max().item() < 2e-2, name
+
+
+def test_layout_quotas_are_exact_and_even_units_come_first():
+    rng = random.Random(0)
+    for _ in range(50):
+        world = rng.randint(1, 5)
+        shares = [rng.random() ** 3 for _ in range(world)]
+        sizes = [rng.randint(0, 300) for _ in range(rng.randint(1, 12))]
+        layout = build_layout(sizes, shares)
+        want = quotas(shares, sum(sizes))
+        assert [layout.owned_numel(r) for r in range(world)] == want
+        for unit, size in zip(layout.units, sizes):
+            assert unit.numel == size and list(unit.bounds) == sorted(unit.bounds)
+        # once a unit is uneven because a rank ran out, no later unit gives that rank anything back
+        exhausted: set[int] = set()
+        for unit in layout.units:
+            assert all(unit.shard_sizes[r] == 0 for r in exhausted)
+            exhausted |= {r for r in range(world) if sum(u.shard_sizes[r] for u in layout.units[: layout.units.index(unit) + 1]) == want[r]}
+
+
+def test_layout_is_inspectable_and_every_element_has_one_owner():
+    model = TinyLM()
+    sharded = ShardedModel(model, [1.0])
+    layout = build_layout([u.layout.numel for u in sharded.units], [0.7, 0.2, 0.1],
+                          [u.layout.name for u in sharded.units], [u.layout.params for u in sharded.units])
+    owned: dict[str, int] = {}
+    for name, rank, start, stop in layout.owners():
+        owned[name] = owned.get(name, 0) + stop - start
+    assert owned == {name: p.numel() for name, p in TinyLM().named_parameters()}
+    table = layout.describe()
+    assert "blocks.0" in table and "total" in table
+
+
+def test_wrap_policy_errors_name_the_problem_and_the_fix():
+    flat = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(WrapPolicyError, match="units=\\[YourBlockClass\\]"):
+        find_units(flat)
+    with pytest.raises(WrapPolicyError, match="no submodule is one of"):
+        find_units(TinyLM(), [torch.nn.Conv2d])
+    tied = TinyLM()
+    tied.head.weight = tied.embed.weight
+    with pytest.raises(WrapPolicyError, match="tied weights"):
+        ShardedModel(tied, [1.0])
+    with pytest.raises(ValueError, match="one share per rank"):
+        ShardedModel(TinyLM(), [0.5, 0.5])
