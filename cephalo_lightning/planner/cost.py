@@ -124,12 +124,16 @@ class DeviceCost:
 
     def compute_ms(self, batch_size: int, num_micro_batches: int) -> tuple[float, float]:
         """Per-layer (sum of forwards, sum of forward+backward+overheads) for one step."""
-        sizes = split_sizes(batch_size, num_micro_batches)
-        if not sizes:
+        if batch_size == 0:
             return 0.0, 0.0
-        f = sum(float(self.fwd(s)) for s in sizes)
-        b = sum(float(self.bwd(s)) for s in sizes)
-        return f, f + b + (len(sizes) - 1) * self.overhead_ms
+        if not 1 <= num_micro_batches <= batch_size:
+            split_sizes(batch_size, num_micro_batches)  # raises the usual ValueError
+        # near-equal split: `rem` micro-batches of q + 1 and the rest of q (O(1), not O(n))
+        q, rem = divmod(batch_size, num_micro_batches)
+        groups = [(c, s) for c, s in ((rem, q + 1), (num_micro_batches - rem, q)) if c]
+        f = sum(c * float(self.fwd(s)) for c, s in groups)
+        b = sum(c * float(self.bwd(s)) for c, s in groups)
+        return f, f + b + (num_micro_batches - 1) * self.overhead_ms
 
     def step_s(self, batch_size: int, num_micro_batches: int, ag_ms: float, rs_ms: float) -> float:
         fwd, bwd = self.compute_ms(batch_size, num_micro_batches)

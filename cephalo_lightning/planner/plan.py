@@ -26,6 +26,8 @@ class RankPlan:
     predicted_step_s: float | None = None
     predicted_memory_gb: float | None = None
     source: str = "measured"  # where the device's figures came from: measured | catalog | emulated
+    memory_limit_gb: float | None = None  # usable_memory_fraction * capacity: what memory must stay under
+    memory_capacity_gb: float | None = None  # the device's total memory
 
     @property
     def micro_batch_sizes(self) -> list[int]:
@@ -53,6 +55,7 @@ class Plan:
     baselines: dict[str, BaselineResult] = field(default_factory=dict)
     strategy: str = "cephalo"  # which planner made it: cephalo | even | proportional
     emulated: bool = False
+    optimality_gap: float | None = None  # certified: predicted step / proven lower bound - 1
 
     def __post_init__(self) -> None:
         validate_plan(self)
@@ -101,9 +104,11 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         try:
             ranks = tuple(RankPlan(**r) for r in data["ranks"])
-            baselines = {name: BaselineResult(**b) for name, b in data.get("baselines", {}).items()}
+            baselines = {name: BaselineResult(**{"predicted_samples_per_s": None, **b})  # None is not written
+                         for name, b in data.get("baselines", {}).items()}
             extra = {k: data[k] for k in ("predicted_step_s", "predicted_samples_per_s",
-                                          "upper_bound_samples_per_s", "model", "strategy", "emulated")
+                                          "upper_bound_samples_per_s", "model", "strategy", "emulated",
+                                          "optimality_gap")
                      if k in data}
             return cls(int(data["global_batch_size"]), str(data.get("mode", "layered")), ranks,
                        baselines=baselines, **extra)

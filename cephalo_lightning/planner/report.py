@@ -1,0 +1,106 @@
+"""Human-readable rendering of a plan: one table row per rank and a summary with the baselines.
+
+Used by the ``plan`` command and, later, by the Lightning callback that logs the plan in use.
+"""
+
+from __future__ import annotations
+
+import io
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from cephalo_lightning.planner.plan import Plan, RankPlan
+
+
+def _memory(predicted: float | None, limit: float | None, capacity: float | None) -> str:
+    parts = [f"{v:.1f}" if v is not None else "-" for v in (predicted, limit)]
+    if capacity is not None:
+        parts.append(f"{capacity:.0f}")
+    return "/".join(parts)
+
+
+def _micro(r: RankPlan) -> str:
+    if not r.batch_size:
+        return "-"
+    sizes = sorted(set(r.micro_batch_sizes))
+    return f"{r.num_micro_batches} x " + "-".join(str(s) for s in sizes)
+
+
+def _row(r: RankPlan) -> tuple[str, ...]:
+    step = f"{r.predicted_step_s:.4g}" if r.predicted_step_s is not None else "-"
+    return (r.device, str(r.batch_size), _micro(r), f"{100 * r.state_share:.1f}%", step,
+            _memory(r.predicted_memory_gb, r.memory_limit_gb, r.memory_capacity_gb), r.source)
+
+
+def _runs(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
+    """Consecutive ranks with identical rows fold into one ("0-15")."""
+    runs: list[tuple[int, int, tuple[str, ...]]] = []
+    for r in plan.ranks:
+        row = _row(r)
+        if runs and runs[-1][2] == row:
+            runs[-1] = (runs[-1][0], r.rank, row)
+        else:
+            runs.append((r.rank, r.rank, row))
+    return [(str(a) if a == b else f"{a}-{b}", row) for a, b, row in runs]
+
+
+def rank_table(plan: Plan) -> Table:
+    """One row per rank (identical neighbours folded): what it computes, stores, and is predicted."""
+    emulated = " (emulated)" if plan.emulated else ""
+    title = (f"{plan.strategy} plan, {plan.mode} mode, global batch {plan.global_batch_size}, "
+             f"{plan.world_size} ranks{emulated}")
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  collapse_padding=True)
+    for header, right in (("rank", True), ("device", False), ("batch", True), ("micro-\nbatches", True),
+                          ("state\nshare", True), ("step s", True), ("memory GiB\nused/limit/cap", True),
+                          ("source", False)):
+        table.add_column(header, justify="right" if right else "left", no_wrap=True)
+    for ranks, row in _runs(plan):
+        table.add_row(ranks, *row)
+    return table
+
+
+def summary_lines(plan: Plan) -> list[str]:
+    """Throughput, fraction of the upper bound, each baseline and the speedup over it."""
+    emulated = " (emulated)" if plan.emulated else ""
+    lines = []
+    if plan.predicted_samples_per_s is not None and plan.predicted_step_s is not None:
+        line = (f"predicted{emulated}: {plan.predicted_samples_per_s:.3g} samples/s "
+                f"(step {plan.predicted_step_s:.3g} s)")
+        if plan.fraction_of_upper_bound is not None:
+            line += (f", {100 * plan.fraction_of_upper_bound:.1f}% of the upper bound "
+                     f"{plan.upper_bound_samples_per_s:.3g} samples/s")
+        if plan.optimality_gap is not None:
+            line += f"; within {100 * plan.optimality_gap:.2f}% of optimal"
+        lines.append(line)
+    for name, base in plan.baselines.items():
+        if not base.feasible or not base.predicted_samples_per_s:
+            lines.append(f"  {name}: infeasible: {base.reason or 'no plan fits'}")
+            continue
+        line = f"  {name}: {base.predicted_samples_per_s:.3g} samples/s"
+        if plan.predicted_samples_per_s:
+            line += f" (this plan is {plan.predicted_samples_per_s / base.predicted_samples_per_s:.2f}x faster)"
+        lines.append(line)
+    lines.append("figures are predictions of the planner's cost model" + (
+        ", from profiles measured under CPU emulation" if plan.emulated else ""))
+    return lines
+
+
+def render_plan(plan: Plan, width: int = 120) -> str:
+    """The table and summary as plain text (no colour codes), for logs and files."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, color_system=None, force_terminal=False)
+    console.print(rank_table(plan))
+    for line in summary_lines(plan):
+        console.print(line, highlight=False, markup=False)
+    return buffer.getvalue()
+
+
+def print_plan(plan: Plan, console: Console | None = None) -> None:
+    """Print the table and summary to the terminal (or the given console)."""
+    console = console or Console()
+    console.print(rank_table(plan))
+    for line in summary_lines(plan):
+        console.print(line, highlight=False, markup=False)
