@@ -23,7 +23,7 @@ def layers_of(model: TinyLM) -> list[torch.nn.Module]:
 def train_layered(rank: int, shares, batch_sizes, micro_batches, mode="padded", offload=False):
     model = TinyLM()
     layers = layers_of(model)
-    sharded = ShardedModel(model, shares, units=layers, hooks=False, collective=mode, record_collectives=True)
+    sharded = ShardedModel(model, shares, units=layers, collective=mode, record_collectives=True)
     schedule = LayeredSchedule(sharded, layers, offload=offload)
     optimizer = make_optimizer(model.parameters())
     total = sum(batch_sizes)
@@ -88,7 +88,7 @@ def _peak_bytes(n: int, layered: bool, micro: int = 4) -> tuple[int, int]:
     """Peak accounted device bytes (and host bytes) of one step with n micro-batches of size micro."""
     model = TinyLM(vocab=64, dim=64, depth=6)
     layers = layers_of(model)
-    sharded = ShardedModel(model, [1.0], units=layers if layered else None, hooks=not layered)
+    sharded = ShardedModel(model, [1.0], units=layers if layered else None)
     data = torch.randint(0, 64, (n * micro, 33), generator=torch.Generator().manual_seed(0))
     x, y = data[:, :-1], data[:, 1:]
     xs = [x[k * micro : (k + 1) * micro] for k in range(n)]

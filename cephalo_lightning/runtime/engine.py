@@ -120,6 +120,7 @@ class ShardedModel:
         self._expected = [sum(u.requires_grad) for u in self.units]
         self._backward_gathered: set[int] = set()
         self._handles: list[Any] = []
+        self.hooks_active = True  # a schedule that drives the units itself switches them off
         if hooks:
             self._install_hooks()
 
@@ -149,7 +150,7 @@ class ShardedModel:
     # ------------------------------------------------------------------ hooks (uniform mode)
 
     def _install_hooks(self) -> None:
-        self._handles.append(self.module.register_forward_pre_hook(lambda module, args: self.gather_root()))
+        self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward))
         self._handles.append(self.module.register_forward_hook(self._root_post_forward))
         for index, module in enumerate(self.unit_modules, start=1):
             self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(index)))
@@ -164,12 +165,27 @@ class ShardedModel:
             handle.remove()
         self._handles.clear()
 
+    @contextlib.contextmanager
+    def hooks_disabled(self) -> Iterator[None]:
+        """For schedules that gather, free and reduce the units themselves."""
+        previous, self.hooks_active = self.hooks_active, False
+        try:
+            yield
+        finally:
+            self.hooks_active = previous
+
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.hooks_active:
+            self.gather_root()
+
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():  # evaluation: no backward will come to free it
+        if self.hooks_active and not torch.is_grad_enabled():  # evaluation: no backward will free it
             self.root.free()
 
     def _make_pre_forward(self, index: int):
         def hook(module: nn.Module, args: Any) -> None:
+            if not self.hooks_active:
+                return
             self.gather_root()
             self.units[index].gather(self.comm)
             if self.prefetch and index + 1 < len(self.units):
@@ -180,6 +196,8 @@ class ShardedModel:
 
     def _make_post_forward(self, index: int):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if not self.hooks_active:
+                return output
             self.emulator.end_compute()
             unit = self.units[index]
             unit.free()
@@ -193,7 +211,7 @@ class ShardedModel:
 
     def _make_pre_backward(self, index: int):
         def hook(grad: torch.Tensor) -> torch.Tensor:
-            if index not in self._backward_gathered:
+            if self.hooks_active and index not in self._backward_gathered:
                 self._backward_gathered.add(index)
                 self.units[index].gather(self.comm)
                 if self.prefetch and index - 1 >= 1:
@@ -205,6 +223,8 @@ class ShardedModel:
 
     def _make_post_accumulate(self, index: int):
         def hook(param: torch.Tensor) -> None:
+            if not self.hooks_active:
+                return
             self._grad_counts[index] += 1
             if self._grad_counts[index] == self._expected[index]:
                 self._unit_backward_done(index)

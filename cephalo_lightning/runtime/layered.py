@@ -55,8 +55,9 @@ class LayeredStats:
 class LayeredSchedule:
     """Runs one optimizer step's micro-batches through ``layers`` layer by layer.
 
-    ``sharded`` must have been built with ``units=layers`` (one unit per layer, in order) and
-    ``hooks=False``; parameters outside the layers form the root unit, gathered for the step.
+    ``sharded`` must have been built with ``units=layers`` (one unit per layer, in order);
+    parameters outside the layers form the root unit, gathered for the step. The model's own
+    hooks (for plain forwards, e.g. validation) are switched off while the schedule runs.
     """
 
     def __init__(self, sharded: ShardedModel, layers: Sequence[nn.Module], offload: bool | None = None) -> None:
@@ -64,8 +65,6 @@ class LayeredSchedule:
         (default: on CUDA yes, on CPU no; on CPU True emulates it for the memory accounting)."""
         if [id(m) for m in sharded.unit_modules] != [id(m) for m in layers]:
             raise ValueError("the sharded model's units must be exactly the layers, in order (units=layers)")
-        if sharded._handles:
-            raise ValueError("build the ShardedModel with hooks=False for the layered schedule")
         self.sharded = sharded
         self.layers = list(layers)
         self.device = sharded.root.device
@@ -106,7 +105,6 @@ class LayeredSchedule:
 
     # ------------------------------------------------------------------ the two passes
 
-    @torch.no_grad()
     def forward(self, inputs: Sequence[torch.Tensor], loss_fn: LossFn, weights: Sequence[float]) -> torch.Tensor:
         """Forward all micro-batches layer by layer; returns sum_k weights[k] * loss_k (detached).
 
@@ -115,6 +113,10 @@ class LayeredSchedule:
         """
         if len(inputs) != len(weights):
             raise ValueError("one weight per micro-batch")
+        with torch.no_grad(), self.sharded.hooks_disabled():
+            return self._forward(inputs, loss_fn, weights)
+
+    def _forward(self, inputs: Sequence[torch.Tensor], loss_fn: LossFn, weights: Sequence[float]) -> torch.Tensor:
         sharded, units = self.sharded, self.sharded.units
         self._stash = [[] for _ in self.layers]
         self._weights = list(weights)
@@ -139,10 +141,17 @@ class LayeredSchedule:
             total += w * loss_fn(k, self._to_device(out)).float()
         return total
 
-    def backward(self) -> None:
-        """Backward layer by layer; leaves the reduced gradients on the local pieces."""
+    def backward(self, loss_scale: float = 1.0) -> None:
+        """Backward layer by layer; leaves the reduced gradients on the local pieces.
+
+        ``loss_scale`` multiplies every micro-batch's loss (a gradient scaler's scale).
+        """
         if self._loss_fn is None:
             raise RuntimeError("LayeredSchedule.backward() without a forward()")
+        with self.sharded.hooks_disabled():
+            self._backward(loss_scale)
+
+    def _backward(self, loss_scale: float) -> None:
         sharded, units = self.sharded, self.sharded.units
         upstream: list[torch.Tensor | None] = [None] * len(self._weights)
         last = len(self.layers)
@@ -164,7 +173,7 @@ class LayeredSchedule:
                         torch.cuda.set_rng_state(state, device)
                     out = layer(x)
                     if index == last:
-                        objective = self._loss_fn(k, out) * self._weights[k]
+                        objective = self._loss_fn(k, out) * (self._weights[k] * loss_scale)
                         objective.backward()
                     else:
                         out.backward(self._to_device(upstream[k]))
