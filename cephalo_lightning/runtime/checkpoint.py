@@ -79,9 +79,21 @@ def _pieces(sharded: ShardedModel) -> Iterator[tuple[str, nn.Parameter, int, int
             yield span.name, param, start, span.numel, ranges
 
 
+def _buffers(sharded: ShardedModel) -> dict[str, torch.Tensor]:
+    """Persistent buffers (replicated on every rank, saved once)."""
+    params = {span.name for unit in sharded.units for span in unit.spans}
+    return {k: v for k, v in sharded.module.state_dict().items() if k not in params}
+
+
 def model_state(sharded: ShardedModel) -> dict[str, torch.Tensor]:
-    """Every parameter as a 1-D global tensor of which this rank holds its own piece."""
-    return {name: _sharded(p.detach(), start, total, ranges) for name, p, start, total, ranges in _pieces(sharded)}
+    """Every parameter as a 1-D global tensor of which this rank holds its own piece; buffers whole."""
+    state = {name: _sharded(p.detach(), start, total, ranges) for name, p, start, total, ranges in _pieces(sharded)}
+    return {**state, **_buffers(sharded)}
+
+
+def full_model_state(sharded: ShardedModel) -> dict[str, torch.Tensor]:
+    """Collective: the ordinary ``state_dict`` of the unsharded model (original shapes, fp32)."""
+    return {**sharded.full_state_dict(), **{k: v.detach().clone() for k, v in _buffers(sharded).items()}}
 
 
 def param_shapes(sharded: ShardedModel) -> dict[str, tuple[int, ...]]:
@@ -253,13 +265,15 @@ def load_full_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     meta = read_meta(path)
     shapes: dict[str, tuple[int, ...]] = meta["param_shapes"]
-    request = {name: torch.zeros(int(torch.Size(shape).numel())) for name, shape in shapes.items()}
     stored = _stored_keys(path)
-    for name in request:
-        request[name] = request[name].to(stored[name].properties.dtype)
+    request = {
+        name: torch.zeros(int(torch.Size(shapes[name]).numel()) if name in shapes else tuple(md.size), dtype=md.properties.dtype)
+        for name, md in stored.items()
+        if not name.startswith("optim.")
+    }
     with _quiet():
         dcp.load(request, checkpoint_id=path, no_dist=True)
-    return {name: request[name].view(shapes[name]) for name in shapes}
+    return {name: value.view(shapes[name]) if name in shapes else value for name, value in request.items()}
 
 
 def remove(path: str | Path) -> None:

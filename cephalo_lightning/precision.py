@@ -1,0 +1,67 @@
+"""Lightning precision plugins that know the gradients are uneven shards.
+
+Lightning clips with ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters; under
+Cephalo those are this rank's pieces only, so the norm would be local. These plugins compute the
+norm of the whole model across ranks instead, and 16-bit AMP gets a scaler whose inf/nan check is
+agreed by all ranks (one rank skipping a step alone would desynchronise the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch.optim import Optimizer
+
+ClipFn = Callable[[float], torch.Tensor]
+
+
+class _ShardedClipping:
+    """Mixin: gradient-norm clipping over every rank's shard (set ``clip_fn`` before training)."""
+
+    clip_fn: ClipFn | None = None
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        if self.clip_fn is None:
+            raise RuntimeError("gradient clipping before the Cephalo strategy sharded the model")
+        self.clip_fn(float(clip_val))
+
+    # clipping by value is elementwise, so each rank clipping its own pieces is already exact
+
+
+class CephaloPrecision(_ShardedClipping, Precision):
+    """``precision="32-true"``."""
+
+
+class CephaloHalfPrecision(_ShardedClipping, HalfPrecision):
+    """``precision="bf16-true" / "16-true"``: the master shards stay fp32, compute is 16-bit."""
+
+
+class CephaloMixedPrecision(_ShardedClipping, MixedPrecision):
+    """``precision="bf16-mixed" / "16-mixed"`` (autocast); 16-mixed gets a cross-rank scaler."""
+
+    def __init__(self, precision: str, device: str) -> None:
+        scaler = None
+        if precision == "16-mixed":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler(device=device)
+        super().__init__(precision, device, scaler)  # type: ignore[arg-type]
+
+
+def sharded_precision(plugin: Precision) -> Precision:
+    """The Cephalo counterpart of the plugin Lightning chose for ``Trainer(precision=...)``."""
+    if isinstance(plugin, _ShardedClipping):
+        return plugin
+    if type(plugin) is Precision:
+        return CephaloPrecision()
+    if type(plugin) is HalfPrecision:
+        return CephaloHalfPrecision(plugin.precision)  # type: ignore[arg-type]
+    if type(plugin) is MixedPrecision:
+        return CephaloMixedPrecision(plugin.precision, plugin.device)
+    raise ValueError(
+        f"CephaloStrategy does not support the precision plugin {type(plugin).__name__} "
+        f"(precision={getattr(plugin, 'precision', '?')!r}); use precision='32-true', 'bf16-mixed', "
+        "'16-mixed', 'bf16-true' or '16-true'"
+    )

@@ -1,0 +1,239 @@
+"""``Trainer(strategy="cephalo")`` through a real ``Trainer.fit`` on gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import cephalo_lightning
+from cephalo_lightning import CephaloStrategy, Plan, PlanningError
+from cephalo_lightning.planner import RankPlan
+from cephalo_lightning.runtime import checkpoint
+from tests.conftest import clean_env
+from tests.distributed import run_distributed
+from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
+from tests.models import TinyLM
+from tests.reference import make_optimizer
+
+ROOT = Path(__file__).resolve().parents[1]
+NUM_SAMPLES = 48
+TOL = 1e-5
+
+LAYERED_PLAN = Plan(12, "layered", (RankPlan(0, "a", 2, 1, 2, 0.6), RankPlan(1, "b", 6, 3, 2, 0.3), RankPlan(2, "c", 4, 4, 1, 0.1)))
+UNIFORM_PLAN = Plan(12, "uniform", (RankPlan(0, "a", 2, 2, 1, 0.5), RankPlan(1, "b", 6, 2, 3, 0.2), RankPlan(2, "c", 4, 2, 2, 0.3)))
+RESUME_PLAN = Plan(12, "layered", (RankPlan(0, "a", 9, 3, 3, 0.25), RankPlan(1, "b", 3, 1, 3, 0.75)))
+
+
+def reference(steps: int, global_batch: int, clip: float | None = None, accumulate: int = 1):
+    """Single-process training on the same global batches (sequential order)."""
+    data = token_data(NUM_SAMPLES)
+    model = TinyLM()
+    optimizer = make_optimizer(model.parameters())
+    losses = []
+    for step in range(steps):
+        for a in range(accumulate):
+            lo = (step * accumulate + a) * global_batch
+            x, y = data[lo : lo + global_batch]
+            loss = model.loss(model(x), y)
+            losses.append(loss.item())
+            (loss / accumulate).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {f"model.{k}": v.detach() for k, v in model.state_dict().items()}, losses
+
+
+def trainer(strategy: CephaloStrategy, world: int, steps: int, **kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        **{"enable_checkpointing": False, **kwargs},
+    )
+
+
+def max_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    return max((got[k] - v).abs().max().item() for k, v in want.items())
+
+
+# ----------------------------------------------------------------------------- 3 ranks
+
+
+def _fit_three(rank: int, world: int, ckpt_dir: str):
+    warnings.simplefilter("ignore")
+    out = {}
+    # layered: different b_i, n_i and shares; checkpoint every 2 steps
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    t = trainer(CephaloStrategy(plan=LAYERED_PLAN), world, 3, callbacks=[saver], enable_checkpointing=True)
+    t.fit(TinyLayered(), loader(token_data(NUM_SAMPLES), 12), loader(token_data(16, seed=5), 4))
+    out["layered"] = (t.strategy.sharded.full_state_dict(), float(t.callback_metrics["train_loss_epoch"]))
+    # uniform (the user's training_step), with gradient clipping and Lightning accumulation
+    t = trainer(CephaloStrategy(plan=UNIFORM_PLAN), world, 2, gradient_clip_val=0.05, accumulate_grad_batches=2)
+    t.fit(TinyUniform(), loader(token_data(NUM_SAMPLES), 12))
+    out["uniform"] = (t.strategy.sharded.full_state_dict(), float(t.callback_metrics["train_loss"]))
+    # a full single-file export
+    t = trainer(CephaloStrategy(plan=LAYERED_PLAN, state_dict_type="full"), world, 1)
+    t.fit(TinyLayered(), loader(token_data(NUM_SAMPLES), 12))
+    t.save_checkpoint(os.path.join(ckpt_dir, "export.ckpt"))
+    out["export"] = t.strategy.sharded.full_state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ckpts")
+    return run_distributed(_fit_three, 3, str(ckpt)), ckpt
+
+
+@pytest.mark.multiprocess
+def test_layered_fit_matches_single_process_and_logs_the_global_loss(three):
+    results, _ = three
+    want, losses = reference(3, 12)
+    for params, logged in (r["layered"] for r in results):
+        assert max_error(params, want) <= TOL
+        assert logged == pytest.approx(sum(losses) / len(losses), abs=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_uniform_fit_with_clipping_and_accumulation_matches_single_process(three):
+    results, _ = three
+    want, losses = reference(2, 12, clip=0.05, accumulate=2)
+    params, logged = results[0]["uniform"]
+    assert max_error(params, want) <= TOL
+    assert logged == pytest.approx(sum(losses) / len(losses), abs=1e-5)  # on_epoch, weighted by batch_size
+
+
+@pytest.mark.multiprocess
+def test_full_export_loads_with_plain_load_from_checkpoint(three):
+    results, ckpt = three
+    restored = TinyLayered.load_from_checkpoint(ckpt / "export.ckpt")
+    for name, value in restored.state_dict().items():
+        assert torch.equal(value, results[0]["export"][name]), name
+
+
+def _resume(rank: int, world: int, ckpt: str, plan_dict: dict, steps: int):
+    warnings.simplefilter("ignore")
+    t = trainer(CephaloStrategy(plan=Plan.from_dict(plan_dict)), world, steps)
+    t.fit(TinyLayered(seed=7), loader(token_data(NUM_SAMPLES), 12), ckpt_path=ckpt)
+    return t.strategy.sharded.full_state_dict(), t.global_step
+
+
+@pytest.mark.multiprocess
+def test_resume_on_another_world_size_and_plan_continues_exactly(three):
+    results, ckpt = three
+    path = ckpt / "step=2.ckpt"
+    assert checkpoint.is_checkpoint(path)
+    resumed = run_distributed(_resume, 2, str(path), RESUME_PLAN.to_dict(), 3)
+    params, step = resumed[0]
+    assert step == 3
+    want, _ = reference(3, 12)
+    assert max_error(params, want) <= TOL
+    assert max_error(params, results[0]["layered"][0]) <= TOL  # = the uninterrupted run
+
+
+# ----------------------------------------------------------------------------- crash safety
+
+
+def _killed_during_training(rank: int, world: int, ckpt_dir: str):
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    class Kill(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if trainer.global_step == 3 and rank == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    warnings.simplefilter("ignore")
+    saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_last=True, save_top_k=1, filename="{step}")
+    t = trainer(CephaloStrategy(plan=Plan.from_dict(RESUME_PLAN.to_dict())), world, 10,
+                callbacks=[saver, Kill()], enable_checkpointing=True)
+    t.fit(TinyLayered(), loader(token_data(NUM_SAMPLES), 12))
+
+
+@pytest.mark.multiprocess
+def test_sigkill_during_training_leaves_the_last_checkpoint_loadable(tmp_path):
+    with pytest.raises((mp.ProcessExitedException, AssertionError)):
+        run_distributed(_killed_during_training, 2, str(tmp_path))
+    last = tmp_path / "last.ckpt"
+    assert checkpoint.is_checkpoint(last)
+    meta = checkpoint.read_meta(last)
+    assert meta["global_step"] == 3
+    weights = checkpoint.load_full_state_dict(last)
+    model = TinyLayered()
+    model.load_state_dict(weights)
+    want, _ = reference(3, 12)
+    assert max((model.state_dict()[k] - v).abs().max().item() for k, v in want.items()) <= TOL
+
+
+# ----------------------------------------------------------------------------- bad input (1 rank)
+
+
+def _fit_one(strategy: CephaloStrategy, module: pl.LightningModule | None = None, batch: int = 12) -> None:
+    trainer(strategy, 1, 1).fit(module or TinyLayered(), loader(token_data(NUM_SAMPLES), batch))
+
+
+def test_plan_for_another_world_size_is_refused_before_training():
+    with pytest.raises(PlanningError, match="plan is for 3 ranks but the job has 1"):
+        _fit_one(CephaloStrategy(plan=LAYERED_PLAN))
+
+
+def test_plan_for_another_model_is_refused():
+    plan = Plan(12, "layered", (RankPlan(0, "a", 12, 1, 12, 1.0),), model={"name": "gpt-2.7b", "parameters": 2_770_000_000})
+    with pytest.raises(PlanningError, match="re-plan for this model"):
+        _fit_one(CephaloStrategy(plan=plan))
+
+
+def test_batch_that_does_not_match_the_plan_is_refused():
+    plan = Plan(12, "layered", (RankPlan(0, "a", 12, 1, 12, 1.0),))
+    with pytest.raises(PlanningError, match="batch_size=8 but the plan is for a global batch of 12"):
+        _fit_one(CephaloStrategy(plan=plan), batch=8)
+
+
+def test_model_without_units_is_refused():
+    class Flat(TinyUniform):
+        def __init__(self):
+            super().__init__()
+            self.model = torch.nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match="found no units"):
+        _fit_one(CephaloStrategy(), Flat())
+
+
+def test_layered_plan_on_a_model_without_the_protocol_is_refused():
+    plan = Plan(12, "layered", (RankPlan(0, "a", 12, 3, 4, 1.0),))
+    with pytest.raises(TypeError, match="cephalo_layers"):
+        _fit_one(CephaloStrategy(plan=plan, mode="layered"), TinyUniform())
+
+
+def test_strategy_name_without_the_import_says_how_to_fix_it():
+    code = "import lightning.pytorch as pl; pl.Trainer(strategy='cephalo', accelerator='cpu', devices=1)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=clean_env())
+    assert result.returncode != 0 and "invalid strategy name" in result.stderr
+    assert "cephalo" in cephalo_lightning.__name__  # importing the package is the fix:
+    fixed = subprocess.run([sys.executable, "-c", "import cephalo_lightning; " + code], capture_output=True, text=True, cwd=ROOT, env=clean_env())
+    assert fixed.returncode == 0, fixed.stderr
+
+
+# ----------------------------------------------------------------------------- LightningCLI
+
+
+@pytest.mark.parametrize("config", ["tiny-cli.yaml", "tiny-cli-name.yaml"], ids=["class_path", "name"])
+def test_lightning_cli_config_selects_the_strategy(config, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "cephalo_lightning", "fit", "--config", str(ROOT / "configs" / config),
+         "--trainer.default_root_dir", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, env=clean_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Cephalo: layered mode" in result.stdout + result.stderr
+    assert "max_steps=3" in result.stdout + result.stderr
