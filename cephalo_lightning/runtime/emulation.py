@@ -1,40 +1,382 @@
-"""CPU emulation of a slower device (memory capacity emulation: see :class:`MemoryCap`)."""
+"""Emulation of a slower or smaller device, so a CPU process can stand in for a GPU of a mixed cluster.
+
+A rank's emulation is the planner's :class:`~cephalo_lightning.planner.cluster.Emulation`
+``(slowdown, memory_gb)``:
+
+* ``slowdown`` >= 1: every compute region takes that many times longer. The engine and the layered
+  schedule bracket each unit's forward and backward with :meth:`DeviceEmulator.begin_compute` /
+  :meth:`DeviceEmulator.end_compute`; the emulator measures the region and then waits
+  ``(slowdown - 1)`` times as long. Waiting (not spinning) leaves the cores to the other ranks of a
+  CPU "cluster", so a slow emulated rank does not slow down the fast ones. Time the rank spends
+  waiting for a CPU (host contention) is left out of the measure on Linux (:class:`ContentionClock`),
+  so the emulator slows down the device's compute, not its neighbours' load.
+* ``memory_gb``: a capacity in GiB (2**30 bytes, as ``torch.cuda`` reports). On CPU it is enforced
+  by a :class:`~cephalo_lightning.runtime.memory.MemoryTracker` (:meth:`DeviceEmulator.memory_tracker`),
+  which raises :class:`~cephalo_lightning.runtime.memory.EmulatedOutOfMemoryError` (a
+  ``torch.OutOfMemoryError``) past it. On CUDA it can cap a real GPU with the caching allocator's
+  per-process memory fraction (:meth:`DeviceEmulator.cap_cuda_memory`).
+
+Everything that reports a figure measured under emulation should say so (:meth:`DeviceEmulator.describe`).
+"""
 
 from __future__ import annotations
 
+import math
+import os
+import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cephalo_lightning.planner.cluster import Emulation
+from cephalo_lightning.runtime.memory import MemoryTracker
+
+GIB = float(2**30)
+
+__all__ = [
+    "ContentionClock", "DeviceEmulator", "Emulation", "EmulationSpecError", "EmulationSpec", "emulator_for_rank",
+    "parse_emulation", "parse_emulation_specs",
+]
+
+EmulationSpec = Emulation | Mapping[str, Any] | None  # what a user may write for one rank
+
+
+class EmulationSpecError(ValueError):
+    """A per-rank emulation spec is malformed; the message names the rank and the fix."""
+
+
+def _spec_number(value: Any, where: str, what: str, fix: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise EmulationSpecError(f"{where}.{what} must be a finite number, got {value!r}. {fix}")
+    return float(value)
+
+
+def parse_emulation(spec: EmulationSpec | DeviceEmulator, where: str = "emulate") -> Emulation | None:
+    """One rank's spec (``None``, an :class:`Emulation`, a dict or an emulator) as an :class:`Emulation`.
+
+    ``None`` means "a real device, not emulated"; ``{}`` means "emulated, at full speed and with
+    unlimited memory" (a CPU rank that stands in for the fastest GPU of the cluster).
+    """
+    if spec is None:
+        return None
+    if isinstance(spec, DeviceEmulator):
+        return spec.spec
+    if isinstance(spec, Emulation):
+        slowdown, memory = spec.slowdown, spec.memory_gb
+    elif isinstance(spec, Mapping):
+        unknown = sorted(set(spec) - {"slowdown", "memory_gb"})
+        if unknown:
+            raise EmulationSpecError(
+                f"{where}: unknown key(s) {unknown}; an emulation spec has 'slowdown' (>= 1) and 'memory_gb' (GiB)"
+            )
+        slowdown, memory = spec.get("slowdown", 1.0), spec.get("memory_gb")
+    else:
+        raise EmulationSpecError(
+            f"{where} must be null, a mapping like {{slowdown: 3, memory_gb: 0.5}} or an Emulation, "
+            f"got {type(spec).__name__} {spec!r}"
+        )
+    slowdown = _spec_number(slowdown, where, "slowdown", "Use 1 for full speed, 3 for three times slower.")
+    if slowdown < 1.0:
+        raise EmulationSpecError(
+            f"{where}.slowdown must be >= 1 (1 = full speed; a CPU process cannot be made faster), got {slowdown:g}. "
+            "Express the cluster relative to its fastest device, which gets slowdown 1."
+        )
+    if memory is not None:
+        memory = _spec_number(memory, where, "memory_gb", "Give the emulated capacity in GiB, or null for unlimited.")
+        if memory <= 0:
+            raise EmulationSpecError(f"{where}.memory_gb must be > 0 GiB (or null for unlimited), got {memory:g}")
+    return Emulation(slowdown=slowdown, memory_gb=memory)
+
+
+def parse_emulation_specs(specs: Sequence[EmulationSpec] | None, world_size: int) -> list[Emulation | None]:
+    """Per-rank specs (one entry per rank, in rank order) validated into :class:`Emulation` or ``None``.
+
+    ``specs=None`` means no rank is emulated. Every error names the rank and how to fix it.
+    """
+    if world_size < 1:
+        raise EmulationSpecError(f"world_size must be >= 1, got {world_size}")
+    if specs is None:
+        return [None] * world_size
+    if isinstance(specs, (str, bytes, Mapping, Emulation)) or not isinstance(specs, Sequence):
+        raise EmulationSpecError(
+            f"emulate must be a list with one spec per rank (world size {world_size}), e.g. "
+            f"[{{slowdown: 1}}, {{slowdown: 3, memory_gb: 0.5}}]; got {type(specs).__name__} {specs!r}"
+        )
+    if len(specs) != world_size:
+        raise EmulationSpecError(
+            f"emulate has {len(specs)} spec(s) but the world has {world_size} rank(s): give exactly one per rank "
+            "in rank order (null or {} for a rank at full speed with unlimited memory)"
+        )
+    return [parse_emulation(spec, f"emulate[{rank}] (rank {rank})") for rank, spec in enumerate(specs)]
+
+
+class ContentionClock:
+    """Wall time minus the time this thread spent runnable but waiting for a CPU (Linux).
+
+    A CPU "cluster" shares its host's cores with other ranks and other programs. Time a thread
+    waits in the run queue is the host's contention, not the emulated device's compute: the
+    emulator scales only the rest, and the profiler measures only the rest, so neither amplifies
+    (nor reports) a neighbour's load. The run-queue wait comes from ``/proc/thread-self/schedstat``
+    (second field, nanoseconds); where it is unavailable (not Linux) this is the plain wall clock.
+    Readings from different threads are not comparable: :meth:`since` then falls back to wall time.
+    """
+
+    _local = threading.local()
+    _available: bool | None = None
+
+    __slots__ = ("wall", "waited", "thread")
+
+    def __init__(self, wall: float, waited: float | None, thread: int) -> None:
+        self.wall = wall
+        self.waited = waited
+        self.thread = thread
+
+    @classmethod
+    def _runqueue_wait(cls) -> float | None:
+        if cls._available is False:
+            return None
+        fd = getattr(cls._local, "fd", None)
+        try:
+            if fd is None:
+                fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+                cls._local.fd = fd
+            fields = os.pread(fd, 128, 0).split()
+            cls._available = True
+            return int(fields[1]) * 1e-9
+        except (OSError, IndexError, ValueError):
+            cls._available = False
+            return None
+
+    @classmethod
+    def now(cls) -> ContentionClock:
+        return cls(time.perf_counter(), cls._runqueue_wait(), threading.get_ident())
+
+    def since(self, earlier: ContentionClock | None) -> float:
+        """Seconds from ``earlier`` to this reading, less the run-queue wait in between."""
+        if earlier is None:
+            return 0.0
+        wall = self.wall - earlier.wall
+        if self.waited is None or earlier.waited is None or self.thread != earlier.thread:
+            return wall
+        return max(0.0, wall - (self.waited - earlier.waited))
 
 
 @dataclass
 class DeviceEmulator:
-    """Makes this rank's compute take ``slowdown`` times as long, by waiting after each region.
+    """Makes this rank's compute take ``slowdown`` times as long, and optionally caps its memory.
 
     The engine and the layered schedule call :meth:`begin_compute` / :meth:`end_compute` around
-    every unit's forward and backward; nested regions count once.
+    every unit's forward and backward; nested regions count once. ``memory_gb`` is the emulated
+    capacity (GiB); it is enforced where a tracker or a CUDA cap is set up from it
+    (:meth:`memory_tracker`, :meth:`cap_cuda_memory`), not by the slowdown regions.
+
+    ``emulated`` marks the rank as an emulated device even at slowdown 1 without a memory cap
+    (a CPU process standing in for the fastest GPU of a cluster); figures it reports say so.
+    ``synchronize_cuda``: the rank computes on CUDA: an emulated slowdown synchronizes the device
+    before reading the clock at the end of a region, so it scales kernel time rather than launch
+    time, and :attr:`busy_seconds` is read from CUDA events (not exercised by the CPU tests).
+
+    :attr:`busy_seconds` accumulates the time spent in regions (waits included), which the
+    callback compares with the profile's prediction.
     """
 
     slowdown: float = 1.0
+    memory_gb: float | None = None
+    emulated: bool = False
+    synchronize_cuda: bool = False
+    label: str = ""
     _depth: int = field(default=0, repr=False)
     _start: float = field(default=0.0, repr=False)
+    _oversleep: float = field(default=0.0, repr=False)
+    _start_clock: ContentionClock | None = field(default=None, repr=False)
+    _busy: float = field(default=0.0, repr=False)
+    _start_event: Any = field(default=None, repr=False)
+    _pending: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.slowdown < 1.0:
             raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
+        if self.memory_gb is not None and not self.memory_gb > 0:
+            raise ValueError(f"memory_gb must be > 0 GiB (or None for unlimited), got {self.memory_gb}")
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_spec(cls, spec: EmulationSpec, label: str = "", synchronize_cuda: bool = False) -> DeviceEmulator:
+        """The emulator for one rank's spec (``None``: a real device, no emulation)."""
+        emulation = parse_emulation(spec, f"emulate{f' ({label})' if label else ''}")
+        if emulation is None:
+            return cls(label=label, synchronize_cuda=synchronize_cuda)
+        return cls(
+            slowdown=emulation.slowdown, memory_gb=emulation.memory_gb, emulated=True, label=label,
+            synchronize_cuda=synchronize_cuda,
+        )
+
+    # ------------------------------------------------------------------ what it emulates
 
     @property
     def active(self) -> bool:
+        """Whether compute regions are slowed down."""
         return self.slowdown > 1.0
+
+    @property
+    def is_emulated(self) -> bool:
+        """Whether figures measured on this rank come from emulation (not the bare device)."""
+        return self.emulated or self.active or self.memory_gb is not None
+
+    @property
+    def spec(self) -> Emulation | None:
+        """The planner's record of this emulation (``None`` for a real device)."""
+        return Emulation(self.slowdown, self.memory_gb) if self.is_emulated else None
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The emulated capacity in bytes (GiB units), or ``None`` for unlimited."""
+        return None if self.memory_gb is None else int(self.memory_gb * GIB)
+
+    def describe(self) -> str:
+        """One line for logs and tables; says plainly that the figures are emulated."""
+        if not self.is_emulated:
+            return "real device (not emulated)"
+        memory = f"{self.memory_gb:g} GiB memory" if self.memory_gb is not None else "unlimited memory"
+        return (
+            f"emulated device: compute x{self.slowdown:g} slower, {memory} "
+            "(times and capacity are emulated, not measured on real hardware)"
+        )
+
+    def name_suffix(self) -> str:
+        """A device-name suffix such as ``" (emulated x3.0, 0.05 GiB)"``; empty for a real device."""
+        if not self.is_emulated:
+            return ""
+        parts = [f"x{self.slowdown:.1f}"]
+        if self.memory_gb is not None:
+            parts.append(f"{self.memory_gb:g} GiB")
+        return f" (emulated {', '.join(parts)})"
+
+    # ------------------------------------------------------------------ slowdown
 
     def begin_compute(self) -> None:
         if self._depth == 0:
             self._start = time.perf_counter()
+            self._start_clock = ContentionClock.now()
+            if self._cuda_timing():  # pragma: no cover - CUDA only
+                self._start_event = torch.cuda.Event(enable_timing=True)
+                self._start_event.record()
         self._depth += 1
 
     def end_compute(self) -> None:
         if self._depth == 0:
             return
         self._depth -= 1
-        if self._depth == 0 and self.active:
-            elapsed = time.perf_counter() - self._start
-            time.sleep(elapsed * (self.slowdown - 1.0))
+        if self._depth != 0:
+            return
+        if self.active:
+            if self._cuda_timing():  # pragma: no cover - CUDA only
+                torch.cuda.synchronize()  # the wait must scale kernel time, not launch time
+            elapsed = ContentionClock.now().since(self._start_clock)
+            self._wait(elapsed * (self.slowdown - 1.0))
+            self._busy += ContentionClock.now().since(self._start_clock)
+        elif self._start_event is not None:  # pragma: no cover - CUDA only
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((self._start_event, end))  # read lazily: no synchronization here
+        else:
+            self._busy += ContentionClock.now().since(self._start_clock)
+        self._start_event = None
+
+    def _cuda_timing(self) -> bool:
+        return self.synchronize_cuda and torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds spent in compute regions so far, the emulated waits included.
+
+        What the profiler's figures predict (on CPU the same contention-free clock; on CUDA with
+        ``synchronize_cuda`` the regions' kernel time, read from events when this is read). Take
+        differences, e.g. per step.
+        """
+        if self._pending:  # pragma: no cover - CUDA only
+            for start, end in self._pending:
+                end.synchronize()
+                self._busy += start.elapsed_time(end) / 1e3
+            self._pending.clear()
+        return self._busy
+
+    def _wait(self, seconds: float) -> None:
+        """Sleep ``seconds``, carrying the OS's oversleep over to the next wait.
+
+        ``time.sleep`` wakes tens of microseconds late; on sub-millisecond regions that would bias
+        the emulated slowdown upwards, so the lateness is subtracted from the next wait instead.
+        Time spent runnable but waiting for a CPU after the wake-up is host contention, not
+        oversleep (see :class:`ContentionClock`).
+        """
+        want = seconds - self._oversleep
+        if want <= 0:
+            self._oversleep = -want
+            return
+        before = ContentionClock.now()
+        time.sleep(want)
+        self._oversleep = max(0.0, ContentionClock.now().since(before) - want)
+
+    # ------------------------------------------------------------------ memory
+
+    def memory_tracker(self, baseline_bytes: int = 0, label: str | None = None) -> MemoryTracker:
+        """A CPU :class:`MemoryTracker` capped at the emulated capacity (unlimited without ``memory_gb``).
+
+        ``baseline_bytes``: memory already resident when tracking starts (e.g. this rank's training
+        state) that counts against the capacity. Use it as a context manager around the step.
+        """
+        return MemoryTracker(
+            capacity_bytes=self.capacity_bytes, baseline_bytes=baseline_bytes,
+            label=self.label if label is None else label,
+        )
+
+    def cap_cuda_memory(self, device: torch.device | int | None = None) -> float | None:
+        """Cap a real GPU at ``memory_gb`` with the caching allocator's per-process memory fraction.
+
+        Returns the fraction set, or ``None`` when there is nothing to cap (no ``memory_gb``).
+        Raises if CUDA is unavailable or the GPU is smaller than the emulated capacity. The cap
+        covers PyTorch's allocator only (not the CUDA context, about 0.3-1 GiB, nor other
+        libraries' allocations). Not exercised by the CPU test suite.
+        """
+        if self.memory_gb is None:
+            return None
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"cannot cap GPU memory at {self.memory_gb:g} GiB: CUDA is not available. On CPU the emulated "
+                "capacity is enforced by DeviceEmulator.memory_tracker()"
+            )
+        index = _cuda_index(device)  # pragma: no cover - CUDA only from here on
+        total = torch.cuda.get_device_properties(index).total_memory
+        fraction = self.memory_gb * GIB / total
+        if fraction > 1.0:
+            raise ValueError(
+                f"emulated memory_gb={self.memory_gb:g} GiB is larger than cuda:{index} "
+                f"({total / GIB:.1f} GiB): a cap can only emulate a smaller card"
+            )
+        torch.cuda.set_per_process_memory_fraction(fraction, index)
+        return fraction
+
+
+def _cuda_index(device: torch.device | int | None) -> int:  # pragma: no cover - CUDA only
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"cap_cuda_memory needs a CUDA device, got {device}")
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def emulator_for_rank(
+    specs: Sequence[EmulationSpec] | None, rank: int, world_size: int, synchronize_cuda: bool = False
+) -> DeviceEmulator:
+    """Validate every rank's spec (so all ranks fail alike) and build this rank's emulator."""
+    parsed = parse_emulation_specs(specs, world_size)
+    if not 0 <= rank < world_size:
+        raise EmulationSpecError(f"rank {rank} is outside the world of {world_size} rank(s)")
+    return DeviceEmulator.from_spec(parsed[rank], label=f"rank {rank}", synchronize_cuda=synchronize_cuda)

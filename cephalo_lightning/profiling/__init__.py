@@ -1,0 +1,40 @@
+"""Profiling (torch level, no Lightning): measure every rank's device and build the planner's cluster.
+
+* :func:`profile_layer` - one layer's forward / backward time and compute memory at sizes 1..k;
+* :func:`profile_model` - the whole model, distinct layers measured once, per-average-layer figures;
+* :func:`time_collectives` - all-gather / reduce-scatter of one unit over the process group;
+* :func:`profile_cluster` / :class:`ClusterProfiler` - all of it on every rank, gathered into a
+  :class:`~cephalo_lightning.planner.Cluster` and cached as a cluster file.
+
+Emulated devices (:class:`~cephalo_lightning.runtime.emulation.DeviceEmulator`) are measured like
+real ones and marked ``source: emulated``.
+"""
+
+from cephalo_lightning.profiling.cache import cache_path, fingerprint
+from cephalo_lightning.profiling.collectives import CollectiveProfile, time_collectives
+from cephalo_lightning.profiling.layer import LayerProfile, profile_layer
+from cephalo_lightning.profiling.model import (
+    LayerKind,
+    ModelProfile,
+    layer_inputs,
+    layer_signature,
+    profile_model,
+    take_rows,
+)
+from cephalo_lightning.profiling.profiler import (
+    ClusterProfiler,
+    ProfileOptions,
+    ProfileReport,
+    ProfilingError,
+    default_settings,
+    device_name,
+    profile_cluster,
+)
+from cephalo_lightning.profiling.turns import TurnTaker
+
+__all__ = [
+    "ClusterProfiler", "CollectiveProfile", "LayerKind", "LayerProfile", "ModelProfile", "ProfileOptions",
+    "ProfileReport", "ProfilingError", "TurnTaker", "cache_path", "default_settings", "device_name", "fingerprint",
+    "layer_inputs", "layer_signature", "profile_cluster", "profile_layer", "profile_model", "take_rows",
+    "time_collectives",
+]

@@ -1,0 +1,77 @@
+"""The profile cache: a cluster file keyed by a fingerprint of everything the profile depends on.
+
+A restart (or a second run with the same model on the same devices) reuses the cluster file
+instead of profiling again. The key covers the model's structure (module tree, parameter shapes
+and dtypes, the sample input's shape), the micro-batch sizes, the world size, every rank's device
+name and emulation spec, and the options that change the figures (compute dtype, prefetch, ...).
+Weights do not enter it: they do not change the cost. The file is the planner's ordinary cluster
+file, so it can also be edited and re-planned offline (``load_cluster``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cephalo_lightning.planner.cluster import Cluster, load_cluster, save_cluster
+from cephalo_lightning.planner.errors import PlanningError
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when what a cached figure means changes
+
+
+def structure(layers: Sequence[nn.Module], sample_input: torch.Tensor, batch_dim: int = 0) -> list[Any]:
+    """What the model's cost depends on, as plain JSON-able data (no weights)."""
+    shape = list(sample_input.shape)
+    shape[batch_dim] = -1
+    described: list[Any] = [{"input": [shape, str(sample_input.dtype)]}]
+    for layer in layers:
+        described.append({
+            "modules": [
+                [name, type(m).__module__ + "." + type(m).__qualname__, m.extra_repr()]
+                for name, m in layer.named_modules()
+            ],
+            "params": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in layer.named_parameters()],
+            "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in layer.named_buffers()],
+        })
+    return described
+
+
+def fingerprint(parts: Mapping[str, Any]) -> str:
+    """A short stable digest of JSON-able ``parts``."""
+    text = json.dumps({"format": CACHE_FORMAT, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def cache_path(cache_dir: str | Path, key: str) -> Path:
+    return Path(cache_dir) / f"cluster-{key}.yaml"
+
+
+def read_cached(path: Path, world_size: int) -> Cluster | None:
+    """The cached cluster at ``path``, or ``None`` when absent or unusable (then it is re-profiled)."""
+    if not path.is_file():
+        return None
+    try:
+        cluster = load_cluster(path)
+    except (PlanningError, OSError) as err:
+        log.warning("ignoring the profile cache %s (%s); profiling again", path, err)
+        return None
+    if cluster.world_size != world_size:
+        log.warning(
+            "ignoring the profile cache %s: it has %d devices, the world has %d", path, cluster.world_size, world_size
+        )
+        return None
+    return cluster
+
+
+def write_cached(cluster: Cluster, path: Path) -> None:
+    """Write atomically, so a crash never leaves a half-written cache for the next start."""
+    save_cluster(cluster, path)

@@ -1,0 +1,124 @@
+"""Time the all-gather and reduce-scatter of one representative unit over the process group.
+
+The cost model charges every layer one all-gather in the forward pass and an all-gather plus a
+reduce-scatter in the backward pass (``Settings.allgather_ms`` / ``reduce_scatter_ms``, per layer,
+even shares). The figures come from the runtime's own :class:`~cephalo_lightning.runtime.collectives.Collectives`
+on a unit of the mean layer size (so ``num_layers x`` the figure is the whole model's traffic):
+parameters in the compute dtype for the all-gather, gradients in the reduce dtype (fp32) for the
+reduce-scatter, as the runtime moves them. Every rank gets the same (slowest rank's) figures, so
+every rank plans from the same cluster.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from cephalo_lightning.profiling.timing import default_statistic, summarize
+from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES, Collectives
+from cephalo_lightning.runtime.layout import UnitLayout, build_layout
+
+
+@dataclass(frozen=True)
+class CollectiveProfile:
+    """Per-layer collective times (ms); ``by_mode`` at ``shares`` for each requested mode."""
+
+    numel: int
+    world_size: int
+    allgather_ms: float  # even shares (what the cost model's settings hold)
+    reduce_scatter_ms: float
+    shares: tuple[float, ...] = ()
+    by_mode: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode -> (all-gather, reduce-scatter)
+
+
+def _distributed(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # pragma: no cover - CUDA only
+        torch.cuda.synchronize(device)
+
+
+def _time_op(
+    op: Callable[[], object], device: torch.device, group: dist.ProcessGroup | None, warmup: int, repeats: int
+) -> float:
+    """Milliseconds of ``op`` on this rank (min on CPU, median on CUDA), every repeat started together."""
+    samples = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        dist.barrier(group)
+        start = time.perf_counter()
+        op()
+        _sync(device)
+        if i >= warmup:
+            samples.append((time.perf_counter() - start) * 1e3)
+    return summarize(samples, default_statistic(device))
+
+
+def _time_unit(
+    comm: Collectives, unit: UnitLayout, device: torch.device, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
+    warmup: int, repeats: int,
+) -> tuple[float, float]:
+    lo, hi = unit.shard_range(comm.rank)
+    shard = torch.ones(hi - lo, dtype=compute_dtype, device=device)
+    full = torch.empty(unit.numel, dtype=compute_dtype, device=device)
+    grad = torch.ones(unit.numel, dtype=reduce_dtype, device=device)
+    ag = _time_op(lambda: comm.all_gather(shard, full, unit).wait(), device, comm.group, warmup, repeats)
+    rs = _time_op(lambda: comm.reduce_scatter(grad, unit), device, comm.group, warmup, repeats)
+    return ag, rs
+
+
+def time_collectives(
+    numel: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+    compute_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    modes: Sequence[str] = ("padded",),
+    shares: Sequence[float] | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+) -> CollectiveProfile:
+    """All-gather / reduce-scatter time of a ``numel``-element unit; every rank must call it.
+
+    Each figure is this rank's fastest repeat on CPU (a shared host only adds delays) or its median
+    on CUDA, then the slowest rank's figure.
+
+    The even-share figures are what the planner's settings take. ``modes`` (``padded`` / ``exact``)
+    are additionally timed on a layout cut by ``shares`` (default even, where both modes take the
+    same direct path), e.g. the imbalance a plan would create. Single process: all zeros.
+    """
+    unknown = [m for m in modes if m not in COLLECTIVE_MODES]
+    if unknown:
+        raise ValueError(f"unknown collective mode(s) {unknown}; choose from {COLLECTIVE_MODES}")
+    if numel < 1:
+        raise ValueError(f"numel must be >= 1, got {numel}")
+    device = torch.device(device)
+    if not _distributed(group):
+        return CollectiveProfile(numel, 1, 0.0, 0.0, (1.0,), {m: (0.0, 0.0) for m in modes})
+    world = dist.get_world_size(group)
+    if shares is not None and len(shares) != world:
+        raise ValueError(f"{len(shares)} shares for a world of {world} ranks: give one per rank")
+    even = build_layout([numel], [1.0 / world] * world, ["profiled-unit"]).units[0]
+    uneven = even if shares is None else build_layout([numel], list(shares), ["profiled-unit"]).units[0]
+    mode = modes[0] if modes else "padded"
+    ag, rs = _time_unit(Collectives(group, mode), even, device, compute_dtype, reduce_dtype, warmup, repeats)
+    by_mode = {
+        mode: _time_unit(Collectives(group, mode), uneven, device, compute_dtype, reduce_dtype, warmup, repeats)
+        if shares is not None else (ag, rs)
+        for mode in modes
+    }
+    # every rank must plan from the same figures: take the slowest rank's
+    flat = [ag, rs] + [v for mode in modes for v in by_mode[mode]]
+    agreed = torch.tensor(flat, dtype=torch.float64, device=device if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    values = agreed.tolist()
+    by_mode = {mode: (values[2 + 2 * i], values[3 + 2 * i]) for i, mode in enumerate(modes)}
+    used = tuple(float(s) for s in shares) if shares is not None else tuple([1.0 / world] * world)
+    return CollectiveProfile(numel, world, values[0], values[1], used, by_mode)

@@ -1,0 +1,213 @@
+"""A whole model's per-layer profile: every distinct layer measured once, figures per average layer.
+
+The planner prices a step as ``num_layers x`` one layer's cost (:mod:`cephalo_lightning.planner.cost`).
+The model's layers are not all alike (the embedding and the head differ from the blocks), so the
+per-layer figures reported here are the **mean over the L layers**: ``sum_l F_l(m) / L``, which
+makes ``num_layers x F(m)`` the whole model's cost. Compute memory is the **maximum** over the
+layers, because the schedule holds one layer at a time and the worst one sets the peak.
+
+Layers with the same structure, parameter shapes and input shape (every transformer block) share
+one measurement. Each layer's input at micro-batch size m is taken from one no-grad pass of a
+sample batch through the preceding layers, repeating the sample's rows to reach m rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cephalo_lightning.profiling.layer import LayerProfile, RunStep, run_now, prepare_layer, profile_layer
+from cephalo_lightning.runtime.emulation import DeviceEmulator
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """Layers that share one measurement: their signature, positions and profile."""
+
+    signature: str
+    name: str  # the first such layer's class name, for reports
+    indices: tuple[int, ...]
+    profile: LayerProfile
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """One device's profile of the whole model, in the planner's per-layer terms."""
+
+    sizes: tuple[int, ...]  # 1..k
+    num_layers: int
+    layer_fwd_ms: tuple[float, ...]  # mean over the layers of F_l(m)
+    layer_bwd_ms: tuple[float, ...]  # mean over the layers of B_l(m)
+    compute_memory_bytes: tuple[int, ...]  # max over the layers, prefetched neighbour included
+    parameters: int  # trainable parameters of the layers
+    layer_numels: tuple[int, ...]  # parameters of every layer (what its all-gather moves)
+    kinds: tuple[LayerKind, ...]
+    seconds: float  # wall time the profile took
+
+
+def _dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def gathered_bytes(layer: nn.Module, compute_dtype: torch.dtype | None) -> int:
+    """Bytes of the layer's parameters once gathered in the compute dtype (floating ones are cast)."""
+    total = 0
+    for p in layer.parameters():
+        size = _dtype_size(compute_dtype) if compute_dtype is not None and p.is_floating_point() else p.element_size()
+        total += p.numel() * size
+    return total
+
+
+def layer_signature(layer: nn.Module, sample: torch.Tensor, batch_dim: int = 0) -> str:
+    """A digest of what a layer's cost depends on: module tree, parameter and buffer shapes, input shape.
+
+    Two layers with the same signature cost the same, so one is measured for both.
+    """
+    shape = list(sample.shape)
+    shape[batch_dim] = -1
+    described = {
+        "modules": [
+            (name, type(m).__module__ + "." + type(m).__qualname__, m.training) for name, m in layer.named_modules()
+        ],
+        "params": [(n, list(p.shape), str(p.dtype), p.requires_grad) for n, p in layer.named_parameters()],
+        "buffers": [(n, list(b.shape), str(b.dtype)) for n, b in layer.named_buffers()],
+        "extra": [(name, m.extra_repr()) for name, m in layer.named_modules()],
+        "input": (shape, str(sample.dtype)),
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def take_rows(x: torch.Tensor, m: int, batch_dim: int = 0) -> torch.Tensor:
+    """``m`` rows of ``x`` along ``batch_dim``, cycling through its rows when it has fewer."""
+    rows = x.shape[batch_dim]
+    index = torch.arange(m, device=x.device) % rows
+    return x.index_select(batch_dim, index)
+
+
+def _on_device(layer: nn.Module, device: torch.device) -> bool:
+    tensors = list(layer.parameters()) + list(layer.buffers())
+    return all(t.device == device for t in tensors) if tensors else True
+
+
+@torch.no_grad()
+def layer_inputs(
+    layers: Sequence[nn.Module], sample_input: torch.Tensor, device: torch.device | str = "cpu"
+) -> list[torch.Tensor]:
+    """Every layer's input for the sample batch: one no-grad pass through the layers, in order.
+
+    A layer that is not on ``device`` runs as a temporary copy there, so a model still on the host
+    never has to fit on the device as a whole. The global RNG state is left as it was.
+    """
+    device = torch.device(device)
+    cuda_devices = [device.index or 0] if device.type == "cuda" else []
+    inputs: list[torch.Tensor] = []
+    x = sample_input.to(device)
+    with torch.random.fork_rng(cuda_devices):
+        for index, layer in enumerate(layers):
+            inputs.append(x)
+            run = layer if _on_device(layer, device) else prepare_layer(layer, device, None)
+            out = run(x)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(
+                    f"layer {index} ({type(layer).__name__}) returned {type(out).__name__}; the layered protocol "
+                    "needs every layer to take and return ONE tensor"
+                )
+            x = out
+    return inputs
+
+
+def profile_model(
+    layers: Sequence[nn.Module],
+    sample_input: torch.Tensor,
+    *,
+    max_micro_batch: int = 4,
+    device: torch.device | str = "cpu",
+    emulator: DeviceEmulator | None = None,
+    compute_dtype: torch.dtype | None = None,
+    warmup: int = 1,
+    repeats: int = 5,
+    min_region_ms: float = 5.0,
+    prefetch: bool = True,
+    resident_bytes: int = 0,
+    measure_memory: bool = True,
+    batch_dim: int = 0,
+    on_progress: Callable[[int, int], None] | None = None,
+    run_step: RunStep | None = None,
+    statistic: str | None = None,
+) -> ModelProfile:
+    """Profile ``layers`` (the model in execution order) at micro-batch sizes ``1..max_micro_batch``.
+
+    ``sample_input``: the first layer's input for a sample batch (any number of rows >= 1).
+    ``prefetch``: the runtime gathers the next layer while one computes (its default), so a
+    neighbour's gathered parameters count in each layer's compute memory. ``resident_bytes``:
+    memory held for the whole step on top (e.g. the gathered root unit). ``on_progress(done, total)``
+    is called once the work is known and after every measurement round (for a progress bar).
+    ``run_step`` runs each piece of measurement and ``statistic`` reduces the repeats (see
+    :func:`~.layer.profile_layer`).
+    """
+    if not layers:
+        raise ValueError("profile_model needs at least one layer")
+    if isinstance(max_micro_batch, bool) or not isinstance(max_micro_batch, int) or max_micro_batch < 1:
+        raise ValueError(f"max_micro_batch must be an integer >= 1, got {max_micro_batch!r}")
+    if sample_input.dim() <= batch_dim or sample_input.shape[batch_dim] < 1:
+        raise ValueError(
+            f"sample_input of shape {tuple(sample_input.shape)} needs at least one sample along dimension {batch_dim}"
+        )
+    started = time.perf_counter()
+    device = torch.device(device)
+    sizes = tuple(range(1, max_micro_batch + 1))
+    inputs = (run_step or run_now)(lambda: layer_inputs(layers, sample_input, device))
+    signatures = [layer_signature(layer, x, batch_dim) for layer, x in zip(layers, inputs)]
+    distinct = list(dict.fromkeys(signatures))  # first appearance order
+    total = len(distinct) * (warmup + repeats)
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if on_progress is not None:
+            on_progress(done, total)
+
+    if on_progress is not None:
+        on_progress(0, total)
+    kinds: list[LayerKind] = []
+    for signature in distinct:
+        indices = tuple(i for i, s in enumerate(signatures) if s == signature)
+        first = indices[0]
+        sample = inputs[first]
+        profile = profile_layer(
+            layers[first], lambda m, sample=sample: take_rows(sample, m, batch_dim), sizes,
+            device=device, emulator=emulator, compute_dtype=compute_dtype, warmup=warmup, repeats=repeats,
+            min_region_ms=min_region_ms, input_requires_grad=first > 0, measure_memory=measure_memory,
+            batch_dim=batch_dim, on_round=tick, run_step=run_step, statistic=statistic,
+        )
+        kinds.append(LayerKind(signature, type(layers[first]).__name__, indices, profile))
+    of_layer = {i: kind.profile for kind in kinds for i in kind.indices}
+    num_layers = len(layers)
+    fwd = tuple(sum(of_layer[i].fwd_ms[j] for i in range(num_layers)) / num_layers for j in range(len(sizes)))
+    bwd = tuple(sum(of_layer[i].bwd_ms[j] for i in range(num_layers)) / num_layers for j in range(len(sizes)))
+    gathered = [gathered_bytes(layer, compute_dtype) for layer in layers]
+    memory = []
+    for j in range(len(sizes)):
+        worst = 0
+        for i in range(num_layers):
+            neighbour = max(gathered[i - 1] if i > 0 else 0, gathered[i + 1] if i + 1 < num_layers else 0)
+            worst = max(worst, of_layer[i].compute_bytes[j] + (neighbour if prefetch else 0))
+        memory.append(worst + int(resident_bytes))
+    return ModelProfile(
+        sizes=sizes,
+        num_layers=num_layers,
+        layer_fwd_ms=fwd,
+        layer_bwd_ms=bwd,
+        compute_memory_bytes=tuple(memory),
+        parameters=sum(p.numel() for layer in layers for p in layer.parameters() if p.requires_grad),
+        layer_numels=tuple(sum(p.numel() for p in layer.parameters()) for layer in layers),
+        kinds=tuple(kinds),
+        seconds=time.perf_counter() - started,
+    )

@@ -1,0 +1,479 @@
+"""Profile every rank's device and gather the results into the planner's :class:`Cluster`.
+
+Run :func:`profile_cluster` (or :class:`ClusterProfiler`) on every rank, with collectives working
+and before the model is sharded. Each rank:
+
+1. tells the others its device name, host and emulation spec;
+2. looks for a cached cluster file keyed by a fingerprint of the model and the cluster
+   (:mod:`.cache`); rank 0 reads it and shares it, so a restart does not profile again;
+3. measures its device (:func:`~.model.profile_model`): every distinct layer's forward and
+   backward time and compute memory at micro-batch sizes 1..k, under its emulator. Ranks with the
+   same device name and emulation spec (and, on CPU, the same host) may share one measurement;
+   on CPU the measuring ranks take turns by default, step by step (:mod:`.turns`), because they
+   share the host's cores and would otherwise measure each other;
+4. times one unit's all-gather and reduce-scatter with every rank (:mod:`.collectives`);
+5. gathers the device profiles and returns the cluster, identical on every rank; rank 0 writes it
+   to the cache (the planner's cluster file format, for offline re-planning).
+
+Capacities: the emulated ``memory_gb``; else the CUDA device's total memory; else (CPU, no
+emulation) the host's RAM divided by the ranks on that host. Figures from an emulated rank are
+marked ``source: emulated`` and carry the spec, so everything downstream can say so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cephalo_lightning.planner.cluster import (
+    Cluster,
+    DeviceProfile,
+    Emulation,
+    ModelSpec,
+    Settings,
+    cluster_from_dict,
+    cluster_to_dict,
+)
+from cephalo_lightning.profiling.cache import cache_path, fingerprint, read_cached, structure, write_cached
+from cephalo_lightning.profiling.collectives import CollectiveProfile, time_collectives
+from cephalo_lightning.profiling.model import ModelProfile, profile_model
+from cephalo_lightning.profiling.progress import ProfileProgress
+from cephalo_lightning.profiling.timing import STATISTICS
+from cephalo_lightning.profiling.turns import TurnTaker
+from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES
+from cephalo_lightning.runtime.emulation import DeviceEmulator, EmulationSpec, parse_emulation_specs
+
+log = logging.getLogger(__name__)
+
+GIB = float(2**30)
+MIN_MS = 1e-5  # the planner needs strictly positive times; a layer can take less than a microsecond
+
+
+class ProfilingError(RuntimeError):
+    """Profiling failed on some rank; raised on every rank, naming the one that failed."""
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """How to profile. The defaults take seconds for the demo GPT on CPU."""
+
+    max_micro_batch: int = 4  # profile micro-batch sizes 1..k; the planner extrapolates linearly beyond
+    warmup: int = 1
+    repeats: int = 5
+    min_region_ms: float = 5.0  # short calls are repeated back to back in one timed region
+    compute_dtype: torch.dtype | None = None  # the runtime's compute dtype (None: the parameters' own)
+    prefetch: bool = True  # the runtime gathers the next layer while one computes
+    resident_bytes: int = 0  # held for the whole step besides one layer (e.g. the gathered root unit)
+    measure_memory: bool = True
+    batch_dim: int = 0
+    collectives: bool = True  # time the all-gather / reduce-scatter (else keep the settings' values)
+    collective_modes: tuple[str, ...] = ("padded",)  # the first is the runtime's mode
+    collective_repeats: int = 5
+    share_measurements: bool = True  # identical devices (same name and emulation) measure once
+    serialize: bool | None = None  # measuring ranks take turns (default: on CPU, where they share cores)
+    statistic: str | None = None  # how repeats are reduced: "min" | "median" (default: min on CPU, median on CUDA)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_micro_batch, bool) or not isinstance(self.max_micro_batch, int) or self.max_micro_batch < 1:
+            raise ValueError(f"max_micro_batch must be an integer >= 1, got {self.max_micro_batch!r}")
+        if self.warmup < 0 or self.repeats < 1 or self.collective_repeats < 1:
+            raise ValueError("need warmup >= 0, repeats >= 1 and collective_repeats >= 1")
+        if self.statistic is not None and self.statistic not in STATISTICS:
+            raise ValueError(f"statistic must be one of {STATISTICS} or None, got {self.statistic!r}")
+        if not self.collective_modes or any(m not in COLLECTIVE_MODES for m in self.collective_modes):
+            raise ValueError(
+                f"collective_modes must be a non-empty subset of {COLLECTIVE_MODES}, got {self.collective_modes}"
+            )
+
+
+@dataclass
+class ProfileReport:
+    """What a profiling run produced, for logs and the callback."""
+
+    cluster: Cluster
+    cache_file: Path | None  # where the cluster file is (rank 0 wrote or read it); None without a cache
+    from_cache: bool
+    seconds: float
+    measured_by: tuple[int, ...]  # for every rank, the rank whose measurement it uses
+    local: ModelProfile | None = None  # this rank's own measurement, if it measured
+    collectives: CollectiveProfile | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# devices
+
+
+def default_device() -> torch.device:
+    """The current CUDA device if there is one, else the CPU."""
+    if torch.cuda.is_available():  # pragma: no cover - CUDA only
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def device_name(device: torch.device, emulator: DeviceEmulator | None = None) -> str:
+    """The CUDA device's name, or ``"cpu"``, plus an emulation suffix such as ``" (emulated x3.0, 0.05 GiB)"``."""
+    base = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return base + (emulator.name_suffix() if emulator is not None else "")
+
+
+def host_memory_gb() -> float | None:
+    """Physical RAM of this host in GiB, or ``None`` where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return None
+
+
+def _cuda_total_gb(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / GIB  # pragma: no cover - CUDA only
+
+
+def default_settings(device: torch.device) -> Settings:
+    """The cost model's settings for this kind of device.
+
+    The reference's 2 GB reserve (CUDA context, allocator slack) and 10 ms per extra micro-batch
+    (kernel launches) are GPU figures; a CPU process has neither, and its per-call overheads are
+    already inside the measured layer times.
+    """
+    if device.type == "cuda":  # pragma: no cover - CUDA only
+        return Settings()
+    return Settings(reserved_memory_gb=0.0, micro_batch_overhead_ms=0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# collectives of python objects (single process: identity)
+
+
+def _distributed(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    if not _distributed(group):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _from_rank0(obj: Any, group: dist.ProcessGroup | None) -> Any:
+    if not _distributed(group):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if _distributed(group):
+        dist.barrier(group)
+
+
+# --------------------------------------------------------------------------------------------
+# the profiler
+
+
+@dataclass(frozen=True)
+class _Identity:
+    rank: int
+    host: str
+    name: str
+    emulate: Emulation | None
+    device_type: str
+    cuda_total_gb: float | None
+    host_memory_gb: float | None
+
+
+class ClusterProfiler:
+    """Profiles this rank's device, gathers every rank's, and builds the planner's cluster.
+
+    Args:
+        layers: the model as its ordered layers (each takes and returns one tensor), e.g. a
+            LightningModule's ``cephalo_layers()``; not modified (copies are profiled).
+        sample_input: the first layer's input for a sample batch (e.g. ``cephalo_input(batch)``).
+        emulator: this rank's :class:`DeviceEmulator`; and/or ``emulate``: every rank's spec (one
+            per rank, all validated), from which this rank's emulator is built when none is given
+            (when both are given they must agree).
+        options: :class:`ProfileOptions`.
+        model_name, parameters, state_bytes_per_param, hidden_size, seq_len: the :class:`ModelSpec`
+            (``parameters`` defaults to the layers' trainable parameters).
+        settings: the cost model's settings (default :func:`default_settings`); the measured
+            collective times replace ``allgather_ms`` / ``reduce_scatter_ms``.
+        group: the process group (default: the world); single process works without one.
+        device: where to compute (default: the current CUDA device, else the CPU).
+        cache_dir: where cluster files are cached (``None``: no cache); ``force``: profile again.
+        quiet: no progress bar and no log lines.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        sample_input: torch.Tensor,
+        *,
+        emulator: DeviceEmulator | None = None,
+        emulate: Sequence[EmulationSpec] | None = None,
+        options: ProfileOptions | None = None,
+        model_name: str = "model",
+        parameters: int | None = None,
+        state_bytes_per_param: float = 16.0,
+        hidden_size: int | None = None,
+        seq_len: int | None = None,
+        settings: Settings | None = None,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        cache_dir: str | Path | None = None,
+        force: bool = False,
+        quiet: bool = False,
+    ) -> None:
+        self.layers = list(layers)
+        if not self.layers:
+            raise ValueError("ClusterProfiler needs the model's layers (e.g. cephalo_layers()); got none")
+        if not isinstance(sample_input, torch.Tensor):
+            raise TypeError(f"sample_input must be a tensor (the first layer's input), got {type(sample_input).__name__}")
+        self.sample_input = sample_input
+        self.group = group
+        self.rank = dist.get_rank(group) if _distributed(group) else 0
+        self.world_size = dist.get_world_size(group) if _distributed(group) else 1
+        if emulate is not None:
+            specs = parse_emulation_specs(emulate, self.world_size)  # every rank's, so all fail alike
+            if emulator is None:
+                emulator = DeviceEmulator.from_spec(specs[self.rank], label=f"rank {self.rank}")
+            elif emulator.spec != specs[self.rank]:
+                raise ValueError(
+                    f"rank {self.rank}: the emulator given ({emulator.describe()}) does not match "
+                    f"emulate[{self.rank}] = {specs[self.rank]}; pass one of them, or the same spec"
+                )
+        self.emulator = emulator or DeviceEmulator()
+        self.options = options or ProfileOptions()
+        self.device = torch.device(device) if device is not None else default_device()
+        self.model_name = model_name
+        self.parameters = parameters
+        self.state_bytes_per_param = float(state_bytes_per_param)
+        self.hidden_size = hidden_size
+        self.seq_len = seq_len
+        self.settings = settings if settings is not None else default_settings(self.device)
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.force = force
+        self.quiet = quiet
+
+    # ------------------------------------------------------------------ pieces
+
+    def _identity(self) -> _Identity:
+        return _Identity(
+            rank=self.rank, host=socket.gethostname(), name=device_name(self.device, self.emulator),
+            emulate=self.emulator.spec, device_type=self.device.type, cuda_total_gb=_cuda_total_gb(self.device),
+            host_memory_gb=host_memory_gb(),
+        )
+
+    def _compute_dtype(self) -> torch.dtype:
+        if self.options.compute_dtype is not None:
+            return self.options.compute_dtype
+        for layer in self.layers:
+            for p in layer.parameters():
+                if p.is_floating_point():
+                    return p.dtype
+        return torch.float32
+
+    def _fingerprint(self, ids: Sequence[_Identity]) -> str:
+        opts = self.options
+        return fingerprint({
+            "model": structure(self.layers, self.sample_input, opts.batch_dim),
+            "sizes": list(range(1, opts.max_micro_batch + 1)),
+            "world_size": self.world_size,
+            "devices": [[i.name, i.host if i.device_type == "cpu" else ""] for i in ids],
+            "emulation": [None if i.emulate is None else asdict(i.emulate) for i in ids],
+            "options": {
+                "compute_dtype": str(self._compute_dtype()), "prefetch": opts.prefetch,
+                "resident_bytes": opts.resident_bytes, "measure_memory": opts.measure_memory,
+                "batch_dim": opts.batch_dim, "collectives": opts.collectives, "modes": list(opts.collective_modes),
+            },
+            "spec": [self.model_name, self.parameters, self.state_bytes_per_param, self.hidden_size, self.seq_len],
+            "settings": asdict(self.settings),
+        })
+
+    def _leaders(self, ids: Sequence[_Identity]) -> list[int]:
+        """For every rank, the rank that measures for it."""
+        if not self.options.share_measurements:
+            return list(range(len(ids)))
+        first: dict[tuple[Any, ...], int] = {}
+        leaders = []
+        for i in ids:
+            key = (i.name, i.emulate, i.host if i.device_type == "cpu" else "")
+            leaders.append(first.setdefault(key, i.rank))
+        return leaders
+
+    def _measure(self, progress: ProfileProgress, turns: TurnTaker | None) -> ModelProfile:
+        opts = self.options
+        return profile_model(
+            self.layers, self.sample_input, max_micro_batch=opts.max_micro_batch, device=self.device,
+            emulator=self.emulator, compute_dtype=opts.compute_dtype, warmup=opts.warmup, repeats=opts.repeats,
+            min_region_ms=opts.min_region_ms, prefetch=opts.prefetch, resident_bytes=opts.resident_bytes,
+            measure_memory=opts.measure_memory, batch_dim=opts.batch_dim, on_progress=progress.rounds,
+            run_step=turns, statistic=opts.statistic,
+        )
+
+    def _capacity_gb(self, ident: _Identity, ids: Sequence[_Identity]) -> float:
+        if ident.emulate is not None and ident.emulate.memory_gb is not None:
+            return ident.emulate.memory_gb
+        if ident.cuda_total_gb is not None:
+            return ident.cuda_total_gb
+        if ident.host_memory_gb is None:
+            raise ProfilingError(
+                f"rank {ident.rank}: cannot tell this host's memory; give the rank an emulated memory_gb"
+            )
+        on_host = sum(1 for other in ids if other.host == ident.host and other.device_type == "cpu")
+        return ident.host_memory_gb / max(1, on_host)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> ProfileReport:
+        """Profile (or reuse the cache) and return the report; every rank must call it."""
+        started = time.perf_counter()
+        ids: list[_Identity] = _gather(self._identity(), self.group)
+        key = self._fingerprint(ids)
+        path = cache_path(self.cache_dir, key) if self.cache_dir is not None else None
+        leaders = self._leaders(ids)
+        talk = self.rank == 0 and not self.quiet
+
+        if path is not None and not self.force:
+            cached = read_cached(path, self.world_size) if self.rank == 0 else None
+            data = _from_rank0(cluster_to_dict(cached) if cached is not None else None, self.group)
+            if data is not None:
+                cluster = cluster_from_dict(data)
+                if talk:
+                    log.info("reusing the device profile %s (pass force=True to profile again)", path)
+                return ProfileReport(cluster, path, True, time.perf_counter() - started, tuple(leaders))
+
+        measuring = sorted(set(leaders))
+        serialize = self.options.serialize if self.options.serialize is not None else self.device.type == "cpu"
+        serialize = serialize and len(measuring) > 1
+        with_comm = self.options.collectives and self.world_size > 1
+        local: ModelProfile | None = None
+        failure: str | None = None
+        with ProfileProgress(enabled=talk, phases=1 + int(with_comm)) as progress:
+            progress.phase(
+                f"profiling {len(measuring)} device(s) in turn" if serialize
+                else f"profiling {len(measuring)} device(s)"
+            )
+            turns = TurnTaker(self.rank, measuring, self.group) if serialize else None
+            try:
+                if self.rank in measuring:
+                    local = self._measure(progress, turns)
+            except Exception as err:  # reported on every rank below, not left to hang the others
+                failure = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+            finally:
+                if turns is not None:
+                    turns.finish()
+            progress.phase_done()
+            failures = _gather(failure, self.group)
+            bad = [(r, f) for r, f in enumerate(failures) if f is not None]
+            if bad:
+                rank, message = bad[0]
+                raise ProfilingError(f"profiling failed on rank {rank} ({ids[rank].name}): {message}")
+            profiles: list[ModelProfile | None] = _gather(local, self.group)
+            comm = None
+            if with_comm:
+                progress.phase("timing all-gather / reduce-scatter")
+                comm = self._time_collectives(profiles[leaders[0]])
+                progress.phase_done()
+
+        cluster = self._cluster(ids, leaders, profiles, comm)
+        if path is not None and self.rank == 0:
+            write_cached(cluster, path)
+        seconds = time.perf_counter() - started
+        if talk:
+            log.info(
+                "profiled %d rank(s) (%d measurement(s)) in %.1f s%s", self.world_size, len(measuring), seconds,
+                f"; cluster file {path}" if path is not None else "",
+            )
+        return ProfileReport(cluster, path, False, seconds, tuple(leaders), local, comm)
+
+    def _time_collectives(self, profile: ModelProfile | None) -> CollectiveProfile:
+        assert profile is not None  # rank 0 always measures or shares a leader's profile
+        numel = math.ceil(sum(profile.layer_numels) / profile.num_layers)
+        numel = max(self.world_size, math.ceil(numel / self.world_size) * self.world_size)  # an even unit
+        backend = dist.get_backend(self.group)
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        return time_collectives(
+            numel, group=self.group, device=device, compute_dtype=self._compute_dtype(),
+            modes=self.options.collective_modes, repeats=self.options.collective_repeats,
+        )
+
+    def _cluster(
+        self, ids: Sequence[_Identity], leaders: Sequence[int], profiles: Sequence[ModelProfile | None],
+        comm: CollectiveProfile | None,
+    ) -> Cluster:
+        devices = []
+        for ident, leader in zip(ids, leaders):
+            profile = profiles[leader]
+            assert profile is not None, f"rank {leader} did not measure"
+            devices.append(DeviceProfile(
+                name=ident.name,
+                memory_gb=round(self._capacity_gb(ident, ids), 6),
+                layer_fwd_ms=tuple(max(MIN_MS, round(v, 5)) for v in profile.layer_fwd_ms),
+                layer_bwd_ms=tuple(max(MIN_MS, round(v, 5)) for v in profile.layer_bwd_ms),
+                compute_memory_gb=tuple(round(b / GIB, 9) for b in profile.compute_memory_bytes),
+                source="emulated" if ident.emulate is not None else "measured",
+                emulate=ident.emulate,
+            ))
+        first = next(p for p in profiles if p is not None)
+        model = ModelSpec(
+            name=self.model_name,
+            num_layers=first.num_layers,
+            parameters=self.parameters if self.parameters is not None else first.parameters,
+            state_bytes_per_param=self.state_bytes_per_param,
+            hidden_size=self.hidden_size,
+            seq_len=self.seq_len,
+            compute_bytes_per_param=float(torch.empty((), dtype=self._compute_dtype()).element_size()),
+        )
+        settings = self.settings
+        if comm is not None:
+            settings = replace(
+                settings, allgather_ms=round(comm.allgather_ms, 5), reduce_scatter_ms=round(comm.reduce_scatter_ms, 5),
+                collective=self.options.collective_modes[0],
+            )
+        return Cluster(model=model, devices=tuple(devices), settings=settings)
+
+
+def profile_cluster(
+    layers: Sequence[nn.Module],
+    sample_input: torch.Tensor,
+    *,
+    emulator: DeviceEmulator | None = None,
+    emulate: Sequence[EmulationSpec] | None = None,
+    options: ProfileOptions | None = None,
+    model_name: str = "model",
+    parameters: int | None = None,
+    state_bytes_per_param: float = 16.0,
+    hidden_size: int | None = None,
+    seq_len: int | None = None,
+    settings: Settings | None = None,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+    cache_dir: str | Path | None = None,
+    force: bool = False,
+    quiet: bool = False,
+) -> Cluster:
+    """Profile every rank and return the planner's :class:`Cluster`; call it on every rank.
+
+    See :class:`ClusterProfiler` for the arguments (and its ``run()`` for the full report).
+    """
+    return ClusterProfiler(
+        layers, sample_input, emulator=emulator, emulate=emulate, options=options, model_name=model_name,
+        parameters=parameters, state_bytes_per_param=state_bytes_per_param, hidden_size=hidden_size, seq_len=seq_len,
+        settings=settings, group=group, device=device, cache_dir=cache_dir, force=force, quiet=quiet,
+    ).run().cluster
