@@ -22,8 +22,9 @@ def _lightning_available() -> bool:
 if _lightning_available():
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from cephalo_lightning.callback import CephaloCallback
     from cephalo_lightning.strategy import CephaloStrategy
 
     # Lightning has no entry points for strategies: the name exists once this package is imported.
     CephaloStrategy.register_strategies(StrategyRegistry)
-    __all__ += ["CephaloStrategy"]
+    __all__ += ["CephaloCallback", "CephaloStrategy"]

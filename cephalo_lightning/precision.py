@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
 ClipFn = Callable[[float], torch.Tensor]
@@ -32,6 +32,10 @@ class _ShardedClipping:
 
 class CephaloPrecision(_ShardedClipping, Precision):
     """``precision="32-true"``."""
+
+
+class CephaloDoublePrecision(_ShardedClipping, DoublePrecision):
+    """``precision="64-true"``: fp64 masters and reductions (for exactness checks, mostly)."""
 
 
 class CephaloHalfPrecision(_ShardedClipping, HalfPrecision):
@@ -56,12 +60,14 @@ def sharded_precision(plugin: Precision) -> Precision:
         return plugin
     if type(plugin) is Precision:
         return CephaloPrecision()
+    if type(plugin) is DoublePrecision:
+        return CephaloDoublePrecision()
     if type(plugin) is HalfPrecision:
         return CephaloHalfPrecision(plugin.precision)  # type: ignore[arg-type]
     if type(plugin) is MixedPrecision:
         return CephaloMixedPrecision(plugin.precision, plugin.device)
     raise ValueError(
         f"CephaloStrategy does not support the precision plugin {type(plugin).__name__} "
-        f"(precision={getattr(plugin, 'precision', '?')!r}); use precision='32-true', 'bf16-mixed', "
-        "'16-mixed', 'bf16-true' or '16-true'"
+        f"(precision={getattr(plugin, 'precision', '?')!r}); use precision='32-true', '64-true', "
+        "'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'"
     )

@@ -42,10 +42,11 @@ from cephalo_lightning.planner import Cluster, Plan, PlanningError, load_cluster
 from cephalo_lightning.planner import plan as make_plan
 from cephalo_lightning.precision import sharded_precision
 from cephalo_lightning.runtime import checkpoint
-from cephalo_lightning.runtime.emulation import DeviceEmulator
+from cephalo_lightning.runtime.emulation import DeviceEmulator, emulator_for_rank
 from cephalo_lightning.runtime.engine import ShardedModel
 from cephalo_lightning.runtime.layered import LayeredSchedule
 from cephalo_lightning.runtime.memory import MemoryTracker
+from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime.sampler import PlannedBatchSampler, PlannedDataLoader
 from cephalo_lightning.steps import LAYERED_PROTOCOL, LayeredSteps, StepContext, UniformSteps, has_layered_protocol
 
@@ -82,7 +83,11 @@ class CephaloStrategy(ParallelStrategy):
         param_dtype: dtype of gathered parameters for compute (e.g. ``"bf16"``); default: the
             module's dtype. Master shards and gradient reduction stay fp32.
         emulate: per-rank CPU emulation, e.g. ``[{"slowdown": 1}, {"slowdown": 3, "memory_gb": 0.5}]``.
-        offload: keep the layered stash on the host (default: on CUDA).
+        offload: keep the layered stash on the host (default: on CUDA, and for an emulated
+            memory capacity on CPU).
+        memory_check_every_n_steps: on CPU an emulated capacity is enforced by counting every
+            tensor (slow); it counts the first 3 steps and then every N-th (steps repeat the same
+            allocations), so the other steps run at full speed.
         state_dict_type: ``"sharded"`` (a resharding DCP directory) or ``"full"`` (one file,
             gathered on rank 0, loadable by ``LightningModule.load_from_checkpoint``).
     """
@@ -100,6 +105,7 @@ class CephaloStrategy(ParallelStrategy):
         param_dtype: str | None = None,
         emulate: Sequence[dict[str, float] | None] | None = None,
         offload: bool | None = None,
+        memory_check_every_n_steps: int = 50,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         prefetch: bool = True,
         process_group_backend: str | None = None,
@@ -130,6 +136,7 @@ class CephaloStrategy(ParallelStrategy):
         self.param_dtype = _DTYPES[param_dtype] if param_dtype else None
         self.emulate = list(emulate) if emulate is not None else None
         self.offload = offload
+        self.memory_check_every_n_steps = max(1, memory_check_every_n_steps)
         self.state_dict_type = state_dict_type
         self.prefetch = prefetch
         self._process_group_backend = process_group_backend
@@ -186,12 +193,17 @@ class CephaloStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # CPU ranks share the host's cores: oversubscribed threads make every rank slow and noisy
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
         reset_seed()
         self.set_world_ranks()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         kwargs = {"timeout": self._timeout} if self._timeout is not None else {}
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self.emulator = emulator_for_rank(self._emulation_specs(), self.global_rank, self.world_size,
+                                          synchronize_cuda=self.root_device.type == "cuda")
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -288,21 +300,13 @@ class CephaloStrategy(ParallelStrategy):
             )
         return mode
 
-    def _emulation_for_rank(self) -> tuple[float, float | None]:
-        spec = None
+    def _emulation_specs(self) -> list[Any] | None:
+        """Per-rank emulation: the strategy's ``emulate``, else the cluster file's ``emulate`` entries."""
         if self.emulate is not None:
-            if len(self.emulate) != self.world_size:
-                raise ValueError(f"emulate has {len(self.emulate)} entries for {self.world_size} ranks: give one per rank")
-            spec = self.emulate[self.global_rank] or {}
-            unknown = set(spec) - {"slowdown", "memory_gb"}
-            if unknown:
-                raise ValueError(f"emulate[{self.global_rank}]: unknown key(s) {sorted(unknown)}; use slowdown, memory_gb")
-            return float(spec.get("slowdown", 1.0)), spec.get("memory_gb")
-        cluster = self.cluster
-        if cluster is not None and cluster.devices[self.global_rank].emulate is not None:
-            e = cluster.devices[self.global_rank].emulate
-            return e.slowdown, e.memory_gb
-        return 1.0, None
+            return self.emulate
+        if self.cluster is not None and any(d.emulate is not None for d in self.cluster.devices):
+            return [d.emulate for d in self.cluster.devices]
+        return None
 
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
@@ -320,32 +324,37 @@ class CephaloStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        self.precision_plugin.clip_fn = self.sharded.clip_grad_norm_  # type: ignore[union-attr]
 
-    def _shard(self, module: pl.LightningModule) -> None:
-        slowdown, memory_gb = self._emulation_for_rank()
-        self.emulator = DeviceEmulator(slowdown)
+    def _shard(self, module: pl.LightningModule, compute_dtype: torch.dtype | None = None) -> None:
         layers = list(module.cephalo_layers()) if self._resolved_mode == "layered" else None
         self.sharded = ShardedModel(
             module, self._shares(), units=layers if layers is not None else self.units, collective=self.collective,
-            compute_dtype=self.param_dtype, emulator=self.emulator, prefetch=self.prefetch, device=self.root_device,
+            compute_dtype=compute_dtype or self.param_dtype, emulator=self.emulator, prefetch=self.prefetch,
+            device=self.root_device,
         )
         module.to(self.root_device)  # buffers; the local pieces are already there
         if layers is not None:
-            self._steps = LayeredSteps(module, LayeredSchedule(self.sharded, layers, offload=self.offload))
+            # an emulated GPU keeps its stash on the host, as the real one would (accounted as host memory)
+            offload = self.offload if self.offload is not None else (self.root_device.type == "cuda" or self.emulator.memory_gb is not None)
+            self._steps = LayeredSteps(module, LayeredSchedule(self.sharded, layers, offload=offload))
         else:
             self._steps = UniformSteps(self.sharded, self._user_training_step)
-        if memory_gb is not None and self.root_device.type == "cpu":
-            # this rank's accounted tensor memory may not pass its emulated capacity
-            self.memory = MemoryTracker(capacity_bytes=float(memory_gb) * 2**30,
-                                        baseline_bytes=self.sharded.local_state_numel() * 4,
-                                        label=f"rank {self.global_rank}")
-            self.memory.__enter__()
-        elif memory_gb is not None:
-            fraction = float(memory_gb) * 2**30 / torch.cuda.get_device_properties(self.root_device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(fraction, 1.0), self.root_device)
+        self.precision_plugin.clip_fn = self.sharded.clip_grad_norm_  # type: ignore[attr-defined]
+        self._track_memory()
         rank_zero_info(f"Cephalo: {self._resolved_mode} mode, state shares "
                        f"{[round(s, 4) for s in self._shares()]}, {len(self.sharded.units)} units")
+
+    def _track_memory(self) -> None:
+        """Enforce an emulated capacity: CPU accounting (raises like CUDA's OOM) or a CUDA cap."""
+        self._stop_memory_tracking()
+        if self.emulator.memory_gb is None or self.sharded is None:
+            return
+        if self.root_device.type == "cuda":
+            self.emulator.cap_cuda_memory(self.root_device)
+            return
+        # the local state (fp32 master) is resident before tracking starts
+        self.memory = self.emulator.memory_tracker(baseline_bytes=self.sharded.local_state_numel() * 4)
+        self.memory.__enter__()
 
     def _user_training_step(self, *args: Any) -> Any:
         """The user's training_step for micro-batches after the first, which run inside backward.
@@ -361,6 +370,67 @@ class CephaloStrategy(ParallelStrategy):
                 return module.training_step(*args)
         finally:
             module._current_fx_name = previous
+
+    # ------------------------------------------------------------------ re-planning
+
+    def schedule_plan(self, plan: Plan, after_steps: int = 2) -> tuple[int, int]:
+        """Switch to ``plan`` ``after_steps`` training steps from now, on every rank.
+
+        The switch waits for the data loader, which is one batch ahead; at the switch the model
+        is re-sharded in place (:meth:`_reshard`) after a checkpoint of the old layout is written.
+        Call it on every rank with the same plan. Returns the (epoch, step) of the switch.
+        """
+        assert self._sampler is not None and self.plan is not None
+        if plan.world_size != self.world_size or plan.global_batch_size != self.plan.global_batch_size:
+            raise PlanningError("a new plan must keep the world size and the global batch size")
+        if plan.mode == "layered" and self._resolved_mode == "uniform" and len(set(plan.num_micro_batches)) > 1:
+            raise PlanningError("this model runs the uniform mode; re-plan with mode='uniform'")
+        trainer = self.lightning_module.trainer
+        epoch, step = trainer.current_epoch, self._sampler.consumed + after_steps
+        steps_per_epoch = len(self._sampler)
+        epoch, step = epoch + step // steps_per_epoch, step % steps_per_epoch
+        self._sampler.switch_sizes(plan.batch_sizes, epoch, step)
+        self._pending = (plan, epoch, step)
+        return epoch, step
+
+    _pending: tuple[Plan, int, int] | None = None
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        trainer = self.lightning_module.trainer
+        if self.memory is not None:  # count this step's tensors, or run it at full speed
+            step = trainer.global_step
+            counting = step < 3 or step % self.memory_check_every_n_steps == 0
+            if counting and not self.memory.active:
+                self.memory.__enter__()
+            elif not counting and self.memory.active:
+                self.memory.__exit__(None, None, None)
+        if self._pending is not None and (trainer.current_epoch, batch_idx) >= self._pending[1:]:
+            plan, self._pending = self._pending[0], None
+            self._reshard(plan)
+
+    def _reshard(self, plan: Plan) -> None:
+        """Re-shard the running model and optimizer state onto the new plan's shares.
+
+        Goes through a real checkpoint of the old layout (``<root>/cephalo-replan/step=N``), loaded
+        back by logical tensor exactly as a resume on the new plan would load it.
+        """
+        assert self.sharded is not None
+        module = self.lightning_module
+        trainer = module.trainer
+        path = Path(trainer.default_root_dir) / "cephalo-replan" / f"step={trainer.global_step}"
+        checkpoint.save_sharded(path, self.sharded, self.optimizers, {"plan": self.plan.to_dict() if self.plan else None})
+        names = {id(p): name for name, p in self.sharded.named_parameters()}
+        compute_dtype = next((u.compute_dtype for u in self.sharded.units if u.spans), None)
+        self.sharded.release()
+        self.plan = plan
+        self._shard(module, compute_dtype)
+        pieces = dict(self.sharded.named_parameters())
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [pieces[names[id(p)]] for p in group["params"]]
+            optimizer.state.clear()
+        checkpoint.load_sharded(path, self.sharded, self.optimizers)
+        rank_zero_info(f"Cephalo: re-planned at step {trainer.global_step}; checkpoint of the old layout in {path}")
 
     # ------------------------------------------------------------------ data
 
@@ -520,10 +590,25 @@ class CephaloStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ teardown
 
-    def teardown(self) -> None:
-        if self.memory is not None:
+    @contextlib.contextmanager
+    def memory_untracked(self) -> Generator[None, None, None]:
+        """Work that is not training (re-profiling, say) does not count against the capacity."""
+        tracking = self.memory is not None and self.memory.active
+        if tracking:
             self.memory.__exit__(None, None, None)
-            self.memory = None
+        try:
+            yield
+        finally:
+            if tracking and self.memory is not None:
+                self.memory.__enter__()
+
+    def _stop_memory_tracking(self) -> None:
+        if self.memory is not None and self.memory.active:
+            self.memory.__exit__(None, None, None)
+        self.memory = None
+
+    def teardown(self) -> None:
+        self._stop_memory_tracking()
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         super().teardown()

@@ -46,7 +46,15 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list
         try:
             mp.spawn(_worker, args=(world_size, free_port(), out_dir, fn, args), nprocs=world_size, join=True)
         except mp.ProcessRaisedException as err:
-            raise AssertionError(f"a rank failed:\n{err}") from None
+            # the first rank to fail is often a victim of another's crash: show every rank's error
+            errors = []
+            for rank in range(world_size):
+                path = os.path.join(out_dir, f"{rank}.pt")
+                if os.path.exists(path):
+                    record = torch.load(path, weights_only=False)
+                    if not record["ok"]:
+                        errors.append(f"--- rank {rank}:\n{record['error']}")
+            raise AssertionError("a rank failed:\n" + ("\n".join(errors) or str(err))) from None
         results = []
         for rank in range(world_size):
             record = torch.load(os.path.join(out_dir, f"{rank}.pt"), weights_only=False)

@@ -71,6 +71,7 @@ class GPTModule(pl.LightningModule):
         n_head: int | None = None,
         n_embd: int | None = None,
         dropout: float = 0.0,
+        bias: bool = True,
         learning_rate: float = 3e-3,
         weight_decay: float = 0.1,
         warmup_steps: int = 10,
@@ -82,7 +83,7 @@ class GPTModule(pl.LightningModule):
         self.save_hyperparameters()
         self.config = GPTConfig.preset(
             preset, vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-            dropout=dropout,
+            dropout=dropout, bias=bias,
         )
         self.model = GPT(self.config)
         self.val_ppl = Perplexity()

@@ -14,10 +14,15 @@ from rich.table import Table
 from cephalo_lightning.planner.plan import Plan, RankPlan
 
 
+def _gib(value: float | None) -> str:
+    """Three significant digits: a 0.02 GiB emulated device must not print as 0.0."""
+    return "-" if value is None else f"{value:.3g}"
+
+
 def _memory(predicted: float | None, limit: float | None, capacity: float | None) -> str:
-    parts = [f"{v:.1f}" if v is not None else "-" for v in (predicted, limit)]
+    parts = [_gib(predicted), _gib(limit)]
     if capacity is not None:
-        parts.append(f"{capacity:.0f}")
+        parts.append(_gib(capacity))
     return "/".join(parts)
 
 

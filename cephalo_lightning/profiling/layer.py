@@ -153,8 +153,12 @@ def profile_layer(
     on_round: Callable[[], None] | None = None,
     run_step: RunStep | None = None,
     statistic: str | None = None,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> LayerProfile:
     """Time (and size) one layer at each micro-batch size; see the module docstring for the definitions.
+
+    ``loss_fn`` (for the last layer): backpropagate ``loss_fn(out)`` instead of a random upstream
+    gradient, so the loss's own time and memory (e.g. a softmax over the vocabulary) are counted.
 
     ``make_input(m)`` returns the layer's input for a micro-batch of ``m`` samples (``m`` along
     ``batch_dim``). ``input_requires_grad``: whether the backward also computes the input's
@@ -197,11 +201,7 @@ def profile_layer(
                 work(inputs[m])
 
         def backward_pass(m: int) -> None:
-            x = inputs[m].detach().requires_grad_(True) if needs_grad[m] else inputs[m]
-            with torch.enable_grad():
-                out = work(x)
-                if out.requires_grad:  # else nothing to differentiate: no trainable parameter, no input grad
-                    out.backward(grads[m])
+            _forward_backward(work, inputs[m], grads[m], needs_grad[m], loss_fn, copy_inputs=False)
 
         def region(call: Callable[[int], None], m: int, count: int) -> float:
             def run() -> None:
@@ -237,7 +237,7 @@ def profile_layer(
         for p in params:
             p.grad = None
         compute = step(lambda: tuple(
-            _peak_bytes(work, inputs[m], grads[m], needs_grad[m], resident_bytes, device) if measure_memory else 0
+            _peak_bytes(work, inputs[m], grads[m], needs_grad[m], resident_bytes, device, loss_fn) if measure_memory else 0
             for m in sizes
         ))
     fwd = tuple(summarize(fwd_samples[m], statistic) for m in sizes)
@@ -255,19 +255,29 @@ def profile_layer(
     )
 
 
-def _forward_backward(work: nn.Module, x: torch.Tensor, grad: torch.Tensor, needs_grad: bool) -> None:
-    x = x.clone()  # this micro-batch's input, brought to the device from the stash
-    g = grad.clone()  # its upstream gradient
-    if needs_grad:
-        x.requires_grad_(True)
+def _forward_backward(
+    work: nn.Module, x: torch.Tensor, grad: torch.Tensor, needs_grad: bool,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None, copy_inputs: bool = True,
+) -> None:
+    """One recompute-with-grad and backward of the layer, as the layered schedule runs it.
+
+    ``copy_inputs``: the micro-batch's input and upstream gradient are brought to the device
+    from the stash, so for the memory count they are fresh copies.
+    """
+    if copy_inputs:
+        x, grad = x.clone(), grad.clone()
+    x = x.detach().requires_grad_(True) if needs_grad else x
     with torch.enable_grad():
         out = work(x)
-        if out.requires_grad:
-            out.backward(g)
+        if loss_fn is not None:
+            loss_fn(out).backward()
+        elif out.requires_grad:  # else nothing to differentiate: no trainable parameter, no input grad
+            out.backward(grad)
 
 
 def _peak_bytes(
-    work: nn.Module, x: torch.Tensor, grad: torch.Tensor, needs_grad: bool, resident_bytes: int, device: torch.device
+    work: nn.Module, x: torch.Tensor, grad: torch.Tensor, needs_grad: bool, resident_bytes: int, device: torch.device,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> int:
     """Peak bytes of one forward + backward, counting the resident layer (see the module docstring)."""
     params = list(work.parameters())
@@ -278,12 +288,12 @@ def _peak_bytes(
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            _forward_backward(work, x, grad, needs_grad)
+            _forward_backward(work, x, grad, needs_grad, loss_fn)
             torch.cuda.synchronize(device)
             return int(torch.cuda.max_memory_allocated(device) - base + resident_bytes)
         # the layer was built before the tracker started: its bytes are the baseline
         with MemoryTracker(baseline_bytes=resident_bytes, label="profiler") as tracker:
-            _forward_backward(work, x, grad, needs_grad)
+            _forward_backward(work, x, grad, needs_grad, loss_fn)
         return int(tracker.peak_bytes)
     finally:
         for p in params:

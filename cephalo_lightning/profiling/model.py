@@ -140,6 +140,7 @@ def profile_model(
     on_progress: Callable[[int, int], None] | None = None,
     run_step: RunStep | None = None,
     statistic: str | None = None,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> ModelProfile:
     """Profile ``layers`` (the model in execution order) at micro-batch sizes ``1..max_micro_batch``.
 
@@ -149,7 +150,8 @@ def profile_model(
     memory held for the whole step on top (e.g. the gathered root unit). ``on_progress(done, total)``
     is called once the work is known and after every measurement round (for a progress bar).
     ``run_step`` runs each piece of measurement and ``statistic`` reduces the repeats (see
-    :func:`~.layer.profile_layer`).
+    :func:`~.layer.profile_layer`). ``loss_fn(last_output) -> loss``: measure the last layer with
+    the loss behind it (its time and, above all, its memory: a softmax over a vocabulary).
     """
     if not layers:
         raise ValueError("profile_model needs at least one layer")
@@ -164,6 +166,8 @@ def profile_model(
     sizes = tuple(range(1, max_micro_batch + 1))
     inputs = (run_step or run_now)(lambda: layer_inputs(layers, sample_input, device))
     signatures = [layer_signature(layer, x, batch_dim) for layer, x in zip(layers, inputs)]
+    if loss_fn is not None:  # the last layer is measured with the loss behind it
+        signatures[-1] += "+loss"
     distinct = list(dict.fromkeys(signatures))  # first appearance order
     total = len(distinct) * (warmup + repeats)
     done = 0
@@ -185,6 +189,7 @@ def profile_model(
             layers[first], lambda m, sample=sample: take_rows(sample, m, batch_dim), sizes,
             device=device, emulator=emulator, compute_dtype=compute_dtype, warmup=warmup, repeats=repeats,
             min_region_ms=min_region_ms, input_requires_grad=first > 0, measure_memory=measure_memory,
+            loss_fn=loss_fn if first == len(layers) - 1 else None,
             batch_dim=batch_dim, on_round=tick, run_step=run_step, statistic=statistic,
         )
         kinds.append(LayerKind(signature, type(layers[first]).__name__, indices, profile))

@@ -28,7 +28,7 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -217,6 +217,8 @@ class ClusterProfiler:
         device: where to compute (default: the current CUDA device, else the CPU).
         cache_dir: where cluster files are cached (``None``: no cache); ``force``: profile again.
         quiet: no progress bar and no log lines.
+        loss_fn: ``loss_fn(last_layer_output) -> loss``, so the last layer is measured with the
+            loss behind it (e.g. ``lambda out: module.cephalo_loss(out, batch_rows)``).
     """
 
     def __init__(
@@ -238,8 +240,10 @@ class ClusterProfiler:
         cache_dir: str | Path | None = None,
         force: bool = False,
         quiet: bool = False,
+        loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.layers = list(layers)
+        self.loss_fn = loss_fn
         if not self.layers:
             raise ValueError("ClusterProfiler needs the model's layers (e.g. cephalo_layers()); got none")
         if not isinstance(sample_input, torch.Tensor):
@@ -300,6 +304,7 @@ class ClusterProfiler:
                 "compute_dtype": str(self._compute_dtype()), "prefetch": opts.prefetch,
                 "resident_bytes": opts.resident_bytes, "measure_memory": opts.measure_memory,
                 "batch_dim": opts.batch_dim, "collectives": opts.collectives, "modes": list(opts.collective_modes),
+                "with_loss": self.loss_fn is not None,
             },
             "spec": [self.model_name, self.parameters, self.state_bytes_per_param, self.hidden_size, self.seq_len],
             "settings": asdict(self.settings),
@@ -323,7 +328,7 @@ class ClusterProfiler:
             emulator=self.emulator, compute_dtype=opts.compute_dtype, warmup=opts.warmup, repeats=opts.repeats,
             min_region_ms=opts.min_region_ms, prefetch=opts.prefetch, resident_bytes=opts.resident_bytes,
             measure_memory=opts.measure_memory, batch_dim=opts.batch_dim, on_progress=progress.rounds,
-            run_step=turns, statistic=opts.statistic,
+            run_step=turns, statistic=opts.statistic, loss_fn=self.loss_fn,
         )
 
     def _capacity_gb(self, ident: _Identity, ids: Sequence[_Identity]) -> float:
@@ -467,6 +472,7 @@ def profile_cluster(
     cache_dir: str | Path | None = None,
     force: bool = False,
     quiet: bool = False,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Cluster:
     """Profile every rank and return the planner's :class:`Cluster`; call it on every rank.
 
@@ -475,5 +481,5 @@ def profile_cluster(
     return ClusterProfiler(
         layers, sample_input, emulator=emulator, emulate=emulate, options=options, model_name=model_name,
         parameters=parameters, state_bytes_per_param=state_bytes_per_param, hidden_size=hidden_size, seq_len=seq_len,
-        settings=settings, group=group, device=device, cache_dir=cache_dir, force=force, quiet=quiet,
+        settings=settings, group=group, device=device, cache_dir=cache_dir, force=force, quiet=quiet, loss_fn=loss_fn,
     ).run().cluster

@@ -27,7 +27,7 @@ from torch import nn
 
 from cephalo_lightning.runtime.collectives import Collectives
 from cephalo_lightning.runtime.emulation import DeviceEmulator
-from cephalo_lightning.runtime.flat_unit import FlatUnit, ParamSlot
+from cephalo_lightning.runtime.flat_unit import FlatUnit, ParamSlot, set_module_param
 from cephalo_lightning.runtime.layout import ParamSpan, ShardLayout, build_layout
 from cephalo_lightning.runtime.wrap import WrapPolicy, check_no_shared_parameters, find_units
 
@@ -72,7 +72,7 @@ class ShardedModel:
         group: dist.ProcessGroup | None = None,
         collective: str = "padded",
         compute_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype | None = None,
         hooks: bool = True,
         prefetch: bool = True,
         record_collectives: bool = False,
@@ -303,11 +303,11 @@ class ShardedModel:
         device = self.root.device
         if norm_type == math.inf:
             local = torch.stack([g.abs().max() for g in grads if g.numel()]).max() if any(g.numel() for g in grads) else torch.zeros((), device=device)
-            total = local.clone().float()
+            total = local.clone().double()
             if self.world_size > 1:
                 dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.comm.group)
         else:
-            local = sum((g.float().abs().pow(norm_type).sum() for g in grads), torch.zeros((), device=device))
+            local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=device))
             total = self.comm.all_reduce_sum(local.clone()).pow(1.0 / norm_type)
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
@@ -318,12 +318,17 @@ class ShardedModel:
 
     @contextlib.contextmanager
     def summon_full_params(self) -> Iterator[None]:
-        """Every unit gathered (e.g. for a plain forward of the whole model); freed on exit."""
+        """Every unit gathered, the modules holding full parameters, the hooks off (e.g. for a
+        plain forward of the whole model, or profiling it); gradients computed inside are dropped."""
         for unit in self.units:
             unit.gather(self.comm)
         try:
-            yield
+            with self.hooks_disabled():
+                yield
         finally:
+            for unit in self.units:
+                for param in unit.full_params:
+                    param.grad = None
             self.free_all()
 
     @torch.no_grad()
@@ -336,3 +341,16 @@ class ShardedModel:
             for span in unit.spans:
                 out[span.name] = full[span.offset : span.offset + span.numel].view(span.shape).clone()
         return out
+
+    @torch.no_grad()
+    def release(self) -> None:
+        """Collective: give the module back unsharded (full fp32 parameters, no hooks).
+
+        Used to re-shard with new shares; afterwards this object must not be used again.
+        """
+        full = self.full_state_dict()
+        self.remove_hooks()
+        for unit in self.units:
+            unit.free()
+            for slot, span, requires_grad in zip(unit.slots, unit.spans, unit.requires_grad):
+                set_module_param(slot.module, slot.attr, nn.Parameter(full[span.name], requires_grad=requires_grad))

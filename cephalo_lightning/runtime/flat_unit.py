@@ -32,7 +32,7 @@ class ParamSlot:
     attr: str
 
 
-def _set_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
+def set_module_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
     # Swapping the registered Parameter object in place (as FSDP does) keeps hooks, names and
     # the module structure intact; nn.Module.__setattr__ would refuse a tensor of another shape.
     module._parameters[attr] = param
@@ -72,12 +72,14 @@ class FlatUnit:
         originals = [s.module._parameters[s.attr] for s in slots]
         self.device = device or (originals[0].device if originals else torch.device("cpu"))
         self.compute_dtype = compute_dtype or (originals[0].dtype if originals else torch.float32)
+        # the master copy is fp32 (fp64 stays fp64): optimizers never step 16-bit weights
+        self.master_dtype = torch.promote_types(originals[0].dtype, torch.float32) if originals else torch.float32
         self.requires_grad = [bool(p.requires_grad) for p in originals]
         self.trainable = any(self.requires_grad)
 
         lo, hi = layout.shard_range(rank)
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1).float() for p in originals]) if originals else torch.zeros(0)
+            flat = torch.cat([p.detach().reshape(-1).to(self.master_dtype) for p in originals]) if originals else torch.zeros(0)
             self.master = flat[lo:hi].to(self.device).clone()  # this rank's fp32 shard: the truth
         self.local_params: list[nn.Parameter] = []
         for span, requires_grad in zip(layout.params, self.requires_grad):
@@ -108,12 +110,12 @@ class FlatUnit:
     def use_local(self) -> None:
         """Modules hold the local pieces (what optimizers and state dicts see)."""
         for slot, param in zip(self.slots, self.local_params):
-            _set_param(slot.module, slot.attr, param)
+            set_module_param(slot.module, slot.attr, param)
 
     def use_full(self) -> None:
         """Modules hold full parameters (views of the gathered buffer) for compute."""
         for slot, param in zip(self.slots, self.full_params):
-            _set_param(slot.module, slot.attr, param)
+            set_module_param(slot.module, slot.attr, param)
 
     # ------------------------------------------------------------------ gather / free
 
@@ -148,8 +150,12 @@ class FlatUnit:
     def has_full_grads(self) -> bool:
         return any(p.grad is not None for p in self.full_params)
 
-    def take_full_grad(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The unit's full flat gradient (zeros where a parameter got none); clears the grads."""
+    def take_full_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The unit's full flat gradient (zeros where a parameter got none); clears the grads.
+
+        ``dtype`` defaults to the master's: gradients are reduced in fp32 (fp64 for fp64 models).
+        """
+        dtype = dtype or self.master_dtype
         pieces = []
         for span, param in zip(self.spans, self.full_params):
             grad = param.grad

@@ -76,16 +76,24 @@ class MemoryTracker(TorchDispatchMode):
         else:
             self.current_bytes -= nbytes
 
-    def _see(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type == "meta" or not hasattr(tensor, "untyped_storage"):
-            return
+    @staticmethod
+    def _storage(tensor: torch.Tensor) -> Any:
+        if tensor.device.type == "meta":
+            return None
         try:
-            storage = tensor.untyped_storage()
+            return tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+            return None
+
+    def _see(self, tensor: torch.Tensor, inputs: set[int]) -> None:
+        storage = self._storage(tensor)
+        if storage is None:
             return
         key = id(storage)
         nbytes = storage.nbytes()
-        if key in self._live or nbytes == 0:
+        # an output that aliases an input (a view, an in-place op, a collective's output buffer)
+        # allocated nothing, even when the input's storage predates the tracker
+        if key in self._live or key in inputs or nbytes == 0:
             return
         on_host = self._host_depth > 0
         self._live[key] = (nbytes, on_host)
@@ -93,9 +101,11 @@ class MemoryTracker(TorchDispatchMode):
         self._grow(nbytes, on_host)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {id(st) for t in _tensors([args, kwargs]) if (st := self._storage(t)) is not None}
         for tensor in _tensors(out):
-            self._see(tensor)
+            self._see(tensor, inputs)
         return out
 
     # ------------------------------------------------------------------ public
@@ -108,6 +118,12 @@ class MemoryTracker(TorchDispatchMode):
     def __exit__(self, *exc: Any) -> None:
         _ACTIVE.remove(self)
         super().__exit__(*exc)
+
+    @property
+    def active(self) -> bool:
+        """Whether it is counting now. It may be left and re-entered: what it counted stays
+        counted and frees are still seen while it is out (only new allocations are missed)."""
+        return self in _ACTIVE
 
     @contextlib.contextmanager
     def host(self) -> Iterator[None]:

@@ -30,6 +30,7 @@ class PlannedBatchSampler(Sampler[list[int]]):
                 "lower the global batch size or use more data"
             )
         self.rank = rank
+        self._switches: list[tuple[int, int, list[int]]] = []  # (epoch, step, new batch sizes)
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
@@ -57,11 +58,23 @@ class PlannedBatchSampler(Sampler[list[int]]):
         order = self.order()
         return order[step * self.global_batch_size : (step + 1) * self.global_batch_size].tolist()
 
+    def switch_sizes(self, batch_sizes: Sequence[int], epoch: int, step: int) -> None:
+        """From (epoch, step) on, cut global batches by ``batch_sizes`` (a new plan, same B)."""
+        if sum(batch_sizes) != self.global_batch_size or len(batch_sizes) != len(self.batch_sizes):
+            raise ValueError("a new plan must keep the world size and the global batch size")
+        self._switches.append((epoch, step, list(batch_sizes)))
+
+    def _apply_switches(self, step: int) -> None:
+        while self._switches and (self._switches[0][0], self._switches[0][1]) <= (self.epoch, step):
+            self.batch_sizes = self._switches.pop(0)[2]
+            self.offset = sum(self.batch_sizes[: self.rank])
+
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order()
         start, self._resume_at = self._resume_at, 0
-        size = self.batch_sizes[self.rank]
         for step in range(start, len(self)):
+            self._apply_switches(step)
+            size = self.batch_sizes[self.rank]
             first = step * self.global_batch_size
             if size:
                 yield order[first + self.offset : first + self.offset + size].tolist()

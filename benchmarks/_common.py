@@ -1,0 +1,176 @@
+"""Shared helpers for the CPU benchmarks: gloo ranks, interleaved timing, plain-text tables.
+
+Importing this module has no side effects. The benchmark scripts put ``benchmarks/`` (for this
+module) and the repository root (for ``cephalo_lightning``, when not installed) on ``sys.path``.
+
+Every figure these benchmarks print is a CPU measurement over gloo (processes on one machine), not
+a GPU/NCCL one; ratios are measured side by side in one run with the variants interleaved, so that
+the machine's noise hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CPU_NOTE = ("All figures are CPU measurements: ranks are processes on one machine talking over gloo "
+            "(torch {torch}, {cores} cores, {threads} thread(s) per rank), not GPUs over NCCL.")
+
+
+def environment_note(threads_per_rank: int = 1) -> str:
+    return CPU_NOTE.format(torch=torch.__version__, cores=os.cpu_count(), threads=threads_per_rank)
+
+
+def load_average() -> float:
+    """The machine's 1-minute load average (other processes competing for the cores add noise)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover - not on every platform
+        return float("nan")
+
+
+def load_note(before: float, after: float) -> str:
+    return (f"1-minute load average before / after the run: {before:.2f} / {after:.2f} on {os.cpu_count()} cores "
+            "(the benchmark's own ranks count; more than that means other processes competed for the cores).")
+
+
+# ----------------------------------------------------------------------------- gloo ranks
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, threads: int, fn: Callable[..., Any],
+            args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; the per-rank results in rank order.
+
+    ``fn`` must be a module-level function (ranks are spawned and import it), and a script that
+    calls this must guard its entry point with ``if __name__ == "__main__":`` (spawned ranks re-import
+    the main module). ``threads``: torch intra-op threads per rank (1 keeps W ranks from fighting
+    over the cores of a small machine).
+    """
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            mp.spawn(_worker, args=(world_size, free_port(), out_dir, threads, fn, args), nprocs=world_size,
+                     join=True)
+        except mp.ProcessRaisedException as err:
+            raise RuntimeError(f"a benchmark rank failed:\n{err}") from None
+        results = []
+        for rank in range(world_size):
+            record = torch.load(os.path.join(out_dir, f"{rank}.pt"), weights_only=False)
+            if not record["ok"]:
+                raise RuntimeError(f"benchmark rank {rank} failed:\n{record['error']}")
+            results.append(record["result"])
+        return results
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def interleaved_times(variants: Mapping[str, Callable[[], Any]], repeats: int, warmup: int = 2,
+                      sync: bool = True) -> dict[str, list[float]]:
+    """Wall seconds of every variant, run in alternating rounds: round i runs all variants, in an
+    order rotated by i (so no variant always goes first). ``warmup`` rounds are not recorded.
+
+    With ``sync`` (and a process group) every call is fenced by barriers, so the time is that of the
+    collective step as the slowest rank sees it. Every rank must call this with the same variants.
+    """
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(warmup + repeats):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            if sync:
+                barrier()
+            start = time.perf_counter()
+            variants[name]()
+            if sync:
+                barrier()
+            elapsed = time.perf_counter() - start
+            if i >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def max_over_ranks(values: Sequence[float]) -> list[float]:
+    """Element-wise maximum of a list of floats over the ranks (identity without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return list(values)
+    tensor = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
+    """Median of the per-round ratios: each ratio compares two runs taken seconds apart."""
+    return median([a / b for a, b in zip(numerator, denominator) if b > 0])
+
+
+def fit_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares s in y = 1 + s * x (a line through (0, 1))."""
+    num = sum(x * (y - 1.0) for x, y in zip(xs, ys))
+    den = sum(x * x for x in xs)
+    return num / den if den > 0 else 0.0
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
+    """A plain-text table, right-aligned columns; cells are formatted with ``str``."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    if title:
+        lines.append(title)
+    lines.append("  ".join(h.rjust(w) for h, w in zip(cells[0], widths)))
+    lines.append("  ".join("-" * w for w in widths))
+    for row in cells[1:]:
+        lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    return "\n".join(lines)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> None:
+    print(format_table(headers, rows, title))
+    print()
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f}"

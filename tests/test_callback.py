@@ -1,0 +1,157 @@
+"""CephaloCallback on an emulated heterogeneous CPU cluster: profile, plan, watch, re-plan, W&B."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
+from cephalo_lightning.planner import RankPlan
+from cephalo_lightning.runtime.memory import EmulatedOutOfMemoryError
+from tests.distributed import run_distributed
+
+SEQ = 32
+GLOBAL_BATCH = 16
+STEPS = 14
+SWITCH_AT = 5  # rank 0 becomes slow from this step on
+# rank 0: fast with little memory; rank 1: twice as slow with plenty of memory (all emulated)
+EMULATE = [{"slowdown": 1.0, "memory_gb": 0.025}, {"slowdown": 2.0, "memory_gb": 0.5}]  # fp64 sizes
+
+
+def module() -> pl.LightningModule:
+    from cephalo_lightning.demo import GPTModule
+
+    return GPTModule(preset="small", seq_len=SEQ, warmup_steps=2, lr_decay_steps=STEPS)
+
+
+def datamodule() -> pl.LightningDataModule:
+    from cephalo_lightning.demo import TextDataModule
+
+    return TextDataModule(seq_len=SEQ, batch_size=GLOBAL_BATCH, max_train_samples=GLOBAL_BATCH * STEPS)
+
+
+def _replan_run(rank: int, world: int, root: str):
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.loggers import WandbLogger
+
+    warnings.simplefilter("ignore")
+
+    class Throttle(Callback):  # a GPU that starts throttling mid-training
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == SWITCH_AT and trainer.global_rank == 0:
+                trainer.strategy.emulator.slowdown = 6.0
+
+    watcher = CephaloCallback(max_micro_batch=4, cache_dir=f"{root}/profiles", watch_every_n_steps=3,
+                              drift_threshold=0.5, replan=True, settings={"usable_memory_fraction": 0.8},
+                              print_plan=False, quiet=True)
+    seen_plans = []
+
+    class Record(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if not seen_plans or seen_plans[-1] != trainer.strategy.plan.batch_sizes:
+                seen_plans.append(list(trainer.strategy.plan.batch_sizes))
+
+    logger = WandbLogger(save_dir=root, offline=True, project="cephalo-test")
+    trainer = pl.Trainer(
+        strategy=CephaloStrategy(emulate=EMULATE), accelerator="cpu", devices=world, max_steps=STEPS,
+        callbacks=[watcher, Throttle(), Record()], logger=logger, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        limit_val_batches=0, default_root_dir=root, precision="64-true",
+    )
+    pl.seed_everything(0)
+    trainer.fit(module(), datamodule())
+    return {
+        "plans": seen_plans,
+        "initial": seen_plans[0],
+        "history": watcher.history,
+        "params": trainer.strategy.sharded.full_state_dict(),
+        "shares": trainer.strategy.plan.state_shares,
+        "cluster_slowdowns": [d.emulate.slowdown for d in watcher.cluster.devices],
+    }
+
+
+def reference_params() -> dict[str, torch.Tensor]:
+    """Single process on the same global batches: the sampler's documented order (seeded permutation)."""
+    pl.seed_everything(0)
+    model = module().double()
+    data = datamodule()
+    data.setup("fit")
+    dataset = data.train_dataset
+    optimizer_config = model.configure_optimizers()
+    optimizer, scheduler = optimizer_config["optimizer"], optimizer_config["lr_scheduler"]["scheduler"]
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
+    for step in range(STEPS):
+        idx = order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
+        x = torch.stack([dataset[int(i)][0] for i in idx])
+        y = torch.stack([dataset[int(i)][1] for i in idx])
+        loss = model.model.loss(model(x), y)  # token ids: no dtype change needed
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def replan_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replan")
+    return run_distributed(_replan_run, 2, str(root)), root
+
+
+@pytest.mark.multiprocess
+def test_profiled_plan_gives_the_slow_rank_less_batch_and_the_small_rank_less_state(replan_run):
+    results, _ = replan_run
+    first = results[0]["initial"]
+    assert first[1] < first[0], first  # rank 1 is the slow one
+    history = results[0]["history"]
+    assert history and all(len(h["ranks"]) == 2 for h in history)
+
+
+@pytest.mark.multiprocess
+def test_throttled_rank_is_detected_and_the_run_replans_without_losing_state(replan_run):
+    results, root = replan_run
+    plans = results[0]["plans"]
+    assert len(plans) >= 2, f"no re-plan happened: {plans}"
+    assert plans[-1][0] < plans[0][0], plans  # rank 0 throttled to x6: it gets fewer samples now
+    assert any(0 in h["drifting"] for h in results[0]["history"])
+    assert results[0]["cluster_slowdowns"][0] == pytest.approx(6.0)  # re-profiled as emulated x6
+    assert list((root / "cephalo-replan").iterdir()), "the re-plan writes a checkpoint of the old layout"
+    want = reference_params()
+    got = results[0]["params"]
+    # fp64 on both sides: Adam's first steps are sign-like and would turn fp32 roundoff in
+    # (near-)zero gradients into lr-sized differences between any two summation orders
+    err = max((got[k] - v).abs().max().item() for k, v in want.items())
+    assert err <= 1e-9, err  # the same parameters as single-process training, hence as a fresh resume
+
+
+@pytest.mark.multiprocess
+def test_offline_wandb_run_has_the_plan_table_and_per_rank_series(replan_run):
+    _, root = replan_run
+    runs = list((root / "wandb").glob("offline-run-*"))
+    assert runs, "no offline W&B run directory"
+    files = [p for p in runs[0].rglob("*") if p.is_file()]
+    tables = [json.loads(p.read_text()) for p in files if p.name.endswith(".table.json")]
+    plans = [t for t in tables if t["columns"][:3] == ["rank", "device", "batch"]]
+    assert len(plans) >= 2 and all(len(t["data"]) == 2 for t in plans)  # the first plan and the re-plan
+    assert any(t["columns"][:2] == ["rank", "device"] and "layer_fwd_ms" in t["columns"] for t in tables)
+    blob = b"".join(p.read_bytes() for p in runs[0].glob("*.wandb"))
+    assert b"cephalo/rank0/measured_busy_s" in blob and b"cephalo/rank1/predicted_busy_s" in blob
+
+
+def test_plan_beyond_an_emulated_capacity_raises_out_of_memory():
+    warnings.simplefilter("ignore")
+    plan = Plan(8, "layered", (RankPlan(0, "tiny", 8, 1, 8, 1.0),))
+    trainer = pl.Trainer(
+        strategy=CephaloStrategy(plan=plan, emulate=[{"memory_gb": 0.004}]), accelerator="cpu", devices=1,
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+    )
+    from cephalo_lightning.demo import TextDataModule
+
+    with pytest.raises(EmulatedOutOfMemoryError, match="Emulated out of memory on rank 0") as err:
+        trainer.fit(module(), TextDataModule(seq_len=SEQ, batch_size=8, max_train_samples=32))
+    assert isinstance(err.value, torch.OutOfMemoryError)
