@@ -42,6 +42,7 @@ from cephalo_lightning.planner import Cluster, Plan, PlanningError, load_cluster
 from cephalo_lightning.planner import plan as make_plan
 from cephalo_lightning.precision import sharded_precision
 from cephalo_lightning.runtime import checkpoint
+from cephalo_lightning.runtime.collectives import resolve_mode
 from cephalo_lightning.runtime.emulation import DeviceEmulator, emulator_for_rank
 from cephalo_lightning.runtime.engine import ShardedModel
 from cephalo_lightning.runtime.layered import LayeredSchedule
@@ -77,7 +78,8 @@ class CephaloStrategy(ParallelStrategy):
         mode: ``"layered"`` (per-rank micro-batch counts; needs the layered protocol on the
             LightningModule), ``"uniform"`` (any model; one micro-batch count for all ranks) or
             ``"auto"`` (layered when the protocol is there).
-        collective: how uneven shards move: ``"padded"`` or ``"exact"``.
+        collective: how uneven shards move: ``"padded"``, ``"exact"`` or ``"auto"`` (exact on
+            gloo, padded on NCCL).
         units: the wrap policy: module classes (or their import paths); default: the blocks of
             the largest ``nn.ModuleList``. Ignored in layered mode (the layers are the units).
         param_dtype: dtype of gathered parameters for compute (e.g. ``"bf16"``); default: the
@@ -100,7 +102,7 @@ class CephaloStrategy(ParallelStrategy):
         cluster: Cluster | str | Path | None = None,
         global_batch_size: int | None = None,
         mode: Mode = "auto",
-        collective: Literal["padded", "exact"] = "padded",
+        collective: Literal["auto", "padded", "exact"] = "auto",
         units: Sequence[type[nn.Module] | str] | None = None,
         param_dtype: str | None = None,
         emulate: Sequence[dict[str, float] | None] | None = None,
@@ -202,6 +204,7 @@ class CephaloStrategy(ParallelStrategy):
         self._process_group_backend = backend
         kwargs = {"timeout": self._timeout} if self._timeout is not None else {}
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self.collective = resolve_mode(self.collective)  # the backend is known now
         self.emulator = emulator_for_rank(self._emulation_specs(), self.global_rank, self.world_size,
                                           synchronize_cuda=self.root_device.type == "cuda")
 

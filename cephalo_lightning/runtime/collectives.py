@@ -21,6 +21,17 @@ from cephalo_lightning.runtime.layout import UnitLayout
 
 COLLECTIVE_MODES = ("padded", "exact")
 
+
+def resolve_mode(mode: str, group: dist.ProcessGroup | None = None) -> str:
+    """``"auto"``: ``exact`` on gloo (faster at every imbalance measured there, see
+    benchmarks/bench_runtime.py), ``padded`` elsewhere (NCCL's equal-size collectives are fast)."""
+    if mode in COLLECTIVE_MODES:
+        return mode
+    if mode != "auto":
+        raise ValueError(f"collective mode must be 'auto' or one of {COLLECTIVE_MODES}, got {mode!r}")
+    distributed = dist.is_available() and dist.is_initialized()
+    return "exact" if distributed and dist.get_backend(group) == "gloo" else "padded"
+
 # torch 2.13 renamed the equal-size collectives (the old names warn); keep older torch working.
 _all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_equal = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -52,13 +63,12 @@ class Collectives:
     """Collectives of one process group (``None`` = single process)."""
 
     group: dist.ProcessGroup | None = None
-    mode: str = "padded"
+    mode: str = "auto"
     record: bool = False
     log: list[tuple[str, str, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.mode not in COLLECTIVE_MODES:
-            raise ValueError(f"collective mode must be one of {COLLECTIVE_MODES}, got {self.mode!r}")
+        self.mode = resolve_mode(self.mode, self.group)
         self.world_size = dist.get_world_size(self.group) if self._distributed else 1
         self.rank = dist.get_rank(self.group) if self._distributed else 0
         # Gloo's reduce_scatter_tensor is slower than its all_reduce; all_to_all_single plus a local

@@ -70,7 +70,7 @@ class ShardedModel:
         *,
         units: WrapPolicy = None,
         group: dist.ProcessGroup | None = None,
-        collective: str = "padded",
+        collective: str = "auto",
         compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         hooks: bool = True,
