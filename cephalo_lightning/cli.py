@@ -22,15 +22,19 @@ class CephaloCLI(LightningCLI):
         parser.add_argument("--vars", type=dict, default={}, help="shared values for ${vars.*} interpolation")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    CephaloCLI(
+def run_cli(args: list[str]) -> CephaloCLI:
+    """Parse ``args`` (``fit --config ...``) and run the subcommand; returns the CLI (its trainer)."""
+    return CephaloCLI(
         args=args,
         subclass_mode_model=True,
         subclass_mode_data=True,
         parser_kwargs={"parser_mode": "omegaconf"},
         save_config_kwargs={"overwrite": True},
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    run_cli(list(sys.argv[1:] if argv is None else argv))
     return 0
 
 

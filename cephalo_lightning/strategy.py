@@ -439,8 +439,14 @@ class CephaloStrategy(ParallelStrategy):
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
+        if trainer is None or not isinstance(dataloader, DataLoader):
             return dataloader
+        if trainer.state.stage == RunningStage.TRAINING:
+            return self._training_loader(dataloader)
+        return self._evaluation_loader(dataloader)
+
+    def _training_loader(self, dataloader: DataLoader) -> DataLoader:
+        """Every rank the same number of steps, each its own slice of every global batch."""
         loader_batch = dataloader.batch_size
         if self.plan is None:
             batch = self.global_batch_size or loader_batch
@@ -461,6 +467,27 @@ class CephaloStrategy(ParallelStrategy):
         return PlannedDataLoader(
             dataloader.dataset, batch_sampler=self._sampler, num_workers=dataloader.num_workers,
             collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory,
+            worker_init_fn=dataloader.worker_init_fn, persistent_workers=dataloader.persistent_workers,
+        )
+
+    def _evaluation_loader(self, dataloader: DataLoader) -> DataLoader:
+        """Evenly sharded samples (Lightning's sampler), in batches every rank can hold.
+
+        The DataLoader's ``batch_size`` is a global batch here too. Every rank must run the same
+        number of evaluation forwards (each gathers the units), so all use one batch size: the
+        plan's smallest micro-batch, which fits beside the state on every rank.
+        """
+        if dataloader.batch_size is None:
+            return dataloader  # a custom batch sampler: the user decides
+        if self.plan is not None:
+            size = min((r.micro_batch_size for r in self.plan.ranks if r.batch_size), default=1)
+        else:
+            size = -(-dataloader.batch_size // self.world_size)
+        if size >= dataloader.batch_size:
+            return dataloader
+        return DataLoader(
+            dataloader.dataset, batch_size=size, sampler=dataloader.sampler, num_workers=dataloader.num_workers,
+            collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory, drop_last=dataloader.drop_last,
             worker_init_fn=dataloader.worker_init_fn, persistent_workers=dataloader.persistent_workers,
         )
 

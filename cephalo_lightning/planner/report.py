@@ -105,7 +105,10 @@ def render_plan(plan: Plan, width: int = 120) -> str:
 
 def print_plan(plan: Plan, console: Console | None = None) -> None:
     """Print the table and summary to the terminal (or the given console)."""
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # a pipe or a log file: do not squeeze the table into 80 columns
+            console = Console(width=120)
     console.print(rank_table(plan))
     for line in summary_lines(plan):
         console.print(line, highlight=False, markup=False)

@@ -21,8 +21,9 @@ interleave the micro-batch sizes so that drift affects them alike. The repeats a
 their minimum on CPU (interference from a shared host only adds time) and their median on CUDA
 (:func:`~.timing.default_statistic`).
 
-Compute memory is the peak of one micro-batch's forward + backward of the layer, apart from the
-training state: the layer's gathered parameters (in the compute dtype) and buffers, the
+Compute memory is the peak of a micro-batch's forward + backward of the layer, apart from the
+training state, measured on the SECOND of two micro-batches, so that the layer's gradient
+accumulated from the first is resident as it is whenever a rank runs more than one: the layer's gathered parameters (in the compute dtype) and buffers, the
 micro-batch's input and upstream gradient, activations, temporaries, the input gradient and the
 full parameter gradients. On CPU it is counted by a :class:`~cephalo_lightning.runtime.memory.MemoryTracker`
 in a separate untimed pass (the accounting is slow); on CUDA it is the allocator's peak.
@@ -288,12 +289,14 @@ def _peak_bytes(
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            _forward_backward(work, x, grad, needs_grad, loss_fn)
+            for _ in range(2):
+                _forward_backward(work, x, grad, needs_grad, loss_fn)
             torch.cuda.synchronize(device)
             return int(torch.cuda.max_memory_allocated(device) - base + resident_bytes)
         # the layer was built before the tracker started: its bytes are the baseline
         with MemoryTracker(baseline_bytes=resident_bytes, label="profiler") as tracker:
-            _forward_backward(work, x, grad, needs_grad, loss_fn)
+            for _ in range(2):  # the second micro-batch runs beside the first one's gradient
+                _forward_backward(work, x, grad, needs_grad, loss_fn)
         return int(tracker.peak_bytes)
     finally:
         for p in params:
