@@ -221,7 +221,8 @@ class CephaloCallback(Callback):
         assert strategy.plan is not None
         self._samples += strategy.plan.global_batch_size
         if self._throughput is not None:
-            self._throughput.update(time=time.perf_counter() - self._t0, batches=trainer.global_step, samples=self._samples)
+            # this run's steps (a resumed run's global_step also counts the steps before the resume)
+            self._throughput.update(time=time.perf_counter() - self._t0, batches=len(self._all_walls), samples=self._samples)
         if self.watch_every_n_steps and len(self._window) >= self.watch_every_n_steps:
             self._watch(trainer, strategy)
             self._window = []

@@ -22,13 +22,22 @@ class CephaloCLI(LightningCLI):
         parser.add_argument("--vars", type=dict, default={}, help="shared values for ${vars.*} interpolation")
 
 
-def run_cli(args: list[str]) -> CephaloCLI:
-    """Parse ``args`` (``fit --config ...``) and run the subcommand; returns the CLI (its trainer)."""
+def run_cli(args: list[str], run: bool = True) -> CephaloCLI:
+    """Parse ``args`` (``fit --config ...``) and run the subcommand; returns the CLI (its trainer).
+
+    ``omegaconf+`` resolves ``${vars.x}`` after every config file and command-line override is
+    merged, so ``--vars.steps=40`` reaches every place that interpolates it; relative interpolation
+    paths (jsonargparse's setting) keep nested ``class_path``/``init_args`` resolvable.
+    """
+    import jsonargparse
+
+    jsonargparse.set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
     return CephaloCLI(
         args=args,
+        run=run,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        parser_kwargs={"parser_mode": "omegaconf"},
+        parser_kwargs={"parser_mode": "omegaconf+"},
         save_config_kwargs={"overwrite": True},
     )
 

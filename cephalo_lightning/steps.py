@@ -61,6 +61,12 @@ class LayeredSteps:
         sizes = ctx.rank_plan.micro_batch_sizes
         parts = micro_batches(batch, sizes) if sizes else []
         inputs = [self.module.cephalo_input(part) for part in parts]
+        if any(x.requires_grad for x in inputs):
+            raise TypeError(
+                "cephalo_input returned a tensor that needs a gradient: it used parameters, which the "
+                "layered schedule cannot train there. Move that computation (e.g. the embedding) into "
+                "the first of cephalo_layers(); cephalo_input should only pick tensors out of the batch"
+            )
         weights = [w / ctx.accumulate for w in ctx.weights()]
         local = self.schedule.forward(inputs, lambda k, out: self.module.cephalo_loss(out, parts[k]), weights)
         return global_sum(local) * ctx.accumulate  # Lightning divides what we return by `accumulate`

@@ -34,15 +34,20 @@ from cephalo_lightning.runtime.wrap import WrapPolicy, check_no_shared_parameter
 ROOT = "<root>"
 
 
-def _slots_of(module: nn.Module, prefix: str, exclude: set[int]) -> list[ParamSlot]:
-    """(name, owning module, attribute) for the parameters under ``module`` not in ``exclude``."""
+def _slots_of(module: nn.Module, names: dict[int, str], exclude: set[int]) -> list[ParamSlot]:
+    """Where the parameters under ``module`` (not in ``exclude``) are registered, once each.
+
+    A module reachable by two paths (an adapter that wraps a submodule, say) is one module: its
+    parameters get one slot, under the model's canonical name (``named_parameters()``'s, which is
+    also what ``state_dict()`` uses).
+    """
     slots = []
-    for mod_name, mod in module.named_modules(prefix=prefix, remove_duplicate=False):
+    for mod in module.modules():  # each module object once
         if id(mod) in exclude:
             continue
         for attr, param in mod._parameters.items():
             if param is not None:
-                slots.append(ParamSlot(f"{mod_name}.{attr}" if mod_name else attr, mod, attr))
+                slots.append(ParamSlot(names[id(param)], mod, attr))
     return slots
 
 
@@ -89,9 +94,10 @@ class ShardedModel:
         check_no_shared_parameters(module, unit_modules)
         self.unit_modules: list[nn.Module] = list(unit_modules)
         names = {id(m): n for n, m in module.named_modules()}
+        param_names = {id(p): n for n, p in module.named_parameters()}
         inside = {id(m) for u in unit_modules for m in u.modules()}
-        groups = [(ROOT, _slots_of(module, "", inside))]
-        groups += [(names[id(u)] or type(u).__name__, _slots_of(u, names[id(u)], set())) for u in unit_modules]
+        groups = [(ROOT, _slots_of(module, param_names, inside))]
+        groups += [(names[id(u)] or type(u).__name__, _slots_of(u, param_names, set())) for u in unit_modules]
 
         spans_per_unit = []
         for _, slots in groups:

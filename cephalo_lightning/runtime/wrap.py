@@ -64,16 +64,23 @@ def find_units(model: nn.Module, policy: WrapPolicy = None) -> list[nn.Module]:
 
 
 def check_no_shared_parameters(model: nn.Module, units: Sequence[nn.Module]) -> None:
-    """A parameter used by two units cannot be owned by one shard; say which and how to fix."""
-    seen: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in seen and seen[id(param)] != name:
-            raise WrapPolicyError(
-                f"parameters {seen[id(param)]!r} and {name!r} are the same tensor (tied weights). "
-                "Cephalo shards each unit's parameters separately: untie them, or keep both users "
-                "inside one unit"
-            )
-        seen[id(param)] = name
+    """A parameter held by two modules (tied weights) cannot be owned by one shard; say which.
+
+    One module reachable by two paths (an adapter wrapping a submodule) is not tying: it is the
+    same module, and its parameters are sharded once.
+    """
+    holders: dict[int, tuple[str, int]] = {}
+    for mod_name, mod in model.named_modules():
+        for attr, param in mod._parameters.items():
+            if param is None:
+                continue
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            first = holders.setdefault(id(param), (name, id(mod)))
+            if first[1] != id(mod):
+                raise WrapPolicyError(
+                    f"parameters {first[0]!r} and {name!r} are the same tensor (tied weights). Cephalo "
+                    "shards each unit's parameters separately: untie them (give the head its own weight)"
+                )
     owners: dict[int, int] = {}
     for i, unit in enumerate(units):
         for param in unit.parameters():
