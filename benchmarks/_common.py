@@ -174,3 +174,88 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
 
 def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f}"
+
+
+# ----------------------------------------------------------------------------- Lightning fits on gloo ranks
+
+
+def quiet_lightning() -> None:
+    """Silence Lightning's info lines and warnings inside benchmark ranks (tables stay readable)."""
+    import logging
+    import warnings
+
+    warnings.simplefilter("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero",
+                 "cephalo_lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def pin_threads(threads: int) -> None:
+    """Same intra-op threads for every strategy of a run (CephaloStrategy picks its own count unless
+    ``OMP_NUM_THREADS`` is set; the built-in strategies keep the process's)."""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_STEP_TIMER: type | None = None
+
+
+def step_timer() -> Any:
+    """A Lightning ``Callback`` recording wall clock at every ``on_train_batch_start`` / ``_end``.
+
+    ``step_s(skip)``: start -> end of each batch (training_step, backward, optimizer step, the
+    strategy's and callbacks' batch hooks); ``iteration_s(skip)``: end -> next end (everything the
+    loop does per batch, data loading and logging included); ``cpu_s(skip)``: the process's CPU
+    time from start to end of each batch (all its threads; time spent waiting, for a collective or
+    for a core that another program holds, does not count, so it is far less sensitive to the
+    machine's load than wall time). ``skip`` leaves out warm-up batches. Built lazily so that
+    importing this module does not import Lightning.
+    """
+    global _STEP_TIMER
+    if _STEP_TIMER is None:
+        from lightning.pytorch.callbacks import Callback
+
+        class StepTimer(Callback):
+            def __init__(self) -> None:
+                self.starts: list[float] = []
+                self.ends: list[float] = []
+                self.cpu_starts: list[float] = []
+                self.cpu_ends: list[float] = []
+
+            def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+                self.cpu_starts.append(time.process_time())
+                self.starts.append(time.perf_counter())
+
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                                   batch_idx: int) -> None:
+                self.ends.append(time.perf_counter())
+                self.cpu_ends.append(time.process_time())
+
+            def cpu_s(self, skip: int = 0) -> list[float]:
+                return [e - s for s, e in zip(self.cpu_starts, self.cpu_ends)][skip:]
+
+            def step_s(self, skip: int = 0) -> list[float]:
+                return [e - s for s, e in zip(self.starts, self.ends)][skip:]
+
+            def iteration_s(self, skip: int = 0) -> list[float]:
+                return [b - a for a, b in zip(self.ends, self.ends[1:])][max(0, skip - 1):]
+
+        _STEP_TIMER = StepTimer
+    return _STEP_TIMER()
+
+
+def rotated(names: Sequence[str], round_index: int) -> list[str]:
+    """``names`` rotated by ``round_index`` (round i starts with a different variant)."""
+    shift = round_index % len(names)
+    return list(names[shift:]) + list(names[:shift])
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1, linear interpolation); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
