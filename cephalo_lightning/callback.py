@@ -53,6 +53,16 @@ def _index_batch(batch: Any, index: torch.Tensor) -> Any:
     return batch
 
 
+def _loss_behind_last_layer(module: pl.LightningModule, sample: Any) -> Any:
+    """``out -> cephalo_loss(out, rows)`` for any micro-batch size (sample rows repeat as needed)."""
+    rows = leading_size(sample) or 1
+
+    def loss(out: torch.Tensor) -> torch.Tensor:
+        return module.cephalo_loss(out, _index_batch(sample, torch.arange(out.shape[0]) % rows))
+
+    return loss
+
+
 def _gather(obj: Any) -> list[Any]:
     if not (dist.is_available() and dist.is_initialized()):
         return [obj]
@@ -170,11 +180,7 @@ class CephaloCallback(Callback):
         loss_fn = None
         if layered:
             layers, first_input = list(module.cephalo_layers()), module.cephalo_input(sample)
-
-            def loss_fn(out: torch.Tensor) -> torch.Tensor:  # the loss behind the last layer, any size m
-                rows = leading_size(sample) or 1
-                index = torch.arange(out.shape[0]) % rows
-                return module.cephalo_loss(out, _index_batch(sample, index))
+            loss_fn = _loss_behind_last_layer(module, sample)
         else:
             example = getattr(module, "example_input_array", None)
             if example is None:

@@ -47,7 +47,6 @@ from cephalo_lightning.runtime.emulation import DeviceEmulator, emulator_for_ran
 from cephalo_lightning.runtime.engine import ShardedModel
 from cephalo_lightning.runtime.layered import LayeredSchedule
 from cephalo_lightning.runtime.memory import MemoryTracker
-from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime.sampler import PlannedBatchSampler, PlannedDataLoader
 from cephalo_lightning.steps import LAYERED_PROTOCOL, LayeredSteps, StepContext, UniformSteps, has_layered_protocol
 
