@@ -11,17 +11,15 @@ the machine's noise hits all of them alike.
 from __future__ import annotations
 
 import os
-import socket
 import statistics
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from cephalo_lightning.runtime.local_ranks import run_local_ranks
 
 CPU_NOTE = ("All figures are CPU measurements: ranks are processes on one machine talking over gloo "
             "(torch {torch}, {cores} cores, {threads} thread(s) per rank), not GPUs over NCCL.")
@@ -47,49 +45,9 @@ def load_note(before: float, after: float) -> str:
 # ----------------------------------------------------------------------------- gloo ranks
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, out_dir: str, threads: int, fn: Callable[..., Any],
-            args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        result = fn(rank, world_size, *args)
-        torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
-    except BaseException:
-        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; the per-rank results in rank order.
-
-    ``fn`` must be a module-level function (ranks are spawned and import it), and a script that
-    calls this must guard its entry point with ``if __name__ == "__main__":`` (spawned ranks re-import
-    the main module). ``threads``: torch intra-op threads per rank (1 keeps W ranks from fighting
-    over the cores of a small machine).
-    """
-    with tempfile.TemporaryDirectory() as out_dir:
-        try:
-            mp.spawn(_worker, args=(world_size, free_port(), out_dir, threads, fn, args), nprocs=world_size,
-                     join=True)
-        except mp.ProcessRaisedException as err:
-            raise RuntimeError(f"a benchmark rank failed:\n{err}") from None
-        results = []
-        for rank in range(world_size):
-            record = torch.load(os.path.join(out_dir, f"{rank}.pt"), weights_only=False)
-            if not record["ok"]:
-                raise RuntimeError(f"benchmark rank {rank} failed:\n{record['error']}")
-            results.append(record["result"])
-        return results
+    """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (see ``run_local_ranks``)."""
+    return run_local_ranks(fn, world_size, *args, threads=threads)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -259,3 +217,25 @@ def quantile(values: Sequence[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+
+
+def max_over_rank_results(per_rank: Sequence[Mapping[str, Sequence[Mapping[str, Any]]]],
+                          keys: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """Combine the ranks' ``{variant: [fit, ...]}`` results: for each fit, the element-wise maximum
+    over the ranks of each per-batch list in ``keys`` (a batch takes as long as its slowest rank);
+    other fields come from rank 0.
+
+    Done in the parent rather than with a collective at the end of the ranks' work: a spawned rank
+    whose last act is a collective can abort at exit (SIGABRT, "terminate called without an active
+    exception") when gloo's worker thread is still releasing that collective's tensors while Python
+    finalizes (pytorch#190489); seen in about 1 run in 3 on a loaded 2-core machine.
+    """
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name, fits in per_rank[0].items():
+        out[name] = []
+        for i, fit in enumerate(fits):
+            merged = dict(fit)
+            for key in keys:
+                merged[key] = [max(values) for values in zip(*(r[name][i][key] for r in per_rank))]
+            out[name].append(merged)
+    return out

@@ -374,7 +374,6 @@ def print_report(result: dict[str, Any]) -> None:
               f"max |param difference| cephalo vs FSDP2 = {row0['max_abs_param_diff']:.2e} (the parameters moved by "
               f"up to {row0['max_abs_param_change']:.2e} from their init)\n")
     if result["collectives"]:
-        fits = {(f["mode"], f["op"], f["world_size"]): f for f in result["collective_fits"]}
         slope = result["fitted_uneven_slope"]
         rows = []
         for r in result["collectives"]:

@@ -162,7 +162,7 @@ def _killed_during_training(rank: int, world: int, ckpt_dir: str):
 
 @pytest.mark.multiprocess
 def test_sigkill_during_training_leaves_the_last_checkpoint_loadable(tmp_path):
-    with pytest.raises((mp.ProcessExitedException, AssertionError)):
+    with pytest.raises((mp.ProcessExitedException, RuntimeError)):  # rank 0 killed, rank 1 loses its peer
         run_distributed(_killed_during_training, 2, str(tmp_path))
     last = tmp_path / "last.ckpt"
     assert checkpoint.is_checkpoint(last)

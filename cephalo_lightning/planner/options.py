@@ -211,6 +211,20 @@ class DeviceModel:
         n = n[self.share_cap[-(-b // n)] >= share - 1e-12]
         return self._fastest(b, n, ag, rs)
 
+    def fewest_within(self, b: int, share: float, ag: float, rs: float, budget_ms: float) -> int | None:
+        """The fewest micro-batches that fit beside ``share`` and finish within the step budget.
+
+        A rank that is not the bottleneck gains nothing from being faster; fewer, larger
+        micro-batches cost less per-micro-batch overhead than the model may know (on CPU it
+        measures none), so among equally good plans this one runs fastest.
+        """
+        if b == 0:
+            return 1
+        n = np.arange(1, b + 1, dtype=np.int64)
+        n = n[self.share_cap[-(-b // n)] >= share - 1e-12]
+        ok = n[self.layer_ms(np.full(len(n), b), n, ag, rs) <= budget_ms * (1 + 1e-9)]
+        return int(ok[0]) if len(ok) else None
+
     def _fastest(self, b: int, n: np.ndarray, ag: float, rs: float) -> int:
         times = self.layer_ms(np.full(len(n), b), n, ag, rs)
         return int(n[np.nonzero(times <= times.min() * (1 + 1e-12))[0][0]])

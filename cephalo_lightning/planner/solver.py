@@ -184,6 +184,10 @@ class _Problem:
             raise RuntimeError("shares do not fit after trimming")
         if n_fixed is None:  # larger micro-batches where the share leaves room: never slower
             micro = [m.split_for_share(b, r, ag, rs) for m, b, r in zip(models, batch, shares)]
+            step = max(c.step_s for c in evaluate(self.cluster, batch, micro, shares))
+            # then, off the critical path, the fewest micro-batches that keep within the step
+            budget = step * 1e3 / self.cluster.model.num_layers
+            micro = [m.fewest_within(b, r, ag, rs, budget) or n for m, b, r, n in zip(models, batch, shares, micro)]
         step = max(c.step_s for c in evaluate(self.cluster, batch, micro, shares))
         return Assignment(tuple(batch), tuple(micro), tuple(shares), step)
 

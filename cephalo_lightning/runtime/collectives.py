@@ -86,6 +86,8 @@ class Collectives:
 
     def all_gather(self, shard: torch.Tensor, out: torch.Tensor, unit: UnitLayout, async_op: bool = False) -> PendingGather:
         """Fill ``out`` (the unit's full flat buffer) from every rank's ``shard``."""
+        if unit.numel == 0:  # nothing to move (e.g. a root unit without parameters): same on every rank
+            return PendingGather(out)
         self._note("all_gather", unit)
         if self.world_size == 1:
             out.copy_(shard)

@@ -1,0 +1,208 @@
+"""Run every benchmark and write ``benchmarks/report/REPORT.md`` with plots (``make bench``).
+
+    python benchmarks/report.py            # full runs (~10-15 min on 2 cores)
+    python benchmarks/report.py --quick    # each benchmark's --quick configuration (~4 min)
+
+Each section holds the benchmark's own printed tables (what it measured, emulated or predicted)
+and a plot of its headline figure; ``results.json`` keeps the raw rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "report"
+
+
+def _modules() -> dict[str, Any]:
+    sys.path.insert(0, str(HERE))
+    import bench_emulated
+    import bench_layered
+    import bench_planner
+    import bench_runtime
+    import bench_strategy
+
+    return {"planner": bench_planner, "runtime": bench_runtime, "layered": bench_layered,
+            "strategy": bench_strategy, "emulated": bench_emulated}
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def _figure(name: str, draw: Callable[[Any], str]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    title = draw(ax)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(OUT / f"{name}.png", dpi=110)
+    plt.close(fig)
+    return f"![{title}]({name}.png)"
+
+
+def plot_planner(rows: list[dict[str, Any]]) -> str:
+    def draw(ax: Any) -> str:
+        for gpus in sorted({r["gpus"] for r in rows}):
+            mine = [r for r in rows if r["gpus"] == gpus]
+            ax.plot([r["global_batch"] for r in mine], [r["plan_s"] for r in mine], marker="o", label=f"{gpus} GPUs")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("global batch")
+        ax.set_ylabel("planner time (s, measured)")
+        ax.legend()
+        return "Planner wall time (measured on this CPU)"
+
+    return _figure("planner_time", draw)
+
+
+def plot_planner_quality(rows: list[dict[str, Any]]) -> str:
+    def draw(ax: Any) -> str:
+        for gpus in sorted({r["gpus"] for r in rows}):
+            mine = [r for r in rows if r["gpus"] == gpus and r.get("speedup_vs_even")]
+            if mine:
+                ax.plot([r["global_batch"] for r in mine], [r["speedup_vs_even"] for r in mine], marker="o",
+                        label=f"{gpus} GPUs")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("global batch")
+        ax.set_ylabel("plan / even (predicted samples/s)")
+        ax.legend()
+        return "Cephalo plan vs the even split (predicted; catalog cluster)"
+
+    return _figure("planner_vs_even", draw)
+
+
+def plot_collectives(rows: list[dict[str, Any]]) -> str:
+    def draw(ax: Any) -> str:
+        for world in sorted({r["world_size"] for r in rows}):
+            mine = sorted((r for r in rows if r["world_size"] == world and r["op"] == "all_gather"),
+                          key=lambda r: r["imbalance"])
+            ax.plot([r["imbalance"] for r in mine], [r["padded_ratio"] for r in mine], marker="o", label=f"padded W={world}")
+            ax.plot([r["imbalance"] for r in mine], [r["exact_ratio"] for r in mine], marker="s", ls="--",
+                    label=f"exact W={world}")
+        ax.set_xlabel("imbalance W*rho - 1")
+        ax.set_ylabel("all-gather time / even (measured)")
+        ax.legend(fontsize=7)
+        return "Uneven all-gather cost, padded vs exact (gloo, measured)"
+
+    return _figure("collectives", draw)
+
+
+def plot_layered_memory(rows: list[dict[str, Any]]) -> str:
+    def draw(ax: Any) -> str:
+        for method in sorted({r["method"] for r in rows}):
+            for m in sorted({r["micro_batch_size"] for r in rows}):
+                mine = sorted((r for r in rows if r["rank"] == 0 and r["method"] == method and r["micro_batch_size"] == m),
+                              key=lambda r: r["micro_batches"])
+                ax.plot([r["micro_batches"] for r in mine], [r["peak_with_state_over_n1"] for r in mine], marker="o",
+                        label=f"{method}, m={m}")
+        ax.axhline(1.10, color="grey", ls=":", lw=1)
+        ax.set_xlabel("micro-batches n (fixed micro-batch size m)")
+        ax.set_ylabel("peak(n) / peak(1), incl. state")
+        ax.legend(fontsize=7)
+        return "Peak memory vs micro-batch count (measured, stash on emulated host)"
+
+    return _figure("layered_memory", draw)
+
+
+def plot_plans(rows: list[dict[str, Any]], name: str, title: str, key: str = "plan") -> str:
+    def draw(ax: Any) -> str:
+        names = [r[key] for r in rows]
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [r["measured_samples_per_s"] for r in rows], width=0.4, label="measured (emulated)")
+        ax.bar([x + 0.2 for x in xs], [r["predicted_samples_per_s"] or 0 for r in rows], width=0.4, label="predicted")
+        ax.set_xticks(list(xs), names)
+        ax.set_ylabel("samples/s")
+        ax.legend()
+        return title
+
+    return _figure(name, draw)
+
+
+def plot_strategies(rows: list[dict[str, Any]]) -> str:
+    def draw(ax: Any) -> str:
+        ax.bar([r["strategy"] for r in rows], [r["step_ms"] for r in rows])
+        ax.set_ylabel("median step (ms, measured)")
+        return "Trainer.fit step time on 2 gloo ranks, even plan (measured)"
+
+    return _figure("strategies", draw)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _run(module: Any, run: Callable[[], Any], printer: Callable[[Any], None]) -> tuple[Any, str, float]:
+    start = time.perf_counter()
+    result = run()
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        printer(result)
+    return result, text.getvalue(), time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="each benchmark's quick configuration")
+    args = parser.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    m = _modules()
+    cfg = {name: (getattr(mod, "QUICK", None) if args.quick else None) for name, mod in m.items()}
+
+    def conf(name: str) -> Any:
+        return cfg[name] if cfg[name] is not None else m[name].Config()
+
+    sections: list[str] = []
+    raw: dict[str, Any] = {}
+    planner_sizes = {"batches": (64, 256, 1024)} if args.quick else {}
+    runs = [
+        ("planner", "Planner speed and plan quality (issue 2)",
+         lambda: m["planner"].run_benchmark(**planner_sizes), m["planner"].print_table,
+         lambda r: [plot_planner(r), plot_planner_quality(r)]),
+        ("runtime", "Sharding runtime vs FSDP2, padded vs exact, memory (issue 3)",
+         lambda: m["runtime"].run_benchmark(conf("runtime")), m["runtime"].print_report,
+         lambda r: [plot_collectives(r["collectives"])] if r["collectives"] else []),
+        ("layered", "Layered accumulation: memory vs micro-batches, predicted vs measured (issue 4)",
+         lambda: m["layered"].run_benchmark(conf("layered")), m["layered"].print_report,
+         lambda r: [plot_layered_memory(r["memory"])] if r["memory"] else []),
+        ("strategy", "strategy=\"cephalo\" vs FSDP2 and DDP through Trainer.fit (issue 5)",
+         lambda: m["strategy"].run_benchmark(conf("strategy")), m["strategy"].print_report,
+         lambda r: [plot_strategies(r["strategies"])]),
+        ("emulated", "Emulated heterogeneous cluster: Cephalo vs even vs proportional (issue 6)",
+         lambda: m["emulated"].run_benchmark(conf("emulated")), m["emulated"].print_report,
+         lambda r: [plot_plans(r["plans"], "emulated_plans", "Emulated 2-rank CPU cluster: measured vs predicted")]),
+    ]
+    for name, title, run, printer, plots in runs:
+        print(f"== {title}", flush=True)
+        result, text, seconds = _run(m[name], run, printer)
+        print(text, flush=True)
+        raw[name] = result
+        images = plots(result)
+        sections.append(f"## {title}\n\n_Run time {seconds:.0f} s._\n\n" + "\n\n".join(images)
+                        + f"\n\n```\n{text.rstrip()}\n```\n")
+    header = (
+        "# Benchmark report\n\n"
+        f"Generated by `python benchmarks/report.py{' --quick' if args.quick else ''}` on "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Machine: CPU only; every runtime figure comes "
+        "from 2-4 CPU processes on gloo, and heterogeneous devices are EMULATED (per-rank slowdown and "
+        "memory capacity). Planner figures are predictions of the cost model. Each table says which "
+        "figures are measured, emulated or predicted.\n"
+    )
+    (OUT / "REPORT.md").write_text(header + "\n" + "\n".join(sections))
+    (OUT / "results.json").write_text(json.dumps(raw, indent=1, default=str))
+    print(f"wrote {OUT / 'REPORT.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
