@@ -470,18 +470,16 @@ class CephaloStrategy(ParallelStrategy):
         )
 
     def _evaluation_loader(self, dataloader: DataLoader) -> DataLoader:
-        """Evenly sharded samples (Lightning's sampler), in batches every rank can hold.
+        """Evenly sharded samples (Lightning's sampler), ``batch_size / world_size`` per rank.
 
-        The DataLoader's ``batch_size`` is a global batch here too. Every rank must run the same
-        number of evaluation forwards (each gathers the units), so all use one batch size: the
-        plan's smallest micro-batch, which fits beside the state on every rank.
+        The DataLoader's ``batch_size`` is a global batch here too, so an evaluation step covers
+        the same samples whatever the plan (``limit_val_batches`` means the same thing under any
+        plan). A device too small for that many samples in a forward pass needs a smaller
+        evaluation ``batch_size`` on the DataLoader.
         """
         if dataloader.batch_size is None:
             return dataloader  # a custom batch sampler: the user decides
-        if self.plan is not None:
-            size = min((r.micro_batch_size for r in self.plan.ranks if r.batch_size), default=1)
-        else:
-            size = -(-dataloader.batch_size // self.world_size)
+        size = -(-dataloader.batch_size // self.world_size)
         if size >= dataloader.batch_size:
             return dataloader
         return DataLoader(
