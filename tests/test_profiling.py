@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -236,9 +238,20 @@ def _profile_emulated_pair(rank: int, world_size: int, cache_dir: str) -> dict:
 
 
 @pytest.mark.multiprocess
+def _slowdown_ratio(cluster: Cluster) -> float:
+    fast, slow = cluster.devices
+    return (sum(slow.layer_fwd_ms) + sum(slow.layer_bwd_ms)) / (sum(fast.layer_fwd_ms) + sum(fast.layer_bwd_ms))
+
+
 def test_emulated_slowdown_is_recovered_and_planned() -> None:
     with tempfile.TemporaryDirectory() as cache_dir:
         results = run_distributed(_profile_emulated_pair, 2, cache_dir)
+        if abs(_slowdown_ratio(results[0]["cluster"]) / 3.0 - 1) > 0.15:
+            # the two ranks are measured at different moments of a shared 2-core host: one burst of
+            # foreign load can inflate a whole turn; a real emulation error repeats, a burst does not
+            shutil.rmtree(cache_dir)
+            os.makedirs(cache_dir)
+            results = run_distributed(_profile_emulated_pair, 2, cache_dir)
         cluster: Cluster = results[0]["cluster"]
         # every rank built the same cluster, one device per rank, marked emulated
         assert results[1]["cluster"] == cluster
@@ -249,7 +262,7 @@ def test_emulated_slowdown_is_recovered_and_planned() -> None:
         assert (slow.emulate.slowdown, slow.emulate.memory_gb, slow.memory_gb) == (3.0, 0.05, 0.05)
         assert results[0]["measured_by"] == (0, 1)  # different emulations: each measures itself
         # the profile recovers the emulated slowdown
-        ratio = (sum(slow.layer_fwd_ms) + sum(slow.layer_bwd_ms)) / (sum(fast.layer_fwd_ms) + sum(fast.layer_bwd_ms))
+        ratio = _slowdown_ratio(cluster)
         assert ratio == pytest.approx(3.0, rel=0.15), ratio
         assert slow.compute_memory_gb == fast.compute_memory_gb  # exact byte accounting, same model
         # the collectives were timed, in both modes, and went into the settings
