@@ -25,6 +25,7 @@ from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from cephalo_lightning._lightning_private import training_dataloader
 from cephalo_lightning.planner import Cluster, Plan, plan as make_plan
 from cephalo_lightning.planner.cost import GIB, DeviceCost
 from cephalo_lightning.planner.report import render_plan
@@ -33,13 +34,6 @@ from cephalo_lightning.reporting import log_plan, log_rank_series, log_summary
 from cephalo_lightning.runtime.batching import leading_size, slice_batch
 from cephalo_lightning.steps import has_layered_protocol
 from cephalo_lightning.strategy import CephaloStrategy
-
-
-def _training_dataloader(trainer: pl.Trainer) -> Any:
-    # Before the fit loop builds its dataloader, Lightning keeps what was passed to fit (a loader,
-    # a datamodule or the module's own hook) in this private source; asking it is the only way to
-    # see a sample batch during setup.
-    return trainer.fit_loop._data_source.dataloader()
 
 
 def _index_batch(batch: Any, index: torch.Tensor) -> Any:
@@ -164,7 +158,7 @@ class CephaloCallback(Callback):
             log_plan(trainer.loggers, self.plan, self.cluster)
 
     def _sample(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> tuple[Any, int]:
-        loader = _training_dataloader(trainer)
+        loader = training_dataloader(trainer)
         batch_size = self.global_batch_size or strategy.global_batch_size or getattr(loader, "batch_size", None)
         if not batch_size:
             raise ValueError("CephaloCallback needs the global batch: set batch_size on the training DataLoader "

@@ -22,15 +22,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -38,7 +31,15 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
-from cephalo_lightning.planner import Cluster, Plan, PlanningError, load_cluster
+from cephalo_lightning._lightning_private import (
+    SubprocessScriptLauncher,
+    default_process_group_backend,
+    distributed_is_initialized,
+    init_dist_connection,
+    logging_as,
+    sync_ddp_if_available,
+)
+from cephalo_lightning.planner import Cluster, Plan, PlanningError, RankPlan, load_cluster
 from cephalo_lightning.planner import plan as make_plan
 from cephalo_lightning.precision import sharded_precision
 from cephalo_lightning.runtime import checkpoint
@@ -150,6 +151,8 @@ class CephaloStrategy(ParallelStrategy):
         self._resolved_mode: str | None = None
         self._sampler: PlannedBatchSampler | None = None
         self._ctx: StepContext | None = None
+        self._sync = True  # False while Lightning accumulates gradients over batches
+        self._pending: tuple[Plan, int, int] | None = None  # a plan to switch to at (epoch, step)
 
     # ------------------------------------------------------------------ Lightning plumbing
 
@@ -190,7 +193,7 @@ class CephaloStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -199,10 +202,10 @@ class CephaloStrategy(ParallelStrategy):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
         reset_seed()
         self.set_world_ranks()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or default_process_group_backend(self.root_device)
         self._process_group_backend = backend
         kwargs = {"timeout": self._timeout} if self._timeout is not None else {}
-        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        init_dist_connection(self.cluster_environment, backend, **kwargs)
         self.collective = resolve_mode(self.collective)  # the backend is known now
         self.emulator = emulator_for_rank(self._emulation_specs(), self.global_rank, self.world_size,
                                           synchronize_cuda=self.root_device.type == "cuda")
@@ -213,14 +216,14 @@ class CephaloStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
 
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
+        if distributed_is_initialized():
             if dist.get_backend() == "nccl":
                 dist.barrier(device_ids=[self.root_device.index])
             else:
                 dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src)
@@ -228,7 +231,7 @@ class CephaloStrategy(ParallelStrategy):
 
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def model_to_device(self) -> None:
@@ -244,12 +247,10 @@ class CephaloStrategy(ParallelStrategy):
         finally:
             self._sync = True
 
-    _sync = True
-
     # ------------------------------------------------------------------ plan
 
     @property
-    def rank_plan(self):
+    def rank_plan(self) -> RankPlan:
         assert self.plan is not None
         return self.plan.ranks[self.global_rank]
 
@@ -359,19 +360,10 @@ class CephaloStrategy(ParallelStrategy):
         self.memory.__enter__()
 
     def _user_training_step(self, *args: Any) -> Any:
-        """The user's training_step for micro-batches after the first, which run inside backward.
-
-        Lightning records which hook is running in ``_current_fx_name`` so that ``self.log``
-        files values under the right hook; it is set here to what the user's code is.
-        """
+        """The user's training_step for micro-batches after the first, which run inside backward."""
         module = self.lightning_module
-        previous = module._current_fx_name
-        module._current_fx_name = "training_step"
-        try:
-            with self.precision_plugin.train_step_context():
-                return module.training_step(*args)
-        finally:
-            module._current_fx_name = previous
+        with logging_as(module, "training_step"), self.precision_plugin.train_step_context():
+            return module.training_step(*args)
 
     # ------------------------------------------------------------------ re-planning
 
@@ -394,8 +386,6 @@ class CephaloStrategy(ParallelStrategy):
         self._sampler.switch_sizes(plan.batch_sizes, epoch, step)
         self._pending = (plan, epoch, step)
         return epoch, step
-
-    _pending: tuple[Plan, int, int] | None = None
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         trainer = self.lightning_module.trainer

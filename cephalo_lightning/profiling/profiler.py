@@ -61,6 +61,24 @@ GIB = float(2**30)
 MIN_MS = 1e-5  # the planner needs strictly positive times; a layer can take less than a microsecond
 
 
+def affine_fit(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, ...]:
+    """The least-squares line ``a + b*m`` (a, b >= 0) through measured times, at the same sizes.
+
+    On a shared CPU host each size is measured at a different moment, and a few percent of noise
+    makes one micro-batch size look faster per sample than its neighbours; the planner would then
+    split batches into micro-batches that are slower in fact. Layer times grow about linearly with
+    the micro-batch size, so the line keeps what is real and drops the noise.
+    """
+    n = len(sizes)
+    if n < 2:
+        return tuple(times)
+    mean_m, mean_t = sum(sizes) / n, sum(times) / n
+    var = sum((m - mean_m) ** 2 for m in sizes)
+    slope = max(0.0, sum((m - mean_m) * (t - mean_t) for m, t in zip(sizes, times)) / var)
+    intercept = max(0.0, mean_t - slope * mean_m)
+    return tuple(intercept + slope * m for m in sizes)
+
+
 class ProfilingError(RuntimeError):
     """Profiling failed on some rank; raised on every rank, naming the one that failed."""
 
@@ -84,6 +102,7 @@ class ProfileOptions:
     share_measurements: bool = True  # identical devices (same name and emulation) measure once
     serialize: bool | None = None  # measuring ranks take turns (default: on CPU, where they share cores)
     statistic: str | None = None  # how repeats are reduced: "min" | "median" (default: min on CPU, median on CUDA)
+    smooth: bool | None = None  # report the least-squares line a + b*m through the times (default: on CPU)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_micro_batch, bool) or not isinstance(self.max_micro_batch, int) or self.max_micro_batch < 1:
@@ -426,11 +445,15 @@ class ClusterProfiler:
         for ident, leader in zip(ids, leaders):
             profile = profiles[leader]
             assert profile is not None, f"rank {leader} did not measure"
+            smooth = self.options.smooth if self.options.smooth is not None else self.device.type == "cpu"
+            fwd, bwd = profile.layer_fwd_ms, profile.layer_bwd_ms
+            if smooth:
+                fwd, bwd = affine_fit(profile.sizes, fwd), affine_fit(profile.sizes, bwd)
             devices.append(DeviceProfile(
                 name=ident.name,
                 memory_gb=round(self._capacity_gb(ident, ids), 6),
-                layer_fwd_ms=tuple(max(MIN_MS, round(v, 5)) for v in profile.layer_fwd_ms),
-                layer_bwd_ms=tuple(max(MIN_MS, round(v, 5)) for v in profile.layer_bwd_ms),
+                layer_fwd_ms=tuple(max(MIN_MS, round(v, 5)) for v in fwd),
+                layer_bwd_ms=tuple(max(MIN_MS, round(v, 5)) for v in bwd),
                 compute_memory_gb=tuple(round(b / GIB, 9) for b in profile.compute_memory_bytes),
                 source="emulated" if ident.emulate is not None else "measured",
                 emulate=ident.emulate,

@@ -1,0 +1,50 @@
+"""Every private Lightning helper this package leans on, in one place.
+
+They are the building blocks Lightning's own strategies use (DDP, FSDP, ModelParallel all import
+them); a custom strategy has no public equivalent. If a Lightning release moves one, this is the
+only file to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device as default_process_group_backend,
+)
+from lightning.fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available as sync_ddp_if_available
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as SubprocessScriptLauncher
+
+__all__ = [
+    "SubprocessScriptLauncher", "default_process_group_backend", "distributed_is_initialized",
+    "init_dist_connection", "logging_as", "sync_ddp_if_available", "training_dataloader",
+]
+
+
+@contextmanager
+def logging_as(module: pl.LightningModule, hook: str) -> Iterator[None]:
+    """Let ``self.log`` inside ``hook`` file its values under that hook.
+
+    Lightning records the running hook in ``LightningModule._current_fx_name``; the strategy calls
+    the user's ``training_step`` for later micro-batches from inside ``backward``.
+    """
+    previous = module._current_fx_name
+    module._current_fx_name = hook
+    try:
+        yield
+    finally:
+        module._current_fx_name = previous
+
+
+def training_dataloader(trainer: pl.Trainer) -> Any:
+    """The training dataloader as passed to ``fit`` (a loader, or from the datamodule / module).
+
+    Before the fit loop builds its own, Lightning keeps the source in the loop's private
+    ``_data_source``; it is the only way to look at a sample batch during ``setup``.
+    """
+    return trainer.fit_loop._data_source.dataloader()
