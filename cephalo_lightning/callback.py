@@ -47,6 +47,10 @@ def _index_batch(batch: Any, index: torch.Tensor) -> Any:
     return batch
 
 
+# what "<x>-true" precision turns the parameters into (Lightning converts the module after setup)
+_TRUE_PRECISION_DTYPES = {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
 def _loss_behind_last_layer(module: pl.LightningModule, sample: Any) -> Any:
     """``out -> cephalo_loss(out, rows)`` for any micro-batch size (sample rows repeat as needed)."""
     rows = leading_size(sample) or 1
@@ -187,15 +191,20 @@ class CephaloCallback(Callback):
         settings = replace(default_settings(strategy.root_device), **self.settings)
         trainable = [p for p in module.parameters() if p.requires_grad]
         parameters = sum(p.numel() for p in trainable)
-        master = torch.promote_types(trainable[0].dtype, torch.float32) if trainable else torch.float32
+        # the model is measured as it will run: the precision plugin converts it only after setup
+        precision = trainer.precision_plugin
+        compute_dtype = strategy.param_dtype or _TRUE_PRECISION_DTYPES.get(getattr(precision, "precision", ""))
+        master = torch.promote_types(compute_dtype or (trainable[0].dtype if trainable else torch.float32), torch.float32)
         state_bytes = self.state_bytes_per_param or 4 * master.itemsize
-        cluster = profile_cluster(
-            layers, first_input, emulator=strategy.emulator,  # its current state: a throttle shows
-            options=ProfileOptions(max_micro_batch=self.max_micro_batch, compute_dtype=strategy.param_dtype,
-                                   collective_modes=(strategy.collective,)),
-            model_name=type(module).__name__, parameters=parameters, state_bytes_per_param=state_bytes, settings=settings,
-            device=strategy.root_device, cache_dir=self.cache_dir, force=force, quiet=self.quiet, loss_fn=loss_fn,
-        )
+        with precision.forward_context():  # autocast for "*-mixed"
+            cluster = profile_cluster(
+                layers, first_input, emulator=strategy.emulator,  # its current state: a throttle shows
+                options=ProfileOptions(max_micro_batch=self.max_micro_batch, compute_dtype=compute_dtype,
+                                       collective_modes=(strategy.collective,)),
+                model_name=type(module).__name__, parameters=parameters, state_bytes_per_param=state_bytes,
+                settings=settings, device=strategy.root_device, cache_dir=self.cache_dir, force=force,
+                quiet=self.quiet, loss_fn=loss_fn,
+            )
         if self.cluster_file and trainer.is_global_zero:
             from cephalo_lightning.planner import save_cluster
 

@@ -19,7 +19,7 @@ GLOBAL_BATCH = 16
 STEPS = 14
 SWITCH_AT = 5  # rank 0 becomes slow from this step on
 # rank 0: fast with little memory; rank 1: twice as slow with plenty of memory (all emulated)
-EMULATE = [{"slowdown": 1.0, "memory_gb": 0.025}, {"slowdown": 2.0, "memory_gb": 0.5}]  # fp64 sizes
+EMULATE = [{"slowdown": 1.0, "memory_gb": 0.018}, {"slowdown": 2.0, "memory_gb": 0.5}]  # fp64 sizes
 
 
 def module() -> pl.LightningModule:
@@ -48,12 +48,13 @@ def _replan_run(rank: int, world: int, root: str):
     watcher = CephaloCallback(max_micro_batch=4, cache_dir=f"{root}/profiles", watch_every_n_steps=3,
                               drift_threshold=0.5, replan=True, settings={"usable_memory_fraction": 0.8},
                               print_plan=False, quiet=True)
-    seen_plans = []
+    seen_plans, seen_shares = [], []
 
     class Record(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if not seen_plans or seen_plans[-1] != trainer.strategy.plan.batch_sizes:
                 seen_plans.append(list(trainer.strategy.plan.batch_sizes))
+                seen_shares.append(list(trainer.strategy.plan.state_shares))
 
     logger = WandbLogger(save_dir=root, offline=True, project="cephalo-test")
     trainer = pl.Trainer(
@@ -67,6 +68,7 @@ def _replan_run(rank: int, world: int, root: str):
     return {
         "plans": seen_plans,
         "initial": seen_plans[0],
+        "initial_shares": seen_shares[0],
         "history": watcher.history,
         "params": trainer.strategy.sharded.full_state_dict(),
         "shares": trainer.strategy.plan.state_shares,
@@ -107,6 +109,8 @@ def test_profiled_plan_gives_the_slow_rank_less_batch_and_the_small_rank_less_st
     results, _ = replan_run
     first = results[0]["initial"]
     assert first[1] < first[0], first  # rank 1 is the slow one
+    shares = results[0]["initial_shares"]
+    assert shares[0] < shares[1], shares  # rank 0 has the small memory
     history = results[0]["history"]
     assert history and all(len(h["ranks"]) == 2 for h in history)
 

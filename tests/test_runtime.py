@@ -154,6 +154,40 @@ def test_global_norm_clipping_across_uneven_shards(three_rank_run):
     assert_matches(assemble([r["clipped"] for r in results]), want)
 
 
+# ----------------------------------------------------------------------------- 2 and 4 ranks, random shares
+
+
+def random_case(world: int, seed: int) -> tuple[list[float], list[int]]:
+    """Random shares (one of them near zero) and random batch sizes >= 2 summing to GLOBAL_BATCH."""
+    rng = random.Random(seed)
+    shares = [rng.random() + 0.05 for _ in range(world)]
+    shares[rng.randrange(world)] = 1e-4
+    cuts = sorted(rng.sample(range(1, GLOBAL_BATCH // 2), world - 1))
+    sizes = [2 * (b - a) for a, b in zip([0, *cuts], [*cuts, GLOBAL_BATCH // 2])]
+    return [x / sum(shares) for x in shares], sizes
+
+
+def _random_shares(rank: int, world: int):
+    out = []
+    for seed, mode in ((1, "padded"), (2, "exact")):
+        shares, sizes = random_case(world, seed)
+        model = TinyLM()
+        sharded = ShardedModel(model, shares, collective=mode)
+        optimizer = make_optimizer(model.parameters())
+        train_uniform(sharded, model, optimizer, sizes, 2, STEPS)
+        out.append(local_pieces(sharded, optimizer))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_random_uneven_shares_match_single_process(world):
+    results = run_distributed(_random_shares, world)
+    want = reference_state(*train_reference(STEPS, GLOBAL_BATCH))
+    for case in range(2):
+        assert_matches(assemble([r[case] for r in results]), want)
+
+
 # ----------------------------------------------------------------------------- checkpoint resharding
 
 

@@ -82,6 +82,10 @@ def _fit_three(rank: int, world: int, ckpt_dir: str):
     t = trainer(CephaloStrategy(plan=UNIFORM_PLAN), world, 2, gradient_clip_val=0.05, accumulate_grad_batches=2)
     t.fit(TinyUniform(), loader(token_data(NUM_SAMPLES), 12))
     out["uniform"] = (t.strategy.sharded.full_state_dict(), float(t.callback_metrics["train_loss"]))
+    # the layered schedule under Lightning's own accumulation: two batches per optimizer step
+    t = trainer(CephaloStrategy(plan=LAYERED_PLAN), world, 2, accumulate_grad_batches=2)
+    t.fit(TinyLayered(), loader(token_data(NUM_SAMPLES), 12))
+    out["layered_accumulate"] = t.strategy.sharded.full_state_dict()
     # a full single-file export
     t = trainer(CephaloStrategy(plan=LAYERED_PLAN, state_dict_type="full"), world, 1)
     t.fit(TinyLayered(), loader(token_data(NUM_SAMPLES), 12))
@@ -112,6 +116,13 @@ def test_uniform_fit_with_clipping_and_accumulation_matches_single_process(three
     params, logged = results[0]["uniform"]
     assert max_error(params, want) <= TOL
     assert logged == pytest.approx(sum(losses) / len(losses), abs=1e-5)  # on_epoch, weighted by batch_size
+
+
+@pytest.mark.multiprocess
+def test_layered_fit_with_lightning_accumulation_matches_single_process(three):
+    results, _ = three
+    want, _ = reference(2, 12, accumulate=2)
+    assert max_error(results[0]["layered_accumulate"], want) <= TOL
 
 
 @pytest.mark.multiprocess
