@@ -113,3 +113,33 @@ def test_layered_peak_memory_does_not_grow_with_micro_batches():
     mb_one, _ = _peak_bytes(1, layered=False)
     mb_eight, _ = _peak_bytes(8, layered=False)
     assert mb_eight / mb_one > eight / one  # micro-batch-major keeps unsharded grads resident
+
+
+def _layered_steps(unit_wise: bool) -> tuple[dict[str, torch.Tensor], int]:
+    """3 layered steps of TinyLM, the optimizer stepped at the end or unit by unit; (params, peak)."""
+    from cephalo_lightning.runtime.layered import UnitOptimizers
+
+    model = TinyLM(vocab=64, dim=32, depth=4)
+    layers = layers_of(model)
+    sharded = ShardedModel(model, [1.0], units=layers)
+    units = UnitOptimizers(sharded, make_optimizer) if unit_wise else None
+    schedule = LayeredSchedule(sharded, layers, on_unit_reduced=units.step_unit if units else None)
+    optimizer = None if unit_wise else make_optimizer(model.parameters())
+    with MemoryTracker(baseline_bytes=sharded.local_state_numel() * 4) as tracker:
+        for x, y in batches(3, 8, vocab=64):
+            xs, ys = [x[:4], x[4:]], [y[:4], y[4:]]
+            schedule.forward(xs, lambda k, out: model.loss(out, ys[k]), [0.5, 0.5])
+            schedule.backward()
+            if optimizer is not None:
+                optimizer.step()
+                optimizer.zero_grad()
+    return sharded.full_state_dict(), tracker.peak_bytes
+
+
+def test_unit_wise_optimizer_steps_equal_the_full_step_and_hold_less_gradient():
+    whole, whole_peak = _layered_steps(unit_wise=False)
+    unit_wise, unit_peak = _layered_steps(unit_wise=True)
+    for name, value in whole.items():
+        assert torch.equal(unit_wise[name], value), name  # AdamW is elementwise: same update
+    print(f"peak: step at the end {whole_peak} B, unit by unit {unit_peak} B ({unit_peak / whole_peak:.3f})")
+    assert unit_peak < whole_peak

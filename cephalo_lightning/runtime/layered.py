@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from cephalo_lightning.runtime.engine import ShardedModel
+from cephalo_lightning.runtime.flat_unit import FlatUnit
 from cephalo_lightning.runtime.memory import on_host
 
 LossFn = Callable[[int, torch.Tensor], torch.Tensor]  # (micro-batch index, last output) -> mean loss
@@ -60,13 +61,20 @@ class LayeredSchedule:
     hooks (for plain forwards, e.g. validation) are switched off while the schedule runs.
     """
 
-    def __init__(self, sharded: ShardedModel, layers: Sequence[nn.Module], offload: bool | None = None) -> None:
+    def __init__(
+        self,
+        sharded: ShardedModel,
+        layers: Sequence[nn.Module],
+        offload: bool | None = None,
+        on_unit_reduced: Callable[[FlatUnit], None] | None = None,
+    ) -> None:
         """``offload``: keep stashed inputs and boundary gradients on the host between uses
         (default: on CUDA yes, on CPU no; on CPU True emulates it for the memory accounting)."""
         if [id(m) for m in sharded.unit_modules] != [id(m) for m in layers]:
             raise ValueError("the sharded model's units must be exactly the layers, in order (units=layers)")
         self.sharded = sharded
         self.layers = list(layers)
+        self.on_unit_reduced = on_unit_reduced
         self.device = sharded.root.device
         self.offload = (self.device.type == "cuda") if offload is None else offload
         self._cuda_devices = [self.device.index or 0] if self.device.type == "cuda" else []
@@ -151,6 +159,11 @@ class LayeredSchedule:
         with self.sharded.hooks_disabled():
             self._backward(loss_scale)
 
+    def _reduce(self, unit: FlatUnit) -> None:
+        self.sharded.reduce_unit(unit)
+        if self.on_unit_reduced is not None and unit.trainable:
+            self.on_unit_reduced(unit)
+
     def _backward(self, loss_scale: float) -> None:
         sharded, units = self.sharded, self.sharded.units
         upstream: list[torch.Tensor | None] = [None] * len(self._weights)
@@ -182,9 +195,28 @@ class LayeredSchedule:
                 stash[k] = None  # type: ignore[call-overload]  # free the stash as we go
             sharded.emulator.end_compute()
             units[index].free()
-            sharded.reduce_unit(units[index])
+            self._reduce(units[index])
         # the root unit (parameters outside the layers, e.g. inside the loss) goes last
-        sharded.reduce_unit(sharded.root)
+        self._reduce(sharded.root)
         sharded.root.free()
         self._stash = []
         self._loss_fn = None
+
+
+class UnitOptimizers:
+    """One optimizer per unit, stepped as soon as the unit's gradient is reduced (optional).
+
+    The usual step waits for the whole backward, so every unit's local gradient is resident at
+    once; stepping unit by unit frees each gradient before the next layer's backward runs, so only
+    one unit's gradient is ever held. Use it as ``LayeredSchedule(..., on_unit_reduced=opts.step_unit)``
+    with ``make_optimizer(params) -> Optimizer`` (the same hyperparameters for every unit). Gradient
+    clipping by the global norm is not possible this way: the norm is known only at the end.
+    """
+
+    def __init__(self, sharded: ShardedModel, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+        self.optimizers = {id(u): make_optimizer(u.local_params) for u in sharded.units if u.trainable}
+
+    def step_unit(self, unit: FlatUnit) -> None:
+        optimizer = self.optimizers[id(unit)]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
