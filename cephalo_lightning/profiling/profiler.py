@@ -477,32 +477,9 @@ class ClusterProfiler:
         return Cluster(model=model, devices=tuple(devices), settings=settings)
 
 
-def profile_cluster(
-    layers: Sequence[nn.Module],
-    sample_input: torch.Tensor,
-    *,
-    emulator: DeviceEmulator | None = None,
-    emulate: Sequence[EmulationSpec] | None = None,
-    options: ProfileOptions | None = None,
-    model_name: str = "model",
-    parameters: int | None = None,
-    state_bytes_per_param: float = 16.0,
-    hidden_size: int | None = None,
-    seq_len: int | None = None,
-    settings: Settings | None = None,
-    group: dist.ProcessGroup | None = None,
-    device: torch.device | str | None = None,
-    cache_dir: str | Path | None = None,
-    force: bool = False,
-    quiet: bool = False,
-    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> Cluster:
+def profile_cluster(layers: Sequence[nn.Module], sample_input: torch.Tensor, **kwargs: Any) -> Cluster:
     """Profile every rank and return the planner's :class:`Cluster`; call it on every rank.
 
-    See :class:`ClusterProfiler` for the arguments (and its ``run()`` for the full report).
+    Takes :class:`ClusterProfiler`'s keyword arguments (its ``run()`` gives the full report).
     """
-    return ClusterProfiler(
-        layers, sample_input, emulator=emulator, emulate=emulate, options=options, model_name=model_name,
-        parameters=parameters, state_bytes_per_param=state_bytes_per_param, hidden_size=hidden_size, seq_len=seq_len,
-        settings=settings, group=group, device=device, cache_dir=cache_dir, force=force, quiet=quiet, loss_fn=loss_fn,
-    ).run().cluster
+    return ClusterProfiler(layers, sample_input, **kwargs).run().cluster
