@@ -10,7 +10,7 @@ commands:
   plan CLUSTER_FILE --global-batch-size B   plan a cluster offline (torch-free)
   demo                                      train the small GPT on an emulated heterogeneous cluster
   fit | validate | test                     LightningCLI (same as `cephalo-train`)
-  profile                                   profile this machine's devices into a cluster file
+  profile --config C.yaml [-o cluster.yaml] profile every rank of a configured run into a cluster file
 """
 
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest)
     if command == "profile":
-        from cephalo_lightning.profiling.cli import main as profile_main
+        from cephalo_lightning.cli import profile_main
 
         return profile_main(rest)
     if command in ("fit", "validate", "test"):

@@ -47,5 +47,39 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def profile_main(argv: list[str] | None = None) -> int:
+    """``python -m cephalo_lightning profile --config C.yaml -o cluster.yaml``: profile, plan, stop.
+
+    Builds the run from the config (its strategy, emulation, model and data), profiles every rank
+    as ``CephaloCallback`` does at setup, writes the cluster file (the planner's input: re-plan
+    offline with ``python -m cephalo_lightning plan``) and the plan, and trains nothing.
+    """
+    import argparse
+    from pathlib import Path
+
+    from lightning.pytorch.callbacks import Checkpoint
+
+    from cephalo_lightning.callback import CephaloCallback
+
+    parser = argparse.ArgumentParser(prog="python -m cephalo_lightning profile", description=profile_main.__doc__)
+    parser.add_argument("-o", "--output", default="cluster.yaml", help="cluster file to write (YAML or .json)")
+    parser.add_argument("--plan-output", default=None, help="also write the plan JSON here")
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    # setup runs (and profiles); no step, no validation, no logger run
+    cli = run_cli([*rest, "--trainer.max_steps=0", "--trainer.num_sanity_val_steps=0", "--trainer.logger=false"],
+                  run=False)
+    trainer = cli.trainer
+    trainer.callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, Checkpoint)]  # nothing to save
+    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, CephaloCallback)]
+    callback = callbacks[0] if callbacks else CephaloCallback()
+    if not callbacks:
+        trainer.callbacks.append(callback)
+    callback.force_profile, callback.cluster_file, callback.plan_file = True, Path(args.output), args.plan_output
+    trainer.fit(cli.model, datamodule=cli.datamodule)
+    if trainer.is_global_zero:
+        print(f"wrote {args.output}" + (f" and {args.plan_output}" if args.plan_output else ""))
+    return 0
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -248,3 +248,19 @@ def test_lightning_cli_config_selects_the_strategy(config, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Cephalo: layered mode" in result.stdout + result.stderr
     assert "max_steps=3" in result.stdout + result.stderr
+
+
+def test_profile_command_writes_a_cluster_file_and_a_plan(tmp_path):
+    cluster_file, plan_file = tmp_path / "cluster.yaml", tmp_path / "plan.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "cephalo_lightning", "profile", "--config", str(ROOT / "configs" / "tiny-cli.yaml"),
+         "-o", str(cluster_file), "--plan-output", str(plan_file), "--trainer.default_root_dir", str(tmp_path)],
+        capture_output=True, text=True, cwd=tmp_path, env=clean_env(),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    from cephalo_lightning.planner import load_cluster
+
+    cluster = load_cluster(cluster_file)
+    assert cluster.world_size == 1 and cluster.devices[0].source == "measured"
+    assert Plan.load(plan_file).global_batch_size == 8  # the config's vars.batch
+    assert not list(tmp_path.rglob("*.ckpt"))  # profiling trains and saves nothing
