@@ -29,9 +29,13 @@ def run_cli(args: list[str], run: bool = True) -> CephaloCLI:
     merged, so ``--vars.steps=40`` reaches every place that interpolates it; relative interpolation
     paths (jsonargparse's setting) keep nested ``class_path``/``init_args`` resolvable.
     """
+    import warnings
+
     import jsonargparse
 
     jsonargparse.set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+    # the demo and profile commands build their CLI arguments themselves, on purpose
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
     return CephaloCLI(
         args=args,
         run=run,
