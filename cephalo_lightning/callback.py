@@ -31,20 +31,9 @@ from cephalo_lightning.planner.cost import GIB, DeviceCost
 from cephalo_lightning.planner.report import render_plan
 from cephalo_lightning.profiling import ProfileOptions, default_settings, profile_cluster
 from cephalo_lightning.reporting import log_plan, log_rank_series, log_summary
-from cephalo_lightning.runtime.batching import leading_size, slice_batch
+from cephalo_lightning.runtime.batching import index_batch, leading_size, slice_batch
 from cephalo_lightning.steps import has_layered_protocol
 from cephalo_lightning.strategy import CephaloStrategy
-
-
-def _index_batch(batch: Any, index: torch.Tensor) -> Any:
-    """Rows ``index`` of every tensor in a (nested) batch (rows may repeat)."""
-    if isinstance(batch, torch.Tensor):
-        return batch[index.to(batch.device)]
-    if isinstance(batch, Mapping):
-        return type(batch)({k: _index_batch(v, index) for k, v in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_index_batch(v, index) for v in batch)
-    return batch
 
 
 # what "<x>-true" precision turns the parameters into (Lightning converts the module after setup)
@@ -56,7 +45,7 @@ def _loss_behind_last_layer(module: pl.LightningModule, sample: Any) -> Any:
     rows = leading_size(sample) or 1
 
     def loss(out: torch.Tensor) -> torch.Tensor:
-        return module.cephalo_loss(out, _index_batch(sample, torch.arange(out.shape[0]) % rows))
+        return module.cephalo_loss(out, index_batch(sample, torch.arange(out.shape[0]) % rows))
 
     return loss
 

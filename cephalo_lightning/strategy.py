@@ -66,6 +66,13 @@ def _import_class(path: str) -> type[nn.Module]:
         raise ValueError(f"units: cannot import module class {path!r} ({err}); give a full path like 'pkg.mod.Block'") from err
 
 
+def _loading_settings(dataloader: DataLoader) -> dict[str, Any]:
+    """How a user's DataLoader loads (workers, collation, pinning), kept when the strategy re-cuts it."""
+    return {"num_workers": dataloader.num_workers, "collate_fn": dataloader.collate_fn,
+            "pin_memory": dataloader.pin_memory, "worker_init_fn": dataloader.worker_init_fn,
+            "persistent_workers": dataloader.persistent_workers}
+
+
 class CephaloStrategy(ParallelStrategy):
     """Heterogeneous-cluster training: per-rank batches, micro-batches and state shares.
 
@@ -453,11 +460,7 @@ class CephaloStrategy(ParallelStrategy):
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
         self._sampler = PlannedBatchSampler(len(dataloader.dataset), self.plan.batch_sizes, self.global_rank,
                                             shuffle=shuffle, seed=seed)
-        return PlannedDataLoader(
-            dataloader.dataset, batch_sampler=self._sampler, num_workers=dataloader.num_workers,
-            collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory,
-            worker_init_fn=dataloader.worker_init_fn, persistent_workers=dataloader.persistent_workers,
-        )
+        return PlannedDataLoader(dataloader.dataset, batch_sampler=self._sampler, **_loading_settings(dataloader))
 
     def _evaluation_loader(self, dataloader: DataLoader) -> DataLoader:
         """Evenly sharded samples (Lightning's sampler), ``batch_size / world_size`` per rank.
@@ -472,11 +475,8 @@ class CephaloStrategy(ParallelStrategy):
         size = -(-dataloader.batch_size // self.world_size)
         if size >= dataloader.batch_size:
             return dataloader
-        return DataLoader(
-            dataloader.dataset, batch_size=size, sampler=dataloader.sampler, num_workers=dataloader.num_workers,
-            collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory, drop_last=dataloader.drop_last,
-            worker_init_fn=dataloader.worker_init_fn, persistent_workers=dataloader.persistent_workers,
-        )
+        return DataLoader(dataloader.dataset, batch_size=size, sampler=dataloader.sampler, drop_last=dataloader.drop_last,
+                          **_loading_settings(dataloader))
 
     # ------------------------------------------------------------------ steps
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.collectives import Collectives
 from cephalo_lightning.runtime.emulation import DeviceEmulator
 from cephalo_lightning.runtime.flat_unit import FlatUnit, ParamSlot, set_module_param
@@ -49,16 +50,6 @@ def _slots_of(module: nn.Module, names: dict[int, str], exclude: set[int]) -> li
             if param is not None:
                 slots.append(ParamSlot(names[id(param)], mod, attr))
     return slots
-
-
-def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors_in(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors_in(o)]
-    return []
 
 
 class ShardedModel:
@@ -208,7 +199,7 @@ class ShardedModel:
             unit = self.units[index]
             unit.free()
             if torch.is_grad_enabled():
-                for tensor in _tensors_in(output):
+                for tensor in tensors_in(output):
                     if tensor.requires_grad:
                         tensor.register_hook(self._make_pre_backward(index))
             return output
@@ -243,7 +234,7 @@ class ShardedModel:
             self.emulator.end_compute()
             self.units[index].free()
         self._ready.add(index)
-        self._flush_reductions(upto=None)
+        self._flush_reductions(all_units=False)
 
     # ------------------------------------------------------------------ gradients
 
@@ -251,7 +242,7 @@ class ShardedModel:
         """False while accumulating micro-batches: full gradients stay local, nothing is reduced."""
         self._sync = sync
 
-    def _flush_reductions(self, upto: int | None) -> None:
+    def _flush_reductions(self, all_units: bool) -> None:
         """Reduce ready units strictly from the last to the first (same order on every rank).
 
         With ``upto`` set, every unit down to that index is reduced whether or not autograd
@@ -259,7 +250,7 @@ class ShardedModel:
         """
         while self._next_reduce >= 0:
             index = self._next_reduce
-            if upto is None and index not in self._ready and self.units[index].trainable:
+            if not all_units and index not in self._ready and self.units[index].trainable:
                 return
             self._ready.discard(index)
             if self._sync:
@@ -282,7 +273,7 @@ class ShardedModel:
 
     def finish_backward(self) -> None:
         """End of one micro-batch's backward: reduce what is left, in order; free the root."""
-        self._flush_reductions(upto=0)
+        self._flush_reductions(all_units=True)
         self._next_reduce = len(self.units) - 1
         self._ready.clear()
         self._grad_counts = [0] * len(self.units)

@@ -147,9 +147,6 @@ class FlatUnit:
 
     # ------------------------------------------------------------------ gradients
 
-    def has_full_grads(self) -> bool:
-        return any(p.grad is not None for p in self.full_params)
-
     def take_full_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The unit's full flat gradient (zeros where a parameter got none); clears the grads.
 

@@ -20,7 +20,7 @@ on the host when offloading (on CUDA) and is reported separately. The price is o
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -49,8 +49,6 @@ class LayeredStats:
     stash_bytes: int = 0  # peak bytes of stashed layer inputs
     stash_on_host: bool = False
     micro_batches: int = 0
-    layer_calls: int = 0  # forward + recompute calls
-    extra: dict = field(default_factory=dict)
 
 
 class LayeredSchedule:
@@ -140,7 +138,6 @@ class LayeredSchedule:
             for k, x in enumerate(xs):
                 self._stash[index - 1].append(_Stashed(x, _rng_state(self._cuda_devices)))
                 xs[k] = self._to_host(layer(self._to_device(x)))
-                self.stats.layer_calls += 1
             sharded.emulator.end_compute()
             units[index].free()
         self.stats.stash_bytes = self._stash_bytes()
@@ -190,7 +187,6 @@ class LayeredSchedule:
                         objective.backward()
                     else:
                         out.backward(self._to_device(upstream[k]))
-                self.stats.layer_calls += 1
                 upstream[k] = self._to_host(x.grad) if needs_input_grad else None
                 stash[k] = None  # type: ignore[call-overload]  # free the stash as we go
             sharded.emulator.end_compute()

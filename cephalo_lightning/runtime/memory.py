@@ -19,22 +19,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # the public way to observe every op
 
+from cephalo_lightning.runtime.batching import tensors_in
+
 _ACTIVE: list[MemoryTracker] = []
 
 
 class EmulatedOutOfMemoryError(torch.OutOfMemoryError):
     """Raised when a rank's accounted memory passes its emulated capacity."""
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -103,8 +94,8 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {id(st) for t in _tensors([args, kwargs]) if (st := self._storage(t)) is not None}
-        for tensor in _tensors(out):
+        inputs = {id(st) for t in tensors_in([args, kwargs]) if (st := self._storage(t)) is not None}
+        for tensor in tensors_in(out):
             self._see(tensor, inputs)
         return out
 
