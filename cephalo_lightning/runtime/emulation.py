@@ -3,9 +3,9 @@
 A rank's emulation is the planner's :class:`~cephalo_lightning.planner.cluster.Emulation`
 ``(slowdown, memory_gb)``:
 
-* ``slowdown`` >= 1: every compute region takes that many times longer. The engine and the layered
-  schedule bracket each unit's forward and backward with :meth:`DeviceEmulator.begin_compute` /
-  :meth:`DeviceEmulator.end_compute`; the emulator measures the region and then waits
+* ``slowdown`` >= 1: every compute region takes that many times longer. The emulator is a runtime
+  observer (:mod:`.observers`): attached to a sharded model it hears each unit's forward and
+  backward and each optimizer step as a compute region, measures the region and then waits
   ``(slowdown - 1)`` times as long. Waiting (not spinning) leaves the cores to the other ranks of a
   CPU "cluster", so a slow emulated rank does not slow down the fast ones. Time the rank spends
   waiting for a CPU (host contention) is left out of the measure on Linux (:class:`ContentionClock`),
@@ -17,6 +17,7 @@ A rank's emulation is the planner's :class:`~cephalo_lightning.planner.cluster.E
   per-process memory fraction (:meth:`DeviceEmulator.cap_cuda_memory`).
 
 Everything that reports a figure measured under emulation should say so (:meth:`DeviceEmulator.describe`).
+:class:`BusyTime` is the observer that measures how long a rank computes (emulated waits included).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ import torch
 
 from cephalo_lightning.planner.cluster import Emulation
 from cephalo_lightning.runtime.memory import MemoryTracker
+from cephalo_lightning.runtime.observers import Observer
 
 GIB = float(2**30)
 
 __all__ = [
-    "ContentionClock", "DeviceEmulator", "Emulation", "EmulationSpecError", "EmulationSpec", "emulator_for_rank",
+    "BusyTime", "ContentionClock", "DeviceEmulator", "Emulation", "EmulationSpecError", "EmulationSpec", "emulator_for_rank",
     "parse_emulation", "parse_emulation_specs",
 ]
 
@@ -165,22 +167,20 @@ class ContentionClock:
 
 
 @dataclass
-class DeviceEmulator:
+class DeviceEmulator(Observer):
     """Makes this rank's compute take ``slowdown`` times as long, and optionally caps its memory.
 
-    The engine and the layered schedule call :meth:`begin_compute` / :meth:`end_compute` around
-    every unit's forward and backward; nested regions count once. ``memory_gb`` is the emulated
-    capacity (GiB); it is enforced where a tracker or a CUDA cap is set up from it
-    (:meth:`memory_tracker`, :meth:`cap_cuda_memory`), not by the slowdown regions.
+    Attached to a runtime's :class:`~.observers.Observers`, it hears every unit's compute region
+    (nested regions count once), measures it on the contention-free clock and then waits
+    ``(slowdown - 1)`` times as long. ``memory_gb`` is the emulated capacity (GiB); it is enforced
+    where a tracker or a CUDA cap is set up from it (:meth:`memory_tracker`,
+    :meth:`cap_cuda_memory`), not by the slowdown regions.
 
     ``emulated`` marks the rank as an emulated device even at slowdown 1 without a memory cap
     (a CPU process standing in for the fastest GPU of a cluster); figures it reports say so.
-    ``synchronize_cuda``: the rank computes on CUDA: an emulated slowdown synchronizes the device
-    before reading the clock at the end of a region, so it scales kernel time rather than launch
-    time, and :attr:`busy_seconds` is read from CUDA events (not exercised by the CPU tests).
-
-    :attr:`busy_seconds` accumulates the time spent in regions (waits included), which the
-    callback compares with the profile's prediction.
+    ``synchronize_cuda``: the rank computes on CUDA: a slowdown synchronizes the device before
+    reading the clock at the end of a region, so it scales kernel time rather than launch time.
+    At slowdown 1 the emulator does nothing at all in a region (attach it or not).
     """
 
     slowdown: float = 1.0
@@ -189,12 +189,8 @@ class DeviceEmulator:
     synchronize_cuda: bool = False
     label: str = ""
     _depth: int = field(default=0, repr=False)
-    _start: float = field(default=0.0, repr=False)
     _oversleep: float = field(default=0.0, repr=False)
     _start_clock: ContentionClock | None = field(default=None, repr=False)
-    _busy: float = field(default=0.0, repr=False)
-    _start_event: Any = field(default=None, repr=False)
-    _pending: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.slowdown < 1.0:
@@ -258,52 +254,30 @@ class DeviceEmulator:
 
     # ------------------------------------------------------------------ slowdown
 
-    def begin_compute(self) -> None:
+    def compute_begin(self, region: str = "compute") -> None:
+        if not self.active:
+            return
         if self._depth == 0:
-            self._start = time.perf_counter()
             self._start_clock = ContentionClock.now()
-            if self._cuda_timing():  # pragma: no cover - CUDA only
-                self._start_event = torch.cuda.Event(enable_timing=True)
-                self._start_event.record()
         self._depth += 1
 
-    def end_compute(self) -> None:
-        if self._depth == 0:
+    def compute_end(self, region: str = "compute") -> None:
+        if not self.active or self._depth == 0:
             return
         self._depth -= 1
         if self._depth != 0:
             return
-        if self.active:
-            if self._cuda_timing():  # pragma: no cover - CUDA only
-                torch.cuda.synchronize()  # the wait must scale kernel time, not launch time
-            elapsed = ContentionClock.now().since(self._start_clock)
-            self._wait(elapsed * (self.slowdown - 1.0))
-            self._busy += ContentionClock.now().since(self._start_clock)
-        elif self._start_event is not None:  # pragma: no cover - CUDA only
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._pending.append((self._start_event, end))  # read lazily: no synchronization here
-        else:
-            self._busy += ContentionClock.now().since(self._start_clock)
-        self._start_event = None
+        if self._cuda_timing():  # pragma: no cover - CUDA only
+            torch.cuda.synchronize()  # the wait must scale kernel time, not launch time
+        elapsed = ContentionClock.now().since(self._start_clock)
+        self._wait(elapsed * (self.slowdown - 1.0))
+
+    # the names the profiler's timer uses
+    begin_compute = compute_begin
+    end_compute = compute_end
 
     def _cuda_timing(self) -> bool:
         return self.synchronize_cuda and torch.cuda.is_available() and torch.cuda.is_initialized()
-
-    @property
-    def busy_seconds(self) -> float:
-        """Seconds spent in compute regions so far, the emulated waits included.
-
-        What the profiler's figures predict (on CPU the same contention-free clock; on CUDA with
-        ``synchronize_cuda`` the regions' kernel time, read from events when this is read). Take
-        differences, e.g. per step.
-        """
-        if self._pending:  # pragma: no cover - CUDA only
-            for start, end in self._pending:
-                end.synchronize()
-                self._busy += start.elapsed_time(end) / 1e3
-            self._pending.clear()
-        return self._busy
 
     def _wait(self, seconds: float) -> None:
         """Sleep ``seconds``, carrying the OS's oversleep over to the next wait.
@@ -359,6 +333,63 @@ class DeviceEmulator:
             )
         torch.cuda.set_per_process_memory_fraction(fraction, index)
         return fraction
+
+
+class BusyTime(Observer):
+    """Seconds this rank spends in compute regions, what the profile's figures predict.
+
+    On CPU the contention-free clock (:class:`ContentionClock`); on CUDA a pair of events per
+    outermost region, read (and released) whenever :attr:`seconds` is read, and folded into the
+    total every ``max_pending`` regions so that nothing grows if nobody reads. Attach it
+    OUTSIDE an emulator (``observers.attach(busy, outermost=True)``) so the emulator's waits,
+    which delay the real schedule, count as busy time.
+    """
+
+    def __init__(self, cuda: bool = False, max_pending: int = 512) -> None:
+        self.cuda = cuda
+        self.max_pending = max_pending
+        self._depth = 0
+        self._start: Any = None
+        self._total = 0.0
+        self._pending: list[tuple[Any, Any]] = []
+
+    def compute_begin(self, region: str) -> None:
+        if self._depth == 0:
+            if self.cuda:  # pragma: no cover - CUDA only
+                self._start = torch.cuda.Event(enable_timing=True)
+                self._start.record()
+            else:
+                self._start = ContentionClock.now()
+        self._depth += 1
+
+    def compute_end(self, region: str) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth:
+            return
+        if self.cuda:  # pragma: no cover - CUDA only
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((self._start, end))
+            if len(self._pending) >= self.max_pending:
+                self._fold()
+        else:
+            self._total += ContentionClock.now().since(self._start)
+        self._start = None
+
+    def _fold(self) -> None:  # pragma: no cover - CUDA only
+        for start, end in self._pending:
+            end.synchronize()
+            self._total += start.elapsed_time(end) / 1e3
+        self._pending.clear()
+
+    @property
+    def seconds(self) -> float:
+        """Seconds in compute regions so far (take differences, e.g. per step)."""
+        if self._pending:  # pragma: no cover - CUDA only
+            self._fold()
+        return self._total
 
 
 def _cuda_index(device: torch.device | int | None) -> int:  # pragma: no cover - CUDA only

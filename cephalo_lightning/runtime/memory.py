@@ -2,11 +2,13 @@
 
 CUDA reports allocator statistics; the CPU does not, so :class:`MemoryTracker` counts it itself:
 a ``TorchDispatchMode`` sees every tensor an operator returns and follows its storage until the
-storage dies (storages keep their Python object alive exactly as long as they live). Buffers the
-runtime resizes by hand (a unit's gathered parameters) are reported with :func:`note_resize`.
-Tensors created under :meth:`MemoryTracker.host` count as host memory (an offloaded stash) and are
-reported separately. Past ``capacity_bytes`` the tracker raises :class:`EmulatedOutOfMemoryError`,
-a ``torch.OutOfMemoryError``, as CUDA would.
+storage dies (storages keep their Python object alive exactly as long as they live). The tracker is
+also a runtime :class:`~.observers.Observer`: attached to a sharded model it hears of the buffers
+the runtime resizes by hand (a unit's gathered parameters), and tensors created inside its
+:meth:`~MemoryTracker.host_allocations` count as host memory (an offloaded stash), reported
+separately. Past ``capacity_bytes`` the tracker raises :class:`EmulatedOutOfMemoryError`, a
+``torch.OutOfMemoryError``, as CUDA would. :class:`SampledTracking` is the ``with`` block a
+training loop puts around each step.
 """
 
 from __future__ import annotations
@@ -20,15 +22,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # the public way to observe every op
 
 from cephalo_lightning.runtime.batching import tensors_in
-
-_ACTIVE: list[MemoryTracker] = []
+from cephalo_lightning.runtime.observers import Observer, Observers
 
 
 class EmulatedOutOfMemoryError(torch.OutOfMemoryError):
     """Raised when a rank's accounted memory passes its emulated capacity."""
 
 
-class MemoryTracker(TorchDispatchMode):
+class MemoryTracker(TorchDispatchMode, Observer):
     """Counts the bytes of live tensor storages created while it is active."""
 
     def __init__(self, capacity_bytes: float | None = None, baseline_bytes: int = 0, label: str = "") -> None:
@@ -41,6 +42,7 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_host_bytes = 0
         self._live: dict[int, tuple[int, bool]] = {}
         self._host_depth = 0
+        self._depth = 0
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -103,21 +105,21 @@ class MemoryTracker(TorchDispatchMode):
 
     def __enter__(self) -> MemoryTracker:
         super().__enter__()
-        _ACTIVE.append(self)
+        self._depth += 1
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _ACTIVE.remove(self)
+        self._depth -= 1
         super().__exit__(*exc)
 
     @property
     def active(self) -> bool:
         """Whether it is counting now. It may be left and re-entered: what it counted stays
         counted and frees are still seen while it is out (only new allocations are missed)."""
-        return self in _ACTIVE
+        return self._depth > 0
 
     @contextlib.contextmanager
-    def host(self) -> Iterator[None]:
+    def host_allocations(self) -> Iterator[None]:
         """Tensors created inside count as host memory (an offloaded stash), not device memory."""
         self._host_depth += 1
         try:
@@ -125,7 +127,9 @@ class MemoryTracker(TorchDispatchMode):
         finally:
             self._host_depth -= 1
 
-    def resized(self, old_bytes: int, new_bytes: int) -> None:
+    def storage_resized(self, old_bytes: int, new_bytes: int) -> None:
+        if not self.active:
+            return
         if new_bytes > old_bytes:
             self._grow(new_bytes - old_bytes, False)
         else:
@@ -136,23 +140,31 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_host_bytes = self.host_bytes
 
 
-def active_tracker() -> MemoryTracker | None:
-    return _ACTIVE[-1] if _ACTIVE else None
+class SampledTracking:
+    """Counts a training step's tensors with ``tracker``, on the first steps and every N-th.
 
+    Counting every tensor is slow on CPU, and steps repeat the same allocations, so steps
+    ``< first`` and every ``every``-th step are counted and the others run at full speed. Use
+    :meth:`step` as the ``with`` block around each piece of a step (forward, backward,
+    optimizer step); the tracker is attached to ``observers`` for the same block, so the
+    runtime's hand-resized buffers and offloaded stash are counted too.
+    """
 
-def note_resize(old_bytes: int, new_bytes: int) -> None:
-    """Report a storage resized by hand (it bypasses the operators the tracker watches)."""
-    tracker = active_tracker()
-    if tracker is not None and old_bytes != new_bytes:
-        tracker.resized(old_bytes, new_bytes)
+    def __init__(self, tracker: MemoryTracker, observers: Observers, every: int, first: int = 3) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"memory_check_every_n_steps must be an integer >= 1, got {every!r}")
+        self.tracker = tracker
+        self.observers = observers
+        self.every = every
+        self.first = first
 
+    def counts(self, step: int) -> bool:
+        return step < self.first or step % self.every == 0
 
-@contextlib.contextmanager
-def on_host() -> Iterator[None]:
-    """Allocations inside count as host memory for the active tracker, if any."""
-    tracker = active_tracker()
-    if tracker is None:
-        yield
-    else:
-        with tracker.host():
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        if self.tracker.active or not self.counts(step):  # nested, or a step run at full speed
+            yield
+            return
+        with self.observers.attached(self.tracker), self.tracker:
             yield
