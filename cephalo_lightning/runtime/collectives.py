@@ -7,17 +7,33 @@ split sizes (no padding, works on gloo and NCCL). Even units always take the dir
 an equal-size reduce-scatter is an ``all_to_all_single`` plus a local sum (faster there than gloo's own).
 
 Every call is recorded in :attr:`Collectives.log` when ``record=True``, which is how the tests prove
-that every rank issues the same collectives in the same order.
+that every rank issues the same collectives in the same order, and reported to the runtime's
+observers (:mod:`.observers`), which also opens a ``cephalo::<op>`` profiler range.
+
+On CUDA (:class:`CudaStreams`) the copies around a collective run on side streams, so they overlap
+the compute stream: an all-gather's cast and padding on the all-gather stream, a reduce-scatter
+(and the accumulation of its result into the local gradients) on the reduce-scatter stream. The
+compute stream waits on an all-gather only where the gathered unit is used
+(:meth:`PendingGather.wait`) and on the reduce-scatters only before the optimizer needs the
+gradients (:meth:`Collectives.wait_reductions`). On gloo (CPU) everything runs in order.
+
+[Note: memory lifetime across streams] A tensor allocated on one stream and used on another is
+marked with ``record_stream`` for the using stream (the caching allocator then waits for that
+stream before reusing the block). Buffers held by a :class:`PendingGather` stay referenced until
+its ``wait()``, so nothing a collective reads or writes is freed while it is in flight.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from cephalo_lightning.runtime.layout import UnitLayout
+from cephalo_lightning.runtime.observers import Observers
 
 COLLECTIVE_MODES = ("padded", "exact")
 
@@ -37,6 +53,31 @@ _all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_
 _reduce_scatter_equal = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class CudaStreams:
+    """The side streams of one CUDA device: all-gather, reduce-scatter and host copies."""
+
+    def __init__(self, device: torch.device) -> None:  # pragma: no cover - CUDA only
+        self.device = device
+        self.all_gather = torch.cuda.Stream(device)
+        self.reduce_scatter = torch.cuda.Stream(device)
+        self.copy = torch.cuda.Stream(device)
+
+    @staticmethod
+    def for_device(device: torch.device, enabled: bool = True) -> CudaStreams | None:
+        """Streams on CUDA (when ``enabled``), ``None`` elsewhere: every caller then runs in order."""
+        if not enabled or device.type != "cuda":
+            return None
+        return CudaStreams(device)  # pragma: no cover - CUDA only
+
+    @contextlib.contextmanager
+    def side(self, stream: torch.cuda.Stream) -> Iterator[torch.cuda.Stream]:  # pragma: no cover - CUDA only
+        """Run the block on ``stream`` after everything the current stream has queued."""
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            yield current
+
+
 @dataclass
 class PendingGather:
     """An all-gather in flight; ``wait()`` makes ``out`` hold the whole unit."""
@@ -45,11 +86,17 @@ class PendingGather:
     work: dist.Work | None = None
     staging: torch.Tensor | None = None
     unit: UnitLayout | None = None
+    source: torch.Tensor | None = None  # the sent shard, kept alive until the collective is done
+    stream: torch.cuda.Stream | None = None  # the side stream the copy-in ran on (CUDA)
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        if self.stream is not None:  # pragma: no cover - CUDA only
+            torch.cuda.current_stream(self.out.device).wait_stream(self.stream)
+            self.stream = None
+        self.source = None
         if self.staging is not None and self.unit is not None:
             chunk = self.unit.max_shard
             for r, (lo, hi) in enumerate(zip(self.unit.bounds, self.unit.bounds[1:])):
@@ -66,6 +113,8 @@ class Collectives:
     mode: str = "auto"
     record: bool = False
     log: list[tuple[str, str, int]] = field(default_factory=list)
+    observers: Observers = field(default_factory=Observers)
+    streams: CudaStreams | None = None
 
     def __post_init__(self) -> None:
         self.mode = resolve_mode(self.mode, self.group)
@@ -84,18 +133,33 @@ class Collectives:
         if self.record:
             self.log.append((op, unit.name, unit.numel))
 
-    def all_gather(self, shard: torch.Tensor, out: torch.Tensor, unit: UnitLayout, async_op: bool = False) -> PendingGather:
-        """Fill ``out`` (the unit's full flat buffer) from every rank's ``shard``."""
+    def all_gather(
+        self, shard: torch.Tensor, out: torch.Tensor, unit: UnitLayout, async_op: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> PendingGather:
+        """Fill ``out`` (the unit's full flat buffer) from every rank's ``shard`` (cast to ``dtype``)."""
         if unit.numel == 0:  # nothing to move (e.g. a root unit without parameters): same on every rank
             return PendingGather(out)
         self._note("all_gather", unit)
+        with self.observers.collective("all_gather", unit.name, unit.numel):
+            if self.streams is None:
+                pending = self._all_gather(shard.to(dtype or out.dtype), out, unit, async_op)
+            else:  # pragma: no cover - CUDA only
+                with self.streams.side(self.streams.all_gather) as _:
+                    pending = self._all_gather(shard.to(dtype or out.dtype), out, unit, async_op=True)
+                    pending.stream = self.streams.all_gather
+                if not async_op:
+                    pending.wait()
+        return pending
+
+    def _all_gather(self, shard: torch.Tensor, out: torch.Tensor, unit: UnitLayout, async_op: bool) -> PendingGather:
         if self.world_size == 1:
             out.copy_(shard)
-            return PendingGather(out)
+            return PendingGather(out, source=shard)
         lo, hi = unit.shard_range(self.rank)
         if unit.is_even:
             work = _all_gather_equal(out, shard, group=self.group, async_op=async_op)
-            return PendingGather(out, work)
+            return PendingGather(out, work, source=shard)
         if self.mode == "exact":
             sizes = list(unit.shard_sizes)
             send = shard.repeat(self.world_size) if shard.numel() else shard.new_empty(0)
@@ -103,17 +167,49 @@ class Collectives:
                 out, send, output_split_sizes=sizes, input_split_sizes=[hi - lo] * self.world_size,
                 group=self.group, async_op=async_op,
             )
-            return PendingGather(out, work)
+            return PendingGather(out, work, source=send)
         chunk = unit.max_shard
         padded = shard.new_zeros(chunk)
         padded[: hi - lo].copy_(shard)
         staging = shard.new_empty(chunk * self.world_size)
         work = _all_gather_equal(staging, padded, group=self.group, async_op=async_op)
-        return PendingGather(out, work, staging, unit)
+        return PendingGather(out, work, staging, unit, source=padded)
 
     def reduce_scatter(self, full: torch.Tensor, unit: UnitLayout) -> torch.Tensor:
-        """Sum ``full`` (this rank's whole-unit gradient) over ranks; return this rank's range."""
+        """Sum ``full`` (this rank's whole-unit gradient) over ranks; return this rank's range.
+
+        With CUDA streams the result is produced on the reduce-scatter stream: use it there (see
+        :meth:`reduce_scatter_into`) or after :meth:`wait_reductions`.
+        """
         self._note("reduce_scatter", unit)
+        with self.observers.collective("reduce_scatter", unit.name, unit.numel):
+            return self._reduce_scatter(full, unit)
+
+    def reduce_scatter_into(self, full: torch.Tensor, unit: UnitLayout, consume) -> None:  # noqa: ANN001
+        """Reduce-scatter ``full`` and hand this rank's range to ``consume(shard)``; on CUDA both run
+        on the reduce-scatter stream, overlapping the compute stream (which waits in
+        :meth:`wait_reductions`)."""
+        if self.streams is None:
+            consume(self.reduce_scatter(full, unit))
+            return
+        with self.streams.side(self.streams.reduce_scatter):  # pragma: no cover - CUDA only
+            full.record_stream(self.streams.reduce_scatter)  # allocated on the compute stream
+            consume(self.reduce_scatter(full, unit))
+
+    def wait_reductions(self, grads: list[torch.Tensor] = ()) -> None:
+        """The compute stream waits for every reduce-scatter issued so far (no-op without streams).
+
+        ``grads`` were written on the reduce-scatter stream and are used on the compute stream
+        from now on: they are marked so the allocator waits for it before reusing them.
+        """
+        if self.streams is None:
+            return
+        current = torch.cuda.current_stream(self.streams.device)  # pragma: no cover - CUDA only
+        current.wait_stream(self.streams.reduce_scatter)
+        for grad in grads:
+            grad.record_stream(current)
+
+    def _reduce_scatter(self, full: torch.Tensor, unit: UnitLayout) -> torch.Tensor:
         lo, hi = unit.shard_range(self.rank)
         if self.world_size == 1:
             return full[lo:hi].clone()
@@ -146,5 +242,25 @@ class Collectives:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+            with self.observers.collective("all_reduce", "", tensor.numel()):
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            with self.observers.collective("all_reduce", "", tensor.numel()):
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
+    def move(self, source: torch.Tensor, out: torch.Tensor, send_sizes: list[int], receive_sizes: list[int],
+             name: str = "") -> None:
+        """Send consecutive pieces of ``source`` to ranks 0..W-1 and receive ``out``'s from each
+        (one ``all_to_all_single`` with split sizes; how state moves between two layouts)."""
+        if self.record:
+            self.log.append(("all_to_all", name, source.numel()))
+        if self.world_size == 1:
+            out.copy_(source)
+            return
+        with self.observers.collective("all_to_all", name, source.numel()):
+            dist.all_to_all_single(out, source, output_split_sizes=receive_sizes, input_split_sizes=send_sizes,
+                                   group=self.group)

@@ -1,18 +1,26 @@
 """One unit of the model: its parameters as one flat buffer, sharded unevenly across ranks.
 
-Outside compute, the unit's modules hold this rank's *local pieces*: one 1-D ``nn.Parameter`` per
+Outside compute, the unit's modules hold this rank's *local pieces*: one ``nn.Parameter`` per
 original parameter, a view into the rank's fp32 master shard (possibly empty). That is what an
-optimizer built from ``model.parameters()`` sees, so optimizer state follows the plan's share.
+optimizer built from ``model.parameters()`` sees, so optimizer state follows the plan's share. A
+piece keeps its parameter's number of dimensions (a ``[1, ..., 1, k]`` view of its ``k``
+elements), so optimizer groups chosen by ``p.dim()`` / ``p.ndim`` are the groups of the unsharded
+model; :func:`full_shape` gives the original shape.
 
 For compute, :meth:`FlatUnit.gather` fills a full flat buffer (in the compute dtype) and the
 modules are switched to *full parameters*: ordinary ``nn.Parameter`` views of that buffer, so user
 code sees normal tensors. :meth:`FlatUnit.free` releases the buffer's storage; the views (and any
 tensors autograd saved) come back to life when the storage is filled again, which is how the
 backward pass recomputes nothing it did not have to.
+
+A parameter may be held by several modules (tied weights: an embedding and the head): every
+holder gets the same local piece and the same full parameter, so both uses see one tensor and its
+gradient sums both uses once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,16 +28,24 @@ from torch import nn
 
 from cephalo_lightning.runtime.collectives import Collectives, PendingGather
 from cephalo_lightning.runtime.layout import ParamSpan, UnitLayout
-from cephalo_lightning.runtime.memory import note_resize
+from cephalo_lightning.runtime.observers import Observers
 
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """Where a parameter is registered: ``module.<attr>`` under the fully qualified ``name``."""
+    """A parameter under its canonical ``name``, registered as ``module.<attr>`` by every holder."""
 
     name: str
-    module: nn.Module
-    attr: str
+    holders: tuple[tuple[nn.Module, str], ...]
+
+    @property
+    def current(self) -> nn.Parameter:
+        module, attr = self.holders[0]
+        return module._parameters[attr]
+
+    def set(self, param: nn.Parameter) -> None:
+        for module, attr in self.holders:
+            set_module_param(module, attr, param)
 
 
 def set_module_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
@@ -38,56 +54,48 @@ def set_module_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
     module._parameters[attr] = param
 
 
-def _free_storage(tensor: torch.Tensor) -> None:
-    storage = tensor.untyped_storage()
-    if storage.size() > 0:
-        note_resize(storage.size(), 0)
-        storage.resize_(0)
+def piece_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
+    """The shape of a ``numel``-element piece of a parameter of ``shape``: same number of dims."""
+    return (1,) * (len(shape) - 1) + (numel,) if len(shape) > 1 else (numel,)
 
 
-def _alloc_storage(tensor: torch.Tensor) -> None:
-    storage = tensor.untyped_storage()
-    nbytes = tensor.numel() * tensor.element_size()
-    if storage.size() != nbytes:
-        note_resize(storage.size(), nbytes)
-        storage.resize_(nbytes)
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The original shape of a local piece (or of any ordinary tensor: its own shape)."""
+    return tuple(getattr(param, "_cephalo_full_shape", param.shape))
 
 
 class FlatUnit:
-    """The parameters of one unit, sharded by ``layout`` onto ``rank``."""
+    """The parameters of one unit, sharded by ``layout`` onto ``rank``.
+
+    ``master`` is this rank's shard of the unit's flat parameters in the master dtype (fp32, or
+    fp64 for fp64 models): the truth the optimizer steps. The modules are switched to the local
+    pieces at construction.
+    """
 
     def __init__(
         self,
         layout: UnitLayout,
         slots: list[ParamSlot],
         rank: int,
-        compute_dtype: torch.dtype | None = None,
-        device: torch.device | None = None,
+        master: torch.Tensor,
+        requires_grad: Sequence[bool],
+        compute_dtype: torch.dtype,
+        observers: Observers | None = None,
     ) -> None:
         if [s.name for s in slots] != [p.name for p in layout.params]:
             raise ValueError(f"unit {layout.name}: slots and layout disagree")
-        self.layout = layout
+        lo, hi = layout.shard_range(rank)
+        if master.numel() != hi - lo:
+            raise ValueError(f"unit {layout.name}: a master shard of {master.numel()} elements for a range of {hi - lo}")
         self.slots = slots
         self.rank = rank
-        originals = [s.module._parameters[s.attr] for s in slots]
-        self.device = device or (originals[0].device if originals else torch.device("cpu"))
-        self.compute_dtype = compute_dtype or (originals[0].dtype if originals else torch.float32)
-        # the master copy is fp32 (fp64 stays fp64): optimizers never step 16-bit weights
-        self.master_dtype = torch.promote_types(originals[0].dtype, torch.float32) if originals else torch.float32
-        self.requires_grad = [bool(p.requires_grad) for p in originals]
+        self.device = master.device
+        self.compute_dtype = compute_dtype
+        self.master_dtype = master.dtype
+        self.requires_grad = [bool(r) for r in requires_grad]
         self.trainable = any(self.requires_grad)
-
-        lo, hi = layout.shard_range(rank)
-        with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1).to(self.master_dtype) for p in originals]) if originals else torch.zeros(0)
-            self.master = flat[lo:hi].to(self.device).clone()  # this rank's fp32 shard: the truth
-        self.local_params: list[nn.Parameter] = []
-        for span, requires_grad in zip(layout.params, self.requires_grad):
-            a, b = layout.param_piece(span, rank)
-            start = span.offset + a - lo
-            self.local_params.append(nn.Parameter(self.master[start : start + b - a], requires_grad=requires_grad))
-
-        self.full = torch.empty(layout.numel, dtype=self.compute_dtype, device=self.device)
+        self.observers = observers if observers is not None else Observers()
+        self.full = torch.empty(layout.numel, dtype=compute_dtype, device=self.device)
         self.full_params = [
             nn.Parameter(self.full[s.offset : s.offset + s.numel].view(s.shape), requires_grad=rg)
             for s, rg in zip(layout.params, self.requires_grad)
@@ -96,10 +104,35 @@ class FlatUnit:
         # so refilling the buffer for the backward pass does not trip autograd's in-place checks
         # on tensors it saved in the forward (they are views of the same storage).
         self._full_raw = self.full.data
-        _free_storage(self.full)
+        self._resize(0)
         self.gathered = False
         self.pending: PendingGather | None = None
+        self._install(layout, master)
+
+    def _install(self, layout: UnitLayout, master: torch.Tensor) -> None:
+        self.layout = layout
+        self.master = master
+        lo, _ = layout.shard_range(self.rank)
+        self.local_params: list[nn.Parameter] = []
+        for span, requires_grad in zip(layout.params, self.requires_grad):
+            a, b = layout.param_piece(span, self.rank)
+            start = span.offset + a - lo
+            piece = nn.Parameter(master[start : start + b - a].view(piece_shape(span.shape, b - a)),
+                                 requires_grad=requires_grad)
+            piece._cephalo_full_shape = span.shape
+            self.local_params.append(piece)
         self.use_local()
+
+    def relayout(self, layout: UnitLayout, master: torch.Tensor) -> list[nn.Parameter]:
+        """Adopt a new layout of the same unit with this rank's new master shard; returns the old
+        local pieces (new ones replace them; the full parameters and their hooks stay)."""
+        if [s.name for s in layout.params] != [s.name for s in self.layout.params] or layout.numel != self.layout.numel:
+            raise ValueError(f"unit {layout.name}: a new layout must describe the same parameters")
+        if self.gathered or self.pending is not None:
+            raise RuntimeError(f"unit {layout.name}: cannot change the layout while it is gathered")
+        old = self.local_params
+        self._install(layout, master)
+        return old
 
     # ------------------------------------------------------------------ parameters
 
@@ -107,25 +140,38 @@ class FlatUnit:
     def spans(self) -> tuple[ParamSpan, ...]:
         return self.layout.params
 
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
     def use_local(self) -> None:
         """Modules hold the local pieces (what optimizers and state dicts see)."""
         for slot, param in zip(self.slots, self.local_params):
-            set_module_param(slot.module, slot.attr, param)
+            slot.set(param)
 
     def use_full(self) -> None:
         """Modules hold full parameters (views of the gathered buffer) for compute."""
         for slot, param in zip(self.slots, self.full_params):
-            set_module_param(slot.module, slot.attr, param)
+            slot.set(param)
+
+    def local_range(self, index: int) -> tuple[int, int]:
+        """The [start, stop) of parameter ``index`` this rank owns, within the flattened parameter."""
+        return self.layout.param_piece(self.spans[index], self.rank)
 
     # ------------------------------------------------------------------ gather / free
+
+    def _resize(self, nbytes: int) -> None:
+        storage = self.full.untyped_storage()
+        if storage.size() != nbytes:
+            self.observers.storage_resized(storage.size(), nbytes)
+            storage.resize_(nbytes)
 
     def start_gather(self, comm: Collectives) -> None:
         """Begin filling the full buffer; overlaps with compute where the backend allows."""
         if self.gathered or self.pending is not None:
             return
-        _alloc_storage(self.full)
-        shard = self.master.to(self.compute_dtype)
-        self.pending = comm.all_gather(shard, self._full_raw, self.layout, async_op=True)
+        self._resize(self.full.numel() * self.full.element_size())
+        self.pending = comm.all_gather(self.master, self._full_raw, self.layout, async_op=True, dtype=self.compute_dtype)
 
     def gather(self, comm: Collectives) -> None:
         """Make the full parameters usable (waits for a prefetch already in flight)."""
@@ -141,7 +187,7 @@ class FlatUnit:
         if self.pending is not None:  # a prefetch nobody used: finish it so collectives stay paired
             self.pending.wait()
             self.pending = None
-        _free_storage(self.full)
+        self._resize(0)
         self.gathered = False
         self.use_local()
 
@@ -170,7 +216,7 @@ class FlatUnit:
                 continue
             a, b = self.layout.param_piece(span, self.rank)
             start = span.offset + a - lo
-            piece = shard_grad[start : start + b - a].to(param.dtype)
+            piece = shard_grad[start : start + b - a].to(param.dtype).view(param.shape)
             if param.grad is None:
                 param.grad = piece.clone()
             else:

@@ -2,8 +2,7 @@
 
 The usual loop runs micro-batch-major: it re-gathers every unit for every micro-batch, or keeps
 every unit's unsharded gradient resident, and ranks with different micro-batch counts issue
-different numbers of collectives (and hang). This schedule runs *layer-major* instead
-(design brief, "Layered gradient accumulation"):
+different numbers of collectives (and hang). This schedule runs *layer-major* instead:
 
 forward   for each layer: gather it once, push ALL micro-batches through it without an autograd
           graph, stash each micro-batch's input to the layer, free the layer;
@@ -14,22 +13,70 @@ backward  for each layer in reverse: gather it once, recompute it from the stash
 Every rank therefore issues exactly 2 all-gathers and 1 reduce-scatter per layer per step, in the
 same order, whatever its micro-batch count (even zero). Peak device memory is one gathered layer
 (plus the next one, prefetched) and one micro-batch's activations of one layer; the stash is kept
-on the host when offloading (on CUDA) and is reported separately. The price is one extra forward.
+on the host when offloading (on CUDA, copied on a side stream into pinned memory) and is reported
+separately. The price is one extra forward.
+
+A rank with ONE micro-batch may skip that price (``recompute=False``): its forward keeps every
+layer's autograd graph, and its backward only backpropagates, layer by layer, with the same
+collectives in the same order. It then holds the activations of the whole forward, which the
+plan must allow for.
+
+A layer is a :class:`Layer`: the module(s) forming its unit and how to call them. Besides the one
+hidden state that needs a gradient, a layer may take *side inputs* (an attention mask, position
+ids, rotary embeddings, ...): the model's ``prepare`` makes them for each micro-batch, once, with
+the root unit and the first layer gathered, and every layer's call receives them unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from cephalo_lightning.runtime.collectives import CudaStreams
 from cephalo_lightning.runtime.engine import ShardedModel
 from cephalo_lightning.runtime.flat_unit import FlatUnit
-from cephalo_lightning.runtime.memory import on_host
 
-LossFn = Callable[[int, torch.Tensor], torch.Tensor]  # (micro-batch index, last output) -> mean loss
+Side = Any  # a layer's side inputs for one micro-batch (anything the model's layer calls understand)
+LayerCall = Callable[[torch.Tensor, Side], torch.Tensor]
+# (micro-batch index, last layer's output, side inputs) -> the micro-batch's mean loss
+LossFn = Callable[[int, torch.Tensor, Side], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of the schedule: the module(s) forming its shard unit, and how to run it.
+
+    ``call(hidden, side) -> hidden``; by default the (single) module is called on the hidden
+    state alone.
+    """
+
+    modules: tuple[nn.Module, ...]
+    call: LayerCall | None = None
+    name: str = ""
+
+    @classmethod
+    def of(cls, layer: nn.Module | Sequence[nn.Module] | Layer) -> Layer:
+        if isinstance(layer, Layer):
+            return layer
+        if isinstance(layer, nn.Module):
+            return cls((layer,))
+        return cls(tuple(layer))
+
+    def __call__(self, hidden: torch.Tensor, side: Side) -> torch.Tensor:
+        if self.call is not None:
+            return self.call(hidden, side)
+        if len(self.modules) != 1:
+            raise TypeError(f"layer {self.name or self.modules}: a layer of several modules needs a call")
+        return self.modules[0](hidden)
+
+
+def plain_input(micro_batch: torch.Tensor) -> tuple[torch.Tensor, Side]:
+    """``prepare`` for micro-batches that are the first layer's input themselves (no side inputs)."""
+    return micro_batch, None
 
 
 @dataclass
@@ -49,154 +96,236 @@ class LayeredStats:
     stash_bytes: int = 0  # peak bytes of stashed layer inputs
     stash_on_host: bool = False
     micro_batches: int = 0
+    recomputed: bool = True
+
+
+class _Offload:
+    """Moves boundary tensors off the device between their uses (a no-op when disabled).
+
+    CUDA: pinned host memory, copied on the side copy stream (the compute stream goes on; a
+    copy back waits only for its own tensor). CPU: an emulated offload, a copy accounted as host
+    memory by an attached memory tracker, so an emulated device's figures match a GPU's.
+    """
+
+    def __init__(self, enabled: bool, device: torch.device, streams: CudaStreams | None, sharded: ShardedModel) -> None:
+        self.enabled = enabled
+        self.device = device
+        self.streams = streams
+        self.sharded = sharded
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return x
+        if x.device.type == "cpu":
+            with self.sharded.observers.host_allocations():
+                return x.detach().clone()
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)  # pragma: no cover - CUDA only
+        if self.streams is None:  # pragma: no cover - CUDA only
+            host.copy_(x, non_blocking=True)
+            return host
+        with self.streams.side(self.streams.copy):  # pragma: no cover - CUDA only
+            host.copy_(x, non_blocking=True)
+            x.record_stream(self.streams.copy)
+        return host  # pragma: no cover - CUDA only
+
+    def to_device(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return x
+        if self.device.type == "cpu":
+            return x.clone()
+        if self.streams is None:  # pragma: no cover - CUDA only
+            return x.to(self.device, non_blocking=True)
+        copy = self.streams.copy  # pragma: no cover - CUDA only
+        with torch.cuda.stream(copy):  # pragma: no cover - CUDA only  (ordered after the copy to the host)
+            y = x.to(self.device, non_blocking=True)
+        current = torch.cuda.current_stream(self.device)  # pragma: no cover - CUDA only
+        current.wait_stream(copy)
+        y.record_stream(current)
+        return y
+
+
+@dataclass
+class _Step:
+    """One step's state between forward and backward."""
+
+    side: list[Side]
+    weights: list[float]
+    loss_fn: LossFn
+    recompute: bool
+    stash: list[list[_Stashed | None]] = field(default_factory=list)  # per layer, per micro-batch
+    graphs: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = field(default_factory=list)  # no-recompute
 
 
 class LayeredSchedule:
     """Runs one optimizer step's micro-batches through ``layers`` layer by layer.
 
-    ``sharded`` must have been built with ``units=layers`` (one unit per layer, in order);
-    parameters outside the layers form the root unit, gathered for the step. The model's own
-    hooks (for plain forwards, e.g. validation) are switched off while the schedule runs.
+    ``sharded`` must have been built with one unit per layer, in order (``units=[layer.modules
+    ...]``); parameters outside the layers form the root unit, gathered for the step. The model's
+    own hooks (for plain forwards, e.g. validation) stand aside while the schedule runs.
     """
 
     def __init__(
         self,
         sharded: ShardedModel,
-        layers: Sequence[nn.Module],
+        layers: Sequence[Layer | nn.Module | Sequence[nn.Module]],
         offload: bool | None = None,
         on_unit_reduced: Callable[[FlatUnit], None] | None = None,
     ) -> None:
         """``offload``: keep stashed inputs and boundary gradients on the host between uses
         (default: on CUDA yes, on CPU no; on CPU True emulates it for the memory accounting)."""
-        if [id(m) for m in sharded.unit_modules] != [id(m) for m in layers]:
-            raise ValueError("the sharded model's units must be exactly the layers, in order (units=layers)")
+        self.layers = [Layer.of(layer) for layer in layers]
+        if [[id(m) for m in g] for g in sharded.unit_groups] != [[id(m) for m in layer.modules] for layer in self.layers]:
+            raise ValueError("the sharded model's units must be exactly the layers' modules, in order")
         self.sharded = sharded
-        self.layers = list(layers)
         self.on_unit_reduced = on_unit_reduced
         self.device = sharded.root.device
-        self.offload = (self.device.type == "cuda") if offload is None else offload
+        enabled = (self.device.type == "cuda") if offload is None else offload
+        self.offload = enabled
+        self._moves = _Offload(enabled, self.device, sharded.comm.streams, sharded)
         self._cuda_devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        self._stash: list[list[_Stashed]] = []
-        self._weights: list[float] = []
-        self._loss_fn: LossFn | None = None
+        self._step: _Step | None = None
         self.stats = LayeredStats()
-
-    # ------------------------------------------------------------------ host offload
-
-    def _to_host(self, x: torch.Tensor) -> torch.Tensor:
-        """Move a boundary tensor off the device between its uses (no-op without offload).
-
-        On CUDA this is an async copy to pinned memory. On CPU it emulates one: a copy accounted
-        as host memory by the active :class:`~.memory.MemoryTracker`, so an emulated device's
-        figures match what a GPU would hold.
-        """
-        if not self.offload:
-            return x
-        if x.device.type == "cpu":
-            with on_host():
-                return x.detach().clone()
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        host.copy_(x, non_blocking=True)
-        return host
-
-    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.offload:
-            return x
-        if self.device.type == "cpu":
-            return x.clone()
-        return x.to(self.device, non_blocking=True)
-
-    def _stash_bytes(self) -> int:
-        return sum(s.tensor.numel() * s.tensor.element_size() for per_layer in self._stash for s in per_layer)
 
     # ------------------------------------------------------------------ the two passes
 
-    def forward(self, inputs: Sequence[torch.Tensor], loss_fn: LossFn, weights: Sequence[float]) -> torch.Tensor:
+    def forward(
+        self,
+        micro_batches: Sequence[Any],
+        prepare: Callable[[Any], tuple[torch.Tensor, Side]],
+        loss_fn: LossFn,
+        weights: Sequence[float],
+        recompute: bool = True,
+    ) -> torch.Tensor:
         """Forward all micro-batches layer by layer; returns sum_k weights[k] * loss_k (detached).
 
-        ``inputs[k]`` is micro-batch k's input to the first layer; ``weights[k]`` its share of the
-        global mean (micro-batch size / global batch). Call :meth:`backward` next.
+        ``prepare(micro_batch) -> (first layer's input, side inputs)`` runs with the root unit and
+        the first layer gathered (it may use their parameters, e.g. position embeddings; no
+        gradient flows through it). ``weights[k]``: micro-batch k's share of the global mean loss
+        (its items over the global batch's). ``recompute=False`` needs at most one micro-batch.
+        Call :meth:`backward` next.
         """
-        if len(inputs) != len(weights):
+        if len(micro_batches) != len(weights):
             raise ValueError("one weight per micro-batch")
-        with torch.no_grad(), self.sharded.hooks_disabled():
-            return self._forward(inputs, loss_fn, weights)
+        if not recompute and len(micro_batches) > 1:
+            raise ValueError(f"recompute=False keeps one micro-batch's graph; this step has {len(micro_batches)}")
+        with self.sharded.scheduled():
+            if recompute:
+                with torch.no_grad():
+                    return self._forward(micro_batches, prepare, loss_fn, weights, recompute)
+            return self._forward(micro_batches, prepare, loss_fn, weights, recompute)
 
-    def _forward(self, inputs: Sequence[torch.Tensor], loss_fn: LossFn, weights: Sequence[float]) -> torch.Tensor:
-        sharded, units = self.sharded, self.sharded.units
-        self._stash = [[] for _ in self.layers]
-        self._weights = list(weights)
-        self._loss_fn = loss_fn
-        self.stats = LayeredStats(stash_on_host=self.offload, micro_batches=len(inputs))
+    def _forward(self, micro_batches: Sequence[Any], prepare: Callable[[Any], tuple[torch.Tensor, Side]],
+                 loss_fn: LossFn, weights: Sequence[float], recompute: bool) -> torch.Tensor:
+        sharded, units, moves = self.sharded, self.sharded.units, self._moves
+        observers = sharded.observers
         sharded.gather_root()
-        xs = [self._to_host(x) for x in inputs]  # each layer's input doubles as its stash
+        units[1].gather(sharded.comm)
+        with torch.no_grad():
+            prepared = [prepare(mb) for mb in micro_batches]
+        step = _Step([side for _, side in prepared], list(weights), loss_fn, recompute)
+        step.stash = [[] for _ in self.layers]
+        step.graphs = [[] for _ in self.layers]
+        self._step = step
+        self.stats = LayeredStats(stash_on_host=moves.enabled and recompute, micro_batches=len(micro_batches),
+                                  recomputed=recompute)
+        xs = [x for x, _ in prepared]
+        if recompute:
+            xs = [moves.to_host(x) for x in xs]  # each layer's input doubles as its stash
         for index, layer in enumerate(self.layers, start=1):
             units[index].gather(sharded.comm)
             if sharded.prefetch and index + 1 < len(units):
                 units[index + 1].start_gather(sharded.comm)
-            sharded.emulator.begin_compute()
-            for k, x in enumerate(xs):
-                self._stash[index - 1].append(_Stashed(x, _rng_state(self._cuda_devices)))
-                xs[k] = self._to_host(layer(self._to_device(x)))
-            sharded.emulator.end_compute()
+            with observers.compute("layer_forward"):
+                for k, x in enumerate(xs):
+                    if recompute:
+                        step.stash[index - 1].append(_Stashed(x, _rng_state(self._cuda_devices)))
+                        xs[k] = moves.to_host(layer(moves.to_device(x), step.side[k]))
+                    else:
+                        x_in = x.detach().requires_grad_(index > 1 and x.is_floating_point())
+                        out = layer(x_in, step.side[k])
+                        step.graphs[index - 1].append((x_in, out))
+                        xs[k] = out.detach()
             units[index].free()
-        self.stats.stash_bytes = self._stash_bytes()
+        self.stats.stash_bytes = sum(s.tensor.numel() * s.tensor.element_size()
+                                     for per_layer in step.stash for s in per_layer if s is not None)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for k, (out, w) in enumerate(zip(xs, self._weights)):
-            total += w * loss_fn(k, self._to_device(out)).float()
+        for k, (out, w) in enumerate(zip(xs, step.weights)):
+            if w:  # a micro-batch without items (all labels ignored) adds nothing, not 0 * nan
+                with torch.no_grad():
+                    total += w * loss_fn(k, moves.to_device(out) if recompute else out, step.side[k]).float()
         return total
 
-    def backward(self, loss_scale: float = 1.0) -> None:
+    def backward(self, loss_scale: float | torch.Tensor = 1.0) -> None:
         """Backward layer by layer; leaves the reduced gradients on the local pieces.
 
-        ``loss_scale`` multiplies every micro-batch's loss (a gradient scaler's scale).
+        ``loss_scale`` multiplies every micro-batch's loss (a gradient scaler's scale; a tensor
+        stays on the device, no host sync).
         """
-        if self._loss_fn is None:
+        if self._step is None:
             raise RuntimeError("LayeredSchedule.backward() without a forward()")
-        with self.sharded.hooks_disabled():
-            self._backward(loss_scale)
+        with self.sharded.scheduled():
+            try:
+                self._backward(self._step, loss_scale)
+            finally:
+                self._step = None
 
     def _reduce(self, unit: FlatUnit) -> None:
         self.sharded.reduce_unit(unit)
         if self.on_unit_reduced is not None and unit.trainable:
+            self.sharded.wait_reductions()
             self.on_unit_reduced(unit)
 
-    def _backward(self, loss_scale: float) -> None:
+    def _run_backward(self, index: int, k: int, x: torch.Tensor, out: torch.Tensor, step: _Step,
+                      upstream: list[torch.Tensor | None], loss_scale: float | torch.Tensor) -> None:
+        last = len(self.layers)
+        if index == last:
+            objective = step.loss_fn(k, out, step.side[k]) * (step.weights[k] * loss_scale)
+            objective.backward()
+        elif out.requires_grad:  # else a frozen layer whose input needs no gradient: nothing to do
+            out.backward(self._moves.to_device(upstream[k]))
+        upstream[k] = self._moves.to_host(x.grad) if x.requires_grad and x.grad is not None else None
+
+    def _backward(self, step: _Step, loss_scale: float | torch.Tensor) -> None:
         sharded, units = self.sharded, self.sharded.units
-        upstream: list[torch.Tensor | None] = [None] * len(self._weights)
+        observers = sharded.observers
+        n = len(step.weights)
+        upstream: list[torch.Tensor | None] = [None] * n
+        live = [bool(w) for w in step.weights]  # micro-batches without items contribute nothing
         last = len(self.layers)
         for index in range(last, 0, -1):
             layer = self.layers[index - 1]
             units[index].gather(sharded.comm)
             if sharded.prefetch and index - 1 >= 1:
                 units[index - 1].start_gather(sharded.comm)
-            sharded.emulator.begin_compute()
-            stash = self._stash[index - 1]
-            for k, item in enumerate(stash):
-                x = self._to_device(item.tensor)
-                needs_input_grad = index > 1 and x.is_floating_point()
-                if needs_input_grad:
-                    x = x.detach().requires_grad_(True)
-                with torch.enable_grad(), torch.random.fork_rng(self._cuda_devices, enabled=True):
-                    torch.set_rng_state(item.rng[0])
-                    for device, state in zip(self._cuda_devices, item.rng[1]):
-                        torch.cuda.set_rng_state(state, device)
-                    out = layer(x)
-                    if index == last:
-                        objective = self._loss_fn(k, out) * (self._weights[k] * loss_scale)
-                        objective.backward()
+            with observers.compute("layer_backward"):
+                for k in range(n):
+                    if step.recompute:
+                        item = step.stash[index - 1][k]
+                        step.stash[index - 1][k] = None  # free the stash as we go
+                        if not live[k] or item is None:
+                            continue
+                        x = self._moves.to_device(item.tensor)
+                        if index > 1 and x.is_floating_point():
+                            x = x.detach().requires_grad_(True)
+                        with torch.enable_grad(), torch.random.fork_rng(self._cuda_devices, enabled=True):
+                            torch.set_rng_state(item.rng[0])
+                            for device, state in zip(self._cuda_devices, item.rng[1]):
+                                torch.cuda.set_rng_state(state, device)
+                            out = layer(x, step.side[k])
+                            self._run_backward(index, k, x, out, step, upstream, loss_scale)
                     else:
-                        out.backward(self._to_device(upstream[k]))
-                upstream[k] = self._to_host(x.grad) if needs_input_grad else None
-                stash[k] = None  # type: ignore[call-overload]  # free the stash as we go
-            sharded.emulator.end_compute()
+                        graph = step.graphs[index - 1][k]
+                        step.graphs[index - 1][k] = None
+                        if not live[k] or graph is None:
+                            continue
+                        x, out = graph
+                        self._run_backward(index, k, x, out, step, upstream, loss_scale)
             units[index].free()
             self._reduce(units[index])
-        # the root unit (parameters outside the layers, e.g. inside the loss) goes last
+        # the root unit (parameters outside the layers, tied ones, ones inside the loss) goes last
         self._reduce(sharded.root)
         sharded.root.free()
-        self._stash = []
-        self._loss_fn = None
+        sharded.wait_reductions()
 
 
 class UnitOptimizers:

@@ -1,51 +1,70 @@
 """Every rank the same number of steps, each rank its own number of samples per step.
 
-One seeded global order per epoch; each global batch of B samples is cut into the ranks'
+One seeded global order per data epoch; each global batch of B samples is cut into the ranks'
 consecutive slices of the plan's sizes b_0, b_1, ... (sum B). So the union of the ranks' batches at
 step s is exactly the global batch a single process would see at step s, and no rank ever runs
-out of batches before another (which would hang the collectives).
+out of batches before another (which would hang the collectives). The sizes come from the
+:class:`~.plan_state.PlanState` version in force at each step, which also records every cut.
+
+[Note: the sampler's position is the truth] The data epoch and the steps consumed in it are the
+sampler's own (saved in checkpoints), not Lightning's epoch counter: a run that stopped at
+``max_steps`` mid-epoch and is resumed is counted by Lightning as a new epoch starting at that
+batch index, but its data continues exactly where it stopped (Lightning's epoch numbers then run
+one ahead of the data epochs; the samples trained on are the uninterrupted run's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+
+from cephalo_lightning.runtime.plan_state import PlanState
 
 
 class PlannedBatchSampler(Sampler[list[int]]):
     """Yields this rank's slice of every global batch; resumable mid-epoch."""
 
-    def __init__(self, num_samples: int, batch_sizes: Sequence[int], rank: int, *, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(self, num_samples: int, plan_state: PlanState, rank: int, *, shuffle: bool = True, seed: int = 0) -> None:
+        plan = plan_state.latest.plan
         self.num_samples = num_samples
-        self.batch_sizes = list(batch_sizes)
-        self.global_batch_size = sum(self.batch_sizes)
-        if not 0 <= rank < len(self.batch_sizes):
-            raise ValueError(f"rank {rank} outside a plan of {len(self.batch_sizes)} ranks")
+        self.plan_state = plan_state
+        self.global_batch_size = plan.global_batch_size
+        if not 0 <= rank < plan.world_size:
+            raise ValueError(f"rank {rank} outside a plan of {plan.world_size} ranks")
         if num_samples < self.global_batch_size:
             raise ValueError(
                 f"the dataset has {num_samples} samples, fewer than one global batch of {self.global_batch_size}: "
                 "lower the global batch size or use more data"
             )
         self.rank = rank
-        self._switches: list[tuple[int, int, list[int]]] = []  # (epoch, step, new batch sizes)
         self.shuffle = shuffle
         self.seed = seed
-        self.epoch = 0
-        self.offset = sum(self.batch_sizes[:rank])
-        self.consumed = 0  # steps of the current epoch the training loop has finished
-        self._resume_at = 0
+        self.epoch = 0  # the data epoch
+        self.consumed = 0  # steps of the data epoch the training loop has taken
+        self._resume_at: int | None = None  # where the next iteration starts (a resumed position)
+        self._epoch_offset = 0  # Lightning's epoch minus the data epoch (see the module note)
         self.sampler = self  # Lightning calls set_epoch on ``batch_sampler.sampler``
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
+        """Lightning starts its epoch ``epoch``: a resumed position inside a data epoch is kept."""
+        if self._resume_at is not None:  # a restored position: Lightning's epoch maps onto it
+            self._epoch_offset = epoch - self.epoch
+            return
+        data_epoch = epoch - self._epoch_offset
+        if data_epoch != self.epoch:
+            self.epoch = data_epoch
             self.consumed = 0
-        self.epoch = epoch
 
     def __len__(self) -> int:
         return self.num_samples // self.global_batch_size
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        return self.num_samples - len(self) * self.global_batch_size
 
     def order(self) -> torch.Tensor:
         if not self.shuffle:
@@ -58,34 +77,27 @@ class PlannedBatchSampler(Sampler[list[int]]):
         order = self.order()
         return order[step * self.global_batch_size : (step + 1) * self.global_batch_size].tolist()
 
-    def switch_sizes(self, batch_sizes: Sequence[int], epoch: int, step: int) -> None:
-        """From (epoch, step) on, cut global batches by ``batch_sizes`` (a new plan, same B)."""
-        if sum(batch_sizes) != self.global_batch_size or len(batch_sizes) != len(self.batch_sizes):
-            raise ValueError("a new plan must keep the world size and the global batch size")
-        self._switches.append((epoch, step, list(batch_sizes)))
-
-    def _apply_switches(self, step: int) -> None:
-        while self._switches and (self._switches[0][0], self._switches[0][1]) <= (self.epoch, step):
-            self.batch_sizes = self._switches.pop(0)[2]
-            self.offset = sum(self.batch_sizes[: self.rank])
-
     def __iter__(self) -> Iterator[list[int]]:
         order = self.order()
-        start, self._resume_at = self._resume_at, 0
+        start = self._resume_at if self._resume_at is not None else self.consumed
+        self._resume_at = None
+        self.plan_state.restart_cutting()
         for step in range(start, len(self)):
-            self._apply_switches(step)
-            size = self.batch_sizes[self.rank]
+            sizes = self.plan_state.cut(self.epoch, step).plan.batch_sizes
+            size, offset = sizes[self.rank], sum(sizes[: self.rank])
             first = step * self.global_batch_size
             if size:
-                yield order[first + self.offset : first + self.offset + size].tolist()
+                yield order[first + offset : first + offset + size].tolist()
             else:  # a rank with no samples still takes every step: one placeholder, never computed on
                 yield [int(order[first])]
 
-    def mark_consumed(self) -> None:
-        self.consumed += 1
+    def mark_consumed(self, step: int) -> None:
+        """The training loop took step ``step`` of the current data epoch."""
+        self.consumed = step + 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "consumed": self.consumed, "global_batch_size": self.global_batch_size, "seed": self.seed}
+        return {"epoch": self.epoch, "consumed": self.consumed, "global_batch_size": self.global_batch_size,
+                "seed": self.seed, "epoch_offset": self._epoch_offset, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("global_batch_size") != self.global_batch_size:
@@ -93,13 +105,23 @@ class PlannedBatchSampler(Sampler[list[int]]):
                 f"the checkpoint was written with a global batch of {state.get('global_batch_size')}, this run uses "
                 f"{self.global_batch_size}: resume with the same global batch size (steps would mean something else)"
             )
-        self.epoch = state["epoch"]
+        saved_samples = state.get("num_samples", self.num_samples)
+        if saved_samples != self.num_samples:
+            raise ValueError(
+                f"the checkpoint was written for a training set of {saved_samples} samples, this run has "
+                f"{self.num_samples}: the resumed position (epoch {state['epoch']}, step {state['consumed']}) "
+                "would point at other samples. Resume with the same training data"
+            )
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
         self.seed = state.get("seed", self.seed)
-        self.consumed = self._resume_at = state["consumed"]
+        self._epoch_offset = int(state.get("epoch_offset", 0))
+        if self.consumed >= len(self):  # saved at the end of a data epoch: resume at the next one
+            self.epoch, self.consumed = self.epoch + 1, 0
+        self._resume_at = self.consumed
 
 
 class PlannedDataLoader(DataLoader):
-    """A DataLoader whose position survives a checkpoint (the ``state_dict`` protocol)."""
+    """A DataLoader whose position survives a checkpoint (Lightning's ``state_dict`` protocol)."""
 
     batch_sampler: PlannedBatchSampler
 
@@ -108,3 +130,36 @@ class PlannedDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.batch_sampler.load_state_dict(state)
+
+
+def loading_settings(dataloader: DataLoader) -> dict[str, Any]:
+    """How a user's DataLoader loads (workers, collation, pinning, ...), kept when it is re-cut."""
+    settings = {"num_workers": dataloader.num_workers, "collate_fn": dataloader.collate_fn,
+                "pin_memory": dataloader.pin_memory, "worker_init_fn": dataloader.worker_init_fn,
+                "persistent_workers": dataloader.persistent_workers, "timeout": dataloader.timeout,
+                "multiprocessing_context": dataloader.multiprocessing_context}
+    if dataloader.num_workers > 0:
+        settings["prefetch_factor"] = dataloader.prefetch_factor
+    return settings
+
+
+def planned_loader(dataloader: DataLoader, plan_state: PlanState, rank: int, *, shuffle: bool, seed: int) -> PlannedDataLoader:
+    """``dataloader`` re-cut so this rank takes its slice of every global batch of ``plan_state``."""
+    dataset = dataloader.dataset
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise TypeError(
+            f"CephaloStrategy cuts every global batch into per-rank slices by sample index, but the training "
+            f"dataset is a {type(dataset).__name__} without indices (an IterableDataset or no __len__). Use a "
+            "map-style Dataset (with __len__ and __getitem__), e.g. by materialising or indexing the stream"
+        )
+    sampler = PlannedBatchSampler(len(dataset), plan_state, rank, shuffle=shuffle, seed=seed)
+    if sampler.dropped_per_epoch and rank == 0:
+        which = "different samples each epoch (reshuffled)" if shuffle else "the SAME last samples every epoch (no shuffling)"
+        warnings.warn(
+            f"Cephalo: the training set has {sampler.num_samples} samples, {sampler.dropped_per_epoch} more than "
+            f"{len(sampler)} global batches of {sampler.global_batch_size}: every rank must take the same number of "
+            f"steps, so the partial last batch is dropped, {which}. Choose a global batch that divides the data "
+            "to use every sample",
+            stacklevel=2,
+        )
+    return PlannedDataLoader(dataset, batch_sampler=sampler, **loading_settings(dataloader))

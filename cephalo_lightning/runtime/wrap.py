@@ -10,7 +10,7 @@ WrapPolicy = Sequence[type[nn.Module]] | Sequence[nn.Module] | None
 
 
 class WrapPolicyError(ValueError):
-    """The model has no units the runtime can shard by, or shares a parameter between units."""
+    """The model has no units the runtime can shard by, or its units overlap."""
 
 
 def _largest_module_list(model: nn.Module) -> nn.ModuleList | None:
@@ -63,26 +63,18 @@ def find_units(model: nn.Module, policy: WrapPolicy = None) -> list[nn.Module]:
     raise WrapPolicyError("units must be all module classes or all modules")
 
 
-def check_no_shared_parameters(model: nn.Module, units: Sequence[nn.Module]) -> None:
-    """A parameter held by two modules (tied weights) cannot be owned by one shard; say which.
+def check_units_disjoint(groups: Sequence[Sequence[nn.Module]]) -> None:
+    """No module may sit in two units (a module selected inside another unit, say).
 
-    One module reachable by two paths (an adapter wrapping a submodule) is not tying: it is the
-    same module, and its parameters are sharded once.
+    Tied weights are fine: a parameter held by modules of two units is sharded once, in the root
+    unit (see :mod:`.engine`). One module reachable by two paths is one module.
     """
-    holders: dict[int, tuple[str, int]] = {}
-    for mod_name, mod in model.named_modules():
-        for attr, param in mod._parameters.items():
-            if param is None:
-                continue
-            name = f"{mod_name}.{attr}" if mod_name else attr
-            first = holders.setdefault(id(param), (name, id(mod)))
-            if first[1] != id(mod):
-                raise WrapPolicyError(
-                    f"parameters {first[0]!r} and {name!r} are the same tensor (tied weights). Cephalo "
-                    "shards each unit's parameters separately: untie them (give the head its own weight)"
-                )
-    owners: dict[int, int] = {}
-    for i, unit in enumerate(units):
-        for param in unit.parameters():
-            if owners.setdefault(id(param), i) != i:
-                raise WrapPolicyError("units overlap: a module was selected inside another unit")
+    owner: dict[int, int] = {}
+    for index, group in enumerate(groups):
+        for top in group:
+            for mod in top.modules():
+                if owner.setdefault(id(mod), index) != index:
+                    raise WrapPolicyError(
+                        f"units overlap: {type(mod).__name__} is inside units {owner[id(mod)]} and {index}; "
+                        "give each module to one unit"
+                    )
