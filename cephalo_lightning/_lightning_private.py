@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,8 +22,9 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available as syn
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as SubprocessScriptLauncher
 
 __all__ = [
-    "SubprocessScriptLauncher", "default_process_group_backend", "distributed_is_initialized",
-    "init_dist_connection", "logging_as", "sync_ddp_if_available", "training_dataloader",
+    "LoggedValue", "SubprocessScriptLauncher", "captured_logs", "default_process_group_backend",
+    "distributed_is_initialized", "init_dist_connection", "logged_values", "logging_as", "sync_ddp_if_available",
+    "training_dataloader",
 ]
 
 
@@ -48,3 +50,57 @@ def training_dataloader(trainer: pl.Trainer) -> Any:
     ``_data_source``; it is the only way to look at a sample batch during ``setup``.
     """
     return trainer.fit_loop._data_source.dataloader()
+
+
+@dataclass(frozen=True)
+class LoggedValue:
+    """One ``self.log`` call's value and options, as Lightning's result collection recorded it."""
+
+    name: str
+    value: Any  # a tensor (this micro-batch's value) or a torchmetrics Metric
+    prog_bar: bool
+    logger: bool
+    on_step: bool
+    on_epoch: bool
+    reduction: str  # "mean" | "sum" | "max" | "min" | "custom"
+    metric_attribute: str | None
+
+
+@contextmanager
+def captured_logs(trainer: pl.Trainer) -> Iterator[Any]:
+    """``self.log`` calls inside land in a fresh result collection instead of the training loop's.
+
+    The strategy runs the user's ``training_step`` once per micro-batch; Lightning keeps the LAST
+    call's value for ``on_step``, so the strategy collects every micro-batch's values here and
+    logs their weighted global combination once (see :mod:`cephalo_lightning.steps`).
+    """
+    from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
+
+    loop = trainer.fit_loop.epoch_loop
+    saved = loop._results
+    capture = _ResultCollection(training=True)
+    loop._results = capture
+    try:
+        yield capture
+    finally:
+        loop._results = saved
+
+
+def logged_values(capture: Any) -> list[LoggedValue]:
+    """What ``self.log`` recorded into a captured collection (one ``training_step`` call)."""
+    out = []
+    for metric in capture.values():
+        meta = metric.meta
+        reduction = next((r for r in ("mean", "sum", "max", "min") if getattr(meta, f"is_{r}_reduction")), "custom")
+        if metric.is_tensor:
+            if metric._forward_cache is not None:
+                value = metric._forward_cache
+            elif reduction == "mean":
+                value = metric.value / metric.cumulated_batch_size
+            else:
+                value = metric.value
+        else:
+            value = metric.value
+        out.append(LoggedValue(meta.name, value, meta.prog_bar, meta.logger, meta.on_step, meta.on_epoch, reduction,
+                               meta.metric_attribute))
+    return out

@@ -1,11 +1,14 @@
 """``CephaloCallback``: profile every device at setup, plan, hand the plan over, then watch.
 
-At ``setup`` (collectives work, the model is not sharded yet) every rank profiles its device
-(:mod:`cephalo_lightning.profiling`), the planner turns the gathered cluster into a plan, and the
-plan goes to the :class:`~cephalo_lightning.strategy.CephaloStrategy` before it shards the model.
-During training it compares each rank's measured compute time and peak memory with the plan's
-prediction, logs both, warns about a rank that drifts (a straggler, a throttled GPU) and, with
-``replan=True``, re-profiles, re-plans and re-shards without losing state.
+At ``setup`` it tells the :class:`~cephalo_lightning.strategy.CephaloStrategy` that a plan is
+coming, so the strategy shards provisionally, in proportion to each rank's memory (so a small
+device is not handed an even share it cannot hold). At ``on_fit_start`` every rank profiles its
+device on the sharded model, one unit at a time (:mod:`cephalo_lightning.profiling`), the planner
+turns the gathered cluster into a plan, and the strategy re-shards to it (no files, no full
+gather) before the first batch is cut. During training it compares each rank's measured compute
+time and peak memory with the plan's prediction, logs both, warns about a rank that drifts (a
+straggler, a throttled GPU) and, with ``replan=True``, re-profiles, re-plans and re-shards without
+losing state.
 """
 
 from __future__ import annotations
@@ -31,23 +34,14 @@ from cephalo_lightning.planner.cost import GIB, DeviceCost
 from cephalo_lightning.planner.report import render_plan
 from cephalo_lightning.profiling import ProfileOptions, default_settings, profile_cluster
 from cephalo_lightning.reporting import log_plan, log_rank_series, log_summary
-from cephalo_lightning.runtime.batching import index_batch, leading_size, slice_batch
-from cephalo_lightning.steps import has_layered_protocol
+from cephalo_lightning.runtime.batching import leading_size, slice_batch
+from cephalo_lightning.runtime.emulation import BusyTime
+from cephalo_lightning.runtime.flat_unit import full_shape
 from cephalo_lightning.strategy import CephaloStrategy
 
 
 # what "<x>-true" precision turns the parameters into (Lightning converts the module after setup)
 _TRUE_PRECISION_DTYPES = {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}
-
-
-def _loss_behind_last_layer(module: pl.LightningModule, sample: Any) -> Any:
-    """``out -> cephalo_loss(out, rows)`` for any micro-batch size (sample rows repeat as needed)."""
-    rows = leading_size(sample) or 1
-
-    def loss(out: torch.Tensor) -> torch.Tensor:
-        return module.cephalo_loss(out, index_batch(sample, torch.arange(out.shape[0]) % rows))
-
-    return loss
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -124,6 +118,8 @@ class CephaloCallback(Callback):
         self._all_walls: list[float] = []
         self._throughput: Throughput | None = None
         self._samples = 0
+        self._busy: BusyTime | None = None
+        self._planning = False
 
     # ------------------------------------------------------------------ setup: profile and plan
 
@@ -137,12 +133,20 @@ class CephaloCallback(Callback):
         if stage != "fit":
             return
         strategy = self._strategy(trainer)
-        if strategy.plan is not None and not self.force_profile:
-            self.plan = strategy.plan
-            rank_zero_info("Cephalo: the strategy's plan is pinned; not profiling.")
+        self._planning = strategy.plan is None or self.force_profile
+        if self._planning:
+            strategy.provisional_layout = "memory"  # a plan follows at on_fit_start
         else:
+            rank_zero_info("Cephalo: the strategy's plan is pinned; not profiling.")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._strategy(trainer)
+        if self._planning:
             self.cluster, self.plan = self._profile_and_plan(trainer, pl_module, strategy, force=self.force_profile)
-            strategy.plan, strategy.cluster = self.plan, self.cluster
+            strategy.cluster = self.cluster
+            strategy.adopt_plan(self.plan)
+        else:
+            self.plan = strategy.plan
         if trainer.is_global_zero:
             if self.print_plan:
                 print(render_plan(self.plan), flush=True)
@@ -162,59 +166,76 @@ class CephaloCallback(Callback):
 
     def _profile_and_plan(self, trainer: pl.Trainer, module: pl.LightningModule, strategy: CephaloStrategy,
                           force: bool) -> tuple[Cluster, Plan]:
+        """Collective: profile every rank on the sharded model, one unit at a time, and plan."""
         sample, global_batch = self._sample(trainer, strategy)
-        layered = has_layered_protocol(module) and strategy.mode != "uniform"
-        loss_fn = None
-        if layered:
-            layers, first_input = list(module.cephalo_layers()), module.cephalo_input(sample)
-            loss_fn = _loss_behind_last_layer(module, sample)
+        run = strategy.run
+        assert run is not None, "CephaloCallback profiles after the strategy has sharded the model"
+        layered = run.layered_model
+        sharded = run.sharded
+        if layered is not None:
+            layers, sample_input = list(layered.layers), sample
+            kwargs: dict[str, Any] = {"prepare": layered.prepare, "loss": layered.loss,
+                                      "unit_context": lambda i: sharded.unit_gathered(i + 1)}
         else:
             example = getattr(module, "example_input_array", None)
             if example is None:
                 raise ValueError(
-                    f"CephaloCallback cannot profile {type(module).__name__}: implement the layered protocol "
-                    "(cephalo_layers, cephalo_input, cephalo_loss) or set example_input_array, or give the "
-                    "strategy a plan / cluster file instead"
+                    f"CephaloCallback cannot profile {type(module).__name__}: it has no layered form "
+                    f"({run.resolution.reason}); set example_input_array, or give the strategy a plan / cluster file"
                 )
-            layers, first_input = [module], example  # the whole model as one "layer" (uniform mode)
+            # the whole model as one "layer" (uniform mode): every unit gathered for the measurement
+            layers, sample_input = [module], example
+            kwargs = {"unit_context": lambda i: sharded.summon_full_params()}
         settings = replace(default_settings(strategy.root_device), **self.settings)
         trainable = [p for p in module.parameters() if p.requires_grad]
-        parameters = sum(p.numel() for p in trainable)
-        # the model is measured as it will run: the precision plugin converts it only after setup
+        parameters = sum(math.prod(full_shape(p)) for p in trainable)  # the pieces are shards: count the whole
         precision = trainer.precision_plugin
         compute_dtype = strategy.param_dtype or _TRUE_PRECISION_DTYPES.get(getattr(precision, "precision", ""))
         master = torch.promote_types(compute_dtype or (trainable[0].dtype if trainable else torch.float32), torch.float32)
         state_bytes = self.state_bytes_per_param or 4 * master.itemsize
         with precision.forward_context():  # autocast for "*-mixed"
             cluster = profile_cluster(
-                layers, first_input, emulator=strategy.emulator,  # its current state: a throttle shows
+                layers, sample_input, emulator=strategy.emulator,  # its current state: a throttle shows
                 options=ProfileOptions(max_micro_batch=self.max_micro_batch, compute_dtype=compute_dtype,
                                        collective_modes=(strategy.collective,)),
                 model_name=type(module).__name__, parameters=parameters, state_bytes_per_param=state_bytes,
                 settings=settings, device=strategy.root_device, cache_dir=self.cache_dir, force=force,
-                quiet=self.quiet, loss_fn=loss_fn,
+                quiet=self.quiet, **kwargs,
             )
         if self.cluster_file and trainer.is_global_zero:
             from cephalo_lightning.planner import save_cluster
 
             save_cluster(cluster, self.cluster_file)
-        mode = self.mode or ("layered" if layered else "uniform")
-        return cluster, make_plan(cluster, global_batch, mode=mode)
+        mode = self.mode or run.mode
+        # every rank must shard by the same plan: rank 0's, in case float noise ever made two differ
+        plan = strategy.broadcast(make_plan(cluster, global_batch, mode=mode) if trainer.is_global_zero else None)
+        return cluster, plan
 
     # ------------------------------------------------------------------ watching
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._throughput = Throughput(window_size=max(self.watch_every_n_steps, 5), world_size=1)
         self._t0 = time.perf_counter()
+        strategy = self._strategy(trainer)
+        if self.watch_every_n_steps and strategy.run is not None:  # the watch measures compute, emulated waits included
+            self._busy = BusyTime(cuda=strategy.root_device.type == "cuda")
+            strategy.run.sharded.observers.attach(self._busy, outermost=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._strategy(trainer)
+        if self._busy is not None and strategy.run is not None:
+            strategy.run.sharded.observers.detach(self._busy)
+        self._summarize(trainer, strategy)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_start = time.perf_counter()
-        self._busy_start = self._strategy(trainer).emulator.busy_seconds
+        self._busy_start = self._busy.seconds if self._busy is not None else 0.0
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy = self._strategy(trainer)
         wall = time.perf_counter() - self._step_start
-        self._window.append((wall, strategy.emulator.busy_seconds - self._busy_start))
+        busy = self._busy.seconds - self._busy_start if self._busy is not None else 0.0
+        self._window.append((wall, busy))
         self._all_walls.append(wall)
         assert strategy.plan is not None
         self._samples += strategy.plan.global_batch_size
@@ -282,10 +303,7 @@ class CephaloCallback(Callback):
 
     def _replan(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
         module = trainer.lightning_module
-        # the model is sharded: measure its layers with their full parameters gathered
-        assert strategy.sharded is not None
-        with strategy.memory_untracked(), strategy.sharded.summon_full_params():
-            cluster, plan = self._profile_and_plan(trainer, module, strategy, force=True)
+        cluster, plan = self._profile_and_plan(trainer, module, strategy, force=True)
         if plan.batch_sizes == strategy.plan.batch_sizes and plan.state_shares == strategy.plan.state_shares:  # type: ignore[union-attr]
             rank_zero_info("Cephalo: re-planned, the plan is unchanged.")
             return
@@ -297,8 +315,7 @@ class CephaloCallback(Callback):
 
     # ------------------------------------------------------------------ summary
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        strategy = self._strategy(trainer)
+    def _summarize(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
         if not self._all_walls or strategy.plan is None:
             return
         steady = self._all_walls[1:] or self._all_walls  # the first step pays for warm-up

@@ -8,24 +8,21 @@ agreed by all ranks (one rank skipping a step alone would desynchronise the mode
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
-ClipFn = Callable[[float], torch.Tensor]
+from cephalo_lightning.runtime.engine import clip_grad_norm_
 
 
 class _ShardedClipping:
-    """Mixin: gradient-norm clipping over every rank's shard (set ``clip_fn`` before training)."""
+    """Mixin: gradient-norm clipping by the norm over every rank's shard of the optimizer's parameters.
 
-    clip_fn: ClipFn | None = None
+    Lightning's hook (``clip_grad_by_norm``) gets the optimizer; its parameters are this rank's
+    pieces, each element owned by one rank, so one all-reduce gives the global norm.
+    """
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        if self.clip_fn is None:
-            raise RuntimeError("gradient clipping before the Cephalo strategy sharded the model")
-        self.clip_fn(float(clip_val))
+        clip_grad_norm_(self.main_params(optimizer), float(clip_val))  # type: ignore[attr-defined]
 
     # clipping by value is elementwise, so each rank clipping its own pieces is already exact
 

@@ -1,37 +1,39 @@
 """One training step of a rank under the plan: the layered schedule or micro-batch-major (uniform).
 
 Both cut the rank's local batch (b_i samples) into its n_i micro-batches and weight micro-batch
-k's mean loss by s_k / B (and 1 / accumulate_grad_batches), so that the gradients summed by the
-reduce-scatter equal the gradient of the mean loss over the global batch.
+k's mean loss by its items over the items of the whole global batch (:mod:`.models.protocol`:
+samples for per-sample means, counted with no communication; tokens for per-token means, counted
+with one small all-reduce before the forward), so that the gradients summed by the reduce-scatter
+equal the gradient of the mean loss over the global batch, whatever the plan.
+
+[Note: one all-reduce after the step] At the end of a step's backward every rank contributes, in
+ONE all-reduce, its weighted loss, the weighted values the user logged (uniform mode), and a flag
+per rank that says whether its loss or its gradient shard was not finite. So every rank knows the
+step's global loss (logged once, exact) and whether any rank went non-finite (:class:`NonFiniteGuard`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from cephalo_lightning._lightning_private import LoggedValue, captured_logs, logged_values, logging_as
+from cephalo_lightning.models.protocol import LayeredModel, LossWeighting, check_first_inputs
 from cephalo_lightning.planner import RankPlan
-from cephalo_lightning.runtime.batching import micro_batches
+from cephalo_lightning.runtime.batching import leading_size, micro_batches
 from cephalo_lightning.runtime.engine import ShardedModel
 from cephalo_lightning.runtime.layered import LayeredSchedule
 
-LAYERED_PROTOCOL = ("cephalo_layers", "cephalo_input", "cephalo_loss")
 
-
-def has_layered_protocol(module: pl.LightningModule) -> bool:
-    return all(callable(getattr(module, name, None)) for name in LAYERED_PROTOCOL)
-
-
-def global_sum(value: torch.Tensor) -> torch.Tensor:
-    value = value.detach().float().clone()
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(value)
-    return value
+class NonFiniteLossError(RuntimeError):
+    """Training stopped: too many consecutive steps had a non-finite loss or gradient."""
 
 
 @dataclass(frozen=True)
@@ -40,39 +42,166 @@ class StepContext:
     global_batch: int
     accumulate: int  # Trainer(accumulate_grad_batches=...)
     sync: bool  # reduce gradients at the end of this batch (False while Lightning accumulates)
-    loss_scale: float = 1.0  # a gradient scaler's scale (16-mixed)
+    loss_scale: float | torch.Tensor = 1.0  # a gradient scaler's scale (16-mixed), kept on the device
+    step: int = 0
+    batch_idx: int = 0
 
-    def weights(self) -> list[float]:
-        return [s / self.global_batch for s in self.rank_plan.micro_batch_sizes]
+
+@dataclass(frozen=True)
+class StepReport:
+    """What every rank agrees on after a step's all-reduce."""
+
+    loss: float  # the global batch's mean loss (weighted as the gradient is)
+    nonfinite: tuple[int, ...]  # ranks whose loss or gradient shard was not finite
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+
+
+def micro_batch_weights(parts: Sequence[Any], weighting: LossWeighting, global_batch: int, device: torch.device) -> list[float]:
+    """Each micro-batch's share of the global mean loss (see the module docstring)."""
+    samples = [leading_size(p) or 0 for p in parts]
+    if weighting.kind == "samples":
+        return [s / global_batch for s in samples]
+    counts = torch.tensor([float(weighting.items(p, s)) for p, s in zip(parts, samples)] + [0.0], dtype=torch.float64)
+    total = counts.sum().to(device)
+    if _distributed():
+        dist.all_reduce(total)
+    total = float(total)
+    return [float(c) / total if total > 0 else 0.0 for c in counts[:-1].tolist()]
+
+
+def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bool,
+                extra: Sequence[torch.Tensor] = ()) -> tuple[StepReport, list[torch.Tensor]]:
+    """The step's one all-reduce: global loss, the ``extra`` weighted sums, the non-finite flags."""
+    rank, world = _rank_world()
+    device = sharded.device
+    loss = local_loss.detach().double().reshape(1).to(device)
+    finite = bool(torch.isfinite(loss).all())
+    if check_grads:
+        finite = finite and bool(torch.isfinite(sharded.grad_norm_sq()))
+    flags = torch.zeros(world, dtype=torch.float64, device=device)
+    flags[rank] = 0.0 if finite else 1.0
+    values = [loss.nan_to_num(0.0, 0.0, 0.0)] + [e.detach().double().reshape(-1).to(device) for e in extra] + [flags]
+    vector = torch.cat(values)
+    if _distributed():
+        dist.all_reduce(vector)
+    sizes = [v.numel() for v in values]
+    parts = list(vector.split(sizes))
+    nonfinite = tuple(i for i, f in enumerate(parts[-1].tolist()) if f > 0)
+    return StepReport(float(parts[0]), nonfinite), parts[1:-1]
+
+
+def log_scalar(module: pl.LightningModule, name: str, value: float, batch_size: int, **options: Any) -> None:
+    """Log an already-global value from inside the strategy (no further sync)."""
+    with logging_as(module, "training_step"):
+        module.log(name, torch.tensor(value, dtype=torch.float32), sync_dist=False, batch_size=batch_size, **options)
 
 
 class LayeredSteps:
-    """Layer-major: the strategy runs ``cephalo_input -> cephalo_layers -> cephalo_loss``.
+    """Layer-major: the strategy runs the model's layers itself (:class:`~.models.protocol.LayeredModel`).
 
-    The user's ``training_step`` is not called; the step's global mean loss is returned (and
-    logged by the strategy).
+    The user's ``training_step`` is not called; the step's global mean loss is logged as
+    ``train_loss``. ``recompute=False`` (a rank with one micro-batch whose memory allows it)
+    keeps the forward's graph instead of recomputing each layer in the backward pass.
+    ``verify_loss``: on the first step, a model found by an adapter checks that the user's
+    ``training_step`` computes the same loss as the model's own on a micro-batch, and refuses to
+    train a different objective silently.
     """
 
-    def __init__(self, module: pl.LightningModule, schedule: LayeredSchedule) -> None:
+    def __init__(self, module: pl.LightningModule, schedule: LayeredSchedule, model: LayeredModel,
+                 recompute: bool = True, verify_loss: bool = True, tolerance: float = 1e-3) -> None:
         self.module = module
         self.schedule = schedule
+        self.model = model
+        self.recompute = recompute
+        self.verify_loss = verify_loss and model.derived
+        self.tolerance = tolerance
+        self.capturing = False
+        self._local = torch.zeros(())
 
     def forward(self, batch: Any, ctx: StepContext, *args: Any) -> torch.Tensor:
         sizes = ctx.rank_plan.micro_batch_sizes
         parts = micro_batches(batch, sizes) if sizes else []
-        inputs = [self.module.cephalo_input(part) for part in parts]
-        if any(x.requires_grad for x in inputs):
-            raise TypeError(
-                "cephalo_input returned a tensor that needs a gradient: it used parameters, which the "
-                "layered schedule cannot train there. Move that computation (e.g. the embedding) into "
-                "the first of cephalo_layers(); cephalo_input should only pick tensors out of the batch"
-            )
-        weights = [w / ctx.accumulate for w in ctx.weights()]
-        local = self.schedule.forward(inputs, lambda k, out: self.module.cephalo_loss(out, parts[k]), weights)
-        return global_sum(local) * ctx.accumulate  # Lightning divides what we return by `accumulate`
+        if self.verify_loss:
+            self.verify_loss = False
+            self._verify(parts[0] if parts else batch, has_samples=bool(parts), batch_idx=ctx.batch_idx)
+        weights = [w / ctx.accumulate for w in micro_batch_weights(parts, self.model.weighting, ctx.global_batch,
+                                                                    self.schedule.device)]
 
-    def backward(self, closure_loss: torch.Tensor, ctx: StepContext) -> None:
+        def prepare(micro_batch: Any) -> tuple[torch.Tensor, Any]:
+            x, side = self.model.prepare(micro_batch)
+            check_first_inputs([x])
+            return x, side
+
+        self._local = self.schedule.forward(
+            parts, prepare, lambda k, out, side: self.model.loss(out, parts[k], side), weights,
+            recompute=self.recompute or len(parts) > 1,
+        )
+        return self._local.detach() * ctx.accumulate  # Lightning divides what we return by `accumulate`
+
+    def backward(self, closure_loss: torch.Tensor, ctx: StepContext) -> StepReport:
         self.schedule.backward(ctx.loss_scale)
+        report, _ = finish_step(self._local * ctx.accumulate, self.schedule.sharded, ctx.sync)
+        log_scalar(self.module, "train_loss", report.loss, ctx.global_batch, prog_bar=True, on_step=True, on_epoch=True)
+        return report
+
+    @torch.no_grad()
+    def _verify(self, micro_batch: Any, has_samples: bool, batch_idx: int) -> None:
+        """Collective: the user's ``training_step`` and the model's own loss agree on a micro-batch."""
+        sharded = self.schedule.sharded
+        trainer = self.module.trainer
+        with captured_logs(trainer):  # the check's own self.log calls are dropped
+            sharded.gather_root()
+            try:
+                output = self.module.training_step(micro_batch, batch_idx)
+            finally:
+                sharded.free_all()
+        user = output["loss"] if isinstance(output, dict) else output
+        with sharded.scheduled():
+            x = side = None
+            for index, layer in enumerate(self.model.layers, start=1):
+                with sharded.unit_gathered(index):
+                    if index == 1:
+                        x, side = self.model.prepare(micro_batch)
+                    x = layer(x, side)
+            sharded.gather_root()
+            derived = self.model.loss(x, micro_batch, side)
+            sharded.root.free()
+        mismatch = 0.0
+        if has_samples and torch.is_tensor(user):
+            user_value, derived_value = float(user), float(derived)
+            if not math.isclose(user_value, derived_value, rel_tol=self.tolerance, abs_tol=self.tolerance):
+                mismatch = 1.0
+        flag = torch.tensor([mismatch, float(user) if torch.is_tensor(user) else math.nan, float(derived)],
+                            dtype=torch.float64, device=sharded.device)
+        everyone = [flag]
+        if _distributed():
+            everyone = [torch.zeros_like(flag) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, flag)
+        bad = [(r, f.tolist()) for r, f in enumerate(everyone) if f[0] > 0]
+        if bad:
+            rank, (_, got, want) = bad[0]
+            raise ValueError(
+                f"Cephalo runs {self.model.name} layer by layer and computes the model's own loss, but on rank {rank} "
+                f"your training_step returned {got:.6g} where the model's own loss is {want:.6g} on the same micro-batch. "
+                "Your training_step computes a different objective, which the layered mode would silently replace. Use "
+                "CephaloStrategy(mode='uniform') to train with your training_step, or implement the layered protocol "
+                "(cephalo_layers, cephalo_input, cephalo_loss) for your loss; CephaloStrategy(verify_loss=False) "
+                "skips this check"
+            )
+
+
+@dataclass
+class _Captured:
+    """The user's logged values of one step: per micro-batch, with its weight."""
+
+    calls: list[tuple[float, list[LoggedValue]]] = field(default_factory=list)
 
 
 class UniformSteps:
@@ -80,35 +209,151 @@ class UniformSteps:
 
     Micro-batch 0 runs in ``forward`` (Lightning then zeroes the gradients and calls backward);
     the others run in ``backward``, each followed by its own backward, with the gradients kept
-    unsharded until the last one.
+    unsharded until the last one. The user's ``self.log`` calls are collected per micro-batch and
+    logged once per step with their weighted global value (as single-process training on the
+    global batch would log them).
     """
 
-    def __init__(self, sharded: ShardedModel, training_step: Callable[..., Any]) -> None:
+    def __init__(self, module: pl.LightningModule, sharded: ShardedModel, training_step: Callable[..., Any],
+                 weighting: LossWeighting) -> None:
+        self.module = module
         self.sharded = sharded
         self.training_step = training_step
+        self.weighting = weighting
         self._rest: list[Any] = []
         self._args: tuple = ()
+        self._weights: list[float] = []
+        self._losses: list[torch.Tensor] = []
+        self._logs = _Captured()
+        self.capturing = False  # the strategy's reduce() does not sync values logged meanwhile
+
+    def _run(self, part: Any, weight: float) -> Any:
+        with captured_logs(self.module.trainer) as capture:
+            self.capturing = True
+            try:
+                output = self.training_step(part, *self._args)
+            finally:
+                self.capturing = False
+        if output is None:
+            raise ValueError(
+                "training_step returned None (skip the batch). Under Cephalo every rank runs every micro-batch's "
+                "backward together, so a single rank cannot skip; the strategy skips a step with a non-finite loss "
+                "or gradient on every rank by itself (CephaloStrategy(max_nonfinite_skips=...))"
+            )
+        self._logs.calls.append((weight, logged_values(capture)))
+        loss = output["loss"] if isinstance(output, dict) else output
+        self._losses.append(loss.detach())
+        return output
 
     def forward(self, batch: Any, ctx: StepContext, *args: Any) -> Any:
         parts = micro_batches(batch, ctx.rank_plan.micro_batch_sizes)
         self._rest, self._args = parts[1:], args
+        self._weights = micro_batch_weights(parts, self.weighting, ctx.global_batch, self.sharded.device)
+        self._losses, self._logs = [], _Captured()
         self.sharded.gather_root()
-        return self.training_step(parts[0], *args)
+        return self._run(parts[0], self._weights[0])
 
     @staticmethod
     def _loss(output: Any) -> torch.Tensor:
         return output["loss"] if isinstance(output, dict) else output
 
-    def backward(self, closure_loss: torch.Tensor, ctx: StepContext) -> None:
+    def backward(self, closure_loss: torch.Tensor, ctx: StepContext) -> StepReport:
         """``closure_loss``: micro-batch 0's loss as Lightning prepared it (already / accumulate
         and, with a gradient scaler, already scaled)."""
-        weights = ctx.weights()
+        weights = self._weights
         n = len(weights)
         self.sharded.set_requires_gradient_sync(ctx.sync and n == 1)
         self.sharded.backward(closure_loss * weights[0])
         for k, part in enumerate(self._rest, start=1):
-            loss = self._loss(self.training_step(part, *self._args)) / ctx.accumulate
+            loss = self._loss(self._run(part, weights[k])) / ctx.accumulate
             self.sharded.set_requires_gradient_sync(ctx.sync and k == n - 1)
             self.sharded.backward(loss * (weights[k] * ctx.loss_scale))
         self._rest = []
         self.sharded.set_requires_gradient_sync(True)
+        return self._report(ctx)
+
+    def _report(self, ctx: StepContext) -> StepReport:
+        local = sum((w * loss.double() for w, loss in zip(self._weights, self._losses) if w),
+                    torch.zeros((), dtype=torch.float64))
+        names, sums = self._weighted_logs()
+        report, values = finish_step(local, self.sharded, ctx.sync, sums)
+        self._relog(names, values, ctx)
+        return report
+
+    def _weighted_logs(self) -> tuple[list[LoggedValue], list[torch.Tensor]]:
+        """Per logged name: sum_k w_k v_k (mean), or sum_k v_k (sum); max/min and metrics as they are."""
+        first = {v.name: v for _, values in self._logs.calls for v in values}
+        names, sums = [], []
+        for name, spec in first.items():
+            if not torch.is_tensor(spec.value) or spec.reduction not in ("mean", "sum"):
+                continue
+            total = torch.zeros((), dtype=torch.float64)
+            for weight, values in self._logs.calls:
+                for v in values:
+                    if v.name == name and (weight or spec.reduction == "sum"):
+                        total = total + (weight if spec.reduction == "mean" else 1.0) * v.value.detach().double().cpu()
+            names.append(spec)
+            sums.append(total)
+        return names, sums
+
+    def _relog(self, names: list[LoggedValue], values: list[torch.Tensor], ctx: StepContext) -> None:
+        done = {spec.name for spec in names}
+        for spec, value in zip(names, values):
+            log_scalar(self.module, spec.name, float(value), ctx.global_batch, prog_bar=spec.prog_bar,
+                       logger=spec.logger, on_step=spec.on_step, on_epoch=spec.on_epoch,
+                       reduce_fx=spec.reduction)
+        last: dict[str, LoggedValue] = {}
+        for _, logged in self._logs.calls:
+            for v in logged:
+                if v.name not in done:
+                    last[v.name] = v
+        for v in last.values():  # metrics objects and max/min values: the last micro-batch's, as logged
+            with logging_as(self.module, "training_step"):
+                kwargs = {"metric_attribute": v.metric_attribute} if not torch.is_tensor(v.value) else {}
+                self.module.log(v.name, v.value, prog_bar=v.prog_bar, logger=v.logger, on_step=v.on_step,
+                                on_epoch=v.on_epoch, sync_dist=torch.is_tensor(v.value),
+                                reduce_fx=v.reduction if v.reduction != "custom" else "mean", **kwargs)
+        self._logs = _Captured()
+
+
+class NonFiniteGuard:
+    """Skips an optimizer step on every rank when any rank's loss or gradient was not finite.
+
+    The decision comes from the step's all-reduce (:func:`finish_step`), so every rank skips
+    together; ``max_consecutive`` skips in a row stop training with :class:`NonFiniteLossError`.
+    """
+
+    def __init__(self, max_consecutive: int) -> None:
+        self.max_consecutive = max_consecutive
+        self.consecutive = 0
+        self.skipped = 0
+        self._pending: set[int] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_consecutive > 0
+
+    def record(self, report: StepReport) -> None:
+        """A batch finished its backward (several per optimizer step under accumulation)."""
+        self._pending.update(report.nonfinite)
+
+    def should_skip(self, step: int) -> bool:
+        """Before the optimizer step: skip it? Raises after too many skips in a row."""
+        bad, self._pending = sorted(self._pending), set()
+        if not self.enabled or not bad:
+            self.consecutive = 0
+            return False
+        self.consecutive += 1
+        self.skipped += 1
+        if self.consecutive >= self.max_consecutive:
+            raise NonFiniteLossError(
+                f"Cephalo: {self.consecutive} optimizer steps in a row had a non-finite loss or gradient (last at step "
+                f"{step}, on rank(s) {bad}); training stopped. The weights are as after the last finite step: resume "
+                "from the last checkpoint with a lower learning rate, gradient clipping or cleaner data, or raise "
+                "CephaloStrategy(max_nonfinite_skips=...)"
+            )
+        rank_zero_warn(
+            f"Cephalo: step {step} had a non-finite loss or gradient on rank(s) {bad}; the optimizer step was skipped "
+            f"on every rank ({self.consecutive} in a row, stopping at {self.max_consecutive})"
+        )
+        return True

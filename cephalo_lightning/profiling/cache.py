@@ -21,6 +21,9 @@ import torch
 from torch import nn
 
 from cephalo_lightning.planner.cluster import Cluster, load_cluster, save_cluster
+from cephalo_lightning.runtime.batching import tensors_in
+from cephalo_lightning.runtime.layered import Layer
+from cephalo_lightning.runtime.flat_unit import full_shape
 from cephalo_lightning.planner.errors import PlanningError
 
 log = logging.getLogger(__name__)
@@ -28,20 +31,29 @@ log = logging.getLogger(__name__)
 CACHE_FORMAT = 1  # bump when what a cached figure means changes
 
 
-def structure(layers: Sequence[nn.Module], sample_input: torch.Tensor, batch_dim: int = 0) -> list[Any]:
-    """What the model's cost depends on, as plain JSON-able data (no weights)."""
-    shape = list(sample_input.shape)
-    shape[batch_dim] = -1
-    described: list[Any] = [{"input": [shape, str(sample_input.dtype)]}]
+def structure(layers: Sequence[Any], sample_input: Any, batch_dim: int = 0) -> list[Any]:
+    """What the model's cost depends on, as plain JSON-able data (no weights).
+
+    ``layers``: modules or :class:`~cephalo_lightning.runtime.layered.Layer` objects; parameters
+    count with their full shapes (also when the model is sharded); ``sample_input``: a tensor or a
+    nested batch of them."""
+    inputs = []
+    for tensor in tensors_in(sample_input):
+        shape = list(tensor.shape)
+        if len(shape) > batch_dim:
+            shape[batch_dim] = -1
+        inputs.append([shape, str(tensor.dtype)])
+    described: list[Any] = [{"input": inputs[0] if len(inputs) == 1 else inputs}]
     for layer in layers:
-        described.append({
-            "modules": [
-                [name, type(m).__module__ + "." + type(m).__qualname__, m.extra_repr()]
-                for name, m in layer.named_modules()
-            ],
-            "params": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in layer.named_parameters()],
-            "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in layer.named_buffers()],
-        })
+        for module in (layer.modules if isinstance(layer, Layer) else (layer,)):
+            described.append({
+                "modules": [
+                    [name, type(m).__module__ + "." + type(m).__qualname__, m.extra_repr()]
+                    for name, m in module.named_modules()
+                ],
+                "params": [[n, list(full_shape(p)), str(p.dtype), p.requires_grad] for n, p in module.named_parameters()],
+                "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in module.named_buffers()],
+            })
     return described
 
 

@@ -43,9 +43,10 @@ from torch import nn
 
 from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
 from cephalo_lightning.runtime.emulation import DeviceEmulator
+from cephalo_lightning.runtime.layered import Layer
 from cephalo_lightning.runtime.memory import MemoryTracker
 
-MakeInput = Callable[[int], torch.Tensor]
+MakeInput = Callable[[int], Any]  # m -> the layer's input for m samples, or (input, side inputs)
 R = TypeVar("R")
 RunStep = Callable[[Callable[[], Any]], Any]  # runs one piece of measurement, returns its result
 
@@ -85,7 +86,7 @@ def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
 
 def _prepare_input(x: object, m: int, device: torch.device, dtype: torch.dtype | None, batch_dim: int) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"make_input({m}) must return a tensor (a layer takes one tensor), got {type(x).__name__}")
+        raise TypeError(f"make_input({m}) must return a tensor (a layer takes one hidden tensor), got {type(x).__name__}")
     if x.dim() <= batch_dim or x.shape[batch_dim] != m:
         raise ValueError(
             f"make_input({m}) returned shape {tuple(x.shape)}: dimension {batch_dim} must be the micro-batch size {m}"
@@ -118,6 +119,40 @@ def prepare_layer(layer: nn.Module, device: torch.device, compute_dtype: torch.d
     return work
 
 
+class _Runnable:
+    """What is measured: a layer's modules (a private copy, or the modules themselves) and its call."""
+
+    def __init__(self, modules: Sequence[nn.Module], call: Callable[[torch.Tensor, Any], torch.Tensor], name: str) -> None:
+        self.modules = list(modules)
+        self.call = call
+        self.name = name
+
+    def __call__(self, x: torch.Tensor, side: Any) -> torch.Tensor:
+        return self.call(x, side)
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for module in self.modules:
+            for p in module.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [b for module in self.modules for b in module.buffers()]
+
+
+def _runnable(layer: nn.Module | Layer, device: torch.device, compute_dtype: torch.dtype | None, in_place: bool) -> _Runnable:
+    if isinstance(layer, Layer):
+        if not in_place and layer.call is not None:
+            raise ValueError("a Layer with a call of its own is profiled in place (in_place=True): a copy of its "
+                             "modules would not be the modules its call runs")
+        if layer.call is not None:
+            return _Runnable(layer.modules, layer.call, layer.name or type(layer.modules[0]).__name__)
+        layer = layer.modules[0]
+    work = layer if in_place else prepare_layer(layer, device, compute_dtype)
+    return _Runnable([work], lambda x, side: work(x), type(layer).__name__)
+
+
 def _bytes(tensors: Sequence[torch.Tensor]) -> int:
     return int(sum(t.numel() * t.element_size() for t in tensors))
 
@@ -138,7 +173,7 @@ def _calibrate(fn: Callable[[], object], min_region_ms: float, timer: RegionTime
 
 
 def profile_layer(
-    layer: nn.Module,
+    layer: nn.Module | Layer,
     make_input: MakeInput,
     sizes: Sequence[int],
     *,
@@ -155,8 +190,14 @@ def profile_layer(
     run_step: RunStep | None = None,
     statistic: str | None = None,
     loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    in_place: bool = False,
 ) -> LayerProfile:
     """Time (and size) one layer at each micro-batch size; see the module docstring for the definitions.
+
+    ``layer``: a module (called on the hidden state) or a :class:`~cephalo_lightning.runtime.layered.Layer`
+    (its modules and a ``call(hidden, side)``); ``make_input(m)`` may return ``(hidden, side)``.
+    ``in_place``: measure the layer's own modules (e.g. a sharded unit gathered for the purpose,
+    already in the compute dtype) instead of a private copy; gradients are cleared afterwards.
 
     ``loss_fn`` (for the last layer): backpropagate ``loss_fn(out)`` instead of a random upstream
     gradient, so the loss's own time and memory (e.g. a softmax over the vocabulary) are counted.
@@ -184,25 +225,29 @@ def profile_layer(
     cuda_devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(cuda_devices):
         torch.manual_seed(0)  # the same inputs and upstream gradients on every rank and every run
-        work = prepare_layer(layer, device, compute_dtype)
-        params = list(work.parameters())
+        work = _runnable(layer, device, compute_dtype, in_place)
+        params = work.parameters()
         param_bytes = _bytes(params)
-        resident_bytes = param_bytes + _bytes(list(work.buffers()))
-        inputs = {m: _prepare_input(make_input(m), m, device, compute_dtype, batch_dim) for m in sizes}
+        resident_bytes = param_bytes + _bytes(work.buffers())
+        inputs, sides = {}, {}
+        for m in sizes:
+            given = make_input(m)
+            x, sides[m] = given if isinstance(given, tuple) and len(given) == 2 else (given, None)
+            inputs[m] = _prepare_input(x, m, device, compute_dtype, batch_dim)
         needs_grad = {
             m: x.is_floating_point() and (input_requires_grad is None or input_requires_grad)
             for m, x in inputs.items()
         }
         with torch.no_grad():
-            grads = {m: torch.randn_like(_output(work(x), f"{type(layer).__name__}.forward")) for m, x in inputs.items()}
+            grads = {m: torch.randn_like(_output(work(x, sides[m]), f"{work.name}.forward")) for m, x in inputs.items()}
         timer = RegionTimer(device, emulator)
 
         def forward_pass(m: int) -> None:
             with torch.no_grad():
-                work(inputs[m])
+                work(inputs[m], sides[m])
 
         def backward_pass(m: int) -> None:
-            _forward_backward(work, inputs[m], grads[m], needs_grad[m], loss_fn, copy_inputs=False)
+            _forward_backward(work, inputs[m], sides[m], grads[m], needs_grad[m], loss_fn, copy_inputs=False)
 
         def region(call: Callable[[int], None], m: int, count: int) -> float:
             def run() -> None:
@@ -238,7 +283,8 @@ def profile_layer(
         for p in params:
             p.grad = None
         compute = step(lambda: tuple(
-            _peak_bytes(work, inputs[m], grads[m], needs_grad[m], resident_bytes, device, loss_fn) if measure_memory else 0
+            _peak_bytes(work, inputs[m], sides[m], grads[m], needs_grad[m], resident_bytes, device, loss_fn)
+            if measure_memory else 0
             for m in sizes
         ))
     fwd = tuple(summarize(fwd_samples[m], statistic) for m in sizes)
@@ -257,7 +303,7 @@ def profile_layer(
 
 
 def _forward_backward(
-    work: nn.Module, x: torch.Tensor, grad: torch.Tensor, needs_grad: bool,
+    work: _Runnable, x: torch.Tensor, side: Any, grad: torch.Tensor, needs_grad: bool,
     loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None, copy_inputs: bool = True,
 ) -> None:
     """One recompute-with-grad and backward of the layer, as the layered schedule runs it.
@@ -269,7 +315,7 @@ def _forward_backward(
         x, grad = x.clone(), grad.clone()
     x = x.detach().requires_grad_(True) if needs_grad else x
     with torch.enable_grad():
-        out = work(x)
+        out = work(x, side)
         if loss_fn is not None:
             loss_fn(out).backward()
         elif out.requires_grad:  # else nothing to differentiate: no trainable parameter, no input grad
@@ -277,11 +323,11 @@ def _forward_backward(
 
 
 def _peak_bytes(
-    work: nn.Module, x: torch.Tensor, grad: torch.Tensor, needs_grad: bool, resident_bytes: int, device: torch.device,
-    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    work: _Runnable, x: torch.Tensor, side: Any, grad: torch.Tensor, needs_grad: bool, resident_bytes: int,
+    device: torch.device, loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> int:
     """Peak bytes of one forward + backward, counting the resident layer (see the module docstring)."""
-    params = list(work.parameters())
+    params = work.parameters()
     for p in params:
         p.grad = None
     try:
@@ -290,13 +336,13 @@ def _peak_bytes(
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
             for _ in range(2):
-                _forward_backward(work, x, grad, needs_grad, loss_fn)
+                _forward_backward(work, x, side, grad, needs_grad, loss_fn)
             torch.cuda.synchronize(device)
             return int(torch.cuda.max_memory_allocated(device) - base + resident_bytes)
         # the layer was built before the tracker started: its bytes are the baseline
         with MemoryTracker(baseline_bytes=resident_bytes, label="profiler") as tracker:
             for _ in range(2):  # the second micro-batch runs beside the first one's gradient
-                _forward_backward(work, x, grad, needs_grad, loss_fn)
+                _forward_backward(work, x, side, grad, needs_grad, loss_fn)
         return int(tracker.peak_bytes)
     finally:
         for p in params:

@@ -7,23 +7,30 @@ makes ``num_layers x F(m)`` the whole model's cost. Compute memory is the **maxi
 layers, because the schedule holds one layer at a time and the worst one sets the peak.
 
 Layers with the same structure, parameter shapes and input shape (every transformer block) share
-one measurement. Each layer's input at micro-batch size m is taken from one no-grad pass of a
-sample batch through the preceding layers, repeating the sample's rows to reach m rows.
+one measurement. The layers are walked in order: each layer's inputs at micro-batch sizes 1..k come
+from a no-grad pass of micro-batches of the sample (its rows repeated to reach m rows) through the
+layers before it, so only one layer's inputs are held at a time. A sharded model is profiled in
+place, one unit at a time (``unit_context(i)`` gathers layer i's unit on every rank), so
+profiling never needs the whole model on one device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
 
-from cephalo_lightning.profiling.layer import LayerProfile, RunStep, run_now, prepare_layer, profile_layer
+from cephalo_lightning.profiling.layer import LayerProfile, RunStep, _output, prepare_layer, profile_layer, run_now
+from cephalo_lightning.runtime.batching import index_batch, leading_size
 from cephalo_lightning.runtime.emulation import DeviceEmulator
+from cephalo_lightning.runtime.layered import Layer
 
 
 @dataclass(frozen=True)
@@ -122,9 +129,27 @@ def layer_inputs(
     return inputs
 
 
+def _signature(layer: nn.Module | Layer, sample: torch.Tensor, batch_dim: int) -> str:
+    modules = layer.modules if isinstance(layer, Layer) else (layer,)
+    parts = [layer_signature(module, sample, batch_dim) for module in modules]
+    return parts[0] if len(parts) == 1 else hashlib.sha256("+".join(parts).encode()).hexdigest()[:16]
+
+
+def _modules(layer: nn.Module | Layer) -> tuple[nn.Module, ...]:
+    return layer.modules if isinstance(layer, Layer) else (layer,)
+
+
+def _rows(sample: Any, m: int, batch_dim: int) -> Any:
+    """A micro-batch of ``m`` rows of the sample (a tensor or a nested batch), rows repeated as needed."""
+    if isinstance(sample, torch.Tensor):
+        return take_rows(sample, m, batch_dim)
+    rows = leading_size(sample) or 1
+    return index_batch(sample, torch.arange(m) % rows)
+
+
 def profile_model(
-    layers: Sequence[nn.Module],
-    sample_input: torch.Tensor,
+    layers: Sequence[nn.Module | Layer],
+    sample_input: Any,
     *,
     max_micro_batch: int = 4,
     device: torch.device | str = "cpu",
@@ -141,35 +166,48 @@ def profile_model(
     run_step: RunStep | None = None,
     statistic: str | None = None,
     loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> ModelProfile:
+    prepare: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+    loss: Callable[[torch.Tensor, Any, Any], torch.Tensor] | None = None,
+    unit_context: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
+    layer_turns: Callable[[], contextlib.AbstractContextManager[RunStep]] | None = None,
+    measure: bool = True,
+) -> ModelProfile | None:
     """Profile ``layers`` (the model in execution order) at micro-batch sizes ``1..max_micro_batch``.
 
-    ``sample_input``: the first layer's input for a sample batch (any number of rows >= 1).
-    ``prefetch``: the runtime gathers the next layer while one computes (its default), so a
-    neighbour's gathered parameters count in each layer's compute memory. ``resident_bytes``:
-    memory held for the whole step on top (e.g. the gathered root unit). ``on_progress(done, total)``
-    is called once the work is known and after every measurement round (for a progress bar).
-    ``run_step`` runs each piece of measurement and ``statistic`` reduces the repeats (see
-    :func:`~.layer.profile_layer`). ``loss_fn(last_output) -> loss``: measure the last layer with
-    the loss behind it (its time and, above all, its memory: a softmax over a vocabulary).
+    ``sample_input``: the first layer's input for a sample batch (any number of rows >= 1); or,
+    with ``prepare(micro_batch) -> (first input, side inputs)``, a sample *batch* (a layered
+    model's, :class:`~cephalo_lightning.models.protocol.LayeredModel`) and ``loss(output,
+    micro_batch, side)`` for the last layer. ``prefetch``: the runtime gathers the next layer while
+    one computes (its default), so a neighbour's gathered parameters count in each layer's compute
+    memory. ``resident_bytes``: memory held for the whole step on top (e.g. the gathered root
+    unit). ``on_progress(done, total)`` is called after every measurement round. ``run_step`` runs
+    each piece of measurement and ``statistic`` reduces the repeats (:func:`~.layer.profile_layer`).
+    ``loss_fn(last_output) -> loss``: measure the last layer with the loss behind it (its time and,
+    above all, its memory: a softmax over a vocabulary).
+
+    A sharded model: ``unit_context(i)`` gathers layer i's unit around everything done with it
+    (every rank enters it, in order, measuring or not), the layers are measured in place, and
+    ``layer_turns()`` hands out a fresh turn-taker per layer (measuring ranks take turns; the
+    others only follow the gathers, with ``measure=False``, and get ``None`` back).
     """
     if not layers:
         raise ValueError("profile_model needs at least one layer")
     if isinstance(max_micro_batch, bool) or not isinstance(max_micro_batch, int) or max_micro_batch < 1:
         raise ValueError(f"max_micro_batch must be an integer >= 1, got {max_micro_batch!r}")
-    if sample_input.dim() <= batch_dim or sample_input.shape[batch_dim] < 1:
-        raise ValueError(
-            f"sample_input of shape {tuple(sample_input.shape)} needs at least one sample along dimension {batch_dim}"
-        )
+    if prepare is None and (not isinstance(sample_input, torch.Tensor) or sample_input.dim() <= batch_dim
+                            or sample_input.shape[batch_dim] < 1):
+        shape = tuple(sample_input.shape) if isinstance(sample_input, torch.Tensor) else type(sample_input).__name__
+        raise ValueError(f"sample_input of shape {shape} needs at least one sample along dimension {batch_dim}")
     started = time.perf_counter()
     device = torch.device(device)
     sizes = tuple(range(1, max_micro_batch + 1))
-    inputs = (run_step or run_now)(lambda: layer_inputs(layers, sample_input, device))
-    signatures = [layer_signature(layer, x, batch_dim) for layer, x in zip(layers, inputs)]
-    if loss_fn is not None:  # the last layer is measured with the loss behind it
-        signatures[-1] += "+loss"
-    distinct = list(dict.fromkeys(signatures))  # first appearance order
-    total = len(distinct) * (warmup + repeats)
+    in_place = unit_context is not None
+    unit_context = unit_context or (lambda index: contextlib.nullcontext())
+    layer_turns = layer_turns or (lambda: contextlib.nullcontext(run_step or run_now))
+    batches = {m: _rows(sample_input, m, batch_dim) for m in sizes}
+    if loss is not None and loss_fn is None:
+        loss_fn = lambda out: loss(out, batches[out.shape[batch_dim]], sides[out.shape[batch_dim]])  # noqa: E731
+    total = len(layers) * (warmup + repeats)  # at most: identical layers are measured once
     done = 0
 
     def tick() -> None:
@@ -178,26 +216,56 @@ def profile_model(
         if on_progress is not None:
             on_progress(done, total)
 
-    if on_progress is not None:
+    if on_progress is not None and measure:
         on_progress(0, total)
-    kinds: list[LayerKind] = []
-    for signature in distinct:
-        indices = tuple(i for i, s in enumerate(signatures) if s == signature)
-        first = indices[0]
-        sample = inputs[first]
-        profile = profile_layer(
-            layers[first], lambda m, sample=sample: take_rows(sample, m, batch_dim), sizes,
-            device=device, emulator=emulator, compute_dtype=compute_dtype, warmup=warmup, repeats=repeats,
-            min_region_ms=min_region_ms, input_requires_grad=first > 0, measure_memory=measure_memory,
-            loss_fn=loss_fn if first == len(layers) - 1 else None,
-            batch_dim=batch_dim, on_round=tick, run_step=run_step, statistic=statistic,
-        )
-        kinds.append(LayerKind(signature, type(layers[first]).__name__, indices, profile))
-    of_layer = {i: kind.profile for kind in kinds for i in kind.indices}
+    xs: dict[int, torch.Tensor] = {}
+    sides: dict[int, Any] = {m: None for m in sizes}
+    kinds: dict[str, LayerKind] = {}
+    of_layer: dict[int, LayerProfile] = {}
+    gathered: list[int] = []
+    cuda_devices = [device.index or 0] if device.type == "cuda" else []
+    for index, layer in enumerate(layers):
+        with unit_context(index), layer_turns() as step:
+            gathered.append(sum(gathered_bytes(module, compute_dtype) for module in _modules(layer)))
+            if not measure:
+                continue
+            if index == 0:
+                def first() -> dict[int, torch.Tensor]:
+                    with torch.no_grad(), torch.random.fork_rng(cuda_devices):
+                        out = {}
+                        for m in sizes:
+                            out[m], sides[m] = prepare(batches[m]) if prepare is not None else (batches[m], None)
+                        return {m: x.to(device) for m, x in out.items()}
+                xs = step(first)
+            signature = _signature(layer, xs[1], batch_dim) + ("+loss" if index == len(layers) - 1 and loss_fn else "")
+            if signature in kinds:
+                kinds[signature] = replace(kinds[signature], indices=kinds[signature].indices + (index,))
+            else:
+                runnable = layer if isinstance(layer, Layer) else (Layer((layer,)) if in_place else layer)
+                profile = profile_layer(
+                    runnable, lambda m: (xs[m], sides[m]), sizes, device=device, emulator=emulator,
+                    compute_dtype=compute_dtype, warmup=warmup, repeats=repeats, min_region_ms=min_region_ms,
+                    input_requires_grad=index > 0, measure_memory=measure_memory,
+                    loss_fn=loss_fn if index == len(layers) - 1 else None, batch_dim=batch_dim, on_round=tick,
+                    run_step=step, statistic=statistic, in_place=in_place,
+                )
+                name = type(_modules(layer)[0]).__name__
+                kinds[signature] = LayerKind(signature, name, (index,), profile)
+            of_layer[index] = kinds[signature].profile
+            if index + 1 < len(layers):
+                run = layer if isinstance(layer, Layer) else Layer((layer,))
+
+                def advance() -> dict[int, torch.Tensor]:
+                    with torch.no_grad(), torch.random.fork_rng(cuda_devices):
+                        work = run if in_place or isinstance(layer, Layer) else _copied(layer, device)
+                        return {m: _output(work(xs[m], sides[m]), f"layer {index} ({type(_modules(layer)[0]).__name__})")
+                                for m in sizes}
+                xs = step(advance)
+    if not measure:
+        return None
     num_layers = len(layers)
     fwd = tuple(sum(of_layer[i].fwd_ms[j] for i in range(num_layers)) / num_layers for j in range(len(sizes)))
     bwd = tuple(sum(of_layer[i].bwd_ms[j] for i in range(num_layers)) / num_layers for j in range(len(sizes)))
-    gathered = [gathered_bytes(layer, compute_dtype) for layer in layers]
     memory = []
     for j in range(len(sizes)):
         worst = 0
@@ -211,8 +279,15 @@ def profile_model(
         layer_fwd_ms=fwd,
         layer_bwd_ms=bwd,
         compute_memory_bytes=tuple(memory),
-        parameters=sum(p.numel() for layer in layers for p in layer.parameters() if p.requires_grad),
-        layer_numels=tuple(sum(p.numel() for p in layer.parameters()) for layer in layers),
-        kinds=tuple(kinds),
+        parameters=sum(p.numel() for layer in layers for module in _modules(layer) for p in module.parameters()
+                       if p.requires_grad),
+        layer_numels=tuple(sum(p.numel() for module in _modules(layer) for p in module.parameters()) for layer in layers),
+        kinds=tuple(kinds.values()),
         seconds=time.perf_counter() - started,
     )
+
+
+def _copied(layer: nn.Module, device: torch.device) -> Layer:
+    """A layer that still lives elsewhere (the host) run as a temporary copy on ``device``."""
+    run = layer if _on_device(layer, device) else prepare_layer(layer, device, None)
+    return Layer((run,))

@@ -53,6 +53,7 @@ from cephalo_lightning.profiling.progress import ProfileProgress
 from cephalo_lightning.profiling.timing import STATISTICS
 from cephalo_lightning.profiling.turns import TurnTaker
 from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES
+from cephalo_lightning.runtime.layered import Layer
 from cephalo_lightning.runtime.emulation import DeviceEmulator, EmulationSpec, parse_emulation_specs
 
 log = logging.getLogger(__name__)
@@ -217,6 +218,26 @@ class _Identity:
     host_memory_gb: float | None
 
 
+class _LayerTurns:
+    """A fresh :class:`TurnTaker` per layer of a sharded model: ``with turns() as step``."""
+
+    def __init__(self, rank: int, measuring: Sequence[int], group: dist.ProcessGroup | None) -> None:
+        self.rank, self.measuring, self.group = rank, list(measuring), group
+
+    def __call__(self) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def layer() -> Any:
+            turns = TurnTaker(self.rank, self.measuring, self.group)
+            try:
+                yield turns if self.rank in self.measuring else None
+            finally:
+                turns.finish()
+
+        return layer()
+
+
 class ClusterProfiler:
     """Profiles this rank's device, gathers every rank's, and builds the planner's cluster.
 
@@ -236,6 +257,11 @@ class ClusterProfiler:
         device: where to compute (default: the current CUDA device, else the CPU).
         cache_dir: where cluster files are cached (``None``: no cache); ``force``: profile again.
         quiet: no progress bar and no log lines.
+        prepare, loss: for a layered model (:class:`~cephalo_lightning.models.protocol.LayeredModel`):
+            ``sample_input`` is then a sample batch, ``prepare(micro_batch) -> (first input, side)``
+            and ``loss(output, micro_batch, side)`` the model's own.
+        unit_context: ``unit_context(i)`` gathers layer i's unit of a sharded model (every rank takes
+            part; the layers are then measured in place, one unit at a time).
         loss_fn: ``loss_fn(last_layer_output) -> loss``, so the last layer is measured with the
             loss behind it (e.g. ``lambda out: module.cephalo_loss(out, batch_rows)``).
     """
@@ -243,7 +269,7 @@ class ClusterProfiler:
     def __init__(
         self,
         layers: Sequence[nn.Module],
-        sample_input: torch.Tensor,
+        sample_input: Any,
         *,
         emulator: DeviceEmulator | None = None,
         emulate: Sequence[EmulationSpec] | None = None,
@@ -260,12 +286,16 @@ class ClusterProfiler:
         force: bool = False,
         quiet: bool = False,
         loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        prepare: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
+        loss: Callable[[torch.Tensor, Any, Any], torch.Tensor] | None = None,
+        unit_context: Callable[[int], Any] | None = None,
     ) -> None:
         self.layers = list(layers)
         self.loss_fn = loss_fn
+        self.prepare, self.loss, self.unit_context = prepare, loss, unit_context
         if not self.layers:
             raise ValueError("ClusterProfiler needs the model's layers (e.g. cephalo_layers()); got none")
-        if not isinstance(sample_input, torch.Tensor):
+        if prepare is None and not isinstance(sample_input, torch.Tensor):
             raise TypeError(f"sample_input must be a tensor (the first layer's input), got {type(sample_input).__name__}")
         self.sample_input = sample_input
         self.group = group
@@ -306,9 +336,10 @@ class ClusterProfiler:
         if self.options.compute_dtype is not None:
             return self.options.compute_dtype
         for layer in self.layers:
-            for p in layer.parameters():
-                if p.is_floating_point():
-                    return p.dtype
+            for module in (layer.modules if isinstance(layer, Layer) else (layer,)):
+                for p in module.parameters():
+                    if p.is_floating_point():
+                        return p.dtype
         return torch.float32
 
     def _fingerprint(self, ids: Sequence[_Identity]) -> str:
@@ -340,14 +371,16 @@ class ClusterProfiler:
             leaders.append(first.setdefault(key, i.rank))
         return leaders
 
-    def _measure(self, progress: ProfileProgress, turns: TurnTaker | None) -> ModelProfile:
+    def _measure(self, progress: ProfileProgress, turns: TurnTaker | None, layer_turns: _LayerTurns | None = None,
+                 measure: bool = True) -> ModelProfile | None:
         opts = self.options
         return profile_model(
             self.layers, self.sample_input, max_micro_batch=opts.max_micro_batch, device=self.device,
             emulator=self.emulator, compute_dtype=opts.compute_dtype, warmup=opts.warmup, repeats=opts.repeats,
             min_region_ms=opts.min_region_ms, prefetch=opts.prefetch, resident_bytes=opts.resident_bytes,
             measure_memory=opts.measure_memory, batch_dim=opts.batch_dim, on_progress=progress.rounds,
-            run_step=turns, statistic=opts.statistic, loss_fn=self.loss_fn,
+            run_step=turns, statistic=opts.statistic, loss_fn=self.loss_fn, prepare=self.prepare, loss=self.loss,
+            unit_context=self.unit_context, layer_turns=layer_turns, measure=measure,
         )
 
     def _capacity_gb(self, ident: _Identity, ids: Sequence[_Identity]) -> float:
@@ -393,10 +426,13 @@ class ClusterProfiler:
                 f"profiling {len(measuring)} device(s) in turn" if serialize
                 else f"profiling {len(measuring)} device(s)"
             )
-            turns = TurnTaker(self.rank, measuring, self.group) if serialize else None
+            sharded = self.unit_context is not None
+            # a sharded model: every rank follows the unit gathers; measuring ranks take turns per layer
+            layer_turns = _LayerTurns(self.rank, measuring, self.group) if serialize and sharded else None
+            turns = TurnTaker(self.rank, measuring, self.group) if serialize and not sharded else None
             try:
-                if self.rank in measuring:
-                    local = self._measure(progress, turns)
+                if self.rank in measuring or sharded:
+                    local = self._measure(progress, turns, layer_turns, measure=self.rank in measuring)
             except Exception as err:  # reported on every rank below, not left to hang the others
                 failure = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
             finally:

@@ -1,0 +1,116 @@
+"""The plan a fit runs under: given, planned from a cluster file, or even; checked against the job.
+
+A plan is only right for the job it was made for: the same number of ranks, the same model, and
+each rank on the device the plan assumed (a rank launched on another GPU would get another GPU's
+batch and share: silently slow, or out of memory once training is under way). :func:`check_devices`
+compares every rank's actual device with the plan's before anything is trained.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from cephalo_lightning.planner import Cluster, Plan, PlanningError
+from cephalo_lightning.planner import plan as make_plan
+from cephalo_lightning.runtime.emulation import GIB, DeviceEmulator
+from cephalo_lightning.runtime.flat_unit import full_shape
+
+
+@dataclass(frozen=True)
+class DeviceIdentity:
+    """What a rank actually runs on: a name as the profiler writes it and the memory it has."""
+
+    rank: int
+    name: str
+    memory_gb: float | None  # None: not comparable (a CPU process without an emulated capacity)
+    emulated: bool
+
+
+def identity(rank: int, device: torch.device, emulator: DeviceEmulator) -> DeviceIdentity:
+    if device.type == "cuda":  # pragma: no cover - CUDA only
+        name = torch.cuda.get_device_name(device)
+        memory = emulator.memory_gb or torch.cuda.get_device_properties(device).total_memory / GIB
+    else:
+        name, memory = device.type, emulator.memory_gb
+    return DeviceIdentity(rank, name + emulator.name_suffix(), memory, emulator.is_emulated)
+
+
+def resolve(plan: Plan | None, cluster: Cluster | None, global_batch_size: int | None, mode: str, world_size: int) -> Plan | None:
+    """The plan before sharding: the given one, one made from ``cluster``, or ``None`` (even, once the
+    training DataLoader's batch size is known)."""
+    if plan is None and cluster is not None:
+        plan = make_plan(cluster, global_batch_size, mode="uniform" if mode == "uniform" else "layered")
+    if plan is not None and plan.world_size != world_size:
+        raise PlanningError(
+            f"the plan is for {plan.world_size} ranks but the job has {world_size}: re-plan for {world_size} ranks "
+            f"(python -m cephalo_lightning plan ... ) or launch {plan.world_size} processes"
+        )
+    return plan
+
+
+def memory_proportional(plan: Plan, identities: list[DeviceIdentity]) -> Plan:
+    """``plan`` with state shares in proportion to each rank's memory (equal where any is unknown):
+    a provisional layout before profiling that no device is too small for if the model fits at all."""
+    memories = [i.memory_gb for i in identities]
+    if any(m is None or m <= 0 for m in memories):
+        return plan
+    total = sum(memories)
+    ranks = tuple(replace(r, state_share=m / total) for r, m in zip(plan.ranks, memories))
+    return replace(plan, ranks=ranks, strategy="provisional")
+
+
+def check_model(plan: Plan, module: nn.Module) -> None:
+    expected = (plan.model or {}).get("parameters")
+    if not expected:
+        return
+    actual = sum(math.prod(full_shape(p)) for p in module.parameters() if p.requires_grad)
+    if abs(actual - expected) > 0.02 * expected:
+        raise PlanningError(
+            f"the plan was made for a model with {expected:,} parameters ({plan.model.get('name', '?')}) "
+            f"but this LightningModule has {actual:,}: re-plan for this model"
+        )
+
+
+def _model_tokens(name: str) -> set[str]:
+    """The parts of a device name that tell models apart ('a100', '80gb', 'l4', 'x3.0', ...)."""
+    words = re.findall(r"[a-z0-9.]+", name.lower().replace("nvidia", " ").replace("geforce", " "))
+    return {w for w in words if any(c.isdigit() for c in w)}
+
+
+def _mismatch(expected_name: str, expected_memory: float | None, actual: DeviceIdentity) -> str | None:
+    if expected_name in ("unprofiled", "") or expected_name == actual.name:
+        return None
+    if "(emulated" in expected_name or actual.emulated:
+        if "(emulated" in expected_name and expected_name.lower() != actual.name.lower():
+            return f"the plan expects {expected_name!r}, this rank is {actual.name!r}"
+    else:
+        wanted, got = _model_tokens(expected_name), _model_tokens(actual.name)
+        if wanted and got and not wanted & got:
+            return f"the plan expects a {expected_name!r}, this rank has a {actual.name!r}"
+    if expected_memory is not None and actual.memory_gb is not None:
+        if abs(expected_memory - actual.memory_gb) > 0.05 * expected_memory + 0.25:
+            return (f"the plan expects {expected_memory:.3g} GiB of device memory ({expected_name!r}), this rank has "
+                    f"{actual.memory_gb:.3g} GiB ({actual.name!r})")
+    return None
+
+
+def check_devices(plan: Plan, identities: list[DeviceIdentity]) -> None:
+    """Every rank's device is the one the plan gives that rank (every rank raises alike)."""
+    problems = []
+    for rank_plan, actual in zip(plan.ranks, identities):
+        problem = _mismatch(rank_plan.device, rank_plan.memory_capacity_gb, actual)
+        if problem:
+            problems.append(f"rank {actual.rank}: {problem}")
+    if problems:
+        listing = "\n  ".join(problems)
+        raise PlanningError(
+            f"the plan does not match the devices the ranks run on:\n  {listing}\nEach rank would get another "
+            "device's batch and state share. Launch the ranks in the plan's device order, re-plan for this cluster "
+            "(CephaloCallback(), or python -m cephalo_lightning plan), or pass CephaloStrategy(check_devices=False) "
+            "if you know the plan is right"
+        )
