@@ -20,11 +20,11 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 
 
 def train_reference(steps: int, global_batch: int, clip: float | None = None, start: int = 0,
-                    model: TinyLM | None = None, optimizer: torch.optim.Optimizer | None = None):
+                    model: TinyLM | None = None, optimizer: torch.optim.Optimizer | None = None, vocab: int = 17):
     """Train TinyLM on global batches ``start .. start+steps``; return (model, optimizer)."""
     model = model or TinyLM()
     optimizer = optimizer or make_optimizer(model.parameters())
-    for x, y in batches(start + steps, global_batch)[start:]:
+    for x, y in batches(start + steps, global_batch, vocab=vocab)[start:]:
         loss = model.loss(model(x), y)
         loss.backward()
         if clip is not None:

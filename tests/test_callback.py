@@ -123,7 +123,7 @@ def test_throttled_rank_is_detected_and_the_run_replans_without_losing_state(rep
     assert plans[-1][0] < plans[0][0], plans  # rank 0 throttled to x6: it gets fewer samples now
     assert any(0 in h["drifting"] for h in results[0]["history"])
     assert results[0]["cluster_slowdowns"][0] == pytest.approx(6.0)  # re-profiled as emulated x6
-    assert list((root / "cephalo-replan").iterdir()), "the re-plan writes a checkpoint of the old layout"
+    assert not (root / "cephalo-replan").exists(), "the re-plan moves state between ranks, not through files"
     want = reference_params()
     got = results[0]["params"]
     # fp64 on both sides: Adam's first steps are sign-like and would turn fp32 roundoff in

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from cephalo_lightning.planner.cluster import Emulation
+from cephalo_lightning.runtime.observers import Observers
 from cephalo_lightning.runtime.emulation import (
+    BusyTime,
     ContentionClock,
     DeviceEmulator,
     EmulationSpecError,
@@ -132,14 +134,17 @@ def test_short_regions_do_not_accumulate_oversleep() -> None:
     assert slowed / plain == pytest.approx(3.0, rel=0.15)
 
 
-def test_busy_seconds_counts_regions_and_waits() -> None:
+def test_busy_time_counts_regions_and_the_emulated_waits() -> None:
     for slowdown in (1.0, 3.0):
-        emulator = DeviceEmulator(slowdown)
-        before = emulator.busy_seconds
+        observers = Observers()
+        observers.attach(DeviceEmulator(slowdown))
+        busy = observers.attach(BusyTime(), outermost=True)  # outside the emulator: its waits count
+        before = busy.seconds
         for _ in range(3):
-            _timed_region(emulator, 0.01)
+            with observers.compute("layer_forward"):
+                time.sleep(0.01)
         time.sleep(0.01)  # outside any region: not busy
-        assert emulator.busy_seconds - before == pytest.approx(0.03 * slowdown, rel=0.2)
+        assert busy.seconds - before == pytest.approx(0.03 * slowdown, rel=0.2)
 
 
 def test_contention_clock_is_wall_time_without_load() -> None:

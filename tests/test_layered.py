@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cephalo_lightning.runtime.engine import ShardedModel
-from cephalo_lightning.runtime.layered import LayeredSchedule
+from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
 from cephalo_lightning.runtime.memory import MemoryTracker
 from tests.distributed import run_distributed
 from tests.models import TinyLM, batches
@@ -36,7 +36,7 @@ def train_layered(rank: int, shares, batch_sizes, micro_batches, mode="padded", 
         xs = [x[s : s + n] for s, n in zip(starts, sizes)]
         ys = [y[s : s + n] for s, n in zip(starts, sizes)]
         before = len(sharded.comm.log)
-        schedule.forward(xs, lambda k, out: model.loss(out, ys[k]), [n / total for n in sizes])
+        schedule.forward(xs, plain_input, lambda k, out, side: model.loss(out, ys[k]), [n / total for n in sizes])
         schedule.backward()
         per_step.append(sharded.comm.log[before:])
         optimizer.step()
@@ -93,10 +93,11 @@ def _peak_bytes(n: int, layered: bool, micro: int = 4) -> tuple[int, int]:
     x, y = data[:, :-1], data[:, 1:]
     xs = [x[k * micro : (k + 1) * micro] for k in range(n)]
     ys = [y[k * micro : (k + 1) * micro] for k in range(n)]
-    with MemoryTracker() as tracker:
+    tracker = MemoryTracker()
+    with sharded.observers.attached(tracker), tracker:  # the tracker hears of resized buffers and the stash
         if layered:
             schedule = LayeredSchedule(sharded, layers, offload=True)
-            schedule.forward(xs, lambda k, out: model.loss(out, ys[k]), [1 / n] * n)
+            schedule.forward(xs, plain_input, lambda k, out, side: model.loss(out, ys[k]), [1 / n] * n)
             schedule.backward()
         else:
             for k in range(n):
@@ -125,10 +126,11 @@ def _layered_steps(unit_wise: bool) -> tuple[dict[str, torch.Tensor], int]:
     units = UnitOptimizers(sharded, make_optimizer) if unit_wise else None
     schedule = LayeredSchedule(sharded, layers, on_unit_reduced=units.step_unit if units else None)
     optimizer = None if unit_wise else make_optimizer(model.parameters())
-    with MemoryTracker(baseline_bytes=sharded.local_state_numel() * 4) as tracker:
+    tracker = MemoryTracker(baseline_bytes=sharded.local_state_numel() * 4)
+    with sharded.observers.attached(tracker), tracker:
         for x, y in batches(3, 8, vocab=64):
             xs, ys = [x[:4], x[4:]], [y[:4], y[4:]]
-            schedule.forward(xs, lambda k, out: model.loss(out, ys[k]), [0.5, 0.5])
+            schedule.forward(xs, plain_input, lambda k, out, side: model.loss(out, ys[k]), [0.5, 0.5])
             schedule.backward()
             if optimizer is not None:
                 optimizer.step()

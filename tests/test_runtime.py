@@ -28,11 +28,11 @@ def local_pieces(sharded: ShardedModel, optimizer: torch.optim.Optimizer) -> dic
     for unit in sharded.units:
         for span, p in zip(unit.spans, unit.local_params):
             start, _ = unit.layout.param_piece(span, sharded.rank)
-            out[span.name] = (start, p.detach().clone())
+            out[span.name] = (start, p.detach().reshape(-1).clone())
             state = optimizer.state.get(p, {})
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
-                    out[f"{span.name}.{key}"] = (start, state[key].detach().clone())
+                    out[f"{span.name}.{key}"] = (start, state[key].detach().reshape(-1).clone())
     return out
 
 
@@ -109,7 +109,7 @@ def _three_ranks(rank: int, world: int, ckpt_dir: str):
     sharded = ShardedModel(model, [0.6, 0.3, 0.1])
     optimizer = make_optimizer(model.parameters())
     train_uniform(sharded, model, optimizer, [6, 4, 2], 1, STEPS)
-    checkpoint.save_sharded(ckpt_dir, sharded, [optimizer], {"step": STEPS})
+    checkpoint.save(ckpt_dir, sharded, [optimizer], {"step": STEPS}, {})
     return out
 
 
@@ -195,7 +195,7 @@ def _resume(rank: int, world: int, ckpt_dir: str, shares: list[float], batch_siz
     model = TinyLM(seed=123)  # different init: everything must come from the checkpoint
     sharded = ShardedModel(model, shares)
     optimizer = make_optimizer(model.parameters())
-    meta = checkpoint.load_sharded(ckpt_dir, sharded, [optimizer])
+    meta, _ = checkpoint.load(ckpt_dir, sharded, [optimizer])
     assert meta["step"] == STEPS
     train_uniform(sharded, model, optimizer, batch_sizes, 1, 2, start=STEPS)
     return local_pieces(sharded, optimizer)
@@ -229,10 +229,10 @@ def test_checkpoint_directory_is_published_atomically(tmp_path):
     model = TinyLM()
     sharded = ShardedModel(model, [1.0])
     target = tmp_path / "ckpt"
-    checkpoint.save_sharded(target, sharded, [], {"step": 1})
+    checkpoint.save(target, sharded, [], {"step": 1}, {})
     first = checkpoint.read_meta(target)
     assert first["step"] == 1 and not list(tmp_path.glob(".ckpt.*"))
-    checkpoint.save_sharded(target, sharded, [], {"step": 2})  # overwrite: old one replaced whole
+    checkpoint.save(target, sharded, [], {"step": 2}, {})  # overwrite: old one replaced whole
     assert checkpoint.read_meta(target)["step"] == 2 and not list(tmp_path.glob(".ckpt.*"))
     # a save that dies before publishing leaves only a staging directory, never a checkpoint
     staging = tmp_path / ".other.staging-dead"
@@ -298,9 +298,8 @@ def test_wrap_policy_errors_name_the_problem_and_the_fix():
         find_units(flat)
     with pytest.raises(WrapPolicyError, match="no submodule is one of"):
         find_units(TinyLM(), [torch.nn.Conv2d])
-    tied = TinyLM()
-    tied.head.weight = tied.embed.weight
-    with pytest.raises(WrapPolicyError, match="tied weights"):
-        ShardedModel(tied, [1.0])
+    with pytest.raises(WrapPolicyError, match="units overlap"):
+        model = TinyLM()
+        ShardedModel(model, [1.0], units=[[model.blocks[0]], [model.blocks[0].up]])
     with pytest.raises(ValueError, match="one share per rank"):
         ShardedModel(TinyLM(), [0.5, 0.5])

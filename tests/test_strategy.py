@@ -33,9 +33,9 @@ UNIFORM_PLAN = Plan(12, "uniform", (RankPlan(0, "a", 2, 2, 1, 0.5), RankPlan(1, 
 RESUME_PLAN = Plan(12, "layered", (RankPlan(0, "a", 9, 3, 3, 0.25), RankPlan(1, "b", 3, 1, 3, 0.75)))
 
 
-def reference(steps: int, global_batch: int, clip: float | None = None, accumulate: int = 1):
+def reference(steps: int, global_batch: int, clip: float | None = None, accumulate: int = 1, samples: int = NUM_SAMPLES):
     """Single-process training on the same global batches (sequential order)."""
-    data = token_data(NUM_SAMPLES)
+    data = token_data(samples)
     model = TinyLM()
     optimizer = make_optimizer(model.parameters())
     losses = []

@@ -1,0 +1,125 @@
+"""Models nobody here wrote, built tiny from configs (no downloads): HF transformers and litgpt.
+
+``LibraryLM`` is the LightningModule a user would write: it holds the library model as
+``self.model`` and its ``training_step`` is the standard one, nothing Cephalo-specific.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+VOCAB = 48
+SEQ = 12
+
+
+def build(family: str, tie: bool | None = None, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if family == "litgpt":
+        from litgpt.config import Config
+        from litgpt.model import GPT
+
+        config = Config(block_size=SEQ, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=16,
+                        intermediate_size=32, bias=False, rotary_percentage=1.0, parallel_residual=False,
+                        norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP")
+        model = GPT(config)
+        model.apply(model._init_weights)
+        return model
+    import transformers
+
+    common = dict(vocab_size=VOCAB, attn_implementation="eager")
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=SEQ, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0, **common)
+        cls = transformers.GPT2LMHeadModel
+    elif family == "llama":
+        config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
+                                          **common)
+        cls = transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ,
+                                          **common)
+        cls = transformers.Qwen2ForCausalLM
+    elif family == "gpt_neox":
+        config = transformers.GPTNeoXConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                            num_attention_heads=2, max_position_embeddings=SEQ, rotary_pct=0.5,
+                                            hidden_dropout=0.0, attention_dropout=0.0, **common)
+        cls = transformers.GPTNeoXForCausalLM
+    else:
+        raise ValueError(family)
+    if tie is not None:
+        config.tie_word_embeddings = tie
+    return cls(config)
+
+
+class PaddedTokens(Dataset):
+    """Right-padded token sequences of random lengths; labels -100 on the padding."""
+
+    def __init__(self, n: int, seed: int = 3) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(1, VOCAB, (n, SEQ), generator=gen)
+        self.lengths = torch.randint(2, SEQ + 1, (n,), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        mask = (torch.arange(SEQ) < self.lengths[i]).long()
+        return {"input_ids": self.ids[i] * mask, "attention_mask": mask,
+                "labels": torch.where(mask.bool(), self.ids[i], torch.full_like(self.ids[i], -100))}
+
+    def batch(self, start: int, stop: int) -> dict[str, torch.Tensor]:
+        items = [self[i] for i in range(start, stop)]
+        return {k: torch.stack([item[k] for item in items]) for k in items[0]}
+
+
+def litgpt_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    from litgpt.utils import chunked_cross_entropy
+
+    return chunked_cross_entropy(logits[..., :-1, :], labels[..., 1:])
+
+
+class LibraryLM(pl.LightningModule):
+    """What a user writes around a library causal LM; nothing here knows about Cephalo."""
+
+    def __init__(self, family: str, optimizer: str = "sgd", tie: bool | None = None) -> None:
+        super().__init__()
+        self.family = family
+        self.optimizer_name = optimizer
+        self.model = build(family, tie)
+
+    def training_step(self, batch, batch_idx):
+        if self.family == "litgpt":
+            return litgpt_loss(self.model(batch["input_ids"]), batch["labels"])
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def reference(family: str, optimizer: str, steps: int, global_batch: int, data: PaddedTokens,
+              dtype: torch.dtype = torch.float32, tie: bool | None = None) -> dict[str, torch.Tensor]:
+    """Single-process training on the same global batches: parameters (and Adam moments)."""
+    module = LibraryLM(family, optimizer, tie).to(dtype)
+    opt = module.configure_optimizers()
+    for step in range(steps):
+        batch = data.batch(step * global_batch, (step + 1) * global_batch)
+        loss = module.training_step(batch, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out = {f"{name}": p.detach().clone() for name, p in module.named_parameters()}
+    for name, p in module.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in opt.state.get(p, {}):
+                out[f"{name}.{key}"] = opt.state[p][key].clone()
+    return out
+
+
+def loader(data: PaddedTokens, batch_size: int) -> DataLoader:
+    return DataLoader(data, batch_size=batch_size, shuffle=False)

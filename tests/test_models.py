@@ -1,0 +1,116 @@
+"""Real models, zero code: HF transformers and litgpt LMs under ``strategy="cephalo"``.
+
+Every family is built tiny from its config (no downloads) inside a LightningModule that knows
+nothing about Cephalo (``training_step`` returns ``self.model(**batch).loss``), trained on padded
+dict batches of random lengths, and compared with single-process training on the same global
+batches: parameters (and Adam moments) equal, under two different plans, on 2 and 3 ranks.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("litgpt")
+
+from cephalo_lightning import CephaloStrategy, Plan  # noqa: E402
+from cephalo_lightning.planner import RankPlan  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+from tests.library_models import LibraryLM, PaddedTokens, loader, reference  # noqa: E402
+
+FAMILIES = ("gpt2", "llama", "qwen2", "gpt_neox", "litgpt")
+STEPS = 3
+GLOBAL = 12
+
+PLANS = {
+    3: [Plan(GLOBAL, "layered", (RankPlan(0, "a", 2, 1, 2, 0.6), RankPlan(1, "b", 6, 3, 2, 0.3), RankPlan(2, "c", 4, 4, 1, 0.1))),
+        Plan(GLOBAL, "layered", (RankPlan(0, "a", 7, 2, 4, 0.1), RankPlan(1, "b", 0, 1, 0, 0.5), RankPlan(2, "c", 5, 5, 1, 0.4)))],
+    2: [Plan(GLOBAL, "layered", (RankPlan(0, "a", 9, 4, 3, 0.25), RankPlan(1, "b", 3, 1, 3, 0.75))),
+        Plan(GLOBAL, "layered", (RankPlan(0, "a", 1, 1, 1, 0.9), RankPlan(1, "b", 11, 3, 4, 0.1)))],
+}
+
+
+def _pieces(strategy: CephaloStrategy) -> dict[str, tuple[int, torch.Tensor]]:
+    """This rank's pieces of every parameter and Adam moment: name -> (start, values)."""
+    out = {}
+    optimizer = strategy.optimizers[0]
+    for unit in strategy.sharded.units:
+        for index, (span, p) in enumerate(zip(unit.spans, unit.local_params)):
+            start, _ = unit.local_range(index)
+            out[span.name] = (start, p.detach().reshape(-1).clone())
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in optimizer.state.get(p, {}):
+                    out[f"{span.name}.{key}"] = (start, optimizer.state[p][key].reshape(-1).clone())
+    return out
+
+
+def _fit(family: str, plan: Plan, world: int, optimizer: str, precision: str) -> dict[str, tuple[int, torch.Tensor]]:
+    data = PaddedTokens(GLOBAL * STEPS)
+    trainer = pl.Trainer(
+        strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=world, max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=precision,
+    )
+    trainer.fit(LibraryLM(family, optimizer), loader(data, GLOBAL))
+    assert trainer.strategy.run.mode == "layered"
+    return _pieces(trainer.strategy)
+
+
+def _all(rank: int, world: int):
+    warnings.simplefilter("ignore")
+    out = {}
+    for family in FAMILIES:
+        for index, plan in enumerate(PLANS[world]):
+            out[(family, "sgd", index)] = _fit(family, plan, world, "sgd", "32-true")
+        out[(family, "adamw", 0)] = _fit(family, PLANS[world][0], world, "adamw", "64-true")
+    return out
+
+
+def assemble(per_rank: list[dict[str, tuple[int, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    sizes: dict[str, int] = {}
+    for pieces in per_rank:
+        for name, (start, values) in pieces.items():
+            sizes[name] = max(sizes.get(name, 0), start + values.numel())
+    full = {name: torch.full((n,), float("nan"), dtype=torch.float64) for name, n in sizes.items()}
+    for pieces in per_rank:
+        for name, (start, values) in pieces.items():
+            window = full[name][start : start + values.numel()]
+            assert torch.isnan(window).all(), f"{name}: an element is owned twice"
+            window.copy_(values)
+    return full
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+def runs(request):
+    world = request.param
+    return world, run_distributed(_all, world)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", FAMILIES)
+def test_library_lm_trains_exactly_like_single_process_under_two_plans(runs, family):
+    world, results = runs
+    data = PaddedTokens(GLOBAL * STEPS)
+    want = reference(family, "sgd", STEPS, GLOBAL, data)
+    for index in range(len(PLANS[world])):
+        got = assemble([r[(family, "sgd", index)] for r in results])
+        for name, value in want.items():
+            assert not torch.isnan(got[name]).any(), f"{name}: an element is owned by nobody"
+            err = (got[name].float() - value.reshape(-1)).abs().max().item()
+            assert err <= 1e-7, f"{family} plan {index}: {name} differs by {err:.2e}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", FAMILIES)
+def test_library_lm_adamw_fp64_parameters_and_moments_match(runs, family):
+    world, results = runs
+    data = PaddedTokens(GLOBAL * STEPS)
+    want = reference(family, "adamw", STEPS, GLOBAL, data, dtype=torch.float64)
+    got = assemble([r[(family, "adamw", 0)] for r in results])
+    assert set(want) <= set(got)
+    for name, value in want.items():
+        err = (got[name] - value.reshape(-1)).abs().max().item()
+        assert err <= 1e-6, f"{family}: {name} differs by {err:.2e}"

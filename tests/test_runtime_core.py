@@ -1,0 +1,184 @@
+"""The production path: no instrumentation without observers, re-sharding in place, exact plan
+switches under a prefetching DataLoader, compile-friendly layers, public torch APIs only."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+import tracemalloc
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from cephalo_lightning import CephaloStrategy, Plan
+from cephalo_lightning.planner import RankPlan
+from cephalo_lightning.runtime import emulation
+from cephalo_lightning.runtime.engine import ShardedModel
+from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
+from cephalo_lightning.runtime.memory import MemoryTracker
+from tests.distributed import run_distributed
+from tests.lightning_models import TinyLayered, loader, token_data
+from tests.models import TinyLM, batches
+from tests.reference import make_optimizer, reference_state, train_reference
+from tests.test_runtime import assemble, assert_matches, local_pieces
+
+PACKAGE = Path(__file__).resolve().parents[1] / "cephalo_lightning"
+
+
+# ----------------------------------------------------------------------------- no observers, no cost
+
+
+class _CountingClock:
+    """Counts clock reads made from the package's own code (Lightning's do not count)."""
+
+    def __init__(self, real) -> None:  # noqa: ANN001 - a time function
+        self.real = real
+        self.calls = 0
+
+    def __call__(self) -> float:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("cephalo_lightning"):
+            self.calls += 1
+        return self.real()
+
+
+def test_a_real_device_run_without_observers_reads_no_clock_and_keeps_no_state(monkeypatch):
+    warnings.simplefilter("ignore")
+    perf, mono = _CountingClock(time.perf_counter), _CountingClock(time.monotonic)
+    monkeypatch.setattr(time, "perf_counter", perf)
+    monkeypatch.setattr(time, "monotonic", mono)
+    contention = []
+    monkeypatch.setattr(emulation.ContentionClock, "now", classmethod(lambda cls: contention.append(1)))
+    sizes = []
+
+    class Probe(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step in (20, 1000):
+                snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, f"{PACKAGE}/*")])
+                sizes.append(sum(stat.size for stat in snapshot.statistics("filename")))
+
+    plan = Plan(4, "layered", (RankPlan(0, "cpu", 4, 2, 2, 1.0),))
+    trainer = pl.Trainer(strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=1, max_steps=1000,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[Probe()])
+    tracemalloc.start()
+    try:
+        trainer.fit(TinyLayered(), loader(token_data(4000), 4))
+    finally:
+        tracemalloc.stop()
+    sharded = trainer.strategy.sharded
+    assert not list(sharded.observers), "no observer is attached on a real (non-emulated) device"
+    assert perf.calls == mono.calls == len(contention) == 0, (perf.calls, mono.calls, len(contention))
+    assert len(sizes) == 2 and sizes[1] - sizes[0] < 4096, f"the package's memory grew from {sizes[0]} to {sizes[1]} B"
+
+
+def test_the_strategy_puts_nothing_inside_a_layer_that_would_break_a_compiled_graph():
+    model = TinyLM(dim=16)
+    layers = [model.embed, *model.blocks, model.norm, model.head]
+    sharded = ShardedModel(model, [1.0], units=layers)
+    sharded.observers.attach(emulation.DeviceEmulator(2.0))  # instrumentation attached: still outside the layer
+    block = model.blocks[1]
+    x = torch.randn(2, 5, 16)
+    with sharded.scheduled(), sharded.unit_gathered(2):  # as the layered schedule runs it, hooks installed
+        explanation = torch._dynamo.explain(block)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    with sharded.unit_gathered(2):  # the uniform mode's hooks gather outside block.forward
+        explanation = torch._dynamo.explain(block.forward)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_the_package_uses_no_private_torch_distributed_api():
+    offenders = []
+    pattern = re.compile(r"(torch\.distributed|\bdist)\.(_\w+)|_init_from_local_shards|distributed\._shard|_get_default_store")
+    for path in PACKAGE.rglob("*.py"):
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if pattern.search(line.split("#")[0]):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
+
+
+# ----------------------------------------------------------------------------- re-sharding and plan switches
+
+
+def _reshard_and_switch(rank: int, world: int):
+    warnings.simplefilter("ignore")
+    out = {}
+    # 1. the runtime: train, re-shard in place with the memory tracker watching, train on
+    model = TinyLM(vocab=40, dim=32, depth=3)
+    layers = [model.embed, *model.blocks, model.norm, model.head]
+    sharded = ShardedModel(model, [0.8, 0.2], units=layers)
+    schedule = LayeredSchedule(sharded, layers)
+    optimizer = make_optimizer(model.parameters())
+    data = batches(4, 8, vocab=40)
+    sizes = [5, 3]
+    lo = sum(sizes[:rank])
+
+    def step(x, y):
+        x, y = x[lo : lo + sizes[rank]], y[lo : lo + sizes[rank]]
+        schedule.forward([x], plain_input, lambda k, o, side: model.loss(o, y), [sizes[rank] / 8])
+        schedule.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for x, y in data[:2]:
+        step(x, y)
+    old = sharded.local_state_numel()
+    bytes_per = 4 * (1 + 2)  # fp32 master and two Adam moments
+    tracker = MemoryTracker(baseline_bytes=old * bytes_per)
+    with sharded.observers.attached(tracker), tracker:
+        sharded.reshard([0.3, 0.7], [optimizer])
+    new = sharded.local_state_numel()
+    largest_unit = max(u.numel for u in sharded.layout.units)
+    out["memory"] = (tracker.peak_bytes, (old + new + largest_unit) * bytes_per, old, new)
+    for x, y in data[2:]:
+        step(x, y)
+    out["pieces"] = local_pieces(sharded, optimizer)
+    # 2. through Trainer.fit: a switch with a prefetching multi-worker DataLoader
+    first = Plan(12, "layered", (RankPlan(0, "a", 9, 3, 3, 0.7), RankPlan(1, "b", 3, 1, 3, 0.3)))
+    second = Plan(12, "layered", (RankPlan(0, "a", 2, 2, 1, 0.1), RankPlan(1, "b", 10, 4, 3, 0.9)))
+    switches = []
+
+    class Switch(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 1:
+                switches.append(trainer.strategy.schedule_plan(second))
+
+    trainer = pl.Trainer(strategy=CephaloStrategy(plan=first), accelerator="cpu", devices=world, max_steps=12,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[Switch()])
+    data = token_data(12 * 12)
+    trainer.fit(TinyLayered(), torch.utils.data.DataLoader(data, batch_size=12, num_workers=2, prefetch_factor=4,
+                                                           persistent_workers=False))
+    out["switch"] = switches[0]
+    out["final_plan"] = trainer.strategy.plan.batch_sizes
+    out["fit"] = trainer.strategy.sharded.full_state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def switched():
+    return run_distributed(_reshard_and_switch, 2)
+
+
+@pytest.mark.multiprocess
+def test_reshard_moves_state_in_place_within_old_plus_new_share_and_trains_on_exactly(switched):
+    for peak, bound, old, new in (r["memory"] for r in switched):
+        assert peak <= bound, f"re-shard peak {peak} B above old + new share + one unit ({bound} B)"
+    assert switched[0]["memory"][3] < switched[0]["memory"][2]  # rank 0 stores less after the re-shard
+    want = reference_state(*train_reference(4, 8, model=TinyLM(vocab=40, dim=32, depth=3), vocab=40))
+    assert_matches(assemble([r["pieces"] for r in switched]), want)
+
+
+@pytest.mark.multiprocess
+def test_a_plan_switch_is_exact_with_a_prefetching_multi_worker_loader(switched):
+    epoch, step = switched[0]["switch"]
+    assert epoch == 0 and step > 2, "the switch waits for the batches the workers have already cut"
+    assert switched[0]["final_plan"] == [2, 10]
+    from tests.test_strategy import max_error, reference
+
+    want, _ = reference(12, 12, samples=12 * 12)
+    assert max_error(switched[0]["fit"], want) <= 1e-5
