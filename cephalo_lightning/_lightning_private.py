@@ -23,6 +23,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 __all__ = [
     "SubprocessScriptLauncher", "default_process_group_backend", "distributed_is_initialized",
     "init_dist_connection", "logging_as", "sync_ddp_if_available", "training_dataloader",
+    "wandb_checkpoint_name", "wandb_log_model", "wandb_logged_model_times",
 ]
 
 
@@ -48,3 +49,22 @@ def training_dataloader(trainer: pl.Trainer) -> Any:
     ``_data_source``; it is the only way to look at a sample batch during ``setup``.
     """
     return trainer.fit_loop._data_source.dataloader()
+
+
+# WandbLogger keeps its checkpoint-upload settings and record private; uploading checkpoint
+# directories the way it uploads files needs the same three.
+
+
+def wandb_log_model(logger: Any) -> bool | str:
+    """``WandbLogger(log_model=...)``: False, True (at the end) or "all" (every checkpoint)."""
+    return logger._log_model
+
+
+def wandb_checkpoint_name(logger: Any) -> str | None:
+    """``WandbLogger(checkpoint_name=...)``; None means Lightning's default ``model-<run id>``."""
+    return logger._checkpoint_name
+
+
+def wandb_logged_model_times(logger: Any) -> dict[str, float]:
+    """The logger's own record of uploaded checkpoints (path -> mtime), updated in place."""
+    return logger._logged_model_time
