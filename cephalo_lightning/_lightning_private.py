@@ -23,7 +23,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 __all__ = [
     "SubprocessScriptLauncher", "default_process_group_backend", "distributed_is_initialized",
     "init_dist_connection", "logging_as", "sync_ddp_if_available", "training_dataloader",
-    "wandb_checkpoint_name", "wandb_log_model", "wandb_logged_model_times",
+    "checkpoint_callback_settings", "wandb_checkpoint_name", "wandb_log_model", "wandb_logged_model_times",
 ]
 
 
@@ -51,8 +51,9 @@ def training_dataloader(trainer: pl.Trainer) -> Any:
     return trainer.fit_loop._data_source.dataloader()
 
 
-# WandbLogger keeps its checkpoint-upload settings and record private; uploading checkpoint
-# directories the way it uploads files needs the same three.
+# WandbLogger keeps its checkpoint-upload settings and record private, and describes a checkpoint
+# callback by some private attributes; uploading checkpoint directories the way it uploads files
+# needs the same.
 
 
 def wandb_log_model(logger: Any) -> bool | str:
@@ -68,3 +69,9 @@ def wandb_checkpoint_name(logger: Any) -> str | None:
 def wandb_logged_model_times(logger: Any) -> dict[str, float]:
     """The logger's own record of uploaded checkpoints (path -> mtime), updated in place."""
     return logger._logged_model_time
+
+
+def checkpoint_callback_settings(callback: Any) -> dict[str, Any]:
+    """What WandbLogger puts in a checkpoint artifact's metadata about the callback that wrote it."""
+    keys = ("monitor", "mode", "save_last", "save_top_k", "save_weights_only", "_every_n_train_steps")
+    return {k: getattr(callback, k) for k in keys if hasattr(callback, k)}

@@ -16,7 +16,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, NoReturn
+from typing import Any, NoReturn
 
 import yaml
 from jsonargparse import Namespace
@@ -91,9 +91,8 @@ def interpolation_error(err: OmegaConfBaseException, args: Sequence[str]) -> str
 
 class CephaloCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse's parser
-        # Dict[str, Any] (not dict): "--vars.steps=40" stays an int, as it would be in the YAML
-        parser.add_argument("--vars", type=Dict[str, Any], default={},  # noqa: UP006 - jsonargparse needs typing
-                            help="shared values for ${vars.*} interpolation")
+        # dict[str, Any], not dict: "--vars.steps=40" stays an int, as it would be in the YAML
+        parser.add_argument("--vars", type=dict[str, Any], default={}, help="shared values for ${vars.*} interpolation")
 
     def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 - LightningCLI's own signature
         if isinstance(args, (dict, Namespace)):  # an already structured config: nothing to rewrite

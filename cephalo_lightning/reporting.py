@@ -122,15 +122,15 @@ def rank_lines(plan: Plan) -> list[str]:
     """One line per rank: device, batch and micro-batches, state share, predicted time and memory."""
     lines = []
     for r in plan.ranks:
-        sizes = sorted(set(r.micro_batch_sizes)) if r.batch_size else []
-        micro = (f"{r.num_micro_batches} micro-batch(es) of {'-'.join(map(str, sizes))}" if sizes
-                 else "no samples (stores state only)")
+        count = f"{r.num_micro_batches} micro-batch" + ("es" if r.num_micro_batches > 1 else "")
+        sizes = "-".join(map(str, sorted(set(r.micro_batch_sizes))))
+        work = f"batch {r.batch_size} in {count} of {sizes}" if r.batch_size else "no samples (stores state only)"
         step = f"{r.predicted_step_s:.4g} s/step" if r.predicted_step_s is not None else "? s/step"
         memory = f"{_gib(r.predicted_memory_gb)} GiB"
         if r.memory_limit_gb is not None:
             memory += f" of {_gib(r.memory_limit_gb)} usable"
         emulated = ", emulated" if r.source == "emulated" else ""
-        lines.append(f"Cephalo rank {r.rank}: {r.device}: batch {r.batch_size} in {micro}, "
+        lines.append(f"Cephalo rank {r.rank}: {r.device}: {work}, "
                      f"state share {100 * r.state_share:.1f}%, predicted {step} and {memory}{emulated}")
     return lines
 
@@ -295,8 +295,7 @@ def _upload_directories(logger: Any, callback: Any) -> list[str]:
     import wandb
 
     logged = _lightning_private.wandb_logged_model_times(logger)
-    settings = {k: getattr(callback, k) for k in ("monitor", "mode", "save_last", "save_top_k", "save_weights_only",
-                                                 "_every_n_train_steps") if hasattr(callback, k)}
+    settings = _lightning_private.checkpoint_callback_settings(callback)
     name = _lightning_private.wandb_checkpoint_name(logger) or f"model-{logger.experiment.id}"
     uploaded = []
     for mtime, path, score in _checkpoint_directories(callback, logged):

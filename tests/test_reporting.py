@@ -69,14 +69,17 @@ def _read_records(path: Path) -> list:
 def test_rank_lines_name_device_batch_micro_batches_share_time_and_memory():
     plan = Plan(12, "layered", (
         RankPlan(0, "a100", 9, 2, 5, 0.25, predicted_step_s=0.5, predicted_memory_gb=11.04, memory_limit_gb=30.0),
-        RankPlan(1, "cpu (emulated x3.0, 0.5 GiB)", 3, 1, 3, 0.75, predicted_step_s=0.25, predicted_memory_gb=0.2,
+        RankPlan(1, "cpu (emulated x3.0, 0.5 GiB)", 3, 1, 3, 0.5, predicted_step_s=0.25, predicted_memory_gb=0.2,
                  source="emulated"),
+        RankPlan(2, "p40", 0, 1, 0, 0.25),
     ))
     assert rank_lines(plan) == [
-        "Cephalo rank 0: a100: batch 9 in 2 micro-batch(es) of 4-5, state share 25.0%, "
+        "Cephalo rank 0: a100: batch 9 in 2 micro-batches of 4-5, state share 25.0%, "
         "predicted 0.5 s/step and 11 GiB of 30 usable",
-        "Cephalo rank 1: cpu (emulated x3.0, 0.5 GiB): batch 3 in 1 micro-batch(es) of 3, state share 75.0%, "
+        "Cephalo rank 1: cpu (emulated x3.0, 0.5 GiB): batch 3 in 1 micro-batch of 3, state share 50.0%, "
         "predicted 0.25 s/step and 0.2 GiB, emulated",
+        "Cephalo rank 2: p40: no samples (stores state only), state share 25.0%, "
+        "predicted ? s/step and ? GiB",
     ]
 
 
@@ -193,3 +196,21 @@ log_rank_lines(trainer.strategy.plan)
     assert "Cephalo: profiled 1 rank(s) (1 measurement(s)) in" in log
     assert "Cephalo: reusing the device profile" in log
     assert "Cephalo rank 0: cpu (emulated x1.0): batch 4 in" in log
+
+
+def test_profiling_shows_a_bar_on_a_terminal_and_lines_elsewhere():
+    import io
+
+    from rich.console import Console
+
+    from cephalo_lightning.profiling.progress import ProfileProgress
+
+    screen = io.StringIO()
+    with ProfileProgress(True, 2, console=Console(file=screen, force_terminal=True, width=80)) as bar:
+        bar.phase("profiling 2 device(s)")
+        bar.rounds(1, 4)
+        bar.phase_done()
+    assert bar._progress is not None and not bar._plain and "profiling 2 device(s)" in screen.getvalue()
+    plain = ProfileProgress(True, 2, console=Console(file=io.StringIO()))
+    assert plain._progress is None and plain._plain
+    assert not ProfileProgress(False, 2)._plain  # other ranks and quiet: nothing at all
