@@ -2,6 +2,7 @@
 
     python benchmarks/report.py            # full runs (~10-15 min on 2 cores)
     python benchmarks/report.py --quick    # each benchmark's --quick configuration (~4 min)
+    python benchmarks/report.py --replot   # redraw the plots from report/results.json, run nothing
 
 Each section holds the benchmark's own printed tables (what it measured, emulated or predicted)
 and a plot of its headline figure; ``results.json`` keeps the raw rows.
@@ -14,6 +15,7 @@ import contextlib
 import io
 import json
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -28,10 +30,11 @@ def _modules() -> dict[str, Any]:
     import bench_layered
     import bench_planner
     import bench_runtime
+    import bench_startup
     import bench_strategy
 
     return {"planner": bench_planner, "runtime": bench_runtime, "layered": bench_layered,
-            "strategy": bench_strategy, "emulated": bench_emulated}
+            "strategy": bench_strategy, "emulated": bench_emulated, "startup": bench_startup}
 
 
 # ----------------------------------------------------------------------------- plots
@@ -69,11 +72,18 @@ def plot_planner(rows: list[dict[str, Any]]) -> str:
 
 def plot_planner_quality(rows: list[dict[str, Any]]) -> str:
     def draw(ax: Any) -> str:
+        missing = []
         for gpus in sorted({r["gpus"] for r in rows}):
             mine = [r for r in rows if r["gpus"] == gpus and r.get("speedup_vs_even")]
             if mine:
                 ax.plot([r["global_batch"] for r in mine], [r["speedup_vs_even"] for r in mine], marker="o",
                         label=f"{gpus} GPUs")
+            else:  # the ratio has no denominator
+                reason = next((r.get("even_reason") for r in rows if r["gpus"] == gpus), None)
+                missing.append(f"no {gpus}-GPU series: the even split does not fit ({reason or 'infeasible'})")
+        if missing:
+            ax.text(0.42, 0.2, textwrap.fill("; ".join(missing), 60), transform=ax.transAxes, fontsize=6.5,
+                    va="bottom", color="dimgrey")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("global batch")
         ax.set_ylabel("plan / even (predicted samples/s)")
@@ -107,7 +117,7 @@ def plot_layered_memory(rows: list[dict[str, Any]]) -> str:
                               key=lambda r: r["micro_batches"])
                 ax.plot([r["micro_batches"] for r in mine], [r["peak_with_state_over_n1"] for r in mine], marker="o",
                         label=f"{method}, m={m}")
-        ax.axhline(1.10, color="grey", ls=":", lw=1)
+        ax.axhline(1.10, color="grey", ls=":", lw=1, label="goal: peak(n) <= 1.10 x peak(1)")
         ax.set_xlabel("micro-batches n (fixed micro-batch size m)")
         ax.set_ylabel("peak(n) / peak(1), incl. state")
         ax.legend(fontsize=7)
@@ -125,9 +135,25 @@ def plot_plans(rows: list[dict[str, Any]], name: str, title: str, key: str = "pl
         ax.set_xticks(list(xs), names)
         ax.set_ylabel("samples/s")
         ax.legend()
+        same = _identical_plans(rows, key)
+        if same:
+            ax.text(0.01, 0.02, textwrap.fill(same, 90), transform=ax.transAxes, fontsize=6.5, va="bottom",
+                    color="dimgrey", bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
         return title
 
     return _figure(name, draw)
+
+
+def _identical_plans(rows: list[dict[str, Any]], key: str) -> str:
+    """A note naming plans that assign exactly the same batches, micro-batches and shares: any
+    difference between their measured bars is the machine's noise, not the plan."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for r in rows:
+        groups.setdefault((tuple(r["batch_sizes"]), tuple(r["micro_batches"]), tuple(r["state_shares"])), []).append(r[key])
+    notes = [f"{' and '.join(names)} are the same plan (batches {list(k[0])}, micro-batches {list(k[1])}, "
+             f"shares {list(k[2])}): their measured bars differ by noise only"
+             for k, names in groups.items() if len(names) > 1]
+    return "; ".join(notes)
 
 
 def plot_strategies(rows: list[dict[str, Any]]) -> str:
@@ -154,6 +180,8 @@ def _run(module: Any, run: Callable[[], Any], printer: Callable[[Any], None]) ->
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="each benchmark's quick configuration")
+    parser.add_argument("--replot", action="store_true",
+                        help="redraw the plots from report/results.json (REPORT.md and the results stay)")
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     m = _modules()
@@ -181,7 +209,16 @@ def main(argv: list[str] | None = None) -> int:
         ("emulated", "Emulated heterogeneous cluster: Cephalo vs even vs proportional (issue 6)",
          lambda: m["emulated"].run_benchmark(conf("emulated")), m["emulated"].print_report,
          lambda r: [plot_plans(r["plans"], "emulated_plans", "Emulated 2-rank CPU cluster: measured vs predicted")]),
+        ("startup", "Planner CLI start-up beside `python -c pass` (issue 12)",
+         lambda: m["startup"].run_benchmark(rounds=3 if args.quick else 10, with_lightning=not args.quick),
+         m["startup"].print_report, lambda r: []),
     ]
+    if args.replot:
+        stored = json.loads((OUT / "results.json").read_text())
+        for name, _, _, _, plots in runs:
+            if name in stored:
+                print("\n".join(plots(stored[name])))
+        return 0
     for name, title, run, printer, plots in runs:
         print(f"== {title}", flush=True)
         result, text, seconds = _run(m[name], run, printer)

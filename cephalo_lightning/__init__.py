@@ -1,30 +1,39 @@
 """Cephalo for PyTorch Lightning: heterogeneous-GPU training with per-rank batches and uneven sharding.
 
-``import cephalo_lightning`` registers ``Trainer(strategy="cephalo")``. The planner
-(:mod:`cephalo_lightning.planner`) is torch-free and importable on its own.
+``import cephalo_lightning`` registers ``Trainer(strategy="cephalo")`` (before or after
+``import lightning``) without importing torch or Lightning itself; ``CephaloStrategy`` and
+``CephaloCallback`` are imported on first use. The planner (:mod:`cephalo_lightning.planner`)
+is torch-free.
 """
 
-from importlib.util import find_spec
+from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+from cephalo_lightning import _registration
 from cephalo_lightning.planner import Cluster, Plan, PlanningError, load_cluster, plan
 
-__all__ = ["Cluster", "Plan", "PlanningError", "load_cluster", "plan"]
+__all__ = ["CephaloCallback", "CephaloStrategy", "Cluster", "Plan", "PlanningError", "load_cluster", "plan"]
 __version__ = "0.1.0"
 
+_LAZY = {"CephaloStrategy": "cephalo_lightning.strategy", "CephaloCallback": "cephalo_lightning.callback"}
 
-def _lightning_available() -> bool:
-    try:
-        return find_spec("torch") is not None and find_spec("lightning") is not None
-    except (ImportError, ValueError):  # a module blocked in sys.modules
-        return False
-
-
-if _lightning_available():
-    from lightning.pytorch.strategies import StrategyRegistry
-
+if TYPE_CHECKING:
     from cephalo_lightning.callback import CephaloCallback
     from cephalo_lightning.strategy import CephaloStrategy
 
-    # Lightning has no entry points for strategies: the name exists once this package is imported.
-    CephaloStrategy.register_strategies(StrategyRegistry)
-    __all__ += ["CephaloCallback", "CephaloStrategy"]
+_registration.register()
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,4 +1,4 @@
-"""``python -m cephalo_lightning <command>``: plan | profile | demo | fit | validate | test."""
+"""``python -m cephalo_lightning <command>``: plan | profile | demo | fit | validate | test | predict."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ USAGE = """usage: python -m cephalo_lightning <command> [args]
 commands:
   plan CLUSTER_FILE --global-batch-size B   plan a cluster offline (torch-free)
   demo                                      train the small GPT on an emulated heterogeneous cluster
-  fit | validate | test                     LightningCLI (same as `cephalo-train`)
+  fit | validate | test | predict           LightningCLI (same as `cephalo-train`; --config quickstart
+                                            is the packaged quickstart config)
   profile --config C.yaml [-o cluster.yaml] profile every rank of a configured run into a cluster file
 """
 
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         from cephalo_lightning.cli import profile_main
 
         return profile_main(rest)
-    if command in ("fit", "validate", "test"):
+    if command in ("fit", "validate", "test", "predict"):
         from cephalo_lightning.cli import main as cli_main
 
         return cli_main([command, *rest])

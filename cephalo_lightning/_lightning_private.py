@@ -22,9 +22,10 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available as syn
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as SubprocessScriptLauncher
 
 __all__ = [
-    "LoggedValue", "SubprocessScriptLauncher", "captured_logs", "default_process_group_backend",
-    "distributed_is_initialized", "init_dist_connection", "logged_values", "logging_as", "sync_ddp_if_available",
-    "training_dataloader",
+    "LoggedValue", "SubprocessScriptLauncher", "captured_logs", "checkpoint_callback_settings",
+    "default_process_group_backend", "distributed_is_initialized", "init_dist_connection", "logged_values",
+    "logging_as", "sync_ddp_if_available", "training_dataloader", "wandb_checkpoint_name", "wandb_log_model",
+    "wandb_logged_model_times",
 ]
 
 
@@ -104,3 +105,29 @@ def logged_values(capture: Any) -> list[LoggedValue]:
         out.append(LoggedValue(meta.name, value, meta.prog_bar, meta.logger, meta.on_step, meta.on_epoch, reduction,
                                meta.metric_attribute))
     return out
+
+
+# WandbLogger keeps its checkpoint-upload settings and record private, and describes a checkpoint
+# callback by some private attributes; uploading checkpoint directories the way it uploads files
+# needs the same.
+
+
+def wandb_log_model(logger: Any) -> bool | str:
+    """``WandbLogger(log_model=...)``: False, True (at the end) or "all" (every checkpoint)."""
+    return logger._log_model
+
+
+def wandb_checkpoint_name(logger: Any) -> str | None:
+    """``WandbLogger(checkpoint_name=...)``; None means Lightning's default ``model-<run id>``."""
+    return logger._checkpoint_name
+
+
+def wandb_logged_model_times(logger: Any) -> dict[str, float]:
+    """The logger's own record of uploaded checkpoints (path -> mtime), updated in place."""
+    return logger._logged_model_time
+
+
+def checkpoint_callback_settings(callback: Any) -> dict[str, Any]:
+    """What WandbLogger puts in a checkpoint artifact's metadata about the callback that wrote it."""
+    keys = ("monitor", "mode", "save_last", "save_top_k", "save_weights_only", "_every_n_train_steps")
+    return {k: getattr(callback, k) for k in keys if hasattr(callback, k)}

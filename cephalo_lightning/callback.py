@@ -33,7 +33,9 @@ from cephalo_lightning.planner import Cluster, Plan, plan as make_plan
 from cephalo_lightning.planner.cost import GIB, DeviceCost
 from cephalo_lightning.planner.report import render_plan
 from cephalo_lightning.profiling import ProfileOptions, default_settings, profile_cluster
-from cephalo_lightning.reporting import log_plan, log_rank_series, log_summary
+from cephalo_lightning.reporting import (
+    log_plan, log_rank_series, log_run, log_summary, save_run_files, terminal_width,
+)
 from cephalo_lightning.runtime.batching import leading_size, slice_batch
 from cephalo_lightning.runtime.emulation import BusyTime
 from cephalo_lightning.runtime.flat_unit import full_shape
@@ -149,10 +151,11 @@ class CephaloCallback(Callback):
             self.plan = strategy.plan
         if trainer.is_global_zero:
             if self.print_plan:
-                print(render_plan(self.plan), flush=True)
+                print(render_plan(self.plan, width=terminal_width()), flush=True)
             if self.plan_file:
                 self.plan.save(self.plan_file)
             log_plan(trainer.loggers, self.plan, self.cluster)
+            log_run(trainer, self.plan, self.cluster or strategy.cluster, callback=self)
 
     def _sample(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> tuple[Any, int]:
         loader = training_dataloader(trainer)
@@ -310,8 +313,10 @@ class CephaloCallback(Callback):
         epoch, step = strategy.schedule_plan(plan)
         self.cluster, self.plan = cluster, plan
         if trainer.is_global_zero:
-            rank_zero_info(f"Cephalo: new plan from epoch {epoch} step {step}:\n{render_plan(plan)}")
+            table = render_plan(plan, width=terminal_width())
+            rank_zero_info(f"Cephalo: new plan from epoch {epoch} step {step}:\n{table}")
             log_plan(trainer.loggers, plan, cluster, prefix="replan")
+            save_run_files(trainer.loggers, plan, cluster, suffix=f"-replan-step{trainer.global_step}")
 
     # ------------------------------------------------------------------ summary
 

@@ -1,25 +1,108 @@
 """``cephalo-train``: LightningCLI with omegaconf interpolation and the Cephalo strategy registered.
 
     cephalo-train fit --config configs/quickstart.yaml
+    cephalo-train fit --config quickstart          (the copy shipped in the package)
     python -m cephalo_lightning fit --config configs/quickstart.yaml --trainer.max_steps=50
 
 Model and data are chosen in the config with ``class_path`` (any LightningModule /
 LightningDataModule); ``trainer.strategy`` may be ``cephalo`` or ``{class_path: ..., init_args: ...}``.
-A top-level ``vars:`` block holds values shared by ``${vars.x}`` interpolations.
+A top-level ``vars:`` block holds values shared by ``${vars.x}`` interpolations; ``--vars.x=V``
+overrides one of them (only names the configs define: a typo is an error, not a new var).
 """
 
 from __future__ import annotations
 
+import re
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
+import yaml
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
+from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 
 import cephalo_lightning  # noqa: F401  (registers strategy="cephalo" before arguments are parsed)
+from cephalo_lightning import configs
+
+_CONFIG_FLAGS = ("--config", "-c")
+
+
+def _fail(message: str) -> NoReturn:
+    """One line on stderr and exit status 2, as argparse does for a bad command line."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def resolve_configs(args: Sequence[str]) -> list[str]:
+    """``--config NAME`` names a packaged config (``quickstart``) when no such file exists."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg in _CONFIG_FLAGS and i + 1 < len(out):
+            out[i + 1] = configs.resolve(out[i + 1])
+        elif arg.startswith("--config="):
+            out[i] = "--config=" + configs.resolve(arg[len("--config="):])
+    return out
+
+
+def _config_files(args: Sequence[str]) -> list[Path]:
+    files = [args[i + 1] for i, a in enumerate(args[:-1]) if a in _CONFIG_FLAGS]
+    files += [a[len("--config="):] for a in args if a.startswith("--config=")]
+    return [Path(f) for f in files if Path(f).is_file()]
+
+
+def defined_vars(args: Sequence[str]) -> list[str]:
+    """The names in the ``vars:`` blocks of the config files on the command line."""
+    names: set[str] = set()
+    for path in _config_files(args):
+        try:
+            data = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):  # jsonargparse reports unreadable configs itself
+            continue
+        if isinstance(data, dict) and isinstance(data.get("vars"), dict):
+            names |= set(data["vars"])
+    return sorted(names)
+
+
+def check_vars(args: Sequence[str]) -> None:
+    """``--vars.NAME=V`` must name a var a config defines (a typo would otherwise be a silent new var)."""
+    known = defined_vars(args)
+    given = [a[len("--vars."):].split("=", 1)[0].split(".", 1)[0] for a in args if a.startswith("--vars.")]
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        flags = ", ".join(f"--vars.{name}" for name in unknown)
+        where = f"the config defines {', '.join(known)}" if known else "the config files define no vars"
+        _fail(f"unknown var in {flags}: {where}. Fix the name, or add the var to the config's vars: block.")
+
+
+def interpolation_error(err: OmegaConfBaseException, args: Sequence[str]) -> str:
+    """omegaconf's multi-line report (and traceback) as one sentence naming the value, key and vars."""
+    written = re.sub(r"\$\{\.+", "${", str(err.child_node)) if err.child_node is not None else "an interpolation"
+    key = err.full_key or "?"
+    subcommand = next((a for a in args if not a.startswith("-")), None)
+    if subcommand and key.startswith(subcommand + "."):
+        key = key[len(subcommand) + 1:]
+    reason = "no such key" if isinstance(err, InterpolationKeyError) else (err.msg or str(err)).splitlines()[0]
+    known = defined_vars(args)
+    listed = f"the config's vars are {', '.join(known)}" if known else "the config files define no vars"
+    return f"{written} at {key} does not resolve ({reason}); {listed}."
 
 
 class CephaloCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse's parser
-        parser.add_argument("--vars", type=dict, default={}, help="shared values for ${vars.*} interpolation")
+        # dict[str, Any], not dict: "--vars.steps=40" stays an int, as it would be in the YAML
+        parser.add_argument("--vars", type=dict[str, Any], default={}, help="shared values for ${vars.*} interpolation")
+
+    def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 - LightningCLI's own signature
+        if isinstance(args, (dict, Namespace)):  # an already structured config: nothing to rewrite
+            return super().parse_arguments(parser, args)
+        argv = resolve_configs(sys.argv[1:] if args is None else args)
+        check_vars(argv)
+        try:  # None keeps LightningCLI reading sys.argv itself (and not warning about args)
+            super().parse_arguments(parser, None if args is None and argv == sys.argv[1:] else argv)
+        except OmegaConfBaseException as err:
+            _fail(interpolation_error(err, argv))
 
 
 def run_cli(args: list[str], run: bool = True) -> CephaloCLI:

@@ -83,7 +83,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         # emulated capacities are tiny; use more of them than the 75% a real GPU is planned with
         settings={"usable_memory_fraction": 0.9} if emulate else None,
     )
-    checkpoints = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True, every_n_train_steps=args.steps)
+    # Saved at every validation (val_check_interval below: the last step). Nothing derived from
+    # --steps goes in here: the arguments make up the callback's key in the checkpoint, and a resume
+    # with another --steps must find its state (else Lightning warns and writes last-v1.ckpt).
+    checkpoints = ModelCheckpoint(dirpath=args.out / "checkpoints", save_last=True)
 
     trainer = pl.Trainer(
         strategy=strategy,

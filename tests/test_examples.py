@@ -167,21 +167,30 @@ def test_gpu_config_instantiates_on_cpu(gpu, tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- training examples
 
 
-def _run_example(script: str, *args: str, cwd: Path) -> str:
+def _run_example(script: str, *args: str, cwd: Path, stderr: list[str] | None = None) -> str:
     result = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
                             cwd=cwd, env=clean_env(), timeout=300)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    if stderr is not None:
+        stderr.append(result.stderr)
     return result.stdout
 
 
 @pytest.mark.multiprocess
-def test_train_plain_trains_on_two_emulated_ranks_and_leaves_a_checkpoint(tmp_path):
+def test_train_plain_trains_on_two_emulated_ranks_and_resumes_with_other_steps(tmp_path):
     out = _run_example("train_plain.py", "--steps", "3", "--preset", "tiny", "--out", str(tmp_path / "run"), cwd=tmp_path)
     assert "cephalo plan, layered mode" in out and "(emulated)" in out
     assert "Cephalo summary" in out and "trained to step 3" in out
     checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert checkpoint.is_dir() and f"checkpoint: {checkpoint}" in out  # a sharded checkpoint directory
     assert (tmp_path / "run" / "plan.json").is_file() and load_cluster(tmp_path / "run" / "cluster.yaml").world_size == 2
+    # another --steps: the checkpoint callback finds its own state again (same key, same last.ckpt)
+    stderr: list[str] = []
+    out = _run_example("train_plain.py", "--steps", "5", "--preset", "tiny", "--out", str(tmp_path / "run"),
+                       "--resume", str(checkpoint), cwd=tmp_path, stderr=stderr)
+    assert "trained to step 5" in out
+    assert "callbacks used to create the checkpoint" not in stderr[0], stderr[0][-2000:]
+    assert sorted(p.name for p in checkpoint.parent.iterdir() if p.name.startswith("last")) == ["last.ckpt"]
 
 
 @pytest.mark.multiprocess
@@ -192,3 +201,12 @@ def test_bring_your_own_model_trains_both_ways(tmp_path):
     # the same global batches and the gradient of the same mean loss, split two different ways
     difference = float(out.split("difference ")[1].split()[0])
     assert difference < 1e-3
+
+
+def test_slurm_script_asks_for_lightnings_requeue_signal():
+    script = (EXAMPLES / "slurm.sbatch").read_text()
+    directives = [line.split("#", 2)[1].strip() for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert "SBATCH --signal=SIGUSR1@90" in directives and "SBATCH --requeue" in directives
+    # Lightning's SLURMEnvironment resumes from hpc_ckpt_* only when no ckpt_path is given
+    assert "--ckpt_path" not in script
+    assert subprocess.run(["bash", "-n", str(EXAMPLES / "slurm.sbatch")]).returncode == 0

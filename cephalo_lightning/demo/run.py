@@ -1,9 +1,9 @@
 """``python -m cephalo_lightning demo``: the quickstart, end to end, on an emulated CPU cluster.
 
-Runs ``cephalo-train fit --config configs/quickstart.yaml`` (profile, plan table, training with a
-progress bar, a checkpoint, an offline W&B run), then trains briefly with the planner's EVEN plan
-in the same processes, so the Cephalo plan's throughput is measured side by side with the even
-baseline, and prints a summary. Extra arguments go to the CLI (e.g. ``--trainer.max_steps=40``).
+Runs ``cephalo-train fit --config quickstart`` (the copy of ``configs/quickstart.yaml`` shipped in
+the package: profile, plan table, training with a progress bar, a checkpoint, an offline W&B
+run), then trains briefly with the planner's EVEN plan in the same processes, so the Cephalo
+plan's throughput is measured side by side with the even baseline, and prints a summary. Extra arguments go to the CLI (e.g. ``--trainer.max_steps=40``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-QUICKSTART = REPO / "configs" / "quickstart.yaml"
+from cephalo_lightning import configs
 
 
 def _even_run(cli, steps: int) -> dict | None:
@@ -72,11 +71,14 @@ def _report(cli, even: dict | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cephalo_lightning demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(QUICKSTART), help="LightningCLI config (default: the quickstart)")
+    parser.add_argument("--config", default="quickstart",
+                        help="LightningCLI config file or packaged config name (default: the quickstart)")
     parser.add_argument("--even-steps", type=int, default=20, help="steps of the even-plan comparison (0: skip)")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args.config = configs.resolve(args.config)
     if not Path(args.config).is_file():
-        parser.error(f"{args.config} not found: run the demo from a clone of the repository, or pass --config")
+        parser.error(f"{args.config} not found: pass a config file, or one of the packaged configs "
+                     f"({', '.join(configs.names())})")
     os.environ.setdefault("WANDB_MODE", "offline")  # no account, no network
 
     from cephalo_lightning.cli import run_cli

@@ -412,7 +412,7 @@ class ClusterProfiler:
             if data is not None:
                 cluster = cluster_from_dict(data)
                 if talk:
-                    log.info("reusing the device profile %s (pass force=True to profile again)", path)
+                    ProfileProgress.info("Cephalo: reusing the device profile %s (force=True profiles again)", path)
                 return ProfileReport(cluster, path, True, time.perf_counter() - started, tuple(leaders))
 
         measuring = sorted(set(leaders))
@@ -456,8 +456,9 @@ class ClusterProfiler:
             write_cached(cluster, path)
         seconds = time.perf_counter() - started
         if talk:
-            log.info(
-                "profiled %d rank(s) (%d measurement(s)) in %.1f s%s", self.world_size, len(measuring), seconds,
+            ProfileProgress.info(
+                "Cephalo: profiled %d rank(s) (%d measurement(s)) in %.1f s%s", self.world_size, len(measuring),
+                seconds,
                 f"; cluster file {path}" if path is not None else "",
             )
         return ProfileReport(cluster, path, False, seconds, tuple(leaders), local, comm)

@@ -1,0 +1,72 @@
+"""The CLI's edges: ``vars`` typos and types, interpolation errors, packaged config names, ``predict``.
+
+In-process: ``--print_config`` parses everything and exits without building a Trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cephalo_lightning.__main__ import main as module_main
+from cephalo_lightning.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny-cli.yaml"
+
+
+def _print_config(*args: str) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        main(["fit", *args, "--print_config"])
+    assert exit_info.value.code in (0, None), out.getvalue()[-2000:]
+    return yaml.safe_load(out.getvalue())
+
+
+def _error(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", *args, "--print_config"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err  # one line, no traceback
+    return err
+
+
+def test_vars_from_the_command_line_keep_their_yaml_types(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(TINY.read_text().replace("vars:\n", "vars:\n  lr: 0.1\n  name: a\n"))
+    parsed = _print_config("--config", str(config), "--vars.steps=40", "--vars.lr=0.5", "--vars.name=b")
+    assert parsed["vars"] == {"steps": 40, "batch": 8, "lr": 0.5, "name": "b"}
+    assert parsed["trainer"]["max_steps"] == 40
+
+
+def test_a_misspelt_var_is_an_error_naming_the_known_ones(capsys):
+    err = _error(capsys, "--config", str(TINY), "--vars.stepz=99")
+    assert err.startswith("error: unknown var in --vars.stepz") and "batch, steps" in err
+
+
+def test_an_unresolvable_interpolation_is_one_line(tmp_path, capsys):
+    config = tmp_path / "typo.yaml"
+    config.write_text(TINY.read_text().replace("max_steps: ${vars.steps}", "max_steps: ${vars.typo}"))
+    err = _error(capsys, "--config", str(config))
+    assert err == ("error: ${vars.typo} at trainer.max_steps does not resolve (no such key); "
+                   "the config's vars are batch, steps.")
+
+
+def test_a_packaged_config_is_found_by_name_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    by_name = _print_config("--config", "quickstart")
+    by_path = _print_config("--config", str(ROOT / "configs" / "quickstart.yaml"))
+    assert by_name == by_path and by_name["trainer"]["devices"] == 2
+
+
+def test_predict_is_a_command_of_python_dash_m_as_of_cephalo_train(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        module_main(["predict", "--help"])
+    assert exit_info.value.code == 0
+    assert "predict" in capsys.readouterr().out
+    assert module_main(["--help"]) == 0 and "predict" in capsys.readouterr().out
