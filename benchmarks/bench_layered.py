@@ -116,7 +116,7 @@ def _clear_grads(sharded) -> None:
 
 def _memory(rank: int, world: int, cfg: Config) -> list[dict[str, Any]]:
     from cephalo_lightning.demo.gpt import GPT
-    from cephalo_lightning.runtime.layered import LayeredSchedule
+    from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
     from cephalo_lightning.runtime.memory import MemoryTracker
 
     rows = []
@@ -134,7 +134,7 @@ def _memory(rank: int, world: int, cfg: Config) -> list[dict[str, Any]]:
                 before = len(sharded.comm.log)
                 with MemoryTracker() as tracker:
                     if schedule is not None:
-                        schedule.forward(xs, lambda k, out: GPT.loss(out, ys[k]), [1.0 / n] * n)
+                        schedule.forward(xs, plain_input, lambda k, out, side: GPT.loss(out, ys[k]), [1.0 / n] * n)
                         schedule.backward()
                     else:
                         for k in range(n):
@@ -312,7 +312,7 @@ class StepRunner:
         from cephalo_lightning.demo.gpt import GPT
 
         busy0, start = self.clock.busy_s, time.perf_counter()
-        self.schedule.forward(self.xs, lambda k, out: GPT.loss(out, self.ys[k]), self.weights)
+        self.schedule.forward(self.xs, plain_input, lambda k, out, side: GPT.loss(out, self.ys[k]), self.weights)
         self.schedule.backward()
         self.wall.append(time.perf_counter() - start)
         self.busy.append(self.clock.busy_s - busy0)
@@ -322,7 +322,7 @@ class StepRunner:
 def _cost_model(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     from cephalo_lightning.planner import plan as make_plan
     from cephalo_lightning.runtime.emulation import DeviceEmulator
-    from cephalo_lightning.runtime.layered import LayeredSchedule
+    from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
 
     emulator = DeviceEmulator(slowdown=cfg.slowdown[rank], emulated=cfg.slowdown[rank] > 1, label=f"rank {rank}")
     clock = BusyClock(emulator)
@@ -479,7 +479,7 @@ def cost_rows(cfg: Config, figures: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _unit_wise(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     """Peak accounted memory of 2 steps with the optimizer stepped at the end vs unit by unit."""
-    from cephalo_lightning.runtime.layered import LayeredSchedule, UnitOptimizers
+    from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input, UnitOptimizers
     from cephalo_lightning.runtime.memory import MemoryTracker
 
     peaks = {}
@@ -496,7 +496,7 @@ def _unit_wise(rank: int, world: int, cfg: Config) -> dict[str, Any]:
         with MemoryTracker(baseline_bytes=sharded.local_state_numel() * 4) as tracker:
             for _ in range(2):  # the second step runs with the optimizer state already allocated
                 tracker.reset_peak()
-                schedule.forward(xs, lambda k, out: torch.nn.functional.cross_entropy(
+                schedule.forward(xs, plain_input, lambda k, out, side: torch.nn.functional.cross_entropy(
                     out.reshape(-1, out.size(-1)), ys[k].reshape(-1)), [0.5, 0.5])
                 schedule.backward()
                 if optimizer is not None:
