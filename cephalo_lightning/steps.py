@@ -63,17 +63,19 @@ def _rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
 
 
-def micro_batch_weights(parts: Sequence[Any], weighting: LossWeighting, global_batch: int, device: torch.device) -> list[float]:
-    """Each micro-batch's share of the global mean loss (see the module docstring)."""
+def micro_batch_weights(parts: Sequence[Any], weighting: LossWeighting, global_batch: int,
+                        device: torch.device) -> tuple[list[float], float]:
+    """Each micro-batch's share of the global mean loss, and the global batch's items (see the
+    module docstring)."""
     samples = [leading_size(p) or 0 for p in parts]
     if weighting.kind == "samples":
-        return [s / global_batch for s in samples]
+        return [s / global_batch for s in samples], float(global_batch)
     counts = torch.tensor([float(weighting.items(p, s)) for p, s in zip(parts, samples)] + [0.0], dtype=torch.float64)
     total = counts.sum().to(device)
     if _distributed():
         dist.all_reduce(total)
     total = float(total)
-    return [float(c) / total if total > 0 else 0.0 for c in counts[:-1].tolist()]
+    return [float(c) / total if total > 0 else 0.0 for c in counts[:-1].tolist()], total
 
 
 def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bool,
@@ -131,18 +133,21 @@ class LayeredSteps:
         if self.verify_loss:
             self.verify_loss = False
             self._verify(parts[0] if parts else batch, has_samples=bool(parts), batch_idx=ctx.batch_idx)
-        weights = [w / ctx.accumulate for w in micro_batch_weights(parts, self.model.weighting, ctx.global_batch,
-                                                                    self.schedule.device)]
+        shares, total = micro_batch_weights(parts, self.model.weighting, ctx.global_batch, self.schedule.device)
+        share = self.model.weighting.share
+        if share is not None:  # the model's loss divides by the global items itself: weight 1
+            weights = [(1.0 if w else 0.0) / ctx.accumulate for w in shares]
+            loss = lambda k, out, side: share(out, parts[k], side, total)  # noqa: E731
+        else:
+            weights = [w / ctx.accumulate for w in shares]
+            loss = lambda k, out, side: self.model.loss(out, parts[k], side)  # noqa: E731
 
         def prepare(micro_batch: Any) -> tuple[torch.Tensor, Any]:
             x, side = self.model.prepare(micro_batch)
             check_first_inputs([x])
             return x, side
 
-        self._local = self.schedule.forward(
-            parts, prepare, lambda k, out, side: self.model.loss(out, parts[k], side), weights,
-            recompute=self.recompute or len(parts) > 1,
-        )
+        self._local = self.schedule.forward(parts, prepare, loss, weights, recompute=self.recompute or len(parts) > 1)
         return self._local.detach() * ctx.accumulate  # Lightning divides what we return by `accumulate`
 
     def backward(self, closure_loss: torch.Tensor, ctx: StepContext) -> StepReport:
@@ -248,7 +253,7 @@ class UniformSteps:
     def forward(self, batch: Any, ctx: StepContext, *args: Any) -> Any:
         parts = micro_batches(batch, ctx.rank_plan.micro_batch_sizes)
         self._rest, self._args = parts[1:], args
-        self._weights = micro_batch_weights(parts, self.weighting, ctx.global_batch, self.sharded.device)
+        self._weights, _ = micro_batch_weights(parts, self.weighting, ctx.global_batch, self.sharded.device)
         self._losses, self._logs = [], _Captured()
         self.sharded.gather_root()
         return self._run(parts[0], self._weights[0])

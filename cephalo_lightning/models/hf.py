@@ -111,7 +111,12 @@ def adapt(lm: nn.Module) -> tuple[LayeredModel | None, str]:
     def loss(logits: torch.Tensor, micro_batch: Any, side: _Side) -> torch.Tensor:
         return lm.loss_function(logits=logits, labels=micro_batch["labels"], vocab_size=config.vocab_size)
 
-    return LayeredModel(tuple(layers), prepare, loss, LossWeighting("items", label_count),
+    def share(logits: torch.Tensor, micro_batch: Any, side: _Side, total: float) -> torch.Tensor:
+        items = torch.tensor(total, dtype=torch.float32, device=logits.device)
+        return lm.loss_function(logits=logits, labels=micro_batch["labels"], vocab_size=config.vocab_size,
+                                num_items_in_batch=items)
+
+    return LayeredModel(tuple(layers), prepare, loss, LossWeighting("items", label_count, share),
                         f"{type(lm).__name__} ({config.model_type})", derived=True), ""
 
 

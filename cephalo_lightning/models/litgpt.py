@@ -34,10 +34,14 @@ def find_gpt(module: nn.Module) -> nn.Module | None:
     return None
 
 
-def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy of ``logits[:, t]`` against ``labels[:, t + 1]`` (litgpt's fine-tuning loss)."""
-    return F.cross_entropy(logits[..., :-1, :].reshape(-1, logits.size(-1)).float(), labels[..., 1:].reshape(-1),
-                           ignore_index=IGNORE_INDEX)
+def shifted_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, total: float | None = None) -> torch.Tensor:
+    """Cross entropy of ``logits[:, t]`` against ``labels[:, t + 1]`` (litgpt's fine-tuning loss):
+    the mean over the non-ignored labels, or their sum over ``total`` (a share of a larger batch's mean)."""
+    flat_logits, flat_labels = logits[..., :-1, :].reshape(-1, logits.size(-1)).float(), labels[..., 1:].reshape(-1)
+    if total is None:
+        return F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX)
+    summed = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return summed / torch.tensor(total, dtype=summed.dtype, device=summed.device)
 
 
 def adapt(gpt: nn.Module) -> tuple[LayeredModel | None, str]:
@@ -67,8 +71,10 @@ def adapt(gpt: nn.Module) -> tuple[LayeredModel | None, str]:
     layers = [Layer((wte,), lambda ids, side: block_call(ids).hidden, "wte")]
     layers += [Layer((b,), lambda h, side, b=b: side.run(b, h), f"block {i}") for i, b in enumerate(blocks)]
     layers.append(Layer((ln_f, head), run_head, "head"))
-    return LayeredModel(tuple(layers), prepare, lambda logits, mb, side: shifted_cross_entropy(logits, mb["labels"]),
-                        LossWeighting("items", label_count), "litgpt GPT", derived=True), ""
+    return LayeredModel(
+        tuple(layers), prepare, lambda logits, mb, side: shifted_cross_entropy(logits, mb["labels"]),
+        LossWeighting("items", label_count, lambda logits, mb, side, total: shifted_cross_entropy(logits, mb["labels"], total)),
+        "litgpt GPT", derived=True), ""
 
 
 def init_weights(gpt: nn.Module):  # noqa: ANN201 - returns an InitFn

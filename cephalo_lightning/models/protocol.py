@@ -38,13 +38,23 @@ Loss = Callable[[torch.Tensor, Any, Side], torch.Tensor]  # (last output, micro-
 Items = Callable[[Any], int]  # micro-batch -> items its mean loss is over
 
 
+Share = Callable[[torch.Tensor, Any, Side, float], torch.Tensor]  # (output, micro-batch, side, global items)
+
+
 @dataclass(frozen=True)
 class LossWeighting:
     """How a micro-batch's mean loss enters the global mean: by ``"samples"`` or by ``"items"``
-    (``count(micro_batch)``: tokens, for a per-token mean)."""
+    (``count(micro_batch)``: tokens, for a per-token mean).
+
+    ``share``, where the model's loss can take the global item count itself (Hugging Face's
+    ``num_items_in_batch``): the micro-batch's share of the global mean, computed as the model
+    computes its mean, so every token's gradient is the single-process one bit for bit (a mean
+    re-weighted afterwards rounds 1/n and n/N separately, in the loss's own fp32).
+    """
 
     kind: str = "samples"
     count: Items | None = None
+    share: Share | None = None
 
     def items(self, micro_batch: Any, samples: int) -> int:
         return int(self.count(micro_batch)) if self.count is not None else samples
