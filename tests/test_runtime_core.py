@@ -3,6 +3,7 @@ switches under a prefetching DataLoader, compile-friendly layers, public torch A
 
 from __future__ import annotations
 
+import gc
 import re
 import sys
 import time
@@ -57,7 +58,8 @@ def test_a_real_device_run_without_observers_reads_no_clock_and_keeps_no_state(m
 
     class Probe(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step in (20, 1000):
+            if trainer.global_step in (500, 1000):  # after warm-up (optimizer state, log keys, caches)
+                gc.collect()  # count what is alive, not garbage awaiting collection
                 snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, f"{PACKAGE}/*")])
                 sizes.append(sum(stat.size for stat in snapshot.statistics("filename")))
 
@@ -73,7 +75,8 @@ def test_a_real_device_run_without_observers_reads_no_clock_and_keeps_no_state(m
     sharded = trainer.strategy.sharded
     assert not list(sharded.observers), "no observer is attached on a real (non-emulated) device"
     assert perf.calls == mono.calls == len(contention) == 0, (perf.calls, mono.calls, len(contention))
-    assert len(sizes) == 2 and sizes[1] - sizes[0] < 4096, f"the package's memory grew from {sizes[0]} to {sizes[1]} B"
+    # a leak of one small object per step would add > 30 KB over these 500 steps
+    assert len(sizes) == 2 and sizes[1] - sizes[0] < 8192, f"the package's memory grew from {sizes[0]} to {sizes[1]} B"
 
 
 def test_the_strategy_puts_nothing_inside_a_layer_that_would_break_a_compiled_graph():
@@ -83,10 +86,10 @@ def test_the_strategy_puts_nothing_inside_a_layer_that_would_break_a_compiled_gr
     sharded.observers.attach(emulation.DeviceEmulator(2.0))  # instrumentation attached: still outside the layer
     block = model.blocks[1]
     x = torch.randn(2, 5, 16)
-    with sharded.scheduled(), sharded.unit_gathered(2):  # as the layered schedule runs it, hooks installed
+    with sharded.scheduled(), sharded.unit_gathered(3):  # as the layered schedule runs it (unit 3: blocks[1])
         explanation = torch._dynamo.explain(block)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
-    with sharded.unit_gathered(2):  # the uniform mode's hooks gather outside block.forward
+    with sharded.unit_gathered(3):  # the uniform mode's hooks gather outside block.forward
         explanation = torch._dynamo.explain(block.forward)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
@@ -149,7 +152,7 @@ def _reshard_and_switch(rank: int, world: int):
 
     trainer = pl.Trainer(strategy=CephaloStrategy(plan=first), accelerator="cpu", devices=world, max_steps=12,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[Switch()])
+                         enable_model_summary=False, callbacks=[Switch()], use_distributed_sampler=False)
     data = token_data(12 * 12)
     trainer.fit(TinyLayered(), torch.utils.data.DataLoader(data, batch_size=12, num_workers=2, prefetch_factor=4,
                                                            persistent_workers=False))
