@@ -322,7 +322,7 @@ class StepRunner:
 def _cost_model(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     from cephalo_lightning.planner import plan as make_plan
     from cephalo_lightning.runtime.emulation import DeviceEmulator
-    from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
+    from cephalo_lightning.runtime.layered import LayeredSchedule
 
     emulator = DeviceEmulator(slowdown=cfg.slowdown[rank], emulated=cfg.slowdown[rank] > 1, label=f"rank {rank}")
     clock = BusyClock(emulator)

@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+
+from cephalo_lightning._lightning_private import training_dataloader
 
 from cephalo_lightning.planner import Cluster, Plan, PlanningError
 from cephalo_lightning.planner import plan as make_plan
@@ -40,16 +47,48 @@ def identity(rank: int, device: torch.device, emulator: DeviceEmulator) -> Devic
     return DeviceIdentity(rank, name + emulator.name_suffix(), memory, emulator.is_emulated)
 
 
-def resolve(plan: Plan | None, cluster: Cluster | None, global_batch_size: int | None, mode: str, world_size: int) -> Plan | None:
-    """The plan before sharding: the given one, one made from ``cluster``, or ``None`` (even, once the
-    training DataLoader's batch size is known)."""
+def gather_identities(mine: DeviceIdentity, world_size: int) -> list[DeviceIdentity]:
+    """Collective: every rank's identity, in rank order."""
+    identities: list[Any] = [mine] * world_size
+    if dist.is_available() and dist.is_initialized():
+        dist.all_gather_object(identities, mine)
+    return identities
+
+
+def global_batch(configured: int | None, trainer: Any, world_size: int) -> int:
+    """The global batch to plan for: configured, else the training DataLoader's ``batch_size``."""
+    if configured is not None:
+        return configured
+    if trainer.state.fn != TrainerFn.FITTING:
+        return world_size  # evaluation only: its batches are Lightning's even shards anyway
+    batch = getattr(training_dataloader(trainer), "batch_size", None)
+    if batch is None:
+        raise ValueError("set batch_size on the training DataLoader (the global batch) or CephaloStrategy(global_batch_size=B)")
+    return batch
+
+
+def resolve(plan: Plan | None, cluster: Cluster | None, global_batch_size: Callable[[], int], mode: str,
+            world_size: int, identities: Callable[[], list[DeviceIdentity]], provisional: bool,
+            check: bool) -> Plan:
+    """The plan to shard by at setup: the given one, one made from ``cluster``, or an even one
+    (``provisional``: state shares by memory until the callback's plan arrives). A given plan is
+    checked against the world size and, ``check``, the ranks' devices."""
     if plan is None and cluster is not None:
-        plan = make_plan(cluster, global_batch_size, mode="uniform" if mode == "uniform" else "layered")
-    if plan is not None and plan.world_size != world_size:
+        plan = make_plan(cluster, global_batch_size(), mode="uniform" if mode == "uniform" else "layered")
+    if plan is None:
+        plan = Plan.even(world_size, global_batch_size(), mode=mode)
+        if provisional:
+            return memory_proportional(plan, identities())
+        rank_zero_info("Cephalo: no plan or profile given; using an even split (equal batches and shares). "
+                       "Add CephaloCallback() to profile and plan for heterogeneous devices.")
+        return plan
+    if plan.world_size != world_size:
         raise PlanningError(
             f"the plan is for {plan.world_size} ranks but the job has {world_size}: re-plan for {world_size} ranks "
             f"(python -m cephalo_lightning plan ... ) or launch {plan.world_size} processes"
         )
+    if check:
+        check_devices(plan, identities())
     return plan
 
 

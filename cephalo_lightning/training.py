@@ -19,13 +19,15 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
+from cephalo_lightning import reporting
 from cephalo_lightning.config import StrategyConfig
-from cephalo_lightning.models import SUPPORTED, Resolution, hf, resolve
+from cephalo_lightning.models import SUPPORTED, Resolution, hf
 from cephalo_lightning.models.protocol import LossWeighting
 from cephalo_lightning.planner import Plan, PlanningError
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.emulation import DeviceEmulator
 from cephalo_lightning.runtime.engine import ShardedModel, UnitMaterializer
+from cephalo_lightning.runtime.liveness import Heartbeat, looks_like_lost_peer
 from cephalo_lightning.runtime.layered import LayeredSchedule
 from cephalo_lightning.runtime.memory import SampledTracking
 from cephalo_lightning.runtime.plan_state import PlanState
@@ -121,6 +123,20 @@ class FitRuntime:
         self.layered_model = layered
         self.resolution = resolution
 
+    def start_fit(self, trainer: pl.Trainer, token: str, cluster: Any) -> FailureReport:
+        """Before a fit trains: refuse hyperparameters a checkpoint could not load back, clean up
+        what an interrupted save left, start the heartbeat, report the run to the loggers."""
+        for hparams in (self.module.hparams, getattr(trainer.datamodule, "hparams", {})):
+            checkpoint.check_loadable(dict(hparams), self.config.safe_globals, "the hyperparameters")
+        if trainer.is_global_zero:
+            for callback in trainer.checkpoint_callbacks:
+                if getattr(callback, "dirpath", None):
+                    checkpoint.clean_stale(callback.dirpath)
+        if not any(type(c).__name__ == "CephaloCallback" for c in trainer.callbacks):
+            reporting.log_run(trainer, self.plan, cluster)
+        directory = Path(trainer.default_root_dir) / ".cephalo" / f"heartbeat-{token}"
+        return FailureReport(Heartbeat(directory, self.rank, self.sharded.world_size).start())
+
     def _recompute(self, plan: Plan) -> bool:
         return bool(getattr(plan.ranks[self.rank], "recompute", True))
 
@@ -158,6 +174,17 @@ class FitRuntime:
 
     # ------------------------------------------------------------------ plan switches
 
+    def schedule(self, plan: Plan, accumulate: int) -> tuple[int, int]:
+        """Collective: ``plan`` takes effect at the first step no rank has cut data for (at an
+        optimizer-step boundary); batches already cut keep the old plan."""
+        self.check_plan(plan)
+        at = torch.tensor(self.plan_state.first_uncut(), dtype=torch.int64)
+        self.sharded.comm.all_reduce_max(at)
+        epoch, step = (int(v) for v in at.tolist())
+        step = -(-step // accumulate) * accumulate
+        self.plan_state.schedule(plan, (epoch, step))
+        return epoch, step
+
     def check_plan(self, plan: Plan) -> None:
         if self.mode == "uniform" and len(set(plan.num_micro_batches)) > 1:
             raise PlanningError(f"this model runs the uniform mode ({self.resolution.reason or 'manual optimization'}); "
@@ -186,15 +213,31 @@ class FitRuntime:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, path: Path, checkpoint_dict: dict[str, Any], optimizers: Sequence[Optimizer], world_size: int) -> Path:
+    def save(self, path: Path, checkpoint_dict: dict[str, Any], optimizers: Sequence[Optimizer]) -> Path:
+        """Collective: a sharded checkpoint directory, or with ``state_dict_type="full"`` one file
+        (consolidated on rank 0 from a sharded one written beside it). ``checkpoint_dict`` without
+        ``optimizer_states`` (``save_weights_only``) saves no optimizer state."""
         meta = {k: v for k, v in checkpoint_dict.items() if k not in ("state_dict", "optimizer_states")}
-        info = {"plan": self.plan.to_dict(), "world_size": world_size}
-        return checkpoint.save(path, self.sharded, optimizers, meta, info, self.config.safe_globals)
+        info = {"plan": self.plan.to_dict(), "world_size": self.sharded.world_size}
+        optimizers = optimizers if "optimizer_states" in checkpoint_dict else []
+        if self.config.state_dict_type == "sharded":
+            return checkpoint.save(path, self.sharded, optimizers, meta, info, self.config.safe_globals)
+        staging = path.with_name(f".{path.name}.sharded")
+        checkpoint.save(staging, self.sharded, optimizers, meta, info, self.config.safe_globals)
+        if self.rank == 0:
+            checkpoint.consolidate(staging, path, self.config.safe_globals)
+            checkpoint.remove(staging)
+        return path
 
-    def load(self, path: Path, optimizers: Sequence[Optimizer], trusted: bool = False) -> dict[str, Any]:
-        meta, _ = checkpoint.load(path, self.sharded, optimizers, self.config.safe_globals,
-                                  self.config.verify_checksums, trusted=trusted)
-        return meta
+    def load(self, path: Path, optimizers: Sequence[Optimizer], weights_only: bool | None = None) -> dict[str, Any]:
+        """Collective: a sharded directory (any layout) or a single file (weights only)."""
+        trusted = weights_only is False  # an explicit opt-in to unpickling meta.pt (never DCP's metadata)
+        if path.is_dir() or checkpoint.is_checkpoint(path) or not path.exists():
+            meta, _ = checkpoint.load(path, self.sharded, optimizers, self.config.safe_globals,
+                                      self.config.verify_checksums, trusted=trusted)
+            return meta
+        rank_zero_info("Cephalo: loading weights from a single-file checkpoint; optimizer state starts fresh.")
+        return self.load_full(path, trusted)
 
     def load_full(self, path: Path, trusted: bool = False) -> dict[str, Any]:
         """Weights from a single-file checkpoint (optimizer state starts fresh)."""
@@ -219,3 +262,21 @@ def _prefix_of(module: torch.nn.Module, model: torch.nn.Module | None) -> str:
         if sub is model:
             return f"{name}." if name else ""
     return ""
+
+
+class FailureReport:
+    """Heartbeats while training; when a collective fails, which rank stopped and where to resume."""
+
+    def __init__(self, heartbeat: Heartbeat) -> None:
+        self.heartbeat = heartbeat
+        self.last_checkpoint: Path | None = None
+
+    def describe(self, exception: BaseException) -> str | None:
+        if not looks_like_lost_peer(exception):
+            return None
+        suspects = self.heartbeat.suspects()
+        first_line = str(exception).splitlines()[0] if str(exception) else ""
+        return (f"Cephalo (rank {self.heartbeat.rank}): a collective failed ({type(exception).__name__}: {first_line}). "
+                + ("Stopped: " + "; ".join(suspects) + "." if suspects else "No peer is known to have stopped.")
+                + (f" Resume with trainer.fit(..., ckpt_path={str(self.last_checkpoint)!r})." if self.last_checkpoint
+                   else " No checkpoint was written yet."))

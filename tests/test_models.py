@@ -53,6 +53,7 @@ def _fit(family: str, plan: Plan, world: int, optimizer: str, precision: str) ->
     trainer = pl.Trainer(
         strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=world, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=precision,
+        use_distributed_sampler=False,  # keep the DataLoader's order (Lightning shuffles training data otherwise)
     )
     trainer.fit(LibraryLM(family, optimizer), loader(data, GLOBAL))
     assert trainer.strategy.run.mode == "layered"

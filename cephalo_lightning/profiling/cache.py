@@ -17,8 +17,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
 
 from cephalo_lightning.planner.cluster import Cluster, load_cluster, save_cluster
 from cephalo_lightning.runtime.batching import tensors_in

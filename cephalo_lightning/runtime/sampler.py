@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
 from cephalo_lightning.runtime.plan_state import PlanState
 
@@ -163,3 +163,25 @@ def planned_loader(dataloader: DataLoader, plan_state: PlanState, rank: int, *, 
             stacklevel=2,
         )
     return PlannedDataLoader(dataset, batch_sampler=sampler, **loading_settings(dataloader))
+
+
+def shuffles(dataloader: DataLoader) -> bool:
+    """Whether the training loader as Lightning prepared it draws samples in a random order."""
+    sampler = dataloader.sampler
+    return isinstance(sampler, RandomSampler) or (isinstance(sampler, DistributedSampler) and sampler.shuffle)
+
+
+def evaluation_loader(dataloader: DataLoader, world_size: int) -> DataLoader:
+    """Lightning's even sharding, ``batch_size / world_size`` samples per rank and step.
+
+    The DataLoader's ``batch_size`` is a global batch here too, so an evaluation step covers the
+    same samples whatever the plan (``limit_val_batches`` means the same under any plan); a device
+    too small for that many samples in a forward needs a smaller evaluation ``batch_size``.
+    """
+    if dataloader.batch_size is None:
+        return dataloader  # a custom batch sampler: the user decides
+    size = -(-dataloader.batch_size // world_size)
+    if size >= dataloader.batch_size:
+        return dataloader
+    return DataLoader(dataloader.dataset, batch_size=size, sampler=dataloader.sampler, drop_last=dataloader.drop_last,
+                      **loading_settings(dataloader))

@@ -1,0 +1,73 @@
+"""Process-group plumbing every multi-process Lightning strategy needs (ranks, launcher, collectives).
+
+Lightning's own strategies each carry a copy of this (DDP, FSDP, ModelParallel); Cephalo's lives
+here so that :mod:`.strategy` reads as what Cephalo does.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+
+from cephalo_lightning._lightning_private import (
+    SubprocessScriptLauncher, default_process_group_backend, distributed_is_initialized, init_dist_connection,
+)
+
+
+class ProcessGroupStrategy(ParallelStrategy):
+    """A :class:`ParallelStrategy` over one torch process group (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._process_group_backend, self._timeout = process_group_backend, timeout
+        self.num_nodes = 1
+
+    def _init_process_group(self) -> None:
+        if self.root_device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # CPU ranks share the host's cores: oversubscribed threads make every rank slow and noisy
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.num_processes)))
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or default_process_group_backend(self.root_device)
+        init_dist_connection(self.cluster_environment, self._process_group_backend,
+                             **({"timeout": self._timeout} if self._timeout is not None else {}))
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+
+    def barrier(self, name: str | None = None) -> None:
+        if distributed_is_initialized():
+            dist.barrier(device_ids=[self.root_device.index]) if dist.get_backend() == "nccl" else dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
