@@ -180,7 +180,7 @@ def _shares_with_optimizer(cluster: Cluster, batch, micro, keep, caps, mode) -> 
             return [min(li, max(0.0, (t - bi) / k)) if k > 0 else li for li, bi, k in zip(lim, base, kappa)]
 
         lo, hi = max(base), max(base) + max(kappa) + 1.0
-        for _ in range(100):
+        for _ in range(60):
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if sum(shares(mid)) >= 1 - 1e-12 else (mid, hi)
         r = shares(hi)
@@ -188,14 +188,19 @@ def _shares_with_optimizer(cluster: Cluster, batch, micro, keep, caps, mode) -> 
         r = [x / total for x in r]
         return max(rank_times(cluster, batch, micro, r, keep, mode)), r
 
-    grid = [1 / w + (1 - 1 / w) * i / 200 for i in range(201)]
+    ag, rs = collective_ms(cluster)
+    slope = cluster.settings.uneven_slope
+    slope = UNEVEN_SLOPE[cluster.settings.collective] if slope is None else slope
+    if ag + rs == 0 or slope == 0 or w == 1:  # collectives do not grow with rho: no share limit but memory
+        return at(1.0)
+    grid = [1 / w + (1 - 1 / w) * i / 80 for i in range(81)]
     results = [(at(rho), rho) for rho in grid]
     found = [(res, rho) for res, rho in results if res is not None]
     if not found:
         return None
     (best, rho0) = min(found, key=lambda x: x[0][0])
-    step = (1 - 1 / w) / 200
-    for rho in [rho0 + step * (j / 50 - 1) for j in range(101)]:
+    step = (1 - 1 / w) / 80
+    for rho in [rho0 + step * (j / 20 - 1) for j in range(41)]:
         if 1 / w <= rho <= 1:
             res = at(rho)
             if res is not None and res[0] < best[0]:
@@ -227,6 +232,10 @@ def brute_force(cluster: Cluster, global_batch: int, mode: str = "layered") -> B
             for keep in itertools.product(*choices):
                 caps = [cap(d, b, n, k) for d, b, n, k in zip(cluster.devices, batch, micro, keep)]
                 if any(c < 0 for c in caps):
+                    continue
+                # no assignment of shares beats the cheapest collectives and a free optimizer step
+                if best is not None and max(layer_times(cluster, batch, micro, 1 / w, list(keep), mode)) / 1e3 \
+                        >= best.step_s:
                     continue
                 if with_optimizer:
                     found = _shares_with_optimizer(cluster, batch, micro, list(keep), caps, mode)
