@@ -6,5 +6,5 @@ tables with the memory-feasible micro-batch sizes) and a plan takes seconds at w
 scaling).
 """
 
-MAX_GLOBAL_BATCH = 2**20  # samples per optimizer step (1,048,576)
+MAX_GLOBAL_BATCH = 2**18  # samples per optimizer step (262,144)
 MAX_RANKS = 100_000  # the plan file has one entry per rank

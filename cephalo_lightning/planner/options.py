@@ -187,11 +187,13 @@ class DeviceModel:
         b = b.astype(np.int64)
         keep = variant == "keep"
         limit = t * (1 + _EPS)
+        check = np.nonzero(b >= n)[0]
         for _ in range(3):  # repair floating-point overshoot against the exact formula
-            bad = (b >= n) & (self.layer_ms(b, n, ag, rs, keep) > limit)
-            if not bad.any():
+            bad = check[self.layer_ms(b[check], n[check], ag, rs, keep) > limit]
+            if not len(bad):
                 break
-            b = np.where(bad, b - 1, b)
+            b[bad] -= 1
+            check = bad[b[bad] >= n[bad]]
         return np.where(b >= n, b, 0)
 
     def max_micro_batches(self, t: float, ag: float = 0.0, rs: float = 0.0) -> int:

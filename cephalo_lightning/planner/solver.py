@@ -49,6 +49,8 @@ BISECTION_TOL = 5e-4  # relative width of the final step-time bracket
 RHO_TOL = 1e-3  # branch and bound stops when the best plan is within this of the lower bound
 DENSE_WORK_LIMIT = 3e7  # element operations of one exact knapsack check
 DENSE_CALL_LIMIT = 20_000  # options summed over devices (one vector operation each)
+UNIFORM_COUNTS = 16  # uniform mode: counts examined per price of collectives; the rest enter the bound
+RHO_NODES = 64  # branch-and-bound nodes over the largest share; open ones enter the bound
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class _Problem:
         # no rank beats its best rate: S >= L * B / (sum of samples per per-layer ms)
         rate = sum(c / ps for c, ps in zip(self.counts, (per_sample_ms(k) for k in self.kinds)) if ps < math.inf)
         self.compute_floor = self.L * global_batch / rate if rate > 0 else 0.0
+        self.rate = rate
 
     # ------------------------------------------------------------------ feasibility at S
 
@@ -105,9 +108,12 @@ class _Problem:
         calls = sum(len(inner[k]) * int(c) for k, c in enumerate(self.counts))
         return calls <= DENSE_CALL_LIMIT and dense_work(per_device, self.B) <= DENSE_WORK_LIMIT
 
-    def check(self, S: float, ag: float, rs: float, cap: float, n_fixed: int | None, dense: bool
-              ) -> tuple[str, list[Group] | None]:
-        """("feasible", groups) | ("infeasible", None): a proof | ("unknown", None): the repair missed."""
+    def check(self, S: float, ag: float, rs: float, cap: float, n_fixed: int | None, dense: bool,
+              choice: bool = False) -> tuple[str, list[Group] | None]:
+        """("feasible", groups) | ("infeasible", None): a proof | ("unknown", None): the repair missed.
+
+        The exact program backtracks its choice only when asked (``choice``); the repair always has one.
+        """
         inner, outer = self.tables(S, ag, rs, cap, n_fixed)
         bound = relaxation(outer, self.counts, self.B)
         if bound.value < 1.0 - SHARE_TOL:
@@ -116,6 +122,8 @@ class _Problem:
             per_device = [inner[k] for k in self.device_kind]
             if not feasible(per_device, self.B):
                 return "infeasible", None
+            if not choice:
+                return "feasible", None
             picks = choose(per_device, self.B)
             if picks is None:  # pragma: no cover - feasible() said yes on the same tables
                 raise RuntimeError("knapsack backtrack failed at a feasible time")
@@ -144,10 +152,13 @@ class _Problem:
         """
         counts: list[int | None] = [None] if self.mode == "layered" else list(self.usable_counts(ag, rs, cap))
         lo_all, best = math.inf, None
-        for n_fixed in counts:
+        for i, n_fixed in enumerate(counts):
             top = ceiling if best is None else best.hi / (1 + BISECTION_TOL)
             if n_fixed is not None and top is not None and self.count_floor(n_fixed, ag, rs) >= top:
                 lo_all = min(lo_all, top)  # this and every larger count are slower than `top`
+                break
+            if n_fixed is not None and i >= UNIFORM_COUNTS:
+                lo_all = min(lo_all, self.count_floor(n_fixed, ag, rs))  # the rest: bounded, not solved
                 break
             solved = self._solve_count(ag, rs, cap, lo_hint, top, n_fixed)
             if solved is None:
@@ -183,13 +194,18 @@ class _Problem:
         return counts + list(range(hi, top + 1))
 
     def count_floor(self, n: int, ag: float, rs: float) -> float:
-        """Every rank runs n micro-batches of at least one sample: a per-step floor for count n."""
-        return max(self.L * max(n * k.unit_ms + (n - 1) * k.c, k.idle_ms(ag, rs, n)) for k in self.kinds)
+        """A per-step floor for count n, non-decreasing in n: every rank runs n micro-batches of at
+        least one sample, and the B samples cost at least each kind's best per-sample time plus the
+        n - 1 micro-batch overheads."""
+        throughput = (n - 1) * min(k.c for k in self.kinds) + (self.B / self.rate if self.rate > 0 else 0.0)
+        return self.L * max(max(max(n * k.unit_ms + (n - 1) * k.c, k.idle_ms(ag, rs, n)) for k in self.kinds),
+                            throughput)
 
     def _solve_count(self, ag: float, rs: float, cap: float, lo_hint: float, ceiling: float | None,
                      n_fixed: int | None) -> _Solved | None:
         idle = max(k.idle_ms(ag, rs, n_fixed or 1) for k in self.kinds) * self.L
-        lo = max(lo_hint, self.compute_floor * (1 - 1e-9), idle * (1 - 1e-9), 1e-12)
+        floor = self.compute_floor if n_fixed is None else self.count_floor(n_fixed, ag, rs)
+        lo = max(lo_hint, floor * (1 - 1e-9), idle * (1 - 1e-9), 1e-12)
         limit = self.saturated(ag, rs, n_fixed)
         # 1. the relaxation: a proven lower bound and where the integer search starts
         if ceiling is not None:
@@ -234,6 +250,9 @@ class _Problem:
                 lo = mid
                 if verdict == "infeasible":
                     proven = max(proven, mid)
+        if groups is None:
+            groups = self.check(hi, ag, rs, cap, n_fixed, dense, choice=True)[1]
+            assert groups is not None
         return _Solved(proven, hi, self.assign(hi, ag, rs, cap, n_fixed, groups))
 
     # ------------------------------------------------------------------ a plan from a choice
@@ -397,7 +416,9 @@ class _Problem:
         heap: list[tuple[float, float, float]] = [(0.0, 1.0, u_top)]
         best: Assignment | None = None
         closed = math.inf
-        while heap:
+        nodes = 0
+        while heap and nodes < RHO_NODES:
+            nodes += 1
             lb, ua, ub = heapq.heappop(heap)
             if best is not None and lb * to_s * (1 + RHO_TOL) >= best.step_s:
                 closed = min(closed, lb)
