@@ -33,6 +33,7 @@ from cephalo_lightning.planner.cost import DeviceCost
 _EPS = 1e-9  # relative slack on time comparisons against floating-point noise
 PAIR_LIMIT = 200_000  # (b, n) pairs enumerated exactly with an optimizer cost; beyond, share levels
 SHARE_LEVELS = 48
+BUDGET_STEP = 1.25e-4  # relative step budget between share levels (a quarter of the solver's tolerance)
 
 
 @dataclass(frozen=True)
@@ -237,15 +238,22 @@ class DeviceModel:
             return 0
         return int(min(self.keep_cap, self.max_batch(t, ag, rs, np.array([1]), "keep")[0]))
 
-    def _static(self, t: float, ag: float, rs: float, limit: float, n_fixed: int | None,
-                b_at: float | None = None) -> Options:
-        """Options at per-layer budget t, shares capped at ``limit``; samples from budget ``b_at``
-        when given (the outer table's looser budget)."""
-        t_b = t if b_at is None else b_at
-        if t_b < self.idle_ms(ag, rs, n_fixed or 1) * (1 - _EPS):
+    def _static(self, t: float, ag: float, rs: float, limit: float, n_fixed: int | None) -> Options:
+        """Options at per-layer budget t, shares capped at ``limit``."""
+        return self._table(self._per_m(t, ag, rs, n_fixed), limit, n_fixed)
+
+    def _per_m(self, t: float, ag: float, rs: float, n_fixed: int | None) -> tuple[np.ndarray, int] | None:
+        """Within budget t: the most samples per largest micro-batch m = 0..M, and the largest batch
+        one micro-batch keeping its graph may take; None when even the collectives do not fit."""
+        if t < self.idle_ms(ag, rs, n_fixed or 1) * (1 - _EPS):
+            return None
+        n, bmax = self._counts(t, ag, rs, n_fixed)
+        return self._best_per_m(n, bmax), self._keep_max(t, ag, rs)
+
+    def _table(self, per_m: tuple[np.ndarray, int] | None, limit: float, n_fixed: int | None) -> Options:
+        if per_m is None:
             return EMPTY
-        n, bmax = self._counts(t_b, ag, rs, n_fixed)
-        b_m = self._best_per_m(n, bmax)
+        b_m, top = per_m
         m = np.arange(len(b_m))
         r = np.minimum(self.room_for(m, n_fixed or 1), limit)
         take = np.ones(len(b_m), bool)
@@ -253,7 +261,6 @@ class DeviceModel:
             take &= b_m >= n_fixed
         take[0] = n_fixed is None and self.room[0] >= 0
         cand = [(b_m[take], m[take], r[take], np.zeros(int(take.sum()), bool))]
-        top = self._keep_max(t_b, ag, rs)
         if top >= 1:
             ks = np.arange(1, top + 1)
             cand.append((ks, ks, np.minimum(self.room_keep[ks], limit), np.ones(top, bool)))
@@ -305,21 +312,22 @@ class DeviceModel:
 
     def _levels(self, step_ms: float, ag: float, rs: float, cap: float, n_fixed: int | None
                 ) -> tuple[Options, Options]:
-        """Share levels 0 = r_0 < ... < r_K: inner options at each, outer ones from the next looser."""
-        top = min(cap, float(max(self.room.max(), self.room_keep.max())))
-        levels = np.linspace(0.0, max(top, 0.0), SHARE_LEVELS + 1)
+        """Share levels 0 = r_0 < ... < r_K: inner options at each, outer ones from the next looser.
+
+        K is as small as keeps the budget between levels (kappa * top / K) within a quarter of the
+        bisection's tolerance of the step, at most SHARE_LEVELS.
+        """
+        top = max(0.0, min(cap, float(max(self.room.max(), self.room_keep.max()))))
+        spread = self.kappa * top / step_ms
+        count = int(min(SHARE_LEVELS, max(1, np.ceil(spread / (BUDGET_STEP)))))
+        levels = np.linspace(0.0, top, count + 1)
         budgets = (step_ms - self.kappa * levels) / self.L
-        inner, outer = [], []
-        for j, (r_j, t_j) in enumerate(zip(levels, budgets)):
-            if t_j <= 0:
-                break
-            inner.append(self._static(t_j, ag, rs, min(cap, r_j), n_fixed))
-            # a share in (r_{j-1}, r_j] leaves no more time than budget t_{j-1} allows
-            outer.append(self._static(t_j, ag, rs, min(cap, r_j), n_fixed, b_at=budgets[j - 1] if j else None))
+        per_m = [self._per_m(t_j, ag, rs, n_fixed) if t_j > 0 else None for t_j in budgets]
+        inner = [self._table(per_m[j], min(cap, r_j), n_fixed) for j, r_j in enumerate(levels)]
+        # a share in (r_{j-1}, r_j] leaves no more time than budget t_{j-1} allows
+        outer = [inner[0]] + [self._table(per_m[j - 1], min(cap, r_j), n_fixed) for j, r_j in enumerate(levels) if j]
 
         def union(tables: list[Options]) -> Options:
-            if not tables:
-                return EMPTY
             return pareto(*(np.concatenate([getattr(o, f) for o in tables]) for f in ("b", "m", "r", "keep")))
 
         return union(inner), union(outer)

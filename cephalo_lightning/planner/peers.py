@@ -72,8 +72,8 @@ def poplar_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = Fals
         chosen = picks(S)
         return chosen is not None and sum(c * b for c, (_, b) in zip(problem.counts, chosen)) >= global_batch
 
-    limit = problem.saturated(ag, rs, None)
-    if not feasible(limit):
+    S = _bisect(feasible, max(problem.compute_floor, 1e-9), problem.saturated(ag, rs, None))
+    if S is None:
         for k, model in enumerate(problem.kinds):
             rank = int(np.nonzero(problem.of_rank == k)[0][0])
             if model.room[0] < share - 1e-12:
@@ -81,8 +81,6 @@ def poplar_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = Fals
                                                           f"of the state even with no samples")
         return BaselineResult(None, False, reason=f"the GPUs cannot take {global_batch} samples beside 1/{problem.W} "
                                                   f"of the state each")
-    S = _bisect(feasible, max(problem.compute_floor, 1e-9), limit)
-    assert S is not None
     inner, _ = problem.tables(S, ag, rs, 1.0, None)
     rows = []
     for k, (o, _) in enumerate(picks(S) or []):
