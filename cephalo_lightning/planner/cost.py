@@ -230,9 +230,9 @@ class DeviceCost:
         return self.optimizer_ms_per_share * np.asarray(share, dtype=float)
 
     def compute_ms(self, batch_size: int, num_micro_batches: int, recompute: bool = True) -> tuple[float, float]:
-        """Per-layer compute for one step: (forward pass, forward + backward pass incl. overheads)."""
+        """Per-layer compute for one step: (forward pass, backward pass incl. any recompute and overheads)."""
         fwd, bwd = self.compute_parts(np.array([batch_size]), np.array([num_micro_batches]), not recompute)
-        return float(fwd[0]), float(fwd[0] + bwd[0])
+        return float(fwd[0]), float(bwd[0])
 
     def step_s(self, batch_size: int, num_micro_batches: int, ag_ms: float, rs_ms: float,
                share: float = 0.0, recompute: bool = True) -> float:
