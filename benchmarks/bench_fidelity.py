@@ -1,6 +1,6 @@
 """Plan fidelity: the planner's predicted step time and peak memory per rank against what training measures.
 
-    python benchmarks/bench_fidelity.py            # 6 emulated clusters, 12 measured steps each (~10 minutes)
+    python benchmarks/bench_fidelity.py            # 6 emulated clusters and 2 controls (~5 minutes)
     python benchmarks/bench_fidelity.py --quick    # the same clusters, fewer steps
     python benchmarks/bench_fidelity.py --json     # the rows as data
 
@@ -61,6 +61,9 @@ CLUSTERS = (
     ClusterSpec("D", "uniform", ((1.0, 0.05), (1.5, 0.05), (3.0, 0.05)), 48, "3 ranks, all tight"),
     ClusterSpec("E", "layered", ((1.0, 0.5), (4.0, 0.5)), 32, "2 ranks, both loose, x4"),
     ClusterSpec("F", "layered", ((1.0, 0.02), (1.0, 0.02), (2.0, 0.5), (4.0, 0.5)), 48, "4 ranks on 2 cores"),
+    # controls, to tell the model's errors from the host's: no collectives and no neighbour; two equal ranks
+    ClusterSpec("S1", "layered", ((1.0, 0.5),), 16, "control: one rank"),
+    ClusterSpec("S2", "layered", ((1.0, 0.5), (1.0, 0.5)), 32, "control: two equal ranks"),
 )
 
 
@@ -244,10 +247,10 @@ def print_report(result: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer measured steps")
-    parser.add_argument("--clusters", default="".join(c.name for c in CLUSTERS), help="which clusters, e.g. ACE")
+    parser.add_argument("--clusters", default=",".join(c.name for c in CLUSTERS), help="which clusters, e.g. A,C,S1")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
-    chosen = tuple(c for c in CLUSTERS if c.name in args.clusters)
+    chosen = tuple(c for c in CLUSTERS if c.name in args.clusters.split(","))
     result = run_benchmark(QUICK if args.quick else Config(), chosen)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
