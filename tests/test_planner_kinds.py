@@ -147,3 +147,22 @@ def test_ranks_of_one_kind_may_differ() -> None:
     p = plan(cluster, 6)
     assert sorted(p.batch_sizes) == [1, 1, 2, 2]
     assert p.predicted_step_s == pytest.approx(2 * (2 * 10 + 20) / 1e3)
+
+
+def test_a_slow_optimizer_moves_state_off_its_gpu() -> None:
+    """The slow GPU with the big memory takes the state, until its optimizer step costs time."""
+    def cluster(ns: float | None) -> Cluster:
+        slow = {"name": "slow", "memory_gb": 80, "layer_fwd_ms": [40, 80], "layer_bwd_ms": [80, 160],
+                "compute_memory_gb": [1, 2]}
+        if ns is not None:
+            slow["optimizer_ns_per_param"] = ns
+        return cluster_from_dict({"model": {"name": "m", "num_layers": 8, "parameters": 1_000_000_000},
+                                  "settings": {"reserved_memory_gb": 0, "micro_batch_overhead_ms": 0},
+                                  "devices": [{"name": "fast", "memory_gb": 24, "layer_fwd_ms": [5, 10],
+                                               "layer_bwd_ms": [10, 20], "compute_memory_gb": [2, 4]}, slow]})
+    free, costly = plan(cluster(None), 16), plan(cluster(20.0), 16)  # 20 s for the whole state on "slow"
+    assert free.state_shares == pytest.approx([0.5, 0.5])  # memory allows the evenest shares
+    assert costly.ranks[1].state_share < 0.1  # half the state would cost the slow GPU 10 s a step
+    assert costly.ranks[0].num_micro_batches > free.ranks[0].num_micro_batches  # smaller micro-batches make room
+    assert costly.predicted_step_s == pytest.approx(free.predicted_step_s, rel=1e-3)
+    check_plan(cluster(20.0), costly, 16)
