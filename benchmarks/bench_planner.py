@@ -1,19 +1,31 @@
-"""Planner benchmark: wall time of `plan()` and the plan's predicted throughput vs the baselines.
+"""Planner benchmark: wall time and peak memory of `plan()` up to 10,000 GPUs, and plan quality vs the baselines.
 
-    python benchmarks/bench_planner.py            # 4, 16, 64 GPUs x B = 64, 256, 1024, 4096
-    python benchmarks/bench_planner.py --quick    # a smaller grid, for smoke tests
+    python benchmarks/bench_planner.py            # all three tables
+    python benchmarks/bench_planner.py --quick    # smaller grids, for smoke tests
 
-The clusters are the first 1, 4 or 16 GPUs of each of the 4 kinds in
-``configs/clusters/hetero-64.yaml``. Throughput figures are PREDICTIONS of the planner's cost
-model for that cluster file (catalog-estimated profiles), not measurements; the wall times are
-real. ``run_benchmark()`` returns the rows as data for report scripts.
+1. Scaling: the first N / 8 GPUs of each of the 8 kinds of ``configs/clusters/hetero-8kinds.yaml``
+   (catalog-estimated, GPT-6.7B shape, optimizer step estimated from memory bandwidth), N up to
+   10,000, at B = 65,536. Each row runs in a fresh torch-free interpreter: the plan time is the best
+   of the repeats, the peak is the process's peak resident memory (interpreter and numpy included;
+   the bare import is printed beside it). Goal: < 1 s and < 500 MB at 10,000 GPUs.
+2. Bounded in B: 4 GPUs (2x L4 + A6000 + P40, catalog) from B = 64 to the planner's limit in both
+   modes, and B = 10^9 (a clear error, not an OOM).
+3. Quality: 4, 16, 64 GPUs of ``configs/clusters/hetero-64.yaml`` at B = 64..4096: the plan's
+   predicted samples/s against every baseline (even, proportional, poplar, reference) and the
+   upper bound.
+
+Throughput figures are PREDICTIONS of the planner's cost model for catalog-estimated clusters;
+times and memory are measured on this machine. ``run_benchmark()``, ``run_scaling()`` and
+``run_batch_bound()`` return the rows as data for report scripts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,13 +37,22 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cephalo_lightning.planner import Cluster, load_cluster, plan
+from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH
+from cephalo_lightning.planner.peers import BASELINES
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_FILE = ROOT / "configs" / "clusters" / "hetero-64.yaml"
+SCALING_FILE = ROOT / "configs" / "clusters" / "hetero-8kinds.yaml"
+SMALL_FILE = ROOT / "configs" / "clusters" / "l4-a6000-p40.yaml"
 SIZES = (4, 16, 64)
 BATCHES = (64, 256, 1024, 4096)
 QUICK_SIZES = (4, 16)
 QUICK_BATCHES = (64, 256)
+SCALING = (8, 64, 512, 1024, 4096, 10_000)
+QUICK_SCALING = (8, 512, 10_000)
+SCALING_BATCH = 65_536
+BOUND_BATCHES = (64, 4096, 65_536, MAX_GLOBAL_BATCH, 10**9)
+QUICK_BOUND_BATCHES = (64, 65_536, 10**9)
 
 
 def subset(cluster: Cluster, gpus: int) -> Cluster:
@@ -46,6 +67,71 @@ def subset(cluster: Cluster, gpus: int) -> Cluster:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
+
+
+# ------------------------------------------------------------------------------------ 1 + 2: isolated runs
+
+_RUNNER = textwrap.dedent("""
+    import json, sys, time
+    for name in ("torch", "lightning", "pytorch_lightning"):
+        sys.modules[name] = None  # the planner is torch-free: measure it alone
+    sys.path.insert(0, {root!r})
+
+    def peak_mb():  # this process's peak resident memory (getrusage's would include the parent's)
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
+
+    from cephalo_lightning.planner import PlanningError, load_cluster, plan
+    sys.path.insert(0, {bench!r})
+    from bench_planner import subset
+    cluster = load_cluster({file!r})
+    if {gpus!r} is not None:
+        cluster = subset(cluster, {gpus!r})
+    import_mb = peak_mb()
+    best, result, error = float("inf"), None, None
+    for _ in range({repeats!r}):
+        start = time.perf_counter()
+        try:
+            result = plan(cluster, {batch!r}, mode={mode!r})
+        except PlanningError as err:
+            error = str(err)
+        best = min(best, time.perf_counter() - start)
+    row = {{"plan_s": best, "peak_mb": peak_mb(),
+            "import_mb": import_mb, "error": error}}
+    if result is not None:
+        row.update(predicted_samples_per_s=result.predicted_samples_per_s, optimality_gap=result.optimality_gap,
+                   baselines={{n: b.predicted_samples_per_s for n, b in result.baselines.items()}})
+    print(json.dumps(row))
+""")
+
+
+def isolated(file: Path, gpus: int | None, batch: int, mode: str = "layered", repeats: int = 3) -> dict[str, Any]:
+    """One plan() in a fresh torch-free interpreter: best time of ``repeats`` and the process's peak memory."""
+    code = _RUNNER.format(root=str(ROOT), bench=str(ROOT / "benchmarks"), file=str(file), gpus=gpus, batch=batch,
+                          mode=mode, repeats=repeats)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600,
+                         env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_scaling(sizes: tuple[int, ...] = SCALING, batch: int = SCALING_BATCH, repeats: int = 3) -> list[dict[str, Any]]:
+    rows = []
+    for gpus in sizes:
+        row = isolated(SCALING_FILE, gpus, batch, repeats=repeats)
+        rows.append({"gpus": gpus, "kinds": 8, "global_batch": batch, **row})
+    return rows
+
+
+def run_batch_bound(batches: tuple[int, ...] = BOUND_BATCHES, repeats: int = 1) -> list[dict[str, Any]]:
+    rows = []
+    for mode in ("layered", "uniform"):
+        for batch in batches:
+            row = isolated(SMALL_FILE, None, batch, mode=mode, repeats=repeats)
+            rows.append({"gpus": 4, "global_batch": batch, "mode": mode, **row})
+    return rows
+
+
+# ------------------------------------------------------------------------------------ 3: quality
 
 
 def run_benchmark(sizes: tuple[int, ...] = SIZES, batches: tuple[int, ...] = BATCHES, mode: str = "layered",
@@ -72,48 +158,92 @@ def run_benchmark(sizes: tuple[int, ...] = SIZES, batches: tuple[int, ...] = BAT
             for name, baseline in result.baselines.items():
                 row[f"{name}_samples_per_s"] = baseline.predicted_samples_per_s if baseline.feasible else None
                 row[f"{name}_reason"] = baseline.reason
+                row[f"{name}_skipped"] = baseline.skipped
                 row[f"speedup_vs_{name}"] = _ratio(result.predicted_samples_per_s,
                                                     baseline.predicted_samples_per_s if baseline.feasible else None)
             rows.append(row)
     return rows
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "infeasible" if value is None else format(value, spec)
+# ------------------------------------------------------------------------------------ printing
+
+
+def _fmt(value: float | None, spec: str, none: str = "infeasible") -> str:
+    return none if value is None else format(value, spec)
+
+
+def print_scaling(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"1. planner scaling, 8 kinds, B = {SCALING_BATCH:,} (time and memory: measured; "
+                        f"samples/s: predicted)", title_justify="left")
+    for header in ("GPUs", "plan time s", "peak MB", "import MB", "samples/s", "vs even", "vs poplar", "opt. gap"):
+        table.add_column(header, justify="right")
+    for r in rows:
+        base = r.get("baselines", {})
+        table.add_row(f"{r['gpus']:,}", f"{r['plan_s']:.3f}", f"{r['peak_mb']:.0f}", f"{r['import_mb']:.0f}",
+                      _fmt(r.get("predicted_samples_per_s"), ".4g", "error"),
+                      _fmt(_ratio(r.get("predicted_samples_per_s"), base.get("even")), ".2f"),
+                      _fmt(_ratio(r.get("predicted_samples_per_s"), base.get("poplar")), ".3f"),
+                      _fmt(None if r.get("optimality_gap") is None else 100 * r["optimality_gap"], ".3f", "-") + "%")
+    Console(width=120).print(table)
+    print("peak MB: the planning process's peak resident memory (interpreter and numpy included; import MB: "
+          "after the imports alone). Goal: < 1 s and < 500 MB at 10,000 GPUs.")
+
+
+def print_bound(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"2. bounded in B: 2x L4 + A6000 + P40 (limit {MAX_GLOBAL_BATCH:,} samples)", title_justify="left")
+    for header in ("mode", "B", "plan time s", "peak MB", "answer", "opt. gap"):
+        table.add_column(header, justify="right")
+    for r in rows:
+        answer = "error: " + r["error"][:60] + "..." if r.get("error") else f"{r['predicted_samples_per_s']:.4g} samples/s"
+        gap = r.get("optimality_gap")
+        table.add_row(r["mode"], f"{r['global_batch']:,}", f"{r['plan_s']:.3f}", f"{r['peak_mb']:.0f}", answer,
+                      "-" if gap is None else f"{100 * gap:.3f}%")
+    Console(width=140).print(table)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="planner benchmark (throughput: cost-model predictions; time: measured)",
-                  title_justify="left")
-    for header in ("GPUs", "B", "plan time s", "samples/s", "vs even", "vs proportional",
-                   "of upper bound", "opt. gap"):
+    table = Table(title="3. plan quality (throughput: cost-model predictions; time: measured)", title_justify="left")
+    for header in ("GPUs", "B", "plan time s", "samples/s", *(f"vs {b}" for b in BASELINES), "of upper bound",
+                   "opt. gap"):
         table.add_column(header, justify="right")
     for r in rows:
+        versus = [("skipped" if r.get(f"{b}_skipped") else _fmt(r.get(f"speedup_vs_{b}"), ".2f")) for b in BASELINES]
         table.add_row(str(r["gpus"]), str(r["global_batch"]), f"{r['plan_s']:.3f}",
-                      f"{r['predicted_samples_per_s']:.3g}", _fmt(r.get("speedup_vs_even"), ".2f"),
-                      _fmt(r.get("speedup_vs_proportional"), ".2f"), f"{100 * r['fraction_of_upper_bound']:.1f}%",
+                      f"{r['predicted_samples_per_s']:.3g}", *versus, f"{100 * r['fraction_of_upper_bound']:.1f}%",
                       f"{100 * r['optimality_gap']:.2f}%" if r["optimality_gap"] is not None else "-")
-    Console(width=110).print(table)
-    print("vs even / vs proportional: the plan's predicted samples/s divided by the baseline's "
-          "(infeasible: the baseline does not fit memory); all throughput figures are predictions of the cost model.")
+    Console(width=140).print(table)
+    print("vs X: the plan's predicted samples/s divided by baseline X's (infeasible: X does not fit memory; "
+          "skipped: the reference's exact-sample program is only run up to 4,096 ranks x samples); "
+          "all throughput figures are predictions of the cost model.")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"GPUs {QUICK_SIZES} x B {QUICK_BATCHES}, one repeat")
-    parser.add_argument("--mode", choices=("layered", "uniform"), default="layered")
-    parser.add_argument("--cluster", default=str(CLUSTER_FILE), help="cluster file with 4 kinds of 16 GPUs")
+    parser.add_argument("--quick", action="store_true", help="smaller grids, one repeat")
+    parser.add_argument("--mode", choices=("layered", "uniform"), default="layered", help="for table 3")
+    parser.add_argument("--cluster", default=str(CLUSTER_FILE), help="table 3: cluster file with 4 kinds of 16 GPUs")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
-    sizes, batches, repeats = (QUICK_SIZES, QUICK_BATCHES, 1) if args.quick else (SIZES, BATCHES, 3)
-    rows = run_benchmark(sizes, batches, args.mode, repeats, args.cluster)
+    quick = args.quick
+    scaling = run_scaling(QUICK_SCALING if quick else SCALING, repeats=1 if quick else 3)
+    bound = run_batch_bound(QUICK_BOUND_BATCHES if quick else BOUND_BATCHES)
+    quality = run_benchmark(QUICK_SIZES if quick else SIZES, QUICK_BATCHES if quick else BATCHES, args.mode,
+                            1 if quick else 3, args.cluster)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"scaling": scaling, "bound": bound, "quality": quality}, indent=2))
     else:
-        print_table(rows)
+        print_scaling(scaling)
+        print_bound(bound)
+        print_table(quality)
     return 0
 
 

@@ -27,6 +27,7 @@ OUT = HERE / "report"
 def _modules() -> dict[str, Any]:
     sys.path.insert(0, str(HERE))
     import bench_emulated
+    import bench_fidelity
     import bench_layered
     import bench_planner
     import bench_runtime
@@ -34,7 +35,8 @@ def _modules() -> dict[str, Any]:
     import bench_strategy
 
     return {"planner": bench_planner, "runtime": bench_runtime, "layered": bench_layered,
-            "strategy": bench_strategy, "emulated": bench_emulated, "startup": bench_startup}
+            "strategy": bench_strategy, "emulated": bench_emulated, "startup": bench_startup,
+            "fidelity": bench_fidelity}
 
 
 # ----------------------------------------------------------------------------- plots
@@ -68,6 +70,45 @@ def plot_planner(rows: list[dict[str, Any]]) -> str:
         return "Planner wall time (measured on this CPU)"
 
     return _figure("planner_time", draw)
+
+
+def plot_planner_scaling(rows: list[dict[str, Any]]) -> str:
+    def draw(ax: Any) -> str:
+        gpus = [r["gpus"] for r in rows]
+        ax.plot(gpus, [r["plan_s"] for r in rows], marker="o", label="plan time (s)")
+        ax.set_xscale("log")
+        ax.set_xlabel("GPUs (8 kinds)")
+        ax.set_ylabel("planner time (s, measured)")
+        twin = ax.twinx()
+        twin.plot(gpus, [r["peak_mb"] for r in rows], marker="s", color="tab:orange", label="peak MB")
+        twin.set_ylabel("peak resident MB (measured)")
+        ax.legend(loc="upper left", fontsize=8)
+        twin.legend(loc="upper right", fontsize=8)
+        return f"Planner scaling at B = {rows[0]['global_batch']:,}: time and peak memory"
+
+    return _figure("planner_scaling", draw)
+
+
+def plot_fidelity(result: dict[str, Any]) -> str:
+    def draw(ax: Any) -> str:
+        labels, steps, memory = [], [], []
+        for c in result["clusters"]:
+            if "failed" in c:
+                continue
+            for r in c["ranks"]:
+                labels.append(f"{c['cluster']['name']}{r['rank']}")
+                steps.append(r["step_ratio"] if r["bottleneck"] else float("nan"))
+                memory.append(r["memory_ratio"] if r["memory_ratio"] is not None else float("nan"))
+        x = range(len(labels))
+        ax.bar([i - 0.2 for i in x], steps, width=0.4, label="step (slowest rank)")
+        ax.bar([i + 0.2 for i in x], memory, width=0.4, label="peak memory")
+        ax.axhspan(0.9, 1.1, color="green", alpha=0.15, label="within 10%")
+        ax.set_xticks(list(x), labels, fontsize=7)
+        ax.set_ylabel("measured / predicted (EMULATED)")
+        ax.legend(fontsize=8)
+        return "Plan fidelity per rank: measured / predicted"
+
+    return _figure("fidelity", draw)
 
 
 def plot_planner_quality(rows: list[dict[str, Any]]) -> str:
@@ -192,11 +233,24 @@ def main(argv: list[str] | None = None) -> int:
 
     sections: list[str] = []
     raw: dict[str, Any] = {}
-    planner_sizes = {"batches": (64, 256, 1024)} if args.quick else {}
+    planner = m["planner"]
+
+    def run_planner() -> dict[str, Any]:
+        quick = args.quick
+        return {"scaling": planner.run_scaling(planner.QUICK_SCALING if quick else planner.SCALING,
+                                               repeats=1 if quick else 3),
+                "bound": planner.run_batch_bound(planner.QUICK_BOUND_BATCHES if quick else planner.BOUND_BATCHES),
+                "quality": planner.run_benchmark(batches=(64, 256, 1024)) if quick else planner.run_benchmark()}
+
+    def print_planner(r: dict[str, Any]) -> None:
+        planner.print_scaling(r["scaling"])
+        planner.print_bound(r["bound"])
+        planner.print_table(r["quality"])
+
     runs = [
-        ("planner", "Planner speed and plan quality (issue 2)",
-         lambda: m["planner"].run_benchmark(**planner_sizes), m["planner"].print_table,
-         lambda r: [plot_planner(r), plot_planner_quality(r)]),
+        ("planner", "Planner at cluster scale, bounded in the batch, plan quality vs every baseline (issues 2, 14)",
+         run_planner, print_planner,
+         lambda r: [plot_planner_scaling(r["scaling"]), plot_planner(r["quality"]), plot_planner_quality(r["quality"])]),
         ("runtime", "Sharding runtime vs FSDP2, padded vs exact, memory (issue 3)",
          lambda: m["runtime"].run_benchmark(conf("runtime")), m["runtime"].print_report,
          lambda r: [plot_collectives(r["collectives"])] if r["collectives"] else []),
@@ -212,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         ("startup", "Planner CLI start-up beside `python -c pass` (issue 12)",
          lambda: m["startup"].run_benchmark(rounds=3 if args.quick else 10, with_lightning=not args.quick),
          m["startup"].print_report, lambda r: []),
+        ("fidelity", "Plan fidelity: predicted vs measured step time and peak memory per rank (issue 14)",
+         lambda: m["fidelity"].run_benchmark(conf("fidelity")), m["fidelity"].print_report,
+         lambda r: [plot_fidelity(r)]),
     ]
     if args.replot:
         stored = json.loads((OUT / "results.json").read_text())

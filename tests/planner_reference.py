@@ -1,9 +1,12 @@
 """An independent brute-force planner for small clusters, to check the real one against.
 
-It enumerates every local batch split (b_i), every micro-batch count n_i and gives the shares by
-exact water-filling (for fixed batches the step time grows with the largest share, so the smallest
-largest share under the memory caps is optimal). The cost formulas are written out again here from
-the design brief, not taken from the planner.
+It enumerates every local batch split (b_i), every micro-batch count n_i and, for one-micro-batch
+ranks whose graph memory is known, both recompute choices. Shares: without an optimizer cost the
+step time grows only with the largest share, so exact water-filling under the memory caps is
+optimal; with one, every largest share rho on a fine grid (refined around the best) gets the
+smallest step that shares <= min(memory cap, rho, the time left for the optimizer) can reach. The
+cost formulas are written out again here from the design brief and the README, not taken from the
+planner.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def collective_ms(cluster: Cluster) -> tuple[float, float]:
     if s.link_bandwidth_gbps:
         moved = (w - 1) / w * cluster.model.parameters / cluster.model.num_layers
         ag = ag or moved * cluster.model.compute_bytes_per_param / (s.link_bandwidth_gbps * 1e9) * 1e3
-        rs = rs or moved * 4.0 / (s.link_bandwidth_gbps * 1e9) * 1e3
+        rs = rs or moved * cluster.model.grad_bytes_per_param / (s.link_bandwidth_gbps * 1e9) * 1e3
     return ag, rs
 
 
@@ -76,33 +79,78 @@ class Best:
     batch: tuple[int, ...]
     micro: tuple[int, ...]
     shares: tuple[float, ...]
+    keep: tuple[bool, ...] = ()
 
 
-def rank_times(cluster: Cluster, batch, micro, shares) -> list[float]:
-    """Each rank's step time (s) by the brief's formulas."""
+def _overlapped(comm: float, compute: float, overlap: float) -> float:
+    return max(comm, compute) + (1 - overlap) * min(comm, compute)
+
+
+def _optimizer_ms(cluster: Cluster, device) -> float:
+    """Milliseconds of the optimizer step over the whole state on this device."""
+    ns = device.optimizer_ns_per_param
+    if ns is None:
+        ns = cluster.settings.optimizer_ns_per_param or 0.0
+    return ns * cluster.model.parameters / 1e6
+
+
+def layer_times(cluster: Cluster, batch, micro, rho: float, keep=None, mode: str = "layered") -> list[float]:
+    """Each rank's step time (ms) without the optimizer, collectives priced at largest share rho."""
     ag0, rs0 = collective_ms(cluster)
+    s = cluster.settings
     w = cluster.world_size
-    factor = 1.0 + UNEVEN_SLOPE[cluster.settings.collective] * max(0.0, w * max(shares) - 1.0)
+    slope = s.uneven_slope if s.uneven_slope is not None else UNEVEN_SLOPE[s.collective]
+    factor = 1.0 + slope * max(0.0, w * rho - 1.0)
     ag, rs = ag0 * factor, rs0 * factor
-    c = cluster.settings.micro_batch_overhead_ms
+    overlap = 1.0 if s.overlap is None else s.overlap
+    c = s.micro_batch_overhead_ms
+    stash = cluster.model.stash_bytes_per_sample
+    if stash is None and cluster.model.hidden_size and cluster.model.seq_len:
+        stash = cluster.model.hidden_size * cluster.model.seq_len * cluster.model.compute_bytes_per_param
+    keep = keep or [False] * len(batch)
     out = []
-    for d, b, n in zip(cluster.devices, batch, micro):
+    for d, b, n, kept in zip(cluster.devices, batch, micro, keep):
         sizes = near_equal(b, n)
-        f = sum(profile_value(d.layer_fwd_ms, s) for s in sizes)
-        tot = f + sum(profile_value(d.layer_bwd_ms, s) for s in sizes) + max(0, len(sizes) - 1) * c
-        out.append(cluster.model.num_layers * (max(ag, f) + max(ag + rs, tot)) / 1e3)
+        f = sum(profile_value(d.layer_fwd_ms, x) for x in sizes)
+        back = sum(profile_value(d.layer_bwd_ms, x) for x in sizes)
+        over = max(0, len(sizes) - 1) * c
+        if mode == "uniform":
+            fwd, bwd = _overlapped(n * ag, f, overlap), _overlapped(n * ag + rs, back + over, overlap)
+        elif kept:
+            fwd, bwd = _overlapped(ag, f, overlap), _overlapped(ag + rs, back, overlap)
+        else:
+            copy = 0.0
+            if s.offload_stash and stash is not None:
+                copy = b * stash / ((d.host_copy_gbps or s.host_copy_gbps) * 1e9) * 1e3
+            fwd = _overlapped(ag, f + copy, overlap)
+            bwd = _overlapped(ag + rs, f + back + copy + over, overlap)
+        out.append(cluster.model.num_layers * (fwd + bwd))
     return out
 
 
-def memory_ok(cluster: Cluster, batch, micro, shares, slack: float = 1e-9) -> list[bool]:
+def rank_times(cluster: Cluster, batch, micro, shares, keep=None, mode: str = "layered") -> list[float]:
+    """Each rank's step time (s) by the brief's formulas, the optimizer step included."""
+    layers = layer_times(cluster, batch, micro, max(shares), keep, mode)
+    return [(t + _optimizer_ms(cluster, d) * r) / 1e3 for t, d, r in zip(layers, cluster.devices, shares)]
+
+
+def memory_used(cluster: Cluster, d, b: int, n: int, share: float, kept: bool = False, mode: str = "layered") -> float:
     s = cluster.settings
     state = cluster.model.state_bytes_per_param * cluster.model.parameters / GIB
-    out = []
-    for d, b, n, r in zip(cluster.devices, batch, micro, shares):
-        m = -(-b // n) if b else 0
-        used = profile_value(d.compute_memory_gb, m, memory=True) + s.reserved_memory_gb + state * r
-        out.append(used <= s.usable_memory_fraction * d.memory_gb * (1 + slack))
-    return out
+    m = -(-b // n) if b else 0
+    used = profile_value(d.compute_memory_gb, m, memory=True)
+    graph = d.activation_memory_gb is not None and (kept or mode == "uniform")
+    if graph:
+        used += profile_value(d.activation_memory_gb, m)
+    if mode == "uniform" and n > 1:
+        used += cluster.model.compute_bytes_per_param * cluster.model.parameters / GIB  # full grads accumulate
+    return used + s.reserved_memory_gb + state * share
+
+
+def memory_ok(cluster: Cluster, batch, micro, shares, keep=None, mode: str = "layered", slack: float = 1e-9) -> list[bool]:
+    keep = keep or [False] * len(batch)
+    return [memory_used(cluster, d, b, n, r, k, mode) <= cluster.settings.usable_memory_fraction * d.memory_gb * (1 + slack)
+            for d, b, n, r, k in zip(cluster.devices, batch, micro, shares, keep)]
 
 
 def _compositions(total: int, parts: int, minimum: int):
@@ -115,32 +163,90 @@ def _compositions(total: int, parts: int, minimum: int):
             yield (first, *rest)
 
 
+def _shares_with_optimizer(cluster: Cluster, batch, micro, keep, caps, mode) -> tuple[float, list[float]] | None:
+    """The smallest step (s) over shares, for an optimizer cost (see module docstring)."""
+    w = cluster.world_size
+    kappa = [_optimizer_ms(cluster, d) for d in cluster.devices]
+    if sum(caps) < 1 - 1e-12:
+        return None
+
+    def at(rho: float) -> tuple[float, list[float]] | None:
+        base = layer_times(cluster, batch, micro, rho, keep, mode)
+        lim = [min(c, rho) for c in caps]
+        if sum(lim) < 1 - 1e-12:
+            return None
+
+        def shares(t: float) -> list[float]:
+            return [min(li, max(0.0, (t - bi) / k)) if k > 0 else li for li, bi, k in zip(lim, base, kappa)]
+
+        lo, hi = max(base), max(base) + max(kappa) + 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if sum(shares(mid)) >= 1 - 1e-12 else (mid, hi)
+        r = shares(hi)
+        total = sum(r)
+        r = [x / total for x in r]
+        return max(rank_times(cluster, batch, micro, r, keep, mode)), r
+
+    ag, rs = collective_ms(cluster)
+    slope = cluster.settings.uneven_slope
+    slope = UNEVEN_SLOPE[cluster.settings.collective] if slope is None else slope
+    if ag + rs == 0 or slope == 0 or w == 1:  # collectives do not grow with rho: no share limit but memory
+        return at(1.0)
+    grid = [1 / w + (1 - 1 / w) * i / 80 for i in range(81)]
+    results = [(at(rho), rho) for rho in grid]
+    found = [(res, rho) for res, rho in results if res is not None]
+    if not found:
+        return None
+    (best, rho0) = min(found, key=lambda x: x[0][0])
+    step = (1 - 1 / w) / 80
+    for rho in [rho0 + step * (j / 20 - 1) for j in range(41)]:
+        if 1 / w <= rho <= 1:
+            res = at(rho)
+            if res is not None and res[0] < best[0]:
+                best = res
+    return best
+
+
 def brute_force(cluster: Cluster, global_batch: int, mode: str = "layered") -> Best | None:
     """The optimal assignment by enumeration, or None when nothing fits."""
     s = cluster.settings
-    state = cluster.model.state_bytes_per_param * cluster.model.parameters / GIB
     w = cluster.world_size
     best: Best | None = None
+    with_optimizer = any(_optimizer_ms(cluster, d) > 0 for d in cluster.devices)
 
-    def cap(d, m: int) -> float:
-        room = s.usable_memory_fraction * d.memory_gb - s.reserved_memory_gb
-        return (room - profile_value(d.compute_memory_gb, m, memory=True)) / state
+    def cap(d, b: int, n: int, kept: bool) -> float:
+        state = cluster.model.state_bytes_per_param * cluster.model.parameters / GIB
+        room = s.usable_memory_fraction * d.memory_gb - memory_used(cluster, d, b, n, 0.0, kept, mode)
+        return room / state
 
-    if mode == "layered":
-        splits = _compositions(global_batch, w, 0)
-    else:
-        splits = _compositions(global_batch, w, 1)
+    splits = _compositions(global_batch, w, 0 if mode == "layered" else 1)
     for batch in splits:
         if mode == "layered":
             counts = itertools.product(*[range(1, b + 1) if b else (1,) for b in batch])
         else:
             counts = ((n,) * w for n in range(1, min(batch) + 1))
         for micro in counts:
-            caps = [cap(d, -(-b // n) if b else 0) for d, b, n in zip(cluster.devices, batch, micro)]
-            shares = water_fill_exact(caps)
-            if shares is None:
-                continue
-            step = max(rank_times(cluster, batch, micro, shares))
-            if best is None or step < best.step_s:
-                best = Best(step, batch, tuple(micro), tuple(shares))
+            choices = [(False, True) if mode == "layered" and n == 1 and b > 0 and d.activation_memory_gb is not None
+                       else (False,) for d, b, n in zip(cluster.devices, batch, micro)]
+            for keep in itertools.product(*choices):
+                caps = [cap(d, b, n, k) for d, b, n, k in zip(cluster.devices, batch, micro, keep)]
+                if any(c < 0 for c in caps):
+                    continue
+                # no assignment of shares beats the cheapest collectives and a free optimizer step
+                if best is not None and max(layer_times(cluster, batch, micro, 1 / w, list(keep), mode)) / 1e3 \
+                        >= best.step_s:
+                    continue
+                if with_optimizer:
+                    found = _shares_with_optimizer(cluster, batch, micro, list(keep), caps, mode)
+                    if found is None:
+                        continue
+                    step, shares = found
+                else:
+                    shares = water_fill_exact(caps)
+                    if shares is None:
+                        continue
+                    step = max(rank_times(cluster, batch, micro, shares, list(keep), mode))
+                if best is None or step < best.step_s:
+                    best = Best(step, batch, tuple(micro), tuple(shares), tuple(keep))
     return best

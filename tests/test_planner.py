@@ -74,9 +74,11 @@ def check_plan(cluster: Cluster, p: Plan, global_batch: int) -> None:
     assert sum(p.batch_sizes) == global_batch
     assert abs(sum(p.state_shares) - 1) < 1e-9
     assert all(r.state_share >= 0 and r.batch_size >= 0 for r in p.ranks)
-    assert all(memory_ok(cluster, p.batch_sizes, p.num_micro_batches, p.state_shares))
-    assert all(c.fits for c in evaluate(cluster, p.batch_sizes, p.num_micro_batches, p.state_shares))
-    times = rank_times(cluster, p.batch_sizes, p.num_micro_batches, p.state_shares)
+    keep = [not r.recompute for r in p.ranks]
+    assert all(memory_ok(cluster, p.batch_sizes, p.num_micro_batches, p.state_shares, keep, p.mode))
+    assert all(c.fits for c in evaluate(cluster, p.batch_sizes, p.num_micro_batches, p.state_shares,
+                                        [r.recompute for r in p.ranks], p.mode))
+    times = rank_times(cluster, p.batch_sizes, p.num_micro_batches, p.state_shares, keep, p.mode)
     assert p.predicted_step_s == pytest.approx(max(times), rel=1e-9)
     for r, t in zip(p.ranks, times):
         assert r.predicted_step_s == pytest.approx(t, rel=1e-9)
@@ -180,13 +182,29 @@ def test_collectives_priced_from_bandwidth_and_uneven_shares() -> None:
 
 
 def test_uniform_mode_one_count_for_all() -> None:
-    cluster = load_cluster(CLUSTERS / "l4-a6000-p40.yaml")
+    cluster = load_cluster(CLUSTERS / "a100x2-v100x2.yaml")
     u = plan(cluster, 64, mode="uniform")
     check_plan(cluster, u, 64)
     assert u.mode == "uniform" and len(set(u.num_micro_batches)) == 1 and min(u.batch_sizes) >= 1
-    layered = plan(cluster, 64)
-    assert layered.predicted_step_s <= u.predicted_step_s * (1 + 1e-3)  # layered is a relaxation
+    assert all(r.recompute for r in u.ranks)  # the uniform mode has no recompute to skip
     assert Plan.from_dict(json.loads(u.to_json())) == u
+
+
+def test_uniform_mode_pays_for_the_unsharded_gradient() -> None:
+    """With more than one micro-batch the uniform mode keeps the whole model's gradient unsharded
+    (compute dtype, 2 bytes a parameter here) until the last one."""
+    cluster = load_cluster(CLUSTERS / "l4-a6000-p40.yaml")
+    u = plan(cluster, 64, mode="uniform")
+    check_plan(cluster, u, 64)
+    grads = 2 * cluster.model.parameters / 2**30
+    state = 16 * cluster.model.parameters / 2**30
+    for r, device in zip(u.ranks, cluster.devices):
+        assert r.num_micro_batches > 1
+        without = device.compute_memory_gb[0] + (r.micro_batch_size - 1) * (
+            device.compute_memory_gb[1] - device.compute_memory_gb[0]) + 2.0 + state * r.state_share
+        assert r.predicted_memory_gb == pytest.approx(without + grads)
+    one = plan(cluster, 4, mode="uniform")  # one sample each, one micro-batch: nothing accumulates
+    assert one.num_micro_batches == [1, 1, 1, 1]
 
 
 def test_baselines_even_and_proportional() -> None:
@@ -199,7 +217,7 @@ def test_baselines_even_and_proportional() -> None:
     by = {r.device: r.batch_size for r in prop.ranks}
     assert by["a6000"] > by["l4"] > by["p40"] and set(prop.state_shares) == {0.25}
     check_plan(cluster, prop, 66)
-    assert plan(cluster, 66, mode="uniform", strategy="even").mode == "uniform"
+    assert plan(cluster_from_dict(small_cluster()), 66, mode="uniform", strategy="even").mode == "uniform"
     with pytest.raises(PlanningError, match="no uniform form"):
         plan(cluster, 66, mode="uniform", strategy="proportional")
     cephalo = plan(cluster, 66)
@@ -402,7 +420,7 @@ def test_cli_table_json_and_output(tmp_path: Path, capsys: pytest.CaptureFixture
     text = capsys.readouterr().out
     assert "a6000" in text and "samples/s" in text and "proportional" in text and "predictions" in text
     assert Plan.load(out).global_batch_size == 64
-    assert cli_main([str(CLUSTERS / "l4-a6000-p40.yaml"), "-b", "64", "--json", "--mode", "uniform"]) == 0
+    assert cli_main([str(CLUSTERS / "a100x2-v100x2.yaml"), "-b", "64", "--json", "--mode", "uniform"]) == 0
     assert json.loads(capsys.readouterr().out)["mode"] == "uniform"
 
 

@@ -1,37 +1,49 @@
-"""Turn an assignment (batches, micro-batch counts, shares) into priced RankPlans."""
+"""Turn an assignment (batches, micro-batch counts, shares, recompute) into priced RankPlans."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from cephalo_lightning.planner.cluster import Cluster
-from cephalo_lightning.planner.cost import evaluate, split_sizes
+from cephalo_lightning.planner.cost import DeviceCost, evaluate_arrays
 from cephalo_lightning.planner.plan import RankPlan
 
 
 def rank_plans(
-    cluster: Cluster, batch: Sequence[int], micro: Sequence[int], shares: Sequence[float]
+    cluster: Cluster, batch: Sequence[int], micro: Sequence[int], shares: Sequence[float],
+    recompute: Sequence[bool] | None = None, mode: str = "layered",
+    kinds: tuple[list[DeviceCost], np.ndarray] | None = None,
 ) -> tuple[tuple[RankPlan, ...], float]:
     """Every rank's plan priced by the cost model, and the predicted step time (s)."""
-    costs = evaluate(cluster, batch, micro, shares)
+    b = np.asarray(batch, dtype=np.int64)
+    n = np.where(b > 0, np.asarray(micro, dtype=np.int64), 1)
+    r = np.asarray(shares, dtype=float)
+    rc = np.ones(len(b), bool) if recompute is None else np.asarray(recompute, dtype=bool) | (b == 0)
+    step, memory, _ = evaluate_arrays(cluster, b, n, r, rc, mode, kinds)
     fraction = cluster.settings.usable_memory_fraction
-    ranks = []
-    for rank, (device, b, n, r, cost) in enumerate(zip(cluster.devices, batch, micro, shares, costs)):
-        n = int(n) if b else 1
-        ranks.append(RankPlan(
+    m = np.where(b > 0, -(-b // n), 0)
+    ranks = tuple(
+        RankPlan(
             rank=rank,
             device=device.name,
-            batch_size=int(b),
-            num_micro_batches=n,
-            micro_batch_size=split_sizes(int(b), n)[0] if b else 0,
-            state_share=float(r),
-            predicted_step_s=cost.step_s,
-            predicted_memory_gb=cost.memory_gb,
+            batch_size=int(bi),
+            num_micro_batches=int(ni),
+            micro_batch_size=int(mi),
+            state_share=float(ri),
+            predicted_step_s=float(si),
+            predicted_memory_gb=float(gi),
             source=device.source,
             memory_limit_gb=fraction * device.memory_gb,
             memory_capacity_gb=device.memory_gb,
-        ))
-    return tuple(ranks), max(c.step_s for c in costs)
+            recompute=bool(ci),
+        )
+        for rank, (device, bi, ni, mi, ri, si, gi, ci) in enumerate(
+            zip(cluster.devices, b.tolist(), n.tolist(), m.tolist(), r.tolist(), step.tolist(), memory.tolist(),
+                rc.tolist()))
+    )
+    return ranks, float(step.max())
 
 
 def model_summary(cluster: Cluster) -> dict[str, object]:

@@ -33,6 +33,8 @@ class ModelSpec:
     hidden_size: int | None = None
     seq_len: int | None = None
     compute_bytes_per_param: float = 2.0  # bytes of a gathered parameter (bf16)
+    grad_bytes_per_param: float = 4.0  # bytes of a reduced gradient (fp32)
+    stash_bytes_per_sample: float | None = None  # one sample's input to one layer (host offload copy)
 
     @property
     def state_bytes(self) -> float:
@@ -41,6 +43,15 @@ class ModelSpec:
     @property
     def layer_parameters(self) -> float:
         return self.parameters / self.num_layers
+
+    @property
+    def stash_bytes(self) -> float | None:
+        """Bytes of one sample's input to one layer: given, or seq_len x hidden_size in the compute dtype."""
+        if self.stash_bytes_per_sample is not None:
+            return self.stash_bytes_per_sample
+        if self.hidden_size is not None and self.seq_len is not None:
+            return float(self.hidden_size * self.seq_len * self.compute_bytes_per_param)
+        return None
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,12 @@ class Settings:
     link_bandwidth_gbps: float | None = None  # GB/s per direction between ranks
     collective: str = "padded"  # how the runtime moves uneven shards: padded | exact
     estimated_mfu: float = 0.4  # for catalog estimates only
+    # None below: measured by the profiler when it writes the cluster, else the default in cost.py
+    uneven_slope: float | None = None  # extra collective time per unit of imbalance (UNEVEN_SLOPE)
+    overlap: float | None = None  # how much communication hides behind compute: 1 = max(AG, F), 0 = AG + F
+    optimizer_ns_per_param: float | None = None  # for devices without their own figure (else 0)
+    offload_stash: bool = False  # the layered stash is copied to host memory and back (CUDA's default)
+    host_copy_gbps: float = 12.0  # device <-> pinned host GB/s, for devices without their own figure
 
 
 @dataclass(frozen=True)
@@ -76,6 +93,11 @@ class DeviceProfile:
     compute_memory_gb: tuple[float, ...]
     source: str = "measured"
     emulate: Emulation | None = None
+    # GiB the autograd graph of the WHOLE model's forward holds at micro-batch sizes 1..k, beyond
+    # compute_memory_gb: what a rank keeping its graph (no recompute, the uniform mode) also holds
+    activation_memory_gb: tuple[float, ...] | None = None
+    optimizer_ns_per_param: float | None = None  # optimizer step time per state parameter owned
+    host_copy_gbps: float | None = None  # device <-> pinned host copy bandwidth
 
 
 @dataclass(frozen=True)
@@ -114,6 +136,19 @@ def _integer(value: Any, where: str, *, minimum: int = 1) -> int:
     return int(value)
 
 
+def _fraction(value: Any, where: str, meaning: str) -> float:
+    number = _number(value, where, strict=False)
+    if number > 1:
+        raise PlanningError(f"{where} must be in [0, 1] ({meaning}), got {value!r}")
+    return number
+
+
+def _flag(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise PlanningError(f"{where} must be true or false, got {value!r}")
+    return value
+
+
 def _series(value: Any, where: str, *, strict: bool) -> tuple[float, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) == 0:
         raise PlanningError(
@@ -148,6 +183,9 @@ def parse_model(data: Any) -> ModelSpec:
         parameters=_integer(data["parameters"], "model.parameters"),
         state_bytes_per_param=_number(data.get("state_bytes_per_param", 16), "model.state_bytes_per_param"),
         compute_bytes_per_param=_number(data.get("compute_bytes_per_param", 2), "model.compute_bytes_per_param"),
+        grad_bytes_per_param=_number(data.get("grad_bytes_per_param", 4), "model.grad_bytes_per_param"),
+        stash_bytes_per_sample=None if data.get("stash_bytes_per_sample") is None else
+        _number(data["stash_bytes_per_sample"], "model.stash_bytes_per_sample"),
         **optional_ints,
     )
 
@@ -170,6 +208,16 @@ def parse_settings(data: Any) -> Settings:
         values["link_bandwidth_gbps"] = _number(data["link_bandwidth_gbps"], "settings.link_bandwidth_gbps")
     if "estimated_mfu" in data:
         values["estimated_mfu"] = _number(data["estimated_mfu"], "settings.estimated_mfu")
+    for key in ("uneven_slope", "optimizer_ns_per_param"):
+        if data.get(key) is not None:
+            values[key] = _number(data[key], f"settings.{key}", strict=False)
+    if data.get("overlap") is not None:
+        values["overlap"] = _fraction(data["overlap"], "settings.overlap",
+                                      "1 = communication hidden behind compute, 0 = not at all")
+    if "offload_stash" in data:
+        values["offload_stash"] = _flag(data["offload_stash"], "settings.offload_stash")
+    if "host_copy_gbps" in data:
+        values["host_copy_gbps"] = _number(data["host_copy_gbps"], "settings.host_copy_gbps")
     if "collective" in data:
         if data["collective"] not in COLLECTIVE_MODES:
             raise PlanningError(f"settings.collective must be one of {COLLECTIVE_MODES}, got {data['collective']!r}")
@@ -189,10 +237,23 @@ def _parse_emulation(data: Any, where: str) -> Emulation | None:
     return Emulation(slowdown, None if memory is None else _number(memory, f"{where}.memory_gb"))
 
 
-_DEVICE_KEYS = {
-    "name", "count", "memory_gb", "layer_fwd_ms", "layer_bwd_ms", "compute_memory_gb", "source", "emulate",
-}
 _PROFILE_KEYS = ("layer_fwd_ms", "layer_bwd_ms", "compute_memory_gb")
+_EXTRA_KEYS = ("activation_memory_gb", "optimizer_ns_per_param", "host_copy_gbps")  # optional with either
+_DEVICE_KEYS = {"name", "count", "memory_gb", "source", "emulate", *_PROFILE_KEYS, *_EXTRA_KEYS}
+
+
+def _device_extras(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The optional cost terms a device entry may carry, measured or estimated alike."""
+    extras: dict[str, Any] = {}
+    if entry.get("activation_memory_gb") is not None:
+        extras["activation_memory_gb"] = _series(entry["activation_memory_gb"], f"{where}.activation_memory_gb",
+                                                 strict=False)
+    if entry.get("optimizer_ns_per_param") is not None:
+        extras["optimizer_ns_per_param"] = _number(entry["optimizer_ns_per_param"],
+                                                   f"{where}.optimizer_ns_per_param", strict=False)
+    if entry.get("host_copy_gbps") is not None:
+        extras["host_copy_gbps"] = _number(entry["host_copy_gbps"], f"{where}.host_copy_gbps")
+    return extras
 
 
 def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[DeviceProfile, ...]:
@@ -215,14 +276,10 @@ def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[Devi
             missing = sorted(set(_PROFILE_KEYS) - set(given))
             raise PlanningError(f"{where} ({name}) gives {given} but not {missing}: give all three or none")
         if given:
+            # each series may cover its own sizes 1..k and is extrapolated on its own (cost.PiecewiseLinear)
             fwd = _series(entry["layer_fwd_ms"], f"{where}.layer_fwd_ms", strict=True)
             bwd = _series(entry["layer_bwd_ms"], f"{where}.layer_bwd_ms", strict=True)
             mem = _series(entry["compute_memory_gb"], f"{where}.compute_memory_gb", strict=False)
-            if not len(fwd) == len(bwd) == len(mem):
-                raise PlanningError(
-                    f"{where} ({name}): layer_fwd_ms, layer_bwd_ms and compute_memory_gb must have the "
-                    f"same length (one value per micro-batch size 1..k), got {len(fwd)}, {len(bwd)}, {len(mem)}"
-                )
             if "memory_gb" not in entry:
                 raise PlanningError(f"{where} ({name}).memory_gb is required with a measured profile")
             source = str(entry.get("source", "emulated" if emulate else "measured"))
@@ -236,6 +293,7 @@ def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[Devi
             if "memory_gb" in entry:
                 device = replace(device, memory_gb=_number(entry["memory_gb"], f"{where}.memory_gb"))
             device = replace(device, emulate=emulate)
+        device = replace(device, **_device_extras(entry, where))
         devices.extend([device] * count)
     return tuple(devices)
 
@@ -286,6 +344,11 @@ def _device_entry(device: DeviceProfile) -> dict[str, Any]:
     }
     if device.emulate is not None:
         entry["emulate"] = {k: v for k, v in asdict(device.emulate).items() if v is not None}
+    if device.activation_memory_gb is not None:
+        entry["activation_memory_gb"] = list(device.activation_memory_gb)
+    for key in ("optimizer_ns_per_param", "host_copy_gbps"):
+        if getattr(device, key) is not None:
+            entry[key] = getattr(device, key)
     return entry
 
 

@@ -1,21 +1,37 @@
 """The cost model: predicted step time and memory of every rank for a given assignment.
 
-Per transformer layer, with F(m), B(m) one layer's forward and backward time at micro-batch size
-m, AG / RS the all-gather and reduce-scatter time of one layer and c the overhead of one extra
-micro-batch (design brief, "Cost model")::
+Per transformer layer, with F(m), B(m) one layer's forward (no grad) and backward time at
+micro-batch size m (the profiler's B is recompute-with-grad plus backward minus F), AG / RS the
+all-gather and reduce-scatter of one layer, c the overhead of one extra micro-batch, X the host
+copy of one sample's stashed layer input (zero unless ``settings.offload_stash``), and
+``comb(comm, compute) = max + (1 - overlap) * min`` (overlap 1: communication hides behind
+compute, ``max``; overlap 0: serial, ``comm + compute``)::
 
-    fwd_i  = max(AG, sum_k F(s_k))
-    bwd_i  = max(AG + RS, sum_k (F(s_k) + B(s_k)) + (n_i - 1) * c)   # forward recomputed
-    step   = num_layers * max_i (fwd_i + bwd_i)
+    layered, recomputing (the default):
+        fwd_i = comb(AG,      sum_k F(s_k) + b X)
+        bwd_i = comb(AG + RS, sum_k (F(s_k) + B(s_k)) + b X + (n_i - 1) c)
+    layered, one micro-batch keeping its autograd graph (RankPlan.recompute = False):
+        fwd_i = comb(AG, F(b)),   bwd_i = comb(AG + RS, B(b))
+    uniform (micro-batch-major: every micro-batch gathers every layer, graph kept, one RS):
+        fwd_i = comb(n_i AG,      sum_k F(s_k))
+        bwd_i = comb(n_i AG + RS, sum_k B(s_k) + (n_i - 1) c)
+    step_i = num_layers * (fwd_i + bwd_i) + optimizer_ns_per_param_i * r_i * parameters
+    step   = max_i step_i
 
-where s_1..s_n are rank i's near-equal micro-batch sizes. Memory of rank i::
+where s_1..s_n are rank i's near-equal micro-batch sizes and r_i its state share (the optimizer
+updates only the rank's own share). AG and RS grow with the largest share rho by
+``1 + slope * (W rho - 1)`` (``settings.uneven_slope`` when measured, else :data:`UNEVEN_SLOPE`).
+Memory of rank i::
 
-    compute_memory_i(m_i) + reserved + state_bytes_per_param * parameters * r_i
-        <= usable_memory_fraction * memory_i
+    compute_memory_i(m_i) [+ activation_memory_i(m_i) when the graph is kept]
+        [+ compute_bytes_per_param * parameters in uniform mode with n_i > 1: the whole model's
+           unsharded gradient accumulates, in the compute dtype, until the last micro-batch]
+        + reserved + state_bytes_per_param * parameters * r_i  <=  usable_memory_fraction * memory_i
 
-Profiles are piecewise linear between measured sizes and extrapolated linearly beyond them.
-Measured series are made non-decreasing (a running maximum): a larger micro-batch never costs
-less time or memory, which keeps noisy profiles from producing absurd plans.
+Profiles are piecewise linear between measured sizes; beyond the last measured size each series is
+extrapolated on its own, linearly through its last two points (one point: proportionally,
+f(m) = m f(1)). Series are made non-decreasing (a running maximum): a larger micro-batch never
+costs less time or memory, which keeps noisy profiles from producing absurd plans.
 
 Memory is in GiB (2**30 bytes), as ``torch.cuda`` reports it; times in milliseconds.
 """
@@ -41,7 +57,10 @@ GIB = float(2**30)
 # 0.87 / 0.94 / 1.01 / 1.05, exact -0.02 / 0.02 / 0.04 / -0.01). CPU loopback figures: on one host,
 # exact (all_to_all_single) moves the same total bytes at any imbalance, so its slope is ~0 there;
 # across a real network the busiest rank's link is the bottleneck and both should approach 1.
+# A cluster's own measurement (``settings.uneven_slope``, written by the profiler) replaces them.
 UNEVEN_SLOPE = {"padded": 0.97, "exact": 0.01}
+
+MODES = ("layered", "uniform")
 
 
 def split_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
@@ -80,15 +99,34 @@ class PiecewiseLinear:
         values = np.where(m_arr <= 0, self.zero, values)
         return values if values.ndim else float(values)
 
+    def largest_within(self, limit: float, top: int) -> int:
+        """The largest m in 0..top with f(m) <= limit (-1 when even f(0) is above it)."""
+        if float(self(0)) > limit:
+            return -1
+        k = len(self.points)
+        inside = int(np.searchsorted(self.points, limit, side="right"))  # f(1..inside) <= limit
+        if inside < k or self.slope <= 0:
+            return min(top, inside) if inside < k else top
+        m = min(top, k + int(np.floor((limit - self.points[-1]) / self.slope)) + 1)
+        while m > 0 and float(self(m)) > limit:  # floating-point overshoot of the division
+            m -= 1
+        return m
+
+
+def combine(comm: np.ndarray | float, compute: np.ndarray | float, overlap: float) -> np.ndarray:
+    """Time of communication and compute that overlap by ``overlap`` (1: max, 0: sum)."""
+    return np.maximum(comm, compute) + (1.0 - overlap) * np.minimum(comm, compute)
+
 
 @dataclass(frozen=True)
 class Communication:
-    """Per-layer collective times (ms) for even shares, and how unevenness scales them."""
+    """Per-layer collective times (ms) for even shares, how unevenness scales them, the overlap."""
 
     allgather_ms: float
     reduce_scatter_ms: float
     world_size: int
     uneven_slope: float
+    overlap: float = 1.0
 
     def factor(self, max_share: float) -> float:
         return 1.0 + self.uneven_slope * max(0.0, self.world_size * max_share - 1.0)
@@ -108,49 +146,130 @@ def communication(cluster: Cluster) -> Communication:
         moved = (world - 1) / world * model.layer_parameters
         bandwidth = s.link_bandwidth_gbps * 1e9  # bytes/s
         ag = ag or moved * model.compute_bytes_per_param / bandwidth * 1e3
-        rs = rs or moved * 4.0 / bandwidth * 1e3  # gradients are reduced in fp32
+        rs = rs or moved * model.grad_bytes_per_param / bandwidth * 1e3
     if world == 1:
         ag = rs = 0.0
-    return Communication(ag, rs, world, UNEVEN_SLOPE[s.collective])
+    slope = s.uneven_slope if s.uneven_slope is not None else UNEVEN_SLOPE[s.collective]
+    return Communication(ag, rs, world, slope, 1.0 if s.overlap is None else s.overlap)
 
 
 class DeviceCost:
-    """One device's cost functions under a cluster's settings."""
+    """One device's cost functions under a cluster's settings, in one mode (layered | uniform)."""
 
-    def __init__(self, device: DeviceProfile, cluster: Cluster) -> None:
+    def __init__(self, device: DeviceProfile, cluster: Cluster, mode: str = "layered") -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.device = device
+        self.mode = mode
         self.fwd = PiecewiseLinear(device.layer_fwd_ms)
         self.bwd = PiecewiseLinear(device.layer_bwd_ms)
         self.compute_memory = PiecewiseLinear(device.compute_memory_gb, at_zero="intercept")
-        s = cluster.settings
+        self.activation_memory = (None if device.activation_memory_gb is None
+                                  else PiecewiseLinear(device.activation_memory_gb))
+        s, model = cluster.settings, cluster.model
         self.overhead_ms = s.micro_batch_overhead_ms
-        self.num_layers = cluster.model.num_layers
+        self.overlap = 1.0 if s.overlap is None else s.overlap
+        self.num_layers = model.num_layers
         self.budget_gb = s.usable_memory_fraction * device.memory_gb - s.reserved_memory_gb
-        self.state_gb = cluster.model.state_bytes / GIB
+        self.state_gb = model.state_bytes / GIB
+        self.grad_gb = model.compute_bytes_per_param * model.parameters / GIB  # uniform accumulation
+        ns = device.optimizer_ns_per_param
+        if ns is None:
+            ns = s.optimizer_ns_per_param or 0.0
+        self.optimizer_ms_per_share = ns * model.parameters / 1e6  # the whole state's step, ms
+        stash = model.stash_bytes
+        gbps = device.host_copy_gbps or s.host_copy_gbps
+        copies = s.offload_stash and mode == "layered" and stash is not None
+        self.copy_ms_per_sample = stash / (gbps * 1e9) * 1e3 if copies else 0.0  # one direction, one layer
+        # keeping the graph is priced only where its memory was measured
+        self.can_keep = mode == "layered" and self.activation_memory is not None
 
-    def compute_ms(self, batch_size: int, num_micro_batches: int) -> tuple[float, float]:
-        """Per-layer (sum of forwards, sum of forward+backward+overheads) for one step."""
-        if batch_size == 0:
-            return 0.0, 0.0
-        if not 1 <= num_micro_batches <= batch_size:
-            split_sizes(batch_size, num_micro_batches)  # raises the usual ValueError
-        # near-equal split: `rem` micro-batches of q + 1 and the rest of q (O(1), not O(n))
-        q, rem = divmod(batch_size, num_micro_batches)
-        groups = [(c, s) for c, s in ((rem, q + 1), (num_micro_batches - rem, q)) if c]
-        f = sum(c * float(self.fwd(s)) for c, s in groups)
-        b = sum(c * float(self.bwd(s)) for c, s in groups)
-        return f, f + b + (num_micro_batches - 1) * self.overhead_ms
+    # ------------------------------------------------------------------ time
 
-    def step_s(self, batch_size: int, num_micro_batches: int, ag_ms: float, rs_ms: float) -> float:
-        fwd, bwd = self.compute_ms(batch_size, num_micro_batches)
-        return self.num_layers * (max(ag_ms, fwd) + max(ag_ms + rs_ms, bwd)) / 1e3
+    def sums(self, b: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per-layer sums over n near-equal micro-batches of F and of B (b >= n >= 1)."""
+        q, rem = np.divmod(b, n)
+        f, bw = self.fwd, self.bwd
+        f_sum = (n - rem) * f(q) + rem * f(q + 1)
+        b_sum = (n - rem) * bw(q) + rem * bw(q + 1)
+        return f_sum, b_sum
 
-    def memory_gb(self, micro_batch_size: int, share: float, reserved_gb: float) -> float:
-        return float(self.compute_memory(micro_batch_size)) + reserved_gb + self.state_gb * share
+    def compute_parts(self, b: np.ndarray, n: np.ndarray, keep: np.ndarray | bool = False
+                      ) -> tuple[np.ndarray, np.ndarray]:
+        """Per-layer compute (forward pass, backward pass incl. overheads) of b samples in n micro-batches."""
+        b = np.asarray(b, dtype=np.int64)
+        n = np.maximum(np.asarray(n, dtype=np.int64), 1)
+        f_sum, b_sum = self.sums(np.maximum(b, n), n)
+        over = (n - 1) * self.overhead_ms
+        if self.mode == "uniform":
+            fwd, bwd = f_sum, b_sum + over
+        else:
+            copy = self.copy_ms_per_sample * b
+            fwd, bwd = f_sum + copy, f_sum + b_sum + copy + over
+            kept = np.asarray(keep, dtype=bool) & (n == 1)
+            if kept.any():
+                fwd = np.where(kept, f_sum, fwd)
+                bwd = np.where(kept, b_sum, bwd)
+        empty = b == 0
+        return np.where(empty, 0.0, fwd), np.where(empty, 0.0, bwd)
 
-    def max_share(self, micro_batch_size: int) -> float:
+    def collectives(self, n: np.ndarray, ag: float, rs: float) -> tuple[np.ndarray, np.ndarray]:
+        """Per-layer communication of the forward and the backward pass."""
+        gathers = np.asarray(n, dtype=float) if self.mode == "uniform" else np.ones_like(n, dtype=float)
+        return gathers * ag, gathers * ag + rs
+
+    def layer_ms(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float,
+                 keep: np.ndarray | bool = False) -> np.ndarray:
+        """Per-layer time of b samples in n micro-batches (b = 0: the collectives alone)."""
+        n = np.maximum(np.asarray(n, dtype=np.int64), 1)
+        fwd, bwd = self.compute_parts(b, n, keep)
+        a1, a2 = self.collectives(n, ag, rs)
+        return combine(a1, fwd, self.overlap) + combine(a2, bwd, self.overlap)
+
+    def optimizer_ms(self, share: np.ndarray | float) -> np.ndarray:
+        return self.optimizer_ms_per_share * np.asarray(share, dtype=float)
+
+    def compute_ms(self, batch_size: int, num_micro_batches: int, recompute: bool = True) -> tuple[float, float]:
+        """Per-layer compute for one step: (forward pass, backward pass incl. any recompute and overheads)."""
+        fwd, bwd = self.compute_parts(np.array([batch_size]), np.array([num_micro_batches]), not recompute)
+        return float(fwd[0]), float(bwd[0])
+
+    def step_s(self, batch_size: int, num_micro_batches: int, ag_ms: float, rs_ms: float,
+               share: float = 0.0, recompute: bool = True) -> float:
+        layer = float(self.layer_ms(np.array([batch_size]), np.array([num_micro_batches]), ag_ms, rs_ms,
+                                    not recompute)[0])
+        return (self.num_layers * layer + float(self.optimizer_ms(share))) / 1e3
+
+    # ------------------------------------------------------------------ memory
+
+    def extra_memory_gb(self, m: np.ndarray, n: np.ndarray | int = 1, keep: np.ndarray | bool = False
+                        ) -> np.ndarray:
+        """Memory beyond compute_memory(m): the kept graph, and uniform mode's accumulating gradients."""
+        m = np.asarray(m, dtype=np.int64)
+        extra = np.zeros(m.shape)
+        graph = self.activation_memory is not None and (self.mode == "uniform" or np.any(keep))
+        if graph:
+            act = self.activation_memory(m)
+            extra = extra + (act if self.mode == "uniform" else np.where(keep, act, 0.0))
+        if self.mode == "uniform":
+            extra = extra + np.where(np.asarray(n) > 1, self.grad_gb, 0.0)
+        return extra
+
+    def memory_gb(self, micro_batch_size: int, share: float, reserved_gb: float, num_micro_batches: int = 1,
+                  recompute: bool = True) -> float:
+        m = np.array([micro_batch_size])
+        extra = float(self.extra_memory_gb(m, num_micro_batches, not recompute)[0])
+        return float(self.compute_memory(micro_batch_size)) + extra + reserved_gb + self.state_gb * share
+
+    def room(self, m: np.ndarray, n: np.ndarray | int = 1, keep: np.ndarray | bool = False) -> np.ndarray:
+        """Largest state share that fits beside compute at micro-batch size m (may be < 0)."""
+        m = np.asarray(m, dtype=np.int64)
+        used = self.compute_memory(m) + self.extra_memory_gb(m, n, keep)
+        return (self.budget_gb - used) / self.state_gb
+
+    def max_share(self, micro_batch_size: int, num_micro_batches: int = 1, recompute: bool = True) -> float:
         """Largest state share that fits beside compute at this micro-batch size (may be < 0)."""
-        return (self.budget_gb - float(self.compute_memory(micro_batch_size))) / self.state_gb
+        return float(self.room(np.array([micro_batch_size]), num_micro_batches, not recompute)[0])
 
 
 @dataclass(frozen=True)
@@ -160,43 +279,86 @@ class RankCost:
     fits: bool
 
 
+def kind_costs(cluster: Cluster, mode: str = "layered") -> tuple[list[DeviceCost], np.ndarray]:
+    """One DeviceCost per distinct device profile, and each rank's index into them."""
+    index: dict[DeviceProfile, int] = {}
+    costs: list[DeviceCost] = []
+    of_rank = np.empty(cluster.world_size, dtype=np.int64)
+    for rank, device in enumerate(cluster.devices):
+        k = index.get(device)
+        if k is None:
+            k = index[device] = len(costs)
+            costs.append(DeviceCost(device, cluster, mode))
+        of_rank[rank] = k
+    return costs, of_rank
+
+
+def evaluate_arrays(
+    cluster: Cluster,
+    batch_sizes: Sequence[int] | np.ndarray,
+    num_micro_batches: Sequence[int] | np.ndarray,
+    shares: Sequence[float] | np.ndarray,
+    recompute: Sequence[bool] | np.ndarray | None = None,
+    mode: str = "layered",
+    kinds: tuple[list[DeviceCost], np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every rank's predicted step time (s), memory (GiB) and whether it fits, vectorised by kind."""
+    b = np.asarray(batch_sizes, dtype=np.int64)
+    n = np.maximum(np.asarray(num_micro_batches, dtype=np.int64), 1)
+    r = np.asarray(shares, dtype=float)
+    keep = np.zeros(len(b), bool) if recompute is None else ~np.asarray(recompute, dtype=bool)
+    comm = communication(cluster)
+    rho = float(r.max()) if len(r) else 0.0
+    ag, rs = comm.allgather(rho), comm.reduce_scatter(rho)
+    costs, of_rank = kinds if kinds is not None else kind_costs(cluster, mode)
+    step = np.empty(len(b))
+    memory = np.empty(len(b))
+    limit = np.empty(len(b))
+    m = np.where(b > 0, -(-b // n), 0)
+    reserved = cluster.settings.reserved_memory_gb
+    for k, cost in enumerate(costs):
+        at = np.nonzero(of_rank == k)[0]
+        if not len(at):
+            continue
+        layer = cost.layer_ms(b[at], n[at], ag, rs, keep[at])
+        step[at] = (cost.num_layers * layer + cost.optimizer_ms(r[at])) / 1e3
+        used = cost.compute_memory(m[at]) + cost.extra_memory_gb(m[at], n[at], keep[at])
+        memory[at] = used + reserved + cost.state_gb * r[at]
+        limit[at] = cluster.settings.usable_memory_fraction * cost.device.memory_gb
+    return step, memory, memory <= limit * (1 + 1e-9)
+
+
 def evaluate(
     cluster: Cluster,
     batch_sizes: Sequence[int],
     num_micro_batches: Sequence[int],
     shares: Sequence[float],
+    recompute: Sequence[bool] | None = None,
+    mode: str = "layered",
 ) -> list[RankCost]:
     """The cost model applied to one assignment: every rank's predicted step time and memory."""
-    comm = communication(cluster)
-    rho = max(shares)
-    ag, rs = comm.allgather(rho), comm.reduce_scatter(rho)
-    reserved = cluster.settings.reserved_memory_gb
-    out: list[RankCost] = []
-    for device, b, n, r in zip(cluster.devices, batch_sizes, num_micro_batches, shares):
-        cost = DeviceCost(device, cluster)
-        m = split_sizes(b, n)[0] if b else 0
-        memory = cost.memory_gb(m, r, reserved)
-        limit = cluster.settings.usable_memory_fraction * device.memory_gb
-        out.append(RankCost(cost.step_s(b, n, ag, rs), memory, memory <= limit * (1 + 1e-9)))
-    return out
+    step, memory, fits = evaluate_arrays(cluster, batch_sizes, num_micro_batches, shares, recompute, mode)
+    return [RankCost(float(s), float(m), bool(f)) for s, m, f in zip(step, memory, fits)]
 
 
-def water_fill(caps: Sequence[float]) -> list[float] | None:
+def water_fill(caps: Sequence[float], counts: Sequence[int] | None = None) -> list[float] | None:
     """Shares r_i <= caps_i summing to 1 with the smallest possible maximum, or None.
 
     r_i = min(cap_i, level) for the level at which they sum to 1: every rank keeps the same share
-    until its memory is full, which also keeps collectives as even as the memory allows.
+    until its memory is full, which also keeps collectives as even as the memory allows. With
+    ``counts``, entry i stands for counts[i] ranks that each take r_i.
     """
     caps_arr = np.maximum(np.asarray(caps, dtype=float), 0.0)
-    if caps_arr.sum() < 1.0 - 1e-12:
+    weight = np.ones(len(caps_arr)) if counts is None else np.asarray(counts, dtype=float)
+    if (caps_arr * weight).sum() < 1.0 - 1e-12:
         return None
     lo, hi = 0.0, 1.0
     for _ in range(200):
         level = (lo + hi) / 2
-        if np.minimum(caps_arr, level).sum() >= 1.0:
+        if (np.minimum(caps_arr, level) * weight).sum() >= 1.0:
             hi = level
         else:
             lo = level
     shares = np.minimum(caps_arr, hi)
-    shares /= shares.sum()
+    shares /= (shares * weight).sum()
     return [float(s) for s in shares]

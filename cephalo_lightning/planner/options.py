@@ -1,18 +1,25 @@
-"""Per-device option tables for the solver: at a step-time budget, what can a device take?
+"""Per-kind option tables for the solver: at a step-time budget, what can one device take?
 
-For a per-layer time budget ``t`` (ms) and collective times ``ag``/``rs``, a device running ``b``
-samples in ``n`` near-equal micro-batches meets the budget iff (cost model, per layer)::
+An *option* of a device is (b, m, r, keep): it can take b samples in micro-batches of at most m
+(one micro-batch keeping its autograd graph when ``keep``) while storing a state share up to r.
+Only Pareto-optimal options are kept (more samples always means a smaller share).
 
-    max(ag, f) + max(ag + rs, tot) <= t,   f = n * F(b / n),   tot = n * (F + B)(b / n) + (n - 1) c
+Largest batch per micro-batch count. For a per-layer budget t, n near-equal micro-batches of real
+size x = b / n meet it iff (cost model, :mod:`.cost`) ``comb(A1, f) + comb(A2, g) <= t`` with
+f, g the forward and backward compute and ``comb(a, y) = max(a + w y, w a + y)``, w = 1 - overlap.
+The sum is the largest of four linear forms ``cA1 A1 + cA2 A2 + cf f + cg g`` (each c in
+{1, w}); f and g are n times piecewise-linear non-decreasing functions of x (the sum over
+near-equal micro-batches is exactly n times the interpolated profile at b / n), so each form is
+inverted in closed form and the largest b for every n comes from the smallest of four inverses,
+vectorised over n and checked against the exact formula.
 
-where F, B are the profiles interpolated linearly between integer sizes (the sum over near-equal
-micro-batches is exactly n times that interpolation at b / n). Given ``t >= 2 ag + rs`` this is
-three monotone conditions on x = b / n, so the largest b for every n is found by inverting
-piecewise-linear functions, vectorised over n.
-
-An *option* of a device is (b, m, r): it can take b samples with micro-batches of at most m while
-storing a state share up to r (its memory cap at micro-batch m). Only Pareto-optimal options are
-kept (more samples always means a smaller share).
+Share-dependent time. With an optimizer cost (kappa ms for the whole state) a share r also costs
+kappa r of the step, so the share an option may hold is ``min(memory room, (S - L t) / kappa)``
+at a step budget S. Small tables enumerate every (b, n) exactly; large ones are cut at K share
+levels r_j, giving an *inner* table (options that are achievable) and an *outer* one (a
+relaxation: every achievable option is dominated by one of it), so a solve from the inner table is
+a valid plan and a bound from the outer one a valid lower bound. Without an optimizer cost both
+are the same exact table.
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cephalo_lightning.planner.cluster import Cluster, DeviceProfile
 from cephalo_lightning.planner.cost import DeviceCost
 
 _EPS = 1e-9  # relative slack on time comparisons against floating-point noise
+PAIR_LIMIT = 200_000  # (b, n) pairs enumerated exactly with an optimizer cost; beyond, share levels
+SHARE_LEVELS = 48
+BUDGET_STEP = 1.25e-4  # relative step budget between share levels (a quarter of the solver's tolerance)
 
 
 @dataclass(frozen=True)
@@ -33,7 +42,8 @@ class Options:
 
     b: np.ndarray  # samples (capped at the global batch)
     m: np.ndarray  # largest micro-batch size (0 for the empty option)
-    r: np.ndarray  # largest state share that fits beside compute at m
+    r: np.ndarray  # largest state share that fits (memory, and time with an optimizer cost)
+    keep: np.ndarray  # one micro-batch that keeps its autograd graph (no recompute)
 
     @property
     def max_b(self) -> int:
@@ -47,7 +57,21 @@ class Options:
         return len(self.b)
 
 
-EMPTY = Options(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+EMPTY = Options(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0, bool))
+
+
+def pareto(b: np.ndarray, m: np.ndarray, r: np.ndarray, keep: np.ndarray) -> Options:
+    """The Pareto front of candidate options (r >= 0 only); of equal ones, the first listed."""
+    ok = r >= -1e-15
+    b, m, r, keep = b[ok], m[ok], np.maximum(r[ok], 0.0), keep[ok]
+    if len(b) == 0:
+        return EMPTY
+    order = np.lexsort((np.arange(len(b)), -r, -b))  # b descending, then r descending
+    b, m, r, keep = b[order], m[order], r[order], keep[order]
+    best_before = np.concatenate(([-np.inf], np.maximum.accumulate(r)[:-1]))
+    front = r > best_before
+    return Options(b[front][::-1].astype(np.int64), m[front][::-1].astype(np.int64),
+                   r[front][::-1].astype(float), keep[front][::-1].astype(bool))
 
 
 class _Inverse:
@@ -72,90 +96,175 @@ class _Inverse:
         return np.where(idx < 0, 0.0, x)
 
 
-class DeviceModel:
-    """One device kind's cost functions, vectorised for the solver."""
+@dataclass(frozen=True)
+class _Form:
+    """One of the four linear forms: cA1 A1 + cA2 A2 + (cg (n - 1) c) + n H(x) <= t."""
 
-    def __init__(self, device: DeviceProfile, cluster: Cluster, global_batch: int) -> None:
-        self.device = device
-        self.cost = DeviceCost(device, cluster)
+    c_a1: float
+    c_a2: float
+    c_g: float
+    inverse: _Inverse | None  # None: H is zero (only communication counts)
+
+
+VARIANTS = ("recompute", "keep", "uniform")
+
+
+class DeviceModel:
+    """One device kind's cost functions, vectorised for the solver (one mode)."""
+
+    def __init__(self, cost: DeviceCost, global_batch: int) -> None:
+        self.cost = cost
+        self.device = cost.device
+        self.uniform = cost.mode == "uniform"
         self.B = global_batch
-        self.c = self.cost.overhead_ms
-        f, bw = self.cost.fwd, self.cost.bwd
-        k = max(len(device.layer_fwd_ms), len(device.layer_bwd_ms))
+        self.c = cost.overhead_ms
+        self.L = cost.num_layers
+        self.kappa = cost.optimizer_ms_per_share
+        f, bw = cost.fwd, cost.bwd
+        k = max(len(f.points), len(bw.points))
         xs = np.arange(1, k + 1)
-        fv, bv = f(xs), bw(xs)
-        self._inv_f = _Inverse(fv, f.slope)
-        self._inv_fb = _Inverse(fv + bv, f.slope + bw.slope)
-        self._inv_ffb = _Inverse(2 * fv + bv, 2 * f.slope + bw.slope)
-        self.g3_one = float(2 * fv[0] + bv[0])
-        # memory: share caps r_max(m) for m = 0..m_cap, the largest micro-batch that fits at share 0
-        ms = np.arange(0, global_batch + 1)
-        caps = (self.cost.budget_gb - self.cost.compute_memory(ms)) / self.cost.state_gb
-        # caps is non-increasing (compute memory is), so the fitting sizes are a prefix 0..m_cap
-        self.m_cap = int(np.count_nonzero(caps >= 0)) - 1
-        self.share_cap = caps  # indexed by m
+        fv, bv, x_copy = f(xs), bw(xs), cost.copy_ms_per_sample
+        w = 1.0 - cost.overlap
+        pairs = sorted({(1.0, w), (w, 1.0)})  # (coefficient of the communication, of the compute)
+        self._forms: dict[str, list[_Form]] = {}
+        for variant in VARIANTS:
+            forms = []
+            for c_a1, c_f in pairs:
+                for c_a2, c_g in pairs:
+                    if variant == "recompute":  # f = F + X x, g = F + B + X x per micro-batch
+                        values = (c_f + c_g) * (fv + x_copy * xs) + c_g * bv
+                        slope = (c_f + c_g) * (f.slope + x_copy) + c_g * bw.slope
+                    else:  # f = F, g = B
+                        values, slope = c_f * fv + c_g * bv, c_f * f.slope + c_g * bw.slope
+                    inverse = _Inverse(values, slope) if c_f + c_g > 0 else None
+                    forms.append(_Form(c_a1, c_a2, c_g, inverse))
+            self._forms[variant] = forms
+        # per-layer compute of one micro-batch of one sample: a lower bound on any micro-batch's
+        self.unit_ms = float(fv[0] + bv[0]) if self.uniform else float(2 * fv[0] + bv[0] + 2 * x_copy)
+        # memory: share rooms for m = 0..m_cap (micro-batch sizes that fit with no state)
+        self.m_cap = cost.compute_memory.largest_within(cost.budget_gb, global_batch)
+        ms = np.arange(0, max(self.m_cap, 0) + 1)
+        self.room = cost.room(ms)  # layered recompute, or uniform with one micro-batch
+        self.room_many = cost.room(ms, n=2) if self.uniform else self.room  # uniform, n > 1
+        self.room_keep = cost.room(ms, keep=True) if cost.can_keep else np.full(len(ms), -np.inf)
+        self.keep_cap = int(np.count_nonzero(self.room_keep >= 0)) - 1 if cost.can_keep else 0
 
     # ------------------------------------------------------------------ exact times
 
-    def sums(self, b: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per-layer sum of forwards and of forward+backward+overheads (b >= n >= 1)."""
-        q, rem = np.divmod(b, n)
-        f, bw = self.cost.fwd, self.cost.bwd
-        f_q, f_q1 = f(q), f(q + 1)
-        fb_q, fb_q1 = f_q + bw(q), f_q1 + bw(q + 1)
-        fwd = (n - rem) * f_q + rem * f_q1
-        tot = (n - rem) * fb_q + rem * fb_q1 + (n - 1) * self.c
-        return fwd, tot
-
-    def layer_ms(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float) -> np.ndarray:
+    def layer_ms(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float,
+                 keep: np.ndarray | bool = False) -> np.ndarray:
         """Per-layer step time of b samples in n micro-batches (b = 0: collectives only)."""
-        b = np.asarray(b, dtype=np.int64)
-        n = np.maximum(np.asarray(n, dtype=np.int64), 1)
-        fwd, tot = self.sums(np.maximum(b, n), n)
-        t = np.maximum(ag, fwd) + np.maximum(ag + rs, tot)
-        return np.where(b == 0, 2 * ag + rs, t)
+        return self.cost.layer_ms(b, n, ag, rs, keep)
+
+    def idle_ms(self, ag: float, rs: float, n: int = 1) -> float:
+        """The per-layer time of the collectives alone (no samples; uniform: n gathers each way)."""
+        gathers = n if self.uniform else 1
+        return 2 * gathers * ag + rs
+
+    def room_for(self, m: np.ndarray, n: np.ndarray | int, keep: np.ndarray | bool = False) -> np.ndarray:
+        """Share room at micro-batch size m (indices 0..m_cap)."""
+        m = np.asarray(m, dtype=np.int64)
+        base = np.where(np.asarray(n) > 1, self.room_many[m], self.room[m])
+        return np.where(keep, self.room_keep[m], base)
 
     # ------------------------------------------------------------------ largest batch per n
 
-    def max_batch(self, t: float, ag: float, rs: float, n: np.ndarray) -> np.ndarray:
-        """Largest b (<= B) that n micro-batches finish within t; values < n mean n is infeasible."""
+    def max_batch(self, t: float, ag: float, rs: float, n: np.ndarray, variant: str = "recompute") -> np.ndarray:
+        """Largest b (<= B) that n micro-batches finish within t; 0 where n is infeasible."""
         n = np.asarray(n, dtype=np.int64)
         nf = n.astype(float)
+        gathers = nf if variant == "uniform" else np.ones_like(nf)
+        a1, a2 = gathers * ag, gathers * ag + rs
         over = (nf - 1) * self.c
-        x = np.minimum(
-            np.minimum(self._inv_f((t - ag - rs) / nf), self._inv_fb((t - ag - over) / nf)),
-            self._inv_ffb((t - over) / nf),
-        )
+        x = np.full(len(n), np.inf)
+        for form in self._forms[variant]:
+            room = t - form.c_a1 * a1 - form.c_a2 * a2 - form.c_g * over
+            if form.inverse is None:
+                x = np.where(room >= -abs(t) * _EPS, x, 0.0)
+            else:
+                x = np.minimum(x, form.inverse(room / nf))
         with np.errstate(invalid="ignore", over="ignore"):
             b = np.where(np.isfinite(x), np.floor(np.minimum(nf * x, self.B) * (1 + 1e-12)), self.B)
         b = b.astype(np.int64)
+        keep = variant == "keep"
         limit = t * (1 + _EPS)
+        check = np.nonzero(b >= n)[0]
         for _ in range(3):  # repair floating-point overshoot against the exact formula
-            bad = (b >= n) & (self.layer_ms(b, n, ag, rs) > limit)
-            if not bad.any():
+            bad = check[self.layer_ms(b[check], n[check], ag, rs, keep) > limit]
+            if not len(bad):
                 break
-            b = np.where(bad, b - 1, b)
+            b[bad] -= 1
+            check = bad[b[bad] >= n[bad]]
         return np.where(b >= n, b, 0)
 
-    def max_micro_batches(self, t: float) -> int:
-        """No more micro-batches than fit t even at size 1: n (2F+B)(1) + (n-1) c <= t."""
-        return int(min(self.B, max(0.0, (t + self.c) / (self.g3_one + self.c)) * (1 + 1e-12)))
+    def max_micro_batches(self, t: float, ag: float = 0.0, rs: float = 0.0) -> int:
+        """No more micro-batches than fit t even at size 1."""
+        unit = self.unit_ms
+        n = (t + self.c) / (unit + self.c) if unit + self.c > 0 else float(self.B)
+        if self.uniform and ag > 0:
+            n = min(n, (t - rs) / (2 * ag))
+        return int(min(self.B, max(0.0, n) * (1 + 1e-12)))
 
     # ------------------------------------------------------------------ options
 
-    def options(self, t: float, ag: float, rs: float, cap: float, n_fixed: int | None = None) -> Options:
-        """Pareto options at per-layer budget t; ``n_fixed`` for the uniform mode (no empty option)."""
-        if t < (2 * ag + rs) * (1 - _EPS) or self.m_cap < 0:
-            return EMPTY
+    def options(self, step_ms: float, ag: float, rs: float, cap: float, n_fixed: int | None = None
+                ) -> tuple[Options, Options]:
+        """(inner, outer) Pareto options at a per-step budget; ``n_fixed`` for the uniform mode."""
+        t = step_ms / self.L
+        if t < self.idle_ms(ag, rs, n_fixed or 1) * (1 - _EPS) or self.m_cap < 0:
+            return EMPTY, EMPTY
+        if self.kappa <= 0:
+            exact = self._static(t, ag, rs, cap, n_fixed)
+            return exact, exact
+        exact = self._enumerated(step_ms, ag, rs, cap, n_fixed)
+        if exact is not None:
+            return exact, exact
+        return self._levels(step_ms, ag, rs, cap, n_fixed)
+
+    def _counts(self, t: float, ag: float, rs: float, n_fixed: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """Micro-batch counts that fit t, and the largest batch for each."""
         if n_fixed is None:
-            n = np.arange(1, self.max_micro_batches(t) + 1, dtype=np.int64)
+            n = np.arange(1, self.max_micro_batches(t, ag, rs) + 1, dtype=np.int64)
         else:
             n = np.array([n_fixed], dtype=np.int64)
-        bmax = self.max_batch(t, ag, rs, n) if len(n) else np.zeros(0, np.int64)
+        variant = "uniform" if self.uniform else "recompute"
+        bmax = self.max_batch(t, ag, rs, n, variant) if len(n) else np.zeros(0, np.int64)
         valid = bmax >= n
-        n, bmax = n[valid], bmax[valid]
-        b_m = self._best_per_m(n, bmax)
-        return self._pareto(b_m, cap, with_empty=n_fixed is None)
+        return n[valid], bmax[valid]
+
+    def _keep_max(self, t: float, ag: float, rs: float) -> int:
+        """Largest one-micro-batch batch that keeps its graph within t and fits with no state."""
+        if self.uniform or self.keep_cap < 1:
+            return 0
+        return int(min(self.keep_cap, self.max_batch(t, ag, rs, np.array([1]), "keep")[0]))
+
+    def _static(self, t: float, ag: float, rs: float, limit: float, n_fixed: int | None) -> Options:
+        """Options at per-layer budget t, shares capped at ``limit``."""
+        return self._table(self._per_m(t, ag, rs, n_fixed), limit, n_fixed)
+
+    def _per_m(self, t: float, ag: float, rs: float, n_fixed: int | None) -> tuple[np.ndarray, int] | None:
+        """Within budget t: the most samples per largest micro-batch m = 0..M, and the largest batch
+        one micro-batch keeping its graph may take; None when even the collectives do not fit."""
+        if t < self.idle_ms(ag, rs, n_fixed or 1) * (1 - _EPS):
+            return None
+        n, bmax = self._counts(t, ag, rs, n_fixed)
+        return self._best_per_m(n, bmax), self._keep_max(t, ag, rs)
+
+    def _table(self, per_m: tuple[np.ndarray, int] | None, limit: float, n_fixed: int | None) -> Options:
+        if per_m is None:
+            return EMPTY
+        b_m, top = per_m
+        m = np.arange(len(b_m))
+        r = np.minimum(self.room_for(m, n_fixed or 1), limit)
+        take = np.ones(len(b_m), bool)
+        if n_fixed is not None:  # uniform: every rank computes at least n samples
+            take &= b_m >= n_fixed
+        take[0] = n_fixed is None and self.room[0] >= 0
+        cand = [(b_m[take], m[take], r[take], np.zeros(int(take.sum()), bool))]
+        if top >= 1:
+            ks = np.arange(1, top + 1)
+            cand.append((ks, ks, np.minimum(self.room_keep[ks], limit), np.ones(top, bool)))
+        return pareto(*(np.concatenate(parts) for parts in zip(*cand)))
 
     def _best_per_m(self, n: np.ndarray, bmax: np.ndarray) -> np.ndarray:
         """b_max(m) = max over n of min(n m, bmax_n), for m = 0..M (M <= m_cap)."""
@@ -176,69 +285,66 @@ class DeviceModel:
         out[0] = 0
         return np.minimum(out, self.B)
 
-    def _pareto(self, b_m: np.ndarray, cap: float, with_empty: bool) -> Options:
-        m = np.arange(len(b_m))
-        r = np.minimum(self.share_cap[: len(b_m)], min(cap, 1.0))
-        keep = np.ones(len(b_m), bool)
-        keep[1:] = b_m[1:] > np.maximum.accumulate(b_m)[:-1]  # strictly more samples than any smaller m
-        if not with_empty:
-            keep[0] = False
-        elif self.share_cap[0] < 0:
-            keep[0] = False
-        b_k, m_k, r_k = b_m[keep], m[keep], r[keep]
-        if len(b_k) == 0:
-            return EMPTY
-        # r is non-increasing along m: of a run of equal r keep the last (largest b)
-        last = np.ones(len(r_k), bool)
-        last[:-1] = r_k[1:] < r_k[:-1]
-        return Options(b_k[last].astype(np.int64), m_k[last].astype(np.int64), r_k[last].astype(float))
+    def _enumerated(self, step_ms: float, ag: float, rs: float, cap: float, n_fixed: int | None) -> Options | None:
+        """Every (b, n) with its exact share limit under an optimizer cost; None when too many."""
+        t = step_ms / self.L
+        n, bmax = self._counts(t, ag, rs, n_fixed)
+        counts = bmax - n + 1
+        keep_top = self._keep_max(t, ag, rs)
+        if int(counts.sum()) + keep_top > PAIR_LIMIT:
+            return None
+        starts = np.repeat(n, counts)
+        offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        bb, nn = starts + offsets, np.repeat(n, counts)
+        m = -(-bb // nn)
+        fits = m <= self.m_cap
+        bb, nn, m = bb[fits], nn[fits], m[fits]
+        parts = [(bb, nn, m, np.zeros(len(bb), bool))]
+        if keep_top >= 1:
+            ks = np.arange(1, keep_top + 1)
+            parts.append((ks, np.ones(keep_top, np.int64), ks, np.ones(keep_top, bool)))
+        if n_fixed is None and self.room[0] >= 0:
+            parts.append((np.zeros(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.int64), np.zeros(1, bool)))
+        bb, nn, m, keep = (np.concatenate(p) for p in zip(*parts))
+        slack = (step_ms - self.L * self.layer_ms(bb, nn, ag, rs, keep)) / self.kappa
+        r = np.minimum(np.minimum(self.room_for(m, nn, keep), cap), slack)
+        return pareto(bb, m, r, keep)
+
+    def _levels(self, step_ms: float, ag: float, rs: float, cap: float, n_fixed: int | None
+                ) -> tuple[Options, Options]:
+        """Share levels 0 = r_0 < ... < r_K: inner options at each, outer ones from the next looser.
+
+        K is as small as keeps the budget between levels (kappa * top / K) within a quarter of the
+        bisection's tolerance of the step, at most SHARE_LEVELS.
+        """
+        top = max(0.0, min(cap, float(max(self.room.max(), self.room_keep.max()))))
+        spread = self.kappa * top / step_ms
+        count = int(min(SHARE_LEVELS, max(1, np.ceil(spread / (BUDGET_STEP)))))
+        levels = np.linspace(0.0, top, count + 1)
+        budgets = (step_ms - self.kappa * levels) / self.L
+        per_m = [self._per_m(t_j, ag, rs, n_fixed) if t_j > 0 else None for t_j in budgets]
+        inner = [self._table(per_m[j], min(cap, r_j), n_fixed) for j, r_j in enumerate(levels)]
+        # a share in (r_{j-1}, r_j] leaves no more time than budget t_{j-1} allows
+        outer = [inner[0]] + [self._table(per_m[j - 1], min(cap, r_j), n_fixed) for j, r_j in enumerate(levels) if j]
+
+        def union(tables: list[Options]) -> Options:
+            return pareto(*(np.concatenate([getattr(o, f) for o in tables]) for f in ("b", "m", "r", "keep")))
+
+        return union(inner), union(outer)
 
     # ------------------------------------------------------------------ plan assembly helpers
 
-    def best_split(self, b: int, m: int, ag: float, rs: float, n_fixed: int | None = None) -> int:
-        """The fastest micro-batch count for b samples with micro-batches of at most m (fewest on ties)."""
-        if b == 0:
-            return 1
+    def splits(self, b: int, m: int | None, n_fixed: int | None) -> np.ndarray:
+        """The micro-batch counts b samples may use with micro-batches of at most m."""
         if n_fixed is not None:
-            return n_fixed
-        return self._fastest(b, np.arange(-(-b // m), b + 1, dtype=np.int64), ag, rs)
-
-    def split_for_share(self, b: int, share: float, ag: float, rs: float) -> int:
-        """The fastest micro-batch count whose micro-batches fit beside ``share`` (fewest on ties)."""
+            return np.array([n_fixed], dtype=np.int64)
         if b == 0:
-            return 1
-        n = np.arange(1, b + 1, dtype=np.int64)
-        n = n[self.share_cap[-(-b // n)] >= share - 1e-12]
-        return self._fastest(b, n, ag, rs)
+            return np.array([1], dtype=np.int64)
+        low = 1 if m is None else -(-b // max(m, 1))
+        return np.arange(low, b + 1, dtype=np.int64)
 
-    def fewest_within(self, b: int, share: float, ag: float, rs: float, budget_ms: float) -> int | None:
-        """The fewest micro-batches that fit beside ``share`` and finish within the step budget.
-
-        A rank that is not the bottleneck gains nothing from being faster; fewer, larger
-        micro-batches cost less per-micro-batch overhead than the model may know (on CPU it
-        measures none), so among equally good plans this one runs fastest.
-        """
-        if b == 0:
-            return 1
-        n = np.arange(1, b + 1, dtype=np.int64)
-        n = n[self.share_cap[-(-b // n)] >= share - 1e-12]
-        ok = n[self.layer_ms(np.full(len(n), b), n, ag, rs) <= budget_ms * (1 + 1e-9)]
-        return int(ok[0]) if len(ok) else None
-
-    def _fastest(self, b: int, n: np.ndarray, ag: float, rs: float) -> int:
-        times = self.layer_ms(np.full(len(n), b), n, ag, rs)
-        return int(n[np.nonzero(times <= times.min() * (1 + 1e-12))[0][0]])
-
-
-def device_kinds(cluster: Cluster, global_batch: int) -> tuple[list[DeviceModel], list[int]]:
-    """One DeviceModel per distinct device profile, and each rank's kind index."""
-    kinds: list[DeviceModel] = []
-    index: dict[DeviceProfile, int] = {}
-    of_rank: list[int] = []
-    for device in cluster.devices:
-        key = device
-        if key not in index:
-            index[key] = len(kinds)
-            kinds.append(DeviceModel(device, cluster, global_batch))
-        of_rank.append(index[key])
-    return kinds, of_rank
+    def fastest(self, b: int, n: np.ndarray, ag: float, rs: float, keep: bool = False) -> tuple[int, float]:
+        """Of the counts n, the fastest for b samples (fewest on ties), and its per-layer time."""
+        times = self.layer_ms(np.full(len(n), b), n, ag, rs, keep)
+        i = int(np.nonzero(times <= times.min() * (1 + 1e-12))[0][0])
+        return int(n[i]), float(times[i])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,8 @@ from cephalo_lightning.planner.cost import split_sizes
 from cephalo_lightning.planner.errors import PlanningError
 
 PLAN_MODES = ("layered", "uniform")
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2  # 2: RankPlan.recompute (files of version 1 load with recompute = True)
+REMAKE = "re-make the plan with `python -m cephalo_lightning plan`"
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,9 @@ class RankPlan:
     source: str = "measured"  # where the device's figures came from: measured | catalog | emulated
     memory_limit_gb: float | None = None  # usable_memory_fraction * capacity: what memory must stay under
     memory_capacity_gb: float | None = None  # the device's total memory
+    # False: the rank's one micro-batch keeps its autograd graph instead of recomputing each layer
+    # in the backward pass (layered mode, num_micro_batches == 1)
+    recompute: bool = True
 
     @property
     def micro_batch_sizes(self) -> list[int]:
@@ -41,6 +47,7 @@ class BaselineResult:
     predicted_step_s: float | None = None
     reason: str | None = None
     ranks: tuple[RankPlan, ...] = ()
+    skipped: bool = False  # not computed (reason says why), rather than infeasible
 
 
 @dataclass(frozen=True)
@@ -85,10 +92,12 @@ class Plan:
     # ---------------------------------------------------------------- JSON round trip
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["ranks"] = [asdict(r) for r in self.ranks]
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ranks", "baselines")}
+        data["model"] = dict(self.model)
+        data["ranks"] = [dict(vars(r)) for r in self.ranks]  # flat dataclasses: vars() is asdict(), fast
         data["baselines"] = {
-            name: {k: v for k, v in asdict(b).items() if k != "ranks" and v is not None}
+            name: {f.name: getattr(b, f.name) for f in fields(b)
+                   if f.name != "ranks" and getattr(b, f.name) is not None and (f.name != "skipped" or b.skipped)}
             for name, b in self.baselines.items()
         }
         data["format_version"] = PLAN_FORMAT_VERSION
@@ -101,19 +110,50 @@ class Plan:
         write_text_atomic(path, self.to_json() + "\n")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Plan:
-        try:
-            ranks = tuple(RankPlan(**r) for r in data["ranks"])
-            baselines = {name: BaselineResult(**{"predicted_samples_per_s": None, **b})  # None is not written
-                         for name, b in data.get("baselines", {}).items()}
-            extra = {k: data[k] for k in ("predicted_step_s", "predicted_samples_per_s",
-                                          "upper_bound_samples_per_s", "model", "strategy", "emulated",
-                                          "optimality_gap")
-                     if k in data}
-            return cls(int(data["global_batch_size"]), str(data.get("mode", "layered")), ranks,
-                       baselines=baselines, **extra)
-        except (KeyError, TypeError) as err:
-            raise PlanningError(f"not a cephalo plan ({err}); make one with `python -m cephalo_lightning plan`") from err
+    def from_dict(cls, data: Any, where: str = "plan") -> Plan:
+        """A plan from its JSON form; bad fields raise a PlanningError naming the field and the fix."""
+        if not isinstance(data, Mapping):
+            raise PlanningError(
+                f"{where}: a plan must be a JSON object with 'global_batch_size' and 'ranks', got a "
+                f"{type(data).__name__}; {REMAKE}")
+        version = data.get("format_version", 1)
+        if not isinstance(version, int) or isinstance(version, bool) or version > PLAN_FORMAT_VERSION:
+            raise PlanningError(
+                f"{where}: format_version {version!r} is not one this version reads (1..{PLAN_FORMAT_VERSION}); "
+                f"upgrade cephalo-lightning or {REMAKE}")
+        allowed = {f.name for f in fields(cls)} | {"format_version"}
+        _unknown(data, allowed, where)
+        for key in ("global_batch_size", "ranks"):
+            if key not in data:
+                raise PlanningError(f"{where}: the field '{key}' is missing; {REMAKE}")
+        ranks_data = data["ranks"]
+        if not isinstance(ranks_data, list) or not ranks_data:
+            raise PlanningError(f"{where}: 'ranks' must be a non-empty list of per-rank objects, got "
+                                f"{_shown(ranks_data)}; {REMAKE}")
+        ranks = tuple(_rank_from_dict(r, i, where) for i, r in enumerate(ranks_data))
+        baselines_data = data.get("baselines", {})
+        if not isinstance(baselines_data, Mapping):
+            raise PlanningError(f"{where}: 'baselines' must be an object, got {_shown(baselines_data)}; {REMAKE}")
+        baselines = {}
+        for name, b in baselines_data.items():
+            if not isinstance(b, Mapping):
+                raise PlanningError(f"{where}: baselines.{name} must be an object, got {_shown(b)}; {REMAKE}")
+            _unknown(b, {f.name for f in fields(BaselineResult)} - {"ranks"}, f"{where}: baselines.{name}")
+            baselines[name] = BaselineResult(**{"predicted_samples_per_s": None, "feasible": False, **b})
+        extra: dict[str, Any] = {}
+        for key in ("predicted_step_s", "predicted_samples_per_s", "upper_bound_samples_per_s", "optimality_gap"):
+            if data.get(key) is not None:
+                extra[key] = _finite(data[key], f"{where}: {key}")
+        for key, kind in (("model", dict), ("strategy", str), ("emulated", bool)):
+            if key in data:
+                if not isinstance(data[key], kind):
+                    raise PlanningError(f"{where}: '{key}' must be a {kind.__name__}, got {_shown(data[key])}; {REMAKE}")
+                extra[key] = data[key]
+        mode = data.get("mode", "layered")
+        if not isinstance(mode, str):
+            raise PlanningError(f"{where}: 'mode' must be one of {PLAN_MODES}, got {_shown(mode)}; {REMAKE}")
+        return cls(_whole(data["global_batch_size"], f"{where}: global_batch_size", 1), mode, ranks,
+                   baselines=baselines, **extra)
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -124,7 +164,7 @@ class Plan:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise PlanningError(f"{path}: not valid JSON ({err})") from err
-        return cls.from_dict(data)
+        return cls.from_dict(data, where=str(path))
 
     # ---------------------------------------------------------------- simple plans
 
@@ -147,6 +187,66 @@ class Plan:
         return cls(global_batch_size, mode, tuple(ranks), strategy="even")
 
 
+def _shown(value: Any) -> str:
+    kind = {str: "a string", list: "a list", dict: "an object", bool: "a boolean", type(None): "null"}
+    return f"{value!r} ({kind.get(type(value), type(value).__name__)})"
+
+
+def _unknown(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise PlanningError(f"{where}: unknown field(s) {unknown}; the fields are {sorted(allowed)}; {REMAKE}")
+
+
+def _whole(value: Any, where: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value) or value < minimum:
+        hint = f"; write it as a JSON number, e.g. {value.strip()}" if isinstance(value, str) and \
+            value.strip().isdigit() else ""
+        raise PlanningError(f"{where} must be a whole number >= {minimum}, got {_shown(value)}{hint}; or {REMAKE}")
+    return int(value)
+
+
+def _finite(value: Any, where: str, minimum: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (minimum is not None and value < minimum):
+        bound = f" >= {minimum:g}" if minimum is not None else ""
+        raise PlanningError(f"{where} must be a finite number{bound}, got {_shown(value)}; {REMAKE}")
+    return float(value)
+
+
+_RANK_REQUIRED = ("rank", "device", "batch_size", "num_micro_batches", "micro_batch_size", "state_share")
+
+
+def _rank_from_dict(data: Any, i: int, where: str) -> RankPlan:
+    at = f"{where}: ranks[{i}]"
+    if not isinstance(data, Mapping):
+        raise PlanningError(f"{at} must be an object with {list(_RANK_REQUIRED)}, got {_shown(data)}; {REMAKE}")
+    _unknown(data, {f.name for f in fields(RankPlan)}, at)
+    missing = [k for k in _RANK_REQUIRED if k not in data]
+    if missing:
+        raise PlanningError(f"{at} (rank {data.get('rank', i)}) lacks {missing}; {REMAKE}")
+    values: dict[str, Any] = {
+        "rank": _whole(data["rank"], f"{at}.rank", 0),
+        "device": str(data["device"]),
+        "batch_size": _whole(data["batch_size"], f"{at}.batch_size (rank {i})", 0),
+        "num_micro_batches": _whole(data["num_micro_batches"], f"{at}.num_micro_batches (rank {i})", 1),
+        "micro_batch_size": _whole(data["micro_batch_size"], f"{at}.micro_batch_size (rank {i})", 0),
+        "state_share": _finite(data["state_share"], f"{at}.state_share (rank {i})", 0.0),
+    }
+    for key in ("predicted_step_s", "predicted_memory_gb", "memory_limit_gb", "memory_capacity_gb"):
+        if data.get(key) is not None:
+            values[key] = _finite(data[key], f"{at}.{key} (rank {i})")
+    if "source" in data:
+        values["source"] = str(data["source"])
+    if "recompute" in data:
+        if not isinstance(data["recompute"], bool):
+            raise PlanningError(f"{at}.recompute (rank {i}) must be true or false, got {_shown(data['recompute'])}; "
+                                f"{REMAKE}")
+        values["recompute"] = data["recompute"]
+    return RankPlan(**values)
+
+
 def validate_plan(plan: Plan) -> None:
     """Structural checks every plan must pass, whoever made it."""
     if plan.mode not in PLAN_MODES:
@@ -159,8 +259,13 @@ def validate_plan(plan: Plan) -> None:
     if total != plan.global_batch_size:
         raise PlanningError(f"plan batch sizes sum to {total}, not the global batch {plan.global_batch_size}")
     for r in plan.ranks:
+        if not math.isfinite(r.state_share):
+            raise PlanningError(f"rank {r.rank}: state_share must be a finite number, got {r.state_share!r}; {REMAKE}")
         if r.batch_size < 0 or r.num_micro_batches < 1 or r.state_share < 0:
             raise PlanningError(f"rank {r.rank}: batch_size >= 0, num_micro_batches >= 1 and state_share >= 0 required")
+        if not r.recompute and (plan.mode != "layered" or r.num_micro_batches != 1 or r.batch_size == 0):
+            raise PlanningError(f"rank {r.rank}: recompute = false needs the layered mode and exactly one "
+                                f"micro-batch of at least one sample (it keeps that micro-batch's graph); {REMAKE}")
         if r.batch_size and r.num_micro_batches > r.batch_size:
             raise PlanningError(f"rank {r.rank}: {r.num_micro_batches} micro-batches for only {r.batch_size} samples")
         expected = split_sizes(r.batch_size, r.num_micro_batches)[0] if r.batch_size else 0

@@ -30,7 +30,8 @@ def _micro(r: RankPlan) -> str:
     if not r.batch_size:
         return "-"
     sizes = sorted(set(r.micro_batch_sizes))
-    return f"{r.num_micro_batches} x " + "-".join(str(s) for s in sizes)
+    kept = "" if r.recompute else " kept"  # the graph is kept: no recompute in the backward pass
+    return f"{r.num_micro_batches} x " + "-".join(str(s) for s in sizes) + kept
 
 
 def _row(r: RankPlan) -> tuple[str, ...]:
@@ -81,6 +82,9 @@ def summary_lines(plan: Plan) -> list[str]:
             line += f"; within {100 * plan.optimality_gap:.2f}% of optimal"
         lines.append(line)
     for name, base in plan.baselines.items():
+        if base.skipped:
+            lines.append(f"  {name}: {base.reason or 'not computed'}")
+            continue
         if not base.feasible or not base.predicted_samples_per_s:
             lines.append(f"  {name}: infeasible: {base.reason or 'no plan fits'}")
             continue
@@ -88,6 +92,8 @@ def summary_lines(plan: Plan) -> list[str]:
         if plan.predicted_samples_per_s:
             line += f" (this plan is {plan.predicted_samples_per_s / base.predicted_samples_per_s:.2f}x faster)"
         lines.append(line)
+    if any(not r.recompute for r in plan.ranks):
+        lines.append("kept: that rank's one micro-batch keeps its autograd graph instead of recomputing")
     lines.append("figures are predictions of the planner's cost model" + (
         ", from profiles measured under CPU emulation" if plan.emulated else ""))
     return lines

@@ -1,15 +1,20 @@
-"""The assignment planner: per-rank batch, micro-batches and state share minimising the step time.
+"""The assignment planner: per-rank batch, micro-batches, state share (and recompute) minimising the step.
 
-Exact algorithm (for the cost model of :mod:`cephalo_lightning.planner.cost`):
+Exact algorithm (for the cost model of :mod:`cephalo_lightning.planner.cost`), over device *kinds*
+(ranks with the same profile and memory share one option table and a count):
 
-1. For a fixed price of the collectives, the smallest feasible step time is found by bisection on
-   the per-layer time t. At a given t every device has a short list of Pareto options (samples b,
-   largest micro-batch m, state share cap r) (:mod:`.options`), and t is feasible iff one option
-   per device reaches B samples with a total share >= 1: a multiple-choice knapsack solved exactly
-   by a windowed dynamic program (:mod:`.knapsack`). Identical devices share option tables.
-2. The chosen options are trimmed to exactly B samples (from the slowest ranks first), each rank
-   takes its fastest micro-batch count, and the shares are water-filled under the memory caps
-   (smallest largest share, hence the cheapest uneven collectives).
+1. For a fixed price of the collectives, the smallest feasible step time S is found by bisection.
+   At a given S every kind has a short Pareto table of options (samples b, largest micro-batch m,
+   state share cap r) (:mod:`.options`), and S is feasible iff one option per device reaches B
+   samples with a total share >= 1: a multiple-choice knapsack (:mod:`.knapsack`). Its linear
+   relaxation over kinds bounds S from below (a proof); the exact dynamic program decides S where
+   its work is affordable, else the relaxation's choice rounded to whole devices and repaired on a
+   few devices per kind gives a feasible S, and the gap to the relaxation's bound is certified.
+2. The chosen options are expanded to groups of ranks (ranks of one kind may end with b and b + 1),
+   trimmed to exactly B samples (the slowest ranks first, to a common time level), each group takes
+   its fastest micro-batch count, and the shares are water-filled under the memory caps (and the
+   time left for the optimizer step) - the smallest largest share, hence the cheapest collectives.
+   One-micro-batch ranks keep their autograd graph instead of recomputing where memory allows.
 3. Collectives cost more as the largest share rho grows. Branch and bound over rho: an interval
    [rho_a, rho_b] is bounded below by solving with collectives priced at rho_a and shares capped
    at rho_b, and every solve yields a plan priced exactly. Intervals that cannot beat the best plan
@@ -28,85 +33,132 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cephalo_lightning.planner.assemble import model_summary, rank_plans
-from cephalo_lightning.planner.baselines import (
-    best_rate,
-    even_baseline,
-    proportional_baseline,
-    upper_bound_samples_per_s,
-)
+from cephalo_lightning.planner.baselines import per_sample_ms, upper_bound_samples_per_s
 from cephalo_lightning.planner.cluster import Cluster
-from cephalo_lightning.planner.cost import communication, evaluate, water_fill
+from cephalo_lightning.planner.cost import DeviceCost, communication, evaluate_arrays, kind_costs, water_fill
 from cephalo_lightning.planner.errors import PlanningError
-from cephalo_lightning.planner.knapsack import choose, feasible
-from cephalo_lightning.planner.options import DeviceModel, Options, device_kinds
-from cephalo_lightning.planner.plan import PLAN_MODES, BaselineResult, Plan
+from cephalo_lightning.planner.knapsack import (
+    SHARE_TOL, Group, choose, dense_work, feasible, groups_of, relaxation, round_and_repair,
+)
+from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH, MAX_RANKS
+from cephalo_lightning.planner.options import DeviceModel, Options
+from cephalo_lightning.planner.plan import PLAN_MODES, Plan
 
-STRATEGIES = ("cephalo", "even", "proportional")
+STRATEGIES = ("cephalo", "even", "proportional", "poplar", "reference")
 BISECTION_TOL = 5e-4  # relative width of the final step-time bracket
 RHO_TOL = 1e-3  # branch and bound stops when the best plan is within this of the lower bound
+DENSE_WORK_LIMIT = 3e7  # element operations of one exact knapsack check
+DENSE_CALL_LIMIT = 20_000  # options summed over devices (one vector operation each)
+UNIFORM_COUNTS = 16  # uniform mode: counts examined per price of collectives; the rest enter the bound
+RHO_NODES = 64  # branch-and-bound nodes over the largest share; open ones enter the bound
 
 
 @dataclass(frozen=True)
 class Assignment:
-    batch: tuple[int, ...]
-    micro: tuple[int, ...]
-    shares: tuple[float, ...]
-    step_s: float  # priced exactly by cost.evaluate
+    batch: np.ndarray
+    micro: np.ndarray
+    shares: np.ndarray
+    keep: np.ndarray  # one micro-batch keeping its graph (RankPlan.recompute = False)
+    step_s: float  # priced exactly by cost.evaluate_arrays
 
 
 @dataclass(frozen=True)
 class _Solved:
-    lo: float  # per-layer ms proven infeasible (or a valid lower bound)
-    hi: float  # per-layer ms proven feasible
+    lo: float  # per-step ms proven infeasible (or a valid lower bound)
+    hi: float  # per-step ms found feasible
     assignment: Assignment
 
 
 class _Problem:
     """One planning problem: the cluster, the batch, the mode, and the per-kind device models."""
 
-    def __init__(self, cluster: Cluster, global_batch: int, mode: str) -> None:
+    def __init__(self, cluster: Cluster, global_batch: int, mode: str, group_kinds: bool = True) -> None:
         self.cluster = cluster
         self.B = global_batch
         self.mode = mode
         self.W = cluster.world_size
         self.L = cluster.model.num_layers
-        self.kinds, self.of_rank = device_kinds(cluster, global_batch)
+        if group_kinds:
+            self.costs, self.of_rank = kind_costs(cluster, mode)
+        else:  # every rank its own kind: the reference the grouping is tested against
+            self.costs = [DeviceCost(d, cluster, mode) for d in cluster.devices]
+            self.of_rank = np.arange(self.W)
+        self.kinds = [DeviceModel(c, global_batch) for c in self.costs]
+        self.counts = np.bincount(self.of_rank, minlength=len(self.kinds)).astype(np.int64)
+        self.device_kind = np.repeat(np.arange(len(self.kinds)), self.counts)  # the exact program's devices
         self.comm = communication(cluster)
-        rate = sum(best_rate(self.kinds[k].cost, 0.0, global_batch) for k in self.of_rank)
-        # no rank can beat its best rate: t >= B / (sum of rates), in per-layer ms
-        self.compute_floor = global_batch / rate * 1e3 / self.L if rate > 0 else 0.0
+        # no rank beats its best rate: S >= L * B / (sum of samples per per-layer ms)
+        rate = sum(c / ps for c, ps in zip(self.counts, (per_sample_ms(k) for k in self.kinds)) if ps < math.inf)
+        self.compute_floor = self.L * global_batch / rate if rate > 0 else 0.0
+        self.rate = rate
 
-    # ------------------------------------------------------------------ feasibility at t
+    # ------------------------------------------------------------------ feasibility at S
 
-    def options(self, t: float, ag: float, rs: float, cap: float, n_fixed: int | None) -> list[Options]:
-        per_kind = [k.options(t, ag, rs, cap, n_fixed) for k in self.kinds]
-        return [per_kind[k] for k in self.of_rank]
+    def tables(self, S: float, ag: float, rs: float, cap: float, n_fixed: int | None
+               ) -> tuple[list[Options], list[Options]]:
+        pairs = [k.options(S, ag, rs, cap, n_fixed) for k in self.kinds]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
 
-    def feasible(self, t: float, ag: float, rs: float, cap: float, n_fixed: int | None) -> bool:
-        return feasible(self.options(t, ag, rs, cap, n_fixed), self.B)
+    def relaxed_ok(self, S: float, ag: float, rs: float, cap: float, n_fixed: int | None) -> bool:
+        return relaxation(self.tables(S, ag, rs, cap, n_fixed)[1], self.counts, self.B).value >= 1.0 - SHARE_TOL
 
-    def saturated_t(self, ag: float, rs: float, n_fixed: int | None) -> float:
-        """A per-layer time at which every device can take all B samples in any split."""
-        worst = 2 * ag + rs
+    def dense_affordable(self, S: float, ag: float, rs: float, cap: float, n_fixed: int | None) -> bool:
+        inner, _ = self.tables(S, ag, rs, cap, n_fixed)
+        per_device = [inner[k] for k in self.device_kind]
+        calls = sum(len(inner[k]) * int(c) for k, c in enumerate(self.counts))
+        return calls <= DENSE_CALL_LIMIT and dense_work(per_device, self.B) <= DENSE_WORK_LIMIT
+
+    def check(self, S: float, ag: float, rs: float, cap: float, n_fixed: int | None, dense: bool,
+              choice: bool = False) -> tuple[str, list[Group] | None]:
+        """("feasible", groups) | ("infeasible", None): a proof | ("unknown", None): the repair missed.
+
+        The exact program backtracks its choice only when asked (``choice``); the repair always has one.
+        """
+        inner, outer = self.tables(S, ag, rs, cap, n_fixed)
+        bound = relaxation(outer, self.counts, self.B)
+        if bound.value < 1.0 - SHARE_TOL:
+            return "infeasible", None
+        if dense:
+            per_device = [inner[k] for k in self.device_kind]
+            if not feasible(per_device, self.B):
+                return "infeasible", None
+            if not choice:
+                return "feasible", None
+            picks = choose(per_device, self.B)
+            if picks is None:  # pragma: no cover - feasible() said yes on the same tables
+                raise RuntimeError("knapsack backtrack failed at a feasible time")
+            return "feasible", groups_of(picks, self.device_kind)
+        relaxed = bound if all(i is o for i, o in zip(inner, outer)) else relaxation(inner, self.counts, self.B)
+        groups = round_and_repair(inner, self.counts, self.B, relaxed)
+        return ("feasible", groups) if groups is not None else ("unknown", None)
+
+    def saturated(self, ag: float, rs: float, n_fixed: int | None) -> float:
+        """A per-step time at which every device can take all B samples in any split and the whole state."""
+        # memory-wise the best split of any b is b micro-batches of one sample, no slower than B of them
+        worst = 0.0
         for kind in self.kinds:
-            n = np.arange(1, self.B + 1) if n_fixed is None else np.array([n_fixed])
-            worst = max(worst, float(kind.layer_ms(np.full(len(n), self.B), n, ag, rs).max()))
+            n = np.array([1, self.B]) if n_fixed is None else np.array([n_fixed])
+            layer = float(kind.layer_ms(np.full(len(n), self.B), n, ag, rs).max())
+            worst = max(worst, self.L * max(layer, kind.idle_ms(ag, rs, n_fixed or 1)) + kind.kappa)
         return worst * (1 + 1e-9)
 
     # ------------------------------------------------------------------ one price of collectives
 
     def solve_fixed(self, ag: float, rs: float, cap: float, lo_hint: float,
                     ceiling: float | None) -> _Solved | None:
-        """Smallest feasible t for collectives priced (ag, rs) and shares capped at ``cap``.
+        """Smallest feasible S for collectives priced (ag, rs) and shares capped at ``cap``.
 
         With a ``ceiling``, returns None when nothing at or below it is feasible.
         """
         counts: list[int | None] = [None] if self.mode == "layered" else list(self.usable_counts(ag, rs, cap))
         lo_all, best = math.inf, None
-        for n_fixed in counts:
+        for i, n_fixed in enumerate(counts):
             top = ceiling if best is None else best.hi / (1 + BISECTION_TOL)
-            if n_fixed is not None and top is not None and self.count_floor(n_fixed) >= top:
+            if n_fixed is not None and top is not None and self.count_floor(n_fixed, ag, rs) >= top:
                 lo_all = min(lo_all, top)  # this and every larger count are slower than `top`
+                break
+            if n_fixed is not None and i >= UNIFORM_COUNTS:
+                lo_all = min(lo_all, self.count_floor(n_fixed, ag, rs))  # the rest: bounded, not solved
                 break
             solved = self._solve_count(ag, rs, cap, lo_hint, top, n_fixed)
             if solved is None:
@@ -119,100 +171,238 @@ class _Problem:
             return None
         return replace(best, lo=min(lo_all, best.lo))
 
-    def usable_counts(self, ag: float, rs: float, cap: float) -> range:
-        """Uniform mode: the micro-batch counts that fit memory at all, n_min..B // W.
+    def usable_counts(self, ag: float, rs: float, cap: float) -> list[int]:
+        """Uniform mode: the micro-batch counts that fit memory at all, among 1..B // W.
 
-        Fitting with no time limit is monotone in n: a plan for n gives one for any larger n (raise
+        From two micro-batches on (the whole gradient accumulates unsharded, whatever the count)
+        fitting with no time limit is monotone in n: a plan for n gives one for any larger n (raise
         the ranks below n to n samples, taking them from the others; every micro-batch shrinks or
-        stays), so the smallest fitting count is found by bisection.
+        stays), so the smallest fitting count >= 2 is found by bisection; one is tried on its own.
         """
         def fits(n: int) -> bool:
-            return self.feasible(self.saturated_t(ag, rs, n), ag, rs, cap, n)
+            S = self.saturated(ag, rs, n)
+            return self.check(S, ag, rs, cap, n, self.dense_affordable(S, ag, rs, cap, n))[0] == "feasible"
 
         top = self.B // self.W
-        if not fits(top):
-            return range(0)
-        lo, hi = 0, top  # lo does not fit (0: no count), hi fits
+        counts = [1] if fits(1) else []
+        if top < 2 or not fits(top):
+            return counts
+        lo, hi = 1, top  # lo does not fit (or is 1), hi fits
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-        return range(hi, top + 1)
+        return counts + list(range(hi, top + 1))
 
-    def count_floor(self, n: int) -> float:
-        """Every rank runs n micro-batches of at least one sample: a per-layer time floor for count n."""
-        return max(n * k.g3_one + (n - 1) * k.c for k in self.kinds)
+    def count_floor(self, n: int, ag: float, rs: float) -> float:
+        """A per-step floor for count n, non-decreasing in n: every rank runs n micro-batches of at
+        least one sample, and the B samples cost at least each kind's best per-sample time plus the
+        n - 1 micro-batch overheads."""
+        throughput = (n - 1) * min(k.c for k in self.kinds) + (self.B / self.rate if self.rate > 0 else 0.0)
+        return self.L * max(max(max(n * k.unit_ms + (n - 1) * k.c, k.idle_ms(ag, rs, n)) for k in self.kinds),
+                            throughput)
 
     def _solve_count(self, ag: float, rs: float, cap: float, lo_hint: float, ceiling: float | None,
                      n_fixed: int | None) -> _Solved | None:
-        lo = max(lo_hint, self.compute_floor * (1 - 1e-9), (2 * ag + rs) * (1 - 1e-9), 1e-12)
+        idle = max(k.idle_ms(ag, rs, n_fixed or 1) for k in self.kinds) * self.L
+        floor = self.compute_floor if n_fixed is None else self.count_floor(n_fixed, ag, rs)
+        lo = max(lo_hint, floor * (1 - 1e-9), idle * (1 - 1e-9), 1e-12)
+        limit = self.saturated(ag, rs, n_fixed)
+        # 1. the relaxation: a proven lower bound and where the integer search starts
         if ceiling is not None:
-            if ceiling <= lo or not self.feasible(ceiling, ag, rs, cap, n_fixed):
+            if ceiling <= lo or not self.relaxed_ok(ceiling, ag, rs, cap, n_fixed):
                 return None
             hi = ceiling
         else:
-            limit = self.saturated_t(ag, rs, n_fixed)
             hi = lo * 1.25
-            while not self.feasible(min(hi, limit), ag, rs, cap, n_fixed):
+            while not self.relaxed_ok(min(hi, limit), ag, rs, cap, n_fixed):
                 if hi >= limit:
                     return None
                 lo, hi = hi, hi * 2
             hi = min(hi, limit)
+        while hi > lo * (1 + BISECTION_TOL / 4):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (lo, mid) if self.relaxed_ok(mid, ag, rs, cap, n_fixed) else (mid, hi)
+        proven = lo
+        # 2. the integer choice, from the relaxation's threshold upwards
+        dense = self.dense_affordable(hi, ag, rs, cap, n_fixed)
+        top = min(limit, ceiling) if ceiling is not None else limit
+        step, found = BISECTION_TOL, None
+        S = hi
+        while True:
+            verdict, groups = self.check(S, ag, rs, cap, n_fixed, dense)
+            if verdict == "feasible":
+                found = (S, groups)
+                break
+            if verdict == "infeasible":
+                proven = max(proven, S)
+            lo = S
+            if S >= top:
+                return None
+            S = min(top, hi * (1 + step))
+            step *= 2
+        hi, groups = found
         while hi > lo * (1 + BISECTION_TOL):
             mid = math.sqrt(lo * hi)
-            if self.feasible(mid, ag, rs, cap, n_fixed):
-                hi = mid
+            verdict, g = self.check(mid, ag, rs, cap, n_fixed, dense)
+            if verdict == "feasible":
+                hi, groups = mid, g
             else:
                 lo = mid
-        return _Solved(lo, hi, self.assign(hi, ag, rs, cap, n_fixed))
+                if verdict == "infeasible":
+                    proven = max(proven, mid)
+        if groups is None:
+            groups = self.check(hi, ag, rs, cap, n_fixed, dense, choice=True)[1]
+            assert groups is not None
+        return _Solved(proven, hi, self.assign(hi, ag, rs, cap, n_fixed, groups))
 
-    # ------------------------------------------------------------------ a plan from options
+    # ------------------------------------------------------------------ a plan from a choice
 
-    def assign(self, t: float, ag: float, rs: float, cap: float, n_fixed: int | None) -> Assignment:
-        options = self.options(t, ag, rs, cap, n_fixed)
-        picks = choose(options, self.B)
-        if picks is None:  # pragma: no cover - t was proven feasible with the same options
-            raise RuntimeError("knapsack backtrack failed at a feasible time")
-        models = [self.kinds[k] for k in self.of_rank]
-        batch = [int(o.b[p]) for o, p in zip(options, picks)]
-        limit = [int(o.m[p]) for o, p in zip(options, picks)]
-        micro = [m.best_split(b, lim, ag, rs, n_fixed) for m, b, lim in zip(models, batch, limit)]
-        self._trim(batch, micro, models, ag, rs, n_fixed)
-        micro = [m.best_split(b, lim, ag, rs, n_fixed) for m, b, lim in zip(models, batch, limit)]
-        caps = [float(m.share_cap[-(-b // n) if b else 0]) for m, b, n in zip(models, batch, micro)]
-        shares = water_fill(caps)
+    def assign(self, S: float, ag: float, rs: float, cap: float, n_fixed: int | None,
+               groups: list[Group]) -> Assignment:
+        inner, _ = self.tables(S, ag, rs, cap, n_fixed)
+        rows = []  # [kind, count, b, m cap, n, keep]
+        for g in groups:
+            t = inner[g.kind]
+            b, m, keep = int(t.b[g.option]), int(t.m[g.option]), bool(t.keep[g.option])
+            rows.append([g.kind, g.count, b, m, self._split(g.kind, b, m, ag, rs, n_fixed, keep), keep])
+        self._trim(rows, ag, rs, n_fixed)
+        for row in rows:
+            row[4] = self._split(row[0], row[2], row[3], ag, rs, n_fixed, row[5])
+        caps = [self._share_cap(row, S, ag, rs, cap) for row in rows]
+        shares = water_fill(caps, [row[1] for row in rows])
         if shares is None:  # pragma: no cover - the knapsack guarantees sum of caps >= 1
             raise RuntimeError("shares do not fit after trimming")
-        if n_fixed is None:  # larger micro-batches where the share leaves room: never slower
-            micro = [m.split_for_share(b, r, ag, rs) for m, b, r in zip(models, batch, shares)]
-            step = max(c.step_s for c in evaluate(self.cluster, batch, micro, shares))
-            # then, off the critical path, the fewest micro-batches that keep within the step
-            budget = step * 1e3 / self.cluster.model.num_layers
-            micro = [m.fewest_within(b, r, ag, rs, budget) or n for m, b, r, n in zip(models, batch, shares, micro)]
-        step = max(c.step_s for c in evaluate(self.cluster, batch, micro, shares))
-        return Assignment(tuple(batch), tuple(micro), tuple(shares), step)
+        if n_fixed is None:
+            self._finish(rows, shares, ag, rs)
+        batch, micro, share, keep = self._expand(rows, shares)
+        step, _, _ = evaluate_arrays(self.cluster, batch, micro, share, ~keep, self.mode,
+                                     kinds=(self.costs, self.of_rank))
+        return Assignment(batch, micro, share, keep, float(step.max()))
 
-    def _trim(self, batch: list[int], micro: list[int], models: list[DeviceModel], ag: float, rs: float,
-              n_fixed: int | None) -> None:
-        """Remove surplus samples one at a time from the currently slowest rank."""
-        excess = sum(batch) - self.B
+    def _split(self, kind: int, b: int, m: int, ag: float, rs: float, n_fixed: int | None, keep: bool) -> int:
+        """The fastest micro-batch count for b samples with micro-batches of at most m (fewest on ties)."""
+        if keep or b == 0:
+            return 1
+        if n_fixed is not None:
+            return n_fixed
+        model = self.kinds[kind]
+        return model.fastest(b, model.splits(b, m, None), ag, rs)[0]
+
+    def _share_cap(self, row: list, S: float, ag: float, rs: float, cap: float) -> float:
+        kind, _, b, _, n, keep = row
+        model = self.kinds[kind]
+        m = -(-b // n) if b else 0
+        room = float(model.room_for(np.array([m]), n, keep)[0])
+        if model.kappa > 0:  # the time the optimizer step may take within S
+            layer = float(model.layer_ms(np.array([b]), np.array([n]), ag, rs, keep)[0])
+            room = min(room, (S - self.L * layer) / model.kappa)
+        return min(room, cap)
+
+    def _trim(self, rows: list[list], ag: float, rs: float, n_fixed: int | None) -> None:
+        """Remove the surplus samples from the slowest ranks: every trimmed rank ends at one time level."""
+        excess = sum(row[1] * row[2] for row in rows) - self.B
+        if excess <= 0:
+            return
         floor = 0 if n_fixed is None else n_fixed
-        heap = [(-float(m.layer_ms(b, n, ag, rs)), i) for i, (m, b, n) in enumerate(zip(models, batch, micro))
-                if batch[i] > floor]
+        lows, times = [], []  # per row: the fewest samples it may keep, and its time at each b from there
+        for row in rows:
+            low = max(floor, row[2] - excess)
+            b = np.arange(low, row[2] + 1)
+            n = np.maximum(1, np.minimum(row[4], b))
+            lows.append(low)
+            times.append(np.maximum.accumulate(self.kinds[row[0]].layer_ms(b, n, ag, rs, row[5])))
+
+        def cut(i: int, level: float) -> int:
+            """The largest b of row i whose time is <= level (its lowest if none)."""
+            return lows[i] + max(0, int(np.searchsorted(times[i], level, side="right")) - 1)
+
+        def removed(level: float) -> int:
+            return sum(row[1] * (row[2] - cut(i, level)) for i, row in enumerate(rows))
+
+        # the smallest time level whose cut removes no more than the excess: the best makespan
+        levels = np.unique(np.concatenate(times))
+        lo, hi = 0, len(levels) - 1  # removed(levels[hi]) == 0 <= excess
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if removed(float(levels[mid])) <= excess else (mid + 1, hi)
+        level = float(levels[hi])
+        rest = excess - removed(level)
+        for i, row in enumerate(rows):
+            row[2] = cut(i, level)
+        # the rest one sample per rank from the slowest ranks left (all are within the level)
+        heap = [(-float(times[i][row[2] - lows[i]]), i) for i, row in enumerate(rows) if row[2] > lows[i]]
         heapq.heapify(heap)
-        while excess > 0:
+        while rest > 0:
             _, i = heapq.heappop(heap)
-            batch[i] -= 1
-            micro[i] = min(micro[i], batch[i]) if n_fixed is None else n_fixed
-            excess -= 1
-            if batch[i] > floor:
-                heapq.heappush(heap, (-float(models[i].layer_ms(batch[i], max(micro[i], 1), ag, rs)), i))
+            row = rows[i]
+            take = min(row[1], rest)
+            if take < row[1]:
+                rows.append([row[0], row[1] - take, row[2], row[3], row[4], row[5]])
+                lows.append(lows[i])
+                times.append(times[i])
+                heapq.heappush(heap, (-float(times[i][row[2] - lows[i]]), len(rows) - 1))
+                row[1] = take
+            row[2] -= 1
+            rest -= take
+            if row[2] > lows[i]:
+                heapq.heappush(heap, (-float(times[i][row[2] - lows[i]]), i))
+        rows[:] = [row for row in rows if row[1] > 0]
+        for row in rows:
+            row[4] = n_fixed if n_fixed is not None else max(1, min(row[4], row[2]))
+
+    def _finish(self, rows: list[list], shares: list[float], ag: float, rs: float) -> None:
+        """Per group, the micro-batch count and recompute choice: fastest where the share leaves
+        room, then, off the critical path, the fewest micro-batches within the step.
+
+        A rank that is not the bottleneck gains nothing from being faster; fewer, larger
+        micro-batches cost less per-micro-batch overhead than the model may know (on CPU it
+        measures none), so among equally good plans this one runs fastest.
+        """
+        configs = []
+        for row, share in zip(rows, shares):
+            kind, _, b, _, _, _ = row
+            model = self.kinds[kind]
+            optimizer = float(model.cost.optimizer_ms(share))
+            if b == 0:
+                configs.append((np.array([1]), np.array([False]), np.array([self.L * model.idle_ms(ag, rs) + optimizer])))
+                continue
+            n = np.arange(1, b + 1, dtype=np.int64)
+            n = n[-(-b // n) <= model.m_cap]
+            n = n[model.room_for(-(-b // n), n) >= share - 1e-12]
+            keep = np.zeros(len(n), bool)
+            if model.keep_cap >= b and model.room_keep[b] >= share - 1e-12:
+                n, keep = np.concatenate(([1], n)), np.concatenate(([True], keep))
+            times = self.L * model.layer_ms(np.full(len(n), b), n, ag, rs, keep) + optimizer
+            configs.append((n, keep, times))
+        step = max(float(times.min()) for _, _, times in configs)
+        for row, (n, keep, times) in zip(rows, configs):
+            ok = np.nonzero(times <= step * (1 + 1e-9))[0]
+            fewest = n[ok].min()
+            best = ok[n[ok] == fewest]
+            pick = int(best[np.argmin(times[best])])
+            row[4], row[5] = int(n[pick]), bool(keep[pick])
+
+    def _expand(self, rows: list[list], shares: list[float]) -> tuple[np.ndarray, ...]:
+        """Groups back to ranks: each kind's ranks take its groups in turn (larger batches first)."""
+        batch = np.zeros(self.W, np.int64)
+        micro = np.ones(self.W, np.int64)
+        share = np.zeros(self.W)
+        keep = np.zeros(self.W, bool)
+        ranks = [np.nonzero(self.of_rank == k)[0] for k in range(len(self.kinds))]
+        taken = [0] * len(self.kinds)
+        for i in sorted(range(len(rows)), key=lambda i: (rows[i][0], -rows[i][2])):
+            kind, count, b, _, n, kept = rows[i]
+            at = ranks[kind][taken[kind]: taken[kind] + count]
+            taken[kind] += count
+            batch[at], micro[at], share[at], keep[at] = b, n, shares[i], kept
+        return batch, micro, share, keep
 
     # ------------------------------------------------------------------ collectives: rho search
 
     def solve(self) -> tuple[Assignment, float]:
         """The best assignment and a proven lower bound on the step time (s)."""
         ag0, rs0, slope = self.comm.allgather_ms, self.comm.reduce_scatter_ms, self.comm.uneven_slope
-        to_s = self.L / 1e3
+        to_s = 1e-3
         if ag0 + rs0 == 0 or slope == 0 or self.W == 1:
             solved = self.solve_fixed(ag0, rs0, 1.0, 0.0, None)
             if solved is None:
@@ -226,7 +416,9 @@ class _Problem:
         heap: list[tuple[float, float, float]] = [(0.0, 1.0, u_top)]
         best: Assignment | None = None
         closed = math.inf
-        while heap:
+        nodes = 0
+        while heap and nodes < RHO_NODES:
+            nodes += 1
             lb, ua, ub = heapq.heappop(heap)
             if best is not None and lb * to_s * (1 + RHO_TOL) >= best.step_s:
                 closed = min(closed, lb)
@@ -256,7 +448,8 @@ class _Problem:
                 f"no uniform plan fits every rank's memory at global batch {self.B} on {self.W} ranks "
                 f"(every rank needs at least one sample and the same micro-batch count); use --mode "
                 f"layered, change the global batch, or add memory")
-        return PlanningError(f"no plan fits the memory of this cluster at global batch {self.B}")
+        return PlanningError(f"no plan fits the memory of this cluster at global batch {self.B}; "
+                             f"lower the global batch or add memory")
 
 
 # ---------------------------------------------------------------------- input checks
@@ -272,6 +465,17 @@ def _check_inputs(cluster: Cluster, global_batch: object, mode: str, strategy: s
     if not cluster.devices:
         raise PlanningError("the cluster has no devices; list at least one GPU under 'devices:'")
     B, W = int(global_batch), cluster.world_size
+    if B > MAX_GLOBAL_BATCH:
+        raise PlanningError(
+            f"the global batch {B:,} is {B / MAX_GLOBAL_BATCH:,.0f}x the planner's limit of {MAX_GLOBAL_BATCH:,} "
+            f"samples per optimizer step; plan a global batch of at most {MAX_GLOBAL_BATCH:,} and accumulate "
+            f"the rest with Trainer(accumulate_grad_batches=k) (e.g. plan {-(-B // -(-B // MAX_GLOBAL_BATCH)):,} with "
+            f"k = {-(-B // MAX_GLOBAL_BATCH):,})")
+    if W > MAX_RANKS:
+        raise PlanningError(
+            f"the cluster has {W:,} ranks, {W - MAX_RANKS:,} more than the planner's limit of {MAX_RANKS:,} (a plan "
+            f"file lists every rank); plan a sub-cluster with the same kinds in proportion (e.g. every count and "
+            f"the global batch divided by {-(-W // MAX_RANKS)}): ranks of one kind get the same assignment")
     if mode == "uniform" and B < W:
         raise PlanningError(
             f"uniform mode gives every rank at least one sample, but the global batch {B} is smaller than "
@@ -282,47 +486,51 @@ def _check_inputs(cluster: Cluster, global_batch: object, mode: str, strategy: s
 def _check_memory(problem: _Problem) -> None:
     """Raise with what is short, by how much, when no step time can fit the memory."""
     cluster, s = problem.cluster, problem.cluster.settings
-    models = [problem.kinds[k] for k in problem.of_rank]
-    state = models[0].cost.state_gb
+    kinds = problem.kinds
+    counts = problem.counts
+    state = kinds[0].cost.state_gb
+    first = {k: int(np.nonzero(problem.of_rank == k)[0][0]) for k in range(len(kinds))}
     where = (f"after compute memory and the {s.reserved_memory_gb:g} GiB reserve per GPU "
              f"(usable_memory_fraction {s.usable_memory_fraction:g})")
-    for rank, m in enumerate(models):
-        if m.share_cap[0] < 0:
+    for k, m in enumerate(kinds):
+        if m.m_cap < 0 or m.room[0] < 0:
             need = float(m.cost.compute_memory(0)) + s.reserved_memory_gb
             raise PlanningError(
-                f"rank {rank} ({m.device.name}) cannot run at all: it needs {need:.2f} GiB (compute memory "
+                f"rank {first[k]} ({m.device.name}) cannot run at all: it needs {need:.2f} GiB (compute memory "
                 f"of an empty batch plus the reserve) but has {s.usable_memory_fraction * m.device.memory_gb:.2f} "
                 f"GiB usable; remove it, lower reserved_memory_gb or raise usable_memory_fraction")
-    room0 = [m.share_cap[0] * state for m in models]
-    room1 = [m.share_cap[1] * state if m.m_cap >= 1 else -math.inf for m in models]
-    if state > sum(room0) * (1 + 1e-12):
+    room0 = np.array([m.room[0] * state for m in kinds])
+    room1 = np.array([float(m.room_for(np.array([1]), 1)[0]) * state if m.m_cap >= 1 else -math.inf
+                      for m in kinds])
+    total0 = float((room0 * counts).sum())
+    if state > total0 * (1 + 1e-12):
         raise PlanningError(
             f"the training state needs {state:.1f} GiB ({cluster.model.parameters:,} parameters x "
-            f"{cluster.model.state_bytes_per_param:g} bytes) but the {problem.W} GPUs have only {sum(room0):.1f} GiB "
-            f"free {where}: short by {state - sum(room0):.1f} GiB; add GPUs or memory, or shrink the model")
+            f"{cluster.model.state_bytes_per_param:g} bytes) but the {problem.W} GPUs have only {total0:.1f} GiB "
+            f"free {where}: short by {state - total0:.1f} GiB; add GPUs or memory, or shrink the model")
     if problem.mode == "uniform":
-        small = [r for r, m in enumerate(models) if m.m_cap < 1]
+        small = [k for k, m in enumerate(kinds) if m.m_cap < 1 or room1[k] < 0]
         if small:
-            r = small[0]
-            need = float(models[r].cost.compute_memory(1)) + s.reserved_memory_gb
+            k = small[0]
+            need = float(kinds[k].cost.memory_gb(1, 0.0, s.reserved_memory_gb))
             raise PlanningError(
-                f"rank {r} ({models[r].device.name}) is too small for one sample even with no state: needs "
-                f"{need:.2f} GiB, has {s.usable_memory_fraction * models[r].device.memory_gb:.2f} GiB usable; "
+                f"rank {first[k]} ({kinds[k].device.name}) is too small for one sample even with no state: needs "
+                f"{need:.2f} GiB, has {s.usable_memory_fraction * kinds[k].device.memory_gb:.2f} GiB usable; "
                 f"uniform mode gives every rank samples, so use --mode layered (it can hold state only) or remove it")
-        total = sum(room1)
+        total = float((room1 * counts).sum())
         if state > total * (1 + 1e-12):
             raise PlanningError(
                 f"with one sample on every rank (uniform mode) the state ({state:.1f} GiB) exceeds the "
                 f"{total:.1f} GiB free {where}: short by {state - total:.1f} GiB; use --mode layered or add memory")
         return
-    if all(m.m_cap < 1 for m in models):
-        r = int(np.argmax([m.share_cap[0] for m in models]))
-        need = float(models[r].cost.compute_memory(1)) + s.reserved_memory_gb
+    if all(m.m_cap < 1 for m in kinds):
+        k = int(np.argmax(room0))
+        need = float(kinds[k].cost.compute_memory(1)) + s.reserved_memory_gb
         raise PlanningError(
-            f"no GPU fits one sample even with no state: the roomiest, rank {r} ({models[r].device.name}), "
-            f"needs {need:.2f} GiB for one sample and has {s.usable_memory_fraction * models[r].device.memory_gb:.2f} "
+            f"no GPU fits one sample even with no state: the roomiest, rank {first[k]} ({kinds[k].device.name}), "
+            f"needs {need:.2f} GiB for one sample and has {s.usable_memory_fraction * kinds[k].device.memory_gb:.2f} "
             f"GiB usable; shorten the sequence, shrink the model or add a larger GPU")
-    best = max(sum(room0) - room0[j] + room1[j] for j in range(problem.W))
+    best = total0 + max(float(room1[k] - room0[k]) for k in range(len(kinds)))
     if state > best * (1 + 1e-12):
         raise PlanningError(
             f"the training state ({state:.1f} GiB) fits only while no GPU computes: with one sample on the "
@@ -333,39 +541,39 @@ def _check_memory(problem: _Problem) -> None:
 # ---------------------------------------------------------------------- public API
 
 
-def baselines(cluster: Cluster, global_batch_size: int) -> dict[str, BaselineResult]:
-    """The even and proportional baselines (with their per-rank plans)."""
-    return {"even": even_baseline(cluster, global_batch_size),
-            "proportional": proportional_baseline(cluster, global_batch_size)}
-
-
 def _baseline_plan(cluster: Cluster, B: int, mode: str, strategy: str, upper: float) -> Plan:
     """A baseline as a plan of its own (the even one has one micro-batch count, so either mode fits)."""
-    if strategy == "proportional" and mode == "uniform":
-        raise PlanningError("the proportional baseline picks each rank's micro-batch count, so it has no "
-                            "uniform form; use --mode layered or --strategy even")
-    result = baselines(cluster, B)[strategy]
+    if strategy != "even" and mode == "uniform":
+        raise PlanningError(f"the {strategy} baseline picks each rank's micro-batch count, so it has no "
+                            f"uniform form; use --mode layered or --strategy even")
+    from cephalo_lightning.planner.peers import compute_baselines  # peers build on this module
+
+    result = compute_baselines(cluster, B, mode, names=(strategy,), with_ranks=True)[strategy]
     if not result.feasible:
         raise PlanningError(f"the {strategy} baseline is infeasible: {result.reason}")
     return Plan(B, mode, result.ranks, result.predicted_step_s, result.predicted_samples_per_s, upper,
                 model_summary(cluster), strategy=strategy, emulated=cluster.emulated)
 
 
-def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", strategy: str = "cephalo") -> Plan:
+def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", strategy: str = "cephalo",
+         _group_kinds: bool = True) -> Plan:
     """Plan a cluster: per-rank batch, micro-batches and state share minimising the step time.
 
-    ``strategy="even"`` or ``"proportional"`` returns that baseline as a plan instead. The cephalo
-    plan carries both baselines, the upper bound and its certified optimality gap.
+    ``strategy`` names a baseline (``even``, ``proportional``, ``poplar``, ``reference``) to return
+    that baseline as a plan instead. The cephalo plan carries every baseline's figures, the upper
+    bound and its certified optimality gap.
     """
+    from cephalo_lightning.planner.peers import compute_baselines  # peers build on this module
+
     B = _check_inputs(cluster, global_batch_size, mode, strategy)
-    upper = upper_bound_samples_per_s(cluster, B)
+    upper = upper_bound_samples_per_s(cluster, B, mode)
     if strategy != "cephalo":
         return _baseline_plan(cluster, B, mode, strategy, upper)
-    problem = _Problem(cluster, B, mode)
+    problem = _Problem(cluster, B, mode, group_kinds=_group_kinds)
     _check_memory(problem)
     best, lower_s = problem.solve()
-    ranks, step = rank_plans(cluster, best.batch, best.micro, best.shares)
-    compared = {name: replace(b, ranks=()) for name, b in baselines(cluster, B).items()}
+    ranks, step = rank_plans(cluster, best.batch, best.micro, best.shares, ~best.keep, mode,
+                             kinds=(problem.costs, problem.of_rank))
     return Plan(
         global_batch_size=B,
         mode=mode,
@@ -374,7 +582,7 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", strate
         predicted_samples_per_s=B / step,
         upper_bound_samples_per_s=upper,
         model=model_summary(cluster),
-        baselines=compared,
+        baselines=compute_baselines(cluster, B, mode, problem=problem if mode == "layered" and _group_kinds else None),
         strategy="cephalo",
         emulated=cluster.emulated,
         optimality_gap=max(0.0, step / lower_s - 1.0) if lower_s > 0 else None,

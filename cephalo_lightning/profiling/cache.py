@@ -65,8 +65,16 @@ def cache_path(cache_dir: str | Path, key: str) -> Path:
     return Path(cache_dir) / f"cluster-{key}.yaml"
 
 
-def read_cached(path: Path, world_size: int) -> Cluster | None:
-    """The cached cluster at ``path``, or ``None`` when absent or unusable (then it is re-profiled)."""
+CAPACITY_TOLERANCE = 0.01  # relative: a cached capacity further from the device's is not trusted
+
+
+def read_cached(path: Path, world_size: int, capacities: Sequence[float] | None = None) -> Cluster | None:
+    """The cached cluster at ``path``, or ``None`` when absent or unusable (then it is re-profiled).
+
+    ``capacities``: every rank's actual memory (GiB); a cached device whose ``memory_gb`` differs
+    from its rank's by more than :data:`CAPACITY_TOLERANCE` (a hand edit, another GPU behind the
+    same name) is not trusted: the profile is measured again, with a warning that says so.
+    """
     if not path.is_file():
         return None
     try:
@@ -79,6 +87,14 @@ def read_cached(path: Path, world_size: int) -> Cluster | None:
             "ignoring the profile cache %s: it has %d devices, the world has %d", path, cluster.world_size, world_size
         )
         return None
+    for rank, (device, actual) in enumerate(zip(cluster.devices, capacities or ())):
+        if abs(device.memory_gb - actual) > CAPACITY_TOLERANCE * actual:
+            log.warning(
+                "ignoring the profile cache %s: rank %d (%s) has %.3g GiB of memory but the cache says %.3g GiB "
+                "(%.1fx); profiling again", path, rank, device.name, actual, device.memory_gb,
+                device.memory_gb / actual if actual else float("inf"),
+            )
+            return None
     return cluster
 
 

@@ -7,6 +7,13 @@ on a unit of the mean layer size (so ``num_layers x`` the figure is the whole mo
 parameters in the compute dtype for the all-gather, gradients in the reduce dtype (fp32) for the
 reduce-scatter, as the runtime moves them. Every rank gets the same (slowest rank's) figures, so
 every rank plans from the same cluster.
+
+Two figures describe the cluster's own collectives beyond the even times: the uneven-shard slope
+(:func:`uneven_slope`, from the same unit cut unevenly: a collective whose largest shard is rho of
+the unit costs ``1 + slope * (W rho - 1)`` times the even one) and the overlap of communication
+with compute (:func:`time_overlap`: 1 when an all-gather hides entirely behind compute running
+beside it, 0 when the two take as long as one after the other, as on a CPU host whose cores the
+ranks already fill).
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from cephalo_lightning.profiling.timing import default_statistic, summarize
+from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
 from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES, Collectives
+from cephalo_lightning.runtime.emulation import DeviceEmulator
 from cephalo_lightning.runtime.layout import UnitLayout, build_layout
 
 
@@ -122,3 +130,79 @@ def time_collectives(
     by_mode = {mode: (values[2 + 2 * i], values[3 + 2 * i]) for i, mode in enumerate(modes)}
     used = tuple(float(s) for s in shares) if shares is not None else tuple([1.0 / world] * world)
     return CollectiveProfile(numel, world, values[0], values[1], used, by_mode)
+
+
+def skewed_shares(world_size: int) -> list[float]:
+    """Rank 0 holds rho = min(0.9, 2 / W) of the unit (twice an even share from W = 3), the rest evenly."""
+    rho = min(0.9, 2.0 / world_size)
+    return [rho] + [(1.0 - rho) / (world_size - 1)] * (world_size - 1)
+
+
+def uneven_slope(profile: CollectiveProfile, mode: str) -> float | None:
+    """The slope s of ``1 + s (W rho - 1)`` through the even and the uneven timing of ``mode``
+    (all-gather and reduce-scatter together), or None when the profile has no uneven timing."""
+    if profile.world_size < 2 or mode not in profile.by_mode or not profile.shares:
+        return None
+    excess = profile.world_size * max(profile.shares) - 1.0
+    even = profile.allgather_ms + profile.reduce_scatter_ms
+    if excess <= 1e-9 or even <= 0:
+        return None
+    ag, rs = profile.by_mode[mode]
+    return max(0.0, ((ag + rs) / even - 1.0) / excess)
+
+
+def _busy(device: torch.device, size: int) -> Callable[[], object]:
+    a = torch.randn(size, size, device=device)
+    return lambda: a @ a
+
+
+def time_overlap(
+    numel: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+    emulator: DeviceEmulator | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    mode: str = "padded",
+    repeats: int = 5,
+) -> float:
+    """How much of an all-gather hides behind compute running beside it, in [0, 1]; every rank must call it.
+
+    Times, with every rank together: the unit's all-gather alone (a), compute alone (c, a matrix
+    product repeated to about a's length, in the emulator's compute region, as a layer runs), and the
+    all-gather started asynchronously with the same compute before waiting for it (both). The overlap
+    is ``(a + c - both) / min(a, c)``, the smallest over the ranks (the least hiding decides the
+    step). Single process: 1 (there is nothing to hide).
+    """
+    if not _distributed(group):
+        return 1.0
+    device = torch.device(device)
+    world = dist.get_world_size(group)
+    comm = Collectives(group, mode)
+    unit = build_layout([numel], [1.0 / world] * world, ["profiled-unit"]).units[0]
+    lo, hi = unit.shard_range(comm.rank)
+    shard = torch.ones(hi - lo, dtype=compute_dtype, device=device)
+    full = torch.empty(unit.numel, dtype=compute_dtype, device=device)
+    statistic = default_statistic(device)
+    timer = RegionTimer(device, emulator)
+    gather = _time_op(lambda: comm.all_gather(shard, full, unit).wait(), device, comm.group, 1, repeats)
+    step = _busy(device, 128)
+    one = summarize([timer.time(step)[1] for _ in range(3)], statistic)
+    calls = max(1, round(gather / max(one, 1e-6)))
+
+    def compute() -> None:
+        timer.time(lambda: [step() for _ in range(calls)])
+
+    alone = _time_op(compute, device, comm.group, 1, repeats)
+
+    def both() -> None:
+        pending = comm.all_gather(shard, full, unit, async_op=True)
+        compute()
+        pending.wait()
+
+    together = _time_op(both, device, comm.group, 1, repeats)
+    hidden = (gather + alone - together) / max(min(gather, alone), 1e-9)
+    serial = torch.tensor([1.0 - min(1.0, max(0.0, hidden))], dtype=torch.float64,
+                          device=device if dist.get_backend(group) == "nccl" else "cpu")
+    dist.all_reduce(serial, op=dist.ReduceOp.MAX, group=group)
+    return round(1.0 - float(serial.item()), 3)

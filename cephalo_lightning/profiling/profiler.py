@@ -47,8 +47,11 @@ from cephalo_lightning.planner.cluster import (
     cluster_to_dict,
 )
 from cephalo_lightning.profiling.cache import cache_path, fingerprint, read_cached, structure, write_cached
-from cephalo_lightning.profiling.collectives import CollectiveProfile, time_collectives
+from cephalo_lightning.profiling.collectives import (
+    CollectiveProfile, skewed_shares, time_collectives, time_overlap, uneven_slope,
+)
 from cephalo_lightning.profiling.model import ModelProfile, profile_model
+from cephalo_lightning.profiling.optimizer import time_optimizer_step
 from cephalo_lightning.profiling.progress import ProfileProgress
 from cephalo_lightning.profiling.timing import STATISTICS
 from cephalo_lightning.profiling.turns import TurnTaker
@@ -407,7 +410,8 @@ class ClusterProfiler:
         talk = self.rank == 0 and not self.quiet
 
         if path is not None and not self.force:
-            cached = read_cached(path, self.world_size) if self.rank == 0 else None
+            capacities = [self._capacity_gb(i, ids) for i in ids]
+            cached = read_cached(path, self.world_size, capacities) if self.rank == 0 else None
             data = _from_rank0(cluster_to_dict(cached) if cached is not None else None, self.group)
             if data is not None:
                 cluster = cluster_from_dict(data)
@@ -420,6 +424,7 @@ class ClusterProfiler:
         serialize = serialize and len(measuring) > 1
         with_comm = self.options.collectives and self.world_size > 1
         local: ModelProfile | None = None
+        optimizer_ns: float | None = None
         failure: str | None = None
         with ProfileProgress(enabled=talk, phases=1 + int(with_comm)) as progress:
             progress.phase(
@@ -433,6 +438,7 @@ class ClusterProfiler:
             try:
                 if self.rank in measuring or sharded:
                     local = self._measure(progress, turns, layer_turns, measure=self.rank in measuring)
+                    optimizer_ns = self._time_optimizer(turns, layer_turns, self.rank in measuring)
             except Exception as err:  # reported on every rank below, not left to hang the others
                 failure = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
             finally:
@@ -445,13 +451,14 @@ class ClusterProfiler:
                 rank, message = bad[0]
                 raise ProfilingError(f"profiling failed on rank {rank} ({ids[rank].name}): {message}")
             profiles: list[ModelProfile | None] = _gather(local, self.group)
-            comm = None
+            optimizer: list[float | None] = _gather(optimizer_ns, self.group)
+            comm, overlap = None, None
             if with_comm:
                 progress.phase("timing all-gather / reduce-scatter")
-                comm = self._time_collectives(profiles[leaders[0]])
+                comm, overlap = self._time_collectives(profiles[leaders[0]])
                 progress.phase_done()
 
-        cluster = self._cluster(ids, leaders, profiles, comm)
+        cluster = self._cluster(ids, leaders, profiles, comm, optimizer, overlap)
         if path is not None and self.rank == 0:
             write_cached(cluster, path)
         seconds = time.perf_counter() - started
@@ -463,20 +470,37 @@ class ClusterProfiler:
             )
         return ProfileReport(cluster, path, False, seconds, tuple(leaders), local, comm)
 
-    def _time_collectives(self, profile: ModelProfile | None) -> CollectiveProfile:
+    def _time_optimizer(self, turns: TurnTaker | None, layer_turns: _LayerTurns | None, measure: bool) -> float | None:
+        """The optimizer step's time per state parameter, measured in turn like the layers."""
+        def run(step: Any) -> float | None:
+            return step(lambda: time_optimizer_step(self.device, self.emulator).ns_per_param) if measure else None
+
+        if layer_turns is not None:  # every rank takes part in the turns; measuring ranks measure
+            with layer_turns() as step:
+                return run(step)
+        return run(turns or (lambda fn: fn()))
+
+    def _time_collectives(self, profile: ModelProfile | None) -> tuple[CollectiveProfile, float]:
+        """The even times, the uneven ones (for the slope), and the overlap with compute."""
         assert profile is not None  # rank 0 always measures or shares a leader's profile
         numel = math.ceil(sum(profile.layer_numels) / profile.num_layers)
         numel = max(self.world_size, math.ceil(numel / self.world_size) * self.world_size)  # an even unit
         backend = dist.get_backend(self.group)
         device = self.device if backend == "nccl" else torch.device("cpu")
-        return time_collectives(
+        comm = time_collectives(
             numel, group=self.group, device=device, compute_dtype=self._compute_dtype(),
-            modes=self.options.collective_modes, repeats=self.options.collective_repeats,
+            modes=self.options.collective_modes, shares=skewed_shares(self.world_size),
+            repeats=self.options.collective_repeats,
         )
+        overlap = time_overlap(numel, group=self.group, device=self.device, emulator=self.emulator,
+                               compute_dtype=self._compute_dtype(), mode=self.options.collective_modes[0],
+                               repeats=self.options.collective_repeats)
+        return comm, overlap
 
     def _cluster(
         self, ids: Sequence[_Identity], leaders: Sequence[int], profiles: Sequence[ModelProfile | None],
-        comm: CollectiveProfile | None,
+        comm: CollectiveProfile | None, optimizer: Sequence[float | None] | None = None,
+        overlap: float | None = None,
     ) -> Cluster:
         devices = []
         for ident, leader in zip(ids, leaders):
@@ -494,6 +518,8 @@ class ClusterProfiler:
                 compute_memory_gb=tuple(round(b / GIB, 9) for b in profile.compute_memory_bytes),
                 source="emulated" if ident.emulate is not None else "measured",
                 emulate=ident.emulate,
+                optimizer_ns_per_param=None if optimizer is None or optimizer[leader] is None
+                else round(optimizer[leader], 6),
             ))
         first = next(p for p in profiles if p is not None)
         model = ModelSpec(
@@ -507,10 +533,16 @@ class ClusterProfiler:
         )
         settings = self.settings
         if comm is not None:
+            mode = self.options.collective_modes[0]
             settings = replace(
                 settings, allgather_ms=round(comm.allgather_ms, 5), reduce_scatter_ms=round(comm.reduce_scatter_ms, 5),
-                collective=self.options.collective_modes[0],
+                collective=mode,
             )
+            slope = uneven_slope(comm, mode)
+            if settings.uneven_slope is None and slope is not None:  # a value the caller set wins
+                settings = replace(settings, uneven_slope=round(slope, 4))
+            if settings.overlap is None and overlap is not None:
+                settings = replace(settings, overlap=overlap)
         return Cluster(model=model, devices=tuple(devices), settings=settings)
 
 

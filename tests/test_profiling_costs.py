@@ -1,0 +1,90 @@
+"""The profiler's figures for the newer cost terms, and a cache that checks the capacity it holds."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from cephalo_lightning.demo.gpt import GPT, GPTConfig
+from cephalo_lightning.planner import Settings, plan
+from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions, profile_cluster
+from cephalo_lightning.profiling.collectives import CollectiveProfile, skewed_shares, uneven_slope
+from cephalo_lightning.profiling.optimizer import time_optimizer_step
+from cephalo_lightning.runtime.emulation import DeviceEmulator
+from tests.distributed import run_distributed
+
+QUICK = ProfileOptions(max_micro_batch=2, warmup=0, repeats=1, min_region_ms=0.0, collective_repeats=2)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny() -> tuple[list[torch.nn.Module], torch.Tensor]:
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig.preset("tiny", seq_len=32))
+    return gpt.layers(), torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+
+
+def test_optimizer_step_is_timed_per_parameter_under_the_emulator() -> None:
+    plain = time_optimizer_step(numel=2**18, repeats=3)
+    assert plain.ns_per_param > 0 and plain.ns_per_param == pytest.approx(plain.step_ms * 1e6 / 2**18)
+    slow = time_optimizer_step(numel=2**18, repeats=3, emulator=DeviceEmulator(3.0))
+    assert 2.0 < slow.ns_per_param / plain.ns_per_param < 4.5  # the emulator's x3, on a shared host
+    with pytest.raises(ValueError, match="numel >= 1"):
+        time_optimizer_step(numel=0)
+
+
+def test_uneven_slope_from_even_and_skewed_timings() -> None:
+    assert skewed_shares(2) == [0.9, pytest.approx(0.1)] and skewed_shares(4) == [0.5, 0.5 / 3, 0.5 / 3, 0.5 / 3]
+    even = CollectiveProfile(1000, 4, 2.0, 2.0, tuple(skewed_shares(4)), {"padded": (3.0, 3.0)})
+    assert uneven_slope(even, "padded") == pytest.approx(0.5)  # 1.5x the time at W rho - 1 = 1
+    assert uneven_slope(even, "exact") is None
+    faster = CollectiveProfile(1000, 4, 2.0, 2.0, tuple(skewed_shares(4)), {"padded": (1.0, 1.0)})
+    assert uneven_slope(faster, "padded") == 0.0  # never negative
+
+
+def test_cache_with_a_capacity_the_device_does_not_have_is_profiled_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    layers, sample = tiny()
+    kwargs = dict(options=QUICK, cache_dir=tmp_path, quiet=True, emulate=[{"memory_gb": 0.5}])
+    first = ClusterProfiler(layers, sample, **kwargs).run()
+    assert first.cluster.devices[0].optimizer_ns_per_param > 0  # measured with the layers, cached with them
+    assert ClusterProfiler(layers, sample, **kwargs).run().from_cache
+    data = yaml.safe_load(first.cache_file.read_text())
+    data["devices"][0]["memory_gb"] = 1000  # a hand edit: 1000 GiB on a 0.5 GiB (emulated) device
+    first.cache_file.write_text(yaml.safe_dump(data))
+    with caplog.at_level(logging.WARNING):
+        again = ClusterProfiler(layers, sample, **kwargs).run()
+    assert not again.from_cache and again.cluster.devices[0].memory_gb == 0.5
+    assert "rank 0" in caplog.text and "0.5 GiB of memory but the cache says 1e+03 GiB" in caplog.text
+
+
+def _profile_pair(rank: int, world_size: int, overlap: float | None) -> dict:
+    layers, sample = tiny()
+    settings = Settings(reserved_memory_gb=0.0, micro_batch_overhead_ms=0.0, overlap=overlap)
+    cluster = profile_cluster(layers, sample, emulate=[{"slowdown": 1}, {"slowdown": 2}], options=QUICK,
+                              settings=settings, quiet=True)
+    return {"cluster": cluster}
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_measure_slope_overlap_and_optimizer() -> None:
+    measured = run_distributed(_profile_pair, 2, None)[0]["cluster"]
+    s = measured.settings
+    assert s.uneven_slope is not None and s.uneven_slope >= 0
+    assert s.overlap is not None and 0.0 <= s.overlap <= 1.0
+    fast, slow = measured.devices
+    assert fast.optimizer_ns_per_param > 0 and slow.optimizer_ns_per_param > fast.optimizer_ns_per_param
+    assert plan(measured, 8).global_batch_size == 8
+    pinned = run_distributed(_profile_pair, 2, 0.25)[0]["cluster"]  # a value the caller set is kept
+    assert pinned.settings.overlap == 0.25
