@@ -13,13 +13,19 @@ from typing import TYPE_CHECKING, Any
 from cephalo_lightning import _registration
 from cephalo_lightning.planner import Cluster, Plan, PlanningError, load_cluster, plan
 
-__all__ = ["CephaloCallback", "CephaloStrategy", "Cluster", "Plan", "PlanningError", "load_cluster", "plan"]
+__all__ = ["CephaloCallback", "CephaloStrategy", "Cluster", "Layer", "Plan", "PlanningError", "consolidated",
+           "full_shape", "load_cluster", "plan"]
 __version__ = "0.1.0"
 
-_LAZY = {"CephaloStrategy": "cephalo_lightning.strategy", "CephaloCallback": "cephalo_lightning.callback"}
+_LAZY = {"CephaloStrategy": "cephalo_lightning.strategy", "CephaloCallback": "cephalo_lightning.callback",
+         "consolidated": "cephalo_lightning.runtime.checkpoint", "Layer": "cephalo_lightning.runtime.layered",
+         "full_shape": "cephalo_lightning.runtime.flat_unit"}
 
 if TYPE_CHECKING:
     from cephalo_lightning.callback import CephaloCallback
+    from cephalo_lightning.runtime.checkpoint import consolidated
+    from cephalo_lightning.runtime.flat_unit import full_shape
+    from cephalo_lightning.runtime.layered import Layer
     from cephalo_lightning.strategy import CephaloStrategy
 
 _registration.register()

@@ -12,6 +12,7 @@ commands:
   fit | validate | test | predict           LightningCLI (same as `cephalo-train`; --config quickstart
                                             is the packaged quickstart config)
   profile --config C.yaml [-o cluster.yaml] profile every rank of a configured run into a cluster file
+  consolidate DIR [-o model.ckpt]           one ordinary Lightning checkpoint file from a sharded one
 """
 
 
@@ -33,12 +34,41 @@ def main(argv: list[str] | None = None) -> int:
         from cephalo_lightning.cli import profile_main
 
         return profile_main(rest)
+    if command == "consolidate":
+        return consolidate_main(rest)
     if command in ("fit", "validate", "test", "predict"):
         from cephalo_lightning.cli import main as cli_main
 
         return cli_main([command, *rest])
     print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
+
+
+def consolidate_main(argv: list[str]) -> int:
+    """``consolidate DIR [-o FILE]``: verify a sharded checkpoint and write it as one file that
+    ``LightningModule.load_from_checkpoint`` / ``torch.load(weights_only=True)`` read, with the
+    state dict in its original shapes and the optimizer state as ``torch.optim`` saves it."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m cephalo_lightning consolidate", description=consolidate_main.__doc__)
+    parser.add_argument("checkpoint", help="a sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
+    parser.add_argument("-o", "--output", default=None, help="the file to write (default: <checkpoint>.consolidated)")
+    args = parser.parse_args(argv)
+    from cephalo_lightning.runtime.checkpoint import CheckpointError, consolidate
+
+    source = Path(args.checkpoint)
+    output = Path(args.output) if args.output else source.with_name(source.name + ".consolidated")
+    if output.exists():
+        print(f"error: {output} exists; choose another -o or remove it first", file=sys.stderr)
+        return 2
+    try:
+        consolidate(source, output)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB)")
+    return 0
 
 
 if __name__ == "__main__":

@@ -95,6 +95,10 @@ class CephaloCallback(Callback):
     ) -> None:
         if mode not in (None, "layered", "uniform"):
             raise ValueError(f"mode must be 'layered', 'uniform' or None, got {mode!r}")
+        for name, value in (("global_batch_size", global_batch_size), ("max_micro_batch", max_micro_batch)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"CephaloCallback({name}={value!r}) must be an integer >= 1"
+                                 + (" (or None: the training DataLoader's batch_size)" if name == "global_batch_size" else ""))
         if watch_every_n_steps < 0 or drift_threshold <= 0:
             raise ValueError("watch_every_n_steps must be >= 0 and drift_threshold > 0")
         self.global_batch_size = global_batch_size
@@ -163,6 +167,13 @@ class CephaloCallback(Callback):
         if not batch_size:
             raise ValueError("CephaloCallback needs the global batch: set batch_size on the training DataLoader "
                              "or CephaloCallback(global_batch_size=B)")
+        loader_batch = getattr(loader, "batch_size", None)
+        if self.global_batch_size and loader_batch and strategy.global_batch_size is None and loader_batch != batch_size:
+            raise ValueError(
+                f"CephaloCallback(global_batch_size={self.global_batch_size}) but the training DataLoader's batch_size "
+                f"is {loader_batch}: the DataLoader's batch is the global batch (every rank takes its slice of it), "
+                "so they must agree; drop global_batch_size or set the DataLoader's batch_size to it"
+            )
         batch = next(iter(loader))
         rows = leading_size(batch) or 1
         return slice_batch(batch, 0, min(rows, self.max_micro_batch)), int(batch_size)
@@ -255,9 +266,9 @@ class CephaloCallback(Callback):
             return [None] * strategy.world_size
         out = []
         for device, rank in zip(self.cluster.devices, strategy.plan.ranks):
-            cost = DeviceCost(device, self.cluster)
-            fwd, fwd_bwd = cost.compute_ms(rank.batch_size, rank.num_micro_batches)
-            out.append(self.cluster.model.num_layers * (fwd + fwd_bwd) / 1e3)
+            cost = DeviceCost(device, self.cluster, strategy.plan.mode)
+            fwd, bwd = cost.compute_ms(rank.batch_size, rank.num_micro_batches, rank.recompute)
+            out.append(self.cluster.model.num_layers * (fwd + bwd) / 1e3)
         return out
 
     def _peak_memory_gb(self, strategy: CephaloStrategy) -> float | None:

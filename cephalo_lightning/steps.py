@@ -52,7 +52,8 @@ class StepReport:
     """What every rank agrees on after a step's all-reduce."""
 
     loss: float  # the global batch's mean loss (weighted as the gradient is)
-    nonfinite: tuple[int, ...]  # ranks whose loss or gradient shard was not finite
+    nonfinite: tuple[int, ...]  # ranks whose loss (or, if none, gradient shard) was not finite
+    what: str = "loss"  # which of the two
 
 
 def _distributed() -> bool:
@@ -80,23 +81,28 @@ def micro_batch_weights(parts: Sequence[Any], weighting: LossWeighting, global_b
 
 def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bool,
                 extra: Sequence[torch.Tensor] = ()) -> tuple[StepReport, list[torch.Tensor]]:
-    """The step's one all-reduce: global loss, the ``extra`` weighted sums, the non-finite flags."""
+    """The step's one all-reduce: global loss, the ``extra`` weighted sums, the non-finite flags.
+
+    Two flags per rank: its loss, and its gradient shard. A non-finite loss on one rank makes every
+    rank's shard non-finite through the reduce-scatter, so the report names the ranks whose loss
+    went non-finite (the origin), or, if none did, those whose gradients did.
+    """
     rank, world = _rank_world()
     device = sharded.device
     loss = local_loss.detach().double().reshape(1).to(device)
-    finite = bool(torch.isfinite(loss).all())
+    flags = torch.zeros(2 * world, dtype=torch.float64, device=device)
+    flags[rank] = 0.0 if bool(torch.isfinite(loss).all()) else 1.0
     if check_grads:
-        finite = finite and bool(torch.isfinite(sharded.grad_norm_sq()))
-    flags = torch.zeros(world, dtype=torch.float64, device=device)
-    flags[rank] = 0.0 if finite else 1.0
+        flags[world + rank] = 0.0 if bool(torch.isfinite(sharded.grad_norm_sq())) else 1.0
     values = [loss.nan_to_num(0.0, 0.0, 0.0)] + [e.detach().double().reshape(-1).to(device) for e in extra] + [flags]
     vector = torch.cat(values)
     if _distributed():
         dist.all_reduce(vector)
-    sizes = [v.numel() for v in values]
-    parts = list(vector.split(sizes))
-    nonfinite = tuple(i for i, f in enumerate(parts[-1].tolist()) if f > 0)
-    return StepReport(float(parts[0]), nonfinite), parts[1:-1]
+    parts = list(vector.split([v.numel() for v in values]))
+    flags_back = parts[-1].tolist()
+    losses = tuple(i for i in range(world) if flags_back[i] > 0)
+    grads = tuple(i for i in range(world) if flags_back[world + i] > 0)
+    return StepReport(float(parts[0]), losses or grads, "loss" if losses else "gradient"), parts[1:-1]
 
 
 def log_scalar(module: pl.LightningModule, name: str, value: float, batch_size: int, **options: Any) -> None:
@@ -217,6 +223,9 @@ class UniformSteps:
     unsharded until the last one. The user's ``self.log`` calls are collected per micro-batch and
     logged once per step with their weighted global value (as single-process training on the
     global batch would log them).
+
+    Manual optimization (one micro-batch per rank): the user's ``training_step`` drives the step
+    itself (``manual_backward``, ``optimizer.step()``), so it runs as it is, its logs untouched.
     """
 
     def __init__(self, module: pl.LightningModule, sharded: ShardedModel, training_step: Callable[..., Any],
@@ -233,6 +242,8 @@ class UniformSteps:
         self.capturing = False  # the strategy's reduce() does not sync values logged meanwhile
 
     def _run(self, part: Any, weight: float) -> Any:
+        if not self.module.automatic_optimization:
+            return self.training_step(part, *self._args)
         with captured_logs(self.module.trainer) as capture:
             self.capturing = True
             try:
@@ -267,6 +278,11 @@ class UniformSteps:
         and, with a gradient scaler, already scaled)."""
         weights = self._weights
         n = len(weights)
+        if not self.module.automatic_optimization:  # manual_backward(loss) from inside training_step
+            self.sharded.backward(closure_loss * weights[0])  # already scaled by the precision plugin
+            self._losses = [closure_loss.detach()]
+            report, _ = finish_step(closure_loss.detach() * weights[0], self.sharded, ctx.sync)
+            return report
         self.sharded.set_requires_gradient_sync(ctx.sync and n == 1)
         self.sharded.backward(closure_loss * weights[0])
         for k, part in enumerate(self._rest, start=1):
@@ -333,6 +349,7 @@ class NonFiniteGuard:
         self.consecutive = 0
         self.skipped = 0
         self._pending: set[int] = set()
+        self._what = "loss"
 
     @property
     def enabled(self) -> bool:
@@ -340,7 +357,9 @@ class NonFiniteGuard:
 
     def record(self, report: StepReport) -> None:
         """A batch finished its backward (several per optimizer step under accumulation)."""
-        self._pending.update(report.nonfinite)
+        if report.nonfinite:
+            self._pending.update(report.nonfinite)
+            self._what = report.what
 
     def should_skip(self, step: int) -> bool:
         """Before the optimizer step: skip it? Raises after too many skips in a row."""
@@ -358,7 +377,7 @@ class NonFiniteGuard:
                 "CephaloStrategy(max_nonfinite_skips=...)"
             )
         rank_zero_warn(
-            f"Cephalo: step {step} had a non-finite loss or gradient on rank(s) {bad}; the optimizer step was skipped "
+            f"Cephalo: step {step} had a non-finite {self._what} on rank(s) {bad}; the optimizer step was skipped "
             f"on every rank ({self.consecutive} in a row, stopping at {self.max_consecutive})"
         )
         return True

@@ -138,7 +138,9 @@ class FitRuntime:
         return FailureReport(Heartbeat(directory, self.rank, self.sharded.world_size).start())
 
     def _recompute(self, plan: Plan) -> bool:
-        return bool(getattr(plan.ranks[self.rank], "recompute", True))
+        """Whether this rank recomputes each layer in the backward pass (the plan's choice: a rank
+        with one micro-batch may keep its graph where its memory allows)."""
+        return plan.ranks[self.rank].recompute
 
     @property
     def plan(self) -> Plan:

@@ -143,7 +143,12 @@ def test_wandb_run_config_holds_the_resolved_configuration(wandb_run):
 def test_other_loggers_get_the_configuration_in_hparams_yaml(wandb_run):
     trainer, *_, root = wandb_run
     (hparams,) = (root / "csv").glob("version_*/hparams.yaml")
-    config = yaml.safe_load(hparams.read_text())["cephalo"]
+
+    class Loader(yaml.SafeLoader):  # Lightning writes the module's tuple hyperparameters as python/tuple
+        pass
+
+    Loader.add_constructor("tag:yaml.org,2002:python/tuple", lambda loader, node: tuple(loader.construct_sequence(node)))
+    config = yaml.load(hparams.read_text(), Loader=Loader)["cephalo"]
     assert config["plan"]["ranks"]["rank0"]["state_share"] == trainer.strategy.plan.ranks[0].state_share == 1.0
 
 

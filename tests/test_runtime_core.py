@@ -185,3 +185,17 @@ def test_a_plan_switch_is_exact_with_a_prefetching_multi_worker_loader(switched)
 
     want, _ = reference(12, 12, samples=12 * 12)
     assert max_error(switched[0]["fit"], want) <= 1e-5
+
+
+def test_the_gpu_check_runs_its_cpu_skeleton(tmp_path):
+    import subprocess
+
+    from tests.conftest import clean_env
+
+    out = tmp_path / "gpu.md"
+    result = subprocess.run([sys.executable, str(PACKAGE.parent / "benchmarks" / "gpu_check.py"), "--dry-run",
+                             "--out", str(out)], capture_output=True, text=True, env=clean_env(), timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    table = out.read_text()
+    assert "CPU dry run" in table and "| layered fit (cephalo, 1 rank) | ok |" in table
+    assert "two ranks, one GPU: gloo, CPU tensors (dry run) | ok |" in table

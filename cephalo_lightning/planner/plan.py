@@ -18,6 +18,14 @@ PLAN_FORMAT_VERSION = 2  # 2: RankPlan.recompute (files of version 1 load with r
 REMAKE = "re-make the plan with `python -m cephalo_lightning plan`"
 
 
+def _builtin_numbers(record: Any) -> None:
+    """Figures computed with numpy are stored as Python numbers, so a plan serialises anywhere (JSON,
+    YAML, logger configs) the same way."""
+    for name, value in vars(record).items():
+        if type(value).__module__ == "numpy" and hasattr(value, "item"):  # a numpy scalar (np.float64 is a float)
+            object.__setattr__(record, name, value.item())
+
+
 @dataclass(frozen=True)
 class RankPlan:
     rank: int
@@ -35,6 +43,9 @@ class RankPlan:
     # in the backward pass (layered mode, num_micro_batches == 1)
     recompute: bool = True
 
+    def __post_init__(self) -> None:
+        _builtin_numbers(self)
+
     @property
     def micro_batch_sizes(self) -> list[int]:
         return split_sizes(self.batch_size, self.num_micro_batches)
@@ -48,6 +59,9 @@ class BaselineResult:
     reason: str | None = None
     ranks: tuple[RankPlan, ...] = ()
     skipped: bool = False  # not computed (reason says why), rather than infeasible
+
+    def __post_init__(self) -> None:
+        _builtin_numbers(self)
 
 
 @dataclass(frozen=True)
@@ -65,6 +79,7 @@ class Plan:
     optimality_gap: float | None = None  # certified: predicted step / proven lower bound - 1
 
     def __post_init__(self) -> None:
+        _builtin_numbers(self)
         validate_plan(self)
 
     @property
@@ -183,7 +198,10 @@ class Plan:
         ranks = []
         for rank in range(world_size):
             b = q + (1 if rank < rem else 0)
-            ranks.append(RankPlan(rank, "unprofiled", b, num_micro_batches, -(-b // num_micro_batches), 1 / world_size))
+            # one micro-batch keeps its graph, as plain FSDP would (nothing is known to say it does not fit)
+            keep = mode == "layered" and num_micro_batches == 1 and b > 0
+            ranks.append(RankPlan(rank, "unprofiled", b, num_micro_batches, -(-b // num_micro_batches), 1 / world_size,
+                                  recompute=not keep))
         return cls(global_batch_size, mode, tuple(ranks), strategy="even")
 
 

@@ -26,7 +26,7 @@ from cephalo_lightning.planner.errors import PlanningError
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1  # bump when what a cached figure means changes
+CACHE_FORMAT = 2  # bump when what a cached figure means changes (2: graph memory, optimizer step)
 
 
 def structure(layers: Sequence[Any], sample_input: Any, batch_dim: int = 0) -> list[Any]:

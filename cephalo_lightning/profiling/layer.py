@@ -67,6 +67,7 @@ class LayerProfile:
     resident_bytes: int  # parameters + buffers present while the layer computes
     numel: int  # parameters of the layer (what one all-gather moves)
     backward_pass_ms: tuple[float, ...] = ()  # measured recompute + backward per micro-batch (= F + B)
+    graph_bytes: tuple[int, ...] = ()  # held after a forward that keeps its graph (saved tensors, output)
     samples: tuple[tuple[tuple[float, ...], tuple[float, ...]], ...] = ()  # per size: (forward, pass) repeats
 
     @property
@@ -287,6 +288,8 @@ def profile_layer(
             if measure_memory else 0
             for m in sizes
         ))
+        graph = step(lambda: tuple(
+            _graph_bytes(work, inputs[m], sides[m], needs_grad[m], device) if measure_memory else 0 for m in sizes))
     fwd = tuple(summarize(fwd_samples[m], statistic) for m in sizes)
     passes = tuple(summarize(pass_samples[m], statistic) for m in sizes)
     return LayerProfile(
@@ -298,6 +301,7 @@ def profile_layer(
         resident_bytes=resident_bytes,
         numel=sum(p.numel() for p in params),
         backward_pass_ms=passes,
+        graph_bytes=graph,
         samples=tuple((tuple(fwd_samples[m]), tuple(pass_samples[m])) for m in sizes),
     )
 
@@ -320,6 +324,26 @@ def _forward_backward(
             loss_fn(out).backward()
         elif out.requires_grad:  # else nothing to differentiate: no trainable parameter, no input grad
             out.backward(grad)
+
+
+def _graph_bytes(work: _Runnable, x: torch.Tensor, side: Any, needs_grad: bool, device: torch.device) -> int:
+    """Bytes a forward that keeps its autograd graph holds afterwards: what a rank that does not
+    recompute keeps of this layer until its backward (saved activations and the output)."""
+    x = x.detach().requires_grad_(True) if needs_grad else x
+    if device.type == "cuda":  # pragma: no cover - CUDA only
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        with torch.enable_grad():
+            out = work(x, side)
+        torch.cuda.synchronize(device)
+        held = torch.cuda.memory_allocated(device) - base
+        del out
+        return int(held)
+    with MemoryTracker(label="profiler") as tracker, torch.enable_grad():
+        out = work(x, side)
+        held = tracker.current_bytes
+        del out
+    return int(held)
 
 
 def _peak_bytes(

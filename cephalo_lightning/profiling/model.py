@@ -56,6 +56,7 @@ class ModelProfile:
     layer_numels: tuple[int, ...]  # parameters of every layer (what its all-gather moves)
     kinds: tuple[LayerKind, ...]
     seconds: float  # wall time the profile took
+    activation_memory_bytes: tuple[int, ...] = ()  # sum over the layers of the graph a kept forward holds
 
 
 def _dtype_size(dtype: torch.dtype) -> int:
@@ -279,6 +280,8 @@ def profile_model(
         layer_fwd_ms=fwd,
         layer_bwd_ms=bwd,
         compute_memory_bytes=tuple(memory),
+        activation_memory_bytes=tuple(sum(of_layer[i].graph_bytes[j] for i in range(num_layers))
+                                      for j in range(len(sizes))) if all(of_layer[i].graph_bytes for i in of_layer) else (),
         parameters=sum(p.numel() for layer in layers for module in _modules(layer) for p in module.parameters()
                        if p.requires_grad),
         layer_numels=tuple(sum(p.numel() for module in _modules(layer) for p in module.parameters()) for layer in layers),

@@ -516,6 +516,8 @@ class ClusterProfiler:
                 layer_fwd_ms=tuple(max(MIN_MS, round(v, 5)) for v in fwd),
                 layer_bwd_ms=tuple(max(MIN_MS, round(v, 5)) for v in bwd),
                 compute_memory_gb=tuple(round(b / GIB, 9) for b in profile.compute_memory_bytes),
+                activation_memory_gb=tuple(round(b / GIB, 9) for b in profile.activation_memory_bytes)
+                if profile.activation_memory_bytes and any(profile.activation_memory_bytes) else None,
                 source="emulated" if ident.emulate is not None else "measured",
                 emulate=ident.emulate,
                 optimizer_ns_per_param=None if optimizer is None or optimizer[leader] is None

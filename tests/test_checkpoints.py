@@ -1,0 +1,348 @@
+"""Checkpoints users can trust and use: Lightning's own tools read them, nothing loaded runs code,
+a damaged or half-written checkpoint is refused by name, kills never leave one that looks whole,
+and every resume path trains on exactly the samples of the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from cephalo_lightning import CephaloStrategy, Plan, consolidated
+from cephalo_lightning.planner import RankPlan
+from cephalo_lightning.runtime import checkpoint
+from cephalo_lightning.runtime.checkpoint import CheckpointError
+from tests.conftest import clean_env
+from tests.distributed import run_distributed
+from tests.lightning_models import TinyLayered, token_data
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES, GLOBAL = 60, 12  # 5 steps per epoch
+PLAN2 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 8, 2, 4, 0.3), RankPlan(1, "b", 4, 1, 4, 0.7)))
+OTHER2 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 3, 3, 1, 0.9), RankPlan(1, "b", 9, 2, 5, 0.1)))
+PLAN3 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 5, 1, 5, 0.2), RankPlan(1, "b", 3, 3, 1, 0.3),
+                                 RankPlan(2, "c", 4, 2, 2, 0.5)))
+SEED = 11
+TOTAL = 8  # steps of every uninterrupted run: across an epoch boundary
+
+
+class SGDModule(TinyLayered):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def trainer(plan: Plan, world: int, steps: int, root: str | None = None, **kwargs) -> pl.Trainer:
+    # fp64 SGD: a resume on the wrong samples is off by ~1e-2, summation-order noise by ~1e-15, so
+    # 1e-7 separates the two cleanly (in fp32 the noise alone is ~1e-7)
+    return pl.Trainer(strategy=CephaloStrategy(plan=plan, seed=SEED), accelerator="cpu", devices=world,
+                      max_steps=steps, precision=kwargs.pop("precision", "64-true"), logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=root, use_distributed_sampler=False,  # the DataLoader's own shuffle setting
+                      **{"enable_checkpointing": False, **kwargs})
+
+
+def data_loader(shuffle: bool) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(token_data(SAMPLES), batch_size=GLOBAL, shuffle=shuffle)
+
+
+def reference(steps: int, shuffle: bool) -> dict[str, torch.Tensor]:
+    """Single-process SGD on the sampler's documented order: randperm(N, seed + epoch) per epoch."""
+    data = token_data(SAMPLES)
+    module = SGDModule().double()
+    optimizer = module.configure_optimizers()
+    per_epoch = SAMPLES // GLOBAL
+    for step in range(steps):
+        epoch, at = divmod(step, per_epoch)
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(SEED + epoch)) if shuffle else torch.arange(SAMPLES)
+        x, y = data[order[at * GLOBAL : (at + 1) * GLOBAL]]
+        module.model.loss(module.model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {f"model.{k}": v.detach().clone() for k, v in module.model.state_dict().items()}
+
+
+def max_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    return max((got[k] - v).abs().max().item() for k, v in want.items())
+
+
+# ----------------------------------------------------------------------------- the resume matrix
+
+
+def _first_halves(rank: int, world: int, root: str):
+    """Write every checkpoint the resume paths start from (2 ranks, PLAN2)."""
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    warnings.simplefilter("ignore")
+    out = {}
+    for shuffle in (True, False):
+        tag = "shuffled" if shuffle else "ordered"
+        # ModelCheckpoint mid-epoch (step 3) and at the epoch boundary (step 5)
+        saver = ModelCheckpoint(dirpath=f"{root}/{tag}", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        t = trainer(PLAN2, world, 6, root, callbacks=[saver], enable_checkpointing=True)
+        t.fit(SGDModule(), data_loader(shuffle))
+        # fit() finished at max_steps mid-epoch, then trainer.save_checkpoint
+        t = trainer(PLAN2, world, 3, root)
+        t.fit(SGDModule(), data_loader(shuffle))
+        t.save_checkpoint(f"{root}/{tag}/after-fit-3.ckpt")
+
+        class SaveAt2(Callback):  # trainer.save_checkpoint from inside the loop
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if trainer.global_step == 2:
+                    trainer.save_checkpoint(f"{root}/{tag}/inside-2.ckpt")
+
+        trainer(PLAN2, world, 4, root, callbacks=[SaveAt2()]).fit(SGDModule(), data_loader(shuffle))
+    return out
+
+
+def _resume(rank: int, world: int, ckpt: str, plan: dict, shuffle: bool):
+    warnings.simplefilter("ignore")
+    t = trainer(Plan.from_dict(plan), world, TOTAL)
+    t.fit(SGDModule(seed=3), data_loader(shuffle), ckpt_path=ckpt)  # another init: all must come from the file
+    return t.strategy.sharded.full_state_dict(), t.global_step
+
+
+@pytest.fixture(scope="module")
+def first_halves(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    run_distributed(_first_halves, 2, str(root))
+    return root
+
+
+RESUME_PATHS = [  # (name, checkpoint, shuffled, world, plan)
+    ("mid-epoch, ModelCheckpoint, shuffled", "shuffled/step=3.ckpt", True, 2, PLAN2),
+    ("mid-epoch, ModelCheckpoint, in order", "ordered/step=3.ckpt", False, 2, PLAN2),
+    ("epoch boundary, shuffled", "shuffled/step=5.ckpt", True, 2, PLAN2),
+    ("after fit() at max_steps, shuffled", "shuffled/after-fit-3.ckpt", True, 2, PLAN2),
+    ("after fit() at max_steps, in order", "ordered/after-fit-3.ckpt", False, 2, PLAN2),
+    ("trainer.save_checkpoint in the loop, shuffled", "shuffled/inside-2.ckpt", True, 2, PLAN2),
+    ("another plan, same world size", "shuffled/step=3.ckpt", True, 2, OTHER2),
+    ("another world size and plan", "shuffled/after-fit-3.ckpt", True, 3, PLAN3),
+    ("another world size, epoch boundary, in order", "ordered/step=5.ckpt", False, 3, PLAN3),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name,ckpt,shuffle,world,plan", RESUME_PATHS, ids=[p[0] for p in RESUME_PATHS])
+def test_every_resume_path_trains_on_the_uninterrupted_runs_samples(first_halves, name, ckpt, shuffle, world, plan):
+    results = run_distributed(_resume, world, str(first_halves / ckpt), plan.to_dict(), shuffle)
+    params, step = results[0]
+    assert step == TOTAL
+    assert max_error(params, reference(TOTAL, shuffle)) <= 1e-7, name
+
+
+# ----------------------------------------------------------------------------- Lightning's tools
+
+
+@pytest.mark.multiprocess
+def test_lightning_tools_read_a_sharded_checkpoint(first_halves, tmp_path):
+    path = first_halves / "shuffled" / "step=3.ckpt"
+    want = {k: v.float() for k, v in reference(3, True).items()}  # fp64 training, loaded into an fp32 module
+    restored = SGDModule.load_from_checkpoint(consolidated(path))  # Lightning's own loader, in memory
+    assert max_error({k: v for k, v in restored.state_dict().items()}, want) == 0.0
+    out = tmp_path / "model.ckpt"
+    cli = subprocess.run([sys.executable, "-m", "cephalo_lightning", "consolidate", str(path), "-o", str(out)],
+                         capture_output=True, text=True, env=clean_env())
+    assert cli.returncode == 0, cli.stderr
+    plain = torch.load(out, weights_only=True)
+    assert max_error({k: v.float() for k, v in plain["state_dict"].items()}, want) == 0.0 and plain["global_step"] == 3
+    assert plain["optimizer_states"][0]["param_groups"][0]["lr"] == 0.5
+    lightning_out = tmp_path / "lightning.ckpt"
+    tool = subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(path),
+                           "--output_file", str(lightning_out)], capture_output=True, text=True, env=clean_env())
+    assert tool.returncode == 0, tool.stderr
+    assert max_error(SGDModule.load_from_checkpoint(lightning_out).state_dict(), want) == 0.0
+
+
+# ----------------------------------------------------------------------------- nothing loaded runs code
+
+
+class Hostile:
+    """Unpickling it writes a marker file: proof that code from the file ran."""
+
+    marker = ""
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _single_rank_checkpoint(path: Path) -> None:
+    warnings.simplefilter("ignore")
+    t = trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)), 1, 1, str(path.parent))
+    t.fit(SGDModule(), data_loader(False))
+    t.save_checkpoint(str(path))
+
+
+def _rewrite_manifest(path: Path) -> None:
+    """What an attacker would do: make the tampered file's checksum match."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": checkpoint._sha256(p)}
+             for p in path.iterdir() if p.is_file() and p.name != "manifest.json"}
+    (path / "manifest.json").write_text(json.dumps({"format": checkpoint.FORMAT, "files": files}))
+
+
+def _hostile_bytes(marker: Path) -> bytes:
+    Hostile.marker = str(marker)
+    return pickle.dumps({"epoch": 0, "evil": Hostile()})
+
+
+LOAD_PATHS = {
+    "Trainer.fit(ckpt_path=dir)": lambda p: trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)),
+                                                    1, 2).fit(SGDModule(), data_loader(False), ckpt_path=str(p)),
+    "Trainer.fit(weights_only=True)": lambda p: trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)),
+                                                        1, 2).fit(SGDModule(), data_loader(False), ckpt_path=str(p),
+                                                                  weights_only=True),
+    "load_full_state_dict": lambda p: checkpoint.load_full_state_dict(p),
+    "consolidated / load_from_checkpoint": lambda p: SGDModule.load_from_checkpoint(consolidated(p)),
+    "read_meta": lambda p: checkpoint.read_meta(p),
+}
+
+
+@pytest.mark.parametrize("target", ["meta.pt", ".metadata"])
+@pytest.mark.parametrize("path_name", sorted(LOAD_PATHS))
+def test_a_hostile_pickle_never_runs_on_any_load_path(tmp_path, target, path_name):
+    if target == ".metadata" and path_name == "read_meta":
+        pytest.skip("read_meta reads meta.pt only")
+    ckpt = tmp_path / "ckpt"
+    _single_rank_checkpoint(ckpt)
+    marker = tmp_path / "pwned"
+    (ckpt / target).write_bytes(_hostile_bytes(marker))
+    _rewrite_manifest(ckpt)
+    reads_it = target == ".metadata" or path_name != "load_full_state_dict"  # that one needs no meta.pt
+    try:
+        LOAD_PATHS[path_name](ckpt)
+        refused = None
+    except CheckpointError as err:
+        refused = str(err)
+    assert not marker.exists(), f"{path_name}: code from {target} ran"
+    if reads_it:
+        assert refused and ("running code" in refused or "not one of DCP's metadata classes" in refused), refused
+
+
+def test_a_hostile_single_file_checkpoint_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    file = tmp_path / "full.ckpt"
+    Hostile.marker = str(marker)
+    torch.save({"state_dict": {}, "evil": Hostile()}, file)
+    with pytest.raises(CheckpointError, match="running code"):
+        LOAD_PATHS["Trainer.fit(ckpt_path=dir)"](file)
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- damage is refused by name
+
+
+@pytest.mark.parametrize("victim", ["distcp", ".metadata", "meta.pt", "cephalo.json"])
+def test_a_flipped_byte_in_any_file_is_a_clear_error_naming_it(tmp_path, victim):
+    ckpt = tmp_path / "ckpt"
+    _single_rank_checkpoint(ckpt)
+    file = next(p for p in ckpt.iterdir() if p.name.endswith(victim))
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{file.name}.*checksum"):
+        checkpoint.load_full_state_dict(ckpt)
+
+
+def test_truncated_or_missing_files_are_clear_errors(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _single_rank_checkpoint(ckpt)
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    with pytest.raises(CheckpointError, match="truncated"):
+        checkpoint.load_full_state_dict(ckpt)
+    (ckpt / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=".metadata is missing"):
+        checkpoint.load_full_state_dict(ckpt)
+    (ckpt / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="not a complete cephalo checkpoint"):
+        checkpoint.load_full_state_dict(ckpt)
+
+
+# ----------------------------------------------------------------------------- kills never leave a fake
+
+
+KILL_SCRIPT = """
+import sys, warnings
+warnings.simplefilter("ignore")
+sys.path.insert(0, {root!r})
+import lightning.pytorch as pl, torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from cephalo_lightning import CephaloStrategy, Plan
+from cephalo_lightning.planner import RankPlan
+from tests.models import TinyLM
+from tests.lightning_models import TinyLayered, token_data
+
+class Big(TinyLayered):  # a few MB of state, so saves and deletes take a while
+    def __init__(self):
+        super().__init__()
+        self.model = TinyLM(vocab=200, dim=256, depth=4)
+
+plan = Plan(8, "layered", (RankPlan(0, "a", 8, 2, 4, 1.0),))
+saver = ModelCheckpoint(dirpath={ckpt!r}, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max",
+                        save_last=True, filename="{{step}}")
+class Step(pl.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        module.log("step", float(trainer.global_step))
+t = pl.Trainer(strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=1, max_steps=10_000, logger=False,
+               enable_progress_bar=False, enable_model_summary=False, callbacks=[saver, Step()],
+               default_root_dir={workdir!r})
+ckpt = {resume!r} or None
+t.fit(Big(), torch.utils.data.DataLoader(token_data(80_000, vocab=200), batch_size=8), ckpt_path=ckpt)
+"""
+
+
+def test_kills_during_saves_and_deletions_never_leave_a_checkpoint_that_looks_whole(tmp_path):
+    rng = random.Random(0)
+    ckpt = tmp_path / "ckpts"
+    resume = ""
+    saw_complete = interrupted = 0
+    for kill in range(10):
+        script = KILL_SCRIPT.format(root=str(ROOT), ckpt=str(ckpt), resume=resume, workdir=str(tmp_path))
+        proc = subprocess.Popen([sys.executable, "-c", script], env=clean_env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+        started, deadline = time.time(), time.monotonic() + 90
+        manifest = ckpt / "last.ckpt" / "manifest.json"
+        while time.monotonic() < deadline and proc.poll() is None and not (
+                manifest.exists() and manifest.stat().st_mtime > started):  # this run has saved once
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.05, 1.5))  # somewhere in the middle of a save or a top-k deletion
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        interrupted += any(p.name.startswith(".") for p in ckpt.iterdir())  # a save or deletion was under way
+        checkpoint.clean_stale(ckpt)  # what the next run does first
+        found = [p for p in ckpt.iterdir() if checkpoint.is_checkpoint(p)]
+        assert found, f"kill {kill}: no checkpoint survived"
+        for path in found:  # everything that looks like a checkpoint is one
+            checkpoint.verify(path)
+        assert checkpoint.is_complete(ckpt / "last.ckpt"), f"kill {kill}: last.ckpt is missing or incomplete"
+        assert not [p for p in ckpt.iterdir() if p.name.startswith(".")], "leftovers after clean_stale"
+        saw_complete += len(found)
+        resume = str(ckpt / "last.ckpt")  # and the next run resumes from it
+    assert saw_complete >= 10
+    assert interrupted >= 3, f"only {interrupted} of 10 kills landed inside a save or a deletion"
+
+
+# ----------------------------------------------------------------------------- single-file export
+
+
+def test_state_dict_type_full_writes_one_safe_file(tmp_path):
+    warnings.simplefilter("ignore")
+    t = pl.Trainer(strategy=CephaloStrategy(plan=Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 1, GLOBAL, 1.0),)),
+                                            state_dict_type="full"),
+                   accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False)
+    t.fit(SGDModule(), data_loader(False))
+    t.save_checkpoint(tmp_path / "export.ckpt")
+    assert (tmp_path / "export.ckpt").is_file() and not list(tmp_path.glob(".*"))
+    restored = SGDModule.load_from_checkpoint(tmp_path / "export.ckpt", weights_only=True)
+    full = t.strategy.sharded.full_state_dict()
+    assert all(torch.equal(restored.state_dict()[k], full[k]) for k in full)

@@ -1,0 +1,255 @@
+"""The edges real models meet: meta-device init, pretrained weights into the shards, optimizer groups
+by ``p.dim()``, the uniform mode's logged loss, frozen layers, manual optimization, adapters that
+wrap the model's own modules."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from cephalo_lightning import CephaloStrategy, Plan, consolidated, full_shape
+from cephalo_lightning.planner import PlanningError, RankPlan
+from tests.distributed import run_distributed
+from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
+from tests.models import TinyLM
+from tests.test_strategy import NUM_SAMPLES, max_error, reference
+
+transformers = pytest.importorskip("transformers")
+
+TWO = Plan(12, "layered", (RankPlan(0, "a", 9, 3, 3, 0.3), RankPlan(1, "b", 3, 1, 3, 0.7)))
+UNIFORM_TWO = Plan(12, "uniform", (RankPlan(0, "a", 8, 2, 4, 0.4), RankPlan(1, "b", 4, 2, 2, 0.6)))
+
+
+def fit(module: pl.LightningModule, plan: Plan, world: int, steps: int = 2, **strategy) -> pl.Trainer:
+    trainer = pl.Trainer(strategy=CephaloStrategy(plan=plan, **strategy), accelerator="cpu", devices=world,
+                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False)
+    trainer.fit(module, loader(token_data(NUM_SAMPLES), plan.global_batch_size))
+    return trainer
+
+
+def llama_config(**extra) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                    num_key_value_heads=1, vocab_size=17, max_position_embeddings=16, **extra)
+
+
+class MetaLlama(pl.LightningModule):
+    """Built in configure_model(), which the strategy runs on the meta device."""
+
+    def __init__(self, family: str = "llama") -> None:
+        super().__init__()
+        self.family = family
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            if self.family == "gpt2":
+                config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=16, vocab_size=17)
+                self.model = transformers.GPT2LMHeadModel(config)
+            else:
+                self.model = transformers.LlamaForCausalLM(llama_config())
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.model(input_ids=x, labels=torch.cat([x[:, :1], y], dim=1)[:, :-1]).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _meta_and_pretrained(rank: int, world: int, weights: dict[str, str]):
+    warnings.simplefilter("ignore")
+    out = {}
+    plan = Plan(12, "uniform", tuple(RankPlan(r, "a", 12 // world, 1, 12 // world, s)
+                                     for r, s in enumerate([0.3, 0.7] if world == 2 else [1.0])))
+    for family in ("llama", "gpt2"):
+        trainer = fit(MetaLlama(family), plan, world, steps=0)
+        assert trainer.strategy.sharded.materialized_units == len(trainer.strategy.sharded.units)
+        out[f"init/{family}"] = trainer.strategy.sharded.full_state_dict()
+        trainer = fit(MetaLlama(family), plan, world, steps=0, pretrained=weights[family])
+        out[f"pretrained/{family}"] = trainer.strategy.sharded.full_state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrained")
+    paths = {}
+    torch.manual_seed(5)
+    for family, model in (("llama", transformers.LlamaForCausalLM(llama_config())),
+                          ("gpt2", transformers.GPT2LMHeadModel(transformers.GPT2Config(
+                              n_layer=2, n_embd=16, n_head=2, n_positions=16, vocab_size=17)))):
+        model.save_pretrained(root / family)  # safetensors; GPT-2's tied head is not stored
+        paths[family] = str(root / family)
+    one = run_distributed(_meta_and_pretrained, 1, paths)
+    two = run_distributed(_meta_and_pretrained, 2, paths)
+    return paths, one[0], two[0]
+
+
+@pytest.mark.multiprocess
+def test_meta_init_is_the_same_model_under_any_layout_and_a_sane_one(saved):
+    _, one, two = saved
+    for family in ("llama", "gpt2"):
+        a, b = one[f"init/{family}"], two[f"init/{family}"]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), family
+        embed = next(v for k, v in a.items() if "embed_tokens" in k or "wte" in k)
+        assert 0.015 < embed.std().item() < 0.025  # the HF initializer_range, not zeros or garbage
+
+
+@pytest.mark.multiprocess
+def test_pretrained_weights_land_in_the_shards_exactly(saved):
+    from safetensors.torch import load_file
+
+    paths, one, two = saved
+    for family in ("llama", "gpt2"):
+        stored = load_file(f"{paths[family]}/model.safetensors")
+        for got in (one[f"pretrained/{family}"], two[f"pretrained/{family}"]):
+            for name, value in got.items():
+                key = name[len("model."):]
+                assert torch.equal(value, stored[key]), f"{family}: {name}"
+
+
+# ----------------------------------------------------------------------------- optimizer groups, logs, edges
+
+
+class DecayByDim(TinyLayered):
+    """nanoGPT's grouping: weight decay for tensors with 2+ dims, none for the rest."""
+
+    def configure_optimizers(self):
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.dim() < 2]
+        self.groups = ([n for n, p in self.named_parameters() if p.dim() >= 2],
+                       [tuple(full_shape(p)) for p in decay])
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.5}, {"params": rest, "weight_decay": 0.0}],
+                                 lr=1e-2)
+
+
+class LogsLoss(TinyUniform):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = self.model.loss(self(x), y)
+        self.log("step_loss", loss, on_step=True, on_epoch=False, prog_bar=True)  # no batch_size: the usual way
+        return loss
+
+
+class FrozenEmbedding(TinyLayered):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.embed.requires_grad_(False)
+
+
+class Manual(TinyUniform):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        x, y = batch
+        self.manual_backward(self.model.loss(self(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _edges(rank: int, world: int):
+    warnings.simplefilter("ignore")
+    out = {}
+    trainer = pl.Trainer(strategy=CephaloStrategy(plan=TWO), accelerator="cpu", devices=world, max_steps=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, use_distributed_sampler=False, precision="64-true")
+    module = DecayByDim()
+    trainer.fit(module, loader(token_data(NUM_SAMPLES), 12))
+    out["groups"] = module.groups
+    out["decay"] = trainer.strategy.sharded.full_state_dict()
+    trainer = fit(LogsLoss(), UNIFORM_TWO, world, steps=2)
+    out["logged"] = float(trainer.callback_metrics["step_loss"])
+    trainer = fit(FrozenEmbedding(), TWO, world, steps=2)
+    out["frozen"] = trainer.strategy.sharded.full_state_dict()
+    one_each = Plan(12, "uniform", (RankPlan(0, "a", 7, 1, 7, 0.5), RankPlan(1, "b", 5, 1, 5, 0.5)))
+    trainer = fit(Manual(), one_each, world, steps=2)
+    out["manual"] = trainer.strategy.sharded.full_state_dict()
+    try:
+        fit(Manual(), UNIFORM_TWO, world, steps=1)
+    except PlanningError as err:
+        out["manual_refused"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def edges():
+    return run_distributed(_edges, 2)
+
+
+@pytest.mark.multiprocess
+def test_grouping_by_dim_gives_the_unsharded_groups_and_trains_exactly(edges):
+    names, shapes = edges[0]["groups"]
+    plain = TinyLayered()
+    assert names == [n for n, p in plain.named_parameters() if p.dim() >= 2]
+    assert all(len(shape) >= 2 for shape in shapes)
+    model = DecayByDim().double()
+    optimizer = model.configure_optimizers()
+    data = token_data(NUM_SAMPLES)
+    for step in range(2):
+        x, y = data[step * 12 : (step + 1) * 12]
+        model.model.loss(model.model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    want = {f"model.{k}": v for k, v in model.model.state_dict().items()}
+    assert max_error(edges[0]["decay"], want) <= 1e-10
+
+
+@pytest.mark.multiprocess
+def test_uniform_mode_logs_the_steps_global_loss(edges):
+    _, losses = reference(2, 12)
+    assert edges[0]["logged"] == pytest.approx(losses[-1], abs=1e-6)  # the global batch's, not a micro-batch's
+    assert edges[1]["logged"] == edges[0]["logged"]
+
+
+@pytest.mark.multiprocess
+def test_a_frozen_first_layer_trains_in_layered_mode(edges):
+    model = FrozenEmbedding()
+    optimizer = model.configure_optimizers()
+    data = token_data(NUM_SAMPLES)
+    for step in range(2):
+        x, y = data[step * 12 : (step + 1) * 12]
+        model.model.loss(model.model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    want = {f"model.{k}": v for k, v in model.model.state_dict().items()}
+    assert max_error(edges[0]["frozen"], want) <= 1e-5
+    assert torch.equal(edges[0]["frozen"]["model.embed.weight"], FrozenEmbedding().model.embed.weight)
+
+
+@pytest.mark.multiprocess
+def test_manual_optimization_with_one_micro_batch_trains_and_more_are_refused(edges):
+    want, _ = reference(2, 12)
+    assert max_error(edges[0]["manual"], want) <= 1e-5
+    assert "manual optimization" in edges[0]["manual_refused"] and "one micro-batch" in edges[0]["manual_refused"]
+
+
+# ----------------------------------------------------------------------------- adapters next to the model
+
+
+class Adapted(TinyLayered):
+    """The model kept as ``self.model`` next to registered adapters that wrap its own modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapters = torch.nn.ModuleList([self.model.embed, *self.model.blocks, self.model.norm, self.model.head])
+
+    def cephalo_layers(self):
+        return list(self.adapters)
+
+
+def test_keeping_the_model_beside_adapters_checkpoints_and_loads_back(tmp_path):
+    warnings.simplefilter("ignore")
+    trainer = fit(Adapted(), Plan(12, "layered", (RankPlan(0, "a", 12, 2, 6, 1.0),)), 1, steps=1)
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    restored = Adapted.load_from_checkpoint(consolidated(tmp_path / "ckpt"))  # strict: every state_dict key
+    full = trainer.strategy.sharded.full_state_dict()
+    for name, value in full.items():
+        assert torch.equal(restored.state_dict()[name], value)
+    assert torch.equal(restored.adapters[0].weight, restored.model.embed.weight)
