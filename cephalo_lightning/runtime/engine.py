@@ -42,7 +42,7 @@ from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams
 from cephalo_lightning.runtime.flat_unit import FlatUnit, ParamSlot, piece_shape
 from cephalo_lightning.runtime.layout import ParamSpan, ShardLayout, UnitLayout, build_layout
-from cephalo_lightning.runtime.observers import Observers
+from cephalo_lightning.runtime.observers import Observer, Observers
 from cephalo_lightning.runtime.wrap import WrapPolicy, check_units_disjoint, find_units
 
 ROOT = "<root>"
@@ -154,9 +154,7 @@ class UnitMaterializer:
             self._buffers_to_device(buffers)
             if not params:
                 return torch.zeros(0, dtype=dtype, device=self.device)
-            with torch.no_grad():
-                flat = torch.cat([p.detach().reshape(-1).to(device=self.device, dtype=dtype) for p in params])
-                return flat[lo:hi].clone()
+            return _flat_range(params, lo, hi, dtype, self.device)
         self.materialized_units += 1
         if self.source is not None:
             return self._read(unit, slots, rank, dtype, buffers)
@@ -214,10 +212,21 @@ class UnitMaterializer:
             torch.manual_seed((self.seed * 1_000_003 + index) % (2**63))
             for mod in _post_order(tops, owners):
                 self.init(mod)
-        params = [slot.current for slot in slots]
-        with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1).to(dtype) for p in params]) if params else torch.zeros(0, dtype=dtype, device=self.device)
-            return flat[lo:hi].clone()
+        return _flat_range([slot.current for slot in slots], lo, hi, dtype, self.device)
+
+
+def _flat_range(params: Sequence[torch.Tensor], lo: int, hi: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Elements [lo, hi) of the parameters flattened one after another, copied piece by piece: the
+    unit is never concatenated, so building a shard holds the unit once, not twice."""
+    out = torch.empty(hi - lo, dtype=dtype, device=device)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            a, b = max(lo, offset), min(hi, offset + p.numel())
+            if b > a:
+                out[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - offset : b - offset])
+            offset += p.numel()
+    return out
 
 
 class ShardedModel:
@@ -245,9 +254,12 @@ class ShardedModel:
         device: torch.device | None = None,
         materializer: UnitMaterializer | None = None,
         overlap: bool = True,
+        observers: Sequence[Observer] = (),
     ) -> None:
         self.module = module
         self.observers = Observers()
+        for observer in observers:  # attached first, they also see the buffers sharding creates
+            self.observers.attach(observer)
         first = next(iter(module.parameters()), None)
         self.device = torch.device(device) if device is not None else (
             first.device if first is not None and not first.is_meta else torch.device("cpu"))
