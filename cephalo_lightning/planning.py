@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,8 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from cephalo_lightning._lightning_private import training_dataloader
-
-from cephalo_lightning.planner import Cluster, Plan, PlanningError
+from cephalo_lightning.planner import Cluster, Plan, PlanningError, load_cluster
 from cephalo_lightning.planner import plan as make_plan
 from cephalo_lightning.runtime.emulation import GIB, DeviceEmulator
 from cephalo_lightning.runtime.flat_unit import full_shape
@@ -65,6 +65,35 @@ def global_batch(configured: int | None, trainer: Any, world_size: int) -> int:
     if batch is None:
         raise ValueError("set batch_size on the training DataLoader (the global batch) or CephaloStrategy(global_batch_size=B)")
     return batch
+
+
+def given(plan: Plan | str | Path | None, cluster: Cluster | str | Path | None,
+          global_batch_size: int | None) -> tuple[Plan | None, Cluster | None]:
+    """The strategy's ``plan`` and ``cluster`` arguments, loaded, and checked against each other."""
+    if cluster is not None and (plan is not None or global_batch_size is None):
+        raise ValueError("CephaloStrategy(cluster=...) plans at setup: give global_batch_size=B and no plan=")
+    plan = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
+    if plan is not None and global_batch_size not in (None, plan.global_batch_size):
+        raise ValueError(f"global_batch_size={global_batch_size} but the plan is for {plan.global_batch_size}: drop one")
+    return plan, load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
+
+
+def emulation_specs(configured: Sequence[Any] | None, cluster: Cluster | None) -> list[Any] | None:
+    """Per-rank emulation: the strategy's ``emulate``, else the cluster file's ``emulate`` entries."""
+    if configured is not None:
+        return list(configured)
+    if cluster is not None and any(d.emulate is not None for d in cluster.devices):
+        return [d.emulate for d in cluster.devices]
+    return None
+
+
+def check_loader_batch(batch_size: int | None, plan: Plan, configured: int | None) -> None:
+    """The training DataLoader's ``batch_size`` is the global batch: it must be the plan's."""
+    if configured is None and batch_size not in (None, plan.global_batch_size):
+        raise PlanningError(
+            f"the training DataLoader has batch_size={batch_size} but the plan is for a global batch of "
+            f"{plan.global_batch_size}: set batch_size={plan.global_batch_size} or re-plan with --global-batch-size "
+            f"{batch_size}")
 
 
 def resolve(plan: Plan | None, cluster: Cluster | None, global_batch_size: Callable[[], int], mode: str,

@@ -28,7 +28,7 @@ from cephalo_lightning import planning, reporting
 from cephalo_lightning._lightning_private import logging_as, sync_ddp_if_available
 from cephalo_lightning.config import StrategyConfig
 from cephalo_lightning.models import resolve
-from cephalo_lightning.planner import Cluster, Plan, PlanningError, load_cluster
+from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.plumbing import ProcessGroupStrategy
 from cephalo_lightning.precision import sharded_precision
 from cephalo_lightning.runtime import checkpoint
@@ -68,13 +68,7 @@ class CephaloStrategy(ProcessGroupStrategy):
             state_dict_type=state_dict_type, prefetch=prefetch, overlap=overlap, pretrained=pretrained,
             loss_weighting=loss_weighting, verify_loss=verify_loss, max_nonfinite_skips=max_nonfinite_skips,
             check_devices=check_devices, safe_globals=safe_globals, seed=seed, verify_checksums=verify_checksums)
-        if cluster is not None and (plan is not None or global_batch_size is None):
-            raise ValueError("CephaloStrategy(cluster=...) plans at setup: give global_batch_size=B and no plan=")
-        self.plan: Plan | None = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
-        if self.plan is not None and global_batch_size not in (None, self.plan.global_batch_size):
-            raise ValueError(f"global_batch_size={global_batch_size} but the plan is for {self.plan.global_batch_size}: drop one")
-        self.cluster: Cluster | None = load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
-        self.collective = collective
+        self.plan, self.cluster = planning.given(plan, cluster, global_batch_size)
         self.emulator = DeviceEmulator()
         self.run: FitRuntime | None = None
         self.provisional_layout: str | None = None  # "memory": a plan follows (CephaloCallback)
@@ -82,19 +76,12 @@ class CephaloStrategy(ProcessGroupStrategy):
         self._sync = True  # False while Lightning accumulates gradients over batches
 
     global_batch_size = property(lambda self: self.config.global_batch_size)
+    collective = property(lambda self: resolve_mode(self.config.collective))  # once the backend is known
     mode = property(lambda self: self.config.mode)
     param_dtype = property(lambda self: self.config.param_dtype)
     sharded = property(lambda self: self.run.sharded if self.run is not None else None)
     memory = property(lambda self: self.run.memory.tracker if self.run is not None and self.run.memory else None)
-
-    @property
-    def emulate(self) -> list[Any] | None:
-        """Per-rank emulation: the strategy's ``emulate``, else the cluster file's ``emulate`` entries."""
-        if self.config.emulate is not None:
-            return list(self.config.emulate)
-        if self.cluster is not None and any(d.emulate is not None for d in self.cluster.devices):
-            return [d.emulate for d in self.cluster.devices]
-        return None
+    emulate = property(lambda self: planning.emulation_specs(self.config.emulate, self.cluster))
 
     # --------------------------------------------------------------------------- Lightning plumbing
 
@@ -113,7 +100,6 @@ class CephaloStrategy(ProcessGroupStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._init_process_group()
-        self.collective = resolve_mode(self.collective)  # the backend is known now
         self.emulator = emulator_for_rank(self.emulate, self.global_rank, self.world_size,
                                           synchronize_cuda=self.root_device.type == "cuda")
 
@@ -154,8 +140,9 @@ class CephaloStrategy(ProcessGroupStrategy):
             self.model = self.precision_plugin.convert_module(self.model)
             resolution = resolve(module)
             mode = decide_mode(self.config.mode, resolution, module, self.plan)
-            plan = planning.resolve(self.plan, self.cluster, lambda: self._global_batch(trainer), mode, self.world_size,
-                                    self._identities, self.provisional_layout == "memory", self.config.check_devices)
+            plan = planning.resolve(self.plan, self.cluster, lambda: planning.global_batch(
+                self.config.global_batch_size, trainer, self.world_size), mode, self.world_size, self._identities,
+                self.provisional_layout == "memory", self.config.check_devices)
             planning.check_model(plan, module)
             self.run = FitRuntime(module, plan, self.config, mode=mode, resolution=resolution, rank=self.global_rank,
                                   device=self.root_device, emulator=self.emulator, collective=self.collective,
@@ -167,9 +154,6 @@ class CephaloStrategy(ProcessGroupStrategy):
             self.setup_optimizers(trainer)
             self._failures = self.run.start_fit(trainer, self.broadcast(os.urandom(6).hex()), self.cluster)
         self.setup_precision_plugin()
-
-    def _global_batch(self, trainer: pl.Trainer) -> int:
-        return planning.global_batch(self.config.global_batch_size, trainer, self.world_size)
 
     def _identities(self) -> list[planning.DeviceIdentity]:
         return planning.gather_identities(planning.identity(self.global_rank, self.root_device, self.emulator),
@@ -207,12 +191,7 @@ class CephaloStrategy(ProcessGroupStrategy):
             return dataloader
         if trainer.state.stage != RunningStage.TRAINING:
             return evaluation_loader(dataloader, self.world_size)
-        plan = self.run.plan
-        if self.config.global_batch_size is None and dataloader.batch_size not in (None, plan.global_batch_size):
-            raise PlanningError(
-                f"the training DataLoader has batch_size={dataloader.batch_size} but the plan is for a global batch of "
-                f"{plan.global_batch_size}: set batch_size={plan.global_batch_size} or re-plan with --global-batch-size "
-                f"{dataloader.batch_size}")
+        planning.check_loader_batch(dataloader.batch_size, self.run.plan, self.config.global_batch_size)
         seed = self.config.seed if self.config.seed is not None else int(self.broadcast(torch.initial_seed() % 2**31))
         self._loader = planned_loader(dataloader, self.run.plan_state, self.global_rank, shuffle=shuffles(dataloader), seed=seed)
         return self._loader
@@ -223,11 +202,7 @@ class CephaloStrategy(ProcessGroupStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
-        record = self.run.plan_state.next_batch()
-        if record.version != self.run.plan_state.sharded_version:
-            raise RuntimeError(f"a batch cut under plan version {record.version} reached a model sharded under "
-                               f"version {self.run.plan_state.sharded_version}")
-        self._loader.batch_sampler.mark_consumed(record.step)
+        self._loader.batch_sampler.mark_consumed(self.run.next_batch().step)
         scaler = getattr(self.precision_plugin, "scaler", None)
         self._ctx = self.run.context(trainer, self._sync, scaler, args[1] if len(args) > 1 else 0)
         with self.run.step_scope(trainer.global_step), self.precision_plugin.train_step_context():

@@ -30,7 +30,7 @@ from cephalo_lightning.runtime.engine import ShardedModel, UnitMaterializer
 from cephalo_lightning.runtime.liveness import Heartbeat, looks_like_lost_peer
 from cephalo_lightning.runtime.layered import LayeredSchedule
 from cephalo_lightning.runtime.memory import SampledTracking
-from cephalo_lightning.runtime.plan_state import PlanState
+from cephalo_lightning.runtime.plan_state import CutBatch, PlanState
 from cephalo_lightning.runtime.weights import open_weights
 from cephalo_lightning.steps import LayeredSteps, NonFiniteGuard, StepContext, StepReport, UniformSteps
 
@@ -170,6 +170,15 @@ class FitRuntime:
             return
         with self.memory.step(step):
             yield
+
+    def next_batch(self) -> CutBatch:
+        """The record of the batch this step trains on; it must have been cut under the plan the
+        model is sharded by (a switch waits for the batches cut before it)."""
+        record = self.plan_state.next_batch()
+        if record.version != self.plan_state.sharded_version:
+            raise RuntimeError(f"a batch cut under plan version {record.version} reached a model sharded under "
+                               f"version {self.plan_state.sharded_version}")
+        return record
 
     def record(self, report: StepReport) -> None:
         self.guard.record(report)
