@@ -1,4 +1,4 @@
-"""Emulated heterogeneous cluster benchmark (issue 6): the Cephalo plan vs the even and proportional plans.
+"""Emulated heterogeneous cluster benchmark: the Cephalo plan vs the even and proportional plans.
 
     python benchmarks/bench_emulated.py              # 2 ranks as configs/quickstart.yaml, 3 rounds; a few minutes
     python benchmarks/bench_emulated.py --quick      # 2 rounds, fewer batches; about a minute
@@ -150,19 +150,26 @@ def fit_plan(cfg: Config, plan, warmup: int, measured: int) -> dict[str, Any]:
 
 
 def _busy_recorder():
-    """Per batch, the seconds this rank spent in compute regions (the emulated waits included)."""
+    """Per batch, the seconds this rank spent in compute regions (the emulated waits included):
+    a :class:`~cephalo_lightning.runtime.emulation.BusyTime` observer attached outside the emulator."""
     from lightning.pytorch.callbacks import Callback
+
+    from cephalo_lightning.runtime.emulation import BusyTime
 
     class Busy(Callback):
         def __init__(self) -> None:
             self.per_step: list[float] = []
+            self.busy = BusyTime()
             self._start = 0.0
 
+        def on_train_start(self, trainer, pl_module) -> None:
+            trainer.strategy.sharded.observers.attach(self.busy, outermost=True)
+
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            self._start = trainer.strategy.emulator.busy_seconds
+            self._start = self.busy.seconds
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.per_step.append(trainer.strategy.emulator.busy_seconds - self._start)
+            self.per_step.append(self.busy.seconds - self._start)
 
     return Busy()
 

@@ -1,4 +1,4 @@
-"""Layered gradient accumulation benchmark (issue 4): memory vs micro-batch count, cost model vs schedule.
+"""Layered gradient accumulation benchmark: memory vs micro-batch count, cost model vs schedule.
 
     python benchmarks/bench_layered.py            # a few minutes
     python benchmarks/bench_layered.py --quick    # fewer configurations and rounds; under a minute
@@ -95,14 +95,16 @@ def _micro_batches(x: torch.Tensor, y: torch.Tensor, n: int) -> tuple[list[torch
     return xs, ys
 
 
-def _build(cfg: Config, emulator=None, record: bool = False):
+def _build(cfg: Config, observers=(), record: bool = False):
     from cephalo_lightning.demo.gpt import GPT
     from cephalo_lightning.runtime.engine import ShardedModel
 
     torch.manual_seed(0)
     model = GPT(gpt_config(cfg))
     layers = model.layers()
-    sharded = ShardedModel(model, list(cfg.shares), units=layers, record_collectives=record, emulator=emulator)
+    sharded = ShardedModel(model, list(cfg.shares), units=layers, record_collectives=record)
+    for observer in observers:  # the rank's emulator, then the busy clock around it
+        sharded.observers.attach(observer, outermost=type(observer).__name__ == "BusyTime")
     return model, layers, sharded
 
 
@@ -132,7 +134,8 @@ def _memory(rank: int, world: int, cfg: Config) -> list[dict[str, Any]]:
                 _clear_grads(sharded)
                 gc.collect()
                 before = len(sharded.comm.log)
-                with MemoryTracker() as tracker:
+                tracker = MemoryTracker()
+                with sharded.observers.attached(tracker), tracker:
                     if schedule is not None:
                         schedule.forward(xs, plain_input, lambda k, out, side: GPT.loss(out, ys[k]), [1.0 / n] * n)
                         schedule.backward()
@@ -176,29 +179,29 @@ def memory_rows(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 class BusyClock:
-    """Wraps a :class:`DeviceEmulator`: adds up the wall time of the outermost compute regions
-    (the emulated wait included), i.e. the time this rank's device is busy computing."""
+    """This rank's busy time: a :class:`~cephalo_lightning.runtime.emulation.BusyTime` observer
+    attached outside the rank's emulator (its waits count), and the emulator to time layers under."""
 
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.busy_s = 0.0
-        self._depth = 0
-        self._start = 0.0
+    def __init__(self, emulator) -> None:
+        from cephalo_lightning.runtime.emulation import BusyTime
+
+        self.emulator = emulator
+        self.busy = BusyTime()
+
+    @property
+    def busy_s(self) -> float:
+        return self.busy.seconds
 
     def begin_compute(self) -> None:
-        if self._depth == 0:
-            self._start = time.perf_counter()
-        self._depth += 1
-        self.inner.begin_compute()
+        self.busy.compute_begin("profile")
+        self.emulator.compute_begin("profile")
 
     def end_compute(self) -> None:
-        self.inner.end_compute()
-        self._depth -= 1
-        if self._depth == 0:
-            self.busy_s += time.perf_counter() - self._start
+        self.emulator.compute_end("profile")
+        self.busy.compute_end("profile")
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        return getattr(self.emulator, name)
 
 
 class LayerProfiler:
@@ -215,7 +218,7 @@ class LayerProfiler:
         self.sizes, self.layers, self.sharded, self.clock = sizes, layers, sharded, clock
         x_all, self.y = _tokens(cfg, max(sizes), seed=777 + rank)
         self.inputs: dict[int, list[torch.Tensor]] = {}
-        with sharded.hooks_disabled(), sharded.summon_full_params(), torch.no_grad():
+        with sharded.scheduled(), sharded.summon_full_params(), torch.no_grad():
             for m in sizes:
                 h, chain = x_all[:m], []
                 for layer in layers:
@@ -240,7 +243,7 @@ class LayerProfiler:
     def run_once(self) -> None:
         from cephalo_lightning.demo.gpt import GPT
 
-        with self.sharded.hooks_disabled(), self.sharded.summon_full_params():
+        with self.sharded.scheduled(), self.sharded.summon_full_params():
             for i, layer in enumerate(self.layers):
                 last = i == len(self.layers) - 1
                 for m in self.sizes:
@@ -310,6 +313,7 @@ class StepRunner:
 
     def __call__(self) -> None:
         from cephalo_lightning.demo.gpt import GPT
+        from cephalo_lightning.runtime.layered import plain_input
 
         busy0, start = self.clock.busy_s, time.perf_counter()
         self.schedule.forward(self.xs, plain_input, lambda k, out, side: GPT.loss(out, self.ys[k]), self.weights)
@@ -326,7 +330,7 @@ def _cost_model(rank: int, world: int, cfg: Config) -> dict[str, Any]:
 
     emulator = DeviceEmulator(slowdown=cfg.slowdown[rank], emulated=cfg.slowdown[rank] > 1, label=f"rank {rank}")
     clock = BusyClock(emulator)
-    model, layers, sharded = _build(cfg, emulator=clock)
+    model, layers, sharded = _build(cfg, observers=(emulator, clock.busy))
     schedule = LayeredSchedule(sharded, layers, offload=False)
     out: dict[str, Any] = {"rank": rank, "emulator": emulator.describe(), "num_layers": len(layers),
                            "parameters": sum(u.layout.numel for u in sharded.units)}
@@ -493,7 +497,8 @@ def _unit_wise(rank: int, world: int, cfg: Config) -> dict[str, Any]:
         m = cfg.memory_micro_batches[0]
         x, y = _tokens(cfg, 2 * m, seed=rank)
         xs, ys = _micro_batches(x, y, 2)
-        with MemoryTracker(baseline_bytes=sharded.local_state_numel() * 4) as tracker:
+        tracker = MemoryTracker(baseline_bytes=sharded.local_state_numel() * 4)
+        with sharded.observers.attached(tracker), tracker:
             for _ in range(2):  # the second step runs with the optimizer state already allocated
                 tracker.reset_peak()
                 schedule.forward(xs, plain_input, lambda k, out, side: torch.nn.functional.cross_entropy(

@@ -1,4 +1,4 @@
-"""Lightning strategy benchmark (issue 5): ``strategy="cephalo"`` (even plan) vs FSDP2 and DDP in ``Trainer.fit``.
+"""Lightning strategy benchmark: ``strategy="cephalo"`` (even plan) vs FSDP2 and DDP in ``Trainer.fit``.
 
     python benchmarks/bench_strategy.py            # 4 rounds x 4 strategies, ~2 minutes on 2 cores
     python benchmarks/bench_strategy.py --quick    # 2 rounds, fewer steps; under a minute
@@ -54,7 +54,7 @@ import _common as common
 
 WORLD = 2
 STRATEGIES = ("cephalo", "cephalo-uniform", "fsdp2", "ddp")
-GOAL = 1.10  # issue 5: cephalo step time <= 1.10 x FSDP2's
+GOALS = {"fsdp2": 0.90, "ddp": 1.35}  # cephalo step time at most this multiple of the other strategy's
 LOW_QUANTILE = 0.2  # the fastest fifth of the batches: contention from other programs only ever adds time
 
 
@@ -264,21 +264,24 @@ def print_report(result: dict[str, Any]) -> None:
          f"fastest fifth (p{LOW_QUANTILE * 100:.0f})", "rounds min..max"],
         [[f"{r['numerator']} / {r['denominator']}", r["measure"], f"{r['paired']:.3f}", f"{r['pooled']:.3f}",
           f"{r['low']:.3f}", f"{r['min_round']:.3f}..{r['max_round']:.3f}"] for r in result["ratios"]],
-        title=f"Measured ratios (goal: cephalo / fsdp2 step <= {GOAL:.2f}); below 1 means cephalo is faster",
+        title=("Measured ratios (goals: cephalo / fsdp2 step <= " + f"{GOALS['fsdp2']:.2f}, cephalo / ddp step <= "
+               f"{GOALS['ddp']:.2f}); below 1 means cephalo is faster"),
     )
     print("step / iteration: wall clock; cpu: the process's CPU seconds per batch (waiting for a collective or for a "
           "core held by\nanother program does not count: the figure least disturbed by a loaded machine). "
           "p20: the 20th percentile over all\nmeasured batches (other programs only ever add time).")
-    goal = next((r for r in result["ratios"] if r["numerator"] == "cephalo" and r["denominator"] == "fsdp2"
-                 and r["measure"] == "step"), None)
-    if goal is not None:
-        verdict = "meets" if goal["paired"] <= GOAL else "MISSES"
-        print(f"cephalo / fsdp2 step time = {goal['paired']:.3f} (measured, paired): {verdict} the goal of <= {GOAL:.2f}.")
-    print("Per step, cephalo (layered, the default for a module with the layered protocol) recomputes every "
-          "layer's forward in the\nbackward (the layered schedule's price for its memory), and syncs the ranks 22 "
-          "times on this model: 13 all-gathers (one of\nthe empty root unit), 6 reduce-scatters, the global-loss "
-          "all-reduce and Lightning's sync_dist barrier + all-reduce.\ncephalo-uniform and FSDP2 sync 14 times "
-          "(9 all-gathers, 5 reduce-scatters), DDP once or twice (bucketed all-reduce).\n")
+    for other, limit in GOALS.items():
+        goal = next((r for r in result["ratios"] if r["numerator"] == "cephalo" and r["denominator"] == other
+                     and r["measure"] == "step"), None)
+        if goal is not None:
+            verdict = "meets" if goal["paired"] <= limit else "MISSES"
+            print(f"cephalo / {other} step time = {goal['paired']:.3f} (measured, paired): {verdict} the goal of <= {limit:.2f}.")
+    print("Per step, cephalo (layered, the default for a module with the layered protocol) runs each rank's one "
+          "micro-batch\nwithout recomputing (it keeps the autograd graph), all-gathers every layer in the forward "
+          "and again in the\nbackward, reduce-scatters every layer's gradient and all-reduces the loss and the "
+          "step's flags once.\ncephalo-uniform and FSDP2 gather and reduce per block and root; DDP all-reduces "
+          "bucketed gradients (~2x fewer bytes\nthan ZeRO-3's gathers + reduce-scatters, and on gloo CPU nothing "
+          "overlaps compute, so DDP stays ahead here).\n")
     if result.get("profile"):
         print(f"cProfile of one {result['profiled']} fit on rank 0, steady batches only (cumulative time):")
         print(result["profile"])

@@ -322,7 +322,9 @@ def render(rows: list[Row], dry_run: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="the CPU skeleton, tiny sizes (what the tests run)")
-    parser.add_argument("--out", default=str(REPORT), help="where to write the markdown table")
+    parser.add_argument("--out", default=None,
+                        help=f"where to write the markdown table (default: {REPORT.name} in the report folder; a dry run "
+                             "writes only where this says)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -330,9 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     text = render(rows, args.dry_run)
     print(json.dumps([asdict(r) for r in rows], indent=1) if args.json else text)
     print(f"({time.perf_counter() - started:.0f} s)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    out = Path(args.out) if args.out else (None if args.dry_run else REPORT)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
     return 0 if all(r.status in ("ok", "skipped", "refused") for r in rows) else 1
 
 
