@@ -14,7 +14,6 @@ from cephalo_lightning import CephaloStrategy, Plan, consolidated, full_shape
 from cephalo_lightning.planner import PlanningError, RankPlan
 from tests.distributed import run_distributed
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
-from tests.models import TinyLM
 from tests.test_strategy import NUM_SAMPLES, max_error, reference
 
 transformers = pytest.importorskip("transformers")
@@ -183,6 +182,18 @@ def edges():
     return run_distributed(_edges, 2)
 
 
+def _single_process(model, steps: int = 2) -> dict:
+    """The reference: ``model`` trained on the same global batches of 12 in one process."""
+    optimizer = model.configure_optimizers()
+    data = token_data(NUM_SAMPLES)
+    for step in range(steps):
+        x, y = data[step * 12 : (step + 1) * 12]
+        model.model.loss(model.model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {f"model.{k}": v for k, v in model.model.state_dict().items()}
+
+
 @pytest.mark.multiprocess
 def test_grouping_by_dim_gives_the_unsharded_groups_and_trains_exactly(edges):
     names, shapes = edges[0]["groups"]
@@ -190,14 +201,7 @@ def test_grouping_by_dim_gives_the_unsharded_groups_and_trains_exactly(edges):
     assert names == [n for n, p in plain.named_parameters() if p.dim() >= 2]
     assert all(len(shape) >= 2 for shape in shapes)
     model = DecayByDim().double()
-    optimizer = model.configure_optimizers()
-    data = token_data(NUM_SAMPLES)
-    for step in range(2):
-        x, y = data[step * 12 : (step + 1) * 12]
-        model.model.loss(model.model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    want = {f"model.{k}": v for k, v in model.model.state_dict().items()}
+    want = _single_process(model)
     assert max_error(edges[0]["decay"], want) <= 1e-10
 
 
@@ -211,14 +215,7 @@ def test_uniform_mode_logs_the_steps_global_loss(edges):
 @pytest.mark.multiprocess
 def test_a_frozen_first_layer_trains_in_layered_mode(edges):
     model = FrozenEmbedding()
-    optimizer = model.configure_optimizers()
-    data = token_data(NUM_SAMPLES)
-    for step in range(2):
-        x, y = data[step * 12 : (step + 1) * 12]
-        model.model.loss(model.model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    want = {f"model.{k}": v for k, v in model.model.state_dict().items()}
+    want = _single_process(model)
     assert max_error(edges[0]["frozen"], want) <= 1e-5
     assert torch.equal(edges[0]["frozen"]["model.embed.weight"], FrozenEmbedding().model.embed.weight)
 
