@@ -29,6 +29,7 @@ def _modules() -> dict[str, Any]:
     import bench_emulated
     import bench_fidelity
     import bench_layered
+    import bench_meta_init
     import bench_planner
     import bench_runtime
     import bench_startup
@@ -36,7 +37,7 @@ def _modules() -> dict[str, Any]:
 
     return {"planner": bench_planner, "runtime": bench_runtime, "layered": bench_layered,
             "strategy": bench_strategy, "emulated": bench_emulated, "startup": bench_startup,
-            "fidelity": bench_fidelity}
+            "fidelity": bench_fidelity, "meta_init": bench_meta_init}
 
 
 # ----------------------------------------------------------------------------- plots
@@ -263,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         ("emulated", "Emulated heterogeneous cluster: Cephalo vs even vs proportional",
          lambda: m["emulated"].run_benchmark(conf("emulated")), m["emulated"].print_report,
          lambda r: [plot_plans(r["plans"], "emulated_plans", "Emulated 2-rank CPU cluster: measured vs predicted")]),
+        ("meta_init", "Meta-device init: peak host memory per rank while a 220M model is sharded",
+         lambda: m["meta_init"].run_benchmark(quick=args.quick), m["meta_init"].print_report, lambda r: []),
         ("startup", "Planner CLI start-up beside `python -c pass`",
          lambda: m["startup"].run_benchmark(rounds=3 if args.quick else 10, with_lightning=not args.quick),
          m["startup"].print_report, lambda r: []),
