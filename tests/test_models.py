@@ -21,6 +21,7 @@ from cephalo_lightning import CephaloStrategy, Plan  # noqa: E402
 from cephalo_lightning.planner import RankPlan  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.library_models import LibraryLM, PaddedTokens, loader, reference  # noqa: E402
+from tests.test_runtime import assemble  # noqa: E402
 
 FAMILIES = ("gpt2", "llama", "qwen2", "gpt_neox", "litgpt")
 STEPS = 3
@@ -70,20 +71,6 @@ def _all(rank: int, world: int):
     return out
 
 
-def assemble(per_rank: list[dict[str, tuple[int, torch.Tensor]]]) -> dict[str, torch.Tensor]:
-    sizes: dict[str, int] = {}
-    for pieces in per_rank:
-        for name, (start, values) in pieces.items():
-            sizes[name] = max(sizes.get(name, 0), start + values.numel())
-    full = {name: torch.full((n,), float("nan"), dtype=torch.float64) for name, n in sizes.items()}
-    for pieces in per_rank:
-        for name, (start, values) in pieces.items():
-            window = full[name][start : start + values.numel()]
-            assert torch.isnan(window).all(), f"{name}: an element is owned twice"
-            window.copy_(values)
-    return full
-
-
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
 def runs(request):
     world = request.param
@@ -97,7 +84,7 @@ def test_library_lm_trains_exactly_like_single_process_under_two_plans(runs, fam
     data = PaddedTokens(GLOBAL * STEPS)
     want = reference(family, "sgd", STEPS, GLOBAL, data)
     for index in range(len(PLANS[world])):
-        got = assemble([r[(family, "sgd", index)] for r in results])
+        got = assemble([r[(family, "sgd", index)] for r in results], torch.float64)
         for name, value in want.items():
             assert not torch.isnan(got[name]).any(), f"{name}: an element is owned by nobody"
             err = (got[name].float() - value.reshape(-1)).abs().max().item()
@@ -110,7 +97,7 @@ def test_library_lm_adamw_fp64_parameters_and_moments_match(runs, family):
     world, results = runs
     data = PaddedTokens(GLOBAL * STEPS)
     want = reference(family, "adamw", STEPS, GLOBAL, data, dtype=torch.float64)
-    got = assemble([r[(family, "adamw", 0)] for r in results])
+    got = assemble([r[(family, "adamw", 0)] for r in results], torch.float64)
     assert set(want) <= set(got)
     for name, value in want.items():
         err = (got[name] - value.reshape(-1)).abs().max().item()

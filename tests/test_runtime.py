@@ -55,13 +55,14 @@ def train_uniform(sharded: ShardedModel, model: TinyLM, optimizer, batch_sizes, 
         optimizer.zero_grad()
 
 
-def assemble(per_rank: list[dict[str, tuple[int, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+def assemble(per_rank: list[dict[str, tuple[int, torch.Tensor]]],
+             dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Full flattened tensors from every rank's pieces; each element must come exactly once."""
     sizes: dict[str, int] = {}
     for pieces in per_rank:
         for name, (start, values) in pieces.items():
             sizes[name] = max(sizes.get(name, 0), start + values.numel())
-    full = {name: torch.full((n,), float("nan")) for name, n in sizes.items()}
+    full = {name: torch.full((n,), float("nan"), dtype=dtype) for name, n in sizes.items()}
     for pieces in per_rank:
         for name, (start, values) in pieces.items():
             window = full[name][start : start + values.numel()]
