@@ -252,6 +252,32 @@ def test_a_flipped_byte_in_any_file_is_a_clear_error_naming_it(tmp_path, victim)
         checkpoint.load_full_state_dict(ckpt)
 
 
+class WithBuffer(SGDModule):
+    """The same model with one more persistent buffer than the checkpoint holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("counts", torch.arange(3.0))
+
+
+def test_a_persistent_buffer_the_checkpoint_lacks_is_an_error_not_left_as_it_was(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _single_rank_checkpoint(ckpt)
+    t = trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)), 1, 2)
+    with pytest.raises(CheckpointError, match=r"lacks parameters or buffers \['counts'\]"):
+        t.fit(WithBuffer(), data_loader(False), ckpt_path=str(ckpt))
+
+
+def test_a_pretrained_buffer_of_another_shape_is_refused(tmp_path):
+    from cephalo_lightning.runtime.weights import WeightsError, open_weights
+
+    torch.save({"inv_freq": torch.ones(5)}, tmp_path / "weights.pt")
+    source = open_weights(tmp_path / "weights.pt")
+    assert torch.equal(source.buffer("inv_freq", (5,)), torch.ones(5))
+    with pytest.raises(WeightsError, match=r"'inv_freq' has shape \[5\] but the model's 'inv_freq' is \[4\]"):
+        source.buffer("inv_freq", (4,))
+
+
 def test_truncated_or_missing_files_are_clear_errors(tmp_path):
     ckpt = tmp_path / "ckpt"
     _single_rank_checkpoint(ckpt)

@@ -718,15 +718,14 @@ def load(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
     requests: list[_Request] = []
     for name, piece, shape, start in _pieces(sharded):
         requests.append(_Request(MODEL_PREFIX + name, shape, piece.detach().view(-1), start))
+    for name, buf in buffers(sharded).items():  # persistent buffers are saved: one missing is an error too
+        requests.append(_Request(MODEL_PREFIX + name, tuple(buf.shape), buf.detach().view(-1), 0))
     missing = sorted(r.fqn[len(MODEL_PREFIX):] for r in requests if r.fqn not in stored)
     if missing:
         raise CheckpointError(
-            f"checkpoint {path} lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}: was it saved from another model?"
+            f"checkpoint {path} lacks parameters or buffers {missing[:5]}{'...' if len(missing) > 5 else ''}: was it "
+            "saved from another model?"
         )
-    module_buffers = buffers(sharded)
-    for name, buf in module_buffers.items():
-        if MODEL_PREFIX + name in stored:
-            requests.append(_Request(MODEL_PREFIX + name, tuple(buf.shape), buf.detach().view(-1), 0))
     saved_optimizers = info.get("optimizers", [])
     if len(saved_optimizers) < len(optimizers):
         raise CheckpointError(f"checkpoint {path} has {len(saved_optimizers)} optimizer(s), the run has {len(optimizers)}")

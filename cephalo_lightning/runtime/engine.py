@@ -175,7 +175,7 @@ class UnitMaterializer:
             if b > a:
                 pieces.append(self.source.read(span.name, span.shape, a, b).reshape(-1).to(device=self.device, dtype=dtype))
         for name, mod, attr in buffers:
-            value = self.source.buffer(name)
+            value = self.source.buffer(name, tuple(mod._buffers[attr].shape))
             if value is None:  # not in the files (non-persistent, e.g. rotary frequencies): initialise it
                 if self.init is None:
                     raise ValueError(f"buffer {name!r} is on the meta device and not in the weights; give an init")

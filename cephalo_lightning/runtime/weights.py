@@ -57,18 +57,25 @@ class WeightSource:
                 + f"; it holds {len(self.keys)} tensors, e.g. {sorted(self.keys)[:3]}. Check that the weights are "
                 "for this model (and its configuration)"
             )
+        stored = self._checked(key, name, shape)
+        return self._read(key, stored, start, stop)
+
+    def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The whole buffer ``name``, or None when the files do not hold it (non-persistent)."""
+        key = self._key(name)
+        if key is None:
+            return None
+        stored = self._checked(key, name, shape)
+        return self._read(key, stored, 0, math.prod(stored)).view(shape)
+
+    def _checked(self, key: str, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The stored shape of ``key``, refused unless it holds the model's ``shape`` (same sizes, or
+        the same elements in another number of dimensions); marks the tensor used."""
         stored = tuple(self.keys[key])
         if math.prod(stored) != math.prod(shape) or (stored != tuple(shape) and len(stored) == len(shape)):
             raise WeightsError(f"{self.where}: {key!r} has shape {list(stored)} but the model's {name!r} is {list(shape)}")
         self.used.add(key)
-        return self._read(key, stored, start, stop)
-
-    def buffer(self, name: str) -> torch.Tensor | None:
-        key = self._key(name)
-        if key is None:
-            return None
-        self.used.add(key)
-        return self._read(key, tuple(self.keys[key]), 0, math.prod(self.keys[key])).view(self.keys[key])
+        return stored
 
     def unused(self) -> list[str]:
         return sorted(set(self.keys) - self.used)
