@@ -139,7 +139,7 @@ class CephaloStrategy(ProcessGroupStrategy):
         if self.run is None or self.run.module is not module:
             self.model = self.precision_plugin.convert_module(self.model)
             resolution = resolve(module)
-            mode = decide_mode(self.config.mode, resolution, module, self.plan)
+            mode = decide_mode(self.config.mode, resolution, module)
             plan = planning.resolve(self.plan, self.cluster, lambda: planning.global_batch(
                 self.config.global_batch_size, trainer, self.world_size), mode, self.world_size, self._identities,
                 self.provisional_layout == "memory", self.config.check_devices)

@@ -35,7 +35,7 @@ from cephalo_lightning.runtime.weights import open_weights
 from cephalo_lightning.steps import LayeredSteps, NonFiniteGuard, StepContext, StepReport, UniformSteps
 
 
-def decide_mode(requested: str, resolution: Resolution, module: pl.LightningModule, plan: Plan | None) -> str:
+def decide_mode(requested: str, resolution: Resolution, module: pl.LightningModule) -> str:
     """``layered`` when the model has a layered form (or was asked for), else ``uniform``."""
     layered_ok = resolution.layered is not None
     manual = not module.automatic_optimization
@@ -47,17 +47,23 @@ def decide_mode(requested: str, resolution: Resolution, module: pl.LightningModu
         why = "manual optimization (automatic_optimization=False)" if manual else resolution.reason
         rank_zero_info(f"Cephalo: {why}; using the uniform mode (your training_step per micro-batch, one micro-batch "
                        f"count on every rank). The layered mode supports {'; '.join(SUPPORTED)}.")
-    if plan is not None and mode == "uniform" and len(set(plan.num_micro_batches)) > 1:
+    return mode
+
+
+def check_plan(plan: Plan, mode: str, resolution: Resolution, module: pl.LightningModule) -> None:
+    """What the mode can run: every plan a fit adopts (given, planned at setup, or re-planned)
+    passes here, so none can train on part of its batches."""
+    manual = not module.automatic_optimization
+    if mode == "uniform" and len(set(plan.num_micro_batches)) > 1:
         raise PlanningError(
             f"the plan gives ranks different micro-batch counts {plan.num_micro_batches}, which needs the layered mode "
             f"(here: {resolution.reason or 'manual optimization'}); re-plan with --mode uniform"
         )
-    if plan is not None and manual and max(plan.num_micro_batches) > 1:
+    if manual and max(plan.num_micro_batches) > 1:  # the manual step runs training_step on one micro-batch
         raise PlanningError(
             f"manual optimization runs your training_step once per step on each rank, but the plan gives ranks "
             f"{plan.num_micro_batches} micro-batches; re-plan with one micro-batch per rank or use automatic optimization"
         )
-    return mode
 
 
 def loss_weighting(requested: str, resolution: Resolution) -> LossWeighting:
@@ -74,6 +80,7 @@ class FitRuntime:
     def __init__(self, module: pl.LightningModule, plan: Plan, config: StrategyConfig, *, mode: str,
                  resolution: Resolution, rank: int, device: torch.device, emulator: DeviceEmulator,
                  collective: str, training_step: Any) -> None:
+        check_plan(plan, mode, resolution, module)  # before any shard is built
         self.module = module
         self.config = config
         self.mode = mode
@@ -188,19 +195,13 @@ class FitRuntime:
     def schedule(self, plan: Plan, accumulate: int) -> tuple[int, int]:
         """Collective: ``plan`` takes effect at the first step no rank has cut data for (at an
         optimizer-step boundary); batches already cut keep the old plan."""
-        self.check_plan(plan)
+        check_plan(plan, self.mode, self.resolution, self.module)
         at = torch.tensor(self.plan_state.first_uncut(), dtype=torch.int64)
         self.sharded.comm.all_reduce_max(at)
         epoch, step = (int(v) for v in at.tolist())
         step = -(-step // accumulate) * accumulate
         self.plan_state.schedule(plan, (epoch, step))
         return epoch, step
-
-    def check_plan(self, plan: Plan) -> None:
-        if self.mode == "uniform" and len(set(plan.num_micro_batches)) > 1:
-            raise PlanningError(f"this model runs the uniform mode ({self.resolution.reason or 'manual optimization'}); "
-                                f"a plan with micro-batch counts {plan.num_micro_batches} needs the layered mode: "
-                                "re-plan with mode='uniform'")
 
     def switch_now(self, optimizers: Sequence[Optimizer]) -> None:
         """Adopt the latest plan version at once (nothing was cut under the current one)."""
