@@ -304,3 +304,28 @@ def test_wrap_policy_errors_name_the_problem_and_the_fix():
         ShardedModel(model, [1.0], units=[[model.blocks[0]], [model.blocks[0].up]])
     with pytest.raises(ValueError, match="one share per rank"):
         ShardedModel(TinyLM(), [0.5, 0.5])
+
+
+def _meta_tied_with_head_bias(head_in_root: bool) -> dict[str, torch.Tensor]:
+    """TinyLM with ``head.weight`` tied to the embedding and a head bias, built on meta and
+    initialised unit by unit (the head a unit of its own, or part of the root)."""
+    from cephalo_lightning.models import _torch_init
+    from cephalo_lightning.runtime.engine import UnitMaterializer
+
+    with torch.device("meta"):
+        model = TinyLM(vocab=40, dim=16)
+        model.head = torch.nn.Linear(16, 40, bias=True)
+        model.head.weight = model.embed.weight
+    units = [model.embed, *model.blocks, model.norm] + ([] if head_in_root else [model.head])
+    sharded = ShardedModel(model, [1.0], units=units,
+                           materializer=UnitMaterializer(torch.device("cpu"), init=_torch_init, seed=3))
+    return sharded.full_state_dict()
+
+
+def test_meta_init_leaves_a_tied_weight_to_its_canonical_holder():
+    # nn.Embedding initialises N(0, 1); the head's Linear init would write U(-1/4, 1/4) into the
+    # embedding it shares, if a unit's init could reach parameters that are not its own
+    apart, together = _meta_tied_with_head_bias(False), _meta_tied_with_head_bias(True)
+    for state in (apart, together):
+        assert state["embed.weight"].std() > 0.8, state["embed.weight"].std()
+        assert 0 < state["head.bias"].abs().max() <= 0.25  # the head's own init ran (bound 1/sqrt(16))

@@ -40,7 +40,7 @@ from torch import nn
 
 from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams
-from cephalo_lightning.runtime.flat_unit import FlatUnit, ParamSlot, piece_shape
+from cephalo_lightning.runtime.flat_unit import FlatUnit, ParamSlot, full_shape, piece_shape
 from cephalo_lightning.runtime.layout import ParamSpan, ShardLayout, UnitLayout, build_layout
 from cephalo_lightning.runtime.observers import Observer, Observers
 from cephalo_lightning.runtime.wrap import WrapPolicy, check_units_disjoint, find_units
@@ -180,7 +180,7 @@ class UnitMaterializer:
                 if self.init is None:
                     raise ValueError(f"buffer {name!r} is on the meta device and not in the weights; give an init")
                 mod._buffers[attr] = torch.empty_like(mod._buffers[attr], device=self.device)
-                with torch.no_grad():
+                with torch.no_grad(), _initialising_only([], [mod]):  # its parameters came from the files
                     self._init_module_buffers(mod)
             else:
                 mod._buffers[attr] = value.to(device=self.device, dtype=mod._buffers[attr].dtype)
@@ -208,11 +208,35 @@ class UnitMaterializer:
             mod._buffers[attr] = torch.empty_like(mod._buffers[attr], device=self.device)
             owners.add(id(mod))
             tops.append(mod)
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        modules = _post_order(tops, owners)
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), _initialising_only(slots, modules):
             torch.manual_seed((self.seed * 1_000_003 + index) % (2**63))
-            for mod in _post_order(tops, owners):
+            for mod in modules:
                 self.init(mod)
         return _flat_range([slot.current for slot in slots], lo, hi, dtype, self.device)
+
+
+@contextlib.contextmanager
+def _initialising_only(slots: Sequence[ParamSlot], modules: Sequence[nn.Module]) -> Iterator[None]:
+    """[Note: a unit initialises its own parameters only]
+
+    An init function writes every parameter of the module it is given, but a module may also hold a
+    parameter that is not this unit's to initialise: a head tied to the root's embedding that has a
+    bias of its own holds the embedding's already materialised shard, and a tied parameter's other
+    holders are not its canonical holder. While ``modules`` initialise, each such parameter is
+    replaced by a meta stand-in of its full shape (an init writes nothing into it, and fan-in
+    computations still see the true shape), then put back."""
+    own = {(id(slot.holders[0][0]), slot.holders[0][1]) for slot in slots}
+    guarded = [(mod, attr, p) for mod in modules for attr, p in mod._parameters.items()
+               if p is not None and not p.is_meta and (id(mod), attr) not in own]
+    for mod, attr, p in guarded:
+        mod._parameters[attr] = nn.Parameter(torch.empty(full_shape(p), dtype=p.dtype, device="meta"),
+                                             requires_grad=p.requires_grad)
+    try:
+        yield
+    finally:
+        for mod, attr, p in guarded:
+            mod._parameters[attr] = p
 
 
 def _flat_range(params: Sequence[torch.Tensor], lo: int, hi: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
