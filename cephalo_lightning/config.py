@@ -7,7 +7,6 @@ argument and the fix, before any process is launched or any data is read.
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,7 +111,3 @@ class StrategyConfig:
             seed=seed,
             verify_checksums=bool(verify_checksums),
         )
-
-
-def finite_positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

@@ -280,7 +280,6 @@ class UniformSteps:
         n = len(weights)
         if not self.module.automatic_optimization:  # manual_backward(loss) from inside training_step
             self.sharded.backward(closure_loss * weights[0])  # already scaled by the precision plugin
-            self._losses = [closure_loss.detach()]
             report, _ = finish_step(closure_loss.detach() * weights[0], self.sharded, ctx.sync)
             return report
         self.sharded.set_requires_gradient_sync(ctx.sync and n == 1)

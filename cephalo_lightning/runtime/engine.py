@@ -410,8 +410,6 @@ class ShardedModel:
         """For schedules that gather, free and reduce the units themselves: the hooks stand aside."""
         return self._in_state(TrainingState.SCHEDULED)
 
-    hooks_disabled = scheduled  # the older name
-
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if self.state is TrainingState.HOOKS:
             self.gather_root()
