@@ -699,7 +699,8 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_ty
     """
     params = [p for p in parameters]
     comm = comm or Collectives()
-    local = local_grad_norm(params, norm_type).clone()
+    # a rank whose pieces are all empty (share 0) still reduces a tensor on the collective's device
+    local = local_grad_norm(params, norm_type, params[0].device if params else None).clone()
     if norm_type == math.inf:
         total = comm.all_reduce_max(local)
     else:
