@@ -47,6 +47,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _common as common
+from cephalo_lightning.planner.cost import predicted_busy_s  # noqa: E402 - torch-free
 
 PLANS = ("cephalo", "even", "proportional")
 # per world size: (slowdown, memory_gb) per rank; W=2 is configs/quickstart.yaml's cluster
@@ -172,18 +173,6 @@ def _busy_recorder():
             self.per_step.append(self.busy.seconds - self._start)
 
     return Busy()
-
-
-def predicted_busy_s(cluster, plan) -> list[float]:
-    """Each rank's predicted compute seconds per step (the cost model without collectives), as
-    ``CephaloCallback`` watches it."""
-    from cephalo_lightning.planner.cost import DeviceCost
-
-    out = []
-    for device, rank in zip(cluster.devices, plan.ranks):
-        fwd, fwd_bwd = DeviceCost(device, cluster).compute_ms(rank.batch_size, rank.num_micro_batches)
-        out.append(cluster.model.num_layers * (fwd + fwd_bwd) / 1e3)
-    return out
 
 
 def interleaved_fits(cfg: Config, plans: dict[str, Any], rounds: int, warmup: int, measured: int

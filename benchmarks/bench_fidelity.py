@@ -43,6 +43,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _common as common
+from cephalo_lightning.planner.cost import predicted_busy_s  # noqa: E402 - torch-free
 
 
 @dataclass(frozen=True)
@@ -129,17 +130,6 @@ def _rank_main(rank: int, world: int, cfg: Config, cluster: ClusterSpec) -> dict
             "summary": getattr(watcher, "summary", None), "profile_s": profile_s}
 
 
-def predicted_compute_s(cluster: Any, plan: Any) -> list[float]:
-    """Each rank's predicted compute per step (the layers' forward and backward passes alone)."""
-    from cephalo_lightning.planner.cost import DeviceCost
-
-    out = []
-    for device, r in zip(cluster.devices, plan.ranks):
-        fwd, bwd = DeviceCost(device, cluster, plan.mode).compute_ms(r.batch_size, r.num_micro_batches, r.recompute)
-        out.append(cluster.model.num_layers * (fwd + bwd) / 1e3)
-    return out
-
-
 def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
     try:
         per_rank = common.run_ranks(_rank_main, len(cluster.emulate), cfg, cluster, threads=cfg.threads)
@@ -152,7 +142,7 @@ def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
         r["summary"] for r in per_rank) else []
     steps = [w["step_s"] for w in history]
     measured_step = statistics.median(steps) if steps else (wall[0] if wall else float("nan"))
-    compute = predicted_compute_s(profiled, plan)
+    compute = predicted_busy_s(profiled, plan)  # layers and optimizer step, as the busy time counts them
     rows = []
     for i, r in enumerate(plan.ranks):
         busy = statistics.median(w["ranks"][i]["measured_busy_s"] for w in history)
@@ -171,7 +161,7 @@ def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
         })
     s = profiled.settings
     slowest = max(range(len(rows)), key=lambda i: rows[i]["predicted_step_s"])
-    outside = {  # the slowest rank's step beyond its layers' compute: collectives, optimizer, the loop
+    outside = {  # the slowest rank's step beyond its compute: collectives and the loop
         "predicted_s": rows[slowest]["predicted_step_s"] - rows[slowest]["predicted_compute_s"],
         "measured_s": measured_step - max(r["measured_busy_s"] for r in rows),
     }

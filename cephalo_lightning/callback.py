@@ -30,7 +30,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from cephalo_lightning._lightning_private import training_dataloader
 from cephalo_lightning.planner import Cluster, Plan, plan as make_plan
-from cephalo_lightning.planner.cost import GIB, DeviceCost
+from cephalo_lightning.planner.cost import GIB, predicted_busy_s
 from cephalo_lightning.planner.report import render_plan
 from cephalo_lightning.profiling import ProfileOptions, default_settings, profile_cluster
 from cephalo_lightning.reporting import (
@@ -264,12 +264,7 @@ class CephaloCallback(Callback):
         """Each rank's predicted compute seconds per step (the cost model without collectives)."""
         if self.cluster is None or strategy.plan is None:
             return [None] * strategy.world_size
-        out = []
-        for device, rank in zip(self.cluster.devices, strategy.plan.ranks):
-            cost = DeviceCost(device, self.cluster, strategy.plan.mode)
-            fwd, bwd = cost.compute_ms(rank.batch_size, rank.num_micro_batches, rank.recompute)
-            out.append(self.cluster.model.num_layers * (fwd + bwd) / 1e3)
-        return out
+        return list(predicted_busy_s(self.cluster, strategy.plan))
 
     def _peak_memory_gb(self, strategy: CephaloStrategy) -> float | None:
         if strategy.memory is not None:

@@ -40,10 +40,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cephalo_lightning.planner.cluster import Cluster, DeviceProfile
+
+if TYPE_CHECKING:
+    from cephalo_lightning.planner.plan import Plan
 
 GIB = float(2**30)
 
@@ -151,6 +155,18 @@ def communication(cluster: Cluster) -> Communication:
         ag = rs = 0.0
     slope = s.uneven_slope if s.uneven_slope is not None else UNEVEN_SLOPE[s.collective]
     return Communication(ag, rs, world, slope, 1.0 if s.overlap is None else s.overlap)
+
+
+def predicted_busy_s(cluster: Cluster, plan: Plan) -> list[float]:
+    """Each rank's predicted compute seconds per step: its layers' forward and backward passes (with
+    any recompute) and its optimizer step, which is what the runtime counts as busy (everything
+    but collectives and waiting)."""
+    out = []
+    for device, rank in zip(cluster.devices, plan.ranks):
+        cost = DeviceCost(device, cluster, plan.mode)
+        fwd, bwd = cost.compute_ms(rank.batch_size, rank.num_micro_batches, rank.recompute)
+        out.append((cost.num_layers * (fwd + bwd) + float(cost.optimizer_ms(rank.state_share))) / 1e3)
+    return out
 
 
 class DeviceCost:
