@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cephalo_lightning.runtime.local_ranks import run_local_ranks
+from cephalo_lightning.testing.local_ranks import run_local_ranks
 
 CPU_NOTE = ("All figures are CPU measurements: ranks are processes on one machine talking over gloo "
             "(torch {torch}, {cores} cores, {threads} thread(s) per rank), not GPUs over NCCL.")

@@ -7,7 +7,7 @@
 
 THE CLUSTER IS EMULATED ON CPU: every rank is a CPU process on one machine (gloo), made slower by
 sleeping after each compute region (``slowdown``) and given an accounted memory capacity
-(``memory_gb``) by :class:`~cephalo_lightning.runtime.emulation.DeviceEmulator`; no GPU is involved.
+(``memory_gb``) by :class:`~cephalo_lightning.runtime.emulation.emulator.DeviceEmulator`; no GPU is involved.
 By default the ranks are those of ``configs/quickstart.yaml``: rank 0 fast with little memory
 (x1, 0.02 GiB), rank 1 three times slower with plenty (x3, 0.5 GiB).
 
@@ -47,6 +47,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _common as common
+
 from cephalo_lightning.planner.cost import predicted_busy_s  # noqa: E402 - torch-free
 
 PLANS = ("cephalo", "even", "proportional")
@@ -152,10 +153,10 @@ def fit_plan(cfg: Config, plan, warmup: int, measured: int) -> dict[str, Any]:
 
 def _busy_recorder():
     """Per batch, the seconds this rank spent in compute regions (the emulated waits included):
-    a :class:`~cephalo_lightning.runtime.emulation.BusyTime` observer attached outside the emulator."""
+    a :class:`~cephalo_lightning.runtime.timing.BusyTime` observer attached outside the emulator."""
     from lightning.pytorch.callbacks import Callback
 
-    from cephalo_lightning.runtime.emulation import BusyTime
+    from cephalo_lightning.runtime.timing import BusyTime
 
     class Busy(Callback):
         def __init__(self) -> None:

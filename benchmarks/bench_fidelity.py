@@ -6,7 +6,7 @@
 
 THE CLUSTERS ARE EMULATED ON CPU: every rank is a CPU process on this machine (gloo), slowed by
 sleeping after each compute region and given an accounted memory capacity
-(:class:`~cephalo_lightning.runtime.emulation.DeviceEmulator`); no GPU is involved.
+(:class:`~cephalo_lightning.runtime.emulation.emulator.DeviceEmulator`); no GPU is involved.
 
 Only the public Lightning path is used. Per cluster, in one spawned group of ranks:
 
@@ -43,6 +43,7 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _common as common
+
 from cephalo_lightning.planner.cost import predicted_busy_s  # noqa: E402 - torch-free
 
 

@@ -34,9 +34,8 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-
 import _common as common
+import torch
 
 WORLD = 2
 
@@ -97,7 +96,7 @@ def _micro_batches(x: torch.Tensor, y: torch.Tensor, n: int) -> tuple[list[torch
 
 def _build(cfg: Config, observers=(), record: bool = False):
     from cephalo_lightning.demo.gpt import GPT
-    from cephalo_lightning.runtime.engine import ShardedModel
+    from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
     torch.manual_seed(0)
     model = GPT(gpt_config(cfg))
@@ -118,8 +117,8 @@ def _clear_grads(sharded) -> None:
 
 def _memory(rank: int, world: int, cfg: Config) -> list[dict[str, Any]]:
     from cephalo_lightning.demo.gpt import GPT
+    from cephalo_lightning.runtime.emulation.memory import MemoryTracker
     from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
-    from cephalo_lightning.runtime.memory import MemoryTracker
 
     rows = []
     for m, method in [(m, method) for m in cfg.memory_micro_batches for method in ("layered", "micro-batch-major")]:
@@ -179,11 +178,11 @@ def memory_rows(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 class BusyClock:
-    """This rank's busy time: a :class:`~cephalo_lightning.runtime.emulation.BusyTime` observer
+    """This rank's busy time: a :class:`~cephalo_lightning.runtime.timing.BusyTime` observer
     attached outside the rank's emulator (its waits count), and the emulator to time layers under."""
 
     def __init__(self, emulator) -> None:
-        from cephalo_lightning.runtime.emulation import BusyTime
+        from cephalo_lightning.runtime.timing import BusyTime
 
         self.emulator = emulator
         self.busy = BusyTime()
@@ -325,7 +324,7 @@ class StepRunner:
 
 def _cost_model(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     from cephalo_lightning.planner import plan as make_plan
-    from cephalo_lightning.runtime.emulation import DeviceEmulator
+    from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
     from cephalo_lightning.runtime.layered import LayeredSchedule
 
     emulator = DeviceEmulator(slowdown=cfg.slowdown[rank], emulated=cfg.slowdown[rank] > 1, label=f"rank {rank}")
@@ -483,8 +482,8 @@ def cost_rows(cfg: Config, figures: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _unit_wise(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     """Peak accounted memory of 2 steps with the optimizer stepped at the end vs unit by unit."""
-    from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input, UnitOptimizers
-    from cephalo_lightning.runtime.memory import MemoryTracker
+    from cephalo_lightning.runtime.emulation.memory import MemoryTracker
+    from cephalo_lightning.runtime.layered import LayeredSchedule, UnitOptimizers, plain_input
 
     peaks = {}
     for unit_wise in (False, True):

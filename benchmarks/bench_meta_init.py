@@ -89,7 +89,7 @@ def _rank(rank: int, world: int, shape: dict) -> dict:
 
 
 def run_benchmark(quick: bool = False) -> list[dict]:
-    from cephalo_lightning.runtime.local_ranks import run_local_ranks
+    from cephalo_lightning.testing.local_ranks import run_local_ranks
 
     shape = (dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
                   num_key_value_heads=8, vocab_size=32000) if quick else

@@ -34,9 +34,8 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-
 import _common as common
+import torch
 
 STATE_BYTES_PER_PARAM = 16.0  # fp32 params + fp32 grads + two AdamW moments: the planner's default
 MODES = ("padded", "exact")
@@ -89,7 +88,7 @@ def _step_time(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     from cephalo_lightning.demo.gpt import GPT
-    from cephalo_lightning.runtime.engine import ShardedModel
+    from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
     torch.manual_seed(0)
     ceph = GPT(gpt_config(cfg))
@@ -176,7 +175,7 @@ def max_shares_for(cfg: Config, world: int) -> list[float]:
 
 def _collectives(rank: int, world: int, cfg: Config) -> dict[Any, list[float]]:
     from cephalo_lightning.runtime.collectives import Collectives
-    from cephalo_lightning.runtime.layout import build_layout
+    from cephalo_lightning.runtime.sharding.layout import build_layout
 
     comms = {mode: Collectives(None, mode) for mode in MODES}
     full = torch.randn(cfg.unit_numel)  # this rank's whole-unit gradient
@@ -269,8 +268,8 @@ def fitted_uneven_slope(fits: list[dict[str, Any]]) -> dict[str, float]:
 
 def _memory(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     from cephalo_lightning.demo.gpt import GPT
-    from cephalo_lightning.runtime.engine import ShardedModel
-    from cephalo_lightning.runtime.memory import MemoryTracker
+    from cephalo_lightning.runtime.emulation.memory import MemoryTracker
+    from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
     shares = list(cfg.memory_shares)
     torch.manual_seed(0)

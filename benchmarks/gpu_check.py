@@ -218,8 +218,8 @@ def _two_ranks(rank: int, world: int, backend: str, sizes: dict) -> dict[str, An
     import torch.distributed as dist
 
     from cephalo_lightning.demo.gpt import GPT
-    from cephalo_lightning.runtime.engine import ShardedModel
     from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
+    from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
     warnings.simplefilter("ignore")
     device = _device()
@@ -246,7 +246,7 @@ def check_two_ranks(sizes: Sizes) -> list[Row]:
     import torch
 
     from cephalo_lightning.demo.gpt import GPT
-    from cephalo_lightning.runtime.local_ranks import run_local_ranks
+    from cephalo_lightning.testing.local_ranks import run_local_ranks
 
     rows = []
     steps = {"steps": max(2, sizes.steps // 10)}

@@ -31,13 +31,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return demo_main(rest)
     if command == "profile":
-        from cephalo_lightning.cli import profile_main
+        from cephalo_lightning.lightning.cli import profile_main
 
         return profile_main(rest)
     if command == "consolidate":
         return consolidate_main(rest)
     if command in ("fit", "validate", "test", "predict"):
-        from cephalo_lightning.cli import main as cli_main
+        from cephalo_lightning.lightning.cli import main as cli_main
 
         return cli_main([command, *rest])
     print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

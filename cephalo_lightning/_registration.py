@@ -19,7 +19,7 @@ STRATEGIES_MODULE = "lightning.pytorch.strategies"
 
 def cephalo_strategy(**init_params: Any) -> Any:
     """What the registry calls for ``"cephalo"``: the strategy is imported only when a Trainer asks for it."""
-    from cephalo_lightning.strategy import CephaloStrategy
+    from cephalo_lightning.lightning.strategy import CephaloStrategy
 
     return CephaloStrategy(**init_params)
 

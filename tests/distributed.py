@@ -1,8 +1,8 @@
-"""Gloo ranks for tests: see :mod:`cephalo_lightning.runtime.local_ranks`."""
+"""Gloo ranks for tests: see :mod:`cephalo_lightning.testing.local_ranks`."""
 
 from __future__ import annotations
 
-from cephalo_lightning.runtime.local_ranks import free_port, run_local_ranks
+from cephalo_lightning.testing.local_ranks import free_port, run_local_ranks
 
 run_distributed = run_local_ranks
 

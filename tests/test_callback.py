@@ -11,7 +11,7 @@ import torch
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
 from cephalo_lightning.planner import RankPlan
-from cephalo_lightning.runtime.memory import EmulatedOutOfMemoryError
+from cephalo_lightning.runtime.emulation.memory import EmulatedOutOfMemoryError
 from tests.distributed import run_distributed
 
 SEQ = 32

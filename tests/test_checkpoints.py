@@ -269,7 +269,7 @@ def test_a_persistent_buffer_the_checkpoint_lacks_is_an_error_not_left_as_it_was
 
 
 def test_a_pretrained_buffer_of_another_shape_is_refused(tmp_path):
-    from cephalo_lightning.runtime.weights import WeightsError, open_weights
+    from cephalo_lightning.runtime.sharding.weights import WeightsError, open_weights
 
     torch.save({"inv_freq": torch.ones(5)}, tmp_path / "weights.pt")
     source = open_weights(tmp_path / "weights.pt")

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from cephalo_lightning.__main__ import main as module_main
-from cephalo_lightning.cli import main
+from cephalo_lightning.lightning.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cli.yaml"

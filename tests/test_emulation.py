@@ -8,17 +8,16 @@ import pytest
 import torch
 
 from cephalo_lightning.planner.cluster import Emulation
-from cephalo_lightning.runtime.observers import Observers
-from cephalo_lightning.runtime.emulation import (
-    BusyTime,
-    ContentionClock,
+from cephalo_lightning.runtime.emulation.emulator import (
     DeviceEmulator,
     EmulationSpecError,
     emulator_for_rank,
     parse_emulation,
     parse_emulation_specs,
 )
-from cephalo_lightning.runtime.memory import EmulatedOutOfMemoryError
+from cephalo_lightning.runtime.emulation.memory import EmulatedOutOfMemoryError
+from cephalo_lightning.runtime.observers import Observers
+from cephalo_lightning.runtime.timing import BusyTime, ContentionClock
 
 # ---------------------------------------------------------------------------------------------
 # specs

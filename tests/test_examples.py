@@ -95,7 +95,7 @@ def print_config(*configs: Path, overrides: tuple[str, ...] = ()) -> dict[str, A
     jsonargparse resolves every class path and checks every value against the signatures, prints
     the merged config and exits, without instantiating anything.
     """
-    from cephalo_lightning.cli import main
+    from cephalo_lightning.lightning.cli import main
 
     argv = ["fit", *[arg for c in configs for arg in ("--config", str(c))], *overrides, "--print_config"]
     out = io.StringIO()
@@ -148,11 +148,11 @@ def test_model_config_combines_with_gpu_config(gpu, model):
 def test_gpu_config_instantiates_on_cpu(gpu, tmp_path, monkeypatch):
     """Trainer, strategy, callbacks and logger built for real (a tiny model; nothing is fitted)."""
     from cephalo_lightning import CephaloCallback, CephaloStrategy
-    from cephalo_lightning.cli import CephaloCLI
+    from cephalo_lightning.lightning.cli import CephaloCLI
 
     monkeypatch.chdir(tmp_path)  # the configs write under runs/ relative to the working directory
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    # the same parser settings as cephalo_lightning.cli, with run=False: build, do not fit
+    # the same parser settings as cephalo_lightning.lightning.cli, with run=False: build, do not fit
     cli = CephaloCLI(
         args=["--config", str(gpu), "--config", str(CONFIGS / "model" / "tiny.yaml"),
               "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=1"],

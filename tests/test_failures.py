@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
+from cephalo_lightning.lightning.steps import NonFiniteLossError
 from cephalo_lightning.planner import PlanningError, RankPlan
-from cephalo_lightning.steps import NonFiniteLossError
 from tests.conftest import clean_env
 from tests.distributed import run_distributed
 from tests.lightning_models import TinyLayered, loader, token_data

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cephalo_lightning.runtime.engine import ShardedModel
+from cephalo_lightning.runtime.emulation.memory import MemoryTracker
 from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
-from cephalo_lightning.runtime.memory import MemoryTracker
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 from tests.distributed import run_distributed
 from tests.models import TinyLM, batches
 from tests.reference import make_optimizer, reference_state, split, train_reference

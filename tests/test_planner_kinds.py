@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from cephalo_lightning.planner import Cluster, PlanningError, cluster_from_dict, plan
-from cephalo_lightning.planner import solver
+from cephalo_lightning.planner import Cluster, PlanningError, cluster_from_dict, plan, solver
 from tests.planner_reference import brute_force
 from tests.test_planner import check_plan
 

@@ -27,7 +27,7 @@ from cephalo_lightning.profiling import (
     time_collectives,
 )
 from cephalo_lightning.profiling.model import gathered_bytes
-from cephalo_lightning.runtime.emulation import DeviceEmulator, EmulationSpecError
+from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, EmulationSpecError
 from tests.distributed import run_distributed
 
 # the cheapest profile that still runs every code path (for tests about plumbing, not timing)

@@ -15,7 +15,7 @@ from cephalo_lightning.planner import Settings, plan
 from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions, profile_cluster
 from cephalo_lightning.profiling.collectives import CollectiveProfile, skewed_shares, uneven_slope
 from cephalo_lightning.profiling.optimizer import time_optimizer_step
-from cephalo_lightning.runtime.emulation import DeviceEmulator
+from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from tests.distributed import run_distributed
 
 QUICK = ProfileOptions(max_micro_batch=2, warmup=0, repeats=1, min_region_ms=0.0, collective_repeats=2)

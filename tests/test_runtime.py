@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from cephalo_lightning.runtime import checkpoint
-from cephalo_lightning.runtime.engine import ShardedModel
-from cephalo_lightning.runtime.layout import build_layout, quotas
-from cephalo_lightning.runtime.wrap import WrapPolicyError, find_units
+from cephalo_lightning.runtime.sharding.layout import build_layout, quotas
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+from cephalo_lightning.runtime.sharding.units import WrapPolicyError, find_units
 from tests.distributed import run_distributed
 from tests.models import TinyLM, batches
 from tests.reference import make_optimizer, reference_state, split, train_reference
@@ -310,7 +310,7 @@ def _meta_tied_with_head_bias(head_in_root: bool) -> dict[str, torch.Tensor]:
     """TinyLM with ``head.weight`` tied to the embedding and a head bias, built on meta and
     initialised unit by unit (the head a unit of its own, or part of the root)."""
     from cephalo_lightning.models import _torch_init
-    from cephalo_lightning.runtime.engine import UnitMaterializer
+    from cephalo_lightning.runtime.sharding.sharded_model import UnitMaterializer
 
     with torch.device("meta"):
         model = TinyLM(vocab=40, dim=16)

@@ -19,10 +19,11 @@ import torch
 
 from cephalo_lightning import CephaloStrategy, Plan
 from cephalo_lightning.planner import RankPlan
-from cephalo_lightning.runtime import emulation
-from cephalo_lightning.runtime.engine import ShardedModel
+from cephalo_lightning.runtime import timing
+from cephalo_lightning.runtime.emulation import emulator as emulation
+from cephalo_lightning.runtime.emulation.memory import MemoryTracker
 from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
-from cephalo_lightning.runtime.memory import MemoryTracker
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 from tests.distributed import run_distributed
 from tests.lightning_models import TinyLayered, loader, token_data
 from tests.models import TinyLM, batches
@@ -84,7 +85,7 @@ def test_a_real_device_run_without_observers_reads_no_clock_and_keeps_no_state(m
     monkeypatch.setattr(time, "perf_counter", perf)
     monkeypatch.setattr(time, "monotonic", mono)
     contention = []
-    monkeypatch.setattr(emulation.ContentionClock, "now", classmethod(lambda cls: contention.append(1)))
+    monkeypatch.setattr(timing.ContentionClock, "now", classmethod(lambda cls: contention.append(1)))
     held, allocated = [], []
 
     class Probe(pl.Callback):

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"({', '.join(configs.names())})")
     os.environ.setdefault("WANDB_MODE", "offline")  # no account, no network
 
-    from cephalo_lightning.cli import run_cli
+    from cephalo_lightning.lightning.cli import run_cli
 
     cli = run_cli(["fit", "--config", args.config, *rest])
     even = _even_run(cli, args.even_steps) if args.even_steps > 0 else None

@@ -36,10 +36,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from cephalo_lightning._common.units import GIB
 from cephalo_lightning.planner.cluster import DeviceProfile, ModelSpec, Settings
 from cephalo_lightning.planner.errors import PlanningError
 
-GIB = float(2**30)
 PROFILE_SIZES = 8  # micro-batch sizes 1..8 are estimated; the cost model extrapolates beyond
 LAUNCH_OVERHEAD_MS = 0.1  # per layer forward: ~20 kernel launches of ~5 us
 WORKSPACE_GB = 0.25  # cuBLAS/cuDNN workspaces and allocator slack beyond the reserved memory

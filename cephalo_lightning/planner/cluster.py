@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from cephalo_lightning.atomic_io import write_text_atomic
+from cephalo_lightning._common.atomic_io import write_text_atomic
 from cephalo_lightning.planner.errors import PlanningError
 
 COLLECTIVE_MODES = ("padded", "exact")
@@ -76,7 +76,7 @@ class Settings:
 
 @dataclass(frozen=True)
 class Emulation:
-    """CPU emulation of a slower or smaller device (see ``cephalo_lightning.runtime.emulation``)."""
+    """CPU emulation of a slower or smaller device (see ``cephalo_lightning.runtime.emulation.emulator``)."""
 
     slowdown: float = 1.0
     memory_gb: float | None = None

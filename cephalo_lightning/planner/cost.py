@@ -44,12 +44,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from cephalo_lightning._common.units import GIB
 from cephalo_lightning.planner.cluster import Cluster, DeviceProfile
 
 if TYPE_CHECKING:
     from cephalo_lightning.planner.plan import Plan
 
-GIB = float(2**30)
 
 # Extra time of an uneven collective per unit of imbalance: a collective whose largest shard is
 # rho of the unit costs 1 + slope * (W * rho - 1) times the even one. The bottleneck rank moves

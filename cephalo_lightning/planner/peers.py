@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cephalo_lightning._common.units import GIB
 from cephalo_lightning.planner.baselines import even_baseline, proportional_baseline, result
 from cephalo_lightning.planner.cluster import Cluster
-from cephalo_lightning.planner.cost import GIB
 from cephalo_lightning.planner.plan import BaselineResult
 from cephalo_lightning.planner.solver import BISECTION_TOL, _Problem
 

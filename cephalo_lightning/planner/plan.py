@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from cephalo_lightning.atomic_io import write_text_atomic
+from cephalo_lightning._common.atomic_io import write_text_atomic
 from cephalo_lightning.planner.cost import split_sizes
 from cephalo_lightning.planner.errors import PlanningError
 

@@ -38,7 +38,14 @@ from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.cost import DeviceCost, communication, evaluate_arrays, kind_costs, water_fill
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.knapsack import (
-    SHARE_TOL, Group, choose, dense_work, feasible, groups_of, relaxation, round_and_repair,
+    SHARE_TOL,
+    Group,
+    choose,
+    dense_work,
+    feasible,
+    groups_of,
+    relaxation,
+    round_and_repair,
 )
 from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH, MAX_RANKS
 from cephalo_lightning.planner.options import DeviceModel, Options

@@ -6,7 +6,7 @@
 * :func:`profile_cluster` / :class:`ClusterProfiler` - all of it on every rank, gathered into a
   :class:`~cephalo_lightning.planner.Cluster` and cached as a cluster file.
 
-Emulated devices (:class:`~cephalo_lightning.runtime.emulation.DeviceEmulator`) are measured like
+Emulated devices (:class:`~cephalo_lightning.runtime.emulation.emulator.DeviceEmulator`) are measured like
 real ones and marked ``source: emulated``.
 """
 

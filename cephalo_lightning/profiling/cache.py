@@ -17,12 +17,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-
 from cephalo_lightning.planner.cluster import Cluster, load_cluster, save_cluster
+from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.layered import Layer
-from cephalo_lightning.runtime.flat_unit import full_shape
-from cephalo_lightning.planner.errors import PlanningError
+from cephalo_lightning.runtime.sharding.flat_unit import full_shape
 
 log = logging.getLogger(__name__)
 

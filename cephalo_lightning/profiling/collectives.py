@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
 from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES, Collectives
-from cephalo_lightning.runtime.emulation import DeviceEmulator
-from cephalo_lightning.runtime.layout import UnitLayout, build_layout
+from cephalo_lightning.runtime.distributed import all_reduce_, barrier, is_distributed
+from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
+from cephalo_lightning.runtime.sharding.layout import UnitLayout, build_layout
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,6 @@ class CollectiveProfile:
     by_mode: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode -> (all-gather, reduce-scatter)
 
 
-def _distributed(group: dist.ProcessGroup | None) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":  # pragma: no cover - CUDA only
         torch.cuda.synchronize(device)
@@ -59,7 +56,7 @@ def _time_op(
     samples = []
     for i in range(warmup + repeats):
         _sync(device)
-        dist.barrier(group)
+        barrier(group)
         start = time.perf_counter()
         op()
         _sync(device)
@@ -108,7 +105,7 @@ def time_collectives(
     if numel < 1:
         raise ValueError(f"numel must be >= 1, got {numel}")
     device = torch.device(device)
-    if not _distributed(group):
+    if not is_distributed(group):
         return CollectiveProfile(numel, 1, 0.0, 0.0, (1.0,), {m: (0.0, 0.0) for m in modes})
     world = dist.get_world_size(group)
     if shares is not None and len(shares) != world:
@@ -125,8 +122,7 @@ def time_collectives(
     # every rank must plan from the same figures: take the slowest rank's
     flat = [ag, rs] + [v for mode in modes for v in by_mode[mode]]
     agreed = torch.tensor(flat, dtype=torch.float64, device=device if dist.get_backend(group) == "nccl" else "cpu")
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    values = agreed.tolist()
+    values = all_reduce_(agreed, "max", group).tolist()
     by_mode = {mode: (values[2 + 2 * i], values[3 + 2 * i]) for i, mode in enumerate(modes)}
     used = tuple(float(s) for s in shares) if shares is not None else tuple([1.0 / world] * world)
     return CollectiveProfile(numel, world, values[0], values[1], used, by_mode)
@@ -174,7 +170,7 @@ def time_overlap(
     is ``(a + c - both) / min(a, c)``, the smallest over the ranks (the least hiding decides the
     step). Single process: 1 (there is nothing to hide).
     """
-    if not _distributed(group):
+    if not is_distributed(group):
         return 1.0
     device = torch.device(device)
     world = dist.get_world_size(group)
@@ -204,5 +200,4 @@ def time_overlap(
     hidden = (gather + alone - together) / max(min(gather, alone), 1e-9)
     serial = torch.tensor([1.0 - min(1.0, max(0.0, hidden))], dtype=torch.float64,
                           device=device if dist.get_backend(group) == "nccl" else "cpu")
-    dist.all_reduce(serial, op=dist.ReduceOp.MAX, group=group)
-    return round(1.0 - float(serial.item()), 3)
+    return round(1.0 - float(all_reduce_(serial, "max", group).item()), 3)

@@ -25,7 +25,7 @@ Compute memory is the peak of a micro-batch's forward + backward of the layer, a
 training state, measured on the SECOND of two micro-batches, so that the layer's gradient
 accumulated from the first is resident as it is whenever a rank runs more than one: the layer's gathered parameters (in the compute dtype) and buffers, the
 micro-batch's input and upstream gradient, activations, temporaries, the input gradient and the
-full parameter gradients. On CPU it is counted by a :class:`~cephalo_lightning.runtime.memory.MemoryTracker`
+full parameter gradients. On CPU it is counted by a :class:`~cephalo_lightning.runtime.emulation.memory.MemoryTracker`
 in a separate untimed pass (the accounting is slow); on CUDA it is the allocator's peak.
 """
 
@@ -42,9 +42,9 @@ import torch
 from torch import nn
 
 from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
-from cephalo_lightning.runtime.emulation import DeviceEmulator
+from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
+from cephalo_lightning.runtime.emulation.memory import MemoryTracker
 from cephalo_lightning.runtime.layered import Layer
-from cephalo_lightning.runtime.memory import MemoryTracker
 
 MakeInput = Callable[[int], Any]  # m -> the layer's input for m samples, or (input, side inputs)
 R = TypeVar("R")

@@ -29,7 +29,7 @@ from torch import nn
 
 from cephalo_lightning.profiling.layer import LayerProfile, RunStep, _output, prepare_layer, profile_layer, run_now
 from cephalo_lightning.runtime.batching import index_batch, leading_size
-from cephalo_lightning.runtime.emulation import DeviceEmulator
+from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.layered import Layer
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
-from cephalo_lightning.runtime.emulation import DeviceEmulator
+from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 

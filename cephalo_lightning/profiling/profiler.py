@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cephalo_lightning._common.errors import CephaloError
+from cephalo_lightning._common.units import GIB
 from cephalo_lightning.planner.cluster import (
     Cluster,
     DeviceProfile,
@@ -48,7 +50,11 @@ from cephalo_lightning.planner.cluster import (
 )
 from cephalo_lightning.profiling.cache import cache_path, fingerprint, read_cached, structure, write_cached
 from cephalo_lightning.profiling.collectives import (
-    CollectiveProfile, skewed_shares, time_collectives, time_overlap, uneven_slope,
+    CollectiveProfile,
+    skewed_shares,
+    time_collectives,
+    time_overlap,
+    uneven_slope,
 )
 from cephalo_lightning.profiling.model import ModelProfile, profile_model
 from cephalo_lightning.profiling.optimizer import time_optimizer_step
@@ -56,12 +62,12 @@ from cephalo_lightning.profiling.progress import ProfileProgress
 from cephalo_lightning.profiling.timing import STATISTICS
 from cephalo_lightning.profiling.turns import TurnTaker
 from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES
+from cephalo_lightning.runtime.distributed import broadcast_object, gather_objects, rank_and_size
+from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, EmulationSpec, parse_emulation_specs
 from cephalo_lightning.runtime.layered import Layer
-from cephalo_lightning.runtime.emulation import DeviceEmulator, EmulationSpec, parse_emulation_specs
 
 log = logging.getLogger(__name__)
 
-GIB = float(2**30)
 MIN_MS = 1e-5  # the planner needs strictly positive times; a layer can take less than a microsecond
 
 
@@ -83,7 +89,7 @@ def affine_fit(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, ...
     return tuple(intercept + slope * m for m in sizes)
 
 
-class ProfilingError(RuntimeError):
+class ProfilingError(CephaloError, RuntimeError):
     """Profiling failed on some rank; raised on every rank, naming the one that failed."""
 
 
@@ -179,31 +185,6 @@ def default_settings(device: torch.device) -> Settings:
 
 # --------------------------------------------------------------------------------------------
 # collectives of python objects (single process: identity)
-
-
-def _distributed(group: dist.ProcessGroup | None) -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    if not _distributed(group):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _from_rank0(obj: Any, group: dist.ProcessGroup | None) -> Any:
-    if not _distributed(group):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return box[0]
-
-
-def _barrier(group: dist.ProcessGroup | None) -> None:
-    if _distributed(group):
-        dist.barrier(group)
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,8 +283,7 @@ class ClusterProfiler:
             raise TypeError(f"sample_input must be a tensor (the first layer's input), got {type(sample_input).__name__}")
         self.sample_input = sample_input
         self.group = group
-        self.rank = dist.get_rank(group) if _distributed(group) else 0
-        self.world_size = dist.get_world_size(group) if _distributed(group) else 1
+        self.rank, self.world_size = rank_and_size(group)
         if emulate is not None:
             specs = parse_emulation_specs(emulate, self.world_size)  # every rank's, so all fail alike
             if emulator is None:
@@ -403,7 +383,7 @@ class ClusterProfiler:
     def run(self) -> ProfileReport:
         """Profile (or reuse the cache) and return the report; every rank must call it."""
         started = time.perf_counter()
-        ids: list[_Identity] = _gather(self._identity(), self.group)
+        ids: list[_Identity] = gather_objects(self._identity(), self.group)
         key = self._fingerprint(ids)
         path = cache_path(self.cache_dir, key) if self.cache_dir is not None else None
         leaders = self._leaders(ids)
@@ -412,7 +392,7 @@ class ClusterProfiler:
         if path is not None and not self.force:
             capacities = [self._capacity_gb(i, ids) for i in ids]
             cached = read_cached(path, self.world_size, capacities) if self.rank == 0 else None
-            data = _from_rank0(cluster_to_dict(cached) if cached is not None else None, self.group)
+            data = broadcast_object(cluster_to_dict(cached) if cached is not None else None, self.group)
             if data is not None:
                 cluster = cluster_from_dict(data)
                 if talk:
@@ -445,13 +425,13 @@ class ClusterProfiler:
                 if turns is not None:
                     turns.finish()
             progress.phase_done()
-            failures = _gather(failure, self.group)
+            failures = gather_objects(failure, self.group)
             bad = [(r, f) for r, f in enumerate(failures) if f is not None]
             if bad:
                 rank, message = bad[0]
                 raise ProfilingError(f"profiling failed on rank {rank} ({ids[rank].name}): {message}")
-            profiles: list[ModelProfile | None] = _gather(local, self.group)
-            optimizer: list[float | None] = _gather(optimizer_ns, self.group)
+            profiles: list[ModelProfile | None] = gather_objects(local, self.group)
+            optimizer: list[float | None] = gather_objects(optimizer_ns, self.group)
             comm, overlap = None, None
             if with_comm:
                 progress.phase("timing all-gather / reduce-scatter")

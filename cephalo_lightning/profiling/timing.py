@@ -1,7 +1,7 @@
 """Timing one compute region the way the runtime runs it: under the device emulator.
 
 CPU: wall clock less the time the thread waited for a CPU
-(:class:`~cephalo_lightning.runtime.emulation.ContentionClock`: on a shared host, other ranks' and
+(:class:`~cephalo_lightning.runtime.timing.ContentionClock`: on a shared host, other ranks' and
 programs' load is not this device's speed). CUDA: events recorded around the region with the device
 synchronized on both sides, so the figure is kernel time; the emulator's wait happens between the
 events and therefore counts, exactly as it delays the real schedule.
@@ -15,7 +15,8 @@ from typing import TypeVar
 
 import torch
 
-from cephalo_lightning.runtime.emulation import ContentionClock, DeviceEmulator
+from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
+from cephalo_lightning.runtime.timing import ContentionClock
 
 T = TypeVar("T")
 

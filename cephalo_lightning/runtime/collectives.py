@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from cephalo_lightning.runtime.layout import UnitLayout
 from cephalo_lightning.runtime.observers import Observers
+from cephalo_lightning.runtime.sharding.layout import UnitLayout
 
 COLLECTIVE_MODES = ("padded", "exact")
 

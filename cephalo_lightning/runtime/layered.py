@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from cephalo_lightning.runtime.collectives import CudaStreams
-from cephalo_lightning.runtime.engine import ShardedModel
-from cephalo_lightning.runtime.flat_unit import FlatUnit
+from cephalo_lightning.runtime.sharding.flat_unit import FlatUnit
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
 Side = Any  # a layer's side inputs for one micro-batch (anything the model's layer calls understand)
 LayerCall = Callable[[torch.Tensor, Side], torch.Tensor]

@@ -1,7 +1,7 @@
 """What the runtime tells the outside world: compute regions, collectives, hand-made allocations.
 
 Timing, emulation, memory accounting and the callback's watch are *observers* attached to a
-:class:`~cephalo_lightning.runtime.engine.ShardedModel`. The runtime reports events to its
+:class:`~cephalo_lightning.runtime.sharding.sharded_model.ShardedModel`. The runtime reports events to its
 :class:`Observers`; with none attached every report is one truth test of an empty list, so a
 real-device run without observers reads no clock, creates no CUDA event and keeps no state.
 

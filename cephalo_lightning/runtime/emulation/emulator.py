@@ -11,20 +11,17 @@ A rank's emulation is the planner's :class:`~cephalo_lightning.planner.cluster.E
   waiting for a CPU (host contention) is left out of the measure on Linux (:class:`ContentionClock`),
   so the emulator slows down the device's compute, not its neighbours' load.
 * ``memory_gb``: a capacity in GiB (2**30 bytes, as ``torch.cuda`` reports). On CPU it is enforced
-  by a :class:`~cephalo_lightning.runtime.memory.MemoryTracker` (:meth:`DeviceEmulator.memory_tracker`),
-  which raises :class:`~cephalo_lightning.runtime.memory.EmulatedOutOfMemoryError` (a
+  by a :class:`~cephalo_lightning.runtime.emulation.memory.MemoryTracker` (:meth:`DeviceEmulator.memory_tracker`),
+  which raises :class:`~cephalo_lightning.runtime.emulation.memory.EmulatedOutOfMemoryError` (a
   ``torch.OutOfMemoryError``) past it. On CUDA it can cap a real GPU with the caching allocator's
   per-process memory fraction (:meth:`DeviceEmulator.cap_cuda_memory`).
 
 Everything that reports a figure measured under emulation should say so (:meth:`DeviceEmulator.describe`).
-:class:`BusyTime` is the observer that measures how long a rank computes (emulated waits included).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,21 +29,22 @@ from typing import Any
 
 import torch
 
+from cephalo_lightning._common.errors import CephaloError
+from cephalo_lightning._common.units import GIB
 from cephalo_lightning.planner.cluster import Emulation
-from cephalo_lightning.runtime.memory import MemoryTracker
+from cephalo_lightning.runtime.emulation.memory import MemoryTracker
 from cephalo_lightning.runtime.observers import Observer
-
-GIB = float(2**30)
+from cephalo_lightning.runtime.timing import ContentionClock
 
 __all__ = [
-    "BusyTime", "ContentionClock", "DeviceEmulator", "Emulation", "EmulationSpecError", "EmulationSpec", "emulator_for_rank",
+    "DeviceEmulator", "Emulation", "EmulationSpecError", "EmulationSpec", "emulator_for_rank",
     "parse_emulation", "parse_emulation_specs",
 ]
 
 EmulationSpec = Emulation | Mapping[str, Any] | None  # what a user may write for one rank
 
 
-class EmulationSpecError(ValueError):
+class EmulationSpecError(CephaloError, ValueError):
     """A per-rank emulation spec is malformed; the message names the rank and the fix."""
 
 
@@ -113,57 +111,6 @@ def parse_emulation_specs(specs: Sequence[EmulationSpec] | None, world_size: int
             "in rank order (null or {} for a rank at full speed with unlimited memory)"
         )
     return [parse_emulation(spec, f"emulate[{rank}] (rank {rank})") for rank, spec in enumerate(specs)]
-
-
-class ContentionClock:
-    """Wall time minus the time this thread spent runnable but waiting for a CPU (Linux).
-
-    A CPU "cluster" shares its host's cores with other ranks and other programs. Time a thread
-    waits in the run queue is the host's contention, not the emulated device's compute: the
-    emulator scales only the rest, and the profiler measures only the rest, so neither amplifies
-    (nor reports) a neighbour's load. The run-queue wait comes from ``/proc/thread-self/schedstat``
-    (second field, nanoseconds); where it is unavailable (not Linux) this is the plain wall clock.
-    Readings from different threads are not comparable: :meth:`since` then falls back to wall time.
-    """
-
-    _local = threading.local()
-    _available: bool | None = None
-
-    __slots__ = ("wall", "waited", "thread")
-
-    def __init__(self, wall: float, waited: float | None, thread: int) -> None:
-        self.wall = wall
-        self.waited = waited
-        self.thread = thread
-
-    @classmethod
-    def _runqueue_wait(cls) -> float | None:
-        if cls._available is False:
-            return None
-        fd = getattr(cls._local, "fd", None)
-        try:
-            if fd is None:
-                fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-                cls._local.fd = fd
-            fields = os.pread(fd, 128, 0).split()
-            cls._available = True
-            return int(fields[1]) * 1e-9
-        except (OSError, IndexError, ValueError):
-            cls._available = False
-            return None
-
-    @classmethod
-    def now(cls) -> ContentionClock:
-        return cls(time.perf_counter(), cls._runqueue_wait(), threading.get_ident())
-
-    def since(self, earlier: ContentionClock | None) -> float:
-        """Seconds from ``earlier`` to this reading, less the run-queue wait in between."""
-        if earlier is None:
-            return 0.0
-        wall = self.wall - earlier.wall
-        if self.waited is None or earlier.waited is None or self.thread != earlier.thread:
-            return wall
-        return max(0.0, wall - (self.waited - earlier.waited))
 
 
 @dataclass
@@ -333,63 +280,6 @@ class DeviceEmulator(Observer):
             )
         torch.cuda.set_per_process_memory_fraction(fraction, index)
         return fraction
-
-
-class BusyTime(Observer):
-    """Seconds this rank spends in compute regions, what the profile's figures predict.
-
-    On CPU the contention-free clock (:class:`ContentionClock`); on CUDA a pair of events per
-    outermost region, read (and released) whenever :attr:`seconds` is read, and folded into the
-    total every ``max_pending`` regions so that nothing grows if nobody reads. Attach it
-    OUTSIDE an emulator (``observers.attach(busy, outermost=True)``) so the emulator's waits,
-    which delay the real schedule, count as busy time.
-    """
-
-    def __init__(self, cuda: bool = False, max_pending: int = 512) -> None:
-        self.cuda = cuda
-        self.max_pending = max_pending
-        self._depth = 0
-        self._start: Any = None
-        self._total = 0.0
-        self._pending: list[tuple[Any, Any]] = []
-
-    def compute_begin(self, region: str) -> None:
-        if self._depth == 0:
-            if self.cuda:  # pragma: no cover - CUDA only
-                self._start = torch.cuda.Event(enable_timing=True)
-                self._start.record()
-            else:
-                self._start = ContentionClock.now()
-        self._depth += 1
-
-    def compute_end(self, region: str) -> None:
-        if self._depth == 0:
-            return
-        self._depth -= 1
-        if self._depth:
-            return
-        if self.cuda:  # pragma: no cover - CUDA only
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._pending.append((self._start, end))
-            if len(self._pending) >= self.max_pending:
-                self._fold()
-        else:
-            self._total += ContentionClock.now().since(self._start)
-        self._start = None
-
-    def _fold(self) -> None:  # pragma: no cover - CUDA only
-        for start, end in self._pending:
-            end.synchronize()
-            self._total += start.elapsed_time(end) / 1e3
-        self._pending.clear()
-
-    @property
-    def seconds(self) -> float:
-        """Seconds in compute regions so far (take differences, e.g. per step)."""
-        if self._pending:  # pragma: no cover - CUDA only
-            self._fold()
-        return self._total
 
 
 def _cuda_index(device: torch.device | int | None) -> int:  # pragma: no cover - CUDA only

@@ -40,10 +40,11 @@ from torch import nn
 
 from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams
-from cephalo_lightning.runtime.flat_unit import FlatUnit, ParamSlot, full_shape, piece_shape
-from cephalo_lightning.runtime.layout import ParamSpan, ShardLayout, UnitLayout, build_layout
+from cephalo_lightning.runtime.distributed import gather_objects
 from cephalo_lightning.runtime.observers import Observer, Observers
-from cephalo_lightning.runtime.wrap import WrapPolicy, check_units_disjoint, find_units
+from cephalo_lightning.runtime.sharding.flat_unit import FlatUnit, ParamSlot, full_shape, piece_shape
+from cephalo_lightning.runtime.sharding.layout import ParamSpan, ShardLayout, UnitLayout, build_layout
+from cephalo_lightning.runtime.sharding.units import WrapPolicy, check_units_disjoint, find_units
 
 ROOT = "<root>"
 
@@ -735,10 +736,7 @@ def _agree(per_piece: list[set[str]], comm: Collectives, unit: str) -> list[str]
     lazily, say) cannot be moved consistently, and every rank raises alike.
     """
     local = (sorted(set.union(*per_piece)) if per_piece else [], sorted(set.intersection(*per_piece)) if per_piece else None)
-    everyone: list[Any] = [local]
-    if comm.world_size > 1 and dist.is_available() and dist.is_initialized():
-        everyone = [None] * comm.world_size
-        dist.all_gather_object(everyone, local, group=comm.group)
+    everyone = gather_objects(local, comm.group)
     union = {k for any_keys, _ in everyone for k in any_keys}
     common = [set(all_keys) for _, all_keys in everyone if all_keys is not None]
     complete = set.intersection(*common) if common else set()

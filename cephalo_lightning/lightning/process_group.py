@@ -15,8 +15,11 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 
-from cephalo_lightning._lightning_private import (
-    SubprocessScriptLauncher, default_process_group_backend, distributed_is_initialized, init_dist_connection,
+from cephalo_lightning.lightning._private import (
+    SubprocessScriptLauncher,
+    default_process_group_backend,
+    distributed_is_initialized,
+    init_dist_connection,
 )
 
 

@@ -6,10 +6,12 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from cephalo_lightning._common.errors import CephaloError
+
 WrapPolicy = Sequence[type[nn.Module]] | Sequence[nn.Module] | None
 
 
-class WrapPolicyError(ValueError):
+class WrapPolicyError(CephaloError, ValueError):
     """The model has no units the runtime can shard by, or its units overlap."""
 
 

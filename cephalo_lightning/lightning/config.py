@@ -45,7 +45,7 @@ def _import_class(path: str) -> type[nn.Module]:
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    """What :class:`~cephalo_lightning.strategy.CephaloStrategy` was asked to do (see its docstring)."""
+    """What :class:`~cephalo_lightning.lightning.strategy.CephaloStrategy` was asked to do (see its docstring)."""
 
     global_batch_size: int | None = None
     mode: str = "auto"

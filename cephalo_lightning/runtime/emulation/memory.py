@@ -21,11 +21,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # the public way to observe every op
 
+from cephalo_lightning._common.errors import CephaloError
+from cephalo_lightning._common.units import GIB
 from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.observers import Observer, Observers
 
 
-class EmulatedOutOfMemoryError(torch.OutOfMemoryError):
+class EmulatedOutOfMemoryError(CephaloError, torch.OutOfMemoryError):
     """Raised when a rank's accounted memory passes its emulated capacity."""
 
 
@@ -54,11 +56,10 @@ class MemoryTracker(TorchDispatchMode, Observer):
         self.current_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         if self.capacity_bytes is not None and self.current_bytes > self.capacity_bytes:
-            gib = 2**30
             raise EmulatedOutOfMemoryError(
                 f"Emulated out of memory{f' on {self.label}' if self.label else ''}: tried to allocate "
-                f"{nbytes / 2**20:.2f} MiB; {self.current_bytes / gib:.3f} GiB would be in use of an emulated "
-                f"capacity of {self.capacity_bytes / gib:.3f} GiB. Lower this rank's micro-batch size or state "
+                f"{nbytes / 2**20:.2f} MiB; {self.current_bytes / GIB:.3f} GiB would be in use of an emulated "
+                f"capacity of {self.capacity_bytes / GIB:.3f} GiB. Lower this rank's micro-batch size or state "
                 "share (re-plan with the true capacity), or raise its emulated memory_gb."
             )
 

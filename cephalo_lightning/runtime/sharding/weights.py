@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from cephalo_lightning._common.errors import CephaloError
 
-class WeightsError(ValueError):
+
+class WeightsError(CephaloError, ValueError):
     """The weights cannot be read into this model: which tensor, what is wrong, what to do."""
 
 

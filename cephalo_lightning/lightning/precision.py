@@ -11,7 +11,7 @@ from __future__ import annotations
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 
-from cephalo_lightning.runtime.engine import clip_grad_norm_
+from cephalo_lightning.runtime.sharding.sharded_model import clip_grad_norm_
 
 
 class _ShardedClipping:

@@ -22,7 +22,7 @@ and an explicit allow-list (:data:`SAFE_GLOBALS`); DCP's pickled ``.metadata`` i
 read by DCP with ``weights_only=True``; everything else is JSON.
 
 [Note: a checkpoint that loads is complete] It is written in a staging directory and published
-atomically (:func:`~cephalo_lightning.atomic_io.publish_directory`); the manifest is written last
+atomically (:func:`~cephalo_lightning._common.atomic_io.publish_directory`); the manifest is written last
 and verified before anything is read (sizes, and checksums shared out between the ranks), so a
 truncated, corrupted or half-deleted checkpoint is refused with the name of the file.
 """
@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
@@ -66,8 +65,16 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from cephalo_lightning.atomic_io import publish_directory, recover_directory, remove_tree, staging_path, write_bytes_atomic
-from cephalo_lightning.runtime.engine import ShardedModel
+from cephalo_lightning._common.atomic_io import (
+    publish_directory,
+    recover_directory,
+    remove_tree,
+    staging_path,
+    write_bytes_atomic,
+)
+from cephalo_lightning._common.errors import CephaloError
+from cephalo_lightning.runtime.distributed import barrier, broadcast_object, gather_objects, is_distributed, rank_and_size
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
 FORMAT = 2
 META_FILE = "meta.pt"
@@ -76,7 +83,7 @@ MANIFEST_FILE = "manifest.json"
 MODEL_PREFIX = "model."
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(CephaloError, RuntimeError):
     """A checkpoint cannot be written or read: what is wrong, which file, what to do."""
 
 
@@ -397,43 +404,14 @@ def _files(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
 
 
-def _is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if _is_distributed() else (0, 1)
-
-
-def _gather_objects(obj: Any) -> list[Any]:
-    if not _is_distributed():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _broadcast_object(obj: Any) -> Any:
-    if not _is_distributed():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _barrier() -> None:
-    if _is_distributed():
-        dist.barrier()
-
-
 def _write_manifest(path: Path) -> None:
     """Collective: every rank hashes its share of the files, rank 0 writes the manifest last."""
-    rank, world = _rank_world()
-    names = _broadcast_object(_files(path) if rank == 0 else None)
+    rank, world = rank_and_size()
+    names = broadcast_object(_files(path) if rank == 0 else None)
     mine = {name: {"size": (path / name).stat().st_size, "sha256": _sha256(path / name)}
             for i, name in enumerate(names) if i % world == rank}
     merged: dict[str, Any] = {}
-    for part in _gather_objects(mine):
+    for part in gather_objects(mine):
         merged.update(part)
     if rank == 0:
         write_bytes_atomic(path / MANIFEST_FILE, json.dumps({"format": FORMAT, "files": merged}, indent=1).encode())
@@ -486,20 +464,20 @@ def verify(path: str | Path, checksums: bool = True, collective: bool | None = N
     (``checksums``) its SHA-256. ``collective`` (default: where a process group exists): every rank
     hashes its share of the files and every rank raises alike, naming the first bad file."""
     path = Path(path)
-    collective = _is_distributed() if collective is None else collective
+    collective = is_distributed() if collective is None else collective
     problem: str | None = None
     try:
         files = read_manifest(path)
         problem = _check_sizes(path, files)
         if problem is None and checksums:
-            rank, world = _rank_world() if collective else (0, 1)
+            rank, world = rank_and_size() if collective else (0, 1)
             for i, (name, info) in enumerate(sorted(files.items())):
                 if i % world == rank and _sha256(path / name) != info["sha256"]:
                     problem = f"{path / name} does not match its checksum in the manifest (corrupted or modified)"
                     break
     except CheckpointError as err:
         problem = str(err)
-    problems = [p for p in (_gather_objects(problem) if collective else [problem]) if p]
+    problems = [p for p in (gather_objects(problem) if collective else [problem]) if p]
     if problems:
         raise CheckpointError(f"refusing to load {path}: {problems[0]}. Resume from an earlier checkpoint")
 
@@ -589,14 +567,14 @@ def optimizer_entries(sharded: ShardedModel, optimizer: torch.optim.Optimizer, p
 
 def _replicated_entries(tensors: dict[str, torch.Tensor]) -> list[_Entry]:
     """Tensors every rank holds whole: rank 0 writes them (one chunk covering everything)."""
-    rank, _ = _rank_world()
+    rank, _ = rank_and_size()
     if rank != 0:
         return []
     return [_Entry(fqn, tuple(t.shape), t.dtype, t.detach().reshape(-1).cpu(), 0) for fqn, t in tensors.items()]
 
 
 def _token() -> str:
-    return _broadcast_object(uuid.uuid4().hex[:12])
+    return broadcast_object(uuid.uuid4().hex[:12])
 
 
 def _dcp_call(what: str, fn: Callable[[], Any]) -> Any:
@@ -620,14 +598,14 @@ def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
     (the plan). Returns the published path.
     """
     path = Path(path)
-    rank, _ = _rank_world()
+    rank, _ = rank_and_size()
     check_loadable(meta, safe_globals)  # fail before writing, on every rank alike
     token = _token()
     staging = staging_path(path, token)
     if rank == 0:
         recover_directory(path, is_complete)
         staging.mkdir(parents=True)
-    _barrier()
+    barrier()
     entries = model_entries(sharded) + _replicated_entries({MODEL_PREFIX + k: v for k, v in buffers(sharded).items()})
     optimizer_info = []
     replicated: dict[str, torch.Tensor] = {}
@@ -638,7 +616,7 @@ def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
         optimizer_info.append(saved.info)
     entries += _replicated_entries(replicated)
     _dcp_call(f"saving {path}", lambda: dcp.save({}, storage_writer=dcp.FileSystemWriter(staging),
-                                                 planner=ShardSavePlanner(entries), no_dist=not _is_distributed()))
+                                                 planner=ShardSavePlanner(entries), no_dist=not is_distributed()))
     if rank == 0:
         buffer = io.BytesIO()
         torch.save(meta, buffer)
@@ -651,12 +629,12 @@ def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
             **info,
         }
         write_bytes_atomic(staging / INFO_FILE, json.dumps(document, indent=1, default=_json_default).encode())
-    _barrier()
+    barrier()
     _write_manifest(staging)
-    _barrier()
+    barrier()
     if rank == 0:
         publish_directory(staging, path)
-    _barrier()
+    barrier()
     return path
 
 
@@ -691,7 +669,7 @@ def read_meta(path: str | Path, safe_globals: Iterable[Any] = (), trusted: bool 
 
 def _prepare(path: str | Path, verify_checksums: bool) -> Path:
     path = Path(path)
-    rank, _ = _rank_world()
+    rank, _ = rank_and_size()
     if rank == 0:
         restored = recover_directory(path, is_complete)
         if restored is not None:
@@ -699,7 +677,7 @@ def _prepare(path: str | Path, verify_checksums: bool) -> Path:
 
             warnings.warn(f"Cephalo: {path} was missing after an interrupted save; restored it from {restored.name}",
                           stacklevel=3)
-    _barrier()
+    barrier()
     verify(path, checksums=verify_checksums)
     return path
 
@@ -748,7 +726,7 @@ def load(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
                         requests.append(_Request(key, tuple(md.size), target.view(-1), 0))
                     restores.append((optimizer, p, state_key, target))
     _dcp_call(f"loading {path}", lambda: dcp.load({}, storage_reader=SafeFileSystemReader(path),
-                                                  planner=ShardLoadPlanner(requests), no_dist=not _is_distributed()))
+                                                  planner=ShardLoadPlanner(requests), no_dist=not is_distributed()))
     for optimizer, p, state_key, target in restores:
         optimizer.state[p][state_key] = target
     for i, optimizer in enumerate(optimizers):

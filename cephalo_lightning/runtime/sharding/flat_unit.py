@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from cephalo_lightning.runtime.collectives import Collectives, PendingGather
-from cephalo_lightning.runtime.layout import ParamSpan, UnitLayout
 from cephalo_lightning.runtime.observers import Observers
+from cephalo_lightning.runtime.sharding.layout import ParamSpan, UnitLayout
 
 
 @dataclass(frozen=True)

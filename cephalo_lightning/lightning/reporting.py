@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from cephalo_lightning import _lightning_private
+from cephalo_lightning.lightning import _private as _lightning_private
 from cephalo_lightning.planner import Cluster, Plan, save_cluster
 
 PLAN_COLUMNS = ["rank", "device", "batch", "micro_batches", "micro_batch_size", "state_share",

@@ -16,16 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from cephalo_lightning._lightning_private import training_dataloader
+from cephalo_lightning._common.units import GIB
+from cephalo_lightning.lightning._private import training_dataloader
 from cephalo_lightning.planner import Cluster, Plan, PlanningError, load_cluster
 from cephalo_lightning.planner import plan as make_plan
-from cephalo_lightning.runtime.emulation import GIB, DeviceEmulator
-from cephalo_lightning.runtime.flat_unit import full_shape
+from cephalo_lightning.runtime.distributed import gather_objects, is_distributed
+from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
+from cephalo_lightning.runtime.sharding.flat_unit import full_shape
 
 
 @dataclass(frozen=True)
@@ -49,10 +50,7 @@ def identity(rank: int, device: torch.device, emulator: DeviceEmulator) -> Devic
 
 def gather_identities(mine: DeviceIdentity, world_size: int) -> list[DeviceIdentity]:
     """Collective: every rank's identity, in rank order."""
-    identities: list[Any] = [mine] * world_size
-    if dist.is_available() and dist.is_initialized():
-        dist.all_gather_object(identities, mine)
-    return identities
+    return gather_objects(mine) if is_distributed() else [mine] * world_size
 
 
 def global_batch(configured: int | None, trainer: Any, world_size: int) -> int:

@@ -21,18 +21,19 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from cephalo_lightning._lightning_private import LoggedValue, captured_logs, logged_values, logging_as
+from cephalo_lightning._common.errors import CephaloError
+from cephalo_lightning.lightning._private import LoggedValue, captured_logs, logged_values, logging_as
 from cephalo_lightning.models.protocol import LayeredModel, LossWeighting, check_first_inputs
 from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime.batching import leading_size, micro_batches
-from cephalo_lightning.runtime.engine import ShardedModel
+from cephalo_lightning.runtime.distributed import Group, all_reduce_, gather_objects, rank_and_size
 from cephalo_lightning.runtime.layered import LayeredSchedule
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(CephaloError, RuntimeError):
     """Training stopped: too many consecutive steps had a non-finite loss or gradient."""
 
 
@@ -56,26 +57,15 @@ class StepReport:
     what: str = "loss"  # which of the two
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
-
-
 def micro_batch_weights(parts: Sequence[Any], weighting: LossWeighting, global_batch: int,
-                        device: torch.device) -> tuple[list[float], float]:
+                        device: torch.device, group: Group = None) -> tuple[list[float], float]:
     """Each micro-batch's share of the global mean loss, and the global batch's items (see the
     module docstring)."""
     samples = [leading_size(p) or 0 for p in parts]
     if weighting.kind == "samples":
         return [s / global_batch for s in samples], float(global_batch)
     counts = torch.tensor([float(weighting.items(p, s)) for p, s in zip(parts, samples)] + [0.0], dtype=torch.float64)
-    total = counts.sum().to(device)
-    if _distributed():
-        dist.all_reduce(total)
-    total = float(total)
+    total = float(all_reduce_(counts.sum().to(device), group=group))
     return [float(c) / total if total > 0 else 0.0 for c in counts[:-1].tolist()], total
 
 
@@ -87,7 +77,8 @@ def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bo
     rank's shard non-finite through the reduce-scatter, so the report names the ranks whose loss
     went non-finite (the origin), or, if none did, those whose gradients did.
     """
-    rank, world = _rank_world()
+    group = sharded.comm.group
+    rank, world = rank_and_size(group)
     device = sharded.device
     loss = local_loss.detach().double().reshape(1).to(device)
     flags = torch.zeros(2 * world, dtype=torch.float64, device=device)
@@ -95,9 +86,7 @@ def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bo
     if check_grads:
         flags[world + rank] = 0.0 if bool(torch.isfinite(sharded.grad_norm_sq())) else 1.0
     values = [loss.nan_to_num(0.0, 0.0, 0.0)] + [e.detach().double().reshape(-1).to(device) for e in extra] + [flags]
-    vector = torch.cat(values)
-    if _distributed():
-        dist.all_reduce(vector)
+    vector = all_reduce_(torch.cat(values), group=group)
     parts = list(vector.split([v.numel() for v in values]))
     flags_back = parts[-1].tolist()
     losses = tuple(i for i in range(world) if flags_back[i] > 0)
@@ -139,7 +128,8 @@ class LayeredSteps:
         if self.verify_loss:
             self.verify_loss = False
             self._verify(parts[0] if parts else batch, has_samples=bool(parts), batch_idx=ctx.batch_idx)
-        shares, total = micro_batch_weights(parts, self.model.weighting, ctx.global_batch, self.schedule.device)
+        shares, total = micro_batch_weights(parts, self.model.weighting, ctx.global_batch, self.schedule.device,
+                                           self.schedule.sharded.comm.group)
         share = self.model.weighting.share
         if share is not None:  # the model's loss divides by the global items itself: weight 1
             weights = [(1.0 if w else 0.0) / ctx.accumulate for w in shares]
@@ -189,13 +179,8 @@ class LayeredSteps:
             user_value, derived_value = float(user), float(derived)
             if not math.isclose(user_value, derived_value, rel_tol=self.tolerance, abs_tol=self.tolerance):
                 mismatch = 1.0
-        flag = torch.tensor([mismatch, float(user) if torch.is_tensor(user) else math.nan, float(derived)],
-                            dtype=torch.float64, device=sharded.device)
-        everyone = [flag]
-        if _distributed():
-            everyone = [torch.zeros_like(flag) for _ in range(dist.get_world_size())]
-            dist.all_gather(everyone, flag)
-        bad = [(r, f.tolist()) for r, f in enumerate(everyone) if f[0] > 0]
+        flag = [mismatch, float(user) if torch.is_tensor(user) else math.nan, float(derived)]
+        bad = [(r, f) for r, f in enumerate(gather_objects(flag, sharded.comm.group)) if f[0] > 0]
         if bad:
             rank, (_, got, want) = bad[0]
             raise ValueError(
@@ -264,7 +249,8 @@ class UniformSteps:
     def forward(self, batch: Any, ctx: StepContext, *args: Any) -> Any:
         parts = micro_batches(batch, ctx.rank_plan.micro_batch_sizes)
         self._rest, self._args = parts[1:], args
-        self._weights, _ = micro_batch_weights(parts, self.weighting, ctx.global_batch, self.sharded.device)
+        self._weights, _ = micro_batch_weights(parts, self.weighting, ctx.global_batch, self.sharded.device,
+                                              self.sharded.comm.group)
         self._losses, self._logs = [], _Captured()
         self.sharded.gather_root()
         return self._run(parts[0], self._weights[0])

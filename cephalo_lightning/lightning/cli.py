@@ -146,7 +146,7 @@ def profile_main(argv: list[str] | None = None) -> int:
 
     from lightning.pytorch.callbacks import Checkpoint
 
-    from cephalo_lightning.callback import CephaloCallback
+    from cephalo_lightning.lightning.callback import CephaloCallback
 
     parser = argparse.ArgumentParser(prog="python -m cephalo_lightning profile", description=profile_main.__doc__)
     parser.add_argument("-o", "--output", default="cluster.yaml", help="cluster file to write (YAML or .json)")

@@ -19,20 +19,20 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
-from cephalo_lightning import reporting
-from cephalo_lightning.config import StrategyConfig
+from cephalo_lightning.lightning import reporting
+from cephalo_lightning.lightning.config import StrategyConfig
+from cephalo_lightning.lightning.steps import LayeredSteps, NonFiniteGuard, StepContext, StepReport, UniformSteps
 from cephalo_lightning.models import SUPPORTED, Resolution, hf
 from cephalo_lightning.models.protocol import LossWeighting
 from cephalo_lightning.planner import Plan, PlanningError
 from cephalo_lightning.runtime import checkpoint
-from cephalo_lightning.runtime.emulation import DeviceEmulator
-from cephalo_lightning.runtime.engine import ShardedModel, UnitMaterializer
-from cephalo_lightning.runtime.liveness import Heartbeat, looks_like_lost_peer
+from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
+from cephalo_lightning.runtime.emulation.memory import SampledTracking
 from cephalo_lightning.runtime.layered import LayeredSchedule
-from cephalo_lightning.runtime.memory import SampledTracking
+from cephalo_lightning.runtime.liveness import Heartbeat, looks_like_lost_peer
 from cephalo_lightning.runtime.plan_state import CutBatch, PlanState
-from cephalo_lightning.runtime.weights import open_weights
-from cephalo_lightning.steps import LayeredSteps, NonFiniteGuard, StepContext, StepReport, UniformSteps
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel, UnitMaterializer
+from cephalo_lightning.runtime.sharding.weights import open_weights
 
 
 def decide_mode(requested: str, resolution: Resolution, module: pl.LightningModule) -> str:

@@ -1,0 +1,1 @@
+"""Torch-free helpers shared by every layer, the planner included."""

@@ -1,0 +1,14 @@
+"""The base of every error the package raises on purpose (torch-free, so the planner shares it).
+
+Each refusal also derives from the builtin a caller would expect (``ValueError`` for bad input,
+``RuntimeError`` for a state that cannot go on), so ``except ValueError`` keeps working while
+``except CephaloError`` catches every refusal of this package and nothing else.
+"""
+
+
+class CephaloError(Exception):
+    """Cephalo refused or stopped; the message says what is wrong and what to change."""
+
+
+class ConfigurationError(CephaloError, ValueError):
+    """An argument, option or file is not valid; the message names it and the fix."""

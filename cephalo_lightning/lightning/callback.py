@@ -1,0 +1,363 @@
+"""``CephaloCallback``: profile every device at setup, plan, hand the plan over, then watch.
+
+At ``setup`` it tells the :class:`~cephalo_lightning.lightning.strategy.CephaloStrategy` that a plan is
+coming, so the strategy shards provisionally, in proportion to each rank's memory (so a small
+device is not handed an even share it cannot hold). At ``on_fit_start`` every rank profiles its
+device on the sharded model, one unit at a time (:mod:`cephalo_lightning.profiling`), the planner
+turns the gathered cluster into a plan, and the strategy re-shards to it (no files, no full
+gather) before the first batch is cut. During training it compares each rank's measured compute
+time and peak memory with the plan's prediction, logs both, warns about a rank that drifts (a
+straggler, a throttled GPU) and, with ``replan=True``, re-profiles, re-plans and re-shards without
+losing state.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from cephalo_lightning._common.units import GIB
+from cephalo_lightning.lightning._private import training_dataloader
+from cephalo_lightning.lightning.reporting import (
+    log_plan,
+    log_rank_series,
+    log_run,
+    log_summary,
+    save_run_files,
+    terminal_width,
+)
+from cephalo_lightning.lightning.strategy import CephaloStrategy
+from cephalo_lightning.planner import Cluster, Plan
+from cephalo_lightning.planner import plan as make_plan
+from cephalo_lightning.planner.cost import predicted_busy_s
+from cephalo_lightning.planner.report import render_plan
+from cephalo_lightning.profiling import ProfileOptions, default_settings, profile_cluster
+from cephalo_lightning.runtime.batching import leading_size, slice_batch
+from cephalo_lightning.runtime.distributed import gather_objects
+from cephalo_lightning.runtime.sharding.flat_unit import full_shape
+from cephalo_lightning.runtime.timing import BusyTime
+
+# what "<x>-true" precision turns the parameters into (Lightning converts the module after setup)
+_TRUE_PRECISION_DTYPES = {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+class CephaloCallback(Callback):
+    """Profile, plan and watch for :class:`CephaloStrategy`.
+
+    Args:
+        global_batch_size: samples per optimizer step over all ranks (default: the strategy's,
+            else the training DataLoader's ``batch_size``).
+        mode: planner mode, ``"layered"`` or ``"uniform"`` (default: what the module supports).
+        max_micro_batch: profile micro-batch sizes 1..k.
+        settings: cost-model settings to override (e.g. ``{"usable_memory_fraction": 0.9}``).
+        cache_dir: where profiles are cached (a restart does not re-profile); None: no cache.
+        force_profile: profile again even when a cached profile matches.
+        cluster_file: also write the profiled cluster here (re-plan offline with
+            ``python -m cephalo_lightning plan``).
+        plan_file: write the plan JSON here.
+        watch_every_n_steps: compare measured with predicted every N steps (0: never).
+        drift_threshold: a rank whose measured/predicted ratio departs from the median rank's by
+            more than this fraction is reported as drifting.
+        replan: on drift, re-profile, re-plan and re-shard (state is kept).
+        state_bytes_per_param: training-state bytes per parameter (default: 4 x the master
+            dtype's size: parameter, gradient and Adam's two moments; 16 for fp32).
+    """
+
+    def __init__(
+        self,
+        global_batch_size: int | None = None,
+        mode: str | None = None,
+        max_micro_batch: int = 4,
+        settings: Mapping[str, Any] | None = None,
+        cache_dir: str | Path | None = ".cephalo",
+        force_profile: bool = False,
+        cluster_file: str | Path | None = None,
+        plan_file: str | Path | None = None,
+        watch_every_n_steps: int = 10,
+        drift_threshold: float = 0.3,
+        replan: bool = False,
+        state_bytes_per_param: float | None = None,
+        print_plan: bool = True,
+        quiet: bool = False,
+    ) -> None:
+        if mode not in (None, "layered", "uniform"):
+            raise ValueError(f"mode must be 'layered', 'uniform' or None, got {mode!r}")
+        for name, value in (("global_batch_size", global_batch_size), ("max_micro_batch", max_micro_batch)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"CephaloCallback({name}={value!r}) must be an integer >= 1"
+                                 + (" (or None: the training DataLoader's batch_size)" if name == "global_batch_size" else ""))
+        if watch_every_n_steps < 0 or drift_threshold <= 0:
+            raise ValueError("watch_every_n_steps must be >= 0 and drift_threshold > 0")
+        self.global_batch_size = global_batch_size
+        self.mode = mode
+        self.max_micro_batch = max_micro_batch
+        self.settings = dict(settings or {})
+        self.cache_dir = cache_dir
+        self.force_profile = force_profile
+        self.cluster_file = cluster_file
+        self.plan_file = plan_file
+        self.watch_every_n_steps = watch_every_n_steps
+        self.drift_threshold = drift_threshold
+        self.replan = replan
+        self.state_bytes_per_param = state_bytes_per_param
+        self.print_plan = print_plan
+        self.quiet = quiet
+        self.cluster: Cluster | None = None
+        self.plan: Plan | None = None
+        self.history: list[dict[str, Any]] = []  # one row per watch window, on every rank
+        self._step_start = 0.0
+        self._busy_start = 0.0
+        self._window: list[tuple[float, float]] = []  # (wall, busy) seconds per step
+        self._all_walls: list[float] = []
+        self._throughput: Throughput | None = None
+        self._samples = 0
+        self._busy: BusyTime | None = None
+        self._planning = False
+
+    # ------------------------------------------------------------------ setup: profile and plan
+
+    @staticmethod
+    def _strategy(trainer: pl.Trainer) -> CephaloStrategy:
+        if not isinstance(trainer.strategy, CephaloStrategy):
+            raise TypeError(f"CephaloCallback needs Trainer(strategy='cephalo'), got {type(trainer.strategy).__name__}")
+        return trainer.strategy
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = self._strategy(trainer)
+        self._planning = strategy.plan is None or self.force_profile
+        if self._planning:
+            strategy.provisional_layout = "memory"  # a plan follows at on_fit_start
+        else:
+            rank_zero_info("Cephalo: the strategy's plan is pinned; not profiling.")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._strategy(trainer)
+        if self._planning:
+            self.cluster, self.plan = self._profile_and_plan(trainer, pl_module, strategy, force=self.force_profile)
+            strategy.cluster = self.cluster
+            strategy.adopt_plan(self.plan)
+        else:
+            self.plan = strategy.plan
+        if trainer.is_global_zero:
+            if self.print_plan:
+                print(render_plan(self.plan, width=terminal_width()), flush=True)
+            if self.plan_file:
+                self.plan.save(self.plan_file)
+            log_plan(trainer.loggers, self.plan, self.cluster)
+            log_run(trainer, self.plan, self.cluster or strategy.cluster, callback=self)
+
+    def _sample(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> tuple[Any, int]:
+        loader = training_dataloader(trainer)
+        batch_size = self.global_batch_size or strategy.global_batch_size or getattr(loader, "batch_size", None)
+        if not batch_size:
+            raise ValueError("CephaloCallback needs the global batch: set batch_size on the training DataLoader "
+                             "or CephaloCallback(global_batch_size=B)")
+        loader_batch = getattr(loader, "batch_size", None)
+        if self.global_batch_size and loader_batch and strategy.global_batch_size is None and loader_batch != batch_size:
+            raise ValueError(
+                f"CephaloCallback(global_batch_size={self.global_batch_size}) but the training DataLoader's batch_size "
+                f"is {loader_batch}: the DataLoader's batch is the global batch (every rank takes its slice of it), "
+                "so they must agree; drop global_batch_size or set the DataLoader's batch_size to it"
+            )
+        batch = next(iter(loader))
+        rows = leading_size(batch) or 1
+        return slice_batch(batch, 0, min(rows, self.max_micro_batch)), int(batch_size)
+
+    def _profile_and_plan(self, trainer: pl.Trainer, module: pl.LightningModule, strategy: CephaloStrategy,
+                          force: bool) -> tuple[Cluster, Plan]:
+        """Collective: profile every rank on the sharded model, one unit at a time, and plan."""
+        sample, global_batch = self._sample(trainer, strategy)
+        run = strategy.run
+        assert run is not None, "CephaloCallback profiles after the strategy has sharded the model"
+        layered = run.layered_model
+        sharded = run.sharded
+        if layered is not None:
+            layers, sample_input = list(layered.layers), sample
+            kwargs: dict[str, Any] = {"prepare": layered.prepare, "loss": layered.loss,
+                                      "unit_context": lambda i: sharded.unit_gathered(i + 1)}
+        else:
+            example = getattr(module, "example_input_array", None)
+            if example is None:
+                raise ValueError(
+                    f"CephaloCallback cannot profile {type(module).__name__}: it has no layered form "
+                    f"({run.resolution.reason}); set example_input_array, or give the strategy a plan / cluster file"
+                )
+            # the whole model as one "layer" (uniform mode): every unit gathered for the measurement
+            layers, sample_input = [module], example
+            kwargs = {"unit_context": lambda i: sharded.summon_full_params()}
+        settings = replace(default_settings(strategy.root_device), **self.settings)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        parameters = sum(math.prod(full_shape(p)) for p in trainable)  # the pieces are shards: count the whole
+        precision = trainer.precision_plugin
+        compute_dtype = strategy.param_dtype or _TRUE_PRECISION_DTYPES.get(getattr(precision, "precision", ""))
+        master = torch.promote_types(compute_dtype or (trainable[0].dtype if trainable else torch.float32), torch.float32)
+        state_bytes = self.state_bytes_per_param or 4 * master.itemsize
+        with precision.forward_context():  # autocast for "*-mixed"
+            cluster = profile_cluster(
+                layers, sample_input, emulator=strategy.emulator,  # its current state: a throttle shows
+                options=ProfileOptions(max_micro_batch=self.max_micro_batch, compute_dtype=compute_dtype,
+                                       collective_modes=(strategy.collective,)),
+                model_name=type(module).__name__, parameters=parameters, state_bytes_per_param=state_bytes,
+                settings=settings, device=strategy.root_device, cache_dir=self.cache_dir, force=force,
+                quiet=self.quiet, **kwargs,
+            )
+        if self.cluster_file and trainer.is_global_zero:
+            from cephalo_lightning.planner import save_cluster
+
+            save_cluster(cluster, self.cluster_file)
+        mode = self.mode or run.mode
+        # every rank must shard by the same plan: rank 0's, in case float noise ever made two differ
+        plan = strategy.broadcast(make_plan(cluster, global_batch, mode=mode) if trainer.is_global_zero else None)
+        return cluster, plan
+
+    # ------------------------------------------------------------------ watching
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._throughput = Throughput(window_size=max(self.watch_every_n_steps, 5), world_size=1)
+        self._t0 = time.perf_counter()
+        strategy = self._strategy(trainer)
+        if self.watch_every_n_steps and strategy.run is not None:  # the watch measures compute, emulated waits included
+            self._busy = BusyTime(cuda=strategy.root_device.type == "cuda")
+            strategy.run.sharded.observers.attach(self._busy, outermost=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = self._strategy(trainer)
+        if self._busy is not None and strategy.run is not None:
+            strategy.run.sharded.observers.detach(self._busy)
+        self._summarize(trainer, strategy)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_start = time.perf_counter()
+        self._busy_start = self._busy.seconds if self._busy is not None else 0.0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        strategy = self._strategy(trainer)
+        wall = time.perf_counter() - self._step_start
+        busy = self._busy.seconds - self._busy_start if self._busy is not None else 0.0
+        self._window.append((wall, busy))
+        self._all_walls.append(wall)
+        assert strategy.plan is not None
+        self._samples += strategy.plan.global_batch_size
+        if self._throughput is not None:
+            # this run's steps (a resumed run's global_step also counts the steps before the resume)
+            self._throughput.update(time=time.perf_counter() - self._t0, batches=len(self._all_walls), samples=self._samples)
+        if self.watch_every_n_steps and len(self._window) >= self.watch_every_n_steps:
+            self._watch(trainer, strategy)
+            self._window = []
+
+    def _predicted_busy(self, strategy: CephaloStrategy) -> list[float | None]:
+        """Each rank's predicted compute seconds per step (the cost model without collectives)."""
+        if self.cluster is None or strategy.plan is None:
+            return [None] * strategy.world_size
+        return list(predicted_busy_s(self.cluster, strategy.plan))
+
+    def _peak_memory_gb(self, strategy: CephaloStrategy) -> float | None:
+        if strategy.memory is not None:
+            return strategy.memory.peak_bytes / GIB
+        if strategy.root_device.type == "cuda":  # pragma: no cover - CUDA only
+            return torch.cuda.max_memory_allocated(strategy.root_device) / GIB
+        return None
+
+    def _watch(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
+        """Collective: every rank shares its window, every rank takes the same decision."""
+        walls = sorted(w for w, _ in self._window)
+        busy = statistics.median(b for _, b in self._window)
+        rows = gather_objects({"busy_s": busy, "peak_memory_gb": self._peak_memory_gb(strategy)})
+        predicted = self._predicted_busy(strategy)
+        assert strategy.plan is not None
+        ratios = [r["busy_s"] / p if p else None for r, p in zip(rows, predicted)]
+        known = [r for r in ratios if r]
+        median = statistics.median(known) if known else None
+        drifting = [
+            i for i, r in enumerate(ratios)
+            if r and median and abs(math.log(r / median)) > math.log(1 + self.drift_threshold)
+        ]
+        record = {
+            "step": trainer.global_step,
+            "step_s": statistics.median(walls),
+            "samples_per_s": strategy.plan.global_batch_size / statistics.median(walls),
+            "predicted_samples_per_s": strategy.plan.predicted_samples_per_s,
+            "ranks": [
+                {"rank": i, "measured_busy_s": r["busy_s"], "predicted_busy_s": predicted[i],
+                 "peak_memory_gb": r["peak_memory_gb"], "predicted_memory_gb": strategy.plan.ranks[i].predicted_memory_gb}
+                for i, r in enumerate(rows)
+            ],
+            "drifting": drifting,
+        }
+        self.history.append(record)
+        if trainer.is_global_zero:
+            throughput = self._throughput.compute() if self._throughput is not None else {}
+            log_rank_series(trainer.loggers, record, throughput, trainer.global_step)
+        if drifting:
+            names = ", ".join(f"rank {i} ({ratios[i] / median:.2f}x the median rank's measured/predicted)" for i in drifting)
+            rank_zero_warn(f"Cephalo: {names} drifted from the plan by more than {self.drift_threshold:.0%}"
+                           + ("; re-planning." if self.replan else "; CephaloCallback(replan=True) would re-plan."))
+            if self.replan:
+                self._replan(trainer, strategy)
+
+    def _replan(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
+        module = trainer.lightning_module
+        cluster, plan = self._profile_and_plan(trainer, module, strategy, force=True)
+        if plan.batch_sizes == strategy.plan.batch_sizes and plan.state_shares == strategy.plan.state_shares:  # type: ignore[union-attr]
+            rank_zero_info("Cephalo: re-planned, the plan is unchanged.")
+            return
+        epoch, step = strategy.schedule_plan(plan)
+        self.cluster, self.plan = cluster, plan
+        if trainer.is_global_zero:
+            table = render_plan(plan, width=terminal_width())
+            rank_zero_info(f"Cephalo: new plan from epoch {epoch} step {step}:\n{table}")
+            log_plan(trainer.loggers, plan, cluster, prefix="replan")
+            save_run_files(trainer.loggers, plan, cluster, suffix=f"-replan-step{trainer.global_step}")
+
+    # ------------------------------------------------------------------ summary
+
+    def _summarize(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
+        if not self._all_walls or strategy.plan is None:
+            return
+        steady = self._all_walls[1:] or self._all_walls  # the first step pays for warm-up
+        step_s = statistics.median(steady)
+        summary = {
+            "measured_samples_per_s": strategy.plan.global_batch_size / step_s,
+            "measured_step_s": step_s,
+            "predicted_samples_per_s": strategy.plan.predicted_samples_per_s,
+            "predicted_step_s": strategy.plan.predicted_step_s,
+            "even_predicted_samples_per_s": strategy.plan.baselines.get("even").predicted_samples_per_s
+            if "even" in strategy.plan.baselines else None,
+            "steps": len(self._all_walls),
+            "emulated": bool(strategy.emulator.is_emulated or strategy.plan.emulated),
+        }
+        self.summary = summary
+        if trainer.is_global_zero:
+            log_summary(trainer.loggers, summary)
+            if not self.quiet:
+                print(format_summary(summary), flush=True)
+
+
+def format_summary(summary: Mapping[str, Any]) -> str:
+    """The end-of-training lines: measured against predicted, and the plan against the even one."""
+    where = "emulated heterogeneous cluster on CPU" if summary.get("emulated") else "this cluster"
+    lines = [f"Cephalo summary ({where}, {summary['steps']} steps):",
+             f"  measured   {summary['measured_samples_per_s']:.2f} samples/s (median step {summary['measured_step_s']:.3f} s)"]
+    predicted = summary.get("predicted_samples_per_s")
+    if predicted:
+        lines.append(f"  predicted  {predicted:.2f} samples/s (measured / predicted = "
+                     f"{summary['measured_samples_per_s'] / predicted:.2f})")
+    even = summary.get("even_predicted_samples_per_s")
+    if even and predicted:
+        lines.append(f"  even plan  {even:.2f} samples/s predicted (this plan is predicted {predicted / even:.2f}x faster)")
+    elif predicted:
+        lines.append("  even plan  does not fit in memory (see the plan table)")
+    return "\n".join(lines)

@@ -1,0 +1,127 @@
+"""How long a rank computes: the contention-free CPU clock and the busy-time observer.
+
+Production timing, used with or without emulation: :class:`BusyTime` is what the callback's
+drift check and the benchmarks compare with the planner's predicted busy time, and
+:class:`ContentionClock` is the clock both it and the emulator read on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from cephalo_lightning.runtime.observers import Observer
+
+__all__ = ["BusyTime", "ContentionClock"]
+
+
+class ContentionClock:
+    """Wall time minus the time this thread spent runnable but waiting for a CPU (Linux).
+
+    A CPU "cluster" shares its host's cores with other ranks and other programs. Time a thread
+    waits in the run queue is the host's contention, not the emulated device's compute: the
+    emulator scales only the rest, and the profiler measures only the rest, so neither amplifies
+    (nor reports) a neighbour's load. The run-queue wait comes from ``/proc/thread-self/schedstat``
+    (second field, nanoseconds); where it is unavailable (not Linux) this is the plain wall clock.
+    Readings from different threads are not comparable: :meth:`since` then falls back to wall time.
+    """
+
+    _local = threading.local()
+    _available: bool | None = None
+
+    __slots__ = ("wall", "waited", "thread")
+
+    def __init__(self, wall: float, waited: float | None, thread: int) -> None:
+        self.wall = wall
+        self.waited = waited
+        self.thread = thread
+
+    @classmethod
+    def _runqueue_wait(cls) -> float | None:
+        if cls._available is False:
+            return None
+        fd = getattr(cls._local, "fd", None)
+        try:
+            if fd is None:
+                fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+                cls._local.fd = fd
+            fields = os.pread(fd, 128, 0).split()
+            cls._available = True
+            return int(fields[1]) * 1e-9
+        except (OSError, IndexError, ValueError):
+            cls._available = False
+            return None
+
+    @classmethod
+    def now(cls) -> ContentionClock:
+        return cls(time.perf_counter(), cls._runqueue_wait(), threading.get_ident())
+
+    def since(self, earlier: ContentionClock | None) -> float:
+        """Seconds from ``earlier`` to this reading, less the run-queue wait in between."""
+        if earlier is None:
+            return 0.0
+        wall = self.wall - earlier.wall
+        if self.waited is None or earlier.waited is None or self.thread != earlier.thread:
+            return wall
+        return max(0.0, wall - (self.waited - earlier.waited))
+
+
+class BusyTime(Observer):
+    """Seconds this rank spends in compute regions, what the profile's figures predict.
+
+    On CPU the contention-free clock (:class:`ContentionClock`); on CUDA a pair of events per
+    outermost region, read (and released) whenever :attr:`seconds` is read, and folded into the
+    total every ``max_pending`` regions so that nothing grows if nobody reads. Attach it
+    OUTSIDE an emulator (``observers.attach(busy, outermost=True)``) so the emulator's waits,
+    which delay the real schedule, count as busy time.
+    """
+
+    def __init__(self, cuda: bool = False, max_pending: int = 512) -> None:
+        self.cuda = cuda
+        self.max_pending = max_pending
+        self._depth = 0
+        self._start: Any = None
+        self._total = 0.0
+        self._pending: list[tuple[Any, Any]] = []
+
+    def compute_begin(self, region: str) -> None:
+        if self._depth == 0:
+            if self.cuda:  # pragma: no cover - CUDA only
+                self._start = torch.cuda.Event(enable_timing=True)
+                self._start.record()
+            else:
+                self._start = ContentionClock.now()
+        self._depth += 1
+
+    def compute_end(self, region: str) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth:
+            return
+        if self.cuda:  # pragma: no cover - CUDA only
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((self._start, end))
+            if len(self._pending) >= self.max_pending:
+                self._fold()
+        else:
+            self._total += ContentionClock.now().since(self._start)
+        self._start = None
+
+    def _fold(self) -> None:  # pragma: no cover - CUDA only
+        for start, end in self._pending:
+            end.synchronize()
+            self._total += start.elapsed_time(end) / 1e3
+        self._pending.clear()
+
+    @property
+    def seconds(self) -> float:
+        """Seconds in compute regions so far (take differences, e.g. per step)."""
+        if self._pending:  # pragma: no cover - CUDA only
+            self._fold()
+        return self._total

@@ -1,0 +1,1 @@
+"""Helpers that tests, benchmarks and examples share: launching local gloo ranks."""
