@@ -15,7 +15,7 @@ In one spawned group of ranks:
 
 1. profile once: a 1-step ``Trainer.fit`` with :class:`~cephalo_lightning.CephaloCallback`, which
    profiles every (emulated) rank at setup and builds the planner's cluster;
-2. plan that cluster three ways with ``planner.plan(cluster, B, strategy=...)``: ``cephalo``,
+2. plan that cluster three ways with ``planner.plan(cluster, B, planner=...)``: ``cephalo``,
    ``even`` and ``proportional`` (a baseline the planner finds infeasible is skipped, and why is
    printed);
 3. train the demo GPT with each plan through ``Trainer.fit`` (``CephaloStrategy(plan=..., emulate=...)``),
@@ -128,7 +128,7 @@ def make_plans(cfg: Config, cluster) -> tuple[dict[str, Any], dict[str, str]]:
     plans, skipped = {}, {}
     for name in cfg.plans:
         try:
-            plans[name] = make_plan(cluster, cfg.global_batch, mode="layered", strategy=name)
+            plans[name] = make_plan(cluster, cfg.global_batch, mode="layered", planner=name)
         except PlanningError as err:
             skipped[name] = str(err)
     return plans, skipped

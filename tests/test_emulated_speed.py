@@ -86,7 +86,7 @@ def _side_by_side(rank: int, world: int) -> dict:
     pl.seed_everything(0, verbose=False)
     _trainer(CephaloStrategy(emulate=EMULATE), 1, [callback]).fit(_module(), _data())  # profile once
     cluster = callback.cluster
-    plans = {name: make_plan(cluster, GLOBAL_BATCH, mode="layered", strategy=name) for name in ("cephalo", "even")}
+    plans = {name: make_plan(cluster, GLOBAL_BATCH, mode="layered", planner=name) for name in ("cephalo", "even")}
     iterations: dict[str, list[list[float]]] = {name: [] for name in plans}  # per round: seconds per batch
     for i in range(ROUNDS):
         for name in (["cephalo", "even"] if i % 2 == 0 else ["even", "cephalo"]):

@@ -209,17 +209,17 @@ def test_uniform_mode_pays_for_the_unsharded_gradient() -> None:
 
 def test_baselines_even_and_proportional() -> None:
     cluster = load_cluster(CLUSTERS / "l4-a6000-p40.yaml")
-    even = plan(cluster, 66, strategy="even")
-    assert even.strategy == "even" and sorted(even.batch_sizes) == [16, 16, 17, 17]
+    even = plan(cluster, 66, planner="even")
+    assert even.planner == "even" and sorted(even.batch_sizes) == [16, 16, 17, 17]
     assert len(set(even.num_micro_batches)) == 1 and set(even.state_shares) == {0.25}
     check_plan(cluster, even, 66)
-    prop = plan(cluster, 66, strategy="proportional")
+    prop = plan(cluster, 66, planner="proportional")
     by = {r.device: r.batch_size for r in prop.ranks}
     assert by["a6000"] > by["l4"] > by["p40"] and set(prop.state_shares) == {0.25}
     check_plan(cluster, prop, 66)
-    assert plan(cluster_from_dict(small_cluster()), 66, mode="uniform", strategy="even").mode == "uniform"
+    assert plan(cluster_from_dict(small_cluster()), 66, mode="uniform", planner="even").mode == "uniform"
     with pytest.raises(PlanningError, match="no uniform form"):
-        plan(cluster, 66, mode="uniform", strategy="proportional")
+        plan(cluster, 66, mode="uniform", planner="proportional")
     cephalo = plan(cluster, 66)
     assert cephalo.baselines["even"].predicted_samples_per_s == pytest.approx(even.predicted_samples_per_s)
     assert cephalo.baselines["proportional"].predicted_step_s == pytest.approx(prop.predicted_step_s)
@@ -232,7 +232,7 @@ def test_infeasible_baseline_says_why() -> None:
     assert not even.feasible and even.predicted_samples_per_s is None
     assert "rank 2 (v100-16gb)" in even.reason and "1/4 of the state" in even.reason
     with pytest.raises(PlanningError, match="even baseline is infeasible"):
-        plan(cluster, 32, strategy="even")
+        plan(cluster, 32, planner="even")
     assert "infeasible: rank 2" in render_plan(p)
 
 
@@ -342,12 +342,12 @@ def test_rank_that_cannot_run_at_all() -> None:
         plan(cluster_from_dict(data), 4)
 
 
-def test_unknown_mode_and_strategy() -> None:
+def test_unknown_mode_and_planner() -> None:
     cluster = cluster_from_dict(small_cluster())
     with pytest.raises(PlanningError, match="mode must be one of"):
         plan(cluster, 4, mode="pipeline")
-    with pytest.raises(PlanningError, match="strategy must be one of"):
-        plan(cluster, 4, strategy="fastest")
+    with pytest.raises(PlanningError, match="planner must be one of"):
+        plan(cluster, 4, planner="fastest")
 
 
 # ----------------------------------------------------------------------------- catalog

@@ -78,6 +78,16 @@ def test_version_1_files_load_with_recompute(tmp_path: Path) -> None:
     assert loaded == Plan.from_dict(plan_data())
 
 
+def test_files_that_call_the_planner_strategy_still_load(tmp_path: Path) -> None:
+    data = plan_data()
+    assert data["planner"] == "cephalo" and "strategy" not in data
+    data["strategy"] = data.pop("planner")  # how files were written before the field had its name
+    assert Plan.load(write(tmp_path, data)) == Plan.from_dict(plan_data())
+    data["planner"] = "even"
+    with pytest.raises(PlanningError, match="both 'planner' and its old name 'strategy' are given; keep 'planner'"):
+        Plan.load(write(tmp_path, data))
+
+
 def test_recompute_false_round_trips_and_needs_one_micro_batch(tmp_path: Path) -> None:
     cluster = cluster_from_dict({"model": {"name": "m", "num_layers": 4, "parameters": 50_000_000},
                                  "settings": {"reserved_memory_gb": 0},

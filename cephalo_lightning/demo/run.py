@@ -27,7 +27,7 @@ def _even_run(cli, steps: int) -> dict | None:
     if strategy.cluster is None:
         return None
     try:
-        even = make_plan(strategy.cluster, strategy.plan.global_batch_size, strategy="even")
+        even = make_plan(strategy.cluster, strategy.plan.global_batch_size, planner="even")
     except PlanningError as err:
         return {"infeasible": str(err)}
     watcher = CephaloCallback(print_plan=False, quiet=True, watch_every_n_steps=0)

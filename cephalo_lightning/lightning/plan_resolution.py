@@ -127,7 +127,7 @@ def memory_proportional(plan: Plan, identities: list[DeviceIdentity]) -> Plan:
         return plan
     total = sum(memories)
     ranks = tuple(replace(r, state_share=m / total) for r, m in zip(plan.ranks, memories))
-    return replace(plan, ranks=ranks, strategy="provisional")
+    return replace(plan, ranks=ranks, planner="provisional")
 
 
 def check_model(plan: Plan, module: nn.Module) -> None:

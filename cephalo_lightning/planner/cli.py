@@ -13,14 +13,14 @@ import sys
 from cephalo_lightning.planner.cluster import cluster_from_dict, load_cluster, save_cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.plan import PLAN_MODES
-from cephalo_lightning.planner.solver import STRATEGIES, plan
+from cephalo_lightning.planner.solver import PLANNERS, plan
 
 
 def _add_plan_options(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("-b", "--global-batch-size", type=int, required=required, help="samples per optimizer step")
     parser.add_argument("--mode", choices=PLAN_MODES, default="layered",
                         help="layered: micro-batch count per rank (default); uniform: one count for all")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="cephalo",
+    parser.add_argument("--planner", "--strategy", dest="planner", choices=PLANNERS, default="cephalo",
                         help="plan with cephalo (default) or output a baseline plan")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     parser.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
         else:
             cluster = load_cluster(args.cluster_file)
-        result = plan(cluster, args.global_batch_size, mode=args.mode, strategy=args.strategy)
+        result = plan(cluster, args.global_batch_size, mode=args.mode, planner=args.planner)
         if args.output:
             result.save(args.output)
     except PlanningError as err:

@@ -16,6 +16,7 @@ from cephalo_lightning.planner.errors import PlanningError
 PLAN_MODES = ("layered", "uniform")
 PLAN_FORMAT_VERSION = 2  # 2: RankPlan.recompute (files of version 1 load with recompute = True)
 REMAKE = "re-make the plan with `python -m cephalo_lightning plan`"
+LEGACY_PLANNER_KEY = "strategy"  # what files written before the 'planner' field call it
 
 
 def _builtin_numbers(record: Any) -> None:
@@ -74,7 +75,7 @@ class Plan:
     upper_bound_samples_per_s: float | None = None
     model: dict[str, Any] = field(default_factory=dict)  # name, parameters, num_layers
     baselines: dict[str, BaselineResult] = field(default_factory=dict)
-    strategy: str = "cephalo"  # which planner made it: cephalo | even | proportional
+    planner: str = "cephalo"  # which planner made it: cephalo or a baseline (even, proportional, ...)
     emulated: bool = False
     optimality_gap: float | None = None  # certified: predicted step / proven lower bound - 1
 
@@ -136,8 +137,13 @@ class Plan:
             raise PlanningError(
                 f"{where}: format_version {version!r} is not one this version reads (1..{PLAN_FORMAT_VERSION}); "
                 f"upgrade cephalo-lightning or {REMAKE}")
-        allowed = {f.name for f in fields(cls)} | {"format_version"}
+        allowed = {f.name for f in fields(cls)} | {"format_version", LEGACY_PLANNER_KEY}
         _unknown(data, allowed, where)
+        if LEGACY_PLANNER_KEY in data:  # plans written before the field was named for what it is
+            if "planner" in data:
+                raise PlanningError(f"{where}: both 'planner' and its old name '{LEGACY_PLANNER_KEY}' are given; "
+                                    f"keep 'planner'")
+            data = {("planner" if k == LEGACY_PLANNER_KEY else k): v for k, v in data.items()}
         for key in ("global_batch_size", "ranks"):
             if key not in data:
                 raise PlanningError(f"{where}: the field '{key}' is missing; {REMAKE}")
@@ -159,7 +165,7 @@ class Plan:
         for key in ("predicted_step_s", "predicted_samples_per_s", "upper_bound_samples_per_s", "optimality_gap"):
             if data.get(key) is not None:
                 extra[key] = _finite(data[key], f"{where}: {key}")
-        for key, kind in (("model", dict), ("strategy", str), ("emulated", bool)):
+        for key, kind in (("model", dict), ("planner", str), ("emulated", bool)):
             if key in data:
                 if not isinstance(data[key], kind):
                     raise PlanningError(f"{where}: '{key}' must be a {kind.__name__}, got {_shown(data[key])}; {REMAKE}")
@@ -202,7 +208,7 @@ class Plan:
             keep = mode == "layered" and num_micro_batches == 1 and b > 0
             ranks.append(RankPlan(rank, "unprofiled", b, num_micro_batches, -(-b // num_micro_batches), 1 / world_size,
                                   recompute=not keep))
-        return cls(global_batch_size, mode, tuple(ranks), strategy="even")
+        return cls(global_batch_size, mode, tuple(ranks), planner="even")
 
 
 def _shown(value: Any) -> str:

@@ -55,7 +55,7 @@ def _runs(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
 def rank_table(plan: Plan) -> Table:
     """One row per rank (identical neighbours folded): what it computes, stores, and is predicted."""
     emulated = " (emulated)" if plan.emulated else ""
-    title = (f"{plan.strategy} plan, {plan.mode} mode, global batch {plan.global_batch_size}, "
+    title = (f"{plan.planner} plan, {plan.mode} mode, global batch {plan.global_batch_size}, "
              f"{plan.world_size} ranks{emulated}")
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   collapse_padding=True)

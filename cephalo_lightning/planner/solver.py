@@ -51,7 +51,7 @@ from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH, MAX_RANKS
 from cephalo_lightning.planner.options import DeviceModel, Options
 from cephalo_lightning.planner.plan import PLAN_MODES, Plan
 
-STRATEGIES = ("cephalo", "even", "proportional", "poplar", "reference")
+PLANNERS = ("cephalo", "even", "proportional", "poplar", "reference")
 BISECTION_TOL = 5e-4  # relative width of the final step-time bracket
 RHO_TOL = 1e-3  # branch and bound stops when the best plan is within this of the lower bound
 DENSE_WORK_LIMIT = 3e7  # element operations of one exact knapsack check
@@ -462,11 +462,11 @@ class _Problem:
 # ---------------------------------------------------------------------- input checks
 
 
-def _check_inputs(cluster: Cluster, global_batch: object, mode: str, strategy: str) -> int:
+def _check_inputs(cluster: Cluster, global_batch: object, mode: str, planner: str) -> int:
     if mode not in PLAN_MODES:
         raise PlanningError(f"mode must be one of {PLAN_MODES}, got {mode!r}")
-    if strategy not in STRATEGIES:
-        raise PlanningError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if planner not in PLANNERS:
+        raise PlanningError(f"planner must be one of {PLANNERS}, got {planner!r}")
     if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
         raise PlanningError(f"the global batch size must be a whole number >= 1, got {global_batch!r}")
     if not cluster.devices:
@@ -548,34 +548,34 @@ def _check_memory(problem: _Problem) -> None:
 # ---------------------------------------------------------------------- public API
 
 
-def _baseline_plan(cluster: Cluster, B: int, mode: str, strategy: str, upper: float) -> Plan:
+def _baseline_plan(cluster: Cluster, B: int, mode: str, planner: str, upper: float) -> Plan:
     """A baseline as a plan of its own (the even one has one micro-batch count, so either mode fits)."""
-    if strategy != "even" and mode == "uniform":
-        raise PlanningError(f"the {strategy} baseline picks each rank's micro-batch count, so it has no "
-                            f"uniform form; use --mode layered or --strategy even")
+    if planner != "even" and mode == "uniform":
+        raise PlanningError(f"the {planner} baseline picks each rank's micro-batch count, so it has no "
+                            f"uniform form; use --mode layered or --planner even")
     from cephalo_lightning.planner.peers import compute_baselines  # peers build on this module
 
-    result = compute_baselines(cluster, B, mode, names=(strategy,), with_ranks=True)[strategy]
+    result = compute_baselines(cluster, B, mode, names=(planner,), with_ranks=True)[planner]
     if not result.feasible:
-        raise PlanningError(f"the {strategy} baseline is infeasible: {result.reason}")
+        raise PlanningError(f"the {planner} baseline is infeasible: {result.reason}")
     return Plan(B, mode, result.ranks, result.predicted_step_s, result.predicted_samples_per_s, upper,
-                model_summary(cluster), strategy=strategy, emulated=cluster.emulated)
+                model_summary(cluster), planner=planner, emulated=cluster.emulated)
 
 
-def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", strategy: str = "cephalo",
+def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planner: str = "cephalo",
          _group_kinds: bool = True) -> Plan:
     """Plan a cluster: per-rank batch, micro-batches and state share minimising the step time.
 
-    ``strategy`` names a baseline (``even``, ``proportional``, ``poplar``, ``reference``) to return
+    ``planner`` names a baseline (``even``, ``proportional``, ``poplar``, ``reference``) to return
     that baseline as a plan instead. The cephalo plan carries every baseline's figures, the upper
     bound and its certified optimality gap.
     """
     from cephalo_lightning.planner.peers import compute_baselines  # peers build on this module
 
-    B = _check_inputs(cluster, global_batch_size, mode, strategy)
+    B = _check_inputs(cluster, global_batch_size, mode, planner)
     upper = upper_bound_samples_per_s(cluster, B, mode)
-    if strategy != "cephalo":
-        return _baseline_plan(cluster, B, mode, strategy, upper)
+    if planner != "cephalo":
+        return _baseline_plan(cluster, B, mode, planner, upper)
     problem = _Problem(cluster, B, mode, group_kinds=_group_kinds)
     _check_memory(problem)
     best, lower_s = problem.solve()
@@ -590,7 +590,7 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", strate
         upper_bound_samples_per_s=upper,
         model=model_summary(cluster),
         baselines=compute_baselines(cluster, B, mode, problem=problem if mode == "layered" and _group_kinds else None),
-        strategy="cephalo",
+        planner="cephalo",
         emulated=cluster.emulated,
         optimality_gap=max(0.0, step / lower_s - 1.0) if lower_s > 0 else None,
     )
