@@ -184,7 +184,7 @@ def init_arguments(obj: Any, skip: Sequence[str] = ()) -> dict[str, Any]:
 def plan_config(plan: Plan) -> dict[str, Any]:
     """The plan with one entry per rank (``rank0``, ...), so runs can be filtered by any rank's figure."""
     return {
-        **{k: _plain(getattr(plan, k)) for k in ("global_batch_size", "mode", "strategy", "world_size", "emulated",
+        **{k: _plain(getattr(plan, k)) for k in ("global_batch_size", "mode", "planner", "world_size", "emulated",
                                                  "predicted_step_s", "predicted_samples_per_s",
                                                  "upper_bound_samples_per_s", "optimality_gap")},
         "baselines": {name: b.predicted_samples_per_s if b.feasible else f"infeasible: {b.reason or 'no plan fits'}"

@@ -25,10 +25,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from cephalo_lightning._common.units import GIB
+from cephalo_lightning.planner.assignment import expand, finish, split, trim
 from cephalo_lightning.planner.baselines import even_baseline, proportional_baseline, result
 from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.plan import BaselineResult
-from cephalo_lightning.planner.solver import BISECTION_TOL, _Problem
+from cephalo_lightning.planner.solver import BISECTION_TOL, Problem
 
 BASELINES = ("even", "proportional", "poplar", "reference")
 REFERENCE_LIMIT = 4096  # ranks x global batch for the reference's exact-sum dynamic program
@@ -52,9 +53,9 @@ def _bisect(feasible, lo: float, hi: float) -> float | None:
 
 
 def poplar_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = False,
-                    problem: _Problem | None = None) -> BaselineResult:
+                    problem: Problem | None = None) -> BaselineResult:
     """Uneven batches and micro-batches under even state shares (see module docstring)."""
-    problem = problem or _Problem(cluster, global_batch, "layered")
+    problem = problem or Problem(cluster, global_batch, "layered")
     share = 1.0 / problem.W
     ag, rs = problem.comm.allgather(share), problem.comm.reduce_scatter(share)
 
@@ -86,17 +87,17 @@ def poplar_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = Fals
     for k, (o, _) in enumerate(picks(S) or []):
         t = inner[k]
         b, m, keep = int(t.b[o]), int(t.m[o]), bool(t.keep[o])
-        rows.append([k, int(problem.counts[k]), b, m, problem._split(k, b, m, ag, rs, None, keep), keep])
-    problem._trim(rows, ag, rs, None)
+        rows.append([k, int(problem.counts[k]), b, m, split(problem, k, b, m, ag, rs, None, keep), keep])
+    trim(problem, rows, ag, rs, None)
     for row in rows:
-        row[4] = problem._split(row[0], row[2], row[3], ag, rs, None, row[5])
+        row[4] = split(problem, row[0], row[2], row[3], ag, rs, None, row[5])
     shares = [share] * len(rows)
-    problem._finish(rows, shares, ag, rs)
-    batch, micro, shares_arr, _ = problem._expand(rows, shares)
+    finish(problem, rows, shares, ag, rs)
+    batch, micro, shares_arr, _ = expand(problem, rows, shares)
     return result(cluster, batch, micro, shares_arr, global_batch, "layered", with_ranks)
 
 
-def _reference_options(problem: _Problem, kind: int, ag: float, rs: float, S: float
+def _reference_options(problem: Problem, kind: int, ag: float, rs: float, S: float
                        ) -> tuple[np.ndarray, np.ndarray]:
     """Per b = 0..B: the aggregate room of the smallest micro-batch m dividing b that meets S, and m."""
     model = problem.kinds[kind]
@@ -124,7 +125,7 @@ def _reference_options(problem: _Problem, kind: int, ag: float, rs: float, S: fl
 
 
 def reference_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = False,
-                       problem: _Problem | None = None) -> BaselineResult:
+                       problem: Problem | None = None) -> BaselineResult:
     """The Cephalo release's optimizer (see module docstring), priced by this cost model."""
     W, B = cluster.world_size, global_batch
     if W * B > REFERENCE_LIMIT:
@@ -134,7 +135,7 @@ def reference_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = F
     if B < W:
         return BaselineResult(None, False, reason=f"the release gives every GPU at least one sample; "
                                                   f"the global batch {B} is smaller than the {W} GPUs")
-    problem = problem or _Problem(cluster, B, "layered")
+    problem = problem or Problem(cluster, B, "layered")
     share = 1.0 / W
     ag, rs = problem.comm.allgather(share), problem.comm.reduce_scatter(share)
     kinds = problem.of_rank
@@ -180,7 +181,7 @@ def reference_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = F
     return out
 
 
-def _utilisation_shares(problem: _Problem, m: np.ndarray) -> np.ndarray:
+def _utilisation_shares(problem: Problem, m: np.ndarray) -> np.ndarray:
     """The release's shares: even below half memory, else water-filled on memory utilisation."""
     cluster = problem.cluster
     state = cluster.model.state_bytes / GIB
@@ -200,7 +201,7 @@ def _utilisation_shares(problem: _Problem, m: np.ndarray) -> np.ndarray:
 
 def compute_baselines(cluster: Cluster, global_batch: int, mode: str = "layered",
                       names: Sequence[str] = BASELINES, with_ranks: bool = False,
-                      problem: _Problem | None = None) -> dict[str, BaselineResult]:
+                      problem: Problem | None = None) -> dict[str, BaselineResult]:
     """The named baselines (``with_ranks``: with their per-rank plans) for a plan in ``mode``."""
     out: dict[str, BaselineResult] = {}
     for name in names:

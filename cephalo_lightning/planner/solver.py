@@ -33,9 +33,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cephalo_lightning.planner.assemble import model_summary, rank_plans
+from cephalo_lightning.planner.assignment import Assignment, assign
 from cephalo_lightning.planner.baselines import per_sample_ms, upper_bound_samples_per_s
 from cephalo_lightning.planner.cluster import Cluster
-from cephalo_lightning.planner.cost import DeviceCost, communication, evaluate_arrays, kind_costs, water_fill
+from cephalo_lightning.planner.cost import DeviceCost, communication, kind_costs
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.knapsack import (
     SHARE_TOL,
@@ -61,22 +62,13 @@ RHO_NODES = 64  # branch-and-bound nodes over the largest share; open ones enter
 
 
 @dataclass(frozen=True)
-class Assignment:
-    batch: np.ndarray
-    micro: np.ndarray
-    shares: np.ndarray
-    keep: np.ndarray  # one micro-batch keeping its graph (RankPlan.recompute = False)
-    step_s: float  # priced exactly by cost.evaluate_arrays
-
-
-@dataclass(frozen=True)
 class _Solved:
     lo: float  # per-step ms proven infeasible (or a valid lower bound)
     hi: float  # per-step ms found feasible
     assignment: Assignment
 
 
-class _Problem:
+class Problem:
     """One planning problem: the cluster, the batch, the mode, and the per-kind device models."""
 
     def __init__(self, cluster: Cluster, global_batch: int, mode: str, group_kinds: bool = True) -> None:
@@ -260,149 +252,7 @@ class _Problem:
         if groups is None:
             groups = self.check(hi, ag, rs, cap, n_fixed, dense, choice=True)[1]
             assert groups is not None
-        return _Solved(proven, hi, self.assign(hi, ag, rs, cap, n_fixed, groups))
-
-    # ------------------------------------------------------------------ a plan from a choice
-
-    def assign(self, S: float, ag: float, rs: float, cap: float, n_fixed: int | None,
-               groups: list[Group]) -> Assignment:
-        inner, _ = self.tables(S, ag, rs, cap, n_fixed)
-        rows = []  # [kind, count, b, m cap, n, keep]
-        for g in groups:
-            t = inner[g.kind]
-            b, m, keep = int(t.b[g.option]), int(t.m[g.option]), bool(t.keep[g.option])
-            rows.append([g.kind, g.count, b, m, self._split(g.kind, b, m, ag, rs, n_fixed, keep), keep])
-        self._trim(rows, ag, rs, n_fixed)
-        for row in rows:
-            row[4] = self._split(row[0], row[2], row[3], ag, rs, n_fixed, row[5])
-        caps = [self._share_cap(row, S, ag, rs, cap) for row in rows]
-        shares = water_fill(caps, [row[1] for row in rows])
-        if shares is None:  # pragma: no cover - the knapsack guarantees sum of caps >= 1
-            raise RuntimeError("shares do not fit after trimming")
-        if n_fixed is None:
-            self._finish(rows, shares, ag, rs)
-        batch, micro, share, keep = self._expand(rows, shares)
-        step, _, _ = evaluate_arrays(self.cluster, batch, micro, share, ~keep, self.mode,
-                                     kinds=(self.costs, self.of_rank))
-        return Assignment(batch, micro, share, keep, float(step.max()))
-
-    def _split(self, kind: int, b: int, m: int, ag: float, rs: float, n_fixed: int | None, keep: bool) -> int:
-        """The fastest micro-batch count for b samples with micro-batches of at most m (fewest on ties)."""
-        if keep or b == 0:
-            return 1
-        if n_fixed is not None:
-            return n_fixed
-        model = self.kinds[kind]
-        return model.fastest(b, model.splits(b, m, None), ag, rs)[0]
-
-    def _share_cap(self, row: list, S: float, ag: float, rs: float, cap: float) -> float:
-        kind, _, b, _, n, keep = row
-        model = self.kinds[kind]
-        m = -(-b // n) if b else 0
-        room = float(model.room_for(np.array([m]), n, keep)[0])
-        if model.kappa > 0:  # the time the optimizer step may take within S
-            layer = float(model.layer_ms(np.array([b]), np.array([n]), ag, rs, keep)[0])
-            room = min(room, (S - self.L * layer) / model.kappa)
-        return min(room, cap)
-
-    def _trim(self, rows: list[list], ag: float, rs: float, n_fixed: int | None) -> None:
-        """Remove the surplus samples from the slowest ranks: every trimmed rank ends at one time level."""
-        excess = sum(row[1] * row[2] for row in rows) - self.B
-        if excess <= 0:
-            return
-        floor = 0 if n_fixed is None else n_fixed
-        lows, times = [], []  # per row: the fewest samples it may keep, and its time at each b from there
-        for row in rows:
-            low = max(floor, row[2] - excess)
-            b = np.arange(low, row[2] + 1)
-            n = np.maximum(1, np.minimum(row[4], b))
-            lows.append(low)
-            times.append(np.maximum.accumulate(self.kinds[row[0]].layer_ms(b, n, ag, rs, row[5])))
-
-        def cut(i: int, level: float) -> int:
-            """The largest b of row i whose time is <= level (its lowest if none)."""
-            return lows[i] + max(0, int(np.searchsorted(times[i], level, side="right")) - 1)
-
-        def removed(level: float) -> int:
-            return sum(row[1] * (row[2] - cut(i, level)) for i, row in enumerate(rows))
-
-        # the smallest time level whose cut removes no more than the excess: the best makespan
-        levels = np.unique(np.concatenate(times))
-        lo, hi = 0, len(levels) - 1  # removed(levels[hi]) == 0 <= excess
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if removed(float(levels[mid])) <= excess else (mid + 1, hi)
-        level = float(levels[hi])
-        rest = excess - removed(level)
-        for i, row in enumerate(rows):
-            row[2] = cut(i, level)
-        # the rest one sample per rank from the slowest ranks left (all are within the level)
-        heap = [(-float(times[i][row[2] - lows[i]]), i) for i, row in enumerate(rows) if row[2] > lows[i]]
-        heapq.heapify(heap)
-        while rest > 0:
-            _, i = heapq.heappop(heap)
-            row = rows[i]
-            take = min(row[1], rest)
-            if take < row[1]:
-                rows.append([row[0], row[1] - take, row[2], row[3], row[4], row[5]])
-                lows.append(lows[i])
-                times.append(times[i])
-                heapq.heappush(heap, (-float(times[i][row[2] - lows[i]]), len(rows) - 1))
-                row[1] = take
-            row[2] -= 1
-            rest -= take
-            if row[2] > lows[i]:
-                heapq.heappush(heap, (-float(times[i][row[2] - lows[i]]), i))
-        rows[:] = [row for row in rows if row[1] > 0]
-        for row in rows:
-            row[4] = n_fixed if n_fixed is not None else max(1, min(row[4], row[2]))
-
-    def _finish(self, rows: list[list], shares: list[float], ag: float, rs: float) -> None:
-        """Per group, the micro-batch count and recompute choice: fastest where the share leaves
-        room, then, off the critical path, the fewest micro-batches within the step.
-
-        A rank that is not the bottleneck gains nothing from being faster; fewer, larger
-        micro-batches cost less per-micro-batch overhead than the model may know (on CPU it
-        measures none), so among equally good plans this one runs fastest.
-        """
-        configs = []
-        for row, share in zip(rows, shares):
-            kind, _, b, _, _, _ = row
-            model = self.kinds[kind]
-            optimizer = float(model.cost.optimizer_ms(share))
-            if b == 0:
-                configs.append((np.array([1]), np.array([False]), np.array([self.L * model.idle_ms(ag, rs) + optimizer])))
-                continue
-            n = np.arange(1, b + 1, dtype=np.int64)
-            n = n[-(-b // n) <= model.m_cap]
-            n = n[model.room_for(-(-b // n), n) >= share - 1e-12]
-            keep = np.zeros(len(n), bool)
-            if model.keep_cap >= b and model.room_keep[b] >= share - 1e-12:
-                n, keep = np.concatenate(([1], n)), np.concatenate(([True], keep))
-            times = self.L * model.layer_ms(np.full(len(n), b), n, ag, rs, keep) + optimizer
-            configs.append((n, keep, times))
-        step = max(float(times.min()) for _, _, times in configs)
-        for row, (n, keep, times) in zip(rows, configs):
-            ok = np.nonzero(times <= step * (1 + 1e-9))[0]
-            fewest = n[ok].min()
-            best = ok[n[ok] == fewest]
-            pick = int(best[np.argmin(times[best])])
-            row[4], row[5] = int(n[pick]), bool(keep[pick])
-
-    def _expand(self, rows: list[list], shares: list[float]) -> tuple[np.ndarray, ...]:
-        """Groups back to ranks: each kind's ranks take its groups in turn (larger batches first)."""
-        batch = np.zeros(self.W, np.int64)
-        micro = np.ones(self.W, np.int64)
-        share = np.zeros(self.W)
-        keep = np.zeros(self.W, bool)
-        ranks = [np.nonzero(self.of_rank == k)[0] for k in range(len(self.kinds))]
-        taken = [0] * len(self.kinds)
-        for i in sorted(range(len(rows)), key=lambda i: (rows[i][0], -rows[i][2])):
-            kind, count, b, _, n, kept = rows[i]
-            at = ranks[kind][taken[kind]: taken[kind] + count]
-            taken[kind] += count
-            batch[at], micro[at], share[at], keep[at] = b, n, shares[i], kept
-        return batch, micro, share, keep
+        return _Solved(proven, hi, assign(self, hi, ag, rs, cap, n_fixed, groups))
 
     # ------------------------------------------------------------------ collectives: rho search
 
@@ -490,7 +340,7 @@ def _check_inputs(cluster: Cluster, global_batch: object, mode: str, planner: st
     return B
 
 
-def _check_memory(problem: _Problem) -> None:
+def _check_memory(problem: Problem) -> None:
     """Raise with what is short, by how much, when no step time can fit the memory."""
     cluster, s = problem.cluster, problem.cluster.settings
     kinds = problem.kinds
@@ -576,7 +426,7 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
     upper = upper_bound_samples_per_s(cluster, B, mode)
     if planner != "cephalo":
         return _baseline_plan(cluster, B, mode, planner, upper)
-    problem = _Problem(cluster, B, mode, group_kinds=_group_kinds)
+    problem = Problem(cluster, B, mode, group_kinds=_group_kinds)
     _check_memory(problem)
     best, lower_s = problem.solve()
     ranks, step = rank_plans(cluster, best.batch, best.micro, best.shares, ~best.keep, mode,
