@@ -139,8 +139,8 @@ def _cuda_total_gb(device: torch.device) -> float | None:
 def default_settings(device: torch.device) -> Settings:
     """The cost model's settings for this kind of device.
 
-    The reference's 2 GB reserve (CUDA context, allocator slack) and 10 ms per extra micro-batch
-    (kernel launches) are GPU figures; a CPU process has neither, and its per-call overheads are
+    :class:`Settings`' default 2 GB reserve (CUDA context, allocator slack) and 10 ms per extra
+    micro-batch (kernel launches) are GPU figures; a CPU process has neither, and its per-call overheads are
     already inside the measured layer times.
     """
     if device.type == "cuda":  # pragma: no cover - CUDA only
