@@ -89,6 +89,7 @@ class CephaloCallback(Callback):
         self._window: list[tuple[float, float]] = []  # (wall, busy) seconds per step
         self._all_walls: list[float] = []
         self._throughput: Throughput | None = None
+        self._t0 = 0.0  # when training started (the throughput's clock)
         self._samples = 0
         self._busy: BusyTime | None = None
         self._planning = False
@@ -136,7 +137,7 @@ class CephaloCallback(Callback):
                                      "or CephaloCallback(global_batch_size=B)")
         loader_batch = getattr(loader, "batch_size", None)
         if self.config.global_batch_size and loader_batch and strategy.global_batch_size is None and loader_batch != batch_size:
-            raise ValueError(  # a ValueError by name: the failure report shows "ValueError: ..." (tests read it)
+            raise ValueError(  # kept a ValueError by name: failure reports start with the type's name
                 f"CephaloCallback(global_batch_size={self.config.global_batch_size}) but the training DataLoader's batch_size "
                 f"is {loader_batch}: the DataLoader's batch is the global batch (every rank takes its slice of it), "
                 "so they must agree; drop global_batch_size or set the DataLoader's batch_size to it"
@@ -149,21 +150,7 @@ class CephaloCallback(Callback):
                           force: bool) -> tuple[Cluster, Plan]:
         """Collective: profile every rank on the sharded model, one unit at a time, and plan."""
         sample, global_batch = self._sample(trainer, strategy)
-        layered = strategy.layered_form
-        if layered is not None:
-            layers, sample_input = list(layered.layers), sample
-            kwargs: dict[str, Any] = {"prepare": layered.prepare, "loss": layered.loss,
-                                      "unit_context": strategy.gathered_layer}
-        else:
-            example = getattr(module, "example_input_array", None)
-            if example is None:
-                raise ConfigurationError(
-                    f"CephaloCallback cannot profile {type(module).__name__}: it has no layered form "
-                    f"({strategy.why_not_layered}); set example_input_array, or give the strategy a plan / cluster file"
-                )
-            # the whole model as one "layer" (uniform mode): every unit gathered for the measurement
-            layers, sample_input = [module], example
-            kwargs = {"unit_context": lambda i: strategy.gathered_model()}
+        layers, sample_input, kwargs = self._profiled_form(module, strategy, sample)
         settings = replace(default_settings(strategy.root_device), **self.config.settings)
         trainable = [p for p in module.parameters() if p.requires_grad]
         parameters = sum(math.prod(full_shape(p)) for p in trainable)  # the pieces are shards: count the whole
@@ -188,6 +175,23 @@ class CephaloCallback(Callback):
         # every rank must shard by the same plan: rank 0's, in case float noise ever made two differ
         plan = strategy.broadcast(make_plan(cluster, global_batch, mode=mode) if trainer.is_global_zero else None)
         return cluster, plan
+
+    @staticmethod
+    def _profiled_form(module: pl.LightningModule, strategy: CephaloStrategy,
+                       sample: Any) -> tuple[list[Any], Any, dict[str, Any]]:
+        """What is measured: the layered form's layers on a sample batch, each gathered in place;
+        else the whole module as one "layer" on its ``example_input_array``, every unit gathered."""
+        layered = strategy.layered_form
+        if layered is not None:
+            return list(layered.layers), sample, {"prepare": layered.prepare, "loss": layered.loss,
+                                                  "unit_context": strategy.gathered_layer}
+        example = getattr(module, "example_input_array", None)
+        if example is None:
+            raise ConfigurationError(
+                f"CephaloCallback cannot profile {type(module).__name__}: it has no layered form "
+                f"({strategy.why_not_layered}); set example_input_array, or give the strategy a plan / cluster file"
+            )
+        return [module], example, {"unit_context": lambda i: strategy.gathered_model()}
 
     # ------------------------------------------------------------------ watching
 
