@@ -113,7 +113,7 @@ def test_layer_profile_rejects_bad_inputs() -> None:
 def test_model_profile_of_gpt_tiny() -> None:
     model = tiny_gpt()
     layers = model.layers()
-    profile = profile_model(layers, sample_tokens(), max_micro_batch=4, repeats=3)
+    profile = profile_model(layers, sample_tokens(), ProfileOptions(max_micro_batch=4, repeats=3))
     assert profile.sizes == (1, 2, 3, 4)
     assert profile.num_layers == len(layers) == 4
     assert profile.parameters == model.num_parameters()
@@ -133,8 +133,8 @@ def test_model_profile_of_gpt_tiny() -> None:
 def test_model_memory_counts_the_prefetched_neighbour() -> None:
     layers = tiny_gpt().layers()
     quick = dict(max_micro_batch=2, warmup=0, repeats=1, min_region_ms=0.0)
-    with_prefetch = profile_model(layers, sample_tokens(), prefetch=True, **quick)
-    without = profile_model(layers, sample_tokens(), prefetch=False, resident_bytes=1000, **quick)
+    with_prefetch = profile_model(layers, sample_tokens(), ProfileOptions(prefetch=True, **quick))
+    without = profile_model(layers, sample_tokens(), ProfileOptions(prefetch=False, resident_bytes=1000, **quick))
     # the accounting counts exact bytes, so both runs measured the same per-layer figures
     own = {i: k.profile.compute_bytes for k in with_prefetch.kinds for i in k.indices}
     gathered = [gathered_bytes(layer, None) for layer in layers]

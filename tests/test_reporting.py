@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
-from cephalo_lightning.lightning.reporting import log_checkpoint_artifacts, rank_lines
+from cephalo_lightning.lightning.loggers import log_checkpoint_artifacts, rank_lines
 from cephalo_lightning.planner import RankPlan
 from tests.conftest import clean_env
 
@@ -184,7 +184,7 @@ import warnings; warnings.simplefilter("ignore")
 import lightning.pytorch as pl
 from cephalo_lightning import CephaloCallback, CephaloStrategy
 from cephalo_lightning.demo import GPTModule, TextDataModule
-from cephalo_lightning.lightning.reporting import log_rank_lines
+from cephalo_lightning.lightning.loggers import log_rank_lines
 for _ in range(2):  # the second run reuses the cached profile
     trainer = pl.Trainer(strategy=CephaloStrategy(emulate=[{{"slowdown": 1.0}}]), accelerator="cpu", devices=1,
                          max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
+from cephalo_lightning._common.errors import ConfigurationError
+
 # name -> (n_layer, n_head, n_embd). The big shapes are for planning (parameter counts, FLOPs).
 PRESETS: dict[str, tuple[int, int, int]] = {
     "tiny": (2, 2, 32),  # unit tests: builds and steps in milliseconds
@@ -37,17 +39,17 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigurationError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+            raise ConfigurationError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+            raise ConfigurationError(f"dropout must be in [0, 1), got {self.dropout}")
 
     @classmethod
     def preset(cls, name: str, vocab_size: int = 256, seq_len: int = 64, **overrides: Any) -> GPTConfig:
         """A named shape (see :data:`PRESETS`); ``overrides`` replace any field, e.g. ``n_layer=6``."""
         if name not in PRESETS:
-            raise ValueError(f"unknown GPT preset {name!r}; choose one of {sorted(PRESETS)}")
+            raise ConfigurationError(f"unknown GPT preset {name!r}; choose one of {sorted(PRESETS)}")
         n_layer, n_head, n_embd = PRESETS[name]
         known = {f.name for f in fields(cls)}
         unknown = set(overrides) - known

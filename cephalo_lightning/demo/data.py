@@ -19,6 +19,9 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+from cephalo_lightning._common.errors import ConfigurationError
 
 VOCAB_SIZE = 256
 PYDOC_CORPUS = "pydoc"
@@ -64,7 +67,7 @@ def hf_text(spec: str, split: str = "train") -> str:
     """
     name, _, config = spec.partition(":")
     if not name:
-        raise ValueError(f"corpus {HF_PREFIX + spec!r}: expected 'hf:<dataset_name>[:<config>]'")
+        raise ConfigurationError(f"corpus {HF_PREFIX + spec!r}: expected 'hf:<dataset_name>[:<config>]'")
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
     try:
@@ -119,19 +122,19 @@ class ByteWindowDataset(Dataset[tuple[Tensor, Tensor]]):
 
     def __init__(self, data: Tensor, seq_len: int, stride: int | None = None, max_samples: int | None = None) -> None:
         if data.dim() != 1:
-            raise ValueError("data must be a 1-D tensor of token ids")
+            raise ConfigurationError("data must be a 1-D tensor of token ids")
         stride = seq_len if stride is None else stride
         if seq_len < 1 or stride < 1:
-            raise ValueError(f"seq_len and stride must be >= 1, got {seq_len} and {stride}")
+            raise ConfigurationError(f"seq_len and stride must be >= 1, got {seq_len} and {stride}")
         if data.numel() < seq_len + 1:
-            raise ValueError(f"{data.numel()} tokens cannot fill one window of seq_len + 1 = {seq_len + 1}")
+            raise ConfigurationError(f"{data.numel()} tokens cannot fill one window of seq_len + 1 = {seq_len + 1}")
         self.data = data
         self.seq_len = seq_len
         self.stride = stride
         count = (data.numel() - seq_len - 1) // stride + 1
         if max_samples is not None and max_samples < count:
             if max_samples < 1:
-                raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+                raise ConfigurationError(f"max_samples must be >= 1, got {max_samples}")
             # evenly spaced, distinct (spacing >= 1), first and last window included
             self.starts = torch.linspace(0, count - 1, max_samples, dtype=torch.float64).round().long() * stride
         else:
@@ -183,7 +186,7 @@ class TextDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+            raise ConfigurationError(f"val_fraction must be in (0, 1), got {val_fraction}")
         self.save_hyperparameters()
         self.corpus = corpus
         self.seq_len = seq_len
@@ -196,6 +199,7 @@ class TextDataModule(pl.LightningDataModule):
         self.train_dataset: ByteWindowDataset | None = None
         self.val_dataset: ByteWindowDataset | None = None
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Read and split the corpus once (local reads only, so every rank may do it)."""
         if self.train_dataset is not None:
@@ -205,7 +209,7 @@ class TextDataModule(pl.LightningDataModule):
         train, val = data[:split], data[split:]
         for name, part in (("training", train), ("validation", val)):
             if part.numel() < self.seq_len + 1:
-                raise ValueError(
+                raise ConfigurationError(
                     f"corpus {self.corpus!r} ({data.numel()} bytes) leaves {part.numel()} {name} bytes, "
                     f"fewer than seq_len + 1 = {self.seq_len + 1}; use a longer text or adjust val_fraction"
                 )
@@ -228,13 +232,16 @@ class TextDataModule(pl.LightningDataModule):
             persistent_workers=self.num_workers > 0,
         )
 
+    @override
     def train_dataloader(self) -> DataLoader:
         """Shuffled, full batches only (every optimizer step sees exactly ``batch_size`` samples)."""
         return self._loader(self._datasets()[0], train=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._loader(self._datasets()[1], train=False)
 
+    @override
     def test_dataloader(self) -> DataLoader:
         """The held-out text again: the corpus has no separate test split."""
         return self._loader(self._datasets()[1], train=False)

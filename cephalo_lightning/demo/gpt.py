@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.demo.config import PRESETS, GPTConfig
 
 __all__ = ["GPT", "PRESETS", "Block", "CausalSelfAttention", "Embedding", "GPTConfig", "Head", "MLP"]
@@ -35,7 +36,7 @@ class Embedding(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         t = idx.size(1)
         if t > self.wpe.num_embeddings:
-            raise ValueError(f"sequence of length {t} is longer than seq_len {self.wpe.num_embeddings}")
+            raise ConfigurationError(f"sequence of length {t} is longer than seq_len {self.wpe.num_embeddings}")
         pos = torch.arange(t, device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 

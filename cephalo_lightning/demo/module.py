@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torchmetrics.text import Perplexity
+from typing_extensions import override
 
 from cephalo_lightning.demo.gpt import GPT, GPTConfig
 
@@ -32,9 +33,10 @@ Batch = tuple[Tensor, Tensor]
 def no_weight_decay(name: str) -> bool:
     """Whether the parameter called ``name`` is exempt from weight decay.
 
-    Decided by NAME, never by ``p.dim()``: under the Cephalo strategy the parameters that
-    ``configure_optimizers`` sees are 1-D flat local shards (possibly empty) registered under their
-    original names, so shape says nothing about whether a tensor was a matrix. Exempt: biases,
+    Decided by NAME, never by shape: under the Cephalo strategy the parameters that
+    ``configure_optimizers`` sees are this rank's local pieces, registered under their original
+    names, of shape ``(1, ..., 1, k)`` (``k`` possibly 0), so their sizes say nothing about the
+    tensor they are a piece of; a name means the same under every strategy. Exempt: biases,
     LayerNorm parameters (``ln_1``, ``ln_2``, ``ln_f``, anything under a ``*norm*`` module) and
     embedding tables (``wte``, ``wpe``, anything under an ``*embed*`` module).
     """
@@ -105,19 +107,23 @@ class GPTModule(pl.LightningModule):
 
     # ---- plain Lightning -------------------------------------------------------------------------
 
+    @override
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids ``(B, T)`` -> logits ``(B, T, vocab_size)``."""
         return self.model(idx)
 
+    @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         x, y = batch
         loss = GPT.loss(self(x), y)
         self.log("train_loss", loss, prog_bar=True, batch_size=x.size(0))
         return loss
 
+    @override
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self._evaluate(batch, "val", self.val_ppl)
 
+    @override
     def test_step(self, batch: Batch, batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_ppl)
 
@@ -148,11 +154,13 @@ class GPTModule(pl.LightningModule):
             {"params": no_decay, "weight_decay": 0.0},
         ]
 
+    @override
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW with linear warmup then cosine decay, stepped every optimizer step.
 
-        The parameters seen here may be Cephalo's flat 1-D local shards (some with 0 elements): the
-        grouping is by name and AdamW handles empty tensors, so the same code serves every strategy.
+        The parameters seen here may be Cephalo's local pieces, of shape ``(1, ..., 1, k)`` (some with
+        ``k = 0``): the grouping is by name and AdamW handles empty tensors, so the same code serves
+        every strategy.
         """
         hp = self.hparams
         optimizer = torch.optim.AdamW(self.parameter_groups(), lr=hp.learning_rate, betas=tuple(hp.betas))

@@ -26,10 +26,13 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
+from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.lightning._private import training_dataloader
-from cephalo_lightning.lightning.reporting import (
+from cephalo_lightning.lightning.callback_config import CallbackConfig
+from cephalo_lightning.lightning.loggers import (
     log_plan,
     log_rank_series,
     log_run,
@@ -55,64 +58,29 @@ _TRUE_PRECISION_DTYPES = {"64-true": torch.float64, "bf16-true": torch.bfloat16,
 class CephaloCallback(Callback):
     """Profile, plan and watch for :class:`CephaloStrategy`.
 
-    Args:
-        global_batch_size: samples per optimizer step over all ranks (default: the strategy's,
-            else the training DataLoader's ``batch_size``).
-        mode: planner mode, ``"layered"`` or ``"uniform"`` (default: what the module supports).
-        max_micro_batch: profile micro-batch sizes 1..k.
-        settings: cost-model settings to override (e.g. ``{"usable_memory_fraction": 0.9}``).
-        cache_dir: where profiles are cached (a restart does not re-profile); None: no cache.
-        force_profile: profile again even when a cached profile matches.
-        cluster_file: also write the profiled cluster here (re-plan offline with
-            ``python -m cephalo_lightning plan``).
-        plan_file: write the plan JSON here.
-        watch_every_n_steps: compare measured with predicted every N steps (0: never).
-        drift_threshold: a rank whose measured/predicted ratio departs from the median rank's by
-            more than this fraction is reported as drifting.
-        replan: on drift, re-profile, re-plan and re-shard (state is kept).
-        state_bytes_per_param: training-state bytes per parameter (default: 4 x the master
-            dtype's size: parameter, gradient and Adam's two moments; 16 for fp32).
+    The arguments are :class:`~.callback_config.CallbackConfig`'s, each with its default and
+    meaning there (and in the README's table); they are checked here, at construction.
     """
 
     def __init__(
         self,
-        global_batch_size: int | None = None,
-        mode: str | None = None,
-        max_micro_batch: int = 4,
-        settings: Mapping[str, Any] | None = None,
-        cache_dir: str | Path | None = ".cephalo",
-        force_profile: bool = False,
-        cluster_file: str | Path | None = None,
-        plan_file: str | Path | None = None,
-        watch_every_n_steps: int = 10,
-        drift_threshold: float = 0.3,
-        replan: bool = False,
-        state_bytes_per_param: float | None = None,
-        print_plan: bool = True,
-        quiet: bool = False,
+        global_batch_size: int | None = CallbackConfig.global_batch_size,
+        mode: str | None = CallbackConfig.mode,
+        max_micro_batch: int = CallbackConfig.max_micro_batch,
+        settings: Mapping[str, Any] | None = CallbackConfig.settings,
+        cache_dir: str | Path | None = CallbackConfig.cache_dir,
+        force_profile: bool = CallbackConfig.force_profile,
+        cluster_file: str | Path | None = CallbackConfig.cluster_file,
+        plan_file: str | Path | None = CallbackConfig.plan_file,
+        watch_every_n_steps: int = CallbackConfig.watch_every_n_steps,
+        drift_threshold: float = CallbackConfig.drift_threshold,
+        replan: bool = CallbackConfig.replan,
+        state_bytes_per_param: float | None = CallbackConfig.state_bytes_per_param,
+        print_plan: bool = CallbackConfig.print_plan,
+        quiet: bool = CallbackConfig.quiet,
     ) -> None:
-        if mode not in (None, "layered", "uniform"):
-            raise ValueError(f"mode must be 'layered', 'uniform' or None, got {mode!r}")
-        for name, value in (("global_batch_size", global_batch_size), ("max_micro_batch", max_micro_batch)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"CephaloCallback({name}={value!r}) must be an integer >= 1"
-                                 + (" (or None: the training DataLoader's batch_size)" if name == "global_batch_size" else ""))
-        if watch_every_n_steps < 0 or drift_threshold <= 0:
-            raise ValueError("watch_every_n_steps must be >= 0 and drift_threshold > 0")
-        self.global_batch_size = global_batch_size
-        self.mode = mode
-        self.max_micro_batch = max_micro_batch
-        self.settings = dict(settings or {})
-        self.cache_dir = cache_dir
-        self.force_profile = force_profile
-        self.cluster_file = cluster_file
-        self.plan_file = plan_file
-        self.watch_every_n_steps = watch_every_n_steps
-        self.drift_threshold = drift_threshold
-        self.replan = replan
-        self.state_bytes_per_param = state_bytes_per_param
-        self.print_plan = print_plan
-        self.quiet = quiet
+        # the signature above is for LightningCLI / YAML (one argument each); the options are the config's
+        self.config = CallbackConfig(**{name: value for name, value in locals().items() if name != "self"})
         self.cluster: Cluster | None = None
         self.plan: Plan | None = None
         self.history: list[dict[str, Any]] = []  # one row per watch window, on every rank
@@ -121,6 +89,7 @@ class CephaloCallback(Callback):
         self._window: list[tuple[float, float]] = []  # (wall, busy) seconds per step
         self._all_walls: list[float] = []
         self._throughput: Throughput | None = None
+        self._t0 = 0.0  # when training started (the throughput's clock)
         self._samples = 0
         self._busy: BusyTime | None = None
         self._planning = False
@@ -133,116 +102,121 @@ class CephaloCallback(Callback):
             raise TypeError(f"CephaloCallback needs Trainer(strategy='cephalo'), got {type(trainer.strategy).__name__}")
         return trainer.strategy
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         strategy = self._strategy(trainer)
-        self._planning = strategy.plan is None or self.force_profile
+        self._planning = strategy.plan is None or self.config.force_profile
         if self._planning:
-            strategy.provisional_layout = "memory"  # a plan follows at on_fit_start
+            strategy.expect_plan()  # the plan follows at on_fit_start
         else:
             rank_zero_info("Cephalo: the strategy's plan is pinned; not profiling.")
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self._strategy(trainer)
         if self._planning:
-            self.cluster, self.plan = self._profile_and_plan(trainer, pl_module, strategy, force=self.force_profile)
-            strategy.cluster = self.cluster
-            strategy.adopt_plan(self.plan)
+            self.cluster, self.plan = self._profile_and_plan(trainer, pl_module, strategy, force=self.config.force_profile)
+            strategy.adopt_profiled_plan(self.plan, self.cluster)
         else:
             self.plan = strategy.plan
         if trainer.is_global_zero:
-            if self.print_plan:
+            if self.config.print_plan:
                 print(render_plan(self.plan, width=terminal_width()), flush=True)
-            if self.plan_file:
-                self.plan.save(self.plan_file)
+            if self.config.plan_file:
+                self.plan.save(self.config.plan_file)
             log_plan(trainer.loggers, self.plan, self.cluster)
             log_run(trainer, self.plan, self.cluster or strategy.cluster, callback=self)
 
     def _sample(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> tuple[Any, int]:
         loader = training_dataloader(trainer)
-        batch_size = self.global_batch_size or strategy.global_batch_size or getattr(loader, "batch_size", None)
+        batch_size = self.config.global_batch_size or strategy.global_batch_size or getattr(loader, "batch_size", None)
         if not batch_size:
-            raise ValueError("CephaloCallback needs the global batch: set batch_size on the training DataLoader "
-                             "or CephaloCallback(global_batch_size=B)")
+            raise ConfigurationError("CephaloCallback needs the global batch: set batch_size on the training DataLoader "
+                                     "or CephaloCallback(global_batch_size=B)")
         loader_batch = getattr(loader, "batch_size", None)
-        if self.global_batch_size and loader_batch and strategy.global_batch_size is None and loader_batch != batch_size:
-            raise ValueError(
-                f"CephaloCallback(global_batch_size={self.global_batch_size}) but the training DataLoader's batch_size "
+        if self.config.global_batch_size and loader_batch and strategy.global_batch_size is None and loader_batch != batch_size:
+            raise ValueError(  # kept a ValueError by name: failure reports start with the type's name
+                f"CephaloCallback(global_batch_size={self.config.global_batch_size}) but the training DataLoader's batch_size "
                 f"is {loader_batch}: the DataLoader's batch is the global batch (every rank takes its slice of it), "
                 "so they must agree; drop global_batch_size or set the DataLoader's batch_size to it"
             )
         batch = next(iter(loader))
         rows = leading_size(batch) or 1
-        return slice_batch(batch, 0, min(rows, self.max_micro_batch)), int(batch_size)
+        return slice_batch(batch, 0, min(rows, self.config.max_micro_batch)), int(batch_size)
 
     def _profile_and_plan(self, trainer: pl.Trainer, module: pl.LightningModule, strategy: CephaloStrategy,
                           force: bool) -> tuple[Cluster, Plan]:
         """Collective: profile every rank on the sharded model, one unit at a time, and plan."""
         sample, global_batch = self._sample(trainer, strategy)
-        run = strategy.run
-        assert run is not None, "CephaloCallback profiles after the strategy has sharded the model"
-        layered = run.layered_model
-        sharded = run.sharded
-        if layered is not None:
-            layers, sample_input = list(layered.layers), sample
-            kwargs: dict[str, Any] = {"prepare": layered.prepare, "loss": layered.loss,
-                                      "unit_context": lambda i: sharded.unit_gathered(i + 1)}
-        else:
-            example = getattr(module, "example_input_array", None)
-            if example is None:
-                raise ValueError(
-                    f"CephaloCallback cannot profile {type(module).__name__}: it has no layered form "
-                    f"({run.resolution.reason}); set example_input_array, or give the strategy a plan / cluster file"
-                )
-            # the whole model as one "layer" (uniform mode): every unit gathered for the measurement
-            layers, sample_input = [module], example
-            kwargs = {"unit_context": lambda i: sharded.summon_full_params()}
-        settings = replace(default_settings(strategy.root_device), **self.settings)
+        layers, sample_input, kwargs = self._profiled_form(module, strategy, sample)
+        settings = replace(default_settings(strategy.root_device), **self.config.settings)
         trainable = [p for p in module.parameters() if p.requires_grad]
         parameters = sum(math.prod(full_shape(p)) for p in trainable)  # the pieces are shards: count the whole
         precision = trainer.precision_plugin
         compute_dtype = strategy.param_dtype or _TRUE_PRECISION_DTYPES.get(getattr(precision, "precision", ""))
         master = torch.promote_types(compute_dtype or (trainable[0].dtype if trainable else torch.float32), torch.float32)
-        state_bytes = self.state_bytes_per_param or 4 * master.itemsize
+        state_bytes = self.config.state_bytes_per_param or 4 * master.itemsize
         with precision.forward_context():  # autocast for "*-mixed"
             cluster = profile_cluster(
                 layers, sample_input, emulator=strategy.emulator,  # its current state: a throttle shows
-                options=ProfileOptions(max_micro_batch=self.max_micro_batch, compute_dtype=compute_dtype,
+                options=ProfileOptions(max_micro_batch=self.config.max_micro_batch, compute_dtype=compute_dtype,
                                        collective_modes=(strategy.collective,)),
                 model_name=type(module).__name__, parameters=parameters, state_bytes_per_param=state_bytes,
-                settings=settings, device=strategy.root_device, cache_dir=self.cache_dir, force=force,
-                quiet=self.quiet, **kwargs,
+                settings=settings, device=strategy.root_device, cache_dir=self.config.cache_dir, force=force,
+                quiet=self.config.quiet, **kwargs,
             )
-        if self.cluster_file and trainer.is_global_zero:
+        if self.config.cluster_file and trainer.is_global_zero:
             from cephalo_lightning.planner import save_cluster
 
-            save_cluster(cluster, self.cluster_file)
-        mode = self.mode or run.mode
+            save_cluster(cluster, self.config.cluster_file)
+        mode = self.config.mode or strategy.fit_mode
         # every rank must shard by the same plan: rank 0's, in case float noise ever made two differ
         plan = strategy.broadcast(make_plan(cluster, global_batch, mode=mode) if trainer.is_global_zero else None)
         return cluster, plan
 
+    @staticmethod
+    def _profiled_form(module: pl.LightningModule, strategy: CephaloStrategy,
+                       sample: Any) -> tuple[list[Any], Any, dict[str, Any]]:
+        """What is measured: the layered form's layers on a sample batch, each gathered in place;
+        else the whole module as one "layer" on its ``example_input_array``, every unit gathered."""
+        layered = strategy.layered_form
+        if layered is not None:
+            return list(layered.layers), sample, {"prepare": layered.prepare, "loss": layered.loss,
+                                                  "unit_context": strategy.gathered_layer}
+        example = getattr(module, "example_input_array", None)
+        if example is None:
+            raise ConfigurationError(
+                f"CephaloCallback cannot profile {type(module).__name__}: it has no layered form "
+                f"({strategy.why_not_layered}); set example_input_array, or give the strategy a plan / cluster file"
+            )
+        return [module], example, {"unit_context": lambda i: strategy.gathered_model()}
+
     # ------------------------------------------------------------------ watching
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._throughput = Throughput(window_size=max(self.watch_every_n_steps, 5), world_size=1)
+        self._throughput = Throughput(window_size=max(self.config.watch_every_n_steps, 5), world_size=1)
         self._t0 = time.perf_counter()
         strategy = self._strategy(trainer)
-        if self.watch_every_n_steps and strategy.run is not None:  # the watch measures compute, emulated waits included
+        if self.config.watch_every_n_steps:  # the watch measures compute, emulated waits included
             self._busy = BusyTime(cuda=strategy.root_device.type == "cuda")
-            strategy.run.sharded.observers.attach(self._busy, outermost=True)
+            strategy.attach_observer(self._busy, outermost=True)
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self._strategy(trainer)
-        if self._busy is not None and strategy.run is not None:
-            strategy.run.sharded.observers.detach(self._busy)
+        if self._busy is not None:
+            strategy.detach_observer(self._busy)
         self._summarize(trainer, strategy)
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_start = time.perf_counter()
         self._busy_start = self._busy.seconds if self._busy is not None else 0.0
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy = self._strategy(trainer)
         wall = time.perf_counter() - self._step_start
@@ -254,7 +228,7 @@ class CephaloCallback(Callback):
         if self._throughput is not None:
             # this run's steps (a resumed run's global_step also counts the steps before the resume)
             self._throughput.update(time=time.perf_counter() - self._t0, batches=len(self._all_walls), samples=self._samples)
-        if self.watch_every_n_steps and len(self._window) >= self.watch_every_n_steps:
+        if self.config.watch_every_n_steps and len(self._window) >= self.config.watch_every_n_steps:
             self._watch(trainer, strategy)
             self._window = []
 
@@ -283,7 +257,7 @@ class CephaloCallback(Callback):
         median = statistics.median(known) if known else None
         drifting = [
             i for i, r in enumerate(ratios)
-            if r and median and abs(math.log(r / median)) > math.log(1 + self.drift_threshold)
+            if r and median and abs(math.log(r / median)) > math.log(1 + self.config.drift_threshold)
         ]
         record = {
             "step": trainer.global_step,
@@ -303,9 +277,9 @@ class CephaloCallback(Callback):
             log_rank_series(trainer.loggers, record, throughput, trainer.global_step)
         if drifting:
             names = ", ".join(f"rank {i} ({ratios[i] / median:.2f}x the median rank's measured/predicted)" for i in drifting)
-            rank_zero_warn(f"Cephalo: {names} drifted from the plan by more than {self.drift_threshold:.0%}"
-                           + ("; re-planning." if self.replan else "; CephaloCallback(replan=True) would re-plan."))
-            if self.replan:
+            rank_zero_warn(f"Cephalo: {names} drifted from the plan by more than {self.config.drift_threshold:.0%}"
+                           + ("; re-planning." if self.config.replan else "; CephaloCallback(replan=True) would re-plan."))
+            if self.config.replan:
                 self._replan(trainer, strategy)
 
     def _replan(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
@@ -342,7 +316,7 @@ class CephaloCallback(Callback):
         self.summary = summary
         if trainer.is_global_zero:
             log_summary(trainer.loggers, summary)
-            if not self.quiet:
+            if not self.config.quiet:
                 print(format_summary(summary), flush=True)
 
 

@@ -22,6 +22,7 @@ import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
+from typing_extensions import override
 
 import cephalo_lightning  # noqa: F401  (registers strategy="cephalo" before arguments are parsed)
 from cephalo_lightning import configs
@@ -90,10 +91,14 @@ def interpolation_error(err: OmegaConfBaseException, args: Sequence[str]) -> str
 
 
 class CephaloCLI(LightningCLI):
+    """LightningCLI with a ``--vars`` block, packaged configs by name and one-line interpolation errors."""
+
+    @override
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse's parser
         # dict[str, Any], not dict: "--vars.steps=40" stays an int, as it would be in the YAML
         parser.add_argument("--vars", type=dict[str, Any], default={}, help="shared values for ${vars.*} interpolation")
 
+    @override
     def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 - LightningCLI's own signature
         if isinstance(args, (dict, Namespace)):  # an already structured config: nothing to rewrite
             return super().parse_arguments(parser, args)
@@ -142,7 +147,7 @@ def profile_main(argv: list[str] | None = None) -> int:
     offline with ``python -m cephalo_lightning plan``) and the plan, and trains nothing.
     """
     import argparse
-    from pathlib import Path
+    from dataclasses import replace
 
     from lightning.pytorch.callbacks import Checkpoint
 
@@ -161,7 +166,8 @@ def profile_main(argv: list[str] | None = None) -> int:
     callback = callbacks[0] if callbacks else CephaloCallback()
     if not callbacks:
         trainer.callbacks.append(callback)
-    callback.force_profile, callback.cluster_file, callback.plan_file = True, Path(args.output), args.plan_output
+    callback.config = replace(callback.config, force_profile=True, cluster_file=Path(args.output),
+                              plan_file=args.plan_output)
     trainer.fit(cli.model, datamodule=cli.datamodule)
     if trainer.is_global_zero:
         print(f"wrote {args.output}" + (f" and {args.plan_output}" if args.plan_output else ""))

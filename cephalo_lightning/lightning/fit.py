@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
-from cephalo_lightning.lightning import reporting
+from cephalo_lightning.lightning import loggers
 from cephalo_lightning.lightning.config import StrategyConfig
 from cephalo_lightning.lightning.steps import LayeredSteps, NonFiniteGuard, StepContext, StepReport, UniformSteps
 from cephalo_lightning.models import SUPPORTED, Resolution, hf
@@ -140,7 +140,7 @@ class FitRuntime:
                 if getattr(callback, "dirpath", None):
                     checkpoint.clean_stale(callback.dirpath)
         if not any(type(c).__name__ == "CephaloCallback" for c in trainer.callbacks):
-            reporting.log_run(trainer, self.plan, cluster)
+            loggers.log_run(trainer, self.plan, cluster)
         directory = Path(trainer.default_root_dir) / ".cephalo" / f"heartbeat-{token}"
         return FailureReport(Heartbeat(directory, self.rank, self.sharded.world_size).start())
 

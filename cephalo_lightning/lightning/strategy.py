@@ -24,8 +24,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from cephalo_lightning.lightning import loggers
 from cephalo_lightning.lightning import plan_resolution as planning
-from cephalo_lightning.lightning import reporting
 from cephalo_lightning.lightning._private import logging_as, sync_ddp_if_available
 from cephalo_lightning.lightning.config import StrategyConfig
 from cephalo_lightning.lightning.fit import FailureReport, FitRuntime, decide_mode
@@ -163,7 +163,7 @@ class CephaloStrategy(ProcessGroupStrategy):
     def _adopted(self, plan: Plan) -> None:
         self.plan = plan
         rank_zero_info(self.run.describe())
-        reporting.log_rank_lines(plan)
+        loggers.log_rank_lines(plan)
 
     def _user_training_step(self, *args: Any) -> Any:
         module = self.lightning_module
@@ -262,7 +262,7 @@ class CephaloStrategy(ProcessGroupStrategy):
         if self._failures is not None:
             self._failures.last_checkpoint = path
         self.barrier()
-        reporting.log_checkpoint_artifacts(self.lightning_module.trainer)
+        loggers.log_checkpoint_artifacts(self.lightning_module.trainer)
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         return self.run.load(Path(self.broadcast(str(checkpoint_path))), self.optimizers, weights_only)
@@ -280,7 +280,7 @@ class CephaloStrategy(ProcessGroupStrategy):
     # --------------------------------------------------------------------------- failures and teardown
 
     def on_train_end(self) -> None:
-        reporting.log_checkpoint_artifacts(self.lightning_module.trainer, final=True)
+        loggers.log_checkpoint_artifacts(self.lightning_module.trainer, final=True)
 
     def on_exception(self, exception: BaseException) -> None:
         message = self._failures.describe(exception) if self._failures is not None else None
@@ -299,3 +299,62 @@ class CephaloStrategy(ProcessGroupStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Cephalo: heterogeneous GPUs, uneven sharding",
                                    override=True)
+
+    # =========================================================================== the callbacks' API
+    # [Note: what a callback may ask of the strategy] Everything CephaloCallback reads or changes
+    # goes through the methods below and the public attributes above (``plan``, ``cluster``,
+    # ``emulator``, ``global_batch_size``, ``param_dtype``, ``collective``, ``memory``, ``root_device``,
+    # ``world_size``, ``broadcast``, ``adopt_plan``, ``schedule_plan``). This block alone reaches the
+    # fit's runtime, through :meth:`_fit_runtime`.
+
+    def _fit_runtime(self) -> FitRuntime:
+        """The fit's runtime, built at setup: the one accessor of the callbacks' API."""
+        assert self.run is not None, "the callbacks' API is used after the strategy's setup"
+        return self.run
+
+    def expect_plan(self) -> None:
+        """Before setup: a plan follows after setup (:meth:`adopt_profiled_plan`), so shard
+        provisionally, in proportion to each rank's memory (a small device is not handed an even
+        share it cannot hold)."""
+        self.provisional_layout = "memory"
+
+    def adopt_profiled_plan(self, plan: Plan, cluster: Cluster) -> None:
+        """Collective: adopt ``plan``, made from the freshly profiled ``cluster``; re-shards at once."""
+        self.cluster = cluster
+        self.adopt_plan(plan)
+
+    @property
+    def fit_mode(self) -> str:
+        """The mode the model is sharded for: ``"layered"`` or ``"uniform"``."""
+        return self._fit_runtime().mode
+
+    @property
+    def layered_form(self) -> Any:
+        """The model's :class:`~cephalo_lightning.models.protocol.LayeredModel` in the layered mode, else None."""
+        return self._fit_runtime().layered_model
+
+    @property
+    def why_not_layered(self) -> str | None:
+        """Why the model has no layered form (None when it has one)."""
+        return self._fit_runtime().resolution.reason
+
+    @contextlib.contextmanager
+    def gathered_layer(self, index: int) -> Generator[None, None, None]:
+        """Collective: layer ``index`` of :attr:`layered_form` gathered on every rank (its unit and
+        the root), hooks off, e.g. to profile it in place."""
+        with self._fit_runtime().sharded.unit_gathered(index + 1):  # unit 0 is the root
+            yield
+
+    @contextlib.contextmanager
+    def gathered_model(self) -> Generator[None, None, None]:
+        """Collective: every unit gathered, the modules holding full parameters (the uniform mode's profile)."""
+        with self._fit_runtime().sharded.summon_full_params():
+            yield
+
+    def attach_observer(self, observer: Any, outermost: bool = False) -> None:
+        """Attach a :class:`~cephalo_lightning.runtime.observers.Observer` to the sharded model's
+        compute and collectives (``outermost``: around every other observer, e.g. to time them)."""
+        self._fit_runtime().sharded.observers.attach(observer, outermost=outermost)
+
+    def detach_observer(self, observer: Any) -> None:
+        self._fit_runtime().sharded.observers.detach(observer)

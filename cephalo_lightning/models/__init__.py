@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.models import hf, litgpt
 from cephalo_lightning.models.protocol import PROTOCOL, LayeredModel, LossWeighting, from_protocol, has_protocol
 
@@ -40,7 +41,7 @@ def _torch_init(module: nn.Module) -> None:
         return
     own = [n for n, p in module._parameters.items() if p is not None] + [n for n, b in module._buffers.items() if b is not None]
     if own:
-        raise ValueError(
+        raise ConfigurationError(
             f"{type(module).__name__} was built on the meta device and has no reset_parameters() to initialise "
             f"{own}; define reset_parameters() on it or cephalo_init_weights(module) on the LightningModule, or "
             "load weights into the shards (CephaloStrategy(pretrained=...))"

@@ -2,6 +2,7 @@
 
 * :func:`profile_layer` - one layer's forward / backward time and compute memory at sizes 1..k;
 * :func:`profile_model` - the whole model, distinct layers measured once, per-average-layer figures;
+* :class:`ProfileOptions` - how to profile, passed whole from the cluster down to every layer;
 * :func:`time_collectives` - all-gather / reduce-scatter of one unit over the process group;
 * :func:`profile_cluster` / :class:`ClusterProfiler` - all of it on every rank, gathered into a
   :class:`~cephalo_lightning.planner.Cluster` and cached as a cluster file.
@@ -15,15 +16,16 @@ from cephalo_lightning.profiling.collectives import CollectiveProfile, time_coll
 from cephalo_lightning.profiling.layer import LayerProfile, profile_layer
 from cephalo_lightning.profiling.model import (
     LayerKind,
+    ModelHooks,
     ModelProfile,
-    layer_inputs,
+    Pacing,
     layer_signature,
     profile_model,
     take_rows,
 )
+from cephalo_lightning.profiling.options import ProfileOptions
 from cephalo_lightning.profiling.profiler import (
     ClusterProfiler,
-    ProfileOptions,
     ProfileReport,
     ProfilingError,
     default_settings,
@@ -33,8 +35,8 @@ from cephalo_lightning.profiling.profiler import (
 from cephalo_lightning.profiling.turns import TurnTaker
 
 __all__ = [
-    "ClusterProfiler", "CollectiveProfile", "LayerKind", "LayerProfile", "ModelProfile", "ProfileOptions",
-    "ProfileReport", "ProfilingError", "TurnTaker", "cache_path", "default_settings", "device_name", "fingerprint",
-    "layer_inputs", "layer_signature", "profile_cluster", "profile_layer", "profile_model", "take_rows",
+    "ClusterProfiler", "CollectiveProfile", "LayerKind", "LayerProfile", "ModelHooks", "ModelProfile", "Pacing",
+    "ProfileOptions", "ProfileReport", "ProfilingError", "TurnTaker", "cache_path", "default_settings", "device_name",
+    "fingerprint", "layer_signature", "profile_cluster", "profile_layer", "profile_model", "take_rows",
     "time_collectives",
 ]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
 from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES, Collectives
 from cephalo_lightning.runtime.distributed import all_reduce_, barrier, is_distributed
@@ -101,15 +102,15 @@ def time_collectives(
     """
     unknown = [m for m in modes if m not in COLLECTIVE_MODES]
     if unknown:
-        raise ValueError(f"unknown collective mode(s) {unknown}; choose from {COLLECTIVE_MODES}")
+        raise ConfigurationError(f"unknown collective mode(s) {unknown}; choose from {COLLECTIVE_MODES}")
     if numel < 1:
-        raise ValueError(f"numel must be >= 1, got {numel}")
+        raise ConfigurationError(f"numel must be >= 1, got {numel}")
     device = torch.device(device)
     if not is_distributed(group):
         return CollectiveProfile(numel, 1, 0.0, 0.0, (1.0,), {m: (0.0, 0.0) for m in modes})
     world = dist.get_world_size(group)
     if shares is not None and len(shares) != world:
-        raise ValueError(f"{len(shares)} shares for a world of {world} ranks: give one per rank")
+        raise ConfigurationError(f"{len(shares)} shares for a world of {world} ranks: give one per rank")
     even = build_layout([numel], [1.0 / world] * world, ["profiled-unit"]).units[0]
     uneven = even if shares is None else build_layout([numel], list(shares), ["profiled-unit"]).units[0]
     mode = modes[0] if modes else "padded"

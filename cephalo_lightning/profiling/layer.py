@@ -41,6 +41,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning.profiling.options import ProfileOptions
 from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker
@@ -79,9 +81,9 @@ class LayerProfile:
 def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
     out = tuple(sizes)
     if not out or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in out):
-        raise ValueError(f"micro-batch sizes must be a non-empty list of integers >= 1, got {list(sizes)!r}")
+        raise ConfigurationError(f"micro-batch sizes must be a non-empty list of integers >= 1, got {list(sizes)!r}")
     if len(set(out)) != len(out):
-        raise ValueError(f"micro-batch sizes must be distinct, got {list(out)}")
+        raise ConfigurationError(f"micro-batch sizes must be distinct, got {list(out)}")
     return out
 
 
@@ -89,7 +91,7 @@ def _prepare_input(x: object, m: int, device: torch.device, dtype: torch.dtype |
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"make_input({m}) must return a tensor (a layer takes one hidden tensor), got {type(x).__name__}")
     if x.dim() <= batch_dim or x.shape[batch_dim] != m:
-        raise ValueError(
+        raise ConfigurationError(
             f"make_input({m}) returned shape {tuple(x.shape)}: dimension {batch_dim} must be the micro-batch size {m}"
         )
     x = x.detach().to(device)
@@ -145,7 +147,7 @@ class _Runnable:
 def _runnable(layer: nn.Module | Layer, device: torch.device, compute_dtype: torch.dtype | None, in_place: bool) -> _Runnable:
     if isinstance(layer, Layer):
         if not in_place and layer.call is not None:
-            raise ValueError("a Layer with a call of its own is profiled in place (in_place=True): a copy of its "
+            raise ConfigurationError("a Layer with a call of its own is profiled in place (in_place=True): a copy of its "
                              "modules would not be the modules its call runs")
         if layer.call is not None:
             return _Runnable(layer.modules, layer.call, layer.name or type(layer.modules[0]).__name__)
@@ -156,6 +158,11 @@ def _runnable(layer: nn.Module | Layer, device: torch.device, compute_dtype: tor
 
 def _bytes(tensors: Sequence[torch.Tensor]) -> int:
     return int(sum(t.numel() * t.element_size() for t in tensors))
+
+
+def _check_region(min_region_ms: float) -> None:
+    if min_region_ms < 0:
+        raise ConfigurationError(f"min_region_ms must be >= 0, got {min_region_ms}")
 
 
 def _calibrate(fn: Callable[[], object], min_region_ms: float, timer: RegionTimer) -> int:
@@ -212,17 +219,42 @@ def profile_layer(
     each piece of measurement (the calibration, every timed region, the memory pass); ranks that
     share a host pass one that takes turns (:class:`~.turns.TurnTaker`). ``statistic``: how the
     repeats are reduced, ``"min"`` or ``"median"`` (default: :func:`~.timing.default_statistic`).
-    The layer is profiled on a private copy; the global RNG state is left as it was.
+    The layer is profiled on a private copy (unless ``in_place``); the global RNG state is left as it was.
     """
     sizes = _check_sizes(sizes)
     if warmup < 0 or repeats < 1:
-        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
-    if min_region_ms < 0:
-        raise ValueError(f"min_region_ms must be >= 0, got {min_region_ms}")
+        raise ConfigurationError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    _check_region(min_region_ms)
     device = torch.device(device)
+    summarize([0.0], statistic or default_statistic(device))  # refused in these words, before ProfileOptions would
+    options = ProfileOptions(max_micro_batch=max(sizes), warmup=warmup, repeats=repeats, min_region_ms=min_region_ms,
+                             compute_dtype=compute_dtype, measure_memory=measure_memory, batch_dim=batch_dim,
+                             statistic=statistic)
+    return measure_layer(layer, make_input, sizes, options, device=device, emulator=emulator,
+                         input_requires_grad=input_requires_grad, loss_fn=loss_fn, in_place=in_place,
+                         on_round=on_round, run_step=run_step)
+
+
+def measure_layer(
+    layer: nn.Module | Layer,
+    make_input: MakeInput,
+    sizes: Sequence[int],
+    options: ProfileOptions,
+    *,
+    device: torch.device,
+    emulator: DeviceEmulator | None = None,
+    input_requires_grad: bool | None = None,
+    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    in_place: bool = False,
+    on_round: Callable[[], None] | None = None,
+    run_step: RunStep | None = None,
+) -> LayerProfile:
+    """:func:`profile_layer` with the options whole (``max_micro_batch`` aside: ``sizes`` are measured)."""
+    sizes = _check_sizes(sizes)
+    _check_region(options.min_region_ms)
     step: RunStep = run_step or run_now
-    statistic = statistic or default_statistic(device)
-    summarize([0.0], statistic)  # validate before measuring
+    statistic = options.statistic or default_statistic(device)
+    compute_dtype, measure_memory = options.compute_dtype, options.measure_memory
     cuda_devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(cuda_devices):
         torch.manual_seed(0)  # the same inputs and upstream gradients on every rank and every run
@@ -234,7 +266,7 @@ def profile_layer(
         for m in sizes:
             given = make_input(m)
             x, sides[m] = given if isinstance(given, tuple) and len(given) == 2 else (given, None)
-            inputs[m] = _prepare_input(x, m, device, compute_dtype, batch_dim)
+            inputs[m] = _prepare_input(x, m, device, compute_dtype, options.batch_dim)
         needs_grad = {
             m: x.is_floating_point() and (input_requires_grad is None or input_requires_grad)
             for m, x in inputs.items()
@@ -263,20 +295,20 @@ def profile_layer(
 
         counts = step(lambda: {
             m: (
-                _calibrate(lambda: forward_pass(m), min_region_ms, timer),
-                _calibrate(lambda: backward_pass(m), min_region_ms, timer),
+                _calibrate(lambda: forward_pass(m), options.min_region_ms, timer),
+                _calibrate(lambda: backward_pass(m), options.min_region_ms, timer),
             )
             for m in sizes
         })
         fwd_samples: dict[int, list[float]] = {m: [] for m in sizes}
         pass_samples: dict[int, list[float]] = {m: [] for m in sizes}
 
-        for round_index in range(warmup + repeats):
+        for round_index in range(options.warmup + options.repeats):
             for m in sizes:
                 # one region per step: with turns, the other ranks measure between two regions
                 t_fwd = step(lambda: region(forward_pass, m, counts[m][0]))
                 t_pass = step(lambda: region(backward_pass, m, counts[m][1]))
-                if round_index >= warmup:
+                if round_index >= options.warmup:
                     fwd_samples[m].append(t_fwd)
                     pass_samples[m].append(t_pass)
             if on_round is not None:

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from cephalo_lightning.profiling.layer import LayerProfile, RunStep, _output, prepare_layer, profile_layer, run_now
+from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning.profiling.layer import LayerProfile, RunStep, _output, measure_layer, prepare_layer, run_now
+from cephalo_lightning.profiling.options import ProfileOptions
 from cephalo_lightning.runtime.batching import index_batch, leading_size
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.layered import Layer
@@ -103,33 +105,6 @@ def _on_device(layer: nn.Module, device: torch.device) -> bool:
     return all(t.device == device for t in tensors) if tensors else True
 
 
-@torch.no_grad()
-def layer_inputs(
-    layers: Sequence[nn.Module], sample_input: torch.Tensor, device: torch.device | str = "cpu"
-) -> list[torch.Tensor]:
-    """Every layer's input for the sample batch: one no-grad pass through the layers, in order.
-
-    A layer that is not on ``device`` runs as a temporary copy there, so a model still on the host
-    never has to fit on the device as a whole. The global RNG state is left as it was.
-    """
-    device = torch.device(device)
-    cuda_devices = [device.index or 0] if device.type == "cuda" else []
-    inputs: list[torch.Tensor] = []
-    x = sample_input.to(device)
-    with torch.random.fork_rng(cuda_devices):
-        for index, layer in enumerate(layers):
-            inputs.append(x)
-            run = layer if _on_device(layer, device) else prepare_layer(layer, device, None)
-            out = run(x)
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(
-                    f"layer {index} ({type(layer).__name__}) returned {type(out).__name__}; the layered protocol "
-                    "needs every layer to take and return ONE tensor"
-                )
-            x = out
-    return inputs
-
-
 def _signature(layer: nn.Module | Layer, sample: torch.Tensor, batch_dim: int) -> str:
     modules = layer.modules if isinstance(layer, Layer) else (layer,)
     parts = [layer_signature(module, sample, batch_dim) for module in modules]
@@ -148,86 +123,94 @@ def _rows(sample: Any, m: int, batch_dim: int) -> Any:
     return index_batch(sample, torch.arange(m) % rows)
 
 
+@dataclass(frozen=True)
+class ModelHooks:
+    """How the profiled model is driven beyond its layers' own calls (every hook is optional)."""
+
+    prepare: Callable[[Any], tuple[torch.Tensor, Any]] | None = None  # micro-batch -> (first input, side inputs)
+    loss: Callable[[torch.Tensor, Any, Any], torch.Tensor] | None = None  # loss(last output, micro_batch, side)
+    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None  # loss_fn(last output): the loss behind the last layer
+    unit_context: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None  # gathers layer i's unit
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """How this rank's measurement is paced among the ranks, and reported."""
+
+    run_step: RunStep | None = None  # runs each piece of measurement (a TurnTaker takes turns)
+    layer_turns: Callable[[], contextlib.AbstractContextManager[RunStep]] | None = None  # a fresh turn-taker per layer
+    on_progress: Callable[[int, int], None] | None = None  # (done, total) after every measurement round
+    measure: bool = True  # False: only follow the unit gathers (a rank another one measures for)
+
+
 def profile_model(
     layers: Sequence[nn.Module | Layer],
     sample_input: Any,
+    options: ProfileOptions | None = None,
     *,
-    max_micro_batch: int = 4,
     device: torch.device | str = "cpu",
     emulator: DeviceEmulator | None = None,
-    compute_dtype: torch.dtype | None = None,
-    warmup: int = 1,
-    repeats: int = 5,
-    min_region_ms: float = 5.0,
-    prefetch: bool = True,
-    resident_bytes: int = 0,
-    measure_memory: bool = True,
-    batch_dim: int = 0,
-    on_progress: Callable[[int, int], None] | None = None,
-    run_step: RunStep | None = None,
-    statistic: str | None = None,
-    loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    prepare: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
-    loss: Callable[[torch.Tensor, Any, Any], torch.Tensor] | None = None,
-    unit_context: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
-    layer_turns: Callable[[], contextlib.AbstractContextManager[RunStep]] | None = None,
-    measure: bool = True,
+    hooks: ModelHooks = ModelHooks(),
+    pacing: Pacing = Pacing(),
 ) -> ModelProfile | None:
-    """Profile ``layers`` (the model in execution order) at micro-batch sizes ``1..max_micro_batch``.
+    """Profile ``layers`` (the model in execution order) at micro-batch sizes ``1..options.max_micro_batch``.
 
     ``sample_input``: the first layer's input for a sample batch (any number of rows >= 1); or,
-    with ``prepare(micro_batch) -> (first input, side inputs)``, a sample *batch* (a layered
-    model's, :class:`~cephalo_lightning.models.protocol.LayeredModel`) and ``loss(output,
-    micro_batch, side)`` for the last layer. ``prefetch``: the runtime gathers the next layer while
-    one computes (its default), so a neighbour's gathered parameters count in each layer's compute
-    memory. ``resident_bytes``: memory held for the whole step on top (e.g. the gathered root
-    unit). ``on_progress(done, total)`` is called after every measurement round. ``run_step`` runs
-    each piece of measurement and ``statistic`` reduces the repeats (:func:`~.layer.profile_layer`).
-    ``loss_fn(last_output) -> loss``: measure the last layer with the loss behind it (its time and,
-    above all, its memory: a softmax over a vocabulary).
+    with ``hooks.prepare(micro_batch) -> (first input, side inputs)``, a sample *batch* (a layered
+    model's, :class:`~cephalo_lightning.models.protocol.LayeredModel`) and ``hooks.loss(output,
+    micro_batch, side)`` for the last layer. ``options.prefetch``: the runtime gathers the next
+    layer while one computes (its default), so a neighbour's gathered parameters count in each
+    layer's compute memory. ``options.resident_bytes``: memory held for the whole step on top (e.g.
+    the gathered root unit). ``hooks.loss_fn(last_output) -> loss``: measure the last layer with the
+    loss behind it (its time and, above all, its memory: a softmax over a vocabulary).
 
-    A sharded model: ``unit_context(i)`` gathers layer i's unit around everything done with it
-    (every rank enters it, in order, measuring or not), the layers are measured in place, and
-    ``layer_turns()`` hands out a fresh turn-taker per layer (measuring ranks take turns; the
-    others only follow the gathers, with ``measure=False``, and get ``None`` back).
+    A sharded model: ``hooks.unit_context(i)`` gathers layer i's unit around everything done with
+    it (every rank enters it, in order, measuring or not), the layers are measured in place, and
+    ``pacing.layer_turns()`` hands out a fresh turn-taker per layer (measuring ranks take turns;
+    the others only follow the gathers, with ``pacing.measure=False``, and get ``None`` back).
     """
+    options = options or ProfileOptions()
+    batch_dim, measure = options.batch_dim, pacing.measure
     if not layers:
-        raise ValueError("profile_model needs at least one layer")
-    if isinstance(max_micro_batch, bool) or not isinstance(max_micro_batch, int) or max_micro_batch < 1:
-        raise ValueError(f"max_micro_batch must be an integer >= 1, got {max_micro_batch!r}")
-    if prepare is None and (not isinstance(sample_input, torch.Tensor) or sample_input.dim() <= batch_dim
-                            or sample_input.shape[batch_dim] < 1):
+        raise ConfigurationError("profile_model needs at least one layer")
+    if hooks.prepare is None and (not isinstance(sample_input, torch.Tensor) or sample_input.dim() <= batch_dim
+                                  or sample_input.shape[batch_dim] < 1):
         shape = tuple(sample_input.shape) if isinstance(sample_input, torch.Tensor) else type(sample_input).__name__
-        raise ValueError(f"sample_input of shape {shape} needs at least one sample along dimension {batch_dim}")
+        raise ConfigurationError(f"sample_input of shape {shape} needs at least one sample along dimension {batch_dim}")
     started = time.perf_counter()
     device = torch.device(device)
-    sizes = tuple(range(1, max_micro_batch + 1))
-    in_place = unit_context is not None
-    unit_context = unit_context or (lambda index: contextlib.nullcontext())
-    layer_turns = layer_turns or (lambda: contextlib.nullcontext(run_step or run_now))
+    sizes = tuple(range(1, options.max_micro_batch + 1))
+    in_place = hooks.unit_context is not None
+    unit_context = hooks.unit_context or (lambda index: contextlib.nullcontext())
+    layer_turns = pacing.layer_turns or (lambda: contextlib.nullcontext(pacing.run_step or run_now))
     batches = {m: _rows(sample_input, m, batch_dim) for m in sizes}
-    if loss is not None and loss_fn is None:
-        loss_fn = lambda out: loss(out, batches[out.shape[batch_dim]], sides[out.shape[batch_dim]])  # noqa: E731
-    total = len(layers) * (warmup + repeats)  # at most: identical layers are measured once
+    sides: dict[int, Any] = {m: None for m in sizes}  # each size's side inputs, from hooks.prepare (first layer)
+    loss_fn = hooks.loss_fn
+    if hooks.loss is not None and loss_fn is None:
+        model_loss = hooks.loss
+
+        def loss_fn(out: torch.Tensor) -> torch.Tensor:  # the micro-batch and side inputs of the output's size
+            m = out.shape[batch_dim]
+            return model_loss(out, batches[m], sides[m])
+    total = len(layers) * (options.warmup + options.repeats)  # at most: identical layers are measured once
     done = 0
 
     def tick() -> None:
         nonlocal done
         done += 1
-        if on_progress is not None:
-            on_progress(done, total)
+        if pacing.on_progress is not None:
+            pacing.on_progress(done, total)
 
-    if on_progress is not None and measure:
-        on_progress(0, total)
+    if pacing.on_progress is not None and measure:
+        pacing.on_progress(0, total)
     xs: dict[int, torch.Tensor] = {}
-    sides: dict[int, Any] = {m: None for m in sizes}
     kinds: dict[str, LayerKind] = {}
     of_layer: dict[int, LayerProfile] = {}
     gathered: list[int] = []
     cuda_devices = [device.index or 0] if device.type == "cuda" else []
     for index, layer in enumerate(layers):
         with unit_context(index), layer_turns() as step:
-            gathered.append(sum(gathered_bytes(module, compute_dtype) for module in _modules(layer)))
+            gathered.append(sum(gathered_bytes(module, options.compute_dtype) for module in _modules(layer)))
             if not measure:
                 continue
             if index == 0:
@@ -235,20 +218,19 @@ def profile_model(
                     with torch.no_grad(), torch.random.fork_rng(cuda_devices):
                         out = {}
                         for m in sizes:
-                            out[m], sides[m] = prepare(batches[m]) if prepare is not None else (batches[m], None)
+                            out[m], sides[m] = hooks.prepare(batches[m]) if hooks.prepare is not None else (batches[m], None)
                         return {m: x.to(device) for m, x in out.items()}
                 xs = step(first)
-            signature = _signature(layer, xs[1], batch_dim) + ("+loss" if index == len(layers) - 1 and loss_fn else "")
+            last = index == len(layers) - 1
+            signature = _signature(layer, xs[1], batch_dim) + ("+loss" if last and loss_fn else "")
             if signature in kinds:
                 kinds[signature] = replace(kinds[signature], indices=kinds[signature].indices + (index,))
             else:
                 runnable = layer if isinstance(layer, Layer) else (Layer((layer,)) if in_place else layer)
-                profile = profile_layer(
-                    runnable, lambda m: (xs[m], sides[m]), sizes, device=device, emulator=emulator,
-                    compute_dtype=compute_dtype, warmup=warmup, repeats=repeats, min_region_ms=min_region_ms,
-                    input_requires_grad=index > 0, measure_memory=measure_memory,
-                    loss_fn=loss_fn if index == len(layers) - 1 else None, batch_dim=batch_dim, on_round=tick,
-                    run_step=step, statistic=statistic, in_place=in_place,
+                profile = measure_layer(
+                    runnable, lambda m: (xs[m], sides[m]), sizes, options, device=device, emulator=emulator,
+                    input_requires_grad=index > 0, loss_fn=loss_fn if last else None, in_place=in_place,
+                    on_round=tick, run_step=step,
                 )
                 name = type(_modules(layer)[0]).__name__
                 kinds[signature] = LayerKind(signature, name, (index,), profile)
@@ -264,6 +246,14 @@ def profile_model(
                 xs = step(advance)
     if not measure:
         return None
+    return _per_average_layer(layers, sizes, of_layer, gathered, tuple(kinds.values()), options,
+                              time.perf_counter() - started)
+
+
+def _per_average_layer(layers: Sequence[nn.Module | Layer], sizes: tuple[int, ...], of_layer: dict[int, LayerProfile],
+                       gathered: Sequence[int], kinds: tuple[LayerKind, ...], options: ProfileOptions,
+                       seconds: float) -> ModelProfile:
+    """Every layer's measurement as the planner's per-layer figures (see the module docstring)."""
     num_layers = len(layers)
     fwd = tuple(sum(of_layer[i].fwd_ms[j] for i in range(num_layers)) / num_layers for j in range(len(sizes)))
     bwd = tuple(sum(of_layer[i].bwd_ms[j] for i in range(num_layers)) / num_layers for j in range(len(sizes)))
@@ -272,8 +262,8 @@ def profile_model(
         worst = 0
         for i in range(num_layers):
             neighbour = max(gathered[i - 1] if i > 0 else 0, gathered[i + 1] if i + 1 < num_layers else 0)
-            worst = max(worst, of_layer[i].compute_bytes[j] + (neighbour if prefetch else 0))
-        memory.append(worst + int(resident_bytes))
+            worst = max(worst, of_layer[i].compute_bytes[j] + (neighbour if options.prefetch else 0))
+        memory.append(worst + int(options.resident_bytes))
     return ModelProfile(
         sizes=sizes,
         num_layers=num_layers,
@@ -285,8 +275,8 @@ def profile_model(
         parameters=sum(p.numel() for layer in layers for module in _modules(layer) for p in module.parameters()
                        if p.requires_grad),
         layer_numels=tuple(sum(p.numel() for module in _modules(layer) for p in module.parameters()) for layer in layers),
-        kinds=tuple(kinds.values()),
-        seconds=time.perf_counter() - started,
+        kinds=kinds,
+        seconds=seconds,
     )
 
 

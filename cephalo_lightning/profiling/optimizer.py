@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 
@@ -47,7 +48,7 @@ def time_optimizer_step(
 ) -> OptimizerProfile:
     """One optimizer step's time over ``numel`` parameters of ``dtype``, per parameter (see module)."""
     if numel < 1 or repeats < 1 or warmup < 0:
-        raise ValueError(f"need numel >= 1, repeats >= 1 and warmup >= 0, got {numel}, {repeats}, {warmup}")
+        raise ConfigurationError(f"need numel >= 1, repeats >= 1 and warmup >= 0, got {numel}, {repeats}, {warmup}")
     device = torch.device(device)
     param = nn.Parameter(torch.zeros(numel, dtype=dtype, device=device))
     param.grad = torch.full_like(param, 1e-3)

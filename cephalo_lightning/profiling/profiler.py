@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cephalo_lightning._common.errors import CephaloError
+from cephalo_lightning._common.errors import CephaloError, ConfigurationError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.planner.cluster import (
     Cluster,
@@ -56,12 +56,11 @@ from cephalo_lightning.profiling.collectives import (
     time_overlap,
     uneven_slope,
 )
-from cephalo_lightning.profiling.model import ModelProfile, profile_model
+from cephalo_lightning.profiling.model import ModelHooks, ModelProfile, Pacing, profile_model
 from cephalo_lightning.profiling.optimizer import time_optimizer_step
+from cephalo_lightning.profiling.options import ProfileOptions
 from cephalo_lightning.profiling.progress import ProfileProgress
-from cephalo_lightning.profiling.timing import STATISTICS
 from cephalo_lightning.profiling.turns import TurnTaker
-from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES
 from cephalo_lightning.runtime.distributed import broadcast_object, gather_objects, rank_and_size
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, EmulationSpec, parse_emulation_specs
 from cephalo_lightning.runtime.layered import Layer
@@ -91,40 +90,6 @@ def affine_fit(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, ...
 
 class ProfilingError(CephaloError, RuntimeError):
     """Profiling failed on some rank; raised on every rank, naming the one that failed."""
-
-
-@dataclass(frozen=True)
-class ProfileOptions:
-    """How to profile. The defaults take seconds for the demo GPT on CPU."""
-
-    max_micro_batch: int = 4  # profile micro-batch sizes 1..k; the planner extrapolates linearly beyond
-    warmup: int = 1
-    repeats: int = 5
-    min_region_ms: float = 5.0  # short calls are repeated back to back in one timed region
-    compute_dtype: torch.dtype | None = None  # the runtime's compute dtype (None: the parameters' own)
-    prefetch: bool = True  # the runtime gathers the next layer while one computes
-    resident_bytes: int = 0  # held for the whole step besides one layer (e.g. the gathered root unit)
-    measure_memory: bool = True
-    batch_dim: int = 0
-    collectives: bool = True  # time the all-gather / reduce-scatter (else keep the settings' values)
-    collective_modes: tuple[str, ...] = ("padded",)  # the first is the runtime's mode
-    collective_repeats: int = 5
-    share_measurements: bool = True  # identical devices (same name and emulation) measure once
-    serialize: bool | None = None  # measuring ranks take turns (default: on CPU, where they share cores)
-    statistic: str | None = None  # how repeats are reduced: "min" | "median" (default: min on CPU, median on CUDA)
-    smooth: bool | None = None  # report the least-squares line a + b*m through the times (default: on CPU)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_micro_batch, bool) or not isinstance(self.max_micro_batch, int) or self.max_micro_batch < 1:
-            raise ValueError(f"max_micro_batch must be an integer >= 1, got {self.max_micro_batch!r}")
-        if self.warmup < 0 or self.repeats < 1 or self.collective_repeats < 1:
-            raise ValueError("need warmup >= 0, repeats >= 1 and collective_repeats >= 1")
-        if self.statistic is not None and self.statistic not in STATISTICS:
-            raise ValueError(f"statistic must be one of {STATISTICS} or None, got {self.statistic!r}")
-        if not self.collective_modes or any(m not in COLLECTIVE_MODES for m in self.collective_modes):
-            raise ValueError(
-                f"collective_modes must be a non-empty subset of {COLLECTIVE_MODES}, got {self.collective_modes}"
-            )
 
 
 @dataclass
@@ -174,17 +139,13 @@ def _cuda_total_gb(device: torch.device) -> float | None:
 def default_settings(device: torch.device) -> Settings:
     """The cost model's settings for this kind of device.
 
-    The reference's 2 GB reserve (CUDA context, allocator slack) and 10 ms per extra micro-batch
-    (kernel launches) are GPU figures; a CPU process has neither, and its per-call overheads are
+    :class:`Settings`' default 2 GB reserve (CUDA context, allocator slack) and 10 ms per extra
+    micro-batch (kernel launches) are GPU figures; a CPU process has neither, and its per-call overheads are
     already inside the measured layer times.
     """
     if device.type == "cuda":  # pragma: no cover - CUDA only
         return Settings()
     return Settings(reserved_memory_gb=0.0, micro_batch_overhead_ms=0.0)
-
-
-# --------------------------------------------------------------------------------------------
-# collectives of python objects (single process: identity)
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,10 +236,9 @@ class ClusterProfiler:
         unit_context: Callable[[int], Any] | None = None,
     ) -> None:
         self.layers = list(layers)
-        self.loss_fn = loss_fn
-        self.prepare, self.loss, self.unit_context = prepare, loss, unit_context
+        self.hooks = ModelHooks(prepare=prepare, loss=loss, loss_fn=loss_fn, unit_context=unit_context)
         if not self.layers:
-            raise ValueError("ClusterProfiler needs the model's layers (e.g. cephalo_layers()); got none")
+            raise ConfigurationError("ClusterProfiler needs the model's layers (e.g. cephalo_layers()); got none")
         if prepare is None and not isinstance(sample_input, torch.Tensor):
             raise TypeError(f"sample_input must be a tensor (the first layer's input), got {type(sample_input).__name__}")
         self.sample_input = sample_input
@@ -289,7 +249,7 @@ class ClusterProfiler:
             if emulator is None:
                 emulator = DeviceEmulator.from_spec(specs[self.rank], label=f"rank {self.rank}")
             elif emulator.spec != specs[self.rank]:
-                raise ValueError(
+                raise ConfigurationError(
                     f"rank {self.rank}: the emulator given ({emulator.describe()}) does not match "
                     f"emulate[{self.rank}] = {specs[self.rank]}; pass one of them, or the same spec"
                 )
@@ -337,7 +297,7 @@ class ClusterProfiler:
                 "compute_dtype": str(self._compute_dtype()), "prefetch": opts.prefetch,
                 "resident_bytes": opts.resident_bytes, "measure_memory": opts.measure_memory,
                 "batch_dim": opts.batch_dim, "collectives": opts.collectives, "modes": list(opts.collective_modes),
-                "with_loss": self.loss_fn is not None,
+                "with_loss": self.hooks.loss_fn is not None,
             },
             "spec": [self.model_name, self.parameters, self.state_bytes_per_param, self.hidden_size, self.seq_len],
             "settings": asdict(self.settings),
@@ -356,15 +316,9 @@ class ClusterProfiler:
 
     def _measure(self, progress: ProfileProgress, turns: TurnTaker | None, layer_turns: _LayerTurns | None = None,
                  measure: bool = True) -> ModelProfile | None:
-        opts = self.options
-        return profile_model(
-            self.layers, self.sample_input, max_micro_batch=opts.max_micro_batch, device=self.device,
-            emulator=self.emulator, compute_dtype=opts.compute_dtype, warmup=opts.warmup, repeats=opts.repeats,
-            min_region_ms=opts.min_region_ms, prefetch=opts.prefetch, resident_bytes=opts.resident_bytes,
-            measure_memory=opts.measure_memory, batch_dim=opts.batch_dim, on_progress=progress.rounds,
-            run_step=turns, statistic=opts.statistic, loss_fn=self.loss_fn, prepare=self.prepare, loss=self.loss,
-            unit_context=self.unit_context, layer_turns=layer_turns, measure=measure,
-        )
+        pacing = Pacing(run_step=turns, layer_turns=layer_turns, on_progress=progress.rounds, measure=measure)
+        return profile_model(self.layers, self.sample_input, self.options, device=self.device, emulator=self.emulator,
+                             hooks=self.hooks, pacing=pacing)
 
     def _capacity_gb(self, ident: _Identity, ids: Sequence[_Identity]) -> float:
         if ident.emulate is not None and ident.emulate.memory_gb is not None:
@@ -411,7 +365,7 @@ class ClusterProfiler:
                 f"profiling {len(measuring)} device(s) in turn" if serialize
                 else f"profiling {len(measuring)} device(s)"
             )
-            sharded = self.unit_context is not None
+            sharded = self.hooks.unit_context is not None
             # a sharded model: every rank follows the unit gathers; measuring ranks take turns per layer
             layer_turns = _LayerTurns(self.rank, measuring, self.group) if serialize and sharded else None
             turns = TurnTaker(self.rank, measuring, self.group) if serialize and not sharded else None

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import torch
 
+from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.timing import ContentionClock
 
@@ -39,7 +40,7 @@ def summarize(values: Sequence[float], statistic: str) -> float:
         return float(min(values))
     if statistic == "median":
         return median(values)
-    raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+    raise ConfigurationError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
 
 
 def default_statistic(device: torch.device) -> str:

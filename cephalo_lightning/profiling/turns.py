@@ -21,6 +21,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from cephalo_lightning._common.errors import ConfigurationError
+
 T = TypeVar("T")
 
 
@@ -29,7 +31,7 @@ class TurnTaker:
 
     def __init__(self, rank: int, order: Sequence[int], group: dist.ProcessGroup | None = None) -> None:
         if len(set(order)) != len(order) or not order:
-            raise ValueError(f"order must list distinct ranks, got {list(order)}")
+            raise ConfigurationError(f"order must list distinct ranks, got {list(order)}")
         self.rank = rank
         self.order = list(order)
         self.group = group

@@ -1,5 +1,5 @@
-"""What Cephalo tells the loggers and the log: the plan, the run's configuration, per-rank
-predicted vs measured, checkpoints as W&B artifacts, the summary.
+"""What Cephalo tells Lightning's loggers (W&B, CSV, TensorBoard) and the log: the plan, the run's
+configuration, per-rank predicted vs measured, checkpoints as W&B artifacts, the summary.
 
 Every logger gets scalars and the run's configuration as hyperparameters (``hparams.yaml`` for
 CSV / TensorBoard). A ``WandbLogger`` (offline works, no account needed) also gets the plan and
@@ -170,14 +170,16 @@ def _class_path(obj: Any) -> str:
     return _plain(type(obj))
 
 
-def init_arguments(obj: Any, skip: Sequence[str] = ()) -> dict[str, Any]:
-    """The object's ``__init__`` arguments as it holds them (same-named attributes), plus its class."""
+def init_arguments(obj: Any, skip: Sequence[str] = (), held_by: Any = None) -> dict[str, Any]:
+    """The object's ``__init__`` arguments as it holds them (same-named attributes of ``held_by``,
+    default the object itself), plus its class."""
+    holder = obj if held_by is None else held_by
     out: dict[str, Any] = {"class_path": _class_path(obj)}
     for name, parameter in inspect.signature(type(obj).__init__).parameters.items():
         if name == "self" or name in skip or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
-        if hasattr(obj, name):
-            out[name] = _plain(getattr(obj, name))
+        if hasattr(holder, name):
+            out[name] = _plain(getattr(holder, name))
     return out
 
 
@@ -218,7 +220,7 @@ def run_config(trainer: pl.Trainer, plan: Plan, cluster: Cluster | None = None, 
         "plan": plan_config(plan),
     }
     if callback is not None:
-        config["callback"] = init_arguments(callback)
+        config["callback"] = init_arguments(callback, held_by=getattr(callback, "config", None))  # a CallbackConfig
     if cluster is not None:
         config["cluster"] = cluster_config(cluster)
     config["emulated"] = bool(plan.emulated or getattr(strategy, "emulate", None)
