@@ -180,7 +180,7 @@ class CephaloCallback(Callback):
                           force: bool) -> tuple[Cluster, Plan]:
         """Collective: profile every rank on the sharded model, one unit at a time, and plan."""
         sample, global_batch = self._sample(trainer, strategy)
-        run = strategy.run
+        run = strategy.fit_runtime
         assert run is not None, "CephaloCallback profiles after the strategy has sharded the model"
         layered = run.layered_model
         sharded = run.sharded
@@ -218,7 +218,7 @@ class CephaloCallback(Callback):
             from cephalo_lightning.planner import save_cluster
 
             save_cluster(cluster, self.cluster_file)
-        mode = self.mode or run.mode
+        mode = self.mode or run.schedule
         # every rank must shard by the same plan: rank 0's, in case float noise ever made two differ
         plan = strategy.broadcast(make_plan(cluster, global_batch, mode=mode) if trainer.is_global_zero else None)
         return cluster, plan
@@ -229,14 +229,14 @@ class CephaloCallback(Callback):
         self._throughput = Throughput(window_size=max(self.watch_every_n_steps, 5), world_size=1)
         self._t0 = time.perf_counter()
         strategy = self._strategy(trainer)
-        if self.watch_every_n_steps and strategy.run is not None:  # the watch measures compute, emulated waits included
+        if self.watch_every_n_steps and strategy.fit_runtime is not None:  # the watch measures compute, emulated waits included
             self._busy = BusyTime(cuda=strategy.root_device.type == "cuda")
-            strategy.run.sharded.observers.attach(self._busy, outermost=True)
+            strategy.fit_runtime.sharded.observers.attach(self._busy, outermost=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self._strategy(trainer)
-        if self._busy is not None and strategy.run is not None:
-            strategy.run.sharded.observers.detach(self._busy)
+        if self._busy is not None and strategy.fit_runtime is not None:
+            strategy.fit_runtime.sharded.observers.detach(self._busy)
         self._summarize(trainer, strategy)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
