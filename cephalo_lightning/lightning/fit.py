@@ -31,7 +31,6 @@ from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.emulation.memory import SampledTracking
 from cephalo_lightning.runtime.layered import LayeredSchedule
 from cephalo_lightning.runtime.liveness import Heartbeat, looks_like_lost_peer
-from cephalo_lightning.runtime.plan_state import PlanState
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel, UnitMaterializer
 from cephalo_lightning.runtime.sharding.weights import open_weights
 
@@ -75,10 +74,6 @@ class FitRuntime:
     def plan(self) -> Plan:
         """The plan the model is sharded under now."""
         return self.switches.plan
-
-    @property
-    def plan_state(self) -> PlanState:
-        return self.switches.plan_state
 
     def describe(self) -> str:
         what = self.layered_model.name if self.layered_model is not None else type(self.module).__name__

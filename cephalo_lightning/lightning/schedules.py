@@ -11,15 +11,10 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from cephalo_lightning._common.errors import CephaloError
-from cephalo_lightning.lightning.config import Schedule
+from cephalo_lightning.lightning.config import Schedule, UnsupportedError
 from cephalo_lightning.models import SUPPORTED, Resolution, hf
 from cephalo_lightning.models.protocol import LossWeighting
 from cephalo_lightning.planner import Plan, PlanningError
-
-
-class ScheduleError(CephaloError, TypeError):
-    """The model (or its manual optimization) cannot run under the requested schedule."""
 
 
 def decide_schedule(requested: str, resolution: Resolution, module: pl.LightningModule) -> Schedule:
@@ -28,7 +23,7 @@ def decide_schedule(requested: str, resolution: Resolution, module: pl.Lightning
     manual = not module.automatic_optimization
     if requested == "layered" and (not layered_ok or manual):
         why = "manual optimization runs your training_step itself" if manual else resolution.reason
-        raise ScheduleError(
+        raise UnsupportedError(
             f"mode='layered' is not possible: {why}. Supported: {'; '.join(SUPPORTED)}. Or use mode='uniform'")
     schedule = requested if requested != "auto" else ("layered" if layered_ok and not manual else "uniform")
     if requested == "auto" and schedule == "uniform":

@@ -24,6 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -41,15 +42,15 @@ from cephalo_lightning.lightning.config import (
     Mode,
     StateDictType,
     StrategyConfig,
+    UnsupportedError,
 )
 from cephalo_lightning.lightning.fit import FailureReport, FitRuntime
 from cephalo_lightning.lightning.precision import sharded_precision
-from cephalo_lightning.lightning.process_group import ProcessGroupStrategy
 from cephalo_lightning.lightning.schedules import decide_schedule
+from cephalo_lightning.lightning.sharded_strategy import ShardedStrategy
 from cephalo_lightning.lightning.steps import TrainingStep
 from cephalo_lightning.models import resolve
 from cephalo_lightning.planner import Cluster, Plan
-from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.collectives import resolve_mode
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, emulator_for_rank
 from cephalo_lightning.runtime.sampler import evaluation_loader, planned_loader, shuffles
@@ -57,7 +58,7 @@ from cephalo_lightning.runtime.sampler import evaluation_loader, planned_loader,
 log = logging.getLogger(__name__)
 
 
-class CephaloStrategy(ProcessGroupStrategy):
+class CephaloStrategy(ShardedStrategy):
     """Heterogeneous-cluster training: per-rank batches, micro-batches and state shares.
 
     ``plan`` (a :class:`~cephalo_lightning.planner.Plan` or a JSON path), or ``cluster`` to plan from
@@ -107,21 +108,6 @@ class CephaloStrategy(ProcessGroupStrategy):
 
     @property
     @override
-    def is_distributed(self) -> bool:
-        return True  # else Lightning would not sync self.log(sync_dist=True)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # shard by this run's plan, then load any layout
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # loaded with the model, by logical tensor
-
-    @property
-    @override
     def precision_plugin(self) -> Precision:
         return self._precision_plugin if self._precision_plugin is not None else Precision()
 
@@ -143,10 +129,6 @@ class CephaloStrategy(ProcessGroupStrategy):
             return tensor  # values logged per micro-batch are combined (weighted, global) by the steps
         return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
-    @override
-    def model_to_device(self) -> None:
-        pass  # sharding places every piece on the device
-
     @contextlib.contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -156,18 +138,6 @@ class CephaloStrategy(ProcessGroupStrategy):
             yield
         finally:
             self._sync = True
-
-    @contextlib.contextmanager
-    @override
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        with (torch.device("meta") if empty_init else contextlib.nullcontext()), self.precision_plugin.tensor_init_context():
-            yield  # on meta, materialised one unit at a time when the model is sharded
-
-    @contextlib.contextmanager
-    @override
-    def model_sharded_context(self) -> Generator[None, None, None]:
-        with torch.device("meta"):  # configure_model() builds on meta; setup() materialises per unit
-            yield
 
     # --------------------------------------------------------------------------- setup and plans
 
@@ -237,7 +207,7 @@ class CephaloStrategy(ProcessGroupStrategy):
             return evaluation_loader(dataloader, self.world_size)
         plan_resolution.check_loader_batch(dataloader.batch_size, self.fit_runtime.plan, self.config.global_batch_size)
         seed = self.config.seed if self.config.seed is not None else int(self.broadcast(torch.initial_seed() % 2**31))
-        self._loader = planned_loader(dataloader, self.fit_runtime.plan_state, self.global_rank,
+        self._loader = planned_loader(dataloader, self.fit_runtime.switches.plan_state, self.global_rank,
                                       shuffle=shuffles(dataloader), seed=seed)
         return self._loader
 
@@ -286,7 +256,7 @@ class CephaloStrategy(ProcessGroupStrategy):
         with self.fit_runtime.step_scope(step):
             result = closure()
             if self._scaler is None and self.fit_runtime.guard.should_skip(step):  # a scaler skips inf steps itself
-                getattr(optimizer, "_optimizer", optimizer).zero_grad(set_to_none=True)
+                (optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer).zero_grad(set_to_none=True)
                 return result
             with self.fit_runtime.sharded.observers.compute("optimizer_step"):
                 return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
@@ -313,17 +283,9 @@ class CephaloStrategy(ProcessGroupStrategy):
     # --------------------------------------------------------------------------- checkpoints
 
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the tensors are written by save_checkpoint, each rank its own pieces
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return {}
-
-    @override
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
-            raise TypeError("CephaloStrategy.save_checkpoint(storage_options=...) is not supported")
+            raise UnsupportedError("CephaloStrategy.save_checkpoint(storage_options=...) is not supported")
         path = self.fit_runtime.checkpoints.save(Path(self.broadcast(str(filepath))), checkpoint_dict, self.optimizers)
         if self._failures is not None:
             self._failures.last_checkpoint = path
@@ -333,19 +295,6 @@ class CephaloStrategy(ProcessGroupStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         return self.fit_runtime.checkpoints.load(Path(self.broadcast(str(checkpoint_path))), self.optimizers, weights_only)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint, where the layout is known
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass
-
-    @override
-    def remove_checkpoint(self, filepath: str | Path) -> None:
-        if self.is_global_zero:
-            checkpoint.remove(filepath)
 
     # --------------------------------------------------------------------------- failures and teardown
 
