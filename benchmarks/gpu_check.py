@@ -170,7 +170,7 @@ def check_layered_fit(sizes: Sizes) -> tuple[Row, dict[str, Any] | None]:
     strategy = CephaloStrategy(plan=plan, offload=True, emulate=cap, check_devices=False)
     precision = "bf16-mixed" if device.type == "cuda" else "32-true"
     result = _fit(sizes, strategy, _module(sizes), precision)
-    run = result["trainer"].strategy.run
+    run = result["trainer"].strategy.fit_runtime
     streams = run.sharded.comm.streams is not None
     note = (f"4 micro-batches, stash offloaded (pinned host, copy stream: {'yes' if streams else 'no'}), "
             f"emulated cap {sizes.memory_cap_gb:g} GiB" if device.type == "cuda" else "CPU dry run: no cap, no streams")

@@ -54,7 +54,7 @@ def _nan(rank: int, world: int):
         trainer = fit(NaNOnPoison(), PLAN, world, 3, poisoned_data())
     skipped = [str(w.message) for w in caught if "non-finite" in str(w.message)]
     out = {"params": trainer.strategy.sharded.full_state_dict(), "warnings": skipped,
-           "skipped": trainer.strategy.run.guard.skipped}
+           "skipped": trainer.strategy.fit_runtime.guard.skipped}
     all_bad = TensorDataset(torch.full((48, 5), 16), torch.zeros(48, 5, dtype=torch.long))
     try:
         fit(NaNOnPoison(), PLAN, world, 20, all_bad, max_nonfinite_skips=3)

@@ -57,7 +57,7 @@ def _fit(family: str, plan: Plan, world: int, optimizer: str, precision: str) ->
         use_distributed_sampler=False,  # keep the DataLoader's order (Lightning shuffles training data otherwise)
     )
     trainer.fit(LibraryLM(family, optimizer), loader(data, GLOBAL))
-    assert trainer.strategy.run.mode == "layered"
+    assert trainer.strategy.fit_runtime.schedule == "layered"
     return _pieces(trainer.strategy)
 
 

@@ -12,7 +12,6 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,9 +19,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.lightning._private import training_dataloader
-from cephalo_lightning.planner import Cluster, Plan, PlanningError, load_cluster
+from cephalo_lightning.lightning.config import Schedule, StrategyConfig
+from cephalo_lightning.planner import Cluster, Plan, PlanningError
 from cephalo_lightning.planner import plan as make_plan
 from cephalo_lightning.runtime.distributed import gather_objects, is_distributed
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
@@ -61,19 +62,9 @@ def global_batch(configured: int | None, trainer: Any, world_size: int) -> int:
         return world_size  # evaluation only: its batches are Lightning's even shards anyway
     batch = getattr(training_dataloader(trainer), "batch_size", None)
     if batch is None:
-        raise ValueError("set batch_size on the training DataLoader (the global batch) or CephaloStrategy(global_batch_size=B)")
+        raise ConfigurationError(
+            "set batch_size on the training DataLoader (the global batch) or CephaloStrategy(global_batch_size=B)")
     return batch
-
-
-def given(plan: Plan | str | Path | None, cluster: Cluster | str | Path | None,
-          global_batch_size: int | None) -> tuple[Plan | None, Cluster | None]:
-    """The strategy's ``plan`` and ``cluster`` arguments, loaded, and checked against each other."""
-    if cluster is not None and (plan is not None or global_batch_size is None):
-        raise ValueError("CephaloStrategy(cluster=...) plans at setup: give global_batch_size=B and no plan=")
-    plan = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
-    if plan is not None and global_batch_size not in (None, plan.global_batch_size):
-        raise ValueError(f"global_batch_size={global_batch_size} but the plan is for {plan.global_batch_size}: drop one")
-    return plan, load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
 
 
 def emulation_specs(configured: Sequence[Any] | None, cluster: Cluster | None) -> list[Any] | None:
@@ -94,16 +85,20 @@ def check_loader_batch(batch_size: int | None, plan: Plan, configured: int | Non
             f"{batch_size}")
 
 
-def resolve(plan: Plan | None, cluster: Cluster | None, global_batch_size: Callable[[], int], mode: str,
-            world_size: int, identities: Callable[[], list[DeviceIdentity]], provisional: bool,
-            check: bool) -> Plan:
+def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: Schedule, config: StrategyConfig,
+            trainer: Any, world_size: int, identities: Callable[[], list[DeviceIdentity]],
+            provisional: bool) -> Plan:
     """The plan to shard by at setup: the given one, one made from ``cluster``, or an even one
     (``provisional``: state shares by memory until the callback's plan arrives). A given plan is
-    checked against the world size and, ``check``, the ranks' devices."""
+    checked against the world size and, ``config.check_devices``, the ranks' devices. The global
+    batch (:func:`global_batch`) and the ranks' identities (a collective) are asked for only if needed."""
+    def batch() -> int:
+        return global_batch(config.global_batch_size, trainer, world_size)
+
     if plan is None and cluster is not None:
-        plan = make_plan(cluster, global_batch_size(), mode="uniform" if mode == "uniform" else "layered")
+        plan = make_plan(cluster, batch(), mode="uniform" if schedule == "uniform" else "layered")
     if plan is None:
-        plan = Plan.even(world_size, global_batch_size(), mode=mode)
+        plan = Plan.even(world_size, batch(), mode=schedule)
         if provisional:
             return memory_proportional(plan, identities())
         rank_zero_info("Cephalo: no plan or profile given; using an even split (equal batches and shares). "
@@ -114,7 +109,7 @@ def resolve(plan: Plan | None, cluster: Cluster | None, global_batch_size: Calla
             f"the plan is for {plan.world_size} ranks but the job has {world_size}: re-plan for {world_size} ranks "
             f"(python -m cephalo_lightning plan ... ) or launch {plan.world_size} processes"
         )
-    if check:
+    if config.check_devices:
         check_devices(plan, identities())
     return plan
 

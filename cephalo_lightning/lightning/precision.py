@@ -10,19 +10,22 @@ from __future__ import annotations
 
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
+from typing_extensions import override
 
+from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.runtime.sharding.sharded_model import clip_grad_norm_
 
 
-class _ShardedClipping:
+class _ShardedClipping(Precision):
     """Mixin: gradient-norm clipping by the norm over every rank's shard of the optimizer's parameters.
 
     Lightning's hook (``clip_grad_by_norm``) gets the optimizer; its parameters are this rank's
     pieces, each element owned by one rank, so one all-reduce gives the global norm.
     """
 
+    @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        clip_grad_norm_(self.main_params(optimizer), float(clip_val))  # type: ignore[attr-defined]
+        clip_grad_norm_(self.main_params(optimizer), float(clip_val))
 
     # clipping by value is elementwise, so each rank clipping its own pieces is already exact
 
@@ -63,7 +66,7 @@ def sharded_precision(plugin: Precision) -> Precision:
         return CephaloHalfPrecision(plugin.precision)  # type: ignore[arg-type]
     if type(plugin) is MixedPrecision:
         return CephaloMixedPrecision(plugin.precision, plugin.device)
-    raise ValueError(
+    raise ConfigurationError(
         f"CephaloStrategy does not support the precision plugin {type(plugin).__name__} "
         f"(precision={getattr(plugin, 'precision', '?')!r}); use precision='32-true', '64-true', "
         "'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'"

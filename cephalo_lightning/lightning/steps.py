@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from cephalo_lightning._common.errors import CephaloError
+from cephalo_lightning._common.errors import CephaloError, ConfigurationError
 from cephalo_lightning.lightning._private import LoggedValue, captured_logs, logged_values, logging_as
 from cephalo_lightning.models.protocol import LayeredModel, LossWeighting, check_first_inputs
 from cephalo_lightning.planner import RankPlan
@@ -37,15 +37,31 @@ class NonFiniteLossError(CephaloError, RuntimeError):
     """Training stopped: too many consecutive steps had a non-finite loss or gradient."""
 
 
-@dataclass(frozen=True)
-class StepContext:
+@dataclass
+class TrainingStep:
+    """Everything one training step (one batch) needs, made where it starts and passed along.
+
+    The strategy makes it in ``training_step`` and hands it to the runner's ``forward`` and
+    ``backward``; the forward leaves in it what the backward needs (the micro-batches, their
+    weights, the losses and logged values so far). Nothing of a step outlives it in a runner.
+    """
+
     rank_plan: RankPlan
     global_batch: int
     accumulate: int  # Trainer(accumulate_grad_batches=...)
     sync: bool  # reduce gradients at the end of this batch (False while Lightning accumulates)
     loss_scale: float | torch.Tensor = 1.0  # a gradient scaler's scale (16-mixed), kept on the device
-    step: int = 0
-    batch_idx: int = 0
+    args: tuple = ()  # training_step's arguments after the batch (batch_idx, ...)
+    micro_batches: list[Any] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)  # each micro-batch's share of the global mean loss
+    losses: list[torch.Tensor] = field(default_factory=list)  # uniform: each micro-batch's loss, detached
+    logged: list[tuple[float, list[LoggedValue]]] = field(default_factory=list)  # uniform: (weight, its logs)
+    local_loss: torch.Tensor | None = None  # layered: this rank's weighted loss, for the backward
+    capturing: bool = False  # inside the user's training_step: the strategy's reduce() leaves logs alone
+
+    @property
+    def batch_idx(self) -> int:
+        return self.args[0] if self.args else 0
 
 
 @dataclass(frozen=True)
@@ -104,7 +120,7 @@ class LayeredSteps:
     """Layer-major: the strategy runs the model's layers itself (:class:`~.models.protocol.LayeredModel`).
 
     The user's ``training_step`` is not called; the step's global mean loss is logged as
-    ``train_loss``. ``recompute=False`` (a rank with one micro-batch whose memory allows it)
+    ``train_loss``. A rank whose plan says ``recompute=False`` (one micro-batch, memory to spare)
     keeps the forward's graph instead of recomputing each layer in the backward pass.
     ``verify_loss``: on the first step, a model found by an adapter checks that the user's
     ``training_step`` computes the same loss as the model's own on a micro-batch, and refuses to
@@ -112,30 +128,27 @@ class LayeredSteps:
     """
 
     def __init__(self, module: pl.LightningModule, schedule: LayeredSchedule, model: LayeredModel,
-                 recompute: bool = True, verify_loss: bool = True, tolerance: float = 1e-3) -> None:
+                 verify_loss: bool = True, tolerance: float = 1e-3) -> None:
         self.module = module
         self.schedule = schedule
         self.model = model
-        self.recompute = recompute
-        self.verify_loss = verify_loss and model.derived
+        self.verify_loss = verify_loss and model.derived  # cleared once checked (the first step of the fit)
         self.tolerance = tolerance
-        self.capturing = False
-        self._local = torch.zeros(())
 
-    def forward(self, batch: Any, ctx: StepContext, *args: Any) -> torch.Tensor:
-        sizes = ctx.rank_plan.micro_batch_sizes
+    def forward(self, batch: Any, step: TrainingStep) -> torch.Tensor:
+        sizes = step.rank_plan.micro_batch_sizes
         parts = micro_batches(batch, sizes) if sizes else []
         if self.verify_loss:
             self.verify_loss = False
-            self._verify(parts[0] if parts else batch, has_samples=bool(parts), batch_idx=ctx.batch_idx)
-        shares, total = micro_batch_weights(parts, self.model.weighting, ctx.global_batch, self.schedule.device,
+            self._verify(parts[0] if parts else batch, has_samples=bool(parts), batch_idx=step.batch_idx)
+        shares, total = micro_batch_weights(parts, self.model.weighting, step.global_batch, self.schedule.device,
                                            self.schedule.sharded.comm.group)
         share = self.model.weighting.share
         if share is not None:  # the model's loss divides by the global items itself: weight 1
-            weights = [(1.0 if w else 0.0) / ctx.accumulate for w in shares]
+            weights = [(1.0 if w else 0.0) / step.accumulate for w in shares]
             loss = lambda k, out, side: share(out, parts[k], side, total)  # noqa: E731
         else:
-            weights = [w / ctx.accumulate for w in shares]
+            weights = [w / step.accumulate for w in shares]
             loss = lambda k, out, side: self.model.loss(out, parts[k], side)  # noqa: E731
 
         def prepare(micro_batch: Any) -> tuple[torch.Tensor, Any]:
@@ -143,13 +156,14 @@ class LayeredSteps:
             check_first_inputs([x])
             return x, side
 
-        self._local = self.schedule.forward(parts, prepare, loss, weights, recompute=self.recompute or len(parts) > 1)
-        return self._local.detach() * ctx.accumulate  # Lightning divides what we return by `accumulate`
+        recompute = step.rank_plan.recompute or len(parts) > 1
+        step.local_loss = self.schedule.forward(parts, prepare, loss, weights, recompute=recompute)
+        return step.local_loss.detach() * step.accumulate  # Lightning divides what we return by `accumulate`
 
-    def backward(self, closure_loss: torch.Tensor, ctx: StepContext) -> StepReport:
-        self.schedule.backward(ctx.loss_scale)
-        report, _ = finish_step(self._local * ctx.accumulate, self.schedule.sharded, ctx.sync)
-        log_scalar(self.module, "train_loss", report.loss, ctx.global_batch, prog_bar=True, on_step=True, on_epoch=True)
+    def backward(self, closure_loss: torch.Tensor, step: TrainingStep) -> StepReport:
+        self.schedule.backward(step.loss_scale)
+        report, _ = finish_step(step.local_loss * step.accumulate, self.schedule.sharded, step.sync)
+        log_scalar(self.module, "train_loss", report.loss, step.global_batch, prog_bar=True, on_step=True, on_epoch=True)
         return report
 
     @torch.no_grad()
@@ -193,13 +207,6 @@ class LayeredSteps:
             )
 
 
-@dataclass
-class _Captured:
-    """The user's logged values of one step: per micro-batch, with its weight."""
-
-    calls: list[tuple[float, list[LoggedValue]]] = field(default_factory=list)
-
-
 class UniformSteps:
     """Micro-batch-major through the user's own ``training_step`` (any model).
 
@@ -219,97 +226,73 @@ class UniformSteps:
         self.sharded = sharded
         self.training_step = training_step
         self.weighting = weighting
-        self._rest: list[Any] = []
-        self._args: tuple = ()
-        self._weights: list[float] = []
-        self._losses: list[torch.Tensor] = []
-        self._logs = _Captured()
-        self.capturing = False  # the strategy's reduce() does not sync values logged meanwhile
 
-    def _run(self, part: Any, weight: float) -> Any:
+    def _run(self, step: TrainingStep, k: int) -> Any:
+        """The user's ``training_step`` on micro-batch ``k``, its loss and logged values kept in ``step``."""
+        part = step.micro_batches[k]
         if not self.module.automatic_optimization:
-            return self.training_step(part, *self._args)
+            return self.training_step(part, *step.args)
         with captured_logs(self.module.trainer) as capture:
-            self.capturing = True
+            step.capturing = True
             try:
-                output = self.training_step(part, *self._args)
+                output = self.training_step(part, *step.args)
             finally:
-                self.capturing = False
+                step.capturing = False
         if output is None:
-            raise ValueError(
+            raise ConfigurationError(
                 "training_step returned None (skip the batch). Under Cephalo every rank runs every micro-batch's "
                 "backward together, so a single rank cannot skip; the strategy skips a step with a non-finite loss "
                 "or gradient on every rank by itself (CephaloStrategy(max_nonfinite_skips=...))"
             )
-        self._logs.calls.append((weight, logged_values(capture)))
-        loss = output["loss"] if isinstance(output, dict) else output
-        self._losses.append(loss.detach())
+        step.logged.append((step.weights[k], logged_values(capture)))
+        step.losses.append(self._loss(output).detach())
         return output
 
-    def forward(self, batch: Any, ctx: StepContext, *args: Any) -> Any:
-        parts = micro_batches(batch, ctx.rank_plan.micro_batch_sizes)
-        self._rest, self._args = parts[1:], args
-        self._weights, _ = micro_batch_weights(parts, self.weighting, ctx.global_batch, self.sharded.device,
-                                              self.sharded.comm.group)
-        self._losses, self._logs = [], _Captured()
+    def forward(self, batch: Any, step: TrainingStep) -> Any:
+        step.micro_batches = micro_batches(batch, step.rank_plan.micro_batch_sizes)
+        step.weights, _ = micro_batch_weights(step.micro_batches, self.weighting, step.global_batch,
+                                              self.sharded.device, self.sharded.comm.group)
         self.sharded.gather_root()
-        return self._run(parts[0], self._weights[0])
+        return self._run(step, 0)
 
     @staticmethod
     def _loss(output: Any) -> torch.Tensor:
         return output["loss"] if isinstance(output, dict) else output
 
-    def backward(self, closure_loss: torch.Tensor, ctx: StepContext) -> StepReport:
+    def backward(self, closure_loss: torch.Tensor, step: TrainingStep) -> StepReport:
         """``closure_loss``: micro-batch 0's loss as Lightning prepared it (already / accumulate
         and, with a gradient scaler, already scaled)."""
-        weights = self._weights
+        weights = step.weights
         n = len(weights)
         if not self.module.automatic_optimization:  # manual_backward(loss) from inside training_step
             self.sharded.backward(closure_loss * weights[0])  # already scaled by the precision plugin
-            report, _ = finish_step(closure_loss.detach() * weights[0], self.sharded, ctx.sync)
+            report, _ = finish_step(closure_loss.detach() * weights[0], self.sharded, step.sync)
             return report
-        self.sharded.set_requires_gradient_sync(ctx.sync and n == 1)
+        self.sharded.set_requires_gradient_sync(step.sync and n == 1)
         self.sharded.backward(closure_loss * weights[0])
-        for k, part in enumerate(self._rest, start=1):
-            loss = self._loss(self._run(part, weights[k])) / ctx.accumulate
-            self.sharded.set_requires_gradient_sync(ctx.sync and k == n - 1)
-            self.sharded.backward(loss * (weights[k] * ctx.loss_scale))
-        self._rest = []
+        for k in range(1, n):
+            loss = self._loss(self._run(step, k)) / step.accumulate
+            self.sharded.set_requires_gradient_sync(step.sync and k == n - 1)
+            self.sharded.backward(loss * (weights[k] * step.loss_scale))
         self.sharded.set_requires_gradient_sync(True)
-        return self._report(ctx)
+        return self._report(step)
 
-    def _report(self, ctx: StepContext) -> StepReport:
-        local = sum((w * loss.double() for w, loss in zip(self._weights, self._losses) if w),
+    def _report(self, step: TrainingStep) -> StepReport:
+        local = sum((w * loss.double() for w, loss in zip(step.weights, step.losses) if w),
                     torch.zeros((), dtype=torch.float64))
-        names, sums = self._weighted_logs()
-        report, values = finish_step(local, self.sharded, ctx.sync, sums)
-        self._relog(names, values, ctx)
+        names, sums = _weighted_logs(step.logged)
+        report, values = finish_step(local, self.sharded, step.sync, sums)
+        self._relog(names, values, step)
         return report
 
-    def _weighted_logs(self) -> tuple[list[LoggedValue], list[torch.Tensor]]:
-        """Per logged name: sum_k w_k v_k (mean), or sum_k v_k (sum); max/min and metrics as they are."""
-        first = {v.name: v for _, values in self._logs.calls for v in values}
-        names, sums = [], []
-        for name, spec in first.items():
-            if not torch.is_tensor(spec.value) or spec.reduction not in ("mean", "sum"):
-                continue
-            total = torch.zeros((), dtype=torch.float64)
-            for weight, values in self._logs.calls:
-                for v in values:
-                    if v.name == name and (weight or spec.reduction == "sum"):
-                        total = total + (weight if spec.reduction == "mean" else 1.0) * v.value.detach().double().cpu()
-            names.append(spec)
-            sums.append(total)
-        return names, sums
-
-    def _relog(self, names: list[LoggedValue], values: list[torch.Tensor], ctx: StepContext) -> None:
+    def _relog(self, names: list[LoggedValue], values: list[torch.Tensor], step: TrainingStep) -> None:
         done = {spec.name for spec in names}
         for spec, value in zip(names, values):
-            log_scalar(self.module, spec.name, float(value), ctx.global_batch, prog_bar=spec.prog_bar,
+            log_scalar(self.module, spec.name, float(value), step.global_batch, prog_bar=spec.prog_bar,
                        logger=spec.logger, on_step=spec.on_step, on_epoch=spec.on_epoch,
                        reduce_fx=spec.reduction)
         last: dict[str, LoggedValue] = {}
-        for _, logged in self._logs.calls:
+        for _, logged in step.logged:
             for v in logged:
                 if v.name not in done:
                     last[v.name] = v
@@ -319,7 +302,23 @@ class UniformSteps:
                 self.module.log(v.name, v.value, prog_bar=v.prog_bar, logger=v.logger, on_step=v.on_step,
                                 on_epoch=v.on_epoch, sync_dist=torch.is_tensor(v.value),
                                 reduce_fx=v.reduction if v.reduction != "custom" else "mean", **kwargs)
-        self._logs = _Captured()
+
+
+def _weighted_logs(logged: list[tuple[float, list[LoggedValue]]]) -> tuple[list[LoggedValue], list[torch.Tensor]]:
+    """Per logged name: sum_k w_k v_k (mean), or sum_k v_k (sum); max/min and metrics as they are."""
+    first = {v.name: v for _, values in logged for v in values}
+    names, sums = [], []
+    for name, spec in first.items():
+        if not torch.is_tensor(spec.value) or spec.reduction not in ("mean", "sum"):
+            continue
+        total = torch.zeros((), dtype=torch.float64)
+        for weight, values in logged:
+            for v in values:
+                if v.name == name and (weight or spec.reduction == "sum"):
+                    total = total + (weight if spec.reduction == "mean" else 1.0) * v.value.detach().double().cpu()
+        names.append(spec)
+        sums.append(total)
+    return names, sums
 
 
 class NonFiniteGuard:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -44,7 +44,9 @@ Share = Callable[[torch.Tensor, Any, Side, float], torch.Tensor]  # (output, mic
 @dataclass(frozen=True)
 class LossWeighting:
     """How a micro-batch's mean loss enters the global mean: by ``"samples"`` or by ``"items"``
-    (``count(micro_batch)``: tokens, for a per-token mean).
+    (``count(micro_batch)``: tokens, for a per-token mean). ``CephaloStrategy(loss_weighting=...)``
+    names the items ``"tokens"``; :func:`cephalo_lightning.lightning.schedules.loss_weighting` maps
+    the user's word to this one.
 
     ``share``, where the model's loss can take the global item count itself (Hugging Face's
     ``num_items_in_batch``): the micro-batch's share of the global mean, computed as the model
@@ -52,7 +54,7 @@ class LossWeighting:
     re-weighted afterwards rounds 1/n and n/N separately, in the loss's own fp32).
     """
 
-    kind: str = "samples"
+    kind: Literal["samples", "items"] = "samples"
     count: Items | None = None
     share: Share | None = None
 

@@ -22,7 +22,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
+from cephalo_lightning._common.errors import CephaloError, ConfigurationError
 from cephalo_lightning.runtime.plan_state import PlanState
+
+
+class UnsupportedDatasetError(CephaloError, TypeError):
+    """A training dataset the planned sampler cannot cut by sample index."""
 
 
 class PlannedBatchSampler(Sampler[list[int]]):
@@ -36,7 +41,7 @@ class PlannedBatchSampler(Sampler[list[int]]):
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} outside a plan of {plan.world_size} ranks")
         if num_samples < self.global_batch_size:
-            raise ValueError(
+            raise ConfigurationError(
                 f"the dataset has {num_samples} samples, fewer than one global batch of {self.global_batch_size}: "
                 "lower the global batch size or use more data"
             )
@@ -101,13 +106,13 @@ class PlannedBatchSampler(Sampler[list[int]]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("global_batch_size") != self.global_batch_size:
-            raise ValueError(
+            raise ConfigurationError(
                 f"the checkpoint was written with a global batch of {state.get('global_batch_size')}, this run uses "
                 f"{self.global_batch_size}: resume with the same global batch size (steps would mean something else)"
             )
         saved_samples = state.get("num_samples", self.num_samples)
         if saved_samples != self.num_samples:
-            raise ValueError(
+            raise ConfigurationError(
                 f"the checkpoint was written for a training set of {saved_samples} samples, this run has "
                 f"{self.num_samples}: the resumed position (epoch {state['epoch']}, step {state['consumed']}) "
                 "would point at other samples. Resume with the same training data"
@@ -147,7 +152,7 @@ def planned_loader(dataloader: DataLoader, plan_state: PlanState, rank: int, *, 
     """``dataloader`` re-cut so this rank takes its slice of every global batch of ``plan_state``."""
     dataset = dataloader.dataset
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise TypeError(
+        raise UnsupportedDatasetError(
             f"CephaloStrategy cuts every global batch into per-rank slices by sample index, but the training "
             f"dataset is a {type(dataset).__name__} without indices (an IterableDataset or no __len__). Use a "
             "map-style Dataset (with __len__ and __getitem__), e.g. by materialising or indexing the stream"

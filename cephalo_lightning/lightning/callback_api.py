@@ -1,0 +1,82 @@
+"""What a callback may ask of the strategy: the one door from CephaloCallback into a fit's runtime."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+from cephalo_lightning.planner import Cluster, Plan
+
+if TYPE_CHECKING:
+    from cephalo_lightning.lightning.fit import FitRuntime
+
+
+class CallbackAPI:
+    """Mixed into :class:`~.strategy.CephaloStrategy`.
+
+    [Note: what a callback may ask of the strategy] Everything CephaloCallback reads or changes
+    goes through the methods below and the strategy's public attributes (``plan``, ``cluster``,
+    ``emulator``, ``global_batch_size``, ``param_dtype``, ``collective``, ``memory``, ``root_device``,
+    ``world_size``, ``broadcast``, ``adopt_plan``, ``schedule_plan``). These methods alone reach the
+    fit's runtime, through :meth:`_fit_runtime`.
+    """
+
+    fit_runtime: FitRuntime | None
+    provisional_layout: str | None
+    cluster: Cluster | None
+
+    def adopt_plan(self, plan: Plan) -> None:  # the strategy's own; declared for the reader and type checkers
+        raise NotImplementedError
+
+    def _fit_runtime(self) -> FitRuntime:
+        """The fit's runtime, built at setup: the one accessor of the callbacks' API."""
+        assert self.fit_runtime is not None, "the callbacks' API is used after the strategy's setup"
+        return self.fit_runtime
+
+    def expect_plan(self) -> None:
+        """Before setup: a plan follows after setup (:meth:`adopt_profiled_plan`), so shard
+        provisionally, in proportion to each rank's memory (a small device is not handed an even
+        share it cannot hold)."""
+        self.provisional_layout = "memory"
+
+    def adopt_profiled_plan(self, plan: Plan, cluster: Cluster) -> None:
+        """Collective: adopt ``plan``, made from the freshly profiled ``cluster``; re-shards at once."""
+        self.cluster = cluster
+        self.adopt_plan(plan)
+
+    @property
+    def fit_mode(self) -> str:
+        """The mode the model is sharded for: ``"layered"`` or ``"uniform"``."""
+        return self._fit_runtime().schedule
+
+    @property
+    def layered_form(self) -> Any:
+        """The model's :class:`~cephalo_lightning.models.protocol.LayeredModel` in the layered mode, else None."""
+        return self._fit_runtime().layered_model
+
+    @property
+    def why_not_layered(self) -> str | None:
+        """Why the model has no layered form (None when it has one)."""
+        return self._fit_runtime().resolution.reason
+
+    @contextlib.contextmanager
+    def gathered_layer(self, index: int) -> Generator[None, None, None]:
+        """Collective: layer ``index`` of :attr:`layered_form` gathered on every rank (its unit and
+        the root), hooks off, e.g. to profile it in place."""
+        with self._fit_runtime().sharded.unit_gathered(index + 1):  # unit 0 is the root
+            yield
+
+    @contextlib.contextmanager
+    def gathered_model(self) -> Generator[None, None, None]:
+        """Collective: every unit gathered, the modules holding full parameters (the uniform mode's profile)."""
+        with self._fit_runtime().sharded.summon_full_params():
+            yield
+
+    def attach_observer(self, observer: Any, outermost: bool = False) -> None:
+        """Attach a :class:`~cephalo_lightning.runtime.observers.Observer` to the sharded model's
+        compute and collectives (``outermost``: around every other observer, e.g. to time them)."""
+        self._fit_runtime().sharded.observers.attach(observer, outermost=outermost)
+
+    def detach_observer(self, observer: Any) -> None:
+        self._fit_runtime().sharded.observers.detach(observer)

@@ -1,0 +1,71 @@
+"""A fit's checkpoints as Lightning asks for them: saved sharded (or consolidated), loaded in any layout.
+
+Each rank writes and reads its own pieces (:mod:`cephalo_lightning.runtime.checkpoint`); the
+optimizer state is saved with the model, by logical tensor, so a checkpoint loads back under any
+plan and world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.optim import Optimizer
+
+from cephalo_lightning.lightning.config import StrategyConfig
+from cephalo_lightning.planner import Plan
+from cephalo_lightning.runtime import checkpoint
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+
+
+class FitCheckpoints:
+    """Saves and loads the sharded model (and its optimizer state) of one fit."""
+
+    def __init__(self, sharded: ShardedModel, config: StrategyConfig, rank: int, plan: Callable[[], Plan]) -> None:
+        self.sharded = sharded
+        self.config = config
+        self.rank = rank
+        self.plan = plan  # the plan the model is sharded under when a checkpoint is written
+
+    def save(self, path: Path, checkpoint_dict: dict[str, Any], optimizers: Sequence[Optimizer]) -> Path:
+        """Collective: a sharded checkpoint directory, or with ``state_dict_type="full"`` one file
+        (consolidated on rank 0 from a sharded one written beside it). ``checkpoint_dict`` without
+        ``optimizer_states`` (``save_weights_only``) saves no optimizer state."""
+        meta = {k: v for k, v in checkpoint_dict.items() if k not in ("state_dict", "optimizer_states")}
+        info = {"plan": self.plan().to_dict(), "world_size": self.sharded.world_size}
+        optimizers = optimizers if "optimizer_states" in checkpoint_dict else []
+        if self.config.state_dict_type == "sharded":
+            return checkpoint.save(path, self.sharded, optimizers, meta, info, self.config.safe_globals)
+        staging = path.with_name(f".{path.name}.sharded")
+        checkpoint.save(staging, self.sharded, optimizers, meta, info, self.config.safe_globals)
+        if self.rank == 0:
+            checkpoint.consolidate(staging, path, self.config.safe_globals)
+            checkpoint.remove(staging)
+        return path
+
+    def load(self, path: Path, optimizers: Sequence[Optimizer], weights_only: bool | None = None) -> dict[str, Any]:
+        """Collective: a sharded directory (any layout) or a single file (weights only)."""
+        trusted = weights_only is False  # an explicit opt-in to unpickling meta.pt (never DCP's metadata)
+        if path.is_dir() or checkpoint.is_checkpoint(path) or not path.exists():
+            meta, _ = checkpoint.load(path, self.sharded, optimizers, self.config.safe_globals,
+                                      self.config.verify_checksums, trusted=trusted)
+            return meta
+        rank_zero_info("Cephalo: loading weights from a single-file checkpoint; optimizer state starts fresh.")
+        return self.load_full(path, trusted)
+
+    def load_full(self, path: Path, trusted: bool = False) -> dict[str, Any]:
+        """Weights from a single-file checkpoint (optimizer state starts fresh)."""
+        loaded = checkpoint.safe_load(path, self.config.safe_globals, trusted=trusted)
+        state = loaded.get("state_dict", loaded)
+        with torch.no_grad():
+            for name, piece in self.sharded.named_parameters():
+                if name not in state:
+                    raise checkpoint.CheckpointError(f"{path} has no weights for {name!r}")
+                unit = next(u for u in self.sharded.units if any(s.name == name for s in u.spans))
+                index = [s.name for s in unit.spans].index(name)
+                start, stop = unit.local_range(index)
+                piece.copy_(state[name].reshape(-1)[start:stop].view(piece.shape))
+        return {k: v for k, v in loaded.items() if k not in ("optimizer_states", "state_dict")}
