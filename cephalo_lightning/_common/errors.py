@@ -12,3 +12,7 @@ class CephaloError(Exception):
 
 class ConfigurationError(CephaloError, ValueError):
     """An argument, option or file is not valid; the message names it and the fix."""
+
+
+class UnsupportedError(CephaloError, TypeError):
+    """A model, dataset, optimization or call Cephalo cannot run; the message says what would work."""

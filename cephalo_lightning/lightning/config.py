@@ -24,7 +24,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from cephalo_lightning._common.errors import CephaloError, ConfigurationError
+from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.planner import Cluster, Plan, load_cluster
 
 Mode = Literal["auto", "layered", "uniform"]  # the user's request; decided into a Schedule at setup
@@ -39,10 +39,6 @@ STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictType)
 LOSS_WEIGHTINGS: tuple[str, ...] = get_args(LossWeightingChoice)
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
-
-
-class UnsupportedError(CephaloError, TypeError):
-    """A model, optimization or call the strategy cannot run; the message says what would work."""
 
 
 def option(default: Any, meaning: str, *, unset: str | None = None) -> Any:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from cephalo_lightning.lightning.config import Schedule, UnsupportedError
+from cephalo_lightning._common.errors import UnsupportedError
+from cephalo_lightning.lightning.config import Schedule
 from cephalo_lightning.models import SUPPORTED, Resolution, hf
 from cephalo_lightning.models.protocol import LossWeighting
 from cephalo_lightning.planner import Plan, PlanningError

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning.lightning import loggers, plan_resolution
 from cephalo_lightning.lightning._private import logging_as, sync_ddp_if_available
 from cephalo_lightning.lightning.callback_api import CallbackAPI
@@ -43,7 +44,6 @@ from cephalo_lightning.lightning.config import (
     Mode,
     StateDictType,
     StrategyConfig,
-    UnsupportedError,
 )
 from cephalo_lightning.lightning.fit import FailureReport, FitRuntime
 from cephalo_lightning.lightning.precision import sharded_precision

@@ -22,12 +22,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
-from cephalo_lightning._common.errors import CephaloError, ConfigurationError
+from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.runtime.plan_state import PlanState
-
-
-class UnsupportedDatasetError(CephaloError, TypeError):
-    """A training dataset the planned sampler cannot cut by sample index."""
 
 
 class PlannedBatchSampler(Sampler[list[int]]):
@@ -152,7 +148,7 @@ def planned_loader(dataloader: DataLoader, plan_state: PlanState, rank: int, *, 
     """``dataloader`` re-cut so this rank takes its slice of every global batch of ``plan_state``."""
     dataset = dataloader.dataset
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        raise UnsupportedDatasetError(
+        raise UnsupportedError(
             f"CephaloStrategy cuts every global batch into per-rank slices by sample index, but the training "
             f"dataset is a {type(dataset).__name__} without indices (an IterableDataset or no __len__). Use a "
             "map-style Dataset (with __len__ and __getitem__), e.g. by materialising or indexing the stream"
