@@ -25,7 +25,7 @@ class SavedOptimizer:
     """How one optimizer's state is stored: tensors go to DCP, the rest to ``cephalo.json``."""
 
     entries: list[Entry] = field(default_factory=list)
-    replicated: dict[str, torch.Tensor] = field(default_factory=dict)  # fqn -> tensor (rank 0 writes)
+    replicated: dict[str, torch.Tensor] = field(default_factory=dict)  # fqn -> tensor (the group's first rank writes)
     info: dict[str, Any] = field(default_factory=dict)  # param groups by name, scalars
 
 
