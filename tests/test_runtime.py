@@ -217,6 +217,37 @@ def test_checkpoint_reshards_to_another_world_size(three_rank_run, shares, batch
     assert_matches(assemble(results), _continued_reference())
 
 
+def _on_a_subgroup(rank: int, world: int, ckpt_dir: str):
+    """Ranks 1 and 2 hold the model on a subgroup, save at one layout and resume at another;
+    rank 0 takes part in none of it (its group's first rank is world rank 1)."""
+    group = torch.distributed.new_group([1, 2])
+    out = None
+    if rank in (1, 2):
+        model = TinyLM()
+        sharded = ShardedModel(model, [0.7, 0.3], group=group)
+        optimizer = make_optimizer(model.parameters())
+        train_uniform(sharded, model, optimizer, [9, 3], 1, STEPS)
+        checkpoint.save(ckpt_dir, sharded, [optimizer], {"step": STEPS}, {})
+        model = TinyLM(seed=123)
+        sharded = ShardedModel(model, [0.4, 0.6], group=group)
+        optimizer = make_optimizer(model.parameters())
+        meta, _ = checkpoint.load(ckpt_dir, sharded, [optimizer])
+        assert meta["step"] == STEPS
+        train_uniform(sharded, model, optimizer, [5, 7], 1, 2, start=STEPS)
+        out = local_pieces(sharded, optimizer)
+    torch.distributed.barrier()  # the world meets only after the subgroup is done
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_model_on_a_subgroup_checkpoints_over_its_own_group(tmp_path):
+    ckpt = tmp_path / "subgroup"
+    results = run_distributed(_on_a_subgroup, 3, str(ckpt))
+    assert results[0] is None
+    assert_matches(assemble(results[1:]), _continued_reference())
+    checkpoint.verify(ckpt)
+
+
 def test_checkpoint_loads_into_a_plain_model_without_process_group(three_rank_run):
     _, ckpt = three_rank_run
     model, _ = train_reference(STEPS, GLOBAL_BATCH)

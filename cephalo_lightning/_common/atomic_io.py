@@ -19,8 +19,7 @@ import errno
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 _RENAME_EXCHANGE = 2
@@ -143,15 +142,3 @@ def recover_directory(final: str | Path, is_complete: Callable[[Path], bool]) ->
             shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
     return restored
 
-
-@contextmanager
-def atomic_directory(final: str | Path, token: str | None = None) -> Iterator[Path]:
-    """Single-process helper: yield a staging directory, publish it as ``final`` on success."""
-    staging = staging_path(final, token or uuid.uuid4().hex[:8])
-    staging.mkdir(parents=True, exist_ok=False)
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    publish_directory(staging, final)

@@ -43,14 +43,13 @@ class Heartbeat:
             except OSError:  # the directory went away (teardown): nothing left to report to
                 return
 
-    def stop(self, remove: bool = True) -> None:
+    def stop(self) -> None:
         self._stop.set()
-        if remove:
-            self._file(self.rank).unlink(missing_ok=True)
-            try:
-                self.directory.rmdir()  # the last rank out removes the directory
-            except OSError:
-                pass
+        self._file(self.rank).unlink(missing_ok=True)
+        try:
+            self.directory.rmdir()  # the last rank out removes the directory
+        except OSError:
+            pass
 
     def suspects(self, wait: float | None = None) -> list[str]:
         """Ranks that look dead, as readable lines; waits up to ``wait`` s (default 3 periods) for a

@@ -1,0 +1,241 @@
+"""Collective save and load of a sharded model's checkpoint, at any layout on either side.
+
+Every collective step (the staging token, the barriers, DCP's planning, the manifest's hashing)
+runs over the process group the model is sharded over (``sharded.comm.group``), and "rank 0"
+means the first rank of that group: a model on a subgroup checkpoints without the other ranks.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import uuid
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from cephalo_lightning._common.atomic_io import (
+    publish_directory,
+    recover_directory,
+    remove_tree,
+    staging_path,
+    write_bytes_atomic,
+)
+from cephalo_lightning.runtime.checkpoint.dcp_planners import Request, ShardLoadPlanner, ShardSavePlanner, dcp_call
+from cephalo_lightning.runtime.checkpoint.entries import (
+    buffers,
+    local_pieces,
+    model_entries,
+    optimizer_entries,
+    replicated_entries,
+    state_dict_aliases,
+)
+from cephalo_lightning.runtime.checkpoint.format import (
+    FORMAT,
+    INFO_FILE,
+    META_FILE,
+    MODEL_PREFIX,
+    CheckpointError,
+)
+from cephalo_lightning.runtime.checkpoint.manifest import is_complete, verify, write_manifest
+from cephalo_lightning.runtime.checkpoint.safe_load import (
+    SafeFileSystemReader,
+    check_loadable,
+    read_dcp_metadata,
+    safe_load,
+)
+from cephalo_lightning.runtime.distributed import Group, barrier, broadcast_object, is_distributed, rank_and_size
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+
+
+def _token(group: Group) -> str:
+    return broadcast_object(uuid.uuid4().hex[:12], group)
+
+
+def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.optim.Optimizer],
+         meta: dict[str, Any], info: dict[str, Any], safe_globals: Iterable[Any] = ()) -> Path:
+    """Collective: write a checkpoint directory atomically (every rank calls it).
+
+    ``meta``: plain data besides the tensors (for Lightning: loops, callbacks, ...), written as
+    ``meta.pt`` and checked to be loadable without running code; ``info``: JSON-able extras
+    (the plan). Returns the published path.
+    """
+    path = Path(path)
+    group = sharded.comm.group
+    rank, _ = rank_and_size(group)
+    check_loadable(meta, safe_globals)  # fail before writing, on every rank alike
+    token = _token(group)
+    staging = staging_path(path, token)
+    if rank == 0:
+        recover_directory(path, is_complete)
+        staging.mkdir(parents=True)
+    barrier(group)
+    buffer_entries = replicated_entries({MODEL_PREFIX + k: v for k, v in buffers(sharded).items()}, rank)
+    entries = model_entries(sharded) + buffer_entries
+    optimizer_info = []
+    replicated: dict[str, torch.Tensor] = {}
+    for i, optimizer in enumerate(optimizers):
+        saved = optimizer_entries(sharded, optimizer, f"optimizer_{i}")
+        entries += saved.entries
+        replicated.update(saved.replicated)
+        optimizer_info.append(saved.info)
+    entries += replicated_entries(replicated, rank)
+    dcp_call(f"saving {path}", lambda: dcp.save({}, storage_writer=dcp.FileSystemWriter(staging),
+                                                planner=ShardSavePlanner(entries), process_group=group,
+                                                no_dist=not is_distributed(group)))
+    if rank == 0:
+        buffer = io.BytesIO()
+        torch.save(meta, buffer)
+        write_bytes_atomic(staging / META_FILE, buffer.getvalue())
+        document = {
+            "format": FORMAT,
+            "param_shapes": {name: list(shape) for name, _, shape, _ in local_pieces(sharded)},
+            "aliases": state_dict_aliases(sharded),
+            "optimizers": optimizer_info,
+            **info,
+        }
+        write_bytes_atomic(staging / INFO_FILE, json.dumps(document, indent=1, default=_json_default).encode())
+    barrier(group)
+    write_manifest(staging, group)
+    barrier(group)
+    if rank == 0:
+        publish_directory(staging, path)
+    barrier(group)
+    return path
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+
+
+# -------------------------------------------------------------------------------- load
+
+
+def read_info(path: str | Path) -> dict[str, Any]:
+    file = Path(path) / INFO_FILE
+    try:
+        return json.loads(file.read_text())
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{path} is not a cephalo checkpoint directory ({INFO_FILE} is missing)") from err
+    except ValueError as err:
+        raise CheckpointError(f"{file} is not valid JSON ({err})") from err
+
+
+def read_meta(path: str | Path, safe_globals: Iterable[Any] = (), trusted: bool = False) -> dict[str, Any]:
+    """Lightning's non-tensor state of a checkpoint (``meta.pt``), loaded without running code."""
+    file = Path(path) / META_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete")
+    return safe_load(file, safe_globals, str(file), trusted)
+
+
+def _prepare(path: str | Path, verify_checksums: bool, group: Group) -> Path:
+    path = Path(path)
+    rank, _ = rank_and_size(group)
+    if rank == 0:
+        restored = recover_directory(path, is_complete)
+        if restored is not None:
+            warnings.warn(f"Cephalo: {path} was missing after an interrupted save; restored it from {restored.name}",
+                          stacklevel=3)
+    barrier(group)
+    verify(path, checksums=verify_checksums, group=group)
+    return path
+
+
+def load(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.optim.Optimizer] = (),
+         safe_globals: Iterable[Any] = (), verify_checksums: bool = True,
+         trusted: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Collective: fill the local pieces (and optimizer state) from a checkpoint of any layout.
+
+    Returns ``(meta, info)``: Lightning's state and the JSON extras.
+    """
+    group = sharded.comm.group
+    path = _prepare(path, verify_checksums, group)
+    info = read_info(path)
+    meta = read_meta(path, safe_globals, trusted)
+    stored = read_dcp_metadata(path).state_dict_metadata
+    requests: list[Request] = []
+    for name, piece, shape, start in local_pieces(sharded):
+        requests.append(Request(MODEL_PREFIX + name, shape, piece.detach().view(-1), start))
+    for name, buf in buffers(sharded).items():  # persistent buffers are saved: one missing is an error too
+        requests.append(Request(MODEL_PREFIX + name, tuple(buf.shape), buf.detach().view(-1), 0))
+    missing = sorted(r.fqn[len(MODEL_PREFIX):] for r in requests if r.fqn not in stored)
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path} lacks parameters or buffers {missing[:5]}{'...' if len(missing) > 5 else ''}: was it "
+            "saved from another model?"
+        )
+    saved_optimizers = info.get("optimizers", [])
+    if len(saved_optimizers) < len(optimizers):
+        raise CheckpointError(f"checkpoint {path} has {len(saved_optimizers)} optimizer(s), the run has {len(optimizers)}")
+    restores: list[tuple[torch.optim.Optimizer, nn.Parameter, str, torch.Tensor]] = []
+    pieces = {name: (piece, shape, start) for name, piece, shape, start in local_pieces(sharded)}
+    names = {id(piece): name for name, (piece, _, _) in pieces.items()}
+    for i, optimizer in enumerate(optimizers):
+        for param_group in optimizer.param_groups:
+            for p in param_group["params"]:
+                name = names[id(p)]
+                piece, shape, start = pieces[name]
+                prefix = f"optimizer_{i}.state.{name}."
+                for key in (k for k in stored if k.startswith(prefix)):
+                    state_key, md = key[len(prefix):], stored[key]
+                    if tuple(md.size) == shape and state_key != "step":
+                        target = torch.zeros(piece.shape, dtype=md.properties.dtype, device=piece.device)
+                        requests.append(Request(key, shape, target.view(-1), start))
+                    else:  # replicated: every rank reads the whole (small) tensor
+                        target = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+                        requests.append(Request(key, tuple(md.size), target.view(-1), 0))
+                    restores.append((optimizer, p, state_key, target))
+    dcp_call(f"loading {path}", lambda: dcp.load({}, storage_reader=SafeFileSystemReader(path),
+                                                 planner=ShardLoadPlanner(requests), process_group=group,
+                                                 no_dist=not is_distributed(group)))
+    for optimizer, p, state_key, target in restores:
+        optimizer.state[p][state_key] = target
+    for i, optimizer in enumerate(optimizers):
+        _restore_groups(optimizer, saved_optimizers[i], pieces, names)
+    return meta, info
+
+
+def _restore_groups(optimizer: torch.optim.Optimizer, saved: dict[str, Any], pieces: dict[str, Any],
+                    names: dict[int, str]) -> None:
+    """Hyperparameters by parameter name (group indices may differ between runs)."""
+    group_of = {name: g for g in saved["param_groups"] for name in g["params"]}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            saved_group = group_of.get(names[id(p)])
+            if saved_group is not None:
+                group.update({k: v for k, v in saved_group.items() if k != "params"})
+                break
+    for key, value in saved.get("scalars", {}).items():
+        name, _, state_key = key.rpartition(".")
+        if name in pieces:
+            optimizer.state[pieces[name][0]][state_key] = value
+
+
+def remove(path: str | Path) -> None:
+    """Delete a checkpoint; it stops looking like one at once (renamed away, then deleted)."""
+    remove_tree(path)
+
+
+def clean_stale(directory: str | Path) -> None:
+    """Rank 0 at start: restore checkpoints an interrupted save left missing; drop leftovers."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    names = set()
+    for leftover in directory.glob(".*"):
+        stem, dot, rest = leftover.name[1:].rpartition(".")
+        if dot and rest.split("-", 1)[0] in ("staging", "old", "trash"):
+            names.add(stem)
+    for name in sorted(names):
+        recover_directory(directory / name, is_complete)
+
