@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar
 
-from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 
 # name -> (n_layer, n_head, n_embd). The big shapes are for planning (parameter counts, FLOPs).
 PRESETS: dict[str, tuple[int, int, int]] = {
@@ -54,7 +54,7 @@ class GPTConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(overrides) - known
         if unknown:
-            raise TypeError(f"unknown GPTConfig field(s): {sorted(unknown)}")
+            raise UnsupportedError(f"unknown GPTConfig field(s): {sorted(unknown)}")
         config = cls(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
         return replace(config, **{k: v for k, v in overrides.items() if v is not None})
 

@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.lightning._private import training_dataloader
 from cephalo_lightning.lightning.callback_config import CallbackConfig
@@ -99,7 +99,7 @@ class CephaloCallback(Callback):
     @staticmethod
     def _strategy(trainer: pl.Trainer) -> CephaloStrategy:
         if not isinstance(trainer.strategy, CephaloStrategy):
-            raise TypeError(f"CephaloCallback needs Trainer(strategy='cephalo'), got {type(trainer.strategy).__name__}")
+            raise UnsupportedError(f"CephaloCallback needs Trainer(strategy='cephalo'), got {type(trainer.strategy).__name__}")
         return trainer.strategy
 
     @override

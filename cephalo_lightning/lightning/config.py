@@ -24,7 +24,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
-from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.planner import Cluster, Plan, load_cluster
 
 Mode = Literal["auto", "layered", "uniform"]  # the user's request; decided into a Schedule at setup
@@ -86,7 +86,7 @@ class StrategyConfig:
         """The options as given to ``CephaloStrategy(...)`` (any left out: its default), checked."""
         unknown = sorted(set(given) - set(OPTION_NAMES))
         if unknown:
-            raise TypeError(f"StrategyConfig.build() got unknown options {unknown}")
+            raise UnsupportedError(f"StrategyConfig.build() got unknown options {unknown}")
         o = {f.name: given.get(f.name, f.default) for f in fields(cls)}
         if o["global_batch_size"] is not None:
             _integer("global_batch_size", o["global_batch_size"], 1)

@@ -197,7 +197,7 @@ class LayeredSteps:
         bad = [(r, f) for r, f in enumerate(gather_objects(flag, sharded.comm.group)) if f[0] > 0]
         if bad:
             rank, (_, got, want) = bad[0]
-            raise ValueError(
+            raise ConfigurationError(
                 f"Cephalo runs {self.model.name} layer by layer and computes the model's own loss, but on rank {rank} "
                 f"your training_step returned {got:.6g} where the model's own loss is {want:.6g} on the same micro-batch. "
                 "Your training_step computes a different objective, which the layered mode would silently replace. Use "

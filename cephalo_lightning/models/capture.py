@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from cephalo_lightning._common.errors import UnsupportedError
+
 
 class _Reached(Exception):
     """Raised by the pre-hook: the forward got to its first block (not an error)."""
@@ -54,7 +56,7 @@ def first_block_call(first_block: nn.Module, forward: Callable[[], Any]) -> Bloc
         if not args or not isinstance(args[0], torch.Tensor):
             hidden = reached.kwargs.pop("hidden_states", None)
             if not isinstance(hidden, torch.Tensor):
-                raise TypeError(f"{type(first_block).__name__} was not called with a hidden state tensor") from None
+                raise UnsupportedError(f"{type(first_block).__name__} was not called with a hidden state tensor") from None
             return BlockCall(hidden, tuple(args), dict(reached.kwargs))
         return BlockCall(args[0], tuple(args[1:]), dict(reached.kwargs))
     finally:

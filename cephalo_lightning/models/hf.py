@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning.models.capture import BlockCall, first_block_call
 from cephalo_lightning.models.protocol import LayeredModel, LossWeighting
 from cephalo_lightning.runtime.layered import Layer
@@ -95,7 +96,7 @@ def adapt(lm: nn.Module) -> tuple[LayeredModel | None, str]:
 
     def prepare(micro_batch: Any) -> tuple[torch.Tensor, _Side]:
         if not isinstance(micro_batch, dict) or "input_ids" not in micro_batch or "labels" not in micro_batch:
-            raise TypeError(
+            raise UnsupportedError(
                 f"{type(lm).__name__} in the layered mode takes dict batches with 'input_ids' and 'labels' (and "
                 f"optionally 'attention_mask'); got {type(micro_batch).__name__}"
                 + (f" with keys {sorted(micro_batch)}" if isinstance(micro_batch, dict) else "")

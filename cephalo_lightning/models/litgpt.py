@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning.models.capture import first_block_call
 from cephalo_lightning.models.hf import IGNORE_INDEX, label_count
 from cephalo_lightning.models.protocol import LayeredModel, LossWeighting
@@ -57,7 +58,7 @@ def adapt(gpt: nn.Module) -> tuple[LayeredModel | None, str]:
 
     def prepare(micro_batch: Any) -> tuple[torch.Tensor, Any]:
         if not isinstance(micro_batch, dict) or "input_ids" not in micro_batch or "labels" not in micro_batch:
-            raise TypeError("a litgpt GPT in the layered mode takes dict batches with 'input_ids' and 'labels'")
+            raise UnsupportedError("a litgpt GPT in the layered mode takes dict batches with 'input_ids' and 'labels'")
         return micro_batch["input_ids"], block_call(micro_batch["input_ids"])
 
     def run_head(h: torch.Tensor, side: Any) -> torch.Tensor:

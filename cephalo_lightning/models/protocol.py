@@ -29,6 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning.runtime.layered import Layer, Side
 
 PROTOCOL = ("cephalo_layers", "cephalo_input", "cephalo_loss")
@@ -86,14 +87,14 @@ def from_protocol(module: nn.Module) -> LayeredModel:
     """The LightningModule's own layered protocol as a :class:`LayeredModel`."""
     layers = tuple(Layer.of(layer) for layer in module.cephalo_layers())
     if not layers:
-        raise TypeError(f"{type(module).__name__}.cephalo_layers() returned no layers")
+        raise UnsupportedError(f"{type(module).__name__}.cephalo_layers() returned no layers")
 
     def prepare(micro_batch: Any) -> tuple[torch.Tensor, Side]:
         value = module.cephalo_input(micro_batch)
         x, side = (value if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor)
                    else (value, None))
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"cephalo_input must return a tensor or (tensor, side inputs), got {type(value).__name__}")
+            raise UnsupportedError(f"cephalo_input must return a tensor or (tensor, side inputs), got {type(value).__name__}")
         return x, side
 
     counter = getattr(module, "cephalo_loss_items", None)
@@ -109,7 +110,7 @@ def inputs_need_grad(x: torch.Tensor) -> bool:
 
 def check_first_inputs(inputs: Sequence[torch.Tensor]) -> None:
     if any(inputs_need_grad(x) for x in inputs):
-        raise TypeError(
+        raise UnsupportedError(
             "cephalo_input returned a tensor that needs a gradient: it used parameters, which the "
             "layered schedule cannot train there. Move that computation (e.g. the embedding) into "
             "the first of cephalo_layers(); cephalo_input should only pick tensors out of the batch"

@@ -46,6 +46,7 @@ import numpy as np
 
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.planner.cluster import Cluster, DeviceProfile
+from cephalo_lightning.planner.errors import PlanningError
 
 if TYPE_CHECKING:
     from cephalo_lightning.planner.plan import Plan
@@ -72,7 +73,7 @@ def split_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
     if batch_size == 0:
         return []
     if num_micro_batches < 1 or num_micro_batches > batch_size:
-        raise ValueError(f"cannot split {batch_size} samples into {num_micro_batches} micro-batches")
+        raise PlanningError(f"cannot split {batch_size} samples into {num_micro_batches} micro-batches")
     q, rem = divmod(batch_size, num_micro_batches)
     return [q + 1] * rem + [q] * (num_micro_batches - rem)
 
@@ -174,7 +175,7 @@ class DeviceCost:
 
     def __init__(self, device: DeviceProfile, cluster: Cluster, mode: str = "layered") -> None:
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise PlanningError(f"mode must be one of {MODES}, got {mode!r}")
         self.device = device
         self.mode = mode
         self.fwd = PiecewiseLinear(device.layer_fwd_ms)

@@ -28,6 +28,7 @@ from cephalo_lightning._common.units import GIB
 from cephalo_lightning.planner.assignment import expand, finish, split, trim
 from cephalo_lightning.planner.baselines import even_baseline, proportional_baseline, result
 from cephalo_lightning.planner.cluster import Cluster
+from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.plan import BaselineResult
 from cephalo_lightning.planner.solver import BISECTION_TOL, Problem
 
@@ -217,5 +218,5 @@ def compute_baselines(cluster: Cluster, global_batch: int, mode: str = "layered"
         elif name == "reference":
             out[name] = reference_baseline(cluster, global_batch, with_ranks, problem)
         else:
-            raise ValueError(f"unknown baseline {name!r}; choose from {BASELINES}")
+            raise PlanningError(f"unknown baseline {name!r}; choose from {BASELINES}")
     return out

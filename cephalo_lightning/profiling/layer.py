@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.profiling.options import ProfileOptions
 from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
@@ -89,7 +89,7 @@ def _check_sizes(sizes: Sequence[int]) -> tuple[int, ...]:
 
 def _prepare_input(x: object, m: int, device: torch.device, dtype: torch.dtype | None, batch_dim: int) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"make_input({m}) must return a tensor (a layer takes one hidden tensor), got {type(x).__name__}")
+        raise UnsupportedError(f"make_input({m}) must return a tensor (a layer takes one hidden tensor), got {type(x).__name__}")
     if x.dim() <= batch_dim or x.shape[batch_dim] != m:
         raise ConfigurationError(
             f"make_input({m}) returned shape {tuple(x.shape)}: dimension {batch_dim} must be the micro-batch size {m}"
@@ -102,7 +102,7 @@ def _prepare_input(x: object, m: int, device: torch.device, dtype: torch.dtype |
 
 def _output(out: object, what: str) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
-        raise TypeError(
+        raise UnsupportedError(
             f"{what} returned {type(out).__name__}; the layered protocol needs every layer to return ONE tensor"
         )
     return out

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cephalo_lightning._common.errors import CephaloError, ConfigurationError
+from cephalo_lightning._common.errors import CephaloError, ConfigurationError, UnsupportedError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.planner.cluster import (
     Cluster,
@@ -240,7 +240,7 @@ class ClusterProfiler:
         if not self.layers:
             raise ConfigurationError("ClusterProfiler needs the model's layers (e.g. cephalo_layers()); got none")
         if prepare is None and not isinstance(sample_input, torch.Tensor):
-            raise TypeError(f"sample_input must be a tensor (the first layer's input), got {type(sample_input).__name__}")
+            raise UnsupportedError(f"sample_input must be a tensor (the first layer's input), got {type(sample_input).__name__}")
         self.sample_input = sample_input
         self.group = group
         self.rank, self.world_size = rank_and_size(group)

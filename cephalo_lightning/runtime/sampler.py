@@ -35,7 +35,7 @@ class PlannedBatchSampler(Sampler[list[int]]):
         self.plan_state = plan_state
         self.global_batch_size = plan.global_batch_size
         if not 0 <= rank < plan.world_size:
-            raise ValueError(f"rank {rank} outside a plan of {plan.world_size} ranks")
+            raise ConfigurationError(f"rank {rank} outside a plan of {plan.world_size} ranks")
         if num_samples < self.global_batch_size:
             raise ConfigurationError(
                 f"the dataset has {num_samples} samples, fewer than one global batch of {self.global_batch_size}: "

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from cephalo_lightning._common.errors import CephaloError
+from cephalo_lightning._common.errors import CephaloError, ConfigurationError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.planner.cluster import Emulation
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker
@@ -141,9 +141,9 @@ class DeviceEmulator(Observer):
 
     def __post_init__(self) -> None:
         if self.slowdown < 1.0:
-            raise ValueError(f"slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
+            raise EmulationSpecError(f"slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
         if self.memory_gb is not None and not self.memory_gb > 0:
-            raise ValueError(f"memory_gb must be > 0 GiB (or None for unlimited), got {self.memory_gb}")
+            raise EmulationSpecError(f"memory_gb must be > 0 GiB (or None for unlimited), got {self.memory_gb}")
 
     # ------------------------------------------------------------------ construction
 
@@ -274,7 +274,7 @@ class DeviceEmulator(Observer):
         total = torch.cuda.get_device_properties(index).total_memory
         fraction = self.memory_gb * GIB / total
         if fraction > 1.0:
-            raise ValueError(
+            raise ConfigurationError(
                 f"emulated memory_gb={self.memory_gb:g} GiB is larger than cuda:{index} "
                 f"({total / GIB:.1f} GiB): a cap can only emulate a smaller card"
             )
@@ -289,7 +289,7 @@ def _cuda_index(device: torch.device | int | None) -> int:  # pragma: no cover -
         return device
     device = torch.device(device)
     if device.type != "cuda":
-        raise ValueError(f"cap_cuda_memory needs a CUDA device, got {device}")
+        raise ConfigurationError(f"cap_cuda_memory needs a CUDA device, got {device}")
     return torch.cuda.current_device() if device.index is None else device.index
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode  # the public way to observe every op
 
-from cephalo_lightning._common.errors import CephaloError
+from cephalo_lightning._common.errors import CephaloError, ConfigurationError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.observers import Observer, Observers
@@ -153,7 +153,7 @@ class SampledTracking:
 
     def __init__(self, tracker: MemoryTracker, observers: Observers, every: int, first: int = 3) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"memory_check_every_n_steps must be an integer >= 1, got {every!r}")
+            raise ConfigurationError(f"memory_check_every_n_steps must be an integer >= 1, got {every!r}")
         self.tracker = tracker
         self.observers = observers
         self.every = every
