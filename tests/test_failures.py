@@ -18,8 +18,8 @@ from cephalo_lightning.lightning.steps import NonFiniteLossError
 from cephalo_lightning.planner import PlanningError, RankPlan
 from tests.conftest import clean_env
 from tests.distributed import run_distributed
+from tests.helpers import fit, max_error
 from tests.lightning_models import TinyLayered, loader, token_data
-from tests.test_strategy import max_error
 
 ROOT = Path(__file__).resolve().parents[1]
 POISON = 22  # sample 22: at step 1, in rank 1's slice of the plan below
@@ -37,14 +37,6 @@ class NaNOnPoison(TinyLayered):
     def cephalo_loss(self, output, batch):
         loss = super().cephalo_loss(output, batch)
         return loss * float("nan") if (batch[0] == 16).any() else loss
-
-
-def fit(module, plan, world, steps, data=None, **strategy) -> pl.Trainer:
-    trainer = pl.Trainer(strategy=CephaloStrategy(plan=plan, **strategy), accelerator="cpu", devices=world,
-                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False)
-    trainer.fit(module, loader(data if data is not None else token_data(48), plan.global_batch_size))
-    return trainer
 
 
 def _nan(rank: int, world: int):

@@ -221,7 +221,7 @@ def test_a_plan_switch_is_exact_with_a_prefetching_multi_worker_loader(switched)
     epoch, step = switched[0]["switch"]
     assert epoch == 0 and step > 2, "the switch waits for the batches the workers have already cut"
     assert switched[0]["final_plan"] == [2, 10]
-    from tests.test_strategy import max_error, reference
+    from tests.helpers import max_error, reference
 
     want, _ = reference(12, 12, samples=12 * 12)
     assert max_error(switched[0]["fit"], want) <= 1e-5
