@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
 from cephalo_lightning.lightning.steps import NonFiniteLossError
 from cephalo_lightning.planner import PlanningError, RankPlan
-from tests.conftest import clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env
 from tests.distributed import run_distributed
 from tests.helpers import fit, max_error
 from tests.lightning_models import TinyLayered, loader, token_data
@@ -203,7 +203,7 @@ def test_a_dead_peer_is_named_with_the_checkpoint_to_resume_from(tmp_path):
                                             LOCAL_RANK=str(r), NODE_RANK="0"))
              for r in range(2)]  # launched as torchrun or SLURM would: no supervisor kills the survivor
     for proc in ranks:
-        proc.wait(timeout=300)
+        proc.wait(timeout=HANG_TIMEOUT_S)
     survivor = (tmp_path / "rank0.log").read_text()
     assert "a collective failed" in survivor, survivor
     assert "rank 1" in survivor and ("process is gone" in survivor or "no heartbeat" in survivor), survivor

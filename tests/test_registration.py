@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ TRAINER = ("t = pl.Trainer(strategy='cephalo', accelerator='cpu', devices=1, log
 
 def _python(code: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=clean_env(),
-                            timeout=300)
+                            timeout=HANG_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -64,7 +64,7 @@ def test_strategy_name_on_the_lightning_cli_command_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "cephalo_lightning", "fit", "--config", str(ROOT / "configs" / "tiny-cli.yaml"),
          "--trainer.strategy=cephalo", "--vars.steps=1", "--trainer.default_root_dir", str(tmp_path)],
-        capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=300,
+        capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=HANG_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Cephalo: layered mode" in result.stdout + result.stderr

@@ -27,12 +27,12 @@ import yaml
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
 from cephalo_lightning.lightning.reporting import log_checkpoint_artifacts, rank_lines
 from cephalo_lightning.planner import RankPlan
-from tests.conftest import clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def wandb_records(run_dir: Path, timeout: float = 60.0) -> list:
+def wandb_records(run_dir: Path, timeout: float = HANG_TIMEOUT_S) -> list:
     """The run's records, once its ``exit`` record is written (wandb's service writes after ``finish``)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -195,7 +195,7 @@ for _ in range(2):  # the second run reuses the cached profile
 log_rank_lines(trainer.strategy.plan)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
-                            env=clean_env(), timeout=300)  # pipes: not a terminal, as under torchrun or SLURM
+                            env=clean_env(), timeout=HANG_TIMEOUT_S)  # pipes: not a terminal, as under torchrun or SLURM
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stderr
     assert "Cephalo: profiling 1 device(s)" in log
