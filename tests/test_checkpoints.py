@@ -324,6 +324,7 @@ def _exchange_supported(directory: Path) -> bool:
         b.rmdir()
 
 
+@pytest.mark.multiprocess
 def test_kills_during_saves_and_deletions_never_leave_a_checkpoint_that_looks_whole(tmp_path):
     """One SIGKILL at every point of a save, of a top-k deletion and of replacing last.ckpt (both
     ways: the atomic exchange and the two-rename fallback), each run resuming from the last one's

@@ -52,6 +52,7 @@ def test_the_config_directories_hold_what_the_docs_promise():
 # ----------------------------------------------------------------------------- what-if planning
 
 
+@pytest.mark.multiprocess
 def test_what_if_planning_prints_a_table_without_torch(tmp_path):
     # torch and lightning blocked: the planner and the example must not need them
     code = (
@@ -203,6 +204,7 @@ def test_bring_your_own_model_trains_both_ways(tmp_path):
     assert difference < 1e-3
 
 
+@pytest.mark.multiprocess
 def test_slurm_script_asks_for_lightnings_requeue_signal():
     script = (EXAMPLES / "slurm.sbatch").read_text()
     directives = [line.split("#", 2)[1].strip() for line in script.splitlines() if line.startswith("#SBATCH")]

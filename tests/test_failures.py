@@ -191,6 +191,7 @@ t.fit(TinyLayered(), loader(token_data(240), 12))
 """
 
 
+@pytest.mark.multiprocess
 def test_a_dead_peer_is_named_with_the_checkpoint_to_resume_from(tmp_path):
     from tests.distributed import free_port
 

@@ -77,6 +77,7 @@ def installed(tmp_path_factory):
     return venv / "bin", outside, env
 
 
+@pytest.mark.multiprocess
 def test_installed_demo_prints_its_help_outside_the_repository(installed):
     bin_dir, outside, env = installed
     out = _run([bin_dir / "python", "-m", "cephalo_lightning", "demo", "--help"], cwd=outside, env=env)

@@ -434,6 +434,7 @@ def test_cli_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert cli_main([str(CLUSTERS / "t4-example.yaml")]) == 2  # argparse: missing --global-batch-size
 
 
+@pytest.mark.multiprocess
 def test_module_entry_point(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     result = subprocess.run(
@@ -443,6 +444,7 @@ def test_module_entry_point(tmp_path: Path) -> None:
     assert json.loads(result.stdout) == json.loads(out.read_text().strip())
 
 
+@pytest.mark.multiprocess
 def test_planner_imports_without_torch() -> None:
     code = (
         "import sys\n"

@@ -50,18 +50,21 @@ def million_gpus(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.multiprocess
 def test_a_billion_samples_on_four_gpus_is_a_clear_error_in_seconds() -> None:
     rc, err = run_limited([str(CLUSTERS / "l4-a6000-p40.yaml"), "--global-batch-size", "1000000000"])
     assert rc == 2, (rc, err)
     assert "1,000,000,000" in err and f"limit of {MAX_GLOBAL_BATCH:,}" in err and "accumulate_grad_batches" in err
 
 
+@pytest.mark.multiprocess
 def test_a_million_gpus_is_a_clear_error_in_seconds(tmp_path: Path) -> None:
     rc, err = run_limited([str(million_gpus(tmp_path)), "-b", "65536"])
     assert rc == 2, (rc, err)
     assert "1,000,000 ranks" in err and f"limit of {MAX_RANKS:,}" in err and "divided by 10" in err
 
 
+@pytest.mark.multiprocess
 def test_the_limits_themselves_plan_within_memory() -> None:
     """At the largest batch on 4 GPUs the plan comes back under the same limits."""
     rc, err = run_limited([str(CLUSTERS / "l4-a6000-p40.yaml"), "-b", str(MAX_GLOBAL_BATCH), "--json"])

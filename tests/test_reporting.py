@@ -123,6 +123,7 @@ def wandb_run(tmp_path_factory):
     return trainer, checkpoints, uploads, run_id, files, wandb_records(run_dir), root
 
 
+@pytest.mark.multiprocess
 def test_wandb_run_config_holds_the_resolved_configuration(wandb_run):
     trainer, _, _, _, _, records, _ = wandb_run
     updates = [json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
@@ -140,6 +141,7 @@ def test_wandb_run_config_holds_the_resolved_configuration(wandb_run):
     assert config["cluster"]["model"]["parameters"] == sum(p.numel() for p in trainer.lightning_module.parameters())
 
 
+@pytest.mark.multiprocess
 def test_other_loggers_get_the_configuration_in_hparams_yaml(wandb_run):
     trainer, *_, root = wandb_run
     (hparams,) = (root / "csv").glob("version_*/hparams.yaml")
@@ -152,6 +154,7 @@ def test_other_loggers_get_the_configuration_in_hparams_yaml(wandb_run):
     assert config["plan"]["ranks"]["rank0"]["state_share"] == trainer.strategy.plan.ranks[0].state_share == 1.0
 
 
+@pytest.mark.multiprocess
 def test_plan_and_cluster_files_are_run_files(wandb_run):
     trainer, _, _, _, files, records, _ = wandb_run
     saved = {f.path for r in records if r.WhichOneof("record_type") == "files" for f in r.files.files}
@@ -162,6 +165,7 @@ def test_plan_and_cluster_files_are_run_files(wandb_run):
     assert load_cluster(files / "cluster.yaml") == trainer.strategy.cluster
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_directories_become_model_artifacts_as_log_model_says(wandb_run):
     _, checkpoints, uploads, run_id, _, records, _ = wandb_run
     best, last = checkpoints.best_model_path, checkpoints.last_model_path
@@ -178,6 +182,7 @@ def test_checkpoint_directories_become_model_artifacts_as_log_model_says(wandb_r
     assert sum(aliases == ["latest"] for aliases, _ in by_files) == 2  # last.ckpt, both times
 
 
+@pytest.mark.multiprocess
 def test_profiling_progress_and_rank_lines_reach_a_plain_log(tmp_path):
     script = f"""
 import warnings; warnings.simplefilter("ignore")

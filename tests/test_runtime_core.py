@@ -227,6 +227,7 @@ def test_a_plan_switch_is_exact_with_a_prefetching_multi_worker_loader(switched)
     assert max_error(switched[0]["fit"], want) <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_the_gpu_check_runs_its_cpu_skeleton(tmp_path):
     import subprocess
 

@@ -192,6 +192,7 @@ def test_layered_plan_on_a_model_without_the_protocol_is_refused():
         _fit_one(CephaloStrategy(plan=plan, mode="layered"), TinyUniform())
 
 
+@pytest.mark.multiprocess
 def test_strategy_name_without_the_import_says_how_to_fix_it():
     code = "import lightning.pytorch as pl; pl.Trainer(strategy='cephalo', accelerator='cpu', devices=1)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=clean_env())
@@ -204,6 +205,7 @@ def test_strategy_name_without_the_import_says_how_to_fix_it():
 # ----------------------------------------------------------------------------- LightningCLI
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("config", ["tiny-cli.yaml", "tiny-cli-name.yaml"], ids=["class_path", "name"])
 def test_lightning_cli_config_selects_the_strategy(config, tmp_path):
     result = subprocess.run(
@@ -216,6 +218,7 @@ def test_lightning_cli_config_selects_the_strategy(config, tmp_path):
     assert "max_steps=3" in result.stdout + result.stderr
 
 
+@pytest.mark.multiprocess
 def test_profile_command_writes_a_cluster_file_and_a_plan(tmp_path):
     cluster_file, plan_file = tmp_path / "cluster.yaml", tmp_path / "plan.json"
     result = subprocess.run(
