@@ -91,6 +91,12 @@ def _limited_plan_seconds(args: list[str]) -> tuple[int, float]:
     return result.returncode, time.perf_counter() - start
 
 
+def _exit_code(name: str, rc: int, want: int) -> bool:
+    if rc != want:
+        print(f"FAIL {name}: exit code {rc}, expected {want}")
+    return rc == want
+
+
 def check_planner(workdir: Path) -> bool:
     cluster = load_cluster(CLUSTERS / "hetero-64.yaml")
     best = float("inf")
@@ -100,14 +106,15 @@ def check_planner(workdir: Path) -> bool:
         best = min(best, time.perf_counter() - start)
     ok = _check("64 GPUs at B=4096 plan", best, 1.0, " s")
     rc, seconds = _limited_plan_seconds([str(CLUSTERS / "l4-a6000-p40.yaml"), "--global-batch-size", "1000000000"])
-    ok &= rc == 2 and _check("B=10^9 on 4 GPUs refused", seconds, 10, " s")
+    ok &= _exit_code("B=10^9 on 4 GPUs", rc, 2) and _check("B=10^9 on 4 GPUs refused", seconds, 10, " s")
     million = workdir / "million.json"
     million.write_text(json.dumps({"model": GPT67, "settings": {"link_bandwidth_gbps": 50},
                                    "devices": [{"name": k, "count": 125_000} for k in KINDS]}))
     rc, seconds = _limited_plan_seconds([str(million), "-b", "65536"])
-    ok &= rc == 2 and _check("10^6 GPUs refused", seconds, 10, " s")
+    ok &= _exit_code("10^6 GPUs", rc, 2) and _check("10^6 GPUs refused", seconds, 10, " s")
     rc, seconds = _limited_plan_seconds([str(CLUSTERS / "l4-a6000-p40.yaml"), "-b", str(MAX_GLOBAL_BATCH), "--json"])
-    ok &= rc == 0 and _check(f"B={MAX_GLOBAL_BATCH:,} on 4 GPUs plans", seconds, 60, " s")
+    ok &= _exit_code(f"B={MAX_GLOBAL_BATCH:,} on 4 GPUs", rc, 0) and _check(f"B={MAX_GLOBAL_BATCH:,} on 4 GPUs plans",
+                                                                           seconds, 60, " s")
     return bool(ok)
 
 
