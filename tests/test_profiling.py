@@ -237,7 +237,6 @@ def _profile_emulated_pair(rank: int, world_size: int, cache_dir: str) -> dict:
     }
 
 
-@pytest.mark.multiprocess
 def _slowdown_ratio(cluster: Cluster) -> float:
     fast, slow = cluster.devices
     return (sum(slow.layer_fwd_ms) + sum(slow.layer_bwd_ms)) / (sum(fast.layer_fwd_ms) + sum(fast.layer_bwd_ms))
