@@ -1,11 +1,12 @@
 # Two commands do everything on a fresh clone:
 #   make demo   - set up, then train the small GPT on an emulated heterogeneous cluster
-#   make test   - set up, then run the test suite
+#   make test   - set up, then run the test suite (its time at the end)
+#   make test-fast - the in-process tests only (no gloo ranks, no subprocesses): about 2 minutes
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench report clean
+.PHONY: setup demo test test-fast bench report clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -22,7 +23,12 @@ demo: setup
 	$(BIN)/python -m cephalo_lightning demo
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	@start=$$(date +%s); $(BIN)/python -m pytest -q --durations=15 tests; rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+test-fast: setup
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -m "not multiprocess" tests; rc=$$?; \
+	echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $$rc
 
 bench: setup
 	$(BIN)/python benchmarks/report.py

@@ -1,4 +1,5 @@
-"""Shared test hygiene: no test leaks a process group or Lightning's rendezvous variables."""
+"""Shared test hygiene: no test leaks a process group or Lightning's rendezvous variables, and
+every test that starts a process (gloo ranks or a subprocess) is marked ``multiprocess``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import os
 
 import pytest
 import torch.distributed as dist
+
+# A subprocess's timeout stops a hang and nothing else: never a speed check (a loaded machine
+# runs a 20 s subprocess for minutes).
+HANG_TIMEOUT_S = 1800
 
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED")
 
@@ -27,3 +32,56 @@ def clean_env(**extra: str) -> dict[str, str]:
     """The environment for a subprocess that launches its own ranks."""
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     return {**env, "WANDB_MODE": "disabled", **extra}
+
+
+# ----------------------------------------------------------------------------- the multiprocess mark
+
+# [Note: the fast lane] ``make test-fast`` runs ``-m "not multiprocess"``: the in-process tests.
+# A test that starts a process but lacks the mark would slip into it and slow it down, so an audit
+# hook (Python's own: it sees every ``subprocess.Popen``, and the local-ranks launcher announces
+# itself with an audit event) records every start, and a test that started one in its setup, call
+# or teardown without the mark fails, naming what it started. A module-scoped fixture counts for the
+# test that first needs it; in the fast lane that is always an unmarked test, so nothing escapes.
+_STARTS = ("subprocess.Popen", "cephalo_lightning.testing.run_local_ranks")
+_WATCH = pytest.StashKey["_ProcessStarts"]()
+
+
+class _ProcessStarts:
+    """The processes started since the last look (an audit hook; it cannot be removed, only read)."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    def __call__(self, event: str, args: tuple) -> None:
+        if event in _STARTS:
+            self.started.append(f"{event}({args[0]!r})" if args else event)
+
+    def take(self) -> list[str]:
+        started, self.started = self.started, []
+        return started
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import sys
+
+    watch = _ProcessStarts()
+    sys.addaudithook(watch)
+    config.stash[_WATCH] = watch
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.config.stash[_WATCH].take()  # what ran between tests is nobody's
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    started = item.config.stash[_WATCH].take()
+    if started and report.passed and item.get_closest_marker("multiprocess") is None:
+        shown = ", ".join(started[:3]) + (f" and {len(started) - 3} more" if len(started) > 3 else "")
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} started {len(started)} process(es) in its {report.when} ({shown}) but is "
+                           "not marked: add @pytest.mark.multiprocess (make test-fast runs only unmarked tests, "
+                           "in this process)")

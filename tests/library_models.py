@@ -103,14 +103,27 @@ class LibraryLM(pl.LightningModule):
 
 
 def reference(family: str, optimizer: str, steps: int, global_batch: int, data: PaddedTokens,
-              dtype: torch.dtype = torch.float32, tie: bool | None = None) -> dict[str, torch.Tensor]:
-    """Single-process training on the same global batches: parameters (and Adam moments)."""
+              dtype: torch.dtype = torch.float32, tie: bool | None = None,
+              micro_batches: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+    """Single-process training on the same global batches: parameters (and Adam moments).
+
+    ``micro_batches``: sizes that split each global batch, the gradients accumulated with each
+    micro-batch's loss weighted by its share of the batch's target tokens, which is the same
+    maths in another summation order (what :func:`noise_floor` compares)."""
     module = LibraryLM(family, optimizer, tie).to(dtype)
     opt = module.configure_optimizers()
     for step in range(steps):
-        batch = data.batch(step * global_batch, (step + 1) * global_batch)
-        loss = module.training_step(batch, step)
-        loss.backward()
+        start = step * global_batch
+        batch = data.batch(start, start + global_batch)
+        if micro_batches is None:
+            module.training_step(batch, step).backward()
+        else:
+            tokens = (batch["labels"][:, 1:] != -100).sum()
+            for size in micro_batches:
+                micro = data.batch(start, start + size)
+                weight = (micro["labels"][:, 1:] != -100).sum() / tokens
+                (module.training_step(micro, step) * weight).backward()
+                start += size
         opt.step()
         opt.zero_grad()
     out = {f"{name}": p.detach().clone() for name, p in module.named_parameters()}
@@ -119,6 +132,15 @@ def reference(family: str, optimizer: str, steps: int, global_batch: int, data: 
             if key in opt.state.get(p, {}):
                 out[f"{name}.{key}"] = opt.state[p][key].clone()
     return out
+
+
+def noise_floor(family: str, optimizer: str, steps: int, global_batch: int, data: PaddedTokens,
+                dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Per tensor: how far apart two single-process runs of the same maths land when only the
+    summation order differs (the whole global batch at once vs micro-batches of 5, 4 and 3)."""
+    whole = reference(family, optimizer, steps, global_batch, data, dtype)
+    split = reference(family, optimizer, steps, global_batch, data, dtype, micro_batches=(5, 4, 3))
+    return {name: (whole[name] - split[name]).abs().max().item() for name in whole}
 
 
 def loader(data: PaddedTokens, batch_size: int) -> DataLoader:

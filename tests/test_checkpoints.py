@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import random
 import signal
 import subprocess
 import sys
-import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -23,8 +22,10 @@ from cephalo_lightning import CephaloStrategy, Plan, consolidated
 from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.checkpoint import CheckpointError
+from tests import helpers
 from tests.conftest import clean_env
 from tests.distributed import run_distributed
+from tests.helpers import max_error
 from tests.lightning_models import TinyLayered, token_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,10 +46,8 @@ class SGDModule(TinyLayered):
 def trainer(plan: Plan, world: int, steps: int, root: str | None = None, **kwargs) -> pl.Trainer:
     # fp64 SGD: a resume on the wrong samples is off by ~1e-2, summation-order noise by ~1e-15, so
     # 1e-7 separates the two cleanly (in fp32 the noise alone is ~1e-7)
-    return pl.Trainer(strategy=CephaloStrategy(plan=plan, seed=SEED), accelerator="cpu", devices=world,
-                      max_steps=steps, precision=kwargs.pop("precision", "64-true"), logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      default_root_dir=root, use_distributed_sampler=False,  # the DataLoader's own shuffle setting
-                      **{"enable_checkpointing": False, **kwargs})
+    return helpers.trainer(CephaloStrategy(plan=plan, seed=SEED), world, steps,
+                           precision=kwargs.pop("precision", "64-true"), default_root_dir=root, **kwargs)
 
 
 def data_loader(shuffle: bool) -> torch.utils.data.DataLoader:
@@ -69,10 +68,6 @@ def reference(steps: int, shuffle: bool) -> dict[str, torch.Tensor]:
         optimizer.step()
         optimizer.zero_grad()
     return {f"model.{k}": v.detach().clone() for k, v in module.model.state_dict().items()}
-
-
-def max_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    return max((got[k] - v).abs().max().item() for k, v in want.items())
 
 
 # ----------------------------------------------------------------------------- the resume matrix
@@ -104,11 +99,19 @@ def _first_halves(rank: int, world: int, root: str):
     return out
 
 
-def _resume(rank: int, world: int, ckpt: str, plan: dict, shuffle: bool):
+def _resume(rank: int, world: int, cases: list[tuple[str, str, dict, bool]]):
+    """Every resume case of one world size, one after the other in the same ranks: each case's
+    (parameters, global step), or its traceback, so one broken path fails only its own test."""
     warnings.simplefilter("ignore")
-    t = trainer(Plan.from_dict(plan), world, TOTAL)
-    t.fit(SGDModule(seed=3), data_loader(shuffle), ckpt_path=ckpt)  # another init: all must come from the file
-    return t.strategy.sharded.full_state_dict(), t.global_step
+    out = {}
+    for name, ckpt, plan, shuffle in cases:
+        try:
+            t = trainer(Plan.from_dict(plan), world, TOTAL)
+            t.fit(SGDModule(seed=3), data_loader(shuffle), ckpt_path=ckpt)  # another init: all must come from the file
+            out[name] = (t.strategy.sharded.full_state_dict(), t.global_step)
+        except Exception:  # noqa: BLE001 - reported by the case's own test
+            out[name] = traceback.format_exc()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -131,11 +134,23 @@ RESUME_PATHS = [  # (name, checkpoint, shuffled, world, plan)
 ]
 
 
+@pytest.fixture(scope="module")
+def resumed(first_halves) -> dict[str, object]:
+    """Every resume path: one spawn per world size runs all of that size's cases."""
+    out: dict[str, object] = {}
+    for world in sorted({p[3] for p in RESUME_PATHS}):
+        cases = [(name, str(first_halves / ckpt), plan.to_dict(), shuffle)
+                 for name, ckpt, shuffle, w, plan in RESUME_PATHS if w == world]
+        out.update(run_distributed(_resume, world, cases)[0])
+    return out
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name,ckpt,shuffle,world,plan", RESUME_PATHS, ids=[p[0] for p in RESUME_PATHS])
-def test_every_resume_path_trains_on_the_uninterrupted_runs_samples(first_halves, name, ckpt, shuffle, world, plan):
-    results = run_distributed(_resume, world, str(first_halves / ckpt), plan.to_dict(), shuffle)
-    params, step = results[0]
+def test_every_resume_path_trains_on_the_uninterrupted_runs_samples(resumed, name, ckpt, shuffle, world, plan):
+    result = resumed[name]
+    assert not isinstance(result, str), result
+    params, step = result
     assert step == TOTAL
     assert max_error(params, reference(TOTAL, shuffle)) <= 1e-7, name
 
@@ -296,65 +311,61 @@ def test_truncated_or_missing_files_are_clear_errors(tmp_path):
 # ----------------------------------------------------------------------------- kills never leave a fake
 
 
-KILL_SCRIPT = """
-import sys, warnings
-warnings.simplefilter("ignore")
-sys.path.insert(0, {root!r})
-import lightning.pytorch as pl, torch
-from lightning.pytorch.callbacks import ModelCheckpoint
-from cephalo_lightning import CephaloStrategy, Plan
-from cephalo_lightning.planner import RankPlan
-from tests.models import TinyLM
-from tests.lightning_models import TinyLayered, token_data
+def _exchange_supported(directory: Path) -> bool:
+    from cephalo_lightning._common.atomic_io import _exchange
 
-class Big(TinyLayered):  # a few MB of state, so saves and deletes take a while
-    def __init__(self):
-        super().__init__()
-        self.model = TinyLM(vocab=200, dim=256, depth=4)
-
-plan = Plan(8, "layered", (RankPlan(0, "a", 8, 2, 4, 1.0),))
-saver = ModelCheckpoint(dirpath={ckpt!r}, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max",
-                        save_last=True, filename="{{step}}")
-class Step(pl.Callback):
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        module.log("step", float(trainer.global_step))
-t = pl.Trainer(strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=1, max_steps=10_000, logger=False,
-               enable_progress_bar=False, enable_model_summary=False, callbacks=[saver, Step()],
-               default_root_dir={workdir!r})
-ckpt = {resume!r} or None
-t.fit(Big(), torch.utils.data.DataLoader(token_data(80_000, vocab=200), batch_size=8), ckpt_path=ckpt)
-"""
+    a, b = directory / "probe-a", directory / "probe-b"
+    a.mkdir()
+    b.mkdir()
+    try:
+        return _exchange(a, b)
+    finally:
+        a.rmdir()
+        b.rmdir()
 
 
+@pytest.mark.multiprocess
 def test_kills_during_saves_and_deletions_never_leave_a_checkpoint_that_looks_whole(tmp_path):
-    rng = random.Random(0)
+    """One SIGKILL at every point of a save, of a top-k deletion and of replacing last.ckpt (both
+    ways: the atomic exchange and the two-rename fallback), each run resuming from the last one's
+    last.ckpt; the points are instrumented calls in the child (see tests/kill_points.py), so every
+    kill lands where it is meant to, whatever the machine's speed."""
+    from tests import kill_points
+
+    points = [p for p in kill_points.POINTS if _exchange_supported(tmp_path) or p not in kill_points.NEEDS_EXCHANGE]
     ckpt = tmp_path / "ckpts"
     resume = ""
     saw_complete = interrupted = 0
-    for kill in range(10):
-        script = KILL_SCRIPT.format(root=str(ROOT), ckpt=str(ckpt), resume=resume, workdir=str(tmp_path))
-        proc = subprocess.Popen([sys.executable, "-c", script], env=clean_env(), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
-        started, deadline = time.time(), time.monotonic() + 90
-        manifest = ckpt / "last.ckpt" / "manifest.json"
-        while time.monotonic() < deadline and proc.poll() is None and not (
-                manifest.exists() and manifest.stat().st_mtime > started):  # this run has saved once
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.05, 1.5))  # somewhere in the middle of a save or a top-k deletion
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        interrupted += any(p.name.startswith(".") for p in ckpt.iterdir())  # a save or deletion was under way
-        checkpoint.clean_stale(ckpt)  # what the next run does first
-        found = [p for p in ckpt.iterdir() if checkpoint.is_checkpoint(p)]
-        assert found, f"kill {kill}: no checkpoint survived"
-        for path in found:  # everything that looks like a checkpoint is one
-            checkpoint.verify(path)
-        assert checkpoint.is_complete(ckpt / "last.ckpt"), f"kill {kill}: last.ckpt is missing or incomplete"
-        assert not [p for p in ckpt.iterdir() if p.name.startswith(".")], "leftovers after clean_stale"
-        saw_complete += len(found)
-        resume = str(ckpt / "last.ckpt")  # and the next run resumes from it
+    server = subprocess.Popen([sys.executable, "-m", "tests.kill_points"], cwd=ROOT, env=clean_env(), text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        for kill, point in enumerate(points):
+            # two steps past the resumed one: the armed save is of a new name and deletes a kept one
+            start = checkpoint.read_meta(resume)["global_step"] if resume else 1
+            request = {"point": point, "ckpt": str(ckpt), "resume": resume, "max_steps": start + 2,
+                       "workdir": str(tmp_path)}
+            server.stdin.write(json.dumps(request) + "\n")
+            server.stdin.flush()
+            status = json.loads(server.stdout.readline())["status"]
+            log = (tmp_path / "run.log").read_text()
+            assert status == -signal.SIGKILL, f"{point}: the run ended with {status} instead of dying there\n{log[-3000:]}"
+            assert (tmp_path / "killed-at").read_text() == point
+            interrupted += any(p.name.startswith(".") for p in ckpt.iterdir())  # a save or deletion was under way
+            checkpoint.clean_stale(ckpt)  # what the next run does first
+            found = [p for p in ckpt.iterdir() if checkpoint.is_checkpoint(p)]
+            assert found, f"kill {kill} ({point}): no checkpoint survived"
+            for path in found:  # everything that looks like a checkpoint is one
+                checkpoint.verify(path)
+            assert checkpoint.is_complete(ckpt / "last.ckpt"), f"kill {kill} ({point}): last.ckpt is missing or incomplete"
+            assert not [p for p in ckpt.iterdir() if p.name.startswith(".")], f"{point}: leftovers after clean_stale"
+            saw_complete += len(found)
+            resume = str(ckpt / "last.ckpt")  # and the next run resumes from it
+    finally:
+        server.stdin.close()
+        server.wait(timeout=60)
     assert saw_complete >= 10
-    assert interrupted >= 3, f"only {interrupted} of 10 kills landed inside a save or a deletion"
+    # every point but the one before the deletion's rename leaves a leftover behind
+    assert interrupted == len(points) - 1, f"only {interrupted} of {len(points)} kills landed inside a save or a deletion"
 
 
 # ----------------------------------------------------------------------------- single-file export

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from cephalo_lightning import load_cluster, plan
-from tests.conftest import clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -52,6 +52,7 @@ def test_the_config_directories_hold_what_the_docs_promise():
 # ----------------------------------------------------------------------------- what-if planning
 
 
+@pytest.mark.multiprocess
 def test_what_if_planning_prints_a_table_without_torch(tmp_path):
     # torch and lightning blocked: the planner and the example must not need them
     code = (
@@ -60,7 +61,7 @@ def test_what_if_planning_prints_a_table_without_torch(tmp_path):
         f"runpy.run_path({str(EXAMPLES / 'what_if_planning.py')!r}, run_name='__main__')"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                            env=clean_env(), timeout=120)
+                            env=clean_env(), timeout=HANG_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "PREDICTED" in out and "samples/s" in out and "vs even" in out
@@ -169,7 +170,7 @@ def test_gpu_config_instantiates_on_cpu(gpu, tmp_path, monkeypatch):
 
 def _run_example(script: str, *args: str, cwd: Path, stderr: list[str] | None = None) -> str:
     result = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
-                            cwd=cwd, env=clean_env(), timeout=300)
+                            cwd=cwd, env=clean_env(), timeout=HANG_TIMEOUT_S)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
     if stderr is not None:
         stderr.append(result.stderr)
@@ -203,6 +204,7 @@ def test_bring_your_own_model_trains_both_ways(tmp_path):
     assert difference < 1e-3
 
 
+@pytest.mark.multiprocess
 def test_slurm_script_asks_for_lightnings_requeue_signal():
     script = (EXAMPLES / "slurm.sbatch").read_text()
     directives = [line.split("#", 2)[1].strip() for line in script.splitlines() if line.startswith("#SBATCH")]

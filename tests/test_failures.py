@@ -16,10 +16,10 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
 from cephalo_lightning.lightning.steps import NonFiniteLossError
 from cephalo_lightning.planner import PlanningError, RankPlan
-from tests.conftest import clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env
 from tests.distributed import run_distributed
+from tests.helpers import fit, max_error
 from tests.lightning_models import TinyLayered, loader, token_data
-from tests.test_strategy import max_error
 
 ROOT = Path(__file__).resolve().parents[1]
 POISON = 22  # sample 22: at step 1, in rank 1's slice of the plan below
@@ -37,14 +37,6 @@ class NaNOnPoison(TinyLayered):
     def cephalo_loss(self, output, batch):
         loss = super().cephalo_loss(output, batch)
         return loss * float("nan") if (batch[0] == 16).any() else loss
-
-
-def fit(module, plan, world, steps, data=None, **strategy) -> pl.Trainer:
-    trainer = pl.Trainer(strategy=CephaloStrategy(plan=plan, **strategy), accelerator="cpu", devices=world,
-                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False)
-    trainer.fit(module, loader(data if data is not None else token_data(48), plan.global_batch_size))
-    return trainer
 
 
 def _nan(rank: int, world: int):
@@ -199,6 +191,7 @@ t.fit(TinyLayered(), loader(token_data(240), 12))
 """
 
 
+@pytest.mark.multiprocess
 def test_a_dead_peer_is_named_with_the_checkpoint_to_resume_from(tmp_path):
     from tests.distributed import free_port
 
@@ -211,7 +204,7 @@ def test_a_dead_peer_is_named_with_the_checkpoint_to_resume_from(tmp_path):
                                             LOCAL_RANK=str(r), NODE_RANK="0"))
              for r in range(2)]  # launched as torchrun or SLURM would: no supervisor kills the survivor
     for proc in ranks:
-        proc.wait(timeout=300)
+        proc.wait(timeout=HANG_TIMEOUT_S)
     survivor = (tmp_path / "rank0.log").read_text()
     assert "a collective failed" in survivor, survivor
     assert "rank 1" in survivor and ("process is gone" in survivor or "no heartbeat" in survivor), survivor

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from cephalo_lightning import configs
-from tests.conftest import clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "cephalo_lightning")
@@ -36,7 +36,7 @@ def test_the_packaged_configs_are_the_top_level_ones():
         )
 
 
-def _run(args: list[str | Path], cwd: Path, env: dict[str, str], timeout: int = 300) -> str:
+def _run(args: list[str | Path], cwd: Path, env: dict[str, str], timeout: int = HANG_TIMEOUT_S) -> str:
     result = subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-5000:])
     return result.stdout + result.stderr
@@ -77,6 +77,7 @@ def installed(tmp_path_factory):
     return venv / "bin", outside, env
 
 
+@pytest.mark.multiprocess
 def test_installed_demo_prints_its_help_outside_the_repository(installed):
     bin_dir, outside, env = installed
     out = _run([bin_dir / "python", "-m", "cephalo_lightning", "demo", "--help"], cwd=outside, env=env)
@@ -88,7 +89,7 @@ def test_installed_cephalo_train_fits_the_packaged_quickstart(installed):
     bin_dir, outside, env = installed
     out = _run([bin_dir / "cephalo-train", "fit", "--config", "quickstart", "--vars.steps=2", "--vars.profile_k=2",
                 "--vars.out=run", "--trainer.logger=false", "--trainer.enable_progress_bar=false"],
-               cwd=outside, env=env, timeout=600)
+               cwd=outside, env=env, timeout=HANG_TIMEOUT_S)
     assert "Cephalo summary" in out and "2 steps" in out, out[-3000:]
     assert (outside / "run" / "checkpoints" / "last.ckpt").is_dir()
     assert (outside / "run" / "plan.json").is_file()

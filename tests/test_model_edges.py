@@ -13,21 +13,13 @@ import torch
 from cephalo_lightning import CephaloStrategy, Plan, consolidated, full_shape
 from cephalo_lightning.planner import PlanningError, RankPlan
 from tests.distributed import run_distributed
+from tests.helpers import NUM_SAMPLES, fit, max_error, reference
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
-from tests.test_strategy import NUM_SAMPLES, max_error, reference
 
 transformers = pytest.importorskip("transformers")
 
 TWO = Plan(12, "layered", (RankPlan(0, "a", 9, 3, 3, 0.3), RankPlan(1, "b", 3, 1, 3, 0.7)))
 UNIFORM_TWO = Plan(12, "uniform", (RankPlan(0, "a", 8, 2, 4, 0.4), RankPlan(1, "b", 4, 2, 2, 0.6)))
-
-
-def fit(module: pl.LightningModule, plan: Plan, world: int, steps: int = 2, **strategy) -> pl.Trainer:
-    trainer = pl.Trainer(strategy=CephaloStrategy(plan=plan, **strategy), accelerator="cpu", devices=world,
-                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False)
-    trainer.fit(module, loader(token_data(NUM_SAMPLES), plan.global_batch_size))
-    return trainer
 
 
 def llama_config(**extra) -> transformers.LlamaConfig:

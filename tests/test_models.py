@@ -20,12 +20,39 @@ pytest.importorskip("litgpt")
 from cephalo_lightning import CephaloStrategy, Plan  # noqa: E402
 from cephalo_lightning.planner import RankPlan  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from tests.library_models import LibraryLM, PaddedTokens, loader, reference  # noqa: E402
+from tests.library_models import LibraryLM, PaddedTokens, loader, noise_floor, reference  # noqa: E402
 from tests.test_runtime import assemble  # noqa: E402
 
 FAMILIES = ("gpt2", "llama", "qwen2", "gpt_neox", "litgpt")
 STEPS = 3
 GLOBAL = 12
+
+# [Note: tolerances from the noise floor] Even in fp64 these libraries compute some things in fp32
+# (masks, rotary tables), so how closely a sharded run can match single-process training depends
+# on the family: gpt_neox's parameters land ~2e-6 apart between two single-process runs that only
+# sum in another order, gpt2's ~1e-7. So the bound is measured, per family and per kind of tensor
+# (parameters, exp_avg, exp_avg_sq: their scales differ by orders of magnitude): the largest
+# difference between the whole-batch reference and the same training micro-batched 5 + 4 + 3
+# (library_models.noise_floor), times FLOOR_FACTOR, plus FLOOR_EPS where that floor is 0. The
+# sharded run re-associates the same sums once more (other micro-batches, partial sums reduced
+# across ranks), which is the same kind of noise, varying by a small factor from one order to
+# another; 10 leaves room for that, while a real error (a wrong sample, a stale shard, a lost
+# moment) is orders of magnitude above it.
+FLOOR_FACTOR = 10
+FLOOR_EPS = 1e-12
+
+
+def _kind(name: str) -> str:
+    return name.rpartition(".")[2] if name.endswith((".exp_avg", ".exp_avg_sq")) else "parameter"
+
+
+def tolerances(family: str, optimizer: str, dtype: torch.dtype) -> dict[str, float]:
+    """Per tensor name: FLOOR_FACTOR x the noise floor of its kind of tensor, plus FLOOR_EPS."""
+    floor = noise_floor(family, optimizer, STEPS, GLOBAL, PaddedTokens(GLOBAL * STEPS), dtype)
+    by_kind: dict[str, float] = {}
+    for name, value in floor.items():
+        by_kind[_kind(name)] = max(by_kind.get(_kind(name), 0.0), value)
+    return {name: FLOOR_FACTOR * by_kind[_kind(name)] + FLOOR_EPS for name in floor}
 
 PLANS = {
     3: [Plan(GLOBAL, "layered", (RankPlan(0, "a", 2, 1, 2, 0.6), RankPlan(1, "b", 6, 3, 2, 0.3), RankPlan(2, "c", 4, 4, 1, 0.1))),
@@ -71,6 +98,20 @@ def _all(rank: int, world: int):
     return out
 
 
+@pytest.fixture(scope="module")
+def bounds():
+    """``bounds(family, optimizer, dtype)``: :func:`tolerances`, each measured once per module
+    (the 2- and 3-rank runs are compared with the same references)."""
+    measured: dict[tuple, dict[str, float]] = {}
+
+    def get(family: str, optimizer: str, dtype: torch.dtype) -> dict[str, float]:
+        if (family, optimizer, dtype) not in measured:
+            measured[family, optimizer, dtype] = tolerances(family, optimizer, dtype)
+        return measured[family, optimizer, dtype]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
 def runs(request):
     world = request.param
@@ -79,26 +120,28 @@ def runs(request):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", FAMILIES)
-def test_library_lm_trains_exactly_like_single_process_under_two_plans(runs, family):
+def test_library_lm_trains_exactly_like_single_process_under_two_plans(runs, bounds, family):
     world, results = runs
     data = PaddedTokens(GLOBAL * STEPS)
     want = reference(family, "sgd", STEPS, GLOBAL, data)
+    bound = bounds(family, "sgd", torch.float32)
     for index in range(len(PLANS[world])):
         got = assemble([r[(family, "sgd", index)] for r in results], torch.float64)
         for name, value in want.items():
             assert not torch.isnan(got[name]).any(), f"{name}: an element is owned by nobody"
             err = (got[name].float() - value.reshape(-1)).abs().max().item()
-            assert err <= 1e-7, f"{family} plan {index}: {name} differs by {err:.2e}"
+            assert err <= bound[name], f"{family} plan {index}: {name} differs by {err:.2e} > {bound[name]:.2e}"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", FAMILIES)
-def test_library_lm_adamw_fp64_parameters_and_moments_match(runs, family):
+def test_library_lm_adamw_fp64_parameters_and_moments_match(runs, bounds, family):
     world, results = runs
     data = PaddedTokens(GLOBAL * STEPS)
     want = reference(family, "adamw", STEPS, GLOBAL, data, dtype=torch.float64)
     got = assemble([r[(family, "adamw", 0)] for r in results], torch.float64)
     assert set(want) <= set(got)
+    bound = bounds(family, "adamw", torch.float64)
     for name, value in want.items():
         err = (got[name] - value.reshape(-1)).abs().max().item()
-        assert err <= 1e-6, f"{family}: {name} differs by {err:.2e}"
+        assert err <= bound[name], f"{family}: {name} differs by {err:.2e} > {bound[name]:.2e}"

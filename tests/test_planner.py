@@ -6,7 +6,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from cephalo_lightning.planner import (
 from cephalo_lightning.planner.catalog import known_names, lookup
 from cephalo_lightning.planner.cli import main as cli_main
 from cephalo_lightning.planner.report import render_plan
+from tests.conftest import HANG_TIMEOUT_S
 from tests.planner_reference import brute_force, memory_ok, rank_times
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -434,15 +434,17 @@ def test_cli_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert cli_main([str(CLUSTERS / "t4-example.yaml")]) == 2  # argparse: missing --global-batch-size
 
 
+@pytest.mark.multiprocess
 def test_module_entry_point(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     result = subprocess.run(
         [sys.executable, "-m", "cephalo_lightning", "plan", str(CLUSTERS / "t4-example.yaml"), "-b", "48",
-         "--json", "-o", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+         "--json", "-o", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=HANG_TIMEOUT_S)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == json.loads(out.read_text().strip())
 
 
+@pytest.mark.multiprocess
 def test_planner_imports_without_torch() -> None:
     code = (
         "import sys\n"
@@ -456,7 +458,7 @@ def test_planner_imports_without_torch() -> None:
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
         "print('ok')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=HANG_TIMEOUT_S)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
@@ -464,15 +466,10 @@ def test_planner_imports_without_torch() -> None:
 
 
 def test_64_gpus_at_4096_plan_in_under_a_second() -> None:
+    """A valid plan; how long it takes is checked by ``benchmarks/wall_clock_checks.py planner``."""
     cluster = load_cluster(CLUSTERS / "hetero-64.yaml")
     assert cluster.world_size == 64 and len(set(cluster.devices)) == 4
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        p = plan(cluster, 4096)
-        best = min(best, time.perf_counter() - start)
-    check_plan(cluster, p, 4096)
-    assert best < 1.0
+    check_plan(cluster, plan(cluster, 4096), 4096)
 
 
 def test_benchmark_returns_rows() -> None:

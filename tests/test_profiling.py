@@ -237,12 +237,12 @@ def _profile_emulated_pair(rank: int, world_size: int, cache_dir: str) -> dict:
     }
 
 
-@pytest.mark.multiprocess
 def _slowdown_ratio(cluster: Cluster) -> float:
     fast, slow = cluster.devices
     return (sum(slow.layer_fwd_ms) + sum(slow.layer_bwd_ms)) / (sum(fast.layer_fwd_ms) + sum(fast.layer_bwd_ms))
 
 
+@pytest.mark.multiprocess
 def test_emulated_slowdown_is_recovered_and_planned() -> None:
     with tempfile.TemporaryDirectory() as cache_dir:
         results = run_distributed(_profile_emulated_pair, 2, cache_dir)

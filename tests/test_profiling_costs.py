@@ -69,22 +69,24 @@ def test_cache_with_a_capacity_the_device_does_not_have_is_profiled_again(
     assert "rank 0" in caplog.text and "0.5 GiB of memory but the cache says 1e+03 GiB" in caplog.text
 
 
-def _profile_pair(rank: int, world_size: int, overlap: float | None) -> dict:
+def _profile_pair(rank: int, world_size: int, overlaps: list[float | None]) -> list:
+    """The emulated pair profiled once per ``overlap`` setting, in the same two ranks."""
     layers, sample = tiny()
-    settings = Settings(reserved_memory_gb=0.0, micro_batch_overhead_ms=0.0, overlap=overlap)
-    cluster = profile_cluster(layers, sample, emulate=[{"slowdown": 1}, {"slowdown": 2}], options=QUICK,
-                              settings=settings, quiet=True)
-    return {"cluster": cluster}
+    clusters = []
+    for overlap in overlaps:
+        settings = Settings(reserved_memory_gb=0.0, micro_batch_overhead_ms=0.0, overlap=overlap)
+        clusters.append(profile_cluster(layers, sample, emulate=[{"slowdown": 1}, {"slowdown": 2}], options=QUICK,
+                                        settings=settings, quiet=True))
+    return clusters
 
 
 @pytest.mark.multiprocess
 def test_two_ranks_measure_slope_overlap_and_optimizer() -> None:
-    measured = run_distributed(_profile_pair, 2, None)[0]["cluster"]
+    measured, pinned = run_distributed(_profile_pair, 2, [None, 0.25])[0]  # 0.25: a value the caller set is kept
     s = measured.settings
     assert s.uneven_slope is not None and s.uneven_slope >= 0
     assert s.overlap is not None and 0.0 <= s.overlap <= 1.0
     fast, slow = measured.devices
     assert fast.optimizer_ns_per_param > 0 and slow.optimizer_ns_per_param > fast.optimizer_ns_per_param
     assert plan(measured, 8).global_batch_size == 8
-    pinned = run_distributed(_profile_pair, 2, 0.25)[0]["cluster"]  # a value the caller set is kept
     assert pinned.settings.overlap == 0.25

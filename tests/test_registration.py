@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,16 +23,18 @@ TRAINER = ("t = pl.Trainer(strategy='cephalo', accelerator='cpu', devices=1, log
 
 def _python(code: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=clean_env(),
-                            timeout=300)
+                            timeout=HANG_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
 
+@pytest.mark.multiprocess
 def test_the_package_and_the_planner_import_without_torch_or_lightning(tmp_path):
     _python(f"import cephalo_lightning.planner, sys; {HEAVY}", cwd=tmp_path)
     _python(f"import cephalo_lightning, sys; {HEAVY}; assert 'CephaloStrategy' in dir(cephalo_lightning)", cwd=tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_the_plan_command_imports_neither_torch_nor_lightning(tmp_path):
     cluster = ROOT / "configs" / "clusters" / "t4-example.yaml"
     code = ("import sys; from cephalo_lightning.__main__ import main; "
@@ -40,12 +42,14 @@ def test_the_plan_command_imports_neither_torch_nor_lightning(tmp_path):
     assert "samples/s" in _python(code, cwd=tmp_path).stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("first, then", [("cephalo_lightning", "lightning"), ("lightning", "cephalo_lightning")],
                          ids=["package_first", "lightning_first"])
 def test_strategy_name_works_in_either_import_order(first, then):
     _python(f"import {first}; import {then}; import lightning.pytorch as pl; {TRAINER}")
 
 
+@pytest.mark.multiprocess
 def test_lightning_keeps_its_own_loader_and_a_reload_registers_again():
     code = (
         "import importlib, importlib.machinery, sys, cephalo_lightning, lightning.pytorch as pl; "
@@ -60,11 +64,12 @@ def test_lightning_keeps_its_own_loader_and_a_reload_registers_again():
     _python(code)
 
 
+@pytest.mark.multiprocess
 def test_strategy_name_on_the_lightning_cli_command_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "cephalo_lightning", "fit", "--config", str(ROOT / "configs" / "tiny-cli.yaml"),
          "--trainer.strategy=cephalo", "--vars.steps=1", "--trainer.default_root_dir", str(tmp_path)],
-        capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=300,
+        capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=HANG_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Cephalo: layered mode" in result.stdout + result.stderr

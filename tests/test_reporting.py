@@ -27,12 +27,12 @@ import yaml
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
 from cephalo_lightning.lightning.loggers import log_checkpoint_artifacts, rank_lines
 from cephalo_lightning.planner import RankPlan
-from tests.conftest import clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def wandb_records(run_dir: Path, timeout: float = 60.0) -> list:
+def wandb_records(run_dir: Path, timeout: float = HANG_TIMEOUT_S) -> list:
     """The run's records, once its ``exit`` record is written (wandb's service writes after ``finish``)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -123,6 +123,7 @@ def wandb_run(tmp_path_factory):
     return trainer, checkpoints, uploads, run_id, files, wandb_records(run_dir), root
 
 
+@pytest.mark.multiprocess
 def test_wandb_run_config_holds_the_resolved_configuration(wandb_run):
     trainer, _, _, _, _, records, _ = wandb_run
     updates = [json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "config"
@@ -140,6 +141,7 @@ def test_wandb_run_config_holds_the_resolved_configuration(wandb_run):
     assert config["cluster"]["model"]["parameters"] == sum(p.numel() for p in trainer.lightning_module.parameters())
 
 
+@pytest.mark.multiprocess
 def test_other_loggers_get_the_configuration_in_hparams_yaml(wandb_run):
     trainer, *_, root = wandb_run
     (hparams,) = (root / "csv").glob("version_*/hparams.yaml")
@@ -152,6 +154,7 @@ def test_other_loggers_get_the_configuration_in_hparams_yaml(wandb_run):
     assert config["plan"]["ranks"]["rank0"]["state_share"] == trainer.strategy.plan.ranks[0].state_share == 1.0
 
 
+@pytest.mark.multiprocess
 def test_plan_and_cluster_files_are_run_files(wandb_run):
     trainer, _, _, _, files, records, _ = wandb_run
     saved = {f.path for r in records if r.WhichOneof("record_type") == "files" for f in r.files.files}
@@ -162,6 +165,7 @@ def test_plan_and_cluster_files_are_run_files(wandb_run):
     assert load_cluster(files / "cluster.yaml") == trainer.strategy.cluster
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_directories_become_model_artifacts_as_log_model_says(wandb_run):
     _, checkpoints, uploads, run_id, _, records, _ = wandb_run
     best, last = checkpoints.best_model_path, checkpoints.last_model_path
@@ -178,6 +182,7 @@ def test_checkpoint_directories_become_model_artifacts_as_log_model_says(wandb_r
     assert sum(aliases == ["latest"] for aliases, _ in by_files) == 2  # last.ckpt, both times
 
 
+@pytest.mark.multiprocess
 def test_profiling_progress_and_rank_lines_reach_a_plain_log(tmp_path):
     script = f"""
 import warnings; warnings.simplefilter("ignore")
@@ -195,7 +200,7 @@ for _ in range(2):  # the second run reuses the cached profile
 log_rank_lines(trainer.strategy.plan)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
-                            env=clean_env(), timeout=300)  # pipes: not a terminal, as under torchrun or SLURM
+                            env=clean_env(), timeout=HANG_TIMEOUT_S)  # pipes: not a terminal, as under torchrun or SLURM
     assert result.returncode == 0, result.stderr[-3000:]
     log = result.stderr
     assert "Cephalo: profiling 1 device(s)" in log

@@ -168,7 +168,7 @@ def random_case(world: int, seed: int) -> tuple[list[float], list[int]]:
     return [x / sum(shares) for x in shares], sizes
 
 
-def _random_shares(rank: int, world: int):
+def _random_shares(world: int):
     out = []
     for seed, mode in ((1, "padded"), (2, "exact")):
         shares, sizes = random_case(world, seed)
@@ -180,19 +180,10 @@ def _random_shares(rank: int, world: int):
     return out
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4])
-def test_random_uneven_shares_match_single_process(world):
-    results = run_distributed(_random_shares, world)
-    want = reference_state(*train_reference(STEPS, GLOBAL_BATCH))
-    for case in range(2):
-        assert_matches(assemble([r[case] for r in results]), want)
-
-
 # ----------------------------------------------------------------------------- checkpoint resharding
 
 
-def _resume(rank: int, world: int, ckpt_dir: str, shares: list[float], batch_sizes: list[int]):
+def _resume(ckpt_dir: str, shares: list[float], batch_sizes: list[int]):
     model = TinyLM(seed=123)  # different init: everything must come from the checkpoint
     sharded = ShardedModel(model, shares)
     optimizer = make_optimizer(model.parameters())
@@ -200,6 +191,29 @@ def _resume(rank: int, world: int, ckpt_dir: str, shares: list[float], batch_siz
     assert meta["step"] == STEPS
     train_uniform(sharded, model, optimizer, batch_sizes, 1, 2, start=STEPS)
     return local_pieces(sharded, optimizer)
+
+
+RESHARD = {2: ([0.25, 0.75], [9, 3]), 4: ([0.25, 0.25, 0.25, 0.25], [3, 3, 3, 3])}  # world -> shares, batch sizes
+
+
+def _random_shares_and_resume(rank: int, world: int, ckpt_dir: str):
+    """Both scenarios of this world size in one spawn: random shares, then the resharded resume."""
+    return {"random": _random_shares(world), "resumed": _resume(ckpt_dir, *RESHARD[world])}
+
+
+@pytest.fixture(scope="module")
+def two_and_four(three_rank_run):
+    _, ckpt = three_rank_run
+    return {world: run_distributed(_random_shares_and_resume, world, str(ckpt)) for world in RESHARD}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_random_uneven_shares_match_single_process(two_and_four, world):
+    results = [r["random"] for r in two_and_four[world]]
+    want = reference_state(*train_reference(STEPS, GLOBAL_BATCH))
+    for case in range(2):
+        assert_matches(assemble([r[case] for r in results]), want)
 
 
 def _continued_reference():
@@ -211,9 +225,9 @@ def _continued_reference():
 @pytest.mark.parametrize(
     "shares,batch_sizes", [([0.25, 0.75], [9, 3]), ([0.25, 0.25, 0.25, 0.25], [3, 3, 3, 3])], ids=["2-ranks", "4-even"]
 )
-def test_checkpoint_reshards_to_another_world_size(three_rank_run, shares, batch_sizes):
-    _, ckpt = three_rank_run
-    results = run_distributed(_resume, len(shares), str(ckpt), shares, batch_sizes)
+def test_checkpoint_reshards_to_another_world_size(two_and_four, shares, batch_sizes):
+    assert RESHARD[len(shares)] == (shares, batch_sizes)
+    results = [r["resumed"] for r in two_and_four[len(shares)]]
     assert_matches(assemble(results), _continued_reference())
 
 
@@ -248,6 +262,7 @@ def test_a_model_on_a_subgroup_checkpoints_over_its_own_group(tmp_path):
     checkpoint.verify(ckpt)
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_loads_into_a_plain_model_without_process_group(three_rank_run):
     _, ckpt = three_rank_run
     model, _ = train_reference(STEPS, GLOBAL_BATCH)

@@ -221,20 +221,21 @@ def test_a_plan_switch_is_exact_with_a_prefetching_multi_worker_loader(switched)
     epoch, step = switched[0]["switch"]
     assert epoch == 0 and step > 2, "the switch waits for the batches the workers have already cut"
     assert switched[0]["final_plan"] == [2, 10]
-    from tests.test_strategy import max_error, reference
+    from tests.helpers import max_error, reference
 
     want, _ = reference(12, 12, samples=12 * 12)
     assert max_error(switched[0]["fit"], want) <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_the_gpu_check_runs_its_cpu_skeleton(tmp_path):
     import subprocess
 
-    from tests.conftest import clean_env
+    from tests.conftest import HANG_TIMEOUT_S, clean_env
 
     out = tmp_path / "gpu.md"
     result = subprocess.run([sys.executable, str(PACKAGE.parent / "benchmarks" / "gpu_check.py"), "--dry-run",
-                             "--out", str(out)], capture_output=True, text=True, env=clean_env(), timeout=600)
+                             "--out", str(out)], capture_output=True, text=True, env=clean_env(), timeout=HANG_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     table = out.read_text()
     assert "CPU dry run" in table and "| layered fit (cephalo, 1 rank) | ok |" in table

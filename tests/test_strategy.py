@@ -20,49 +20,15 @@ from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime import checkpoint
 from tests.conftest import clean_env
 from tests.distributed import run_distributed
+from tests.helpers import NUM_SAMPLES, max_error, reference, trainer
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
-from tests.models import TinyLM
-from tests.reference import make_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
-NUM_SAMPLES = 48
 TOL = 1e-5
 
 LAYERED_PLAN = Plan(12, "layered", (RankPlan(0, "a", 2, 1, 2, 0.6), RankPlan(1, "b", 6, 3, 2, 0.3), RankPlan(2, "c", 4, 4, 1, 0.1)))
 UNIFORM_PLAN = Plan(12, "uniform", (RankPlan(0, "a", 2, 2, 1, 0.5), RankPlan(1, "b", 6, 2, 3, 0.2), RankPlan(2, "c", 4, 2, 2, 0.3)))
 RESUME_PLAN = Plan(12, "layered", (RankPlan(0, "a", 9, 3, 3, 0.25), RankPlan(1, "b", 3, 1, 3, 0.75)))
-
-
-def reference(steps: int, global_batch: int, clip: float | None = None, accumulate: int = 1, samples: int = NUM_SAMPLES):
-    """Single-process training on the same global batches (sequential order)."""
-    data = token_data(samples)
-    model = TinyLM()
-    optimizer = make_optimizer(model.parameters())
-    losses = []
-    for step in range(steps):
-        for a in range(accumulate):
-            lo = (step * accumulate + a) * global_batch
-            x, y = data[lo : lo + global_batch]
-            loss = model.loss(model(x), y)
-            losses.append(loss.item())
-            (loss / accumulate).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad()
-    return {f"model.{k}": v.detach() for k, v in model.state_dict().items()}, losses
-
-
-def trainer(strategy: CephaloStrategy, world: int, steps: int, **kwargs) -> pl.Trainer:
-    return pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        **{"enable_checkpointing": False, **kwargs},
-    )
-
-
-def max_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    return max((got[k] - v).abs().max().item() for k, v in want.items())
 
 
 # ----------------------------------------------------------------------------- 3 ranks
@@ -183,7 +149,7 @@ def test_sigkill_during_training_leaves_the_last_checkpoint_loadable(tmp_path):
     model = TinyLayered()
     model.load_state_dict(weights)
     want, _ = reference(3, 12)
-    assert max((model.state_dict()[k] - v).abs().max().item() for k, v in want.items()) <= TOL
+    assert max_error(model.state_dict(), want) <= TOL
 
 
 # ----------------------------------------------------------------------------- bad input (1 rank)
@@ -226,6 +192,7 @@ def test_layered_plan_on_a_model_without_the_protocol_is_refused():
         _fit_one(CephaloStrategy(plan=plan, mode="layered"), TinyUniform())
 
 
+@pytest.mark.multiprocess
 def test_strategy_name_without_the_import_says_how_to_fix_it():
     code = "import lightning.pytorch as pl; pl.Trainer(strategy='cephalo', accelerator='cpu', devices=1)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=clean_env())
@@ -238,6 +205,7 @@ def test_strategy_name_without_the_import_says_how_to_fix_it():
 # ----------------------------------------------------------------------------- LightningCLI
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("config", ["tiny-cli.yaml", "tiny-cli-name.yaml"], ids=["class_path", "name"])
 def test_lightning_cli_config_selects_the_strategy(config, tmp_path):
     result = subprocess.run(
@@ -250,6 +218,7 @@ def test_lightning_cli_config_selects_the_strategy(config, tmp_path):
     assert "max_steps=3" in result.stdout + result.stderr
 
 
+@pytest.mark.multiprocess
 def test_profile_command_writes_a_cluster_file_and_a_plan(tmp_path):
     cluster_file, plan_file = tmp_path / "cluster.yaml", tmp_path / "plan.json"
     result = subprocess.run(

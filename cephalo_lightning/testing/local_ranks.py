@@ -55,6 +55,7 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads
     must guard its entry point with ``if __name__ == "__main__":``. ``threads``: torch intra-op
     threads per rank (1 keeps W ranks from fighting over a small machine's cores).
     """
+    sys.audit("cephalo_lightning.testing.run_local_ranks", world_size)  # lets a test suite see every launch
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             mp.spawn(_rank, args=(world_size, free_port(), out_dir, threads, fn, args), nprocs=world_size, join=True)

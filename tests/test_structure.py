@@ -1,0 +1,139 @@
+"""The package's shape, checked from its source: imports point one way through the layers, and
+every Lightning override says so with ``@override``.
+
+Layers, lowest first: ``_common`` <- ``planner`` <- ``runtime`` (and ``testing``) <- ``profiling``
+<- ``models`` <- the Lightning layer (``lightning/`` and the top-level modules, ``demo``,
+``configs``). A module may import its own layer and the layers below it, never one above.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import cephalo_lightning
+
+PACKAGE = Path(cephalo_lightning.__file__).parent
+NAME = PACKAGE.name
+LAYERS = {"_common": 0, "planner": 1, "runtime": 2, "testing": 2, "profiling": 3, "models": 4, "lightning": 5}
+TOP = 5  # the top-level modules, demo/ and configs/ sit with the Lightning layer
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
+NO_TORCH = ("_common", "planner")
+NO_LIGHTNING = ("_common", "planner", "runtime", "testing", "profiling", "models")
+PRIVATE_HOME = "lightning/_private.py"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str, tuple[str, ...]]]:
+    """Every import in the file, module-level or inside a function: (line, module, names)."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:  # relative: resolved against the importing module's package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            found.append((node.lineno, target, tuple(alias.name for alias in node.names)))
+    return found
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.get(parts[1], TOP) if len(parts) > 1 else TOP
+
+
+def _sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def _where(path: Path) -> str:
+    return str(path.relative_to(PACKAGE))
+
+
+def test_imports_point_one_way_through_the_layers():
+    wrong = []
+    for path in _sources():
+        own = _layer(_module_name(path))
+        for line, module, names in _imports(path):
+            targets = [module] + [f"{module}.{n}" for n in names] if module == NAME else [module]
+            for target in targets:
+                if target.split(".")[0] == NAME and target != NAME and _layer(target) > own:
+                    wrong.append(f"{_where(path)}:{line} imports {target} (a layer above)")
+                elif target == NAME and own < TOP:
+                    wrong.append(f"{_where(path)}:{line} imports the top-level package")
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("forbidden,layers", [(("torch",) + LIGHTNING, NO_TORCH), (LIGHTNING, NO_LIGHTNING)],
+                         ids=["no-torch-in-planner-and-common", "no-lightning-below-the-lightning-layer"])
+def test_lower_layers_never_import_torch_or_lightning(forbidden, layers):
+    wrong = [f"{_where(path)}:{line} imports {module}"
+             for path in _sources() if _where(path).split("/")[0] in layers
+             for line, module, _ in _imports(path) if module.split(".")[0] in forbidden]
+    assert not wrong, f"{', '.join(layers)} must not import {', '.join(forbidden)}:\n" + "\n".join(wrong)
+
+
+def test_only_the_private_module_imports_private_lightning():
+    wrong = []
+    for path in _sources():
+        if _where(path) == PRIVATE_HOME:
+            continue
+        for line, module, names in _imports(path):
+            if module.split(".")[0] not in LIGHTNING:
+                continue
+            private = [p for p in module.split(".") if p.startswith("_")] + [n for n in names if n.startswith("_")]
+            if private:
+                wrong.append(f"{_where(path)}:{line} imports {module} {', '.join(names)}")
+    assert not wrong, f"private Lightning imports outside {PRIVATE_HOME}:\n" + "\n".join(wrong)
+
+
+# ----------------------------------------------------------------------------- @override
+
+
+def _overriding_classes() -> list[type]:
+    from cephalo_lightning import CephaloCallback, CephaloStrategy
+    from cephalo_lightning.lightning import precision
+    from cephalo_lightning.lightning.cli import CephaloCLI
+
+    plugins = [c for _, c in inspect.getmembers(precision, inspect.isclass)
+               if c.__module__ == precision.__name__ and any(b.__module__.startswith(LIGHTNING) for b in c.__mro__)]
+    return [CephaloStrategy, CephaloCallback, CephaloCLI, *plugins]
+
+
+def _function(value: object) -> object | None:
+    if isinstance(value, (staticmethod, classmethod)):
+        return value.__func__
+    if isinstance(value, property):
+        return value.fget
+    return value if callable(value) else None
+
+
+def test_every_lightning_override_carries_override():
+    """Every method (not a dunder) that one of our classes defines, or inherits from a class of
+    ours, whose name a Lightning base class defines too, has ``__override__`` set
+    (``typing_extensions.override`` sets it)."""
+    missing = set()
+    for cls in _overriding_classes():
+        lightning_bases = [b for b in cls.__mro__ if b.__module__.startswith(LIGHTNING)]
+        lightning_names = {name for b in lightning_bases for name in vars(b)}
+        for own in cls.__mro__:
+            if not own.__module__.startswith(NAME):
+                continue
+            for name, value in vars(own).items():
+                function = _function(value)
+                if (function is None or name not in lightning_names or (name.startswith("__") and name.endswith("__"))):
+                    continue
+                if not getattr(function, "__override__", False):
+                    missing.add(f"{own.__module__}.{own.__qualname__}.{name}")
+    assert not missing, f"{len(missing)} Lightning override(s) without @override:\n" + "\n".join(sorted(missing))
