@@ -18,13 +18,13 @@ __all__ = ["CephaloCallback", "CephaloStrategy", "Cluster", "Layer", "Plan", "Pl
 __version__ = "0.1.0"
 
 _LAZY = {"CephaloStrategy": "cephalo_lightning.lightning.strategy", "CephaloCallback": "cephalo_lightning.lightning.callback",
-         "consolidated": "cephalo_lightning.runtime.checkpoint", "Layer": "cephalo_lightning.runtime.layered",
+         "consolidated": "cephalo_lightning.lightning.checkpoint_io", "Layer": "cephalo_lightning.runtime.layered",
          "full_shape": "cephalo_lightning.runtime.sharding.flat_unit"}
 
 if TYPE_CHECKING:
     from cephalo_lightning.lightning.callback import CephaloCallback
+    from cephalo_lightning.lightning.checkpoint_io import consolidated
     from cephalo_lightning.lightning.strategy import CephaloStrategy
-    from cephalo_lightning.runtime.checkpoint import consolidated
     from cephalo_lightning.runtime.layered import Layer
     from cephalo_lightning.runtime.sharding.flat_unit import full_shape
 

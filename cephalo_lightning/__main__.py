@@ -55,7 +55,8 @@ def consolidate_main(argv: list[str]) -> int:
     parser.add_argument("checkpoint", help="a sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
     parser.add_argument("-o", "--output", default=None, help="the file to write (default: <checkpoint>.consolidated)")
     args = parser.parse_args(argv)
-    from cephalo_lightning.runtime.checkpoint import CheckpointError, consolidate
+    from cephalo_lightning.lightning.checkpoint_io import consolidate
+    from cephalo_lightning.runtime.checkpoint import CheckpointError
 
     source = Path(args.checkpoint)
     output = Path(args.output) if args.output else source.with_name(source.name + ".consolidated")

@@ -7,11 +7,13 @@ plan and world size.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
@@ -20,6 +22,24 @@ from cephalo_lightning.planner import Plan
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
+LIGHTNING_SAFE_GLOBALS: tuple[Any, ...] = (AttributeDict,)  # Lightning's hyperparameter container
+
+
+def globals_with_lightning(extra: Sequence[Any] = ()) -> tuple[Any, ...]:
+    """What a checkpoint of a Lightning fit may hold besides the runtime's allow-list."""
+    return (*LIGHTNING_SAFE_GLOBALS, *extra)
+
+
+def consolidated(path: str | Path, safe_globals: Sequence[Any] = ()) -> io.BytesIO:
+    """A sharded checkpoint directory as one in-memory Lightning checkpoint file, e.g. for
+    ``LightningModule.load_from_checkpoint(consolidated(DIR))`` (verified first)."""
+    return checkpoint.consolidated(path, globals_with_lightning(safe_globals))
+
+
+def consolidate(path: str | Path, output: str | Path | io.BytesIO, safe_globals: Sequence[Any] = ()) -> None:
+    """Write a sharded checkpoint directory as one ordinary Lightning checkpoint file (verified first)."""
+    checkpoint.consolidate(path, output, globals_with_lightning(safe_globals))
+
 
 class FitCheckpoints:
     """Saves and loads the sharded model (and its optimizer state) of one fit."""
@@ -27,6 +47,7 @@ class FitCheckpoints:
     def __init__(self, sharded: ShardedModel, config: StrategyConfig, rank: int, plan: Callable[[], Plan]) -> None:
         self.sharded = sharded
         self.config = config
+        self.safe_globals = globals_with_lightning(config.safe_globals)
         self.rank = rank
         self.plan = plan  # the plan the model is sharded under when a checkpoint is written
 
@@ -38,11 +59,11 @@ class FitCheckpoints:
         info = {"plan": self.plan().to_dict(), "world_size": self.sharded.world_size}
         optimizers = optimizers if "optimizer_states" in checkpoint_dict else []
         if self.config.state_dict_type == "sharded":
-            return checkpoint.save(path, self.sharded, optimizers, meta, info, self.config.safe_globals)
+            return checkpoint.save(path, self.sharded, optimizers, meta, info, self.safe_globals)
         staging = path.with_name(f".{path.name}.sharded")
-        checkpoint.save(staging, self.sharded, optimizers, meta, info, self.config.safe_globals)
+        checkpoint.save(staging, self.sharded, optimizers, meta, info, self.safe_globals)
         if self.rank == 0:
-            checkpoint.consolidate(staging, path, self.config.safe_globals, verify_checksums=False)  # hashed by save
+            checkpoint.consolidate(staging, path, self.safe_globals, verify_checksums=False)  # hashed by save
             checkpoint.remove(staging)
         return path
 
@@ -50,7 +71,7 @@ class FitCheckpoints:
         """Collective: a sharded directory (any layout) or a single file (weights only)."""
         trusted = weights_only is False  # an explicit opt-in to unpickling meta.pt (never DCP's metadata)
         if path.is_dir() or checkpoint.is_checkpoint(path) or not path.exists():
-            meta, _ = checkpoint.load(path, self.sharded, optimizers, self.config.safe_globals,
+            meta, _ = checkpoint.load(path, self.sharded, optimizers, self.safe_globals,
                                       self.config.verify_checksums, trusted=trusted)
             return meta
         rank_zero_info("Cephalo: loading weights from a single-file checkpoint; optimizer state starts fresh.")
@@ -58,7 +79,7 @@ class FitCheckpoints:
 
     def load_full(self, path: Path, trusted: bool = False) -> dict[str, Any]:
         """Weights from a single-file checkpoint (optimizer state starts fresh)."""
-        loaded = checkpoint.safe_load(path, self.config.safe_globals, trusted=trusted)
+        loaded = checkpoint.safe_load(path, self.safe_globals, trusted=trusted)
         state = loaded.get("state_dict", loaded)
         with torch.no_grad():
             for name, piece in self.sharded.named_parameters():

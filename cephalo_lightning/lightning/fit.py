@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from cephalo_lightning.lightning import loggers
-from cephalo_lightning.lightning.checkpoint_io import FitCheckpoints
+from cephalo_lightning.lightning.checkpoint_io import FitCheckpoints, globals_with_lightning
 from cephalo_lightning.lightning.config import Schedule, StrategyConfig
 from cephalo_lightning.lightning.plan_switch import PlanSwitches
 from cephalo_lightning.lightning.schedules import check_plan, loss_weighting
@@ -87,7 +87,7 @@ class FitRuntime:
         what an interrupted save left, start the heartbeat, report the run to the loggers (unless
         ``reported_elsewhere``: a callback reports it with its profile)."""
         for hparams in (self.module.hparams, getattr(trainer.datamodule, "hparams", {})):
-            checkpoint.check_loadable(dict(hparams), self.config.safe_globals, "the hyperparameters")
+            checkpoint.check_loadable(dict(hparams), globals_with_lightning(self.config.safe_globals), "the hyperparameters")
         if trainer.is_global_zero:
             for callback in trainer.checkpoint_callbacks:
                 if getattr(callback, "dirpath", None):

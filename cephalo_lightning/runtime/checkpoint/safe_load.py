@@ -8,7 +8,10 @@ read by DCP with ``weights_only=True``; everything else is JSON.
 
 from __future__ import annotations
 
+import argparse
+import collections
 import io
+import pathlib
 import pickle
 from collections.abc import Iterable
 from pathlib import Path
@@ -80,23 +83,10 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
-def _safe_globals_default() -> list[Any]:
-    import argparse
-    import collections
-    import pathlib
-
-    found: list[Any] = [pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath,
-                        argparse.Namespace, collections.defaultdict]
-    try:  # Lightning's hyperparameter container, when Lightning is installed
-        from lightning.fabric.utilities.data import AttributeDict
-
-        found.append(AttributeDict)
-    except ImportError:  # pragma: no cover
-        pass
-    return found
-
-
-SAFE_GLOBALS: list[Any] = _safe_globals_default()  # besides tensors, containers and plain scalars
+# Besides tensors, containers and plain scalars: what Lightning's checkpoint dict holds from the
+# standard library. The Lightning layer adds Lightning's own classes (lightning/checkpoint_io.py).
+SAFE_GLOBALS: tuple[Any, ...] = (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath, pathlib.PureWindowsPath,
+                                 argparse.Namespace, collections.defaultdict)
 
 
 def safe_load(source: str | Path | io.BytesIO, extra_globals: Iterable[Any] = (), what: str = "",
