@@ -2,11 +2,12 @@
 #   make demo   - set up, then train the small GPT on an emulated heterogeneous cluster
 #   make test   - set up, then run the test suite (its time at the end)
 #   make test-fast - the in-process tests only (no gloo ranks, no subprocesses): about 2 minutes
+#   make lint      - pyflakes and import order (ruff)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast bench report clean
+.PHONY: setup demo test test-fast lint bench report clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -29,6 +30,9 @@ test: setup
 test-fast: setup
 	@start=$$(date +%s); $(BIN)/python -m pytest -q -m "not multiprocess" tests; rc=$$?; \
 	echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+lint: setup
+	$(BIN)/ruff check cephalo_lightning tests benchmarks examples
 
 bench: setup
 	$(BIN)/python benchmarks/report.py
