@@ -1,11 +1,11 @@
 """One unit of the model: its parameters as one flat buffer, sharded unevenly across ranks.
 
 Outside compute, the unit's modules hold this rank's *local pieces*: one ``nn.Parameter`` per
-original parameter, a view into the rank's fp32 master shard (possibly empty). That is what an
-optimizer built from ``model.parameters()`` sees, so optimizer state follows the plan's share. A
-piece keeps its parameter's number of dimensions (a ``[1, ..., 1, k]`` view of its ``k``
-elements), so optimizer groups chosen by ``p.dim()`` / ``p.ndim`` are the groups of the unsharded
-model; :func:`full_shape` gives the original shape.
+original parameter, a view into the rank's master shard (fp32, fp64 for an fp64 model; possibly
+empty). That is what an optimizer built from ``model.parameters()`` sees, so optimizer state
+follows the plan's share. A piece keeps its parameter's number of dimensions (a ``[1, ..., 1, k]``
+view of its ``k`` elements), so optimizer groups chosen by ``p.dim()`` / ``p.ndim`` are the groups
+of the unsharded model; :func:`full_shape` gives the original shape.
 
 For compute, :meth:`FlatUnit.gather` fills a full flat buffer (in the compute dtype) and the
 modules are switched to *full parameters*: ordinary ``nn.Parameter`` views of that buffer, so user

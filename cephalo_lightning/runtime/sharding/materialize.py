@@ -1,10 +1,9 @@
-"""Each unit's master shard, built one unit at a time: from materialised parameters, a
-:class:`WeightSource` (this rank's slices only) or an initialisation run on the unit alone.
+"""Each unit's master shard, built one unit at a time (:class:`UnitMaterializer`).
 
-A model built on the meta device is materialised one unit at a time (:class:`UnitMaterializer`):
-the unit's tensors are allocated, initialised (or read from a :class:`~.weights.WeightSource`,
-this rank's slices only) and cut to the local shard before the next unit is touched, so the peak
-is the rank's share plus about one unit, never the whole model.
+A model built on the meta device is materialised one unit at a time: the unit's tensors are
+allocated, initialised (or read from a :class:`WeightSource`, this rank's slices only) and cut to
+the local shard before the next unit is touched, so the peak is the rank's share plus about one
+unit, never the whole model. A materialised model's units are cut to their shards as they are.
 """
 
 from __future__ import annotations

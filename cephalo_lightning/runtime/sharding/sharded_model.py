@@ -30,22 +30,23 @@ where its parameters are::
 :class:`~.flat_unit.GradState` says where its gradient is in one backward pass of the hooks::
 
     IDLE --_pre_backward--> COMPUTING --_post_accumulate (its last gradient)--> READY
-    READY --_reduce_in_order (every later unit REDUCED)--> REDUCED --finish_backward--> IDLE
+    READY --reduce_in_order (every later unit REDUCED)--> REDUCED --finish_backward--> IDLE
 
-The two are independent: the root stays GATHERED for the whole step, through READY and REDUCED,
-and a prefetch may reach a unit whose backward is already over. Every hook returns at once when
-the unit is already where the hook would take it, so a hook that fires twice (two outputs of one
-unit, a unit called twice) acts once. ``_pre_forward`` gathers the unit (prefetching the next),
-``_post_forward`` frees it; ``_pre_backward`` (on the first gradient reaching an output) gathers it
-again (prefetching the previous) and opens its ``unit_backward`` region; when autograd has
-accumulated the gradient of every trainable full parameter, ``_post_backward`` closes the region,
-frees a layer unit (not the root) and marks it READY. ``_reduce_in_order`` then walks from the
-last unit to the first, reducing each READY unit and stopping at the first trainable one that is
-not; frozen units are passed over. ``finish_backward`` reduces every trainable unit not yet
-REDUCED in the same walk (zeros where no gradient reached it), so every rank, whatever reached its
-units and whether or not it had samples, reduce-scatters the same units in the same order; it then
-closes the regions of units autograd never finished and frees every layer unit (and the root when
-the gradients were synchronised) and sets every unit back to IDLE.
+The two are independent: the root stays GATHERED through READY and REDUCED (it is gathered for
+the whole step, across the micro-batches that accumulate), and a prefetch may reach a unit whose
+backward is already over. A schedule (the layered mode) drives ``UnitState`` only; ``GradState``
+is the hooks' (:class:`_UniformHooks`). Every hook returns at once when its unit is already where
+the hook leads, so a hook that fires again (a second output of the unit reaching the backward)
+does nothing. ``_pre_forward`` gathers the unit (prefetching the next) and ``_post_forward`` frees
+it; ``_pre_backward`` gathers it again (prefetching the previous) and opens its ``unit_backward``
+region; once autograd has accumulated the gradient of every trainable full parameter,
+``_post_backward`` closes the region, frees a layer unit (not the root) and marks it READY.
+``reduce_in_order`` then walks from the last unit to the first, passing REDUCED and frozen units,
+reducing each READY one and stopping at the first that is neither. ``finish_backward`` walks once
+more reducing every trainable unit not yet REDUCED (zeros where no gradient reached it): every
+rank, whatever autograd reached and whether or not it had samples, reduce-scatters the same units
+in the same order. It then closes the regions of units autograd never finished, frees the layer
+units (and the root, when the gradients were synchronised) and sets every unit back to IDLE.
 """
 
 from __future__ import annotations
@@ -151,8 +152,7 @@ class ShardedModel:
         self.prefetch = prefetch
         self.mode = Mode.HOOKS
         self._sync = True
-        if hooks:
-            self._install_hooks()
+        self._hooks = _UniformHooks(self) if hooks else None
 
     # ------------------------------------------------------------------ introspection
 
@@ -197,21 +197,7 @@ class ShardedModel:
         for unit in self.units:
             unit.free()
 
-    # ------------------------------------------------------------------ hooks (uniform mode)
-
-    def _install_hooks(self) -> None:
-        self.module.register_forward_pre_hook(self._pre_forward_root)
-        self.module.register_forward_hook(self._post_forward_root)
-        for index, group in enumerate(self.unit_groups, start=1):
-            # every module of a group gathers its unit for a plain forward (evaluation); a group's
-            # backward is driven by its schedule, so only single-module units follow autograd
-            for module in group:
-                module.register_forward_pre_hook(partial(self._pre_forward, index))
-                module.register_forward_hook(partial(self._post_forward, index, len(group) == 1))
-        for index, unit in enumerate(self.units):
-            for param, rg in zip(unit.full_params, unit.requires_grad):
-                if rg:
-                    param.register_post_accumulate_grad_hook(partial(self._post_accumulate, index))
+    # ------------------------------------------------------------------ modes
 
     @contextlib.contextmanager
     def _in_mode(self, mode: Mode) -> Iterator[None]:
@@ -225,65 +211,13 @@ class ShardedModel:
         """For schedules that gather, free and reduce the units themselves: the hooks stand aside."""
         return self._in_mode(Mode.SCHEDULED)
 
-    def _pre_forward_root(self, module: nn.Module, args: Any) -> None:
-        if self.mode is Mode.HOOKS:
-            self.gather_root()
-
-    def _post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.mode is Mode.HOOKS and not torch.is_grad_enabled():  # evaluation: no backward will free it
-            self.root.free()
-
-    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
-        if self.mode is not Mode.HOOKS or self.units[index].state is UnitState.GATHERED:
-            return
-        self.gather_root()
-        self.gather(index, prefetch=index + 1)
-        self.observers.compute_begin("unit_forward")
-
-    def _post_forward(self, index: int, follows_autograd: bool, module: nn.Module, args: Any, output: Any) -> Any:
-        if self.mode is not Mode.HOOKS or self.units[index].state is UnitState.SHARDED:
-            return output
-        self.observers.compute_end("unit_forward")
-        self.units[index].free()
-        if follows_autograd and torch.is_grad_enabled():
-            for tensor in tensors_in(output):
-                if tensor.requires_grad:
-                    tensor.register_hook(partial(self._pre_backward, index))
-        return output
-
-    def _pre_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
-        unit = self.units[index]
-        if self.mode is Mode.HOOKS and unit.grad_state is GradState.IDLE:
-            unit.grad_state = GradState.COMPUTING
-            self.gather(index, prefetch=index - 1)
-            self.observers.compute_begin("unit_backward")
-        return grad
-
-    def _post_accumulate(self, index: int, param: torch.Tensor) -> None:
-        unit = self.units[index]
-        if self.mode is not Mode.HOOKS or unit.grad_state in (GradState.READY, GradState.REDUCED):
-            return
-        unit.grads_accumulated += 1
-        if unit.grads_accumulated == unit.num_trainable:
-            self._post_backward(index)
-
-    def _post_backward(self, index: int) -> None:
-        """Autograd accumulated the unit's last gradient: -> READY, and reduce what is due."""
-        unit = self.units[index]
-        if index != 0:  # the root stays gathered for the whole step
-            if unit.grad_state is GradState.COMPUTING:
-                self.observers.compute_end("unit_backward")
-            unit.free()
-        unit.grad_state = GradState.READY
-        self._reduce_in_order(every=False)
-
     # ------------------------------------------------------------------ gradients
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
         """False while accumulating micro-batches: full gradients stay local, nothing is reduced."""
         self._sync = sync
 
-    def _reduce_in_order(self, every: bool) -> None:
+    def reduce_in_order(self, every: bool) -> None:
         """Reduce READY units strictly from the last to the first (same order on every rank).
 
         With ``every`` each trainable unit not yet REDUCED is reduced whether or not autograd reached
@@ -317,7 +251,7 @@ class ShardedModel:
         """End of one micro-batch's backward: reduce what is left, in order; free the layer units
         (and the root, when the gradients were synchronised)."""
         unfinished = [u for u in self.units if u.grad_state is GradState.COMPUTING and u.gathered]
-        self._reduce_in_order(every=True)
+        self.reduce_in_order(every=True)
         for _ in unfinished:  # a unit autograd never finished (a gradient did not reach every parameter)
             self.observers.compute_end("unit_backward")
         for unit in self.units:
@@ -387,11 +321,80 @@ class ShardedModel:
         return out
 
     def reshard(self, shares: Sequence[float], optimizers: Sequence[torch.optim.Optimizer] = ()) -> ShardLayout:
-        """Collective: move every rank's state onto the layout of new ``shares``, in place.
-
-        Each unit's master shard, and every optimizer-state tensor shaped like the pieces, moves
-        by the overlap of the old and new ranges (one ``all_to_all_single`` per unit and tensor,
-        no full gather, no disk); the optimizers' parameter groups and state are re-keyed to the
-        new local pieces. Peak memory: old share + new share (one unit's state in flight).
-        """
+        """Collective: move every rank's state (master shards, optimizer state) onto the layout of
+        new ``shares``, in place, by the overlap of old and new ranges (:mod:`.reshard`)."""
         return reshard(self, shares, optimizers)
+
+
+class _UniformHooks:
+    """The uniform mode's module and autograd hooks (see [Note: unit state]); each acts only while
+    the model's mode is ``HOOKS`` and returns at once when its unit is already where it leads."""
+
+    def __init__(self, model: ShardedModel) -> None:
+        self.model = model
+        model.module.register_forward_pre_hook(self._pre_forward_root)
+        model.module.register_forward_hook(self._post_forward_root)
+        for index, group in enumerate(model.unit_groups, start=1):
+            # every module of a group gathers its unit for a plain forward (evaluation); a group's
+            # backward is driven by its schedule, so only single-module units follow autograd
+            for module in group:
+                module.register_forward_pre_hook(partial(self._pre_forward, index))
+                module.register_forward_hook(partial(self._post_forward, index, len(group) == 1))
+        for index, unit in enumerate(model.units):
+            for param, rg in zip(unit.full_params, unit.requires_grad):
+                if rg:
+                    param.register_post_accumulate_grad_hook(partial(self._post_accumulate, index))
+
+    def _pre_forward_root(self, module: nn.Module, args: Any) -> None:
+        if self.model.mode is Mode.HOOKS:
+            self.model.gather_root()
+
+    def _post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.model.mode is Mode.HOOKS and not torch.is_grad_enabled():  # evaluation: no backward will free it
+            self.model.root.free()
+
+    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
+        model = self.model
+        if model.mode is not Mode.HOOKS or model.units[index].state is UnitState.GATHERED:
+            return
+        model.gather_root()
+        model.gather(index, prefetch=index + 1)
+        model.observers.compute_begin("unit_forward")
+
+    def _post_forward(self, index: int, follows_autograd: bool, module: nn.Module, args: Any, output: Any) -> Any:
+        model = self.model
+        if model.mode is not Mode.HOOKS or model.units[index].state is UnitState.SHARDED:
+            return output
+        model.observers.compute_end("unit_forward")
+        model.units[index].free()
+        if follows_autograd and torch.is_grad_enabled():
+            for tensor in tensors_in(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(partial(self._pre_backward, index))
+        return output
+
+    def _pre_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        model, unit = self.model, self.model.units[index]
+        if model.mode is Mode.HOOKS and unit.grad_state is GradState.IDLE:
+            unit.grad_state = GradState.COMPUTING
+            model.gather(index, prefetch=index - 1)
+            model.observers.compute_begin("unit_backward")
+        return grad
+
+    def _post_accumulate(self, index: int, param: torch.Tensor) -> None:
+        unit = self.model.units[index]
+        if self.model.mode is not Mode.HOOKS or unit.grad_state in (GradState.READY, GradState.REDUCED):
+            return
+        unit.grads_accumulated += 1
+        if unit.grads_accumulated == unit.num_trainable:
+            self._post_backward(index)
+
+    def _post_backward(self, index: int) -> None:
+        """Autograd accumulated the unit's last gradient: -> READY, and reduce what is due."""
+        model, unit = self.model, self.model.units[index]
+        if index != 0:  # the root stays gathered for the whole step
+            if unit.grad_state is GradState.COMPUTING:
+                model.observers.compute_end("unit_backward")
+            unit.free()
+        unit.grad_state = GradState.READY
+        model.reduce_in_order(every=False)
