@@ -87,7 +87,7 @@ class Mode(enum.Enum):
 
     HOOKS = enum.auto()  # modules hold local pieces; the uniform-mode hooks gather on demand
     SCHEDULED = enum.auto()  # a schedule (the layered mode) drives gathers and reductions itself
-    SUMMONED = enum.auto()  # every unit gathered (summon_full_params); no hook acts
+    SUMMONED = enum.auto()  # units gathered by hand (summon_full_params, unit_gathered); no hook acts
 
 
 class ShardedModel:
