@@ -178,16 +178,19 @@ class LayeredSteps:
             finally:
                 sharded.free_all()
         user = output["loss"] if isinstance(output, dict) else output
-        with sharded.scheduled():
-            x = side = None
-            for index, layer in enumerate(self.model.layers, start=1):
-                with sharded.unit_gathered(index):
+        with sharded.scheduled():  # the layers run as the schedule's forward runs them
+            sharded.gather_root()
+            try:
+                x = side = None
+                for index, layer in enumerate(self.model.layers, start=1):
+                    sharded.gather(index, prefetch=index + 1)
                     if index == 1:
                         x, side = self.model.prepare(micro_batch)
                     x = layer(x, side)
-            sharded.gather_root()
-            derived = self.model.loss(x, micro_batch, side)
-            sharded.root.free()
+                    sharded.units[index].free()
+                derived = self.model.loss(x, micro_batch, side)
+            finally:
+                sharded.free_all()
         mismatch = 0.0
         if has_samples and torch.is_tensor(user):
             user_value, derived_value = float(user), float(derived)

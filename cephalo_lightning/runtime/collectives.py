@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from cephalo_lightning.runtime.distributed import rank_and_size
 from cephalo_lightning.runtime.observers import Observers
 from cephalo_lightning.runtime.sharding.layout import UnitLayout
 
@@ -118,16 +119,11 @@ class Collectives:
 
     def __post_init__(self) -> None:
         self.mode = resolve_mode(self.mode, self.group)
-        self.world_size = dist.get_world_size(self.group) if self._distributed else 1
-        self.rank = dist.get_rank(self.group) if self._distributed else 0
+        self.rank, self.world_size = rank_and_size(self.group)
         # Gloo's reduce_scatter_tensor is slower than its all_reduce; all_to_all_single plus a local
         # sum gives the same result 1.6-2x faster, so equal-size reduce-scatters (even units, padded
         # mode) use it on gloo (benchmarks/bench_runtime.py). NCCL keeps reduce_scatter_tensor.
-        self.reduce_scatter_by_all_to_all = self._distributed and dist.get_backend(self.group) == "gloo"
-
-    @property
-    def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
+        self.reduce_scatter_by_all_to_all = self.world_size > 1 and dist.get_backend(self.group) == "gloo"
 
     def _note(self, op: str, unit: UnitLayout) -> None:
         if self.record:

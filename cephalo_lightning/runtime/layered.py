@@ -91,12 +91,9 @@ def _rng_state(devices: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 @dataclass
 class LayeredStats:
-    """What one step kept where: for the memory accounting and the benchmarks."""
+    """What the last step kept: for the benchmarks."""
 
-    stash_bytes: int = 0  # peak bytes of stashed layer inputs
-    stash_on_host: bool = False
-    micro_batches: int = 0
-    recomputed: bool = True
+    stash_bytes: int = 0  # peak bytes of stashed layer inputs (on the host when offloading)
 
 
 class _Offload:
@@ -219,22 +216,19 @@ class LayeredSchedule:
         sharded, units, moves = self.sharded, self.sharded.units, self._moves
         observers = sharded.observers
         sharded.gather_root()
-        units[1].gather(sharded.comm)
+        sharded.gather(1)
         with torch.no_grad():
             prepared = [prepare(mb) for mb in micro_batches]
         step = _Step([side for _, side in prepared], list(weights), loss_fn, recompute)
         step.stash = [[] for _ in self.layers]
         step.graphs = [[] for _ in self.layers]
         self._step = step
-        self.stats = LayeredStats(stash_on_host=moves.enabled and recompute, micro_batches=len(micro_batches),
-                                  recomputed=recompute)
+        self.stats = LayeredStats()
         xs = [x for x, _ in prepared]
         if recompute:
             xs = [moves.to_host(x) for x in xs]  # each layer's input doubles as its stash
         for index, layer in enumerate(self.layers, start=1):
-            units[index].gather(sharded.comm)
-            if sharded.prefetch and index + 1 < len(units):
-                units[index + 1].start_gather(sharded.comm)
+            sharded.gather(index, prefetch=index + 1)
             with observers.compute("layer_forward"):
                 for k, x in enumerate(xs):
                     if recompute:
@@ -294,9 +288,7 @@ class LayeredSchedule:
         last = len(self.layers)
         for index in range(last, 0, -1):
             layer = self.layers[index - 1]
-            units[index].gather(sharded.comm)
-            if sharded.prefetch and index - 1 >= 1:
-                units[index - 1].start_gather(sharded.comm)
+            sharded.gather(index, prefetch=index - 1)
             with observers.compute("layer_backward"):
                 for k in range(n):
                     if step.recompute:

@@ -85,20 +85,28 @@ class Observers:
             if not present:
                 self.detach(observer)
 
+    def compute_begin(self, region: str) -> None:
+        """A compute region opens (in attachment order); for regions whose end is another event's
+        (a unit's forward opens in one hook and closes in the next), else use :meth:`compute`."""
+        for observer in self._items:
+            observer.compute_begin(region)
+
+    def compute_end(self, region: str) -> None:
+        """A compute region closes (in reverse attachment order: the outermost observer last)."""
+        for observer in reversed(self._items):
+            observer.compute_end(region)
+
     @contextlib.contextmanager
     def compute(self, region: str) -> Iterator[None]:
         with record_function(f"cephalo::{region}"):
-            items = self._items
-            if not items:
+            if not self._items:
                 yield
                 return
-            for observer in items:
-                observer.compute_begin(region)
+            self.compute_begin(region)
             try:
                 yield
             finally:
-                for observer in reversed(items):
-                    observer.compute_end(region)
+                self.compute_end(region)
 
     @contextlib.contextmanager
     def collective(self, op: str, unit: str, numel: int) -> Iterator[None]:

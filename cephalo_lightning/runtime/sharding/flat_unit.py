@@ -1,17 +1,19 @@
 """One unit of the model: its parameters as one flat buffer, sharded unevenly across ranks.
 
 Outside compute, the unit's modules hold this rank's *local pieces*: one ``nn.Parameter`` per
-original parameter, a view into the rank's fp32 master shard (possibly empty). That is what an
-optimizer built from ``model.parameters()`` sees, so optimizer state follows the plan's share. A
-piece keeps its parameter's number of dimensions (a ``[1, ..., 1, k]`` view of its ``k``
-elements), so optimizer groups chosen by ``p.dim()`` / ``p.ndim`` are the groups of the unsharded
-model; :func:`full_shape` gives the original shape.
+original parameter, a view into the rank's master shard (fp32, fp64 for an fp64 model; possibly
+empty). That is what an optimizer built from ``model.parameters()`` sees, so optimizer state
+follows the plan's share. A piece keeps its parameter's number of dimensions (a ``[1, ..., 1, k]``
+view of its ``k`` elements), so optimizer groups chosen by ``p.dim()`` / ``p.ndim`` are the groups
+of the unsharded model; :func:`full_shape` gives the original shape.
 
 For compute, :meth:`FlatUnit.gather` fills a full flat buffer (in the compute dtype) and the
 modules are switched to *full parameters*: ordinary ``nn.Parameter`` views of that buffer, so user
 code sees normal tensors. :meth:`FlatUnit.free` releases the buffer's storage; the views (and any
-tensors autograd saved) come back to life when the storage is filled again, which is how the
-backward pass recomputes nothing it did not have to.
+tensors autograd saved of them in the forward) are valid again once the storage is filled again,
+so a backward pass re-gathers the unit and uses what autograd saved, without re-running the forward.
+Where the parameters are is the unit's :class:`UnitState`; where its gradient is in a backward pass
+(hooks mode) is its :class:`GradState` (see [Note: unit state] in :mod:`.sharded_model`).
 
 A parameter may be held by several modules (tied weights: an embedding and the head): every
 holder gets the same local piece and the same full parameter, so both uses see one tensor and its
@@ -20,6 +22,7 @@ gradient sums both uses once.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +32,23 @@ from torch import nn
 from cephalo_lightning.runtime.collectives import Collectives, PendingGather
 from cephalo_lightning.runtime.observers import Observers
 from cephalo_lightning.runtime.sharding.layout import ParamSpan, UnitLayout
+
+
+class UnitState(enum.Enum):
+    """Where a unit's parameters are."""
+
+    SHARDED = enum.auto()  # the modules hold the local pieces; the full buffer has no storage
+    GATHERING = enum.auto()  # an all-gather into the full buffer is in flight (a prefetch)
+    GATHERED = enum.auto()  # the modules hold the full parameters
+
+
+class GradState(enum.Enum):
+    """Where a unit's gradient is in one backward pass (driven by the hooks; see [Note: unit state])."""
+
+    IDLE = enum.auto()  # the backward pass has not reached the unit
+    COMPUTING = enum.auto()  # gathered again for its backward; the ``unit_backward`` region is open
+    READY = enum.auto()  # every trainable gradient accumulated: it waits for its turn in the reduce order
+    REDUCED = enum.auto()  # its turn came: reduce-scattered (or, while accumulating, kept unsharded)
 
 
 @dataclass(frozen=True)
@@ -49,8 +69,11 @@ class ParamSlot:
 
 
 def set_module_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
-    # Swapping the registered Parameter object in place (as FSDP does) keeps hooks, names and
-    # the module structure intact; nn.Module.__setattr__ would refuse a tensor of another shape.
+    # The registered Parameter object is swapped in the module's ``_parameters`` (as FSDP does)
+    # rather than assigned through nn.Module.__setattr__: the swap happens for every parameter at
+    # every gather and free, and ``register_parameter`` would run the global parameter-registration
+    # hooks each time, which may replace the object (the full parameters and local pieces must
+    # stay the very tensors the hooks and optimizers hold).
     module._parameters[attr] = param
 
 
@@ -94,6 +117,7 @@ class FlatUnit:
         self.master_dtype = master.dtype
         self.requires_grad = [bool(r) for r in requires_grad]
         self.trainable = any(self.requires_grad)
+        self.num_trainable = sum(self.requires_grad)
         self.observers = observers if observers is not None else Observers()
         self.full = torch.empty(layout.numel, dtype=compute_dtype, device=self.device)
         self.full_params = [
@@ -105,8 +129,10 @@ class FlatUnit:
         # on tensors it saved in the forward (they are views of the same storage).
         self._full_raw = self.full.data
         self._resize(0)
-        self.gathered = False
-        self.pending: PendingGather | None = None
+        self.state = UnitState.SHARDED
+        self._pending: PendingGather | None = None  # the all-gather in flight while GATHERING
+        self.grad_state = GradState.IDLE
+        self.grads_accumulated = 0  # trainable full parameters whose gradient autograd accumulated (COMPUTING)
         self._install(layout, master)
 
     def _install(self, layout: UnitLayout, master: torch.Tensor) -> None:
@@ -128,7 +154,7 @@ class FlatUnit:
         local pieces (new ones replace them; the full parameters and their hooks stay)."""
         if [s.name for s in layout.params] != [s.name for s in self.layout.params] or layout.numel != self.layout.numel:
             raise ValueError(f"unit {layout.name}: a new layout must describe the same parameters")
-        if self.gathered or self.pending is not None:
+        if self.state is not UnitState.SHARDED:
             raise RuntimeError(f"unit {layout.name}: cannot change the layout while it is gathered")
         old = self.local_params
         self._install(layout, master)
@@ -166,29 +192,39 @@ class FlatUnit:
             self.observers.storage_resized(storage.size(), nbytes)
             storage.resize_(nbytes)
 
+    @property
+    def gathered(self) -> bool:
+        return self.state is UnitState.GATHERED
+
     def start_gather(self, comm: Collectives) -> None:
-        """Begin filling the full buffer; overlaps with compute where the backend allows."""
-        if self.gathered or self.pending is not None:
+        """SHARDED -> GATHERING: begin filling the full buffer; overlaps with compute where the
+        backend allows. A unit already gathering or gathered stays as it is."""
+        if self.state is not UnitState.SHARDED:
             return
         self._resize(self.full.numel() * self.full.element_size())
-        self.pending = comm.all_gather(self.master, self._full_raw, self.layout, async_op=True, dtype=self.compute_dtype)
+        self._pending = comm.all_gather(self.master, self._full_raw, self.layout, async_op=True, dtype=self.compute_dtype)
+        self.state = UnitState.GATHERING
 
     def gather(self, comm: Collectives) -> None:
-        """Make the full parameters usable (waits for a prefetch already in flight)."""
+        """-> GATHERED: make the full parameters usable (waits for a prefetch already in flight)."""
+        if self.state is UnitState.GATHERED:
+            return
         self.start_gather(comm)
-        if self.pending is not None:
-            self.pending.wait()
-            self.pending = None
-        self.gathered = True
+        self._finish_gather()
+        self.state = UnitState.GATHERED
         self.use_full()
 
+    def _finish_gather(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
     def free(self) -> None:
-        """Release the full buffer; modules go back to the local pieces."""
-        if self.pending is not None:  # a prefetch nobody used: finish it so collectives stay paired
-            self.pending.wait()
-            self.pending = None
+        """-> SHARDED: release the full buffer; modules go back to the local pieces."""
+        # a prefetch nobody used is waited for first: the all-gather writes into this storage
+        self._finish_gather()
         self._resize(0)
-        self.gathered = False
+        self.state = UnitState.SHARDED
         self.use_local()
 
     # ------------------------------------------------------------------ gradients

@@ -1,14 +1,14 @@
 """The uneven ZeRO-3 engine: a model whose state is sharded by per-rank shares.
 
 :class:`ShardedModel` takes an ``nn.Module`` and the ranks' state shares, splits it into units
-(:mod:`.wrap`), lays the units out unevenly (:mod:`.layout`) and keeps only this rank's pieces.
-Two ways to compute:
+(:mod:`.units`, :mod:`.grouping`), lays the units out unevenly (:mod:`.layout`), builds each unit's
+master shard (:mod:`.materialize`) and keeps only this rank's pieces. Two ways to compute:
 
 * hooks (the ``uniform`` mode, any model): each unit gathers before its forward, frees after,
   re-gathers before its backward and reduce-scatters its gradient once the step's last
   micro-batch is through (:meth:`set_requires_gradient_sync`);
-* explicit calls from a schedule (the ``layered`` mode, :mod:`.layered`), which drives
-  :meth:`FlatUnit.gather` / :meth:`reduce_unit` itself inside :meth:`scheduled`.
+* explicit calls from a schedule (the ``layered`` mode, :mod:`~cephalo_lightning.runtime.layered`),
+  which drives :meth:`gather` / :meth:`reduce_unit` itself inside :meth:`scheduled`.
 
 [Note: collective order] Collectives are issued in an order that depends only on the model's
 structure, never on the batch: gathers follow the graph, reduce-scatters go strictly from the last
@@ -20,19 +20,42 @@ shares and the unit sizes (:func:`~.layout.build_layout`), so no rank has to ask
 the head) belongs to the root unit, which is gathered for the whole step; both holders see the
 same full parameter and autograd sums the two uses into one gradient, reduced once.
 
-A model built on the meta device is materialised one unit at a time (:class:`UnitMaterializer`):
-the unit's tensors are allocated, initialised (or read from a :class:`~.weights.WeightSource`,
-this rank's slices only) and cut to the local shard before the next unit is touched, so the peak
-is the rank's share plus about one unit, never the whole model.
+[Note: unit state] Each unit owns two explicit states. Its :class:`~.flat_unit.UnitState` says
+where its parameters are::
+
+    SHARDED --start_gather (a prefetch)--> GATHERING --gather--> GATHERED --free--> SHARDED
+    SHARDED --gather-----------------------------------------> GATHERED
+
+(``free`` of a GATHERING unit waits for its all-gather first). Its
+:class:`~.flat_unit.GradState` says where its gradient is in one backward pass of the hooks::
+
+    IDLE --_pre_backward--> COMPUTING --_post_accumulate (its last gradient)--> READY
+    READY --reduce_in_order (every later unit REDUCED)--> REDUCED --finish_backward--> IDLE
+
+The two are independent: the root stays GATHERED through READY and REDUCED (it is gathered for
+the whole step, across the micro-batches that accumulate), and a prefetch may reach a unit whose
+backward is already over. A schedule (the layered mode) drives ``UnitState`` only; ``GradState``
+is the hooks' (:class:`_UniformHooks`). Every hook returns at once when its unit is already where
+the hook leads, so a hook that fires again (a second output of the unit reaching the backward)
+does nothing. ``_pre_forward`` gathers the unit (prefetching the next) and ``_post_forward`` frees
+it; ``_pre_backward`` gathers it again (prefetching the previous) and opens its ``unit_backward``
+region; once autograd has accumulated the gradient of every trainable full parameter,
+``_post_backward`` closes the region, frees a layer unit (not the root) and marks it READY.
+``reduce_in_order`` then walks from the last unit to the first, passing REDUCED and frozen units,
+reducing each READY one and stopping at the first that is neither. ``finish_backward`` walks once
+more reducing every trainable unit not yet REDUCED (zeros where no gradient reached it): every
+rank, whatever autograd reached and whether or not it had samples, reduce-scatters the same units
+in the same order. It then closes the regions of units autograd never finished, frees the layer
+units (and the root, when the gradients were synchronised) and sets every unit back to IDLE.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,218 +63,31 @@ from torch import nn
 
 from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams
-from cephalo_lightning.runtime.distributed import gather_objects
 from cephalo_lightning.runtime.observers import Observer, Observers
-from cephalo_lightning.runtime.sharding.flat_unit import FlatUnit, ParamSlot, full_shape, piece_shape
-from cephalo_lightning.runtime.sharding.layout import ParamSpan, ShardLayout, UnitLayout, build_layout
-from cephalo_lightning.runtime.sharding.units import WrapPolicy, check_units_disjoint, find_units
+from cephalo_lightning.runtime.sharding.clip import clip_grad_norm_, local_grad_norm
+from cephalo_lightning.runtime.sharding.flat_unit import FlatUnit, GradState, UnitState
+from cephalo_lightning.runtime.sharding.grouping import (
+    Units,
+    buffers_by_unit,
+    group_slots,
+    unit_groups,
+    unit_names,
+    unit_spans,
+)
+from cephalo_lightning.runtime.sharding.layout import ShardLayout, build_layout
+from cephalo_lightning.runtime.sharding.materialize import UnitMaterializer
+from cephalo_lightning.runtime.sharding.reshard import reshard
+from cephalo_lightning.runtime.sharding.units import WrapPolicy, check_units_disjoint
 
-ROOT = "<root>"
-
-Units = Sequence[nn.Module | Sequence[nn.Module]]  # a unit is a module or a group of modules
+__all__ = ["Mode", "ShardedModel", "UnitMaterializer", "clip_grad_norm_", "local_grad_norm"]
 
 
-class TrainingState(enum.Enum):
-    """What the engine is doing; the hooks consult it and do nothing outside ``HOOKS``."""
+class Mode(enum.Enum):
+    """Who drives the units; the hooks consult it and do nothing outside ``HOOKS``."""
 
     HOOKS = enum.auto()  # modules hold local pieces; the uniform-mode hooks gather on demand
     SCHEDULED = enum.auto()  # a schedule (the layered mode) drives gathers and reductions itself
-    SUMMONED = enum.auto()  # every unit gathered (summon_full_params); no hook acts
-
-
-class WeightSource(Protocol):
-    """Where a meta-built model's weights come from (see :mod:`.weights`)."""
-
-    def read(self, name: str, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor: ...
-    def buffer(self, name: str) -> torch.Tensor | None: ...
-
-
-InitFn = Callable[[nn.Module], None]  # initialise a module's own (non-recursive) parameters and buffers
-
-
-def _holders(module: nn.Module) -> tuple[dict[int, list[tuple[nn.Module, str]]], dict[int, nn.Parameter]]:
-    """Every parameter (by identity) and every (module, attr) that registers it; each module once.
-
-    A module reachable by two paths (an adapter that wraps a submodule) is one holder.
-    """
-    holders: dict[int, list[tuple[nn.Module, str]]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for mod in module.modules():  # each module object once
-        for attr, param in mod._parameters.items():
-            if param is not None:
-                holders.setdefault(id(param), []).append((mod, attr))
-                params[id(param)] = param
-    return holders, params
-
-
-def _group_slots(module: nn.Module, unit_groups: list[list[nn.Module]]) -> list[list[ParamSlot]]:
-    """The parameter slots of the root unit and of every unit, in registration order.
-
-    A parameter goes to the unit whose modules hold it; held from two units (tied), to the root.
-    Names are the canonical ones (``named_parameters()``'s, also ``state_dict()``'s).
-    """
-    names = {id(p): n for n, p in module.named_parameters()}
-    unit_of_module: dict[int, int] = {}
-    for index, group in enumerate(unit_groups, start=1):
-        for top in group:
-            for mod in top.modules():
-                unit_of_module.setdefault(id(mod), index)
-    holders, params = _holders(module)
-    groups: list[list[ParamSlot]] = [[] for _ in range(len(unit_groups) + 1)]
-    for pid in names:  # registration order
-        held = holders[pid]
-        units = {unit_of_module.get(id(mod), 0) for mod, _ in held}
-        target = units.pop() if len(units) == 1 else 0
-        groups[target].append(ParamSlot(names[pid], tuple(held)))
-    return groups
-
-
-def _unit_name(module: nn.Module, group: Sequence[nn.Module]) -> str:
-    names = {id(m): n for n, m in module.named_modules()}
-    return "+".join(names.get(id(m)) or type(m).__name__ for m in group)
-
-
-def _post_order(modules: Sequence[nn.Module], wanted: set[int]) -> list[nn.Module]:
-    """The modules in ``wanted`` reachable from ``modules``, children before parents, once each."""
-    out: list[nn.Module] = []
-    seen: set[int] = set()
-
-    def visit(mod: nn.Module) -> None:
-        if id(mod) in seen:
-            return
-        seen.add(id(mod))
-        for child in mod.children():
-            visit(child)
-        if id(mod) in wanted:
-            out.append(mod)
-
-    for mod in modules:
-        visit(mod)
-    return out
-
-
-class UnitMaterializer:
-    """Builds each unit's master shard: from materialised parameters, or for meta parameters from
-    ``source`` (this rank's slices only) or by allocating and running ``init`` on the unit alone.
-
-    ``seed``: every unit is initialised under its own seed (``seed`` and the unit's index), so a
-    model initialised here is the same on every rank and under every layout.
-    """
-
-    def __init__(self, device: torch.device, init: InitFn | None = None, source: WeightSource | None = None,
-                 seed: int = 0) -> None:
-        self.device = device
-        self.init = init
-        self.source = source
-        self.seed = seed
-        self.materialized_units = 0
-
-    def master(self, index: int, unit: UnitLayout, slots: list[ParamSlot], rank: int, dtype: torch.dtype,
-               buffers: list[tuple[str, nn.Module, str]]) -> torch.Tensor:
-        lo, hi = unit.shard_range(rank)
-        params = [slot.current for slot in slots]
-        meta = any(p.is_meta for p in params) or any(mod._buffers[attr].is_meta for _, mod, attr in buffers)
-        if not meta:
-            self._buffers_to_device(buffers)
-            if not params:
-                return torch.zeros(0, dtype=dtype, device=self.device)
-            return _flat_range(params, lo, hi, dtype, self.device)
-        self.materialized_units += 1
-        if self.source is not None:
-            return self._read(unit, slots, rank, dtype, buffers)
-        return self._initialise(index, unit, slots, dtype, buffers, lo, hi)
-
-    def _buffers_to_device(self, buffers: list[tuple[str, nn.Module, str]]) -> None:
-        for _, mod, attr in buffers:
-            buf = mod._buffers[attr]
-            if buf.device != self.device:
-                mod._buffers[attr] = buf.to(self.device)
-
-    def _read(self, unit: UnitLayout, slots: list[ParamSlot], rank: int, dtype: torch.dtype,
-              buffers: list[tuple[str, nn.Module, str]]) -> torch.Tensor:
-        assert self.source is not None
-        pieces = []
-        for span in unit.params:
-            a, b = unit.param_piece(span, rank)
-            if b > a:
-                pieces.append(self.source.read(span.name, span.shape, a, b).reshape(-1).to(device=self.device, dtype=dtype))
-        for name, mod, attr in buffers:
-            value = self.source.buffer(name, tuple(mod._buffers[attr].shape))
-            if value is None:  # not in the files (non-persistent, e.g. rotary frequencies): initialise it
-                if self.init is None:
-                    raise ValueError(f"buffer {name!r} is on the meta device and not in the weights; give an init")
-                mod._buffers[attr] = torch.empty_like(mod._buffers[attr], device=self.device)
-                with torch.no_grad(), _initialising_only([], [mod]):  # its parameters came from the files
-                    self._init_module_buffers(mod)
-            else:
-                mod._buffers[attr] = value.to(device=self.device, dtype=mod._buffers[attr].dtype)
-        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype, device=self.device)
-
-    def _init_module_buffers(self, mod: nn.Module) -> None:
-        assert self.init is not None
-        self.init(mod)
-
-    def _initialise(self, index: int, unit: UnitLayout, slots: list[ParamSlot], dtype: torch.dtype,
-                    buffers: list[tuple[str, nn.Module, str]], lo: int, hi: int) -> torch.Tensor:
-        if self.init is None:
-            raise ValueError(
-                f"unit {unit.name} is on the meta device but no initialisation is known: define "
-                "reset_parameters() on its modules or cephalo_init_weights(module) on the LightningModule, "
-                "or load weights (CephaloStrategy(pretrained=...))"
-            )
-        owners: set[int] = set()
-        for slot in slots:
-            old = slot.current
-            slot.set(nn.Parameter(torch.empty_like(old, device=self.device), requires_grad=old.requires_grad))
-            owners.add(id(slot.holders[0][0]))  # the canonical holder initialises a tied parameter
-        tops: list[nn.Module] = [slot.holders[0][0] for slot in slots]
-        for _, mod, attr in buffers:
-            mod._buffers[attr] = torch.empty_like(mod._buffers[attr], device=self.device)
-            owners.add(id(mod))
-            tops.append(mod)
-        modules = _post_order(tops, owners)
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), _initialising_only(slots, modules):
-            torch.manual_seed((self.seed * 1_000_003 + index) % (2**63))
-            for mod in modules:
-                self.init(mod)
-        return _flat_range([slot.current for slot in slots], lo, hi, dtype, self.device)
-
-
-@contextlib.contextmanager
-def _initialising_only(slots: Sequence[ParamSlot], modules: Sequence[nn.Module]) -> Iterator[None]:
-    """[Note: a unit initialises its own parameters only]
-
-    An init function writes every parameter of the module it is given, but a module may also hold a
-    parameter that is not this unit's to initialise: a head tied to the root's embedding that has a
-    bias of its own holds the embedding's already materialised shard, and a tied parameter's other
-    holders are not its canonical holder. While ``modules`` initialise, each such parameter is
-    replaced by a meta stand-in of its full shape (an init writes nothing into it, and fan-in
-    computations still see the true shape), then put back."""
-    own = {(id(slot.holders[0][0]), slot.holders[0][1]) for slot in slots}
-    guarded = [(mod, attr, p) for mod in modules for attr, p in mod._parameters.items()
-               if p is not None and not p.is_meta and (id(mod), attr) not in own]
-    for mod, attr, p in guarded:
-        mod._parameters[attr] = nn.Parameter(torch.empty(full_shape(p), dtype=p.dtype, device="meta"),
-                                             requires_grad=p.requires_grad)
-    try:
-        yield
-    finally:
-        for mod, attr, p in guarded:
-            mod._parameters[attr] = p
-
-
-def _flat_range(params: Sequence[torch.Tensor], lo: int, hi: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Elements [lo, hi) of the parameters flattened one after another, copied piece by piece: the
-    unit is never concatenated, so building a shard holds the unit once, not twice."""
-    out = torch.empty(hi - lo, dtype=dtype, device=device)
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            a, b = max(lo, offset), min(hi, offset + p.numel())
-            if b > a:
-                out[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - offset : b - offset])
-            offset += p.numel()
-    return out
+    SUMMONED = enum.auto()  # units gathered by hand (summon_full_params, unit_gathered); no hook acts
 
 
 class ShardedModel:
@@ -259,7 +95,7 @@ class ShardedModel:
 
     After construction ``module.parameters()`` yields this rank's local pieces (possibly empty),
     keyed by the original names: build the optimizer from them. ``units`` is a wrap policy
-    (:func:`~.wrap.find_units`) or, for a schedule, the units themselves (a module or a group of
+    (:func:`~.units.find_units`) or, for a schedule, the units themselves (a module or a group of
     modules each). Attach observers (timing, emulation, memory accounting) to :attr:`observers`.
     """
 
@@ -294,26 +130,15 @@ class ShardedModel:
             raise ValueError(
                 f"{len(shares)} state shares for a world of {self.comm.world_size} ranks: give one share per rank"
             )
-        unit_groups = self._unit_groups(units)
-        check_units_disjoint(unit_groups)
-        self.unit_modules: list[nn.Module] = [g[0] if len(g) == 1 else nn.ModuleList(g) for g in unit_groups]
-        self.unit_groups = unit_groups
-        slot_groups = _group_slots(module, unit_groups)
-        names = [ROOT] + [_unit_name(module, g) for g in unit_groups]
-        spans_per_unit = []
-        for slots in slot_groups:
-            spans, offset = [], 0
-            for slot in slots:
-                p = slot.current
-                spans.append(ParamSpan(slot.name, tuple(p.shape), offset, p.numel()))
-                offset += p.numel()
-            spans_per_unit.append(spans)
-        self.layout: ShardLayout = build_layout(
-            [sum(s.numel for s in spans) for spans in spans_per_unit], list(shares), names, spans_per_unit,
-        )
+        self.unit_groups = unit_groups(module, units)
+        check_units_disjoint(self.unit_groups)
+        slot_groups = group_slots(module, self.unit_groups)
+        spans = [unit_spans(slots) for slots in slot_groups]
+        self.layout: ShardLayout = build_layout([sum(s.numel for s in unit) for unit in spans], list(shares),
+                                                unit_names(module, self.unit_groups), spans)
         self.reduce_dtype = reduce_dtype
         materializer = materializer or UnitMaterializer(self.device)
-        buffers = self._buffers_by_unit(unit_groups)
+        buffers = buffers_by_unit(module, self.unit_groups)
         self.units: list[FlatUnit] = []
         for index, (unit, slots) in enumerate(zip(self.layout.units, slot_groups)):
             originals = [slot.current for slot in slots]
@@ -325,35 +150,9 @@ class ShardedModel:
         self.materialized_units = materializer.materialized_units
         self.root = self.units[0]
         self.prefetch = prefetch
-        self.state = TrainingState.HOOKS
+        self.mode = Mode.HOOKS
         self._sync = True
-        self._next_reduce = len(self.units) - 1
-        self._ready: set[int] = set()
-        self._grad_counts = [0] * len(self.units)
-        self._expected = [sum(u.requires_grad) for u in self.units]
-        self._backward_gathered: set[int] = set()
-        self._handles: list[Any] = []
-        if hooks:
-            self._install_hooks()
-
-    def _unit_groups(self, units: WrapPolicy | Units) -> list[list[nn.Module]]:
-        if units is not None and all(isinstance(u, (list, tuple)) for u in units) and units:
-            return [list(g) for g in units]
-        return [[m] for m in find_units(self.module, units)]  # type: ignore[arg-type]
-
-    def _buffers_by_unit(self, unit_groups: list[list[nn.Module]]) -> list[list[tuple[str, nn.Module, str]]]:
-        """Every buffer as (name, module, attr), grouped by the unit whose modules hold it (root: 0)."""
-        unit_of_module: dict[int, int] = {}
-        for index, group in enumerate(unit_groups, start=1):
-            for top in group:
-                for mod in top.modules():
-                    unit_of_module.setdefault(id(mod), index)
-        out: list[list[tuple[str, nn.Module, str]]] = [[] for _ in range(len(unit_groups) + 1)]
-        for mod_name, mod in self.module.named_modules():  # each module once
-            for attr, buf in mod._buffers.items():
-                if buf is not None:
-                    out[unit_of_module.get(id(mod), 0)].append((f"{mod_name}.{attr}" if mod_name else attr, mod, attr))
-        return out
+        self._hooks = _UniformHooks(self) if hooks else None
 
     # ------------------------------------------------------------------ introspection
 
@@ -378,110 +177,39 @@ class ShardedModel:
     def local_state_numel(self) -> int:
         return sum(u.master.numel() for u in self.units)
 
-    # ------------------------------------------------------------------ hooks (uniform mode)
+    # ------------------------------------------------------------------ gathering
 
-    def _install_hooks(self) -> None:
-        self._handles.append(self.module.register_forward_pre_hook(self._root_pre_forward))
-        self._handles.append(self.module.register_forward_hook(self._root_post_forward))
-        for index, group in enumerate(self.unit_groups, start=1):
-            # every module of a group gathers its unit for a plain forward (evaluation); a group's
-            # backward is driven by its schedule, so only single-module units follow autograd
-            for module in group:
-                self._handles.append(module.register_forward_pre_hook(self._make_pre_forward(index)))
-                self._handles.append(module.register_forward_hook(self._make_post_forward(index, len(group) == 1)))
-        for index, unit in enumerate(self.units):
-            for param, rg in zip(unit.full_params, unit.requires_grad):
-                if rg:
-                    self._handles.append(param.register_post_accumulate_grad_hook(self._make_post_accumulate(index)))
+    def gather(self, index: int, prefetch: int | None = None) -> FlatUnit:
+        """Unit ``index`` gathered (waiting for its prefetch, if one is in flight); with prefetching
+        on, unit ``prefetch`` (the next to compute: ``index + 1`` forward, ``index - 1`` backward)
+        starts gathering meanwhile, when it is a layer unit (the root is never prefetched)."""
+        unit = self.units[index]
+        unit.gather(self.comm)
+        if self.prefetch and prefetch is not None and 1 <= prefetch < len(self.units):
+            self.units[prefetch].start_gather(self.comm)
+        return unit
 
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def gather_root(self) -> None:
+        self.root.gather(self.comm)
+
+    def free_all(self) -> None:
+        """Release every gathered buffer (after an evaluation forward, say)."""
+        for unit in self.units:
+            unit.free()
+
+    # ------------------------------------------------------------------ modes
 
     @contextlib.contextmanager
-    def _in_state(self, state: TrainingState) -> Iterator[None]:
-        previous, self.state = self.state, state
+    def _in_mode(self, mode: Mode) -> Iterator[None]:
+        previous, self.mode = self.mode, mode
         try:
             yield
         finally:
-            self.state = previous
+            self.mode = previous
 
     def scheduled(self) -> contextlib.AbstractContextManager[None]:
         """For schedules that gather, free and reduce the units themselves: the hooks stand aside."""
-        return self._in_state(TrainingState.SCHEDULED)
-
-    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
-        if self.state is TrainingState.HOOKS:
-            self.gather_root()
-
-    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.state is TrainingState.HOOKS and not torch.is_grad_enabled():  # evaluation: no backward will free it
-            self.root.free()
-
-    def _make_pre_forward(self, index: int):
-        def hook(module: nn.Module, args: Any) -> None:
-            if self.state is not TrainingState.HOOKS:
-                return
-            self.gather_root()
-            self.units[index].gather(self.comm)
-            if self.prefetch and index + 1 < len(self.units):
-                self.units[index + 1].start_gather(self.comm)
-            if self.observers:
-                for observer in self.observers:
-                    observer.compute_begin("unit_forward")
-
-        return hook
-
-    def _make_post_forward(self, index: int, follows_autograd: bool):
-        def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if self.state is not TrainingState.HOOKS:
-                return output
-            if self.observers:
-                for observer in reversed(list(self.observers)):
-                    observer.compute_end("unit_forward")
-            self.units[index].free()
-            if follows_autograd and torch.is_grad_enabled():
-                for tensor in tensors_in(output):
-                    if tensor.requires_grad:
-                        tensor.register_hook(self._make_pre_backward(index))
-            return output
-
-        return hook
-
-    def _make_pre_backward(self, index: int):
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            if self.state is TrainingState.HOOKS and index not in self._backward_gathered:
-                self._backward_gathered.add(index)
-                self.units[index].gather(self.comm)
-                if self.prefetch and index - 1 >= 1:
-                    self.units[index - 1].start_gather(self.comm)
-                if self.observers:
-                    for observer in self.observers:
-                        observer.compute_begin("unit_backward")
-            return grad
-
-        return hook
-
-    def _make_post_accumulate(self, index: int):
-        def hook(param: torch.Tensor) -> None:
-            if self.state is not TrainingState.HOOKS:
-                return
-            self._grad_counts[index] += 1
-            if self._grad_counts[index] == self._expected[index]:
-                self._unit_backward_done(index)
-
-        return hook
-
-    def _unit_backward_done(self, index: int) -> None:
-        self._grad_counts[index] = 0
-        if index != 0:
-            if self.observers and index in self._backward_gathered:
-                for observer in reversed(list(self.observers)):
-                    observer.compute_end("unit_backward")
-            self.units[index].free()
-        self._ready.add(index)
-        self._flush_reductions(all_units=False)
+        return self._in_mode(Mode.SCHEDULED)
 
     # ------------------------------------------------------------------ gradients
 
@@ -489,20 +217,20 @@ class ShardedModel:
         """False while accumulating micro-batches: full gradients stay local, nothing is reduced."""
         self._sync = sync
 
-    def _flush_reductions(self, all_units: bool) -> None:
-        """Reduce ready units strictly from the last to the first (same order on every rank).
+    def reduce_in_order(self, every: bool) -> None:
+        """Reduce READY units strictly from the last to the first (same order on every rank).
 
-        With ``all_units`` every remaining unit is reduced whether or not autograd reached it (a
-        unit no gradient flowed into contributes zeros).
+        With ``every`` each trainable unit not yet REDUCED is reduced whether or not autograd reached
+        it (a unit no gradient flowed into contributes zeros).
         """
-        while self._next_reduce >= 0:
-            index = self._next_reduce
-            if not all_units and index not in self._ready and self.units[index].trainable:
+        for unit in reversed(self.units):
+            if unit.grad_state is GradState.REDUCED or not unit.trainable:
+                continue
+            if not every and unit.grad_state is not GradState.READY:
                 return
-            self._ready.discard(index)
             if self._sync:
-                self.reduce_unit(self.units[index])
-            self._next_reduce -= 1
+                self.reduce_unit(unit)
+            unit.grad_state = GradState.REDUCED
 
     def reduce_unit(self, unit: FlatUnit) -> None:
         """Reduce-scatter one unit's full gradient onto the owners and accumulate it there.
@@ -519,24 +247,17 @@ class ShardedModel:
         """The gradients of every reduced unit are ready for the optimizer (a no-op on CPU)."""
         self.comm.wait_reductions([p.grad for p in self.parameters() if p.grad is not None])
 
-    def gather_root(self) -> None:
-        if not self.root.gathered:
-            self.root.gather(self.comm)
-
     def finish_backward(self) -> None:
-        """End of one micro-batch's backward: reduce what is left, in order; free the root."""
-        self._flush_reductions(all_units=True)
-        self._next_reduce = len(self.units) - 1
-        self._ready.clear()
-        self._grad_counts = [0] * len(self.units)
-        if self.observers:
-            for index in self._backward_gathered:
-                if self.units[index].gathered:  # a unit autograd never finished (no gradient reached it)
-                    for observer in reversed(list(self.observers)):
-                        observer.compute_end("unit_backward")
-        self._backward_gathered.clear()
+        """End of one micro-batch's backward: reduce what is left, in order; free the layer units
+        (and the root, when the gradients were synchronised)."""
+        unfinished = [u for u in self.units if u.grad_state is GradState.COMPUTING and u.gathered]
+        self.reduce_in_order(every=True)
+        for _ in unfinished:  # a unit autograd never finished (a gradient did not reach every parameter)
+            self.observers.compute_end("unit_backward")
+        for unit in self.units:
+            unit.grad_state, unit.grads_accumulated = GradState.IDLE, 0
         for unit in self.units[1:]:
-            if unit.gathered or unit.pending is not None:
+            if unit.state is not UnitState.SHARDED:
                 unit.free()
         if self._sync:
             self.root.free()
@@ -545,11 +266,6 @@ class ShardedModel:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         self.finish_backward()
-
-    def free_all(self) -> None:
-        """Release every gathered buffer (after an evaluation forward, say)."""
-        for unit in self.units:
-            unit.free()
 
     def grad_norm_sq(self, norm_type: float = 2.0) -> torch.Tensor:
         """This rank's share of the gradient norm: sum |g|^p over its pieces (max |g| for inf), fp64."""
@@ -568,7 +284,7 @@ class ShardedModel:
         for unit in self.units:
             unit.gather(self.comm)
         try:
-            with self._in_state(TrainingState.SUMMONED):
+            with self._in_mode(Mode.SUMMONED):
                 yield
         finally:
             for unit in self.units:
@@ -580,10 +296,9 @@ class ShardedModel:
     def unit_gathered(self, index: int) -> Iterator[FlatUnit]:
         """One unit (and the root) gathered, hooks off: e.g. to profile that layer alone."""
         was_root = self.root.gathered
-        with self._in_state(TrainingState.SUMMONED):
+        with self._in_mode(Mode.SUMMONED):
             self.gather_root()
-            unit = self.units[index]
-            unit.gather(self.comm)
+            unit = self.gather(index)
             try:
                 yield unit
             finally:
@@ -605,144 +320,81 @@ class ShardedModel:
                 out[span.name] = full[span.offset : span.offset + span.numel].view(span.shape).clone()
         return out
 
-    # ------------------------------------------------------------------ re-sharding
-
-    @torch.no_grad()
     def reshard(self, shares: Sequence[float], optimizers: Sequence[torch.optim.Optimizer] = ()) -> ShardLayout:
-        """Collective: move every rank's state onto the layout of new ``shares``, in place.
-
-        Each unit's master shard, and every optimizer-state tensor shaped like the pieces, moves
-        by the overlap of the old and new ranges (one ``all_to_all_single`` per unit and tensor,
-        no full gather, no disk); the optimizers' parameter groups and state are re-keyed to the
-        new local pieces. Peak memory: old share + new share (one unit's state in flight).
-        """
-        if len(shares) != self.world_size:
-            raise ValueError(f"{len(shares)} shares for a world of {self.world_size} ranks")
-        if any(u.gathered or u.pending is not None for u in self.units):
-            raise RuntimeError("reshard() between steps only: some units are gathered")
-        new_layout = build_layout([u.numel for u in self.layout.units], list(shares),
-                                  [u.name for u in self.layout.units], [u.params for u in self.layout.units])
-        index_of = {id(p): (opt, gi, pi) for opt in optimizers for gi, g in enumerate(opt.param_groups)
-                    for pi, p in enumerate(g["params"])}
-        for unit, new_unit in zip(self.units, new_layout.units):
-            old_unit = unit.layout
-            send, receive = _overlaps(old_unit, new_unit, self.rank)
-            lo, hi = new_unit.shard_range(self.rank)
-            master = torch.empty(hi - lo, dtype=unit.master.dtype, device=unit.device)
-            self.comm.move(unit.master, master, send, receive, name=unit.name)
-            old_pieces = list(unit.local_params)
-            moved_state = self._move_optimizer_state(unit, old_pieces, old_unit, new_unit, send, receive, optimizers)
-            unit.relayout(new_unit, master)
-            for old, new, state in zip(old_pieces, unit.local_params, moved_state):
-                for opt, key_state in state.items():
-                    opt.state.pop(old, None)
-                    opt.state[new] = key_state
-                if id(old) in index_of:
-                    opt, gi, pi = index_of[id(old)]
-                    opt.param_groups[gi]["params"][pi] = new
-        self.layout = new_layout
-        return new_layout
-
-    def _move_optimizer_state(
-        self, unit: FlatUnit, pieces: list[nn.Parameter], old: UnitLayout, new: UnitLayout,
-        send: list[int], receive: list[int], optimizers: Sequence[torch.optim.Optimizer],
-    ) -> list[dict[torch.optim.Optimizer, dict[str, Any]]]:
-        """Every optimizer's per-piece state, moved to the new layout like the master shard.
-
-        State tensors shaped like the piece (Adam's moments, momentum) move; everything else
-        (Adam's ``step``) is the same for every piece of a parameter and stays.
-        """
-        out: list[dict[torch.optim.Optimizer, dict[str, Any]]] = [{} for _ in pieces]
-        new_lo, new_hi = new.shard_range(self.rank)
-        for opt in optimizers:
-            members = {id(p) for group in opt.param_groups for p in group["params"]}
-            inside = [id(p) in members and p.requires_grad for p in pieces]
-            states = [opt.state.get(p, {}) if ins else {} for p, ins in zip(pieces, inside)]
-            shaped = [{k for k, v in st.items() if torch.is_tensor(v) and k != "step" and v.shape == p.shape}
-                      for p, st, ins in zip(pieces, states, inside) if ins]
-            agreed = _agree(shaped, self.comm, unit.name)
-            for key in agreed:
-                flat = torch.cat([st[key].reshape(-1) if ins else p.detach().new_zeros(p.numel())
-                                  for p, st, ins in zip(pieces, states, inside)]) if pieces else unit.master.new_zeros(0)
-                moved = torch.empty(new_hi - new_lo, dtype=flat.dtype, device=flat.device)
-                self.comm.move(flat, moved, send, receive, name=f"{unit.name}:{key}")
-                for index, span in enumerate(new.params):
-                    if inside[index]:
-                        a, b = new.param_piece(span, self.rank)
-                        start = span.offset + a - new_lo
-                        out[index].setdefault(opt, {})[key] = moved[start : start + b - a].view(piece_shape(span.shape, b - a)).clone()
-            for index, st in enumerate(states):
-                for key, value in st.items():
-                    if key not in agreed:
-                        out[index].setdefault(opt, {})[key] = value
-        return out
+        """Collective: move every rank's state (master shards, optimizer state) onto the layout of
+        new ``shares``, in place, by the overlap of old and new ranges (:mod:`.reshard`)."""
+        return reshard(self, shares, optimizers)
 
 
-@torch.no_grad()
-def local_grad_norm(parameters: Iterable[nn.Parameter], norm_type: float = 2.0,
-                    device: torch.device | None = None) -> torch.Tensor:
-    """sum |g|^p over the gradients of ``parameters`` (max |g| for ``inf``), in fp64."""
-    grads = [p.grad for p in parameters if p.grad is not None and p.grad.numel()]
-    if not grads:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    if norm_type == math.inf:
-        return torch.stack([g.abs().max().double() for g in grads]).max()
-    return sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64, device=grads[0].device))
+class _UniformHooks:
+    """The uniform mode's module and autograd hooks (see [Note: unit state]); each acts only while
+    the model's mode is ``HOOKS`` and returns at once when its unit is already where it leads."""
 
+    def __init__(self, model: ShardedModel) -> None:
+        self.model = model
+        model.module.register_forward_pre_hook(self._pre_forward_root)
+        model.module.register_forward_hook(self._post_forward_root)
+        for index, group in enumerate(model.unit_groups, start=1):
+            # every module of a group gathers its unit for a plain forward (evaluation); a group's
+            # backward is driven by its schedule, so only single-module units follow autograd
+            for module in group:
+                module.register_forward_pre_hook(partial(self._pre_forward, index))
+                module.register_forward_hook(partial(self._post_forward, index, len(group) == 1))
+        for index, unit in enumerate(model.units):
+            for param, rg in zip(unit.full_params, unit.requires_grad):
+                if rg:
+                    param.register_post_accumulate_grad_hook(partial(self._post_accumulate, index))
 
-@torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0,
-                    comm: Collectives | None = None) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` for parameters that are every rank's disjoint shards.
+    def _pre_forward_root(self, module: nn.Module, args: Any) -> None:
+        if self.model.mode is Mode.HOOKS:
+            self.model.gather_root()
 
-    Each element of the model is owned by exactly one rank, so the global norm is the all-reduce
-    (sum, or max for ``inf``) of every rank's local figure.
-    """
-    params = [p for p in parameters]
-    comm = comm or Collectives()
-    # a rank whose pieces are all empty (share 0) still reduces a tensor on the collective's device
-    local = local_grad_norm(params, norm_type, params[0].device if params else None).clone()
-    if norm_type == math.inf:
-        total = comm.all_reduce_max(local)
-    else:
-        total = comm.all_reduce_sum(local).pow(1.0 / norm_type)
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.dtype))
-    return total
+    def _post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.model.mode is Mode.HOOKS and not torch.is_grad_enabled():  # evaluation: no backward will free it
+            self.model.root.free()
 
+    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
+        model = self.model
+        if model.mode is not Mode.HOOKS or model.units[index].state is UnitState.GATHERED:
+            return
+        model.gather_root()
+        model.gather(index, prefetch=index + 1)
+        model.observers.compute_begin("unit_forward")
 
-def _overlaps(old: UnitLayout, new: UnitLayout, rank: int) -> tuple[list[int], list[int]]:
-    """Split sizes moving ``rank``'s old range to every rank's new range, and back.
+    def _post_forward(self, index: int, follows_autograd: bool, module: nn.Module, args: Any, output: Any) -> Any:
+        model = self.model
+        if model.mode is not Mode.HOOKS or model.units[index].state is UnitState.SHARDED:
+            return output
+        model.observers.compute_end("unit_forward")
+        model.units[index].free()
+        if follows_autograd and torch.is_grad_enabled():
+            for tensor in tensors_in(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(partial(self._pre_backward, index))
+        return output
 
-    Both layouts cut the unit into consecutive ranges in rank order, so what rank r sends to
-    ranks 0..W-1 are consecutive pieces of its old range, and what it receives from them are
-    consecutive pieces of its new range: the buffers need no copying.
-    """
-    def overlap(a: tuple[int, int], b: tuple[int, int]) -> int:
-        return max(0, min(a[1], b[1]) - max(a[0], b[0]))
+    def _pre_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        model, unit = self.model, self.model.units[index]
+        if model.mode is Mode.HOOKS and unit.grad_state is GradState.IDLE:
+            unit.grad_state = GradState.COMPUTING
+            model.gather(index, prefetch=index - 1)
+            model.observers.compute_begin("unit_backward")
+        return grad
 
-    world = old.world_size
-    send = [overlap(old.shard_range(rank), new.shard_range(q)) for q in range(world)]
-    receive = [overlap(old.shard_range(q), new.shard_range(rank)) for q in range(world)]
-    return send, receive
+    def _post_accumulate(self, index: int, param: torch.Tensor) -> None:
+        unit = self.model.units[index]
+        if self.model.mode is not Mode.HOOKS or unit.grad_state in (GradState.READY, GradState.REDUCED):
+            return
+        unit.grads_accumulated += 1
+        if unit.grads_accumulated == unit.num_trainable:
+            self._post_backward(index)
 
-
-def _agree(per_piece: list[set[str]], comm: Collectives, unit: str) -> list[str]:
-    """The optimizer-state keys every trainable piece of the unit has, on every rank.
-
-    Every rank must move the same tensors: a key some pieces have and others lack (state created
-    lazily, say) cannot be moved consistently, and every rank raises alike.
-    """
-    local = (sorted(set.union(*per_piece)) if per_piece else [], sorted(set.intersection(*per_piece)) if per_piece else None)
-    everyone = gather_objects(local, comm.group)
-    union = {k for any_keys, _ in everyone for k in any_keys}
-    common = [set(all_keys) for _, all_keys in everyone if all_keys is not None]
-    complete = set.intersection(*common) if common else set()
-    if union != complete:
-        raise RuntimeError(
-            f"unit {unit}: optimizer state {sorted(union - complete)} exists for some parameters but not others "
-            "(created lazily?); take one optimizer step before re-sharding"
-        )
-    return sorted(union)
+    def _post_backward(self, index: int) -> None:
+        """Autograd accumulated the unit's last gradient: -> READY, and reduce what is due."""
+        model, unit = self.model, self.model.units[index]
+        if index != 0:  # the root stays gathered for the whole step
+            if unit.grad_state is GradState.COMPUTING:
+                model.observers.compute_end("unit_backward")
+            unit.free()
+        unit.grad_state = GradState.READY
+        model.reduce_in_order(every=False)

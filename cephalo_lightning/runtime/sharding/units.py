@@ -69,7 +69,7 @@ def check_units_disjoint(groups: Sequence[Sequence[nn.Module]]) -> None:
     """No module may sit in two units (a module selected inside another unit, say).
 
     Tied weights are fine: a parameter held by modules of two units is sharded once, in the root
-    unit (see :mod:`.engine`). One module reachable by two paths is one module.
+    unit (see :mod:`.grouping`). One module reachable by two paths is one module.
     """
     owner: dict[int, int] = {}
     for index, group in enumerate(groups):

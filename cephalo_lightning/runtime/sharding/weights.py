@@ -1,6 +1,6 @@
 """Pretrained weights read straight into the shards: each rank reads only its own slices.
 
-A model built on the meta device is materialised unit by unit (:class:`~.engine.UnitMaterializer`);
+A model built on the meta device is materialised unit by unit (:class:`~.materialize.UnitMaterializer`);
 with a :class:`WeightSource` each rank reads, for every parameter, only the elements its shard
 owns: from safetensors files (a Hugging Face ``save_pretrained`` directory, sharded or not) through
 safetensors' slicing, or from a ``state_dict`` file opened memory-mapped (pages not read are never

@@ -1,0 +1,173 @@
+"""Each unit's master shard, built one unit at a time (:class:`UnitMaterializer`).
+
+A model built on the meta device is materialised one unit at a time: the unit's tensors are
+allocated, initialised (or read from a :class:`WeightSource`, this rank's slices only) and cut to
+the local shard before the next unit is touched, so the peak is the rank's share plus about one
+unit, never the whole model. A materialised model's units are cut to their shards as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from cephalo_lightning.runtime.sharding.flat_unit import ParamSlot, full_shape
+from cephalo_lightning.runtime.sharding.grouping import Buffer
+from cephalo_lightning.runtime.sharding.layout import UnitLayout
+
+
+class WeightSource(Protocol):
+    """Where a meta-built model's weights come from (see :mod:`.weights`)."""
+
+    def read(self, name: str, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor: ...
+    def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None: ...
+
+
+InitFn = Callable[[nn.Module], None]  # initialise a module's own (non-recursive) parameters and buffers
+
+
+def _post_order(modules: Sequence[nn.Module], wanted: set[int]) -> list[nn.Module]:
+    """The modules in ``wanted`` reachable from ``modules``, children before parents, once each."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(mod: nn.Module) -> None:
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))
+        for child in mod.children():
+            visit(child)
+        if id(mod) in wanted:
+            out.append(mod)
+
+    for mod in modules:
+        visit(mod)
+    return out
+
+
+class UnitMaterializer:
+    """Builds each unit's master shard: from materialised parameters, or for meta parameters from
+    ``source`` (this rank's slices only) or by allocating and running ``init`` on the unit alone.
+
+    ``seed``: every unit is initialised under its own seed (``seed`` and the unit's index), so a
+    model initialised here is the same on every rank and under every layout.
+    """
+
+    def __init__(self, device: torch.device, init: InitFn | None = None, source: WeightSource | None = None,
+                 seed: int = 0) -> None:
+        self.device = device
+        self.init = init
+        self.source = source
+        self.seed = seed
+        self.materialized_units = 0
+
+    def master(self, index: int, unit: UnitLayout, slots: list[ParamSlot], rank: int, dtype: torch.dtype,
+               buffers: list[Buffer]) -> torch.Tensor:
+        lo, hi = unit.shard_range(rank)
+        params = [slot.current for slot in slots]
+        meta = any(p.is_meta for p in params) or any(mod._buffers[attr].is_meta for _, mod, attr in buffers)
+        if not meta:
+            self._buffers_to_device(buffers)
+            if not params:
+                return torch.zeros(0, dtype=dtype, device=self.device)
+            return _flat_range(params, lo, hi, dtype, self.device)
+        self.materialized_units += 1
+        if self.source is not None:
+            return self._read(unit, slots, rank, dtype, buffers)
+        return self._initialise(index, unit, slots, dtype, buffers, lo, hi)
+
+    def _buffers_to_device(self, buffers: list[Buffer]) -> None:
+        for _, mod, attr in buffers:
+            buf = mod._buffers[attr]
+            if buf.device != self.device:
+                mod._buffers[attr] = buf.to(self.device)
+
+    def _read(self, unit: UnitLayout, slots: list[ParamSlot], rank: int, dtype: torch.dtype,
+              buffers: list[Buffer]) -> torch.Tensor:
+        assert self.source is not None
+        pieces = []
+        for span in unit.params:
+            a, b = unit.param_piece(span, rank)
+            if b > a:
+                pieces.append(self.source.read(span.name, span.shape, a, b).reshape(-1).to(device=self.device, dtype=dtype))
+        for name, mod, attr in buffers:
+            value = self.source.buffer(name, tuple(mod._buffers[attr].shape))
+            if value is None:  # not in the files (non-persistent, e.g. rotary frequencies): initialise it
+                if self.init is None:
+                    raise ValueError(f"buffer {name!r} is on the meta device and not in the weights; give an init")
+                mod._buffers[attr] = torch.empty_like(mod._buffers[attr], device=self.device)
+                with torch.no_grad(), _initialising_only([], [mod]):  # its parameters came from the files
+                    self._init_module_buffers(mod)
+            else:
+                mod._buffers[attr] = value.to(device=self.device, dtype=mod._buffers[attr].dtype)
+        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype, device=self.device)
+
+    def _init_module_buffers(self, mod: nn.Module) -> None:
+        assert self.init is not None
+        self.init(mod)
+
+    def _initialise(self, index: int, unit: UnitLayout, slots: list[ParamSlot], dtype: torch.dtype,
+                    buffers: list[Buffer], lo: int, hi: int) -> torch.Tensor:
+        if self.init is None:
+            raise ValueError(
+                f"unit {unit.name} is on the meta device but no initialisation is known: define "
+                "reset_parameters() on its modules or cephalo_init_weights(module) on the LightningModule, "
+                "or load weights (CephaloStrategy(pretrained=...))"
+            )
+        owners: set[int] = set()
+        for slot in slots:
+            old = slot.current
+            slot.set(nn.Parameter(torch.empty_like(old, device=self.device), requires_grad=old.requires_grad))
+            owners.add(id(slot.holders[0][0]))  # the canonical holder initialises a tied parameter
+        tops: list[nn.Module] = [slot.holders[0][0] for slot in slots]
+        for _, mod, attr in buffers:
+            mod._buffers[attr] = torch.empty_like(mod._buffers[attr], device=self.device)
+            owners.add(id(mod))
+            tops.append(mod)
+        modules = _post_order(tops, owners)
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), _initialising_only(slots, modules):
+            torch.manual_seed((self.seed * 1_000_003 + index) % (2**63))
+            for mod in modules:
+                self.init(mod)
+        return _flat_range([slot.current for slot in slots], lo, hi, dtype, self.device)
+
+
+@contextlib.contextmanager
+def _initialising_only(slots: Sequence[ParamSlot], modules: Sequence[nn.Module]) -> Iterator[None]:
+    """[Note: a unit initialises its own parameters only]
+
+    An init function writes every parameter of the module it is given, but a module may also hold a
+    parameter that is not this unit's to initialise: a head tied to the root's embedding that has a
+    bias of its own holds the embedding's already materialised shard, and a tied parameter's other
+    holders are not its canonical holder. While ``modules`` initialise, each such parameter is
+    replaced by a meta stand-in of its full shape (an init writes nothing into it, and fan-in
+    computations still see the true shape), then put back."""
+    own = {(id(slot.holders[0][0]), slot.holders[0][1]) for slot in slots}
+    guarded = [(mod, attr, p) for mod in modules for attr, p in mod._parameters.items()
+               if p is not None and not p.is_meta and (id(mod), attr) not in own]
+    for mod, attr, p in guarded:
+        mod._parameters[attr] = nn.Parameter(torch.empty(full_shape(p), dtype=p.dtype, device="meta"),
+                                             requires_grad=p.requires_grad)
+    try:
+        yield
+    finally:
+        for mod, attr, p in guarded:
+            mod._parameters[attr] = p
+
+
+def _flat_range(params: Sequence[torch.Tensor], lo: int, hi: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Elements [lo, hi) of the parameters flattened one after another, copied piece by piece: the
+    unit is never concatenated, so building a shard holds the unit once, not twice."""
+    out = torch.empty(hi - lo, dtype=dtype, device=device)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            a, b = max(lo, offset), min(hi, offset + p.numel())
+            if b > a:
+                out[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - offset : b - offset])
+            offset += p.numel()
+    return out
