@@ -13,19 +13,27 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.runtime.sharding.sharded_model import clip_grad_norm_
+from cephalo_lightning.runtime.collectives import Collectives
+from cephalo_lightning.runtime.sharding.clip import clip_grad_norm_
 
 
 class _ShardedClipping(Precision):
     """Mixin: gradient-norm clipping by the norm over every rank's shard of the optimizer's parameters.
 
     Lightning's hook (``clip_grad_by_norm``) gets the optimizer; its parameters are this rank's
-    pieces, each element owned by one rank, so one all-reduce gives the global norm.
+    pieces, each element owned by one rank, so one all-reduce over the ranks that share the model
+    (:meth:`shard_over`) gives the global norm.
     """
+
+    comm: Collectives | None = None  # the sharded model's collectives; None: the world group
+
+    def shard_over(self, comm: Collectives) -> None:
+        """Clip over the ranks of ``comm``'s group, the ones the model is sharded across."""
+        self.comm = comm
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        clip_grad_norm_(self.main_params(optimizer), float(clip_val))
+        clip_grad_norm_(self.main_params(optimizer), float(clip_val), comm=self.comm)
 
     # clipping by value is elementwise, so each rank clipping its own pieces is already exact
 

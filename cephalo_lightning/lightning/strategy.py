@@ -161,6 +161,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                 device=self.root_device, emulator=self.emulator, collective=self.collective,
                 training_step=self._user_training_step)
             self._adopted(self.fit_runtime.plan)
+            if self._precision_plugin is not None:  # always one of ours (the setter converts it)
+                self._precision_plugin.shard_over(self.fit_runtime.sharded.comm)
         self.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
