@@ -13,6 +13,7 @@ real ones and marked ``source: emulated``.
 
 from cephalo_lightning.profiling.cache import cache_path, fingerprint
 from cephalo_lightning.profiling.collectives import CollectiveProfile, time_collectives
+from cephalo_lightning.profiling.devices import default_settings, device_name
 from cephalo_lightning.profiling.layer import LayerProfile, profile_layer
 from cephalo_lightning.profiling.model import (
     LayerKind,
@@ -24,14 +25,7 @@ from cephalo_lightning.profiling.model import (
     take_rows,
 )
 from cephalo_lightning.profiling.options import ProfileOptions
-from cephalo_lightning.profiling.profiler import (
-    ClusterProfiler,
-    ProfileReport,
-    ProfilingError,
-    default_settings,
-    device_name,
-    profile_cluster,
-)
+from cephalo_lightning.profiling.profiler import ClusterProfiler, ProfileReport, ProfilingError, profile_cluster
 from cephalo_lightning.profiling.turns import TurnTaker
 
 __all__ = [

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cephalo_lightning._common.errors import CephaloError, ConfigurationError, UnsupportedError
-from cephalo_lightning._common.units import GIB
+from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.planner.cluster import (
     Cluster,
-    DeviceProfile,
-    Emulation,
     ModelSpec,
     Settings,
     cluster_from_dict,
@@ -54,8 +50,19 @@ from cephalo_lightning.profiling.collectives import (
     skewed_shares,
     time_collectives,
     time_overlap,
-    uneven_slope,
 )
+from cephalo_lightning.profiling.devices import (
+    RankIdentity,
+    _cuda_total_gb,
+    capacity_gb,
+    default_device,
+    default_settings,
+    device_name,
+    device_profiles,
+    host_memory_gb,
+    measured_settings,
+)
+from cephalo_lightning.profiling.errors import ProfilingError
 from cephalo_lightning.profiling.model import ModelHooks, ModelProfile, Pacing, profile_model
 from cephalo_lightning.profiling.optimizer import time_optimizer_step
 from cephalo_lightning.profiling.options import ProfileOptions
@@ -66,31 +73,6 @@ from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, Emulati
 from cephalo_lightning.runtime.layered import Layer
 
 log = logging.getLogger(__name__)
-
-MIN_MS = 1e-5  # the planner needs strictly positive times; a layer can take less than a microsecond
-
-
-def affine_fit(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, ...]:
-    """The least-squares line ``a + b*m`` (a, b >= 0) through measured times, at the same sizes.
-
-    On a shared CPU host each size is measured at a different moment, and a few percent of noise
-    makes one micro-batch size look faster per sample than its neighbours; the planner would then
-    split batches into micro-batches that are slower in fact. Layer times grow about linearly with
-    the micro-batch size, so the line keeps what is real and drops the noise.
-    """
-    n = len(sizes)
-    if n < 2:
-        return tuple(times)
-    mean_m, mean_t = sum(sizes) / n, sum(times) / n
-    var = sum((m - mean_m) ** 2 for m in sizes)
-    slope = max(0.0, sum((m - mean_m) * (t - mean_t) for m, t in zip(sizes, times)) / var)
-    intercept = max(0.0, mean_t - slope * mean_m)
-    return tuple(intercept + slope * m for m in sizes)
-
-
-class ProfilingError(CephaloError, RuntimeError):
-    """Profiling failed on some rank; raised on every rank, naming the one that failed."""
-
 
 @dataclass
 class ProfileReport:
@@ -106,61 +88,7 @@ class ProfileReport:
 
 
 # --------------------------------------------------------------------------------------------
-# devices
-
-
-def default_device() -> torch.device:
-    """The current CUDA device if there is one, else the CPU."""
-    if torch.cuda.is_available():  # pragma: no cover - CUDA only
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def device_name(device: torch.device, emulator: DeviceEmulator | None = None) -> str:
-    """The CUDA device's name, or ``"cpu"``, plus an emulation suffix such as ``" (emulated x3.0, 0.05 GiB)"``."""
-    base = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return base + (emulator.name_suffix() if emulator is not None else "")
-
-
-def host_memory_gb() -> float | None:
-    """Physical RAM of this host in GiB, or ``None`` where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return None
-
-
-def _cuda_total_gb(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_properties(device).total_memory / GIB  # pragma: no cover - CUDA only
-
-
-def default_settings(device: torch.device) -> Settings:
-    """The cost model's settings for this kind of device.
-
-    :class:`Settings`' default 2 GB reserve (CUDA context, allocator slack) and 10 ms per extra
-    micro-batch (kernel launches) are GPU figures; a CPU process has neither, and its per-call overheads are
-    already inside the measured layer times.
-    """
-    if device.type == "cuda":  # pragma: no cover - CUDA only
-        return Settings()
-    return Settings(reserved_memory_gb=0.0, micro_batch_overhead_ms=0.0)
-
-
-# --------------------------------------------------------------------------------------------
 # the profiler
-
-
-@dataclass(frozen=True)
-class _Identity:
-    rank: int
-    host: str
-    name: str
-    emulate: Emulation | None
-    device_type: str
-    cuda_total_gb: float | None
-    host_memory_gb: float | None
 
 
 class _LayerTurns:
@@ -268,8 +196,8 @@ class ClusterProfiler:
 
     # ------------------------------------------------------------------ pieces
 
-    def _identity(self) -> _Identity:
-        return _Identity(
+    def _identity(self) -> RankIdentity:
+        return RankIdentity(
             rank=self.rank, host=socket.gethostname(), name=device_name(self.device, self.emulator),
             emulate=self.emulator.spec, device_type=self.device.type, cuda_total_gb=_cuda_total_gb(self.device),
             host_memory_gb=host_memory_gb(),
@@ -285,7 +213,7 @@ class ClusterProfiler:
                         return p.dtype
         return torch.float32
 
-    def _fingerprint(self, ids: Sequence[_Identity]) -> str:
+    def _fingerprint(self, ids: Sequence[RankIdentity]) -> str:
         opts = self.options
         return fingerprint({
             "model": structure(self.layers, self.sample_input, opts.batch_dim),
@@ -303,7 +231,7 @@ class ClusterProfiler:
             "settings": asdict(self.settings),
         })
 
-    def _leaders(self, ids: Sequence[_Identity]) -> list[int]:
+    def _leaders(self, ids: Sequence[RankIdentity]) -> list[int]:
         """For every rank, the rank that measures for it."""
         if not self.options.share_measurements:
             return list(range(len(ids)))
@@ -320,31 +248,19 @@ class ClusterProfiler:
         return profile_model(self.layers, self.sample_input, self.options, device=self.device, emulator=self.emulator,
                              hooks=self.hooks, pacing=pacing)
 
-    def _capacity_gb(self, ident: _Identity, ids: Sequence[_Identity]) -> float:
-        if ident.emulate is not None and ident.emulate.memory_gb is not None:
-            return ident.emulate.memory_gb
-        if ident.cuda_total_gb is not None:
-            return ident.cuda_total_gb
-        if ident.host_memory_gb is None:
-            raise ProfilingError(
-                f"rank {ident.rank}: cannot tell this host's memory; give the rank an emulated memory_gb"
-            )
-        on_host = sum(1 for other in ids if other.host == ident.host and other.device_type == "cpu")
-        return ident.host_memory_gb / max(1, on_host)
-
     # ------------------------------------------------------------------ run
 
     def run(self) -> ProfileReport:
         """Profile (or reuse the cache) and return the report; every rank must call it."""
         started = time.perf_counter()
-        ids: list[_Identity] = gather_objects(self._identity(), self.group)
+        ids: list[RankIdentity] = gather_objects(self._identity(), self.group)
         key = self._fingerprint(ids)
         path = cache_path(self.cache_dir, key) if self.cache_dir is not None else None
         leaders = self._leaders(ids)
         talk = self.rank == 0 and not self.quiet
 
         if path is not None and not self.force:
-            capacities = [self._capacity_gb(i, ids) for i in ids]
+            capacities = [capacity_gb(i, ids) for i in ids]
             cached = read_cached(path, self.world_size, capacities) if self.rank == 0 else None
             data = broadcast_object(cluster_to_dict(cached) if cached is not None else None, self.group)
             if data is not None:
@@ -432,31 +348,12 @@ class ClusterProfiler:
         return comm, overlap
 
     def _cluster(
-        self, ids: Sequence[_Identity], leaders: Sequence[int], profiles: Sequence[ModelProfile | None],
+        self, ids: Sequence[RankIdentity], leaders: Sequence[int], profiles: Sequence[ModelProfile | None],
         comm: CollectiveProfile | None, optimizer: Sequence[float | None] | None = None,
         overlap: float | None = None,
     ) -> Cluster:
-        devices = []
-        for ident, leader in zip(ids, leaders):
-            profile = profiles[leader]
-            assert profile is not None, f"rank {leader} did not measure"
-            smooth = self.options.smooth if self.options.smooth is not None else self.device.type == "cpu"
-            fwd, bwd = profile.layer_fwd_ms, profile.layer_bwd_ms
-            if smooth:
-                fwd, bwd = affine_fit(profile.sizes, fwd), affine_fit(profile.sizes, bwd)
-            devices.append(DeviceProfile(
-                name=ident.name,
-                memory_gb=round(self._capacity_gb(ident, ids), 6),
-                layer_fwd_ms=tuple(max(MIN_MS, round(v, 5)) for v in fwd),
-                layer_bwd_ms=tuple(max(MIN_MS, round(v, 5)) for v in bwd),
-                compute_memory_gb=tuple(round(b / GIB, 9) for b in profile.compute_memory_bytes),
-                activation_memory_gb=tuple(round(b / GIB, 9) for b in profile.activation_memory_bytes)
-                if profile.activation_memory_bytes and any(profile.activation_memory_bytes) else None,
-                source="emulated" if ident.emulate is not None else "measured",
-                emulate=ident.emulate,
-                optimizer_ns_per_param=None if optimizer is None or optimizer[leader] is None
-                else round(optimizer[leader], 6),
-            ))
+        smooth = self.options.smooth if self.options.smooth is not None else self.device.type == "cpu"
+        devices = device_profiles(ids, leaders, profiles, optimizer, smooth)
         first = next(p for p in profiles if p is not None)
         model = ModelSpec(
             name=self.model_name,
@@ -467,20 +364,8 @@ class ClusterProfiler:
             seq_len=self.seq_len,
             compute_bytes_per_param=float(torch.empty((), dtype=self._compute_dtype()).element_size()),
         )
-        settings = self.settings
-        if comm is not None:
-            mode = self.options.collective_modes[0]
-            settings = replace(
-                settings, allgather_ms=round(comm.allgather_ms, 5), reduce_scatter_ms=round(comm.reduce_scatter_ms, 5),
-                collective=mode,
-            )
-            slope = uneven_slope(comm, mode)
-            if settings.uneven_slope is None and slope is not None:  # a value the caller set wins
-                settings = replace(settings, uneven_slope=round(slope, 4))
-            if settings.overlap is None and overlap is not None:
-                settings = replace(settings, overlap=overlap)
-        return Cluster(model=model, devices=tuple(devices), settings=settings)
-
+        settings = measured_settings(self.settings, comm, self.options.collective_modes[0], overlap)
+        return Cluster(model=model, devices=devices, settings=settings)
 
 def profile_cluster(layers: Sequence[nn.Module], sample_input: torch.Tensor, **kwargs: Any) -> Cluster:
     """Profile every rank and return the planner's :class:`Cluster`; call it on every rank.
