@@ -42,8 +42,22 @@ def clean_env(**extra: str) -> dict[str, str]:
 # itself with an audit event) records every start, and a test that started one in its setup, call
 # or teardown without the mark fails, naming what it started. A module-scoped fixture counts for the
 # test that first needs it; in the fast lane that is always an unmarked test, so nothing escapes.
-_STARTS = ("subprocess.Popen", "cephalo_lightning.testing.run_local_ranks")
+# Only Python processes count (the interpreter, or a script of its environment such as
+# cephalo-train): a library probing the system while it is imported (``lscpu``, say) is not a test
+# starting ranks, and whether it happens in one test or another depends on the order they run in.
+_LAUNCHER = "cephalo_lightning.testing.run_local_ranks"
 _WATCH = pytest.StashKey["_ProcessStarts"]()
+
+
+def _runs_python(executable: object, args: object) -> bool:
+    import sys
+    from pathlib import Path
+
+    program = executable if executable is not None else (args[0] if isinstance(args, (list, tuple)) and args else args)
+    if not isinstance(program, (str, os.PathLike)):
+        return False
+    path = Path(os.fsdecode(program))
+    return path.name.startswith("python") or path.parent == Path(sys.executable).parent
 
 
 class _ProcessStarts:
@@ -53,8 +67,10 @@ class _ProcessStarts:
         self.started: list[str] = []
 
     def __call__(self, event: str, args: tuple) -> None:
-        if event in _STARTS:
+        if event == _LAUNCHER:
             self.started.append(f"{event}({args[0]!r})" if args else event)
+        elif event == "subprocess.Popen" and _runs_python(args[0], args[1]):
+            self.started.append(f"{event}({args[0] if args[0] is not None else args[1][0]!r})")
 
     def take(self) -> list[str]:
         started, self.started = self.started, []
