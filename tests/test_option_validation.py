@@ -6,7 +6,7 @@ follows Lightning's seed convention (``seed=``, else ``seed_everything``'s ``PL_
 from __future__ import annotations
 
 import re
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ from lightning.pytorch import seed_everything
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning.callback_config import CallbackConfig
-from cephalo_lightning.lightning.config import MAX_SEED
+from cephalo_lightning.lightning.config import MAX_SEED, StrategyConfig
 from cephalo_lightning.lightning.plan_resolution import data_seed
 from cephalo_lightning.planner import RankPlan, Settings
 from tests.helpers import fit
@@ -27,6 +27,11 @@ from tests.lightning_models import TinyUniform, loader, token_data
 
 STRATEGY_BOOLS = ("prefetch", "overlap", "verify_loss", "check_devices", "verify_checksums")
 CALLBACK_BOOLS = ("force_profile", "replan", "print_plan", "quiet")
+
+
+def test_the_bool_tables_cover_every_bool_option() -> None:
+    assert {f.name for f in fields(StrategyConfig) if isinstance(f.default, bool)} == set(STRATEGY_BOOLS)
+    assert {f.name for f in fields(CallbackConfig) if isinstance(f.default, bool)} == set(CALLBACK_BOOLS)
 
 
 @pytest.mark.parametrize("name", [*STRATEGY_BOOLS, "offload"])

@@ -80,7 +80,8 @@ class StrategyConfig:
         5, "consecutive non-finite steps skipped before training stops; 0 = no guard")
     check_devices: bool = option(True, "refuse a plan whose devices are not the ranks' actual devices")
     safe_globals: tuple[Any, ...] = option((), "extra classes your hyperparameters or callback state need to load")
-    seed: int | None = option(None, "the seed of the data order and of meta-device initialisation")
+    seed: int | None = option(None, "the seed of the data order (unset: seed_everything's, else torch's at setup) "
+                                    "and of meta-device initialisation (unset: 0)")
     verify_checksums: bool = option(True, "check every file's SHA-256 against the checkpoint's manifest")
 
     @classmethod
@@ -108,8 +109,9 @@ class StrategyConfig:
                 raise ConfigurationError(f"CephaloStrategy(pretrained={str(o['pretrained'])!r}): no such file or directory")
         if o["seed"] is not None:
             _seed(o["seed"])
-        for name in BOOL_OPTIONS:
-            _flag(name, o[name], none_ok=name == "offload")
+        for spec in fields(cls):
+            if spec.type in ("bool", "bool | None"):
+                _flag(spec.name, o[spec.name], none_ok=spec.type != "bool")
         checked = cls(
             global_batch_size=o["global_batch_size"],
             mode=_choice("mode", o["mode"], MODES),
@@ -137,7 +139,6 @@ class StrategyConfig:
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(StrategyConfig))
 DEFAULTS = StrategyConfig()  # the strategy's signature takes every default from here
-BOOL_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(StrategyConfig) if f.type in ("bool", "bool | None"))
 # torch's seed range (a uint64), less room for the data epoch the sampler adds to the seed
 MAX_SEED = 2**63 - 1
 
