@@ -8,12 +8,17 @@ at construction, so a bad value is refused before any process is launched. The R
 
 from __future__ import annotations
 
+import difflib
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
 from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning.planner import PlanningError, Settings
+from cephalo_lightning.planner.cluster import parse_settings
 
 MODES = (None, "layered", "uniform")
 
@@ -52,13 +57,61 @@ class CallbackConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ConfigurationError(f"mode must be 'layered', 'uniform' or None, got {self.mode!r}")
+            raise ConfigurationError(f"CephaloCallback(mode={self.mode!r}): mode must be 'layered', 'uniform' or None, "
+                                     f"got {self.mode!r}")
         for name in ("global_batch_size", "max_micro_batch"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigurationError(
                     f"CephaloCallback({name}={value!r}) must be an integer >= 1"
                     + (" (or None: the training DataLoader's batch_size)" if name == "global_batch_size" else ""))
-        if self.watch_every_n_steps < 0 or self.drift_threshold <= 0:
-            raise ConfigurationError("watch_every_n_steps must be >= 0 and drift_threshold > 0")
-        object.__setattr__(self, "settings", dict(self.settings or {}))  # a private copy; {}: the device defaults
+        watch = self.watch_every_n_steps
+        if isinstance(watch, bool) or not isinstance(watch, int) or watch < 0 or not _positive(self.drift_threshold):
+            raise ConfigurationError(
+                f"CephaloCallback(watch_every_n_steps={watch!r}, drift_threshold={self.drift_threshold!r}): "
+                "watch_every_n_steps must be >= 0 and drift_threshold > 0 (an integer and a number, e.g. 10 and 0.3)")
+        if self.state_bytes_per_param is not None and not _positive(self.state_bytes_per_param):
+            raise ConfigurationError(
+                f"CephaloCallback(state_bytes_per_param={self.state_bytes_per_param!r}) must be a number > 0 "
+                "(e.g. 16 for fp32 AdamW: master, gradient and two moments), or None: 4 x the master dtype's size")
+        for name in ("force_profile", "replan", "print_plan", "quiet"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigurationError(
+                    f"CephaloCallback({name}={value!r}) must be True or False, got {type(value).__name__}; write "
+                    f"{name}=True or {name}=False (in YAML: true / false)")
+        for name in ("cache_dir", "cluster_file", "plan_file"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (str, PathLike)) or str(value) == ""):
+                raise ConfigurationError(
+                    f"CephaloCallback({name}={value!r}) must be a path (a non-empty str or Path) or None")
+        object.__setattr__(self, "settings", checked_settings(self.settings))  # a private copy; {}: device defaults
+
+
+def _positive(value: Any) -> bool:
+    """A finite number > 0 (not a bool, not a numeric string)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def checked_settings(settings: Any) -> dict[str, Any]:
+    """The cost-model settings to override, each key a :class:`~cephalo_lightning.planner.Settings`
+    field and each value checked as a cluster file's ``settings:`` are (so a typo or a fraction of
+    5 is refused here, not at ``on_fit_start`` or as an out-of-memory error mid-run)."""
+    if settings is None:
+        return {}
+    if not isinstance(settings, Mapping):
+        raise ConfigurationError(
+            f"CephaloCallback(settings={settings!r}) must be a mapping of cost-model settings, got "
+            f"{type(settings).__name__}; write e.g. settings={{'usable_memory_fraction': 0.9}}")
+    known = [f.name for f in fields(Settings)]
+    for key in settings:
+        if key not in known:
+            nearest = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {nearest[0]!r}? " if nearest else ""
+            raise ConfigurationError(
+                f"CephaloCallback(settings=...) has no setting {key!r}: {hint}the settings are {', '.join(known)}")
+    try:
+        parsed = parse_settings(dict(settings))
+    except PlanningError as err:
+        raise ConfigurationError(f"CephaloCallback(settings={dict(settings)!r}): {err}") from None
+    return {key: getattr(parsed, key) for key in settings}

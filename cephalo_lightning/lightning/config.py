@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, fields, replace
+from os import PathLike
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -78,7 +80,8 @@ class StrategyConfig:
         5, "consecutive non-finite steps skipped before training stops; 0 = no guard")
     check_devices: bool = option(True, "refuse a plan whose devices are not the ranks' actual devices")
     safe_globals: tuple[Any, ...] = option((), "extra classes your hyperparameters or callback state need to load")
-    seed: int | None = option(None, "the seed of the data order and of meta-device initialisation")
+    seed: int | None = option(None, "the seed of the data order (unset: seed_everything's, else torch's at setup) "
+                                    "and of meta-device initialisation (unset: 0)")
     verify_checksums: bool = option(True, "check every file's SHA-256 against the checkpoint's manifest")
 
     @classmethod
@@ -90,7 +93,7 @@ class StrategyConfig:
         o = {f.name: given.get(f.name, f.default) for f in fields(cls)}
         if o["global_batch_size"] is not None:
             _integer("global_batch_size", o["global_batch_size"], 1)
-        if o["param_dtype"] is not None and o["param_dtype"] not in DTYPES:
+        if o["param_dtype"] is not None and (not isinstance(o["param_dtype"], str) or o["param_dtype"] not in DTYPES):
             raise ConfigurationError(f"CephaloStrategy(param_dtype={o['param_dtype']!r}): choose one of {sorted(DTYPES)}")
         emulate = o["emulate"]
         if emulate is not None and (isinstance(emulate, (str, bytes, dict)) or not isinstance(emulate, Sequence)):
@@ -98,30 +101,37 @@ class StrategyConfig:
                 f"CephaloStrategy(emulate={emulate!r}) must be a list with one spec per rank, e.g. "
                 "[{slowdown: 1}, {slowdown: 3, memory_gb: 0.5}]"
             )
-        if o["pretrained"] is not None and not Path(o["pretrained"]).exists():
-            raise ConfigurationError(f"CephaloStrategy(pretrained={str(o['pretrained'])!r}): no such file or directory")
+        if o["pretrained"] is not None:
+            if not isinstance(o["pretrained"], (str, PathLike)):
+                raise ConfigurationError(f"CephaloStrategy(pretrained={o['pretrained']!r}) must be a path (a str or "
+                                         "Path): a save_pretrained directory or a state_dict file")
+            if not Path(o["pretrained"]).exists():
+                raise ConfigurationError(f"CephaloStrategy(pretrained={str(o['pretrained'])!r}): no such file or directory")
         if o["seed"] is not None:
-            _integer("seed", o["seed"], 0)
+            _seed(o["seed"])
+        for spec in fields(cls):
+            if spec.type in ("bool", "bool | None"):
+                _flag(spec.name, o[spec.name], none_ok=spec.type != "bool")
         checked = cls(
             global_batch_size=o["global_batch_size"],
             mode=_choice("mode", o["mode"], MODES),
             collective=_choice("collective", o["collective"], COLLECTIVES),
-            units=tuple(_import_class(u) if isinstance(u, str) else u for u in o["units"]) if o["units"] else None,
+            units=_units(o["units"]),
             param_dtype=DTYPES[o["param_dtype"]] if o["param_dtype"] else None,
             emulate=tuple(emulate) if emulate is not None else None,
             offload=o["offload"],
             memory_check_every_n_steps=_integer("memory_check_every_n_steps", o["memory_check_every_n_steps"], 1),
             state_dict_type=_choice("state_dict_type", o["state_dict_type"], STATE_DICT_TYPES),
-            prefetch=bool(o["prefetch"]),
-            overlap=bool(o["overlap"]),
+            prefetch=o["prefetch"],
+            overlap=o["overlap"],
             pretrained=Path(o["pretrained"]) if o["pretrained"] is not None else None,
             loss_weighting=_choice("loss_weighting", o["loss_weighting"], LOSS_WEIGHTINGS),
-            verify_loss=bool(o["verify_loss"]),
+            verify_loss=o["verify_loss"],
             max_nonfinite_skips=_integer("max_nonfinite_skips", o["max_nonfinite_skips"], 0),
-            check_devices=bool(o["check_devices"]),
-            safe_globals=tuple(o["safe_globals"]),
+            check_devices=o["check_devices"],
+            safe_globals=_safe_globals(o["safe_globals"]),
             seed=o["seed"],
-            verify_checksums=bool(o["verify_checksums"]),
+            verify_checksums=o["verify_checksums"],
         )
         plan, cluster = _plan_source(o["plan"], o["cluster"], o["global_batch_size"])
         return replace(checked, plan=plan, cluster=cluster)
@@ -129,6 +139,8 @@ class StrategyConfig:
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(StrategyConfig))
 DEFAULTS = StrategyConfig()  # the strategy's signature takes every default from here
+# torch's seed range (a uint64), less room for the data epoch the sampler adds to the seed
+MAX_SEED = 2**63 - 1
 
 
 def _choice(name: str, value: Any, choices: Sequence[str]) -> str:
@@ -144,7 +156,39 @@ def _integer(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _import_class(path: str) -> type[nn.Module]:
+def _flag(name: str, value: Any, *, none_ok: bool = False) -> None:
+    """A bool option takes only True or False (``"no"`` would be truthy; YAML already reads ``false``)."""
+    if not isinstance(value, bool) and not (none_ok and value is None):
+        allowed = "True, False or None (decided by the device)" if none_ok else "True or False"
+        raise ConfigurationError(f"CephaloStrategy({name}={value!r}) must be {allowed}, got {type(value).__name__}; "
+                                 f"write {name}=True or {name}=False (in YAML: true / false)")
+
+
+def _seed(value: Any, where: str = "CephaloStrategy(seed={!r})") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise ConfigurationError(f"{where.format(value)} must be an integer in [0, 2**63 - 1] (torch's seed range, "
+                                 "less room for the data epoch added to it), e.g. seed=42")
+    return value
+
+
+def _units(units: Any) -> tuple[type[nn.Module], ...] | None:
+    """The ``units`` option: module classes, or import paths of module classes, in a list."""
+    if units is None:
+        return None
+    if isinstance(units, (str, bytes)) or not isinstance(units, Sequence) or not units:
+        raise ConfigurationError(
+            f"CephaloStrategy(units={units!r}) must be a non-empty list of nn.Module classes or import paths, "
+            "e.g. units=[MyBlock] or units=['pkg.mod.MyBlock']")
+    classes = tuple(_import_class(u) if isinstance(u, str) else u for u in units)
+    for given, cls in zip(units, classes):
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ConfigurationError(
+                f"CephaloStrategy(units=[..., {given!r}, ...]): {given!r} is not an nn.Module subclass; give the class "
+                "of the blocks to shard one by one (e.g. units=[MyBlock]) or its import path ('pkg.mod.MyBlock')")
+    return classes
+
+
+def _import_class(path: str) -> Any:
     module, _, name = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module), name)
@@ -153,14 +197,34 @@ def _import_class(path: str) -> type[nn.Module]:
             f"units: cannot import module class {path!r} ({err}); give a full path like 'pkg.mod.Block'") from err
 
 
+def _safe_globals(value: Any) -> tuple[Any, ...]:
+    """Classes (or functions) a checkpoint may name: a list of the objects themselves."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, AbstractSet)):
+        raise ConfigurationError(
+            f"CephaloStrategy(safe_globals={value!r}) must be a list of classes or functions, got "
+            f"{type(value).__name__}; write safe_globals=[MyClass] (import the class itself, not its name)")
+    for item in value:
+        if not callable(item):
+            raise ConfigurationError(
+                f"CephaloStrategy(safe_globals=[..., {item!r}, ...]): {item!r} is not a class or function; write "
+                "safe_globals=[MyClass] with the class itself (import it), not its name or an instance")
+    return tuple(value)
+
+
 def _plan_source(plan: Plan | str | Path | None, cluster: Cluster | str | Path | None,
                  global_batch_size: int | None) -> tuple[Plan | None, Cluster | None]:
     """The ``plan`` and ``cluster`` options, loaded, and checked against each other."""
+    for name, value, kind in (("plan", plan, Plan), ("cluster", cluster, Cluster)):
+        if value is not None and not isinstance(value, (kind, str, PathLike)):
+            raise ConfigurationError(
+                f"CephaloStrategy({name}={value!r}) must be a {kind.__name__} or the path of a {name} file "
+                f"({'plan JSON' if name == 'plan' else 'YAML or JSON'}), got {type(value).__name__}; write "
+                f"{name}='{name}.{'json' if name == 'plan' else 'yaml'}'")
     if cluster is not None and (plan is not None or global_batch_size is None):
         raise ConfigurationError("CephaloStrategy(cluster=...) plans at setup: give global_batch_size=B and no plan=")
-    plan = Plan.load(plan) if isinstance(plan, (str, Path)) else plan
+    plan = Plan.load(plan) if isinstance(plan, (str, PathLike)) else plan
     if plan is not None and global_batch_size not in (None, plan.global_batch_size):
         raise ConfigurationError(
             f"global_batch_size={global_batch_size} but the plan is for {plan.global_batch_size}: drop one")
-    return plan, load_cluster(cluster) if isinstance(cluster, (str, Path)) else cluster
+    return plan, load_cluster(cluster) if isinstance(cluster, (str, PathLike)) else cluster
 

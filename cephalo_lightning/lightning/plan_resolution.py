@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,7 +22,7 @@ from torch import nn
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.lightning._private import training_dataloader
-from cephalo_lightning.lightning.config import Schedule, StrategyConfig
+from cephalo_lightning.lightning.config import MAX_SEED, Schedule, StrategyConfig
 from cephalo_lightning.planner import Cluster, Plan, PlanningError
 from cephalo_lightning.planner import plan as make_plan
 from cephalo_lightning.runtime.distributed import gather_objects, is_distributed
@@ -65,6 +65,27 @@ def global_batch(configured: int | None, trainer: Any, world_size: int) -> int:
         raise ConfigurationError(
             "set batch_size on the training DataLoader (the global batch) or CephaloStrategy(global_batch_size=B)")
     return batch
+
+
+def data_seed(configured: int | None, environ: Mapping[str, str]) -> int | None:
+    """The seed of the data order, by Lightning's convention: ``CephaloStrategy(seed=...)``, else
+    ``PL_GLOBAL_SEED`` (what ``seed_everything`` sets, and what Lightning's own distributed sampler
+    reads), else None: the caller takes the process's ``torch.initial_seed()`` at setup, which a
+    ``torch.manual_seed`` call after ``seed_everything`` (say, in the model's constructor) changes."""
+    if configured is not None:
+        return configured
+    given = environ.get("PL_GLOBAL_SEED")
+    if given is None:
+        return None
+    try:
+        seed = int(given)
+    except ValueError:
+        seed = -1
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigurationError(
+            f"PL_GLOBAL_SEED={given!r} is not a seed (an integer in [0, 2**63 - 1]); call seed_everything(42), "
+            "unset PL_GLOBAL_SEED, or give CephaloStrategy(seed=42)")
+    return seed
 
 
 def emulation_specs(configured: Sequence[Any] | None, cluster: Cluster | None) -> list[Any] | None:

@@ -229,6 +229,7 @@ class UniformSteps:
         self.sharded = sharded
         self.training_step = training_step
         self.weighting = weighting
+        self.output_checked = False  # the first call's output is checked (check_training_step_output)
 
     def _run(self, step: TrainingStep, k: int) -> Any:
         """The user's ``training_step`` on micro-batch ``k``, its loss and logged values kept in ``step``."""
@@ -247,6 +248,9 @@ class UniformSteps:
                 "backward together, so a single rank cannot skip; the strategy skips a step with a non-finite loss "
                 "or gradient on every rank by itself (CephaloStrategy(max_nonfinite_skips=...))"
             )
+        if not self.output_checked:
+            check_training_step_output(output)
+            self.output_checked = True
         step.logged.append((step.weights[k], logged_values(capture)))
         step.losses.append(self._loss(output).detach())
         return output
@@ -305,6 +309,31 @@ class UniformSteps:
                 self.module.log(v.name, v.value, prog_bar=v.prog_bar, logger=v.logger, on_step=v.on_step,
                                 on_epoch=v.on_epoch, sync_dist=torch.is_tensor(v.value),
                                 reduce_fx=v.reduction if v.reduction != "custom" else "mean", **kwargs)
+
+
+def check_training_step_output(output: Any) -> None:
+    """Under automatic optimization ``training_step`` returns the loss: a one-element tensor, or a
+    dict holding one under ``'loss'`` (Lightning's contract), else the step fails deep inside."""
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if torch.is_tensor(loss) and loss.numel() == 1:
+        return
+    if isinstance(output, dict):
+        got = (f"a dict without a 'loss' key (keys: {sorted(map(str, output))})" if "loss" not in output
+               else f"a dict whose 'loss' is {_described(loss)}")
+    else:
+        got = _described(output)
+    raise ConfigurationError(
+        f"training_step returned {got}; under automatic optimization it must return the loss as a one-element "
+        "tensor (return loss), or a dict with the loss tensor under 'loss' (return {'loss': loss, ...}). Return the "
+        "tensor itself, not loss.item() or float(loss): the backward pass needs its graph"
+    )
+
+
+def _described(value: Any) -> str:
+    if torch.is_tensor(value):
+        return f"a tensor of shape {tuple(value.shape)} (reduce it to one value, e.g. .mean())"
+    shown = repr(value)
+    return f"{shown if len(shown) <= 60 else shown[:57] + '...'} (a {type(value).__name__})"
 
 
 def _weighted_logs(logged: list[tuple[float, list[LoggedValue]]]) -> tuple[list[LoggedValue], list[torch.Tensor]]:

@@ -209,7 +209,9 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         if trainer.state.stage != RunningStage.TRAINING:
             return evaluation_loader(dataloader, self.world_size)
         plan_resolution.check_loader_batch(dataloader.batch_size, self.fit_runtime.plan, self.config.global_batch_size)
-        seed = self.config.seed if self.config.seed is not None else int(self.broadcast(torch.initial_seed() % 2**31))
+        seed = plan_resolution.data_seed(self.config.seed, os.environ)
+        if self.config.seed is None:  # one order on every rank: rank 0's
+            seed = int(self.broadcast(torch.initial_seed() % 2**31 if seed is None else seed))
         self._loader = planned_loader(dataloader, self.fit_runtime.switches.plan_state, self.global_rank,
                                       shuffle=shuffles(dataloader), seed=seed)
         return self._loader

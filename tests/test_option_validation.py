@@ -1,0 +1,212 @@
+"""Every option of ``CephaloStrategy(...)`` and ``CephaloCallback(...)`` is checked at construction
+(type and range, a refusal naming the option, what was given and what to write), a
+``training_step`` that does not return the loss is named on its first call, and the data order
+follows Lightning's seed convention (``seed=``, else ``seed_everything``'s ``PL_GLOBAL_SEED``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import seed_everything
+
+from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
+from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning.lightning.callback_config import CallbackConfig
+from cephalo_lightning.lightning.config import MAX_SEED, StrategyConfig
+from cephalo_lightning.lightning.plan_resolution import data_seed
+from cephalo_lightning.planner import RankPlan, Settings
+from tests.helpers import fit
+from tests.helpers import trainer as make_trainer
+from tests.lightning_models import TinyUniform, loader, token_data
+
+# ----------------------------------------------------------------------------- the strategy's options
+
+STRATEGY_BOOLS = ("prefetch", "overlap", "verify_loss", "check_devices", "verify_checksums")
+CALLBACK_BOOLS = ("force_profile", "replan", "print_plan", "quiet")
+
+
+def test_the_bool_tables_cover_every_bool_option() -> None:
+    assert {f.name for f in fields(StrategyConfig) if isinstance(f.default, bool)} == set(STRATEGY_BOOLS)
+    assert {f.name for f in fields(CallbackConfig) if isinstance(f.default, bool)} == set(CALLBACK_BOOLS)
+
+
+@pytest.mark.parametrize("name", [*STRATEGY_BOOLS, "offload"])
+@pytest.mark.parametrize("given", ["no", "false", "yes", 0, 1])
+def test_a_strategy_bool_option_takes_only_true_or_false(name: str, given: object) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        CephaloStrategy(**{name: given})
+    message = str(refused.value)
+    assert f"CephaloStrategy({name}={given!r}) must be True" in message
+    assert f"write {name}=True or {name}=False" in message
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    ({"units": [123]}, r"units=\[\.\.\., 123, \.\.\.\]\): 123 is not an nn\.Module subclass; .*units=\[MyBlock\]"),
+    ({"units": ["torch.nn.functional.relu"]}, r"'torch\.nn\.functional\.relu' is not an nn\.Module subclass"),
+    ({"units": "torch.nn.Linear"}, r"units='torch\.nn\.Linear'\) must be a non-empty list .*units=\['pkg\.mod\.MyBlock'\]"),
+    ({"units": ["no.such.Block"]}, r"cannot import module class 'no\.such\.Block'"),
+    ({"safe_globals": "MyClass"}, r"safe_globals='MyClass'\) must be a list of classes .*write safe_globals=\[MyClass\]"),
+    ({"safe_globals": [3]}, r"safe_globals=\[\.\.\., 3, \.\.\.\]\): 3 is not a class or function; write"),
+    ({"seed": 2**70}, rf"seed={2**70}\) must be an integer in \[0, 2\*\*63 - 1\] \(torch's seed range.*e\.g\. seed=42"),
+    ({"seed": -1}, r"seed=-1\) must be an integer in \[0, 2\*\*63 - 1\]"),
+    ({"seed": "7"}, r"seed='7'\) must be an integer in"),
+    ({"plan": 123}, r"plan=123\) must be a Plan or the path of a plan file .*got int; write plan='plan\.json'"),
+    ({"plan": {"ranks": []}}, r"plan=\{'ranks': \[\]\}\) must be a Plan .*got dict"),
+    ({"cluster": 1.5, "global_batch_size": 8}, r"cluster=1\.5\) must be a Cluster .*write cluster='cluster\.yaml'"),
+    ({"global_batch_size": "16"}, r"global_batch_size='16'\) must be an integer >= 1"),
+    ({"max_nonfinite_skips": 2.5}, r"max_nonfinite_skips=2\.5\) must be an integer >= 0"),
+    ({"param_dtype": ["bf16"]}, r"param_dtype=\['bf16'\]\): choose one of"),
+    ({"pretrained": 3}, r"pretrained=3\) must be a path"),
+])
+def test_bad_strategy_options_are_refused_with_the_fix(arguments: dict, message: str) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        CephaloStrategy(**arguments)
+    assert re.search(message, str(refused.value)), str(refused.value)
+
+
+def test_good_strategy_options_are_still_taken(tmp_path: Path) -> None:
+    plan = Plan(4, "uniform", (RankPlan(0, "a", 4, 1, 4, 1.0),))
+    plan.save(tmp_path / "plan.json")
+    config = CephaloStrategy(plan=tmp_path / "plan.json", units=["torch.nn.Linear", torch.nn.GRU],
+                             safe_globals={Path}, seed=MAX_SEED, offload=None, prefetch=False).config
+    assert config.plan == plan and config.units == (torch.nn.Linear, torch.nn.GRU)
+    assert config.safe_globals == (Path,) and config.seed == MAX_SEED and config.offload is None
+    assert CephaloStrategy(offload=False, seed=0, safe_globals=[Path, print]).config.safe_globals == (Path, print)
+    torch.Generator().manual_seed(MAX_SEED + 1000)  # the largest seed leaves room for the data epochs
+
+
+# ----------------------------------------------------------------------------- the callback's options
+
+
+@pytest.mark.parametrize("name", CALLBACK_BOOLS)
+@pytest.mark.parametrize("given", ["no", "false", 1])
+def test_a_callback_bool_option_takes_only_true_or_false(name: str, given: object) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(f"CephaloCallback({name}={given!r}) must be True or False")):
+        CephaloCallback(**{name: given})
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    ({"settings": {"usable_memory_fraction": 5}}, r"settings=\{'usable_memory_fraction': 5\}\): .*usable_memory_fraction must be <= 1"),
+    ({"settings": {"usable_memory_fraction": 0}}, r"usable_memory_fraction must be > 0"),
+    ({"settings": {"usable_memory_fraction": "0.9"}}, r"usable_memory_fraction must be a number, got '0\.9'"),
+    ({"settings": {"usable_memory_fracton": 0.9}}, r"no setting 'usable_memory_fracton': did you mean 'usable_memory_fraction'\?"),
+    ({"settings": {"reserved_gb": 1}}, r"no setting 'reserved_gb': did you mean 'reserved_memory_gb'\?"),
+    ({"settings": {"overlap": 2}}, r"settings\.overlap must be in \[0, 1\]"),
+    ({"settings": {"offload_stash": "no"}}, r"settings\.offload_stash must be true or false, got 'no'"),
+    ({"settings": {"collective": "ring"}}, r"settings\.collective must be one of \('padded', 'exact'\)"),
+    ({"settings": {"link_bandwidth_gbps": -3}}, r"settings\.link_bandwidth_gbps must be > 0"),
+    ({"settings": "usable_memory_fraction=0.9"}, r"must be a mapping of cost-model settings, got str; write e\.g\. settings="),
+    ({"state_bytes_per_param": "16"}, r"state_bytes_per_param='16'\) must be a number > 0"),
+    ({"state_bytes_per_param": 0}, r"state_bytes_per_param=0\) must be a number > 0"),
+    ({"drift_threshold": "0.3"}, r"drift_threshold='0\.3'\): watch_every_n_steps must be >= 0 and drift_threshold > 0"),
+    ({"drift_threshold": float("nan")}, r"drift_threshold=nan\): "),
+    ({"watch_every_n_steps": 2.5}, r"watch_every_n_steps=2\.5, .*must be >= 0"),
+    ({"max_micro_batch": "4"}, r"max_micro_batch='4'\) must be an integer >= 1"),
+    ({"cache_dir": 3}, r"cache_dir=3\) must be a path"),
+    ({"plan_file": ""}, r"plan_file=''\) must be a path \(a non-empty str or Path\) or None"),
+])
+def test_bad_callback_options_are_refused_at_construction(arguments: dict, message: str) -> None:
+    with pytest.raises(ConfigurationError) as refused:
+        CephaloCallback(**arguments)
+    assert re.search(message, str(refused.value)), str(refused.value)
+    assert str(refused.value).startswith("CephaloCallback(")
+
+
+def test_good_callback_settings_are_kept_as_the_cost_model_takes_them() -> None:
+    config = CallbackConfig(settings={"usable_memory_fraction": 1, "link_bandwidth_gbps": None, "offload_stash": True})
+    assert config.settings == {"usable_memory_fraction": 1.0, "link_bandwidth_gbps": None, "offload_stash": True}
+    assert replace(Settings(), **config.settings).usable_memory_fraction == 1.0  # what on_fit_start does with them
+    assert CallbackConfig(cache_dir=Path("x"), plan_file="p.json").cache_dir == Path("x")
+
+
+# ----------------------------------------------------------------------------- training_step's output
+
+ONE_RANK = Plan(4, "uniform", (RankPlan(0, "a", 4, 2, 2, 1.0),))
+
+
+class Returns(TinyUniform):
+    """TinyUniform whose ``training_step`` returns what ``shape`` makes of its loss."""
+
+    def __init__(self, shape) -> None:
+        super().__init__()
+        self.shape = shape
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        return self.shape(self.model.loss(logits, y), logits)
+
+
+@pytest.mark.parametrize(("shape", "message"), [
+    (lambda loss, logits: {"logits": logits}, r"returned a dict without a 'loss' key \(keys: \['logits'\]\)"),
+    (lambda loss, logits: loss.item(), r"returned \d\.\d+ \(a float\); .*not loss\.item\(\) or float\(loss\)"),
+    (lambda loss, logits: {"loss": float(loss)}, r"returned a dict whose 'loss' is \d\.\d+ \(a float\)"),
+    (lambda loss, logits: logits.logsumexp(-1).mean(-1), r"returned a tensor of shape \(2,\) \(reduce it to one value"),
+])
+def test_a_training_step_that_does_not_return_the_loss_is_named_on_its_first_call(shape, message) -> None:
+    with pytest.raises(ConfigurationError, match=message) as refused:
+        fit(Returns(shape), ONE_RANK, 1, 1, token_data(8), mode="uniform")
+    assert "return {'loss': loss, ...}" in str(refused.value)
+
+
+def test_a_training_step_returning_a_dict_with_its_loss_still_trains() -> None:
+    trainer = fit(Returns(lambda loss, logits: {"loss": loss, "logits": logits.detach()}), ONE_RANK, 1, 1,
+                  token_data(8), mode="uniform")
+    assert trainer.global_step == 1
+
+
+# ----------------------------------------------------------------------------- the data order's seed
+
+SEED, GLOBAL_BATCH, SAMPLES = 7, 8, 32
+
+
+class Records(TinyUniform):
+    """Reseeds torch while it is built (as a model's own init may) and records the batches it trains on."""
+
+    def __init__(self, reseed: int) -> None:
+        torch.manual_seed(reseed)
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[0].clone())
+        return super().training_step(batch, batch_idx)
+
+
+def _order(reseed: int, **strategy) -> torch.Tensor:
+    module = Records(reseed)
+    plan = Plan(GLOBAL_BATCH, "uniform", (RankPlan(0, "a", GLOBAL_BATCH, 1, GLOBAL_BATCH, 1.0),))
+    data = token_data(SAMPLES)
+    make_trainer(CephaloStrategy(plan=plan, mode="uniform", **strategy), 1, 2).fit(
+        module, loader(data, GLOBAL_BATCH, shuffle=True))
+    return torch.cat(module.seen)
+
+
+def test_the_data_order_follows_seed_everything_not_a_later_manual_seed() -> None:
+    data = token_data(SAMPLES)
+    expected = data.tensors[0][torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(SEED))[:16]]
+    seed_everything(SEED, verbose=False)
+    first = _order(reseed=1)
+    seed_everything(SEED, verbose=False)
+    second = _order(reseed=2)
+    assert torch.equal(first, second), "a torch.manual_seed call in the model's constructor changed the data order"
+    assert torch.equal(first, expected)  # seed_everything(s) shuffles as CephaloStrategy(seed=s) does
+
+
+def test_an_explicit_seed_wins_over_seed_everything() -> None:
+    data = token_data(SAMPLES)
+    expected = data.tensors[0][torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(3))[:16]]
+    seed_everything(SEED, verbose=False)
+    assert torch.equal(_order(reseed=1, seed=3), expected)
+
+
+def test_the_data_seed_convention() -> None:
+    assert data_seed(3, {"PL_GLOBAL_SEED": "7"}) == 3
+    assert data_seed(None, {"PL_GLOBAL_SEED": "7"}) == 7
+    assert data_seed(None, {}) is None  # the caller takes torch.initial_seed() at setup
+    with pytest.raises(ConfigurationError, match=r"PL_GLOBAL_SEED='seven' is not a seed .*seed_everything\(42\)"):
+        data_seed(None, {"PL_GLOBAL_SEED": "seven"})
