@@ -36,6 +36,7 @@ model's process group), :mod:`.consolidate` (whole tensors and single-file check
 from cephalo_lightning.runtime.checkpoint.consolidate import (
     consolidate,
     consolidated,
+    consolidated_dict,
     full_tensors,
     load_full_state_dict,
 )
@@ -54,6 +55,7 @@ from cephalo_lightning.runtime.checkpoint.format import (
     META_FILE,
     MODEL_PREFIX,
     CheckpointError,
+    NoSpaceError,
 )
 from cephalo_lightning.runtime.checkpoint.manifest import (
     _sha256,  # noqa: F401 - the tests forge manifests with it
@@ -69,13 +71,31 @@ from cephalo_lightning.runtime.checkpoint.safe_load import (
     read_dcp_metadata,
     safe_load,
 )
-from cephalo_lightning.runtime.checkpoint.save_load import clean_stale, load, read_info, read_meta, remove, save
+from cephalo_lightning.runtime.checkpoint.save_load import (
+    clean_stale,
+    load,
+    on_first_rank,
+    read_info,
+    read_meta,
+    remove,
+    save,
+    single_file_staging,
+)
+from cephalo_lightning.runtime.checkpoint.single_file import (
+    INTEGRITY_KEY,
+    content_sha256,
+    load_file,
+    verify_file,
+    write_file,
+)
 
 __all__ = [
-    "FORMAT", "INFO_FILE", "MANIFEST_FILE", "META_FILE", "MODEL_PREFIX",
-    "Box", "CheckpointError", "SAFE_GLOBALS", "SafeFileSystemReader", "SavedOptimizer", "ShardLoadPlanner",
-    "ShardSavePlanner", "boxes", "buffers", "check_loadable", "clean_stale", "consolidate", "consolidated",
-    "full_tensors", "is_checkpoint", "is_complete", "load", "load_full_state_dict", "model_entries",
-    "optimizer_entries", "read_dcp_metadata", "read_info", "read_manifest", "read_meta", "remove", "safe_load",
-    "save", "state_dict_aliases", "verify",
+    "FORMAT", "INFO_FILE", "INTEGRITY_KEY", "MANIFEST_FILE", "META_FILE", "MODEL_PREFIX",
+    "Box", "CheckpointError", "NoSpaceError", "SAFE_GLOBALS", "SafeFileSystemReader", "SavedOptimizer",
+    "ShardLoadPlanner", "ShardSavePlanner", "boxes", "buffers", "check_loadable", "clean_stale", "consolidate",
+    "consolidated", "consolidated_dict", "content_sha256", "full_tensors", "is_checkpoint", "is_complete", "load",
+    "load_file", "load_full_state_dict", "model_entries", "on_first_rank", "optimizer_entries", "read_dcp_metadata",
+    "read_info",
+    "read_manifest", "read_meta", "remove", "safe_load", "save", "single_file_staging", "state_dict_aliases",
+    "verify", "verify_file", "write_file",
 ]
