@@ -4,6 +4,7 @@ wrote is removed and the previous checkpoint stays loadable."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import json
@@ -12,6 +13,7 @@ import struct
 import warnings
 import zipfile
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.checkpoint import CheckpointError, NoSpaceError
 from tests import helpers
+from tests.distributed import run_distributed
 from tests.helpers import max_error
 from tests.lightning_models import TinyLayered, loader, token_data
 
@@ -205,16 +208,28 @@ class _FullDisk:
         self.stream.close()
 
 
-def _fill_the_disk_in_torch_save(monkeypatch, budget: int = 64) -> None:
+def _full_disk_torch_save(real):
     """DCP writes each tensor with torch.save into the open shard file: that write fails."""
-    real = torch.save
 
     def save(obj, target, *args, **kwargs):
         if isinstance(target, io.BytesIO):
             return real(obj, target, *args, **kwargs)
-        return real(obj, _FullDisk(target, budget), *args, **kwargs)
+        return real(obj, _FullDisk(target, 64), *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", save)
+    return save
+
+
+def _full_disk_open(real, prefix: str, seen: list, directory: Path):
+    """``open`` for the atomic writes: the temporary file of ``prefix`` fills the disk."""
+
+    def open_(path, mode="r", *args, **kwargs):
+        handle = real(path, mode, *args, **kwargs)
+        if Path(path).name.startswith(prefix):
+            seen.append(_hidden(directory))
+            return _FullDisk(handle, 100)
+        return handle
+
+    return open_
 
 
 def _hidden(directory: Path) -> list[str]:
@@ -227,7 +242,7 @@ def test_a_full_disk_during_a_sharded_save_is_named_cleaned_up_and_the_previous_
     last = tmp_path / "last.ckpt"
     trainer.save_checkpoint(last)
     want = checkpoint.load_full_state_dict(last)
-    _fill_the_disk_in_torch_save(monkeypatch)
+    monkeypatch.setattr(torch, "save", _full_disk_torch_save(torch.save))
     with pytest.raises(NoSpaceError) as caught:
         trainer.save_checkpoint(last)
     assert caught.value.errno == errno.ENOSPC and isinstance(caught.value, OSError)
@@ -248,20 +263,11 @@ def test_a_full_disk_during_a_single_file_save_leaves_no_hidden_copy_and_the_pre
     file = tmp_path / "export.ckpt"
     trainer.save_checkpoint(file)
     previous = file.read_bytes()
-    seen = []
+    seen: list[list[str]] = []
     if stage == "the sharded copy":
-        _fill_the_disk_in_torch_save(monkeypatch)
-    else:
-        real_open = open
-
-        def open_(path, mode="r", *args, **kwargs):  # the single file's temporary copy fills the disk
-            handle = real_open(path, mode, *args, **kwargs)
-            if Path(path).name.startswith(".export.ckpt.tmp-"):
-                seen.append(_hidden(tmp_path))
-                return _FullDisk(handle, 100)
-            return handle
-
-        monkeypatch.setattr(atomic_io, "open", open_, raising=False)
+        monkeypatch.setattr(torch, "save", _full_disk_torch_save(torch.save))
+    else:  # the single file's temporary copy fills the disk
+        monkeypatch.setattr(atomic_io, "open", _full_disk_open(open, ".export.ckpt.tmp-", seen, tmp_path), raising=False)
     with pytest.raises(NoSpaceError, match=rf"no space left on device \(errno ENOSPC\) .*{file.name}"):
         trainer.save_checkpoint(file)
     if seen:  # the sharded copy was removed before the file was written: one copy on disk at a time
@@ -279,3 +285,43 @@ def test_clean_stale_removes_a_leaked_single_file_staging_directory(saved, tmp_p
     checkpoint.clean_stale(tmp_path)
     assert _hidden(tmp_path) == []
     checkpoint.verify(kept)
+
+
+PLAN2 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 8, 2, 4, 0.3), RankPlan(1, "b", 4, 1, 4, 0.7)))
+
+
+def _full_disk_on_one_rank(rank: int, world: int, root: str):
+    """A save whose DCP write fills the disk on rank 1 only, then one whose meta.pt (rank 0's) does."""
+    warnings.simplefilter("ignore")
+    root_path = Path(root)
+    trainer = helpers.trainer(CephaloStrategy(plan=PLAN2), world, 1)
+    trainer.fit(TinyLayered(), _data())
+    last = root_path / "last.ckpt"
+    trainer.save_checkpoint(last)
+    want = checkpoint.load_full_state_dict(last)
+    patches = {"dcp": (torch, "save", _full_disk_torch_save(torch.save), 1),
+               "meta": (atomic_io, "open", _full_disk_open(open, ".meta.pt.tmp-", [], root_path), 0)}
+    out = {}
+    for name, (owner, attr, replacement, failing) in patches.items():
+        with mock.patch.object(owner, attr, replacement, create=True) if rank == failing else contextlib.nullcontext():
+            try:
+                trainer.save_checkpoint(last)
+                out[name] = None
+            except Exception as err:  # noqa: BLE001 - compared by the test
+                out[name] = (type(err).__name__, str(err), getattr(err, "errno", None))
+        trainer.strategy.barrier()
+        out[name + " leftovers"] = _hidden(root_path)
+    out["previous"] = max_error(checkpoint.load_full_state_dict(last), want)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_full_disk_on_one_rank_fails_every_rank_alike_and_leaves_the_previous_checkpoint(tmp_path):
+    for rank, out in enumerate(run_distributed(_full_disk_on_one_rank, 2, str(tmp_path))):
+        for name in ("dcp", "meta"):
+            assert out[name] is not None, f"rank {rank}: the {name} save did not fail"
+            kind, message, code = out[name]
+            assert kind == "NoSpaceError" and code == errno.ENOSPC, (rank, name, out[name])
+            assert "no space left on device" in message and "last.ckpt" in message, message
+            assert out[name + " leftovers"] == [], (rank, name, out)
+        assert out["previous"] == 0.0

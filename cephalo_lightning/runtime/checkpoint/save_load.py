@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from typing_extensions import override
 
 from cephalo_lightning._common.atomic_io import (
     publish_directory,
@@ -98,7 +100,7 @@ def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
     needed = sum(gather_objects(sum(e.flat.numel() * e.flat.element_size() for e in entries), group))
     try:
         on_first_rank(group, lambda: (recover_directory(path, is_complete), staging.mkdir(parents=True)))
-        dcp_call(f"saving {path}", lambda: dcp.save({}, storage_writer=dcp.FileSystemWriter(staging),
+        dcp_call(f"saving {path}", lambda: dcp.save({}, storage_writer=_Writer(staging),
                                                     planner=ShardSavePlanner(entries), process_group=group,
                                                     no_dist=not is_distributed(group)))
         on_first_rank(group, lambda: _write_meta(staging, {**meta, TOKEN_KEY: token}))
@@ -131,6 +133,22 @@ def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
     return path
 
 
+class _Writer(dcp.FileSystemWriter):
+    """DCP's writer, with a full disk reported as the OSError it is: torch's zip writer hides it as
+    ``enforce fail at inline_container.cc`` (the OSError only as its context, which is lost when
+    DCP hands the failure to the other ranks)."""
+
+    @override
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return super().write_data(plan, planner)
+        except Exception as err:
+            cause = disk_full_cause(err)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, f"{os.strerror(cause.errno)}: writing {self.path} failed ({err})") from err
+
+
 def on_first_rank(group: Group, step: Callable[[], Any]) -> None:
     """Run ``step`` on the group's first rank; every rank raises if it failed (none waits forever)."""
     rank, _ = rank_and_size(group)
@@ -140,11 +158,15 @@ def on_first_rank(group: Group, step: Callable[[], Any]) -> None:
             step()
         except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
             error = err
-    failed = broadcast_object(None if error is None else f"{type(error).__name__}: {error}", group)
+    cause = disk_full_cause(error) if error is not None else None
+    failed = broadcast_object(None if error is None else (f"{type(error).__name__}: {error}", cause and cause.errno),
+                              group)
     if error is not None:
         raise error
     if failed is not None:
-        raise CheckpointError(f"the save failed on the group's first rank: {failed}")
+        message, code = failed
+        raise CheckpointError(f"the save failed on the group's first rank: {message}") from (
+            OSError(code, message) if code else None)
 
 
 def _write_meta(staging: Path, meta: dict[str, Any]) -> None:
