@@ -37,8 +37,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it into place."""
+def write_bytes_atomic(path: str | Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to a temporary file beside ``path``, fsync it, then rename it into place.
+
+    A full disk raises ``OSError(ENOSPC)`` naming ``path``, the size needed and what was written
+    before it failed; the temporary file is removed (``path`` keeps its old contents)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -48,6 +51,12 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        written = tmp.stat().st_size if tmp.exists() else 0
+        raise OSError(err.errno, f"{os.strerror(err.errno)}: writing {path} needs {len(data)} bytes, {written} "
+                                 f"were written, {shutil.disk_usage(path.parent).free} are free", str(path)) from err
     finally:
         if tmp.exists():
             tmp.unlink()

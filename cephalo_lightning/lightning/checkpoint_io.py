@@ -60,12 +60,18 @@ class FitCheckpoints:
         optimizers = optimizers if "optimizer_states" in checkpoint_dict else []
         if self.config.state_dict_type == "sharded":
             return checkpoint.save(path, self.sharded, optimizers, meta, info, self.safe_globals)
-        staging = path.with_name(f".{path.name}.sharded")
+        staging = checkpoint.single_file_staging(path)
         checkpoint.save(staging, self.sharded, optimizers, meta, info, self.safe_globals)
-        if self.rank == 0:
-            checkpoint.consolidate(staging, path, self.safe_globals, verify_checksums=False)  # hashed by save
-            checkpoint.remove(staging)
+        checkpoint.on_first_rank(self.sharded.comm.group, lambda: self._consolidate(staging, path))
         return path
+
+    def _consolidate(self, staging: Path, path: Path) -> None:
+        try:
+            full = checkpoint.consolidated_dict(staging, self.safe_globals, verify_checksums=False)  # hashed by save
+            checkpoint.remove(staging)  # before the file is written: the disk holds one copy at a time
+            checkpoint.write_file(full, path)
+        finally:
+            checkpoint.remove(staging)
 
     def load(self, path: Path, optimizers: Sequence[Optimizer], weights_only: bool | None = None) -> dict[str, Any]:
         """Collective: a sharded directory (any layout) or a single file (weights only)."""
@@ -78,8 +84,12 @@ class FitCheckpoints:
         return self.load_full(path, trusted)
 
     def load_full(self, path: Path, trusted: bool = False) -> dict[str, Any]:
-        """Weights from a single-file checkpoint (optimizer state starts fresh)."""
-        loaded = checkpoint.safe_load(path, self.safe_globals, trusted=trusted)
+        """Weights from a single-file checkpoint (optimizer state starts fresh), checked against
+        the checksum it carries when cephalo wrote it."""
+        loaded, checked = checkpoint.load_file(path, self.safe_globals, trusted=trusted)
+        if not checked:
+            rank_zero_info(f"Cephalo: {path} carries no integrity record (not written by cephalo-lightning); "
+                           "loaded unchecked.")
         state = loaded.get("state_dict", loaded)
         with torch.no_grad():
             for name, piece in self.sharded.named_parameters():

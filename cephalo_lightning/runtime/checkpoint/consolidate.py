@@ -17,12 +17,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from cephalo_lightning._common.atomic_io import write_bytes_atomic
 from cephalo_lightning.runtime.checkpoint.dcp_planners import Request, ShardLoadPlanner, dcp_call
 from cephalo_lightning.runtime.checkpoint.format import MODEL_PREFIX
 from cephalo_lightning.runtime.checkpoint.manifest import verify
 from cephalo_lightning.runtime.checkpoint.safe_load import SafeFileSystemReader, read_dcp_metadata
 from cephalo_lightning.runtime.checkpoint.save_load import read_info, read_meta
+from cephalo_lightning.runtime.checkpoint.single_file import write_file
 
 OPTIMIZER_PREFIX = "optimizer_"
 
@@ -68,10 +68,15 @@ def consolidate(path: str | Path, output: str | Path | io.BytesIO, safe_globals:
 
     The result loads with ``LightningModule.load_from_checkpoint`` / ``torch.load`` and trains on
     with any strategy: ``state_dict`` in original shapes, optimizer state keyed by parameter
-    index as ``torch.optim`` saves it, and Lightning's loops and callbacks. The manifest's sizes
-    are always checked; ``verify_checksums=False`` skips hashing, for a checkpoint this process
-    has just written (and hashed).
+    index as ``torch.optim`` saves it, and Lightning's loops and callbacks; it carries its own
+    checksum (:mod:`.single_file`). The manifest's sizes are always checked;
+    ``verify_checksums=False`` skips hashing, for a checkpoint this process has just written (and hashed).
     """
+    write_file(consolidated_dict(path, safe_globals, verify_checksums), output)
+
+
+def consolidated_dict(path: str | Path, safe_globals: Iterable[Any] = (), verify_checksums: bool = True) -> dict[str, Any]:
+    """The single-file checkpoint of :func:`consolidate`, in memory (verified first)."""
     path = Path(path)
     verify(path, checksums=verify_checksums, collective=False)
     info = read_info(path)
@@ -81,14 +86,8 @@ def consolidate(path: str | Path, output: str | Path | io.BytesIO, safe_globals:
     moments = tensors[OPTIMIZER_PREFIX]
     checkpoint["optimizer_states"] = [_torch_optimizer_state(i, saved, moments)
                                       for i, saved in enumerate(info.get("optimizers", []))]
-    checkpoint["cephalo"] = {k: v for k, v in info.items() if k not in ("optimizers",)}
-    if isinstance(output, io.BytesIO):
-        torch.save(checkpoint, output)
-        output.seek(0)
-        return
-    buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
-    write_bytes_atomic(output, buffer.getvalue())
+    checkpoint["cephalo"] = {k: v for k, v in info.items() if k not in ("optimizers", "files")}
+    return checkpoint
 
 
 def _torch_optimizer_state(index: int, saved: dict[str, Any], moments: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -93,18 +93,36 @@ def safe_load(source: str | Path | io.BytesIO, extra_globals: Iterable[Any] = ()
               trusted: bool = False) -> Any:
     """``torch.load(weights_only=True)`` with :data:`SAFE_GLOBALS` (and ``extra_globals``) allowed.
 
-    ``trusted``: the caller explicitly asked for full unpickling (``weights_only=False``)."""
-    if trusted:
-        return torch.load(source, map_location="cpu", weights_only=False)
+    ``trusted``: the caller explicitly asked for full unpickling (``weights_only=False``). A file
+    that is truncated or not a torch file is a :class:`CheckpointError` naming it."""
     try:
+        if trusted:
+            return torch.load(source, map_location="cpu", weights_only=False)
         with torch.serialization.safe_globals([*SAFE_GLOBALS, *extra_globals]):
             return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(
-            f"{what or source} holds objects that can only be loaded by running code from the file "
-            f"(weights_only refused them: {str(err).splitlines()[0]}). Cephalo never loads those. If you trust the "
-            "file and the classes are yours, pass CephaloStrategy(safe_globals=[TheClass])"
+            f"{what or source} holds objects that can only be loaded by running code from the file, or is not a "
+            f"checkpoint file at all (weights_only refused it: {_reason(err)}). Cephalo never loads those. If you "
+            "trust the file and the classes are yours, pass CephaloStrategy(safe_globals=[TheClass])"
         ) from err
+    except (RuntimeError, OSError, EOFError, ValueError, KeyError, IndexError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise CheckpointError(f"{what or source} is missing") from err
+        raise CheckpointError(
+            f"{what or source} cannot be read as a checkpoint ({type(err).__name__}: {_reason(err)}): it is "
+            "truncated, damaged or not a torch checkpoint file. Resume from an earlier checkpoint, or save it again"
+        ) from err
+
+
+_ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation", "In PyTorch 2.6")
+
+
+def _reason(err: BaseException) -> str:
+    """The line of torch's message that says what is wrong (not its general advice)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    useful = [line for line in lines if not line.startswith(_ADVICE)]
+    return (useful or lines or [type(err).__name__])[0][:200]
 
 
 def check_loadable(obj: Any, extra_globals: Iterable[Any] = (), what: str = "the checkpoint's metadata") -> None:

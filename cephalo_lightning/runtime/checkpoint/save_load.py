@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import uuid
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from typing_extensions import override
 
 from cephalo_lightning._common.atomic_io import (
     publish_directory,
@@ -40,17 +42,30 @@ from cephalo_lightning.runtime.checkpoint.format import (
     INFO_FILE,
     META_FILE,
     MODEL_PREFIX,
+    TOKEN_KEY,
     CheckpointError,
+    NoSpaceError,
+    disk_full_cause,
+    human_bytes,
 )
-from cephalo_lightning.runtime.checkpoint.manifest import is_complete, verify, write_manifest
+from cephalo_lightning.runtime.checkpoint.manifest import hash_files, is_complete, read_info, verify, write_manifest
 from cephalo_lightning.runtime.checkpoint.safe_load import (
     SafeFileSystemReader,
     check_loadable,
     read_dcp_metadata,
     safe_load,
 )
-from cephalo_lightning.runtime.distributed import Group, barrier, broadcast_object, is_distributed, rank_and_size
+from cephalo_lightning.runtime.distributed import (
+    Group,
+    barrier,
+    broadcast_object,
+    gather_objects,
+    is_distributed,
+    rank_and_size,
+)
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+
+SINGLE_FILE_STAGING = "sharded"
 
 
 def _token(group: Group) -> str:
@@ -63,7 +78,8 @@ def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
 
     ``meta``: plain data besides the tensors (for Lightning: loops, callbacks, ...), written as
     ``meta.pt`` and checked to be loadable without running code; ``info``: JSON-able extras
-    (the plan). Returns the published path.
+    (the plan). Returns the published path. A save that fails (a full disk: :class:`NoSpaceError`)
+    removes what it wrote on every rank alike; the checkpoint already at ``path`` stays as it was.
     """
     path = Path(path)
     group = sharded.comm.group
@@ -71,10 +87,6 @@ def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
     check_loadable(meta, safe_globals)  # fail before writing, on every rank alike
     token = _token(group)
     staging = staging_path(path, token)
-    if rank == 0:
-        recover_directory(path, is_complete)
-        staging.mkdir(parents=True)
-    barrier(group)
     buffer_entries = replicated_entries({MODEL_PREFIX + k: v for k, v in buffers(sharded).items()}, rank)
     entries = model_entries(sharded) + buffer_entries
     optimizer_info = []
@@ -85,28 +97,91 @@ def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
         replicated.update(saved.replicated)
         optimizer_info.append(saved.info)
     entries += replicated_entries(replicated, rank)
-    dcp_call(f"saving {path}", lambda: dcp.save({}, storage_writer=dcp.FileSystemWriter(staging),
-                                                planner=ShardSavePlanner(entries), process_group=group,
-                                                no_dist=not is_distributed(group)))
-    if rank == 0:
-        buffer = io.BytesIO()
-        torch.save(meta, buffer)
-        write_bytes_atomic(staging / META_FILE, buffer.getvalue())
+    needed = sum(gather_objects(sum(e.flat.numel() * e.flat.element_size() for e in entries), group))
+    try:
+        on_first_rank(group, lambda: (recover_directory(path, is_complete), staging.mkdir(parents=True)))
+        dcp_call(f"saving {path}", lambda: dcp.save({}, storage_writer=_Writer(staging),
+                                                    planner=ShardSavePlanner(entries), process_group=group,
+                                                    no_dist=not is_distributed(group)))
+        on_first_rank(group, lambda: _write_meta(staging, {**meta, TOKEN_KEY: token}))
+        dcp_files = hash_files(staging, group)  # .metadata and the shards (and meta.pt, for the manifest)
         document = {
             "format": FORMAT,
+            "token": token,
+            "files": {name: entry for name, entry in dcp_files.items() if name != META_FILE},
             "param_shapes": {name: list(shape) for name, _, shape, _ in local_pieces(sharded)},
             "aliases": state_dict_aliases(sharded),
             "optimizers": optimizer_info,
             **info,
         }
-        write_bytes_atomic(staging / INFO_FILE, json.dumps(document, indent=1, default=_json_default).encode())
-    barrier(group)
-    write_manifest(staging, group)
-    barrier(group)
-    if rank == 0:
-        publish_directory(staging, path)
-    barrier(group)
+        on_first_rank(group, lambda: (
+            write_bytes_atomic(staging / INFO_FILE, json.dumps(document, indent=1, default=_json_default).encode()),
+            write_manifest(staging, token, dcp_files),
+            publish_directory(staging, path),
+        ))
+    except Exception as err:
+        written = _remove_failed(staging) if rank == 0 else 0
+        cause = disk_full_cause(err)
+        if cause is None:
+            raise
+        raise NoSpaceError(
+            f"no space left on device (errno ENOSPC) saving checkpoint {path}: it needs about {human_bytes(needed)} "
+            f"of tensors, {human_bytes(written)} had been written when the disk filled up ({cause}). What the save "
+            "wrote was removed and the previous checkpoint at that path, if any, is untouched. Free space on that "
+            "disk, keep fewer checkpoints (ModelCheckpoint(save_top_k=...)) or save to another directory", path,
+        ) from err
     return path
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's writer, with a full disk reported as the OSError it is: torch's zip writer hides it as
+    ``enforce fail at inline_container.cc`` (the OSError only as its context, which is lost when
+    DCP hands the failure to the other ranks)."""
+
+    @override
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            return super().write_data(plan, planner)
+        except Exception as err:
+            cause = disk_full_cause(err)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, f"{os.strerror(cause.errno)}: writing {self.path} failed ({err})") from err
+
+
+def on_first_rank(group: Group, step: Callable[[], Any]) -> None:
+    """Run ``step`` on the group's first rank; every rank raises if it failed (none waits forever)."""
+    rank, _ = rank_and_size(group)
+    error: Exception | None = None
+    if rank == 0:
+        try:
+            step()
+        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+            error = err
+    cause = disk_full_cause(error) if error is not None else None
+    failed = broadcast_object(None if error is None else (f"{type(error).__name__}: {error}", cause and cause.errno),
+                              group)
+    if error is not None:
+        raise error
+    if failed is not None:
+        message, code = failed
+        raise CheckpointError(f"the save failed on the group's first rank: {message}") from (
+            OSError(code, message) if code else None)
+
+
+def _write_meta(staging: Path, meta: dict[str, Any]) -> None:
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    write_bytes_atomic(staging / META_FILE, buffer.getbuffer())
+
+
+def _remove_failed(staging: Path) -> int:
+    """Delete a failed save's staging directory; returns how many bytes it held."""
+    if not staging.exists():
+        return 0
+    written = sum(p.stat().st_size for p in staging.rglob("*") if p.is_file())
+    remove_tree(staging)
+    return written
 
 
 def _json_default(value: Any) -> Any:
@@ -120,22 +195,20 @@ def _json_default(value: Any) -> Any:
 # -------------------------------------------------------------------------------- load
 
 
-def read_info(path: str | Path) -> dict[str, Any]:
-    file = Path(path) / INFO_FILE
-    try:
-        return json.loads(file.read_text())
-    except FileNotFoundError as err:
-        raise CheckpointError(f"{path} is not a cephalo checkpoint directory ({INFO_FILE} is missing)") from err
-    except ValueError as err:
-        raise CheckpointError(f"{file} is not valid JSON ({err})") from err
-
-
 def read_meta(path: str | Path, safe_globals: Iterable[Any] = (), trusted: bool = False) -> dict[str, Any]:
     """Lightning's non-tensor state of a checkpoint (``meta.pt``), loaded without running code."""
     file = Path(path) / META_FILE
     if not file.is_file():
         raise CheckpointError(f"{file} is missing: the checkpoint is incomplete")
-    return safe_load(file, safe_globals, str(file), trusted)
+    meta = safe_load(file, safe_globals, str(file), trusted)
+    token = read_info(path).get("token")
+    if not isinstance(meta, dict) or meta.get(TOKEN_KEY) != token:
+        found = meta.get(TOKEN_KEY) if isinstance(meta, dict) else None
+        raise CheckpointError(
+            f"refusing to load {path}: {file} belongs to save {found}, {INFO_FILE} to save {token}: the directory "
+            "mixes files of two checkpoints. Resume from an earlier checkpoint"
+        )
+    return {k: v for k, v in meta.items() if k != TOKEN_KEY}
 
 
 def _prepare(path: str | Path, verify_checksums: bool, group: Group) -> Path:
@@ -227,7 +300,9 @@ def remove(path: str | Path) -> None:
 
 
 def clean_stale(directory: str | Path) -> None:
-    """Rank 0 at start: restore checkpoints an interrupted save left missing; drop leftovers."""
+    """Rank 0 at start: restore checkpoints an interrupted save left missing; drop leftovers
+    (staging, set-aside and trash directories, a single-file save's temporary file and the hidden
+    ``.NAME.sharded`` directory it consolidates from)."""
     directory = Path(directory)
     if not directory.is_dir():
         return
@@ -238,4 +313,14 @@ def clean_stale(directory: str | Path) -> None:
             names.add(stem)
     for name in sorted(names):
         recover_directory(directory / name, is_complete)
+    for leftover in directory.glob(".*"):
+        stem, dot, rest = leftover.name[1:].rpartition(".")
+        if dot and stem and ((rest == SINGLE_FILE_STAGING and leftover.is_dir())
+                             or (rest.startswith("tmp-") and leftover.is_file())):
+            remove_tree(leftover)
 
+
+def single_file_staging(path: str | Path) -> Path:
+    """Where a single-file save writes the sharded checkpoint it consolidates (removed after)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{SINGLE_FILE_STAGING}")
