@@ -30,7 +30,7 @@ from typing import Any
 
 from cephalo_lightning._common.errors import ConfigurationError
 
-LOCK_NAME = ".cephalo-run.lock"
+LOCK_NAME = "cephalo-run.lock"  # visible: it says which run writes the folder
 
 
 class Heartbeat:
@@ -149,7 +149,7 @@ class FolderInUseError(ConfigurationError):
 
 @dataclass(frozen=True)
 class RunLock:
-    """``<folder>/.cephalo-run.lock``, naming the run that writes the folder (see the note above)."""
+    """``<folder>/cephalo-run.lock``, naming the run that writes the folder (see the note above)."""
 
     path: Path
     owner: dict[str, Any]
