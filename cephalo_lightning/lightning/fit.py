@@ -10,7 +10,7 @@ the rank's emulator and memory tracking, and picks the step runner for the sched
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,14 +102,20 @@ class FitRuntime:
             checkpoint.check_loadable(dict(hparams), globals_with_lightning(self.config.safe_globals), "the hyperparameters")
         root = Path(trainer.default_root_dir) / ".cephalo"
         locks, dead = claim_folders(trainer, root)
-        if trainer.is_global_zero:
-            for folder in checkpoint_folders(trainer):
-                checkpoint.clean_stale(folder)
-            for directory in remove_stale_heartbeats(root, dead):
-                rank_zero_info(f"Cephalo: removed {directory}, the heartbeats of a run whose processes are gone")
-        if not reported_elsewhere:
-            loggers.log_run(trainer, self.plan, cluster)
-        return FailureReport(Heartbeat(root / f"heartbeat-{token}", self.rank, self.sharded.world_size).start(), locks)
+        try:
+            if trainer.is_global_zero:
+                for folder in checkpoint_folders(trainer):
+                    checkpoint.clean_stale(folder)
+                for directory in remove_stale_heartbeats(root, dead):
+                    rank_zero_info(f"Cephalo: removed {directory}, the heartbeats of a run whose processes are gone")
+            if not reported_elsewhere:
+                loggers.log_run(trainer, self.plan, cluster)
+            heartbeat = Heartbeat(root / f"heartbeat-{token}", self.rank, self.sharded.world_size).start()
+        except BaseException:
+            for lock in locks:  # no FailureReport holds them yet
+                lock.release()
+            raise
+        return FailureReport(heartbeat, locks)
 
     # ------------------------------------------------------------------ steps
 
@@ -224,7 +230,7 @@ class FailureReport:
     """While a fit runs: heartbeats, the folder locks, and, when a collective fails, which rank
     stopped and where to resume."""
 
-    def __init__(self, heartbeat: Heartbeat, locks: list[RunLock] = ()) -> None:
+    def __init__(self, heartbeat: Heartbeat, locks: Sequence[RunLock] = ()) -> None:
         self.heartbeat = heartbeat
         self.locks = list(locks)
         self.last_checkpoint: Path | None = None

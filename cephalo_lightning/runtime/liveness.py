@@ -9,8 +9,8 @@ host is gone or whose heartbeat stopped. Torch-free.
 [Note: whose files may be removed] A file naming a process (a heartbeat, a :class:`RunLock`) is
 stale only when :func:`owner_alive` says False: the process is on this host and gone (or its pid
 now belongs to a later process). A process on another host cannot be checked from here, so its
-files are trusted until removed by hand; the messages say which file and how. Nothing here ever
-judges by age, which a slow filesystem or a clock skew between hosts would make a guess.
+files are trusted until removed by hand; the messages say which file and how. Nothing is removed
+for its age, which a stalled filesystem or a clock skew between hosts would make a guess.
 """
 
 from __future__ import annotations
