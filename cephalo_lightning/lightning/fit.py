@@ -10,7 +10,7 @@ the rank's emulator and memory tracking, and picks the step runner for the sched
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning import loggers
 from cephalo_lightning.lightning.checkpoint_io import FitCheckpoints, globals_with_lightning
 from cephalo_lightning.lightning.config import Schedule, StrategyConfig
@@ -27,10 +28,20 @@ from cephalo_lightning.lightning.steps import LayeredSteps, NonFiniteGuard, Trai
 from cephalo_lightning.models import Resolution
 from cephalo_lightning.planner import Plan
 from cephalo_lightning.runtime import checkpoint
+from cephalo_lightning.runtime.distributed import broadcast_object, gather_objects
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.emulation.memory import SampledTracking
 from cephalo_lightning.runtime.layered import LayeredSchedule
-from cephalo_lightning.runtime.liveness import Heartbeat, looks_like_lost_peer
+from cephalo_lightning.runtime.liveness import (
+    FolderInUseError,
+    Heartbeat,
+    RunLock,
+    dead_heartbeats,
+    looks_like_lost_peer,
+    os_error_line,
+    probe_writable,
+    remove_stale_heartbeats,
+)
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel, UnitMaterializer
 from cephalo_lightning.runtime.sharding.weights import open_weights
 
@@ -83,19 +94,28 @@ class FitRuntime:
                 f"{'items (non-ignored label tokens)' if self.weighting.kind == 'items' else 'samples'}{built}")
 
     def start_fit(self, trainer: pl.Trainer, token: str, cluster: Any, reported_elsewhere: bool) -> FailureReport:
-        """Before a fit trains: refuse hyperparameters a checkpoint could not load back, clean up
-        what an interrupted save left, start the heartbeat, report the run to the loggers (unless
-        ``reported_elsewhere``: a callback reports it with its profile)."""
+        """Collective, before a fit trains: refuse hyperparameters a checkpoint could not load back,
+        claim the run's folders (:func:`claim_folders`), clean up what an interrupted save or a killed
+        run left, start the heartbeat, report the run to the loggers (unless ``reported_elsewhere``:
+        a callback reports it with its profile)."""
         for hparams in (self.module.hparams, getattr(trainer.datamodule, "hparams", {})):
             checkpoint.check_loadable(dict(hparams), globals_with_lightning(self.config.safe_globals), "the hyperparameters")
-        if trainer.is_global_zero:
-            for callback in trainer.checkpoint_callbacks:
-                if getattr(callback, "dirpath", None):
-                    checkpoint.clean_stale(callback.dirpath)
-        if not reported_elsewhere:
-            loggers.log_run(trainer, self.plan, cluster)
-        directory = Path(trainer.default_root_dir) / ".cephalo" / f"heartbeat-{token}"
-        return FailureReport(Heartbeat(directory, self.rank, self.sharded.world_size).start())
+        root = Path(trainer.default_root_dir) / ".cephalo"
+        locks, dead = claim_folders(trainer, root)
+        try:
+            if trainer.is_global_zero:
+                for folder in checkpoint_folders(trainer):
+                    checkpoint.clean_stale(folder)
+                for directory in remove_stale_heartbeats(root, dead):
+                    rank_zero_info(f"Cephalo: removed {directory}, the heartbeats of a run whose processes are gone")
+            if not reported_elsewhere:
+                loggers.log_run(trainer, self.plan, cluster)
+            heartbeat = Heartbeat(root / f"heartbeat-{token}", self.rank, self.sharded.world_size).start()
+        except BaseException:
+            for lock in locks:  # no FailureReport holds them yet
+                lock.release()
+            raise
+        return FailureReport(heartbeat, locks)
 
     # ------------------------------------------------------------------ steps
 
@@ -161,12 +181,70 @@ def _prefix_of(module: torch.nn.Module, model: torch.nn.Module | None) -> str:
     return ""
 
 
-class FailureReport:
-    """Heartbeats while training; when a collective fails, which rank stopped and where to resume."""
+def checkpoint_folders(trainer: pl.Trainer) -> list[Path]:
+    """The distinct folders the fit's checkpoint callbacks write (resolved by their setup)."""
+    folders = [Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
+    return list(dict.fromkeys(folders))
 
-    def __init__(self, heartbeat: Heartbeat) -> None:
+
+def claim_folders(trainer: pl.Trainer, root: Path) -> tuple[list[RunLock], list[str]]:
+    """Collective, before the fit writes or deletes anything: rank 0 locks every checkpoint folder
+    (refused while another live run holds one); then every rank checks it can write there and in
+    ``root``, where the heartbeats go, and names the heartbeat files of dead processes its host can
+    tell. Every rank raises the same error when any rank found a problem. Returns rank 0's locks
+    and the union of the dead heartbeat files."""
+    folders = checkpoint_folders(trainer)
+    roles = {**{f: "a checkpoint folder" for f in folders}, root: "under Trainer(default_root_dir)"}
+    locks: list[RunLock] = []
+    refusal, unwritable = None, {}
+    if trainer.is_global_zero:
+        for folder in folders:
+            try:
+                locks.append(RunLock.acquire(folder, rank_zero_info))
+            except FolderInUseError as err:
+                refusal = str(err)
+                break
+            except OSError as err:
+                unwritable[folder] = os_error_line(err)
+    refusal = broadcast_object(refusal)
+    if refusal is None:
+        for folder in roles:
+            why = unwritable.get(folder) or probe_writable(folder)
+            if why is not None:
+                unwritable[folder] = why
+    problems = [f"rank {trainer.global_rank} cannot write to {folder} ({roles[folder]}): {why}"
+                for folder, why in unwritable.items()]
+    gathered = gather_objects((problems, dead_heartbeats(root) if refusal is None else []))
+    problems = [line for rank_problems, _ in gathered for line in rank_problems]
+    if refusal is not None or problems:
+        for lock in locks:
+            lock.release()
+        raise FolderInUseError(refusal) if refusal is not None else ConfigurationError(
+            "Cephalo: " + "; ".join(problems) + ". Every rank writes its part of each checkpoint and its heartbeat: "
+            "give folders every rank can write (shared across nodes), with Trainer(default_root_dir=...) or "
+            "ModelCheckpoint(dirpath=...), or make these writable.")
+    return locks, [file for _, dead in gathered for file in dead]
+
+
+class FailureReport:
+    """While a fit runs: heartbeats, the folder locks, and, when a collective fails, which rank
+    stopped and where to resume."""
+
+    def __init__(self, heartbeat: Heartbeat, locks: Sequence[RunLock] = ()) -> None:
         self.heartbeat = heartbeat
+        self.locks = list(locks)
         self.last_checkpoint: Path | None = None
+
+    def close(self) -> None:
+        """The fit ended (also by an exception): stop the heartbeat, release the folders."""
+        self.heartbeat.stop()
+        for lock in self.locks:
+            lock.release()
+        self.locks = []
+
+    def resume_hint(self) -> str:
+        return (f" Resume with trainer.fit(..., ckpt_path={str(self.last_checkpoint)!r})." if self.last_checkpoint
+                else " No checkpoint was written yet.")
 
     def describe(self, exception: BaseException) -> str | None:
         if not looks_like_lost_peer(exception):
@@ -175,5 +253,4 @@ class FailureReport:
         first_line = str(exception).splitlines()[0] if str(exception) else ""
         return (f"Cephalo (rank {self.heartbeat.rank}): a collective failed ({type(exception).__name__}: {first_line}). "
                 + ("Stopped: " + "; ".join(suspects) + "." if suspects else "No peer is known to have stopped.")
-                + (f" Resume with trainer.fit(..., ckpt_path={str(self.last_checkpoint)!r})." if self.last_checkpoint
-                   else " No checkpoint was written yet."))
+                + self.resume_hint())

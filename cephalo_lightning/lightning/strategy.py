@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 from collections.abc import Generator, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +28,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -309,14 +311,28 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            self._stopped_by_sigterm(exception)
+            return
         message = self._failures.describe(exception) if self._failures is not None else None
         if message:
             log.error(message)
 
+    def _stopped_by_sigterm(self, exception: SIGTERMException) -> None:
+        """Lightning stops at the batch boundary after a SIGTERM (a save in progress completes
+        first) by raising a ``SystemExit`` without a code, which exits 0: a scheduler would count the
+        unfinished run a success. The exit status becomes 128 + SIGTERM, as for a process the signal
+        killed."""
+        exception.code = 128 + signal.SIGTERM
+        step = self.lightning_module.trainer.global_step
+        hint = self._failures.resume_hint() if self._failures is not None else ""
+        log.error(f"Cephalo (rank {self.global_rank}): stopped by SIGTERM after {step} steps; exiting with status "
+                  f"{exception.code} (the fit did not finish).{hint}")
+
     @override
     def teardown(self) -> None:
         if self._failures is not None:
-            self._failures.heartbeat.stop()
+            self._failures.close()
             self._failures = None
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
