@@ -17,6 +17,8 @@ from typing import Any
 
 from cephalo_lightning._common.atomic_io import write_text_atomic
 from cephalo_lightning.planner.errors import PlanningError
+from cephalo_lightning.planner.files import MAX_EXACT_INTEGER, read_document, shown_number
+from cephalo_lightning.planner.limits import MAX_RANKS
 
 COLLECTIVE_MODES = ("padded", "exact")
 PROFILE_SOURCES = ("measured", "catalog", "emulated")
@@ -120,8 +122,11 @@ class Cluster:
 
 
 def _number(value: Any, where: str, *, minimum: float = 0.0, strict: bool = True) -> float:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INTEGER:
+        raise PlanningError(f"{where} must be a number of at most {MAX_EXACT_INTEGER:,}, got {shown_number(value)}; "
+                            "fix it in the cluster file")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise PlanningError(f"{where} must be a number, got {value!r}")
+        raise PlanningError(f"{where} must be a number, got {value!r}; write a finite number in the cluster file")
     if value < minimum or (strict and value == minimum):
         bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
         raise PlanningError(f"{where} must be {bound}, got {value!r}")
@@ -129,10 +134,14 @@ def _number(value: Any, where: str, *, minimum: float = 0.0, strict: bool = True
 
 
 def _integer(value: Any, where: str, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise PlanningError(f"{where} must be a whole number, got {value!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INTEGER:
+        raise PlanningError(f"{where} must be at most {MAX_EXACT_INTEGER:,}, got {shown_number(value)}; "
+                            "fix it in the cluster file")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value):
+        raise PlanningError(f"{where} must be a whole number, got {value!r}; write one in the cluster file")
     if value < minimum:
-        raise PlanningError(f"{where} must be >= {minimum}, got {value!r}")
+        raise PlanningError(f"{where} must be >= {minimum}, got {value!r}; raise it in the cluster file")
     return int(value)
 
 
@@ -158,9 +167,9 @@ def _series(value: Any, where: str, *, strict: bool) -> tuple[float, ...]:
 
 
 def _reject_unknown(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    unknown = sorted(set(data) - allowed)
+    unknown = sorted(map(str, set(data) - allowed))  # str: YAML keys may be numbers, dates, ...
     if unknown:
-        raise PlanningError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        raise PlanningError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}. Fix or remove them")
 
 
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:
@@ -256,11 +265,26 @@ def _device_extras(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
     return extras
 
 
+def _check_rank_count(entries: Sequence[Any]) -> None:
+    """The ranks the entries' counts add up to stay within the planner's limit, checked before any entry
+    is expanded (a count of 10**9 would otherwise fill the memory before the limit is seen)."""
+    total = 0
+    for i, entry in enumerate(entries):
+        if isinstance(entry, Mapping):
+            total += _integer(entry.get("count", 1), f"devices[{i}].count")
+    if total > MAX_RANKS:
+        raise PlanningError(
+            f"the cluster file's device counts add up to {total:,} ranks, {total - MAX_RANKS:,} more than the "
+            f"planner's limit of {MAX_RANKS:,} (a plan file lists every rank); plan a sub-cluster with the same "
+            f"kinds in proportion (e.g. every count and the global batch divided by {-(-total // MAX_RANKS):,})")
+
+
 def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[DeviceProfile, ...]:
     from cephalo_lightning.planner.catalog import estimate_profile  # catalog needs parse-free types
 
     if isinstance(data, (str, bytes)) or not isinstance(data, Sequence) or len(data) == 0:
         raise PlanningError("devices must be a non-empty list (one entry per GPU kind, in rank order)")
+    _check_rank_count(data)
     devices: list[DeviceProfile] = []
     for i, entry in enumerate(data):
         where = f"devices[{i}]"
@@ -310,27 +334,11 @@ def cluster_from_dict(data: Any) -> Cluster:
     return Cluster(model=model, devices=parse_devices(data["devices"], model, settings), settings=settings)
 
 
-def _read_structured(path: str | Path) -> Any:
-    path = Path(path)
-    if not path.is_file():
-        raise PlanningError(f"cluster file {str(path)!r} does not exist")
-    text = path.read_text()
-    if path.suffix.lower() == ".json":
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as err:
-            raise PlanningError(f"{path}: not valid JSON ({err})") from err
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise PlanningError(f"{path}: not valid YAML ({err})") from err
-
-
 def load_cluster(path: str | Path) -> Cluster:
     """Read a cluster file (YAML or JSON)."""
-    return cluster_from_dict(_read_structured(path))
+    return cluster_from_dict(read_document(
+        path, "cluster file", "write one as the README's \"Cluster file\" shows, or with "
+        "`python -m cephalo_lightning profile` / `plan convert`"))
 
 
 def _device_entry(device: DeviceProfile) -> dict[str, Any]:

@@ -26,7 +26,6 @@ Conversion (each series keeps its own length; see the README, "Cluster file"):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,31 +33,27 @@ from typing import Any
 from cephalo_lightning.planner.catalog import lookup
 from cephalo_lightning.planner.cluster import Cluster, cluster_from_dict
 from cephalo_lightning.planner.errors import PlanningError
+from cephalo_lightning.planner.files import read_document
 
 MIN_MS = 1e-5  # a line fit may cross zero at small sizes; the planner needs positive times
 RELEASE_GROWTH_POINTS = 5  # the release averages the memory growth over the last five points
 
 
 def _read_json(path: str | Path, what: str) -> Any:
-    path = Path(path)
-    if not path.is_file():
-        raise PlanningError(f"the release's {what} file {str(path)!r} does not exist")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise PlanningError(f"{path}: not valid JSON ({err}); is it the release's {what} file?") from err
+    return read_document(path, f"release {what}", f"give the Cephalo release's {what} file", json_only=True)
 
 
 def _pick(data: Any, key: str | None, what: str, where: str) -> Any:
     """``data[key]``, or its only entry when no key is given; clear errors otherwise."""
     if not isinstance(data, Mapping) or not data:
-        raise PlanningError(f"{where}: expected an object keyed by {what}, got {type(data).__name__}")
+        raise PlanningError(f"{where}: expected an object keyed by {what}, got {type(data).__name__}; is it the "
+                            f"release's file?")
     if key is None:
         if len(data) != 1:
-            raise PlanningError(f"{where} has several {what}s {sorted(data)}; choose one with --{what.replace(' ', '-')}")
+            raise PlanningError(f"{where} has several {what}s {sorted(map(str, data))}; choose one with --{what.replace(' ', '-')}")
         return next(iter(data.values()))
     if str(key) not in data:
-        raise PlanningError(f"{where} has no {what} {key!r}; it has {sorted(data)}")
+        raise PlanningError(f"{where} has no {what} {key!r}; it has {sorted(map(str, data))}: choose one of those")
     return data[str(key)]
 
 

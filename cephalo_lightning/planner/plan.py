@@ -12,6 +12,7 @@ from typing import Any
 from cephalo_lightning._common.atomic_io import write_text_atomic
 from cephalo_lightning.planner.cost import split_sizes
 from cephalo_lightning.planner.errors import PlanningError
+from cephalo_lightning.planner.files import MAX_EXACT_INTEGER, read_document, shown_number
 
 PLAN_MODES = ("layered", "uniform")
 PLAN_FORMAT_VERSION = 2  # 2: RankPlan.recompute (files of version 1 load with recompute = True)
@@ -179,12 +180,8 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         path = Path(path)
-        if not path.is_file():
-            raise PlanningError(f"plan file {str(path)!r} does not exist; make one with `python -m cephalo_lightning plan`")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise PlanningError(f"{path}: not valid JSON ({err})") from err
+        data = read_document(path, "plan file", "make one with `python -m cephalo_lightning plan ... -o plan.json`",
+                             json_only=True)
         return cls.from_dict(data, where=str(path))
 
     # ---------------------------------------------------------------- simple plans
@@ -213,7 +210,12 @@ class Plan:
 
 def _shown(value: Any) -> str:
     kind = {str: "a string", list: "a list", dict: "an object", bool: "a boolean", type(None): "null"}
-    return f"{value!r} ({kind.get(type(value), type(value).__name__)})"
+    return f"{shown_number(value)} ({kind.get(type(value), type(value).__name__)})"
+
+
+def _too_large(value: Any) -> bool:
+    """An integer no float holds exactly (10**400 would overflow ``math.isfinite``)."""
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INTEGER
 
 
 def _unknown(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
@@ -223,8 +225,8 @@ def _unknown(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
 
 
 def _whole(value: Any, where: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value != int(value) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or _too_large(value) \
+            or not math.isfinite(value) or value != int(value) or value < minimum:
         hint = f"; write it as a JSON number, e.g. {value.strip()}" if isinstance(value, str) and \
             value.strip().isdigit() else ""
         raise PlanningError(f"{where} must be a whole number >= {minimum}, got {_shown(value)}{hint}; or {REMAKE}")
@@ -232,8 +234,8 @@ def _whole(value: Any, where: str, minimum: int) -> int:
 
 
 def _finite(value: Any, where: str, minimum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or (minimum is not None and value < minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or _too_large(value) \
+            or not math.isfinite(value) or (minimum is not None and value < minimum):
         bound = f" >= {minimum:g}" if minimum is not None else ""
         raise PlanningError(f"{where} must be a finite number{bound}, got {_shown(value)}; {REMAKE}")
     return float(value)
