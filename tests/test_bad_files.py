@@ -52,7 +52,8 @@ CLUSTER_FILES = [
      ["devices[0].memory_gb must be a number of at most", "fix it in the cluster file"]),
     # a count far past the rank limit is refused before the list of ranks is built (which would not fit)
     ("huge-count", "cluster.json", _cluster(count=10**12),
-     ["add up to 1,000,000,000,000 ranks", "limit of 100,000", "divided by 10,000,000"]),
+     ["add up to 1,000,000,000,000 ranks", "10,000,000x the planner's limit of 100,000",
+      "divided by 10,000,000"]),
     ("huge-count-integer", "cluster.json", _cluster(count=HUGE), ["devices[0].count must be at most"]),
     ("number-keys", "cluster.yaml", "{1: 2, model: {num_layers: 2}}",
      ["unknown key(s) ['1']", "Fix or remove them"]),

@@ -18,9 +18,10 @@ from typing import Any
 from cephalo_lightning._common.atomic_io import write_text_atomic
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import MAX_EXACT_INTEGER, read_document, shown_number
-from cephalo_lightning.planner.limits import MAX_RANKS
+from cephalo_lightning.planner.limits import MAX_CLUSTER_RANKS, MAX_RANKS
 
 COLLECTIVE_MODES = ("padded", "exact")
+CLUSTER_FILE = " in the cluster file"
 PROFILE_SOURCES = ("measured", "catalog", "emulated")
 
 
@@ -129,7 +130,7 @@ def _number(value: Any, where: str, *, minimum: float = 0.0, strict: bool = True
         raise PlanningError(f"{where} must be a number, got {value!r}; write a finite number in the cluster file")
     if value < minimum or (strict and value == minimum):
         bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
-        raise PlanningError(f"{where} must be {bound}, got {value!r}")
+        raise PlanningError(f"{where} must be {bound}, got {value!r}; set it to a number {bound}{CLUSTER_FILE}")
     return float(value)
 
 
@@ -148,20 +149,22 @@ def _integer(value: Any, where: str, *, minimum: int = 1) -> int:
 def _fraction(value: Any, where: str, meaning: str) -> float:
     number = _number(value, where, strict=False)
     if number > 1:
-        raise PlanningError(f"{where} must be in [0, 1] ({meaning}), got {value!r}")
+        raise PlanningError(f"{where} must be in [0, 1] ({meaning}), got {value!r}; set it between 0 and 1"
+                            f"{CLUSTER_FILE}")
     return number
 
 
 def _flag(value: Any, where: str) -> bool:
     if not isinstance(value, bool):
-        raise PlanningError(f"{where} must be true or false, got {value!r}")
+        raise PlanningError(f"{where} must be true or false, got {value!r}; write true or false, unquoted{CLUSTER_FILE}")
     return value
 
 
 def _series(value: Any, where: str, *, strict: bool) -> tuple[float, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) == 0:
         raise PlanningError(
-            f"{where} must be a non-empty list of numbers (micro-batch sizes 1, 2, ...), got {value!r}"
+            f"{where} must be a non-empty list of numbers (micro-batch sizes 1, 2, ...), got {value!r}; list the "
+            f"figure at each size, e.g. [1.2, 2.3, 3.5]{CLUSTER_FILE}"
         )
     return tuple(_number(v, f"{where}[{i}]", strict=strict) for i, v in enumerate(value))
 
@@ -174,7 +177,8 @@ def _reject_unknown(data: Mapping[str, Any], allowed: set[str], where: str) -> N
 
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise PlanningError(f"{where} must be a mapping, got {type(value).__name__}")
+        raise PlanningError(f"{where} must be a mapping, got {type(value).__name__}; write it as key: value pairs, "
+                            "as the README's \"Cluster file\" shows")
     return value
 
 
@@ -184,7 +188,8 @@ def parse_model(data: Any) -> ModelSpec:
     _reject_unknown(data, allowed, "model")
     for key in ("num_layers", "parameters"):
         if key not in data:
-            raise PlanningError(f"model.{key} is required (the cost model is per layer)")
+            raise PlanningError(f"model.{key} is required (the cost model is per layer); add it to the cluster file's "
+                                "model: section")
     optional_ints = {k: _integer(data[k], f"model.{k}") for k in ("hidden_size", "seq_len") if data.get(k) is not None}
     return ModelSpec(
         name=str(data.get("name", "model")),
@@ -241,7 +246,8 @@ def _parse_emulation(data: Any, where: str) -> Emulation | None:
     _reject_unknown(data, {"slowdown", "memory_gb"}, where)
     slowdown = _number(data.get("slowdown", 1.0), f"{where}.slowdown")
     if slowdown < 1:
-        raise PlanningError(f"{where}.slowdown must be >= 1 (1 = full speed), got {slowdown}")
+        raise PlanningError(f"{where}.slowdown must be >= 1 (1 = full speed), got {slowdown}; set 1 for full speed or "
+                            "k > 1 for k times slower")
     memory = data.get("memory_gb")
     return Emulation(slowdown, None if memory is None else _number(memory, f"{where}.memory_gb"))
 
@@ -272,9 +278,9 @@ def _check_rank_count(entries: Sequence[Any]) -> None:
     for i, entry in enumerate(entries):
         if isinstance(entry, Mapping):
             total += _integer(entry.get("count", 1), f"devices[{i}].count")
-    if total > MAX_RANKS:
+    if total > MAX_CLUSTER_RANKS:
         raise PlanningError(
-            f"the cluster file's device counts add up to {total:,} ranks, {total - MAX_RANKS:,} more than the "
+            f"the cluster file's device counts add up to {total:,} ranks, {total / MAX_RANKS:,.0f}x the "
             f"planner's limit of {MAX_RANKS:,} (a plan file lists every rank); plan a sub-cluster with the same "
             f"kinds in proportion (e.g. every count and the global batch divided by {-(-total // MAX_RANKS):,})")
 
@@ -283,7 +289,8 @@ def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[Devi
     from cephalo_lightning.planner.catalog import estimate_profile  # catalog needs parse-free types
 
     if isinstance(data, (str, bytes)) or not isinstance(data, Sequence) or len(data) == 0:
-        raise PlanningError("devices must be a non-empty list (one entry per GPU kind, in rank order)")
+        raise PlanningError("devices must be a non-empty list (one entry per GPU kind, in rank order); list at least "
+                            "one, e.g. devices: [{name: a100, count: 2}]")
     _check_rank_count(data)
     devices: list[DeviceProfile] = []
     for i, entry in enumerate(data):
@@ -291,7 +298,8 @@ def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[Devi
         entry = _mapping(entry, where)
         _reject_unknown(entry, _DEVICE_KEYS, where)
         if "name" not in entry:
-            raise PlanningError(f"{where}.name is required")
+            raise PlanningError(f"{where}.name is required; name a catalog GPU (e.g. a100) or your device, with its "
+                                "measured figures")
         name = str(entry["name"])
         count = _integer(entry.get("count", 1), f"{where}.count")
         emulate = _parse_emulation(entry.get("emulate"), f"{where}.emulate")
@@ -305,10 +313,12 @@ def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[Devi
             bwd = _series(entry["layer_bwd_ms"], f"{where}.layer_bwd_ms", strict=True)
             mem = _series(entry["compute_memory_gb"], f"{where}.compute_memory_gb", strict=False)
             if "memory_gb" not in entry:
-                raise PlanningError(f"{where} ({name}).memory_gb is required with a measured profile")
+                raise PlanningError(f"{where} ({name}).memory_gb is required with a measured profile; add the device's "
+                                    "memory in GiB, e.g. memory_gb: 80")
             source = str(entry.get("source", "emulated" if emulate else "measured"))
             if source not in PROFILE_SOURCES:
-                raise PlanningError(f"{where}.source must be one of {PROFILE_SOURCES}, got {source!r}")
+                raise PlanningError(f"{where}.source must be one of {PROFILE_SOURCES}, got {source!r}; write one of "
+                                    "those or drop the key")
             device = DeviceProfile(
                 name, _number(entry["memory_gb"], f"{where}.memory_gb"), fwd, bwd, mem, source, emulate
             )
@@ -326,9 +336,11 @@ def cluster_from_dict(data: Any) -> Cluster:
     data = _mapping(data, "cluster file")
     _reject_unknown(data, {"model", "settings", "devices"}, "cluster file")
     if "model" not in data:
-        raise PlanningError("the cluster file needs a 'model:' section (num_layers, parameters)")
+        raise PlanningError("the cluster file needs a 'model:' section (num_layers, parameters); add one, e.g. "
+                            "model: {num_layers: 32, parameters: 2700000000}")
     if "devices" not in data:
-        raise PlanningError("the cluster file needs a 'devices:' list")
+        raise PlanningError("the cluster file needs a 'devices:' list; add one in rank order, e.g. "
+                            "devices: [{name: a100, count: 2}]")
     model = parse_model(data["model"])
     settings = parse_settings(data.get("settings"))
     return Cluster(model=model, devices=parse_devices(data["devices"], model, settings), settings=settings)

@@ -39,6 +39,9 @@ MIN_MS = 1e-5  # a line fit may cross zero at small sizes; the planner needs pos
 RELEASE_GROWTH_POINTS = 5  # the release averages the memory growth over the last five points
 
 
+RELEASE_FILE = "give the Cephalo release's unedited file (or fix the entry by hand)"
+
+
 def _read_json(path: str | Path, what: str) -> Any:
     return read_document(path, f"release {what}", f"give the Cephalo release's {what} file", json_only=True)
 
@@ -60,14 +63,14 @@ def _pick(data: Any, key: str | None, what: str, where: str) -> Any:
 def _numbers(value: Any, where: str) -> list[float]:
     if not isinstance(value, Sequence) or isinstance(value, str) or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        raise PlanningError(f"{where} must be a list of numbers, got {value!r}")
+        raise PlanningError(f"{where} must be a list of numbers, got {value!r}; {RELEASE_FILE}")
     return [float(v) for v in value]
 
 
 def _line(pair: Any, where: str) -> tuple[float, float]:
     values = _numbers(pair, where)
     if len(values) != 2:
-        raise PlanningError(f"{where} must be a [slope, intercept] pair, got {pair!r}")
+        raise PlanningError(f"{where} must be a [slope, intercept] pair, got {pair!r}; {RELEASE_FILE}")
     return values[0], values[1]
 
 
@@ -82,7 +85,7 @@ def latency_series(runtime: Any, where: str) -> tuple[list[float], list[float]]:
         arrays = (_numbers(runtime[2], f"{where}[2]"), _numbers(runtime[3], f"{where}[3]")) if len(runtime) == 4 else None
     else:
         raise PlanningError(f"{where}: a runtime is a number, [[slope, intercept]], [[fwd], [bwd]] fits, or the "
-                            f"fits plus [fwd_ms], [bwd_ms] arrays; got {runtime!r}")
+                            f"fits plus [fwd_ms], [bwd_ms] arrays; got {runtime!r}; {RELEASE_FILE}")
 
     def fit(line: tuple[float, float], m: int) -> float:
         return max(MIN_MS, line[0] * m + line[1])
@@ -145,7 +148,8 @@ def convert_release(
     per_model = _pick(mem, cluster, "cluster", "model_memory.json")
     spec = _pick(per_model, model, "model", "model_memory.json[cluster]")
     if not isinstance(spec, Mapping) or "parameters" not in spec or "profiled_compute_memory" not in spec:
-        raise PlanningError(f"model_memory.json[...][{model!r}] needs 'parameters' and 'profiled_compute_memory'")
+        raise PlanningError(f"model_memory.json[...][{model!r}] needs 'parameters' and 'profiled_compute_memory'; "
+                            f"{RELEASE_FILE}")
     compute = _numbers(_pick(spec["profiled_compute_memory"], dtype, "dtype",
                              f"model_memory.json[...][{model!r}].profiled_compute_memory"),
                        f"profiled_compute_memory[{dtype}]")
@@ -168,7 +172,8 @@ def convert_release(
                         "layer_bwd_ms": bwd, "compute_memory_gb": memory_series(compute), "source": "measured"})
     parameters = spec["parameters"]
     if isinstance(parameters, bool) or not isinstance(parameters, (int, float)) or parameters < 1:
-        raise PlanningError(f"model_memory.json[...][{model!r}].parameters must be a positive number, got {parameters!r}")
+        raise PlanningError(f"model_memory.json[...][{model!r}].parameters must be a positive number, got "
+                            f"{parameters!r}; {RELEASE_FILE}")
     model_entry: dict[str, Any] = {"name": model, "num_layers": num_layers, "parameters": int(parameters),
                                    "state_bytes_per_param": 16}
     if seq_len is not None:
