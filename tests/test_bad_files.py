@@ -14,7 +14,7 @@ import pytest
 
 from cephalo_lightning.__main__ import main as module_main
 from cephalo_lightning.lightning.cli import main as train_main
-from cephalo_lightning.planner.cluster import load_cluster
+from cephalo_lightning.planner.cluster import cluster_from_dict, load_cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.plan import Plan
 from cephalo_lightning.profiling.cache import read_cached
@@ -156,3 +156,39 @@ def test_load_cluster_of_garbage_raises_planning_error(tmp_path):
     path.write_bytes(GARBAGE)
     with pytest.raises(PlanningError, match="not a text file"):
         load_cluster(path)
+
+
+def _plan_dict(**rank0) -> dict:
+    data = Plan.even(2, 8).to_dict()
+    data["ranks"][0].update(rank0)
+    return data
+
+
+# messages that named the problem and now also say what to change
+FIXES = [
+    ("no-devices", lambda: cluster_from_dict({"model": MODEL}), "add one in rank order, e.g. devices:"),
+    ("no-model", lambda: cluster_from_dict({"devices": []}), "add one, e.g. model: {num_layers"),
+    ("model-key", lambda: cluster_from_dict({"model": {"num_layers": 2}, "devices": [{"name": "a100"}]}),
+     "add it to the cluster file's model: section"),
+    ("empty-devices", lambda: cluster_from_dict({"model": MODEL, "devices": []}), "list at least one, e.g."),
+    ("no-name", lambda: cluster_from_dict({"model": MODEL, "devices": [{"count": 2}]}), "name a catalog GPU"),
+    ("not-a-mapping", lambda: cluster_from_dict({"model": [1], "devices": []}), "write it as key: value pairs"),
+    ("negative", lambda: cluster_from_dict({"model": MODEL, "devices": [{"name": "a100", "memory_gb": -1}]}),
+     "set it to a number > 0 in the cluster file"),
+    ("measured-without-memory", lambda: cluster_from_dict({"model": MODEL, "devices": [
+        {"name": "x", "layer_fwd_ms": [1], "layer_bwd_ms": [2], "compute_memory_gb": [0.1]}]}),
+     "add the device's memory in GiB"),
+    ("slowdown", lambda: cluster_from_dict({"model": MODEL, "devices": [{"name": "a100", "emulate": {"slowdown": 0.5}}]}),
+     "set 1 for full speed"),
+    ("plan-shares", lambda: Plan.from_dict(_plan_dict(state_share=0.9)), "not 1; re-make the plan"),
+    ("plan-micro-batch-size", lambda: Plan.from_dict(_plan_dict(micro_batch_size=3)), "set it to 4 or re-make"),
+    ("plan-too-many-micro-batches", lambda: Plan.from_dict(_plan_dict(num_micro_batches=5, micro_batch_size=1, recompute=True)),
+     "give it at most 4 micro-batches"),
+]
+
+
+@pytest.mark.parametrize(("make", "fix"), [c[1:] for c in FIXES], ids=[c[0] for c in FIXES])
+def test_a_planner_message_says_what_to_change(make, fix):
+    with pytest.raises(PlanningError) as err:
+        make()
+    assert fix in str(err.value), err.value
