@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from cephalo_lightning._common.errors import CephaloError
+
 USAGE = """usage: python -m cephalo_lightning <command> [args]
 
 commands:
@@ -16,12 +18,25 @@ commands:
 """
 
 
+def refused(err: CephaloError) -> int:
+    """A refusal as one ``error: ...`` line on stderr (no traceback: the message says what to change);
+    the exit status is 2 for bad input (a ValueError or TypeError kind, as argparse), else 1."""
+    print("error: " + " ".join(str(err).split()), file=sys.stderr)
+    return 2 if isinstance(err, (ValueError, TypeError)) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    command, rest = argv[0], argv[1:]
+    try:
+        return _run(argv[0], argv[1:])
+    except CephaloError as err:
+        return refused(err)
+
+
+def _run(command: str, rest: list[str]) -> int:
     if command == "plan":
         from cephalo_lightning.planner.cli import main as plan_main
 

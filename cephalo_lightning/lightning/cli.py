@@ -26,6 +26,7 @@ from typing_extensions import override
 
 import cephalo_lightning  # noqa: F401  (registers strategy="cephalo" before arguments are parsed)
 from cephalo_lightning import configs
+from cephalo_lightning._common.errors import CephaloError
 
 _CONFIG_FLAGS = ("--config", "-c")
 
@@ -109,6 +110,32 @@ class CephaloCLI(LightningCLI):
         except OmegaConfBaseException as err:
             _fail(interpolation_error(err, argv))
 
+    @override
+    def instantiate_classes(self) -> None:
+        """jsonargparse reports a ``class_path`` whose constructor raised as "Does not validate against
+        any of the Union subtypes", the cause flattened into its text: a refusal of this package is
+        caught on its way out (by an instantiator tried after Lightning's own) and raised as itself."""
+        refusals: list[CephaloError] = []
+
+        def instantiate(class_type: type, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return class_type(*args, **kwargs)
+            except CephaloError as err:
+                refusals.append(err)
+                raise
+
+        import warnings
+
+        with warnings.catch_warnings():  # deprecated for jsonargparse 5, which LightningCLI does not use yet
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.parser.add_instantiator(instantiate, object, subclasses=True)
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            if refusals and refusals[-1] is not err:
+                raise refusals[-1] from None
+            raise
+
 
 def run_cli(args: list[str], run: bool = True) -> CephaloCLI:
     """Parse ``args`` (``fit --config ...``) and run the subcommand; returns the CLI (its trainer).
@@ -135,7 +162,13 @@ def run_cli(args: list[str], run: bool = True) -> CephaloCLI:
 
 
 def main(argv: list[str] | None = None) -> int:
-    run_cli(list(sys.argv[1:] if argv is None else argv))
+    """``cephalo-train``: a refusal of this package is one ``error:`` line (exit 2 for bad input, else 1)."""
+    from cephalo_lightning.__main__ import refused
+
+    try:
+        run_cli(list(sys.argv[1:] if argv is None else argv))
+    except CephaloError as err:
+        return refused(err)
     return 0
 
 
@@ -157,6 +190,11 @@ def profile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", default="cluster.yaml", help="cluster file to write (YAML or .json)")
     parser.add_argument("--plan-output", default=None, help="also write the plan JSON here")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    from cephalo_lightning.planner.files import check_output
+
+    check_output(args.output, "-o")  # before the profile, not after it
+    if args.plan_output:
+        check_output(args.plan_output, "--plan-output")
     # setup runs (and profiles); no step, no validation, no logger run
     cli = run_cli([*rest, "--trainer.max_steps=0", "--trainer.num_sanity_val_steps=0", "--trainer.logger=false"],
                   run=False)

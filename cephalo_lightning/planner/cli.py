@@ -12,6 +12,7 @@ import sys
 
 from cephalo_lightning.planner.cluster import cluster_from_dict, load_cluster, save_cluster
 from cephalo_lightning.planner.errors import PlanningError
+from cephalo_lightning.planner.files import check_output, write_error
 from cephalo_lightning.planner.plan import PLAN_MODES
 from cephalo_lightning.planner.solver import PLANNERS, plan
 
@@ -86,14 +87,20 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(args, int):
         return args
     try:
+        if args.output:
+            check_output(args.output, "-o")
         if converting:
+            check_output(args.cluster_output, "--cluster-output")
             from cephalo_lightning.planner.convert import convert_release, parse_gpus
 
             data = convert_release(args.latencies, args.memory, model=args.model, num_layers=args.num_layers,
                                    gpus=parse_gpus(args.gpus), seq_len=args.seq_len, dtype=args.dtype,
                                    cluster=args.cluster, memory_gb=_memory_overrides(args.memory_gb))
             cluster = cluster_from_dict(data)
-            save_cluster(cluster, args.cluster_output)
+            try:
+                save_cluster(cluster, args.cluster_output)
+            except OSError as err:
+                raise write_error(args.cluster_output, err, "--cluster-output") from None
             print(f"cluster file written to {args.cluster_output} ({cluster.world_size} GPUs, converted from the "
                   f"Cephalo release's profiles)")
             if args.global_batch_size is None:
@@ -102,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             cluster = load_cluster(args.cluster_file)
         result = plan(cluster, args.global_batch_size, mode=args.mode, planner=args.planner)
         if args.output:
-            result.save(args.output)
+            try:
+                result.save(args.output)
+            except OSError as err:
+                raise write_error(args.output, err, "-o") from None
     except PlanningError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -17,8 +17,11 @@ from typing import Any
 
 from cephalo_lightning._common.atomic_io import write_text_atomic
 from cephalo_lightning.planner.errors import PlanningError
+from cephalo_lightning.planner.files import MAX_EXACT_INTEGER, read_document, shown_number
+from cephalo_lightning.planner.limits import MAX_CLUSTER_RANKS, MAX_RANKS
 
 COLLECTIVE_MODES = ("padded", "exact")
+CLUSTER_FILE = " in the cluster file"
 PROFILE_SOURCES = ("measured", "catalog", "emulated")
 
 
@@ -120,52 +123,62 @@ class Cluster:
 
 
 def _number(value: Any, where: str, *, minimum: float = 0.0, strict: bool = True) -> float:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INTEGER:
+        raise PlanningError(f"{where} must be a number of at most {MAX_EXACT_INTEGER:,}, got {shown_number(value)}; "
+                            "fix it in the cluster file")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise PlanningError(f"{where} must be a number, got {value!r}")
+        raise PlanningError(f"{where} must be a number, got {value!r}; write a finite number in the cluster file")
     if value < minimum or (strict and value == minimum):
         bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
-        raise PlanningError(f"{where} must be {bound}, got {value!r}")
+        raise PlanningError(f"{where} must be {bound}, got {value!r}; set it to a number {bound}{CLUSTER_FILE}")
     return float(value)
 
 
 def _integer(value: Any, where: str, *, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise PlanningError(f"{where} must be a whole number, got {value!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INTEGER:
+        raise PlanningError(f"{where} must be at most {MAX_EXACT_INTEGER:,}, got {shown_number(value)}; "
+                            "fix it in the cluster file")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value):
+        raise PlanningError(f"{where} must be a whole number, got {value!r}; write one in the cluster file")
     if value < minimum:
-        raise PlanningError(f"{where} must be >= {minimum}, got {value!r}")
+        raise PlanningError(f"{where} must be >= {minimum}, got {value!r}; raise it in the cluster file")
     return int(value)
 
 
 def _fraction(value: Any, where: str, meaning: str) -> float:
     number = _number(value, where, strict=False)
     if number > 1:
-        raise PlanningError(f"{where} must be in [0, 1] ({meaning}), got {value!r}")
+        raise PlanningError(f"{where} must be in [0, 1] ({meaning}), got {value!r}; set it between 0 and 1"
+                            f"{CLUSTER_FILE}")
     return number
 
 
 def _flag(value: Any, where: str) -> bool:
     if not isinstance(value, bool):
-        raise PlanningError(f"{where} must be true or false, got {value!r}")
+        raise PlanningError(f"{where} must be true or false, got {value!r}; write true or false, unquoted{CLUSTER_FILE}")
     return value
 
 
 def _series(value: Any, where: str, *, strict: bool) -> tuple[float, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) == 0:
         raise PlanningError(
-            f"{where} must be a non-empty list of numbers (micro-batch sizes 1, 2, ...), got {value!r}"
+            f"{where} must be a non-empty list of numbers (micro-batch sizes 1, 2, ...), got {value!r}; list the "
+            f"figure at each size, e.g. [1.2, 2.3, 3.5]{CLUSTER_FILE}"
         )
     return tuple(_number(v, f"{where}[{i}]", strict=strict) for i, v in enumerate(value))
 
 
 def _reject_unknown(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    unknown = sorted(set(data) - allowed)
+    unknown = sorted(map(str, set(data) - allowed))  # str: YAML keys may be numbers, dates, ...
     if unknown:
-        raise PlanningError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        raise PlanningError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}. Fix or remove them")
 
 
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise PlanningError(f"{where} must be a mapping, got {type(value).__name__}")
+        raise PlanningError(f"{where} must be a mapping, got {type(value).__name__}; write it as key: value pairs, "
+                            "as the README's \"Cluster file\" shows")
     return value
 
 
@@ -175,7 +188,8 @@ def parse_model(data: Any) -> ModelSpec:
     _reject_unknown(data, allowed, "model")
     for key in ("num_layers", "parameters"):
         if key not in data:
-            raise PlanningError(f"model.{key} is required (the cost model is per layer)")
+            raise PlanningError(f"model.{key} is required (the cost model is per layer); add it to the cluster file's "
+                                "model: section")
     optional_ints = {k: _integer(data[k], f"model.{k}") for k in ("hidden_size", "seq_len") if data.get(k) is not None}
     return ModelSpec(
         name=str(data.get("name", "model")),
@@ -232,7 +246,8 @@ def _parse_emulation(data: Any, where: str) -> Emulation | None:
     _reject_unknown(data, {"slowdown", "memory_gb"}, where)
     slowdown = _number(data.get("slowdown", 1.0), f"{where}.slowdown")
     if slowdown < 1:
-        raise PlanningError(f"{where}.slowdown must be >= 1 (1 = full speed), got {slowdown}")
+        raise PlanningError(f"{where}.slowdown must be >= 1 (1 = full speed), got {slowdown}; set 1 for full speed or "
+                            "k > 1 for k times slower")
     memory = data.get("memory_gb")
     return Emulation(slowdown, None if memory is None else _number(memory, f"{where}.memory_gb"))
 
@@ -256,18 +271,35 @@ def _device_extras(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
     return extras
 
 
+def _check_rank_count(entries: Sequence[Any]) -> None:
+    """The ranks the entries' counts add up to stay within the planner's limit, checked before any entry
+    is expanded (a count of 10**9 would otherwise fill the memory before the limit is seen)."""
+    total = 0
+    for i, entry in enumerate(entries):
+        if isinstance(entry, Mapping):
+            total += _integer(entry.get("count", 1), f"devices[{i}].count")
+    if total > MAX_CLUSTER_RANKS:
+        raise PlanningError(
+            f"the cluster file's device counts add up to {total:,} ranks, {total / MAX_RANKS:,.0f}x the "
+            f"planner's limit of {MAX_RANKS:,} (a plan file lists every rank); plan a sub-cluster with the same "
+            f"kinds in proportion (e.g. every count and the global batch divided by {-(-total // MAX_RANKS):,})")
+
+
 def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[DeviceProfile, ...]:
     from cephalo_lightning.planner.catalog import estimate_profile  # catalog needs parse-free types
 
     if isinstance(data, (str, bytes)) or not isinstance(data, Sequence) or len(data) == 0:
-        raise PlanningError("devices must be a non-empty list (one entry per GPU kind, in rank order)")
+        raise PlanningError("devices must be a non-empty list (one entry per GPU kind, in rank order); list at least "
+                            "one, e.g. devices: [{name: a100, count: 2}]")
+    _check_rank_count(data)
     devices: list[DeviceProfile] = []
     for i, entry in enumerate(data):
         where = f"devices[{i}]"
         entry = _mapping(entry, where)
         _reject_unknown(entry, _DEVICE_KEYS, where)
         if "name" not in entry:
-            raise PlanningError(f"{where}.name is required")
+            raise PlanningError(f"{where}.name is required; name a catalog GPU (e.g. a100) or your device, with its "
+                                "measured figures")
         name = str(entry["name"])
         count = _integer(entry.get("count", 1), f"{where}.count")
         emulate = _parse_emulation(entry.get("emulate"), f"{where}.emulate")
@@ -281,10 +313,12 @@ def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[Devi
             bwd = _series(entry["layer_bwd_ms"], f"{where}.layer_bwd_ms", strict=True)
             mem = _series(entry["compute_memory_gb"], f"{where}.compute_memory_gb", strict=False)
             if "memory_gb" not in entry:
-                raise PlanningError(f"{where} ({name}).memory_gb is required with a measured profile")
+                raise PlanningError(f"{where} ({name}).memory_gb is required with a measured profile; add the device's "
+                                    "memory in GiB, e.g. memory_gb: 80")
             source = str(entry.get("source", "emulated" if emulate else "measured"))
             if source not in PROFILE_SOURCES:
-                raise PlanningError(f"{where}.source must be one of {PROFILE_SOURCES}, got {source!r}")
+                raise PlanningError(f"{where}.source must be one of {PROFILE_SOURCES}, got {source!r}; write one of "
+                                    "those or drop the key")
             device = DeviceProfile(
                 name, _number(entry["memory_gb"], f"{where}.memory_gb"), fwd, bwd, mem, source, emulate
             )
@@ -302,35 +336,21 @@ def cluster_from_dict(data: Any) -> Cluster:
     data = _mapping(data, "cluster file")
     _reject_unknown(data, {"model", "settings", "devices"}, "cluster file")
     if "model" not in data:
-        raise PlanningError("the cluster file needs a 'model:' section (num_layers, parameters)")
+        raise PlanningError("the cluster file needs a 'model:' section (num_layers, parameters); add one, e.g. "
+                            "model: {num_layers: 32, parameters: 2700000000}")
     if "devices" not in data:
-        raise PlanningError("the cluster file needs a 'devices:' list")
+        raise PlanningError("the cluster file needs a 'devices:' list; add one in rank order, e.g. "
+                            "devices: [{name: a100, count: 2}]")
     model = parse_model(data["model"])
     settings = parse_settings(data.get("settings"))
     return Cluster(model=model, devices=parse_devices(data["devices"], model, settings), settings=settings)
 
 
-def _read_structured(path: str | Path) -> Any:
-    path = Path(path)
-    if not path.is_file():
-        raise PlanningError(f"cluster file {str(path)!r} does not exist")
-    text = path.read_text()
-    if path.suffix.lower() == ".json":
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as err:
-            raise PlanningError(f"{path}: not valid JSON ({err})") from err
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise PlanningError(f"{path}: not valid YAML ({err})") from err
-
-
 def load_cluster(path: str | Path) -> Cluster:
     """Read a cluster file (YAML or JSON)."""
-    return cluster_from_dict(_read_structured(path))
+    return cluster_from_dict(read_document(
+        path, "cluster file", "write one as the README's \"Cluster file\" shows, or with "
+        "`python -m cephalo_lightning profile` / `plan convert`"))
 
 
 def _device_entry(device: DeviceProfile) -> dict[str, Any]:

@@ -26,7 +26,6 @@ Conversion (each series keeps its own length; see the README, "Cluster file"):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,45 +33,44 @@ from typing import Any
 from cephalo_lightning.planner.catalog import lookup
 from cephalo_lightning.planner.cluster import Cluster, cluster_from_dict
 from cephalo_lightning.planner.errors import PlanningError
+from cephalo_lightning.planner.files import read_document
 
 MIN_MS = 1e-5  # a line fit may cross zero at small sizes; the planner needs positive times
 RELEASE_GROWTH_POINTS = 5  # the release averages the memory growth over the last five points
 
 
+RELEASE_FILE = "give the Cephalo release's unedited file (or fix the entry by hand)"
+
+
 def _read_json(path: str | Path, what: str) -> Any:
-    path = Path(path)
-    if not path.is_file():
-        raise PlanningError(f"the release's {what} file {str(path)!r} does not exist")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise PlanningError(f"{path}: not valid JSON ({err}); is it the release's {what} file?") from err
+    return read_document(path, f"release {what}", f"give the Cephalo release's {what} file", json_only=True)
 
 
 def _pick(data: Any, key: str | None, what: str, where: str) -> Any:
     """``data[key]``, or its only entry when no key is given; clear errors otherwise."""
     if not isinstance(data, Mapping) or not data:
-        raise PlanningError(f"{where}: expected an object keyed by {what}, got {type(data).__name__}")
+        raise PlanningError(f"{where}: expected an object keyed by {what}, got {type(data).__name__}; is it the "
+                            f"release's file?")
     if key is None:
         if len(data) != 1:
-            raise PlanningError(f"{where} has several {what}s {sorted(data)}; choose one with --{what.replace(' ', '-')}")
+            raise PlanningError(f"{where} has several {what}s {sorted(map(str, data))}; choose one with --{what.replace(' ', '-')}")
         return next(iter(data.values()))
     if str(key) not in data:
-        raise PlanningError(f"{where} has no {what} {key!r}; it has {sorted(data)}")
+        raise PlanningError(f"{where} has no {what} {key!r}; it has {sorted(map(str, data))}: choose one of those")
     return data[str(key)]
 
 
 def _numbers(value: Any, where: str) -> list[float]:
     if not isinstance(value, Sequence) or isinstance(value, str) or not all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        raise PlanningError(f"{where} must be a list of numbers, got {value!r}")
+        raise PlanningError(f"{where} must be a list of numbers, got {value!r}; {RELEASE_FILE}")
     return [float(v) for v in value]
 
 
 def _line(pair: Any, where: str) -> tuple[float, float]:
     values = _numbers(pair, where)
     if len(values) != 2:
-        raise PlanningError(f"{where} must be a [slope, intercept] pair, got {pair!r}")
+        raise PlanningError(f"{where} must be a [slope, intercept] pair, got {pair!r}; {RELEASE_FILE}")
     return values[0], values[1]
 
 
@@ -87,7 +85,7 @@ def latency_series(runtime: Any, where: str) -> tuple[list[float], list[float]]:
         arrays = (_numbers(runtime[2], f"{where}[2]"), _numbers(runtime[3], f"{where}[3]")) if len(runtime) == 4 else None
     else:
         raise PlanningError(f"{where}: a runtime is a number, [[slope, intercept]], [[fwd], [bwd]] fits, or the "
-                            f"fits plus [fwd_ms], [bwd_ms] arrays; got {runtime!r}")
+                            f"fits plus [fwd_ms], [bwd_ms] arrays; got {runtime!r}; {RELEASE_FILE}")
 
     def fit(line: tuple[float, float], m: int) -> float:
         return max(MIN_MS, line[0] * m + line[1])
@@ -150,7 +148,8 @@ def convert_release(
     per_model = _pick(mem, cluster, "cluster", "model_memory.json")
     spec = _pick(per_model, model, "model", "model_memory.json[cluster]")
     if not isinstance(spec, Mapping) or "parameters" not in spec or "profiled_compute_memory" not in spec:
-        raise PlanningError(f"model_memory.json[...][{model!r}] needs 'parameters' and 'profiled_compute_memory'")
+        raise PlanningError(f"model_memory.json[...][{model!r}] needs 'parameters' and 'profiled_compute_memory'; "
+                            f"{RELEASE_FILE}")
     compute = _numbers(_pick(spec["profiled_compute_memory"], dtype, "dtype",
                              f"model_memory.json[...][{model!r}].profiled_compute_memory"),
                        f"profiled_compute_memory[{dtype}]")
@@ -173,7 +172,8 @@ def convert_release(
                         "layer_bwd_ms": bwd, "compute_memory_gb": memory_series(compute), "source": "measured"})
     parameters = spec["parameters"]
     if isinstance(parameters, bool) or not isinstance(parameters, (int, float)) or parameters < 1:
-        raise PlanningError(f"model_memory.json[...][{model!r}].parameters must be a positive number, got {parameters!r}")
+        raise PlanningError(f"model_memory.json[...][{model!r}].parameters must be a positive number, got "
+                            f"{parameters!r}; {RELEASE_FILE}")
     model_entry: dict[str, Any] = {"name": model, "num_layers": num_layers, "parameters": int(parameters),
                                    "state_bytes_per_param": 16}
     if seq_len is not None:

@@ -73,7 +73,8 @@ def split_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
     if batch_size == 0:
         return []
     if num_micro_batches < 1 or num_micro_batches > batch_size:
-        raise PlanningError(f"cannot split {batch_size} samples into {num_micro_batches} micro-batches")
+        raise PlanningError(f"cannot split {batch_size} samples into {num_micro_batches} micro-batches; use 1 to "
+                            f"{max(batch_size, 1)} micro-batches")
     q, rem = divmod(batch_size, num_micro_batches)
     return [q + 1] * rem + [q] * (num_micro_batches - rem)
 
@@ -175,7 +176,7 @@ class DeviceCost:
 
     def __init__(self, device: DeviceProfile, cluster: Cluster, mode: str = "layered") -> None:
         if mode not in MODES:
-            raise PlanningError(f"mode must be one of {MODES}, got {mode!r}")
+            raise PlanningError(f"mode must be one of {MODES}, got {mode!r}; choose one of those")
         self.device = device
         self.mode = mode
         self.fwd = PiecewiseLinear(device.layer_fwd_ms)

@@ -8,3 +8,6 @@ scaling).
 
 MAX_GLOBAL_BATCH = 2**18  # samples per optimizer step (262,144)
 MAX_RANKS = 100_000  # the plan file has one entry per rank
+# a cluster file may list more ranks than one plan holds (the planner then says how to plan a
+# sub-cluster), but not so many that listing them, one entry each, would fill the memory first
+MAX_CLUSTER_RANKS = 10 * MAX_RANKS

@@ -12,6 +12,7 @@ from typing import Any
 from cephalo_lightning._common.atomic_io import write_text_atomic
 from cephalo_lightning.planner.cost import split_sizes
 from cephalo_lightning.planner.errors import PlanningError
+from cephalo_lightning.planner.files import MAX_EXACT_INTEGER, read_document, shown_number
 
 PLAN_MODES = ("layered", "uniform")
 PLAN_FORMAT_VERSION = 2  # 2: RankPlan.recompute (files of version 1 load with recompute = True)
@@ -179,12 +180,8 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         path = Path(path)
-        if not path.is_file():
-            raise PlanningError(f"plan file {str(path)!r} does not exist; make one with `python -m cephalo_lightning plan`")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise PlanningError(f"{path}: not valid JSON ({err})") from err
+        data = read_document(path, "plan file", "make one with `python -m cephalo_lightning plan ... -o plan.json`",
+                             json_only=True)
         return cls.from_dict(data, where=str(path))
 
     # ---------------------------------------------------------------- simple plans
@@ -194,7 +191,7 @@ class Plan:
              mode: str = "layered") -> Plan:
         """Equal batches and shares, as plain FSDP would run: the default before anything is measured."""
         if world_size < 1:
-            raise PlanningError(f"world size must be >= 1, got {world_size}")
+            raise PlanningError(f"world size must be >= 1, got {world_size}; run on at least one device")
         if global_batch_size < world_size * num_micro_batches:
             raise PlanningError(
                 f"global batch {global_batch_size} is too small for {world_size} ranks x "
@@ -213,7 +210,12 @@ class Plan:
 
 def _shown(value: Any) -> str:
     kind = {str: "a string", list: "a list", dict: "an object", bool: "a boolean", type(None): "null"}
-    return f"{value!r} ({kind.get(type(value), type(value).__name__)})"
+    return f"{shown_number(value)} ({kind.get(type(value), type(value).__name__)})"
+
+
+def _too_large(value: Any) -> bool:
+    """An integer no float holds exactly (10**400 would overflow ``math.isfinite``)."""
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INTEGER
 
 
 def _unknown(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
@@ -223,8 +225,8 @@ def _unknown(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
 
 
 def _whole(value: Any, where: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value != int(value) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or _too_large(value) \
+            or not math.isfinite(value) or value != int(value) or value < minimum:
         hint = f"; write it as a JSON number, e.g. {value.strip()}" if isinstance(value, str) and \
             value.strip().isdigit() else ""
         raise PlanningError(f"{where} must be a whole number >= {minimum}, got {_shown(value)}{hint}; or {REMAKE}")
@@ -232,8 +234,8 @@ def _whole(value: Any, where: str, minimum: int) -> int:
 
 
 def _finite(value: Any, where: str, minimum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or (minimum is not None and value < minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or _too_large(value) \
+            or not math.isfinite(value) or (minimum is not None and value < minimum):
         bound = f" >= {minimum:g}" if minimum is not None else ""
         raise PlanningError(f"{where} must be a finite number{bound}, got {_shown(value)}; {REMAKE}")
     return float(value)
@@ -274,34 +276,39 @@ def _rank_from_dict(data: Any, i: int, where: str) -> RankPlan:
 def validate_plan(plan: Plan) -> None:
     """Structural checks every plan must pass, whoever made it."""
     if plan.mode not in PLAN_MODES:
-        raise PlanningError(f"plan mode must be one of {PLAN_MODES}, got {plan.mode!r}")
+        raise PlanningError(f"plan mode must be one of {PLAN_MODES}, got {plan.mode!r}; {REMAKE}")
     if not plan.ranks:
-        raise PlanningError("a plan needs at least one rank")
+        raise PlanningError(f"a plan needs at least one rank; {REMAKE}")
     if [r.rank for r in plan.ranks] != list(range(len(plan.ranks))):
-        raise PlanningError("plan ranks must be listed as 0, 1, 2, ... in order")
+        raise PlanningError(f"plan ranks must be listed as 0, 1, 2, ... in order, got {[r.rank for r in plan.ranks][:8]}; "
+                            f"{REMAKE}")
     total = sum(r.batch_size for r in plan.ranks)
     if total != plan.global_batch_size:
-        raise PlanningError(f"plan batch sizes sum to {total}, not the global batch {plan.global_batch_size}")
+        raise PlanningError(f"plan batch sizes sum to {total}, not the global batch {plan.global_batch_size}; {REMAKE}")
     for r in plan.ranks:
         if not math.isfinite(r.state_share):
             raise PlanningError(f"rank {r.rank}: state_share must be a finite number, got {r.state_share!r}; {REMAKE}")
         if r.batch_size < 0 or r.num_micro_batches < 1 or r.state_share < 0:
-            raise PlanningError(f"rank {r.rank}: batch_size >= 0, num_micro_batches >= 1 and state_share >= 0 required")
+            raise PlanningError(f"rank {r.rank}: batch_size >= 0, num_micro_batches >= 1 and state_share >= 0 required; "
+                                f"{REMAKE}")
         if not r.recompute and (plan.mode != "layered" or r.num_micro_batches != 1 or r.batch_size == 0):
             raise PlanningError(f"rank {r.rank}: recompute = false needs the layered mode and exactly one "
                                 f"micro-batch of at least one sample (it keeps that micro-batch's graph); {REMAKE}")
         if r.batch_size and r.num_micro_batches > r.batch_size:
-            raise PlanningError(f"rank {r.rank}: {r.num_micro_batches} micro-batches for only {r.batch_size} samples")
+            raise PlanningError(f"rank {r.rank}: {r.num_micro_batches} micro-batches for only {r.batch_size} samples; "
+                                f"give it at most {r.batch_size} micro-batches or {REMAKE}")
         expected = split_sizes(r.batch_size, r.num_micro_batches)[0] if r.batch_size else 0
         if r.micro_batch_size != expected:
             raise PlanningError(
                 f"rank {r.rank}: micro_batch_size {r.micro_batch_size} does not match "
-                f"ceil({r.batch_size} / {r.num_micro_batches}) = {expected}"
+                f"ceil({r.batch_size} / {r.num_micro_batches}) = {expected}; set it to {expected} or {REMAKE}"
             )
     if abs(sum(r.state_share for r in plan.ranks) - 1.0) > 1e-6:
-        raise PlanningError(f"plan state shares sum to {sum(plan.state_shares):.6f}, not 1")
+        raise PlanningError(f"plan state shares sum to {sum(plan.state_shares):.6f}, not 1; {REMAKE}")
     if plan.mode == "uniform":
         if len({r.num_micro_batches for r in plan.ranks}) > 1:
-            raise PlanningError("a uniform plan must give every rank the same number of micro-batches")
+            raise PlanningError(f"a uniform plan must give every rank the same number of micro-batches; use the "
+                                f"layered mode for per-rank counts or {REMAKE}")
         if any(r.batch_size == 0 for r in plan.ranks):
-            raise PlanningError("a uniform plan must give every rank samples (b_i = 0 needs the layered mode)")
+            raise PlanningError(f"a uniform plan must give every rank samples (b_i = 0 needs the layered mode); use "
+                                f"the layered mode or {REMAKE}")

@@ -38,6 +38,7 @@ from cephalo_lightning.planner.baselines import per_sample_ms, upper_bound_sampl
 from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.cost import DeviceCost, communication, kind_costs
 from cephalo_lightning.planner.errors import PlanningError
+from cephalo_lightning.planner.files import shown_number
 from cephalo_lightning.planner.knapsack import (
     SHARE_TOL,
     Group,
@@ -314,11 +315,12 @@ class Problem:
 
 def _check_inputs(cluster: Cluster, global_batch: object, mode: str, planner: str) -> int:
     if mode not in PLAN_MODES:
-        raise PlanningError(f"mode must be one of {PLAN_MODES}, got {mode!r}")
+        raise PlanningError(f"mode must be one of {PLAN_MODES}, got {mode!r}; choose one of those (--mode)")
     if planner not in PLANNERS:
-        raise PlanningError(f"planner must be one of {PLANNERS}, got {planner!r}")
+        raise PlanningError(f"planner must be one of {PLANNERS}, got {planner!r}; choose one of those (--planner)")
     if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
-        raise PlanningError(f"the global batch size must be a whole number >= 1, got {global_batch!r}")
+        raise PlanningError(f"the global batch size must be a whole number >= 1, got {shown_number(global_batch)}; "
+                            "give one, e.g. --global-batch-size 64")
     if not cluster.devices:
         raise PlanningError("the cluster has no devices; list at least one GPU under 'devices:'")
     B, W = int(global_batch), cluster.world_size
@@ -407,7 +409,8 @@ def _baseline_plan(cluster: Cluster, B: int, mode: str, planner: str, upper: flo
 
     result = compute_baselines(cluster, B, mode, names=(planner,), with_ranks=True)[planner]
     if not result.feasible:
-        raise PlanningError(f"the {planner} baseline is infeasible: {result.reason}")
+        raise PlanningError(f"the {planner} baseline is infeasible: {result.reason}; plan with --planner cephalo, "
+                            f"which fits uneven memory, or change what the reason names")
     return Plan(B, mode, result.ranks, result.predicted_step_s, result.predicted_samples_per_s, upper,
                 model_summary(cluster), planner=planner, emulated=cluster.emulated)
 

@@ -20,7 +20,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.runtime.plan_state import PlanState
@@ -144,6 +152,47 @@ def loading_settings(dataloader: DataLoader) -> dict[str, Any]:
     return settings
 
 
+_SAMPLING_FIX = (
+    "CephaloStrategy draws every global batch itself (the dataset's indices in order, or a seeded permutation "
+    "of them, cut into the plan's per-rank slices), so it supports the default sampling only: "
+    "DataLoader(shuffle=False / True) (SequentialSampler, RandomSampler without replacement) and Lightning's "
+    "DistributedSampler over them. To weight or balance samples, put that in the dataset (e.g. a "
+    "torch.utils.data.Subset whose index list repeats the rarer samples, drawn once from your sampler) or in "
+    "the loss (per-sample weights); to batch by length, pad or bucket inside the dataset"
+)
+
+
+def _user_sampler(dataloader: DataLoader) -> Sampler | None:
+    """The sampler the user gave, seen through Lightning's distributed wrapper, or None if it is a default."""
+    sampler = dataloader.sampler
+    if isinstance(sampler, DistributedSampler) and sampler.dataset is not dataloader.dataset:
+        # Lightning's DistributedSamplerWrapper: a custom sampler's indices, dealt out as a dataset
+        return getattr(sampler.dataset, "_sampler", sampler)
+    if type(sampler) is RandomSampler and (sampler.replacement or sampler._num_samples is not None):
+        return sampler
+    if type(sampler) in (SequentialSampler, RandomSampler, DistributedSampler):
+        return None
+    return sampler
+
+
+def check_sampling(dataloader: DataLoader) -> None:
+    """Refuse a training DataLoader whose sampler or batch sampler the planned loader would replace:
+    training on samples the user's sampler would never draw is a silent change of the data."""
+    batch_sampler = dataloader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        raise UnsupportedError(
+            f"the training DataLoader has a custom batch_sampler ({type(batch_sampler).__qualname__}), which "
+            f"CephaloStrategy would replace, training on batches it never forms. {_SAMPLING_FIX}; then give the "
+            "DataLoader a batch_size instead of the batch_sampler")
+    sampler = _user_sampler(dataloader)
+    if sampler is not None:
+        detail = " with replacement or num_samples" if type(sampler) is RandomSampler else ""
+        raise UnsupportedError(
+            f"the training DataLoader's sampler is a {type(sampler).__qualname__}{detail}, which CephaloStrategy "
+            f"would replace, training on samples it would never draw. {_SAMPLING_FIX}; then drop the sampler "
+            "argument")
+
+
 def planned_loader(dataloader: DataLoader, plan_state: PlanState, rank: int, *, shuffle: bool, seed: int) -> PlannedDataLoader:
     """``dataloader`` re-cut so this rank takes its slice of every global batch of ``plan_state``."""
     dataset = dataloader.dataset
@@ -153,6 +202,7 @@ def planned_loader(dataloader: DataLoader, plan_state: PlanState, rank: int, *, 
             f"dataset is a {type(dataset).__name__} without indices (an IterableDataset or no __len__). Use a "
             "map-style Dataset (with __len__ and __getitem__), e.g. by materialising or indexing the stream"
         )
+    check_sampling(dataloader)
     sampler = PlannedBatchSampler(len(dataset), plan_state, rank, shuffle=shuffle, seed=seed)
     if sampler.dropped_per_epoch and rank == 0:
         which = "different samples each epoch (reshuffled)" if shuffle else "the SAME last samples every epoch (no shuffling)"

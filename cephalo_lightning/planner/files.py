@@ -1,0 +1,71 @@
+"""Reading and writing the planner's files (cluster files, plans) with one-line errors.
+
+Whatever a file holds (binary bytes, nesting deeper than the parser's stack, a path that is a
+directory), reading it raises a :class:`PlanningError` naming the file, the problem and the fix,
+never a ``UnicodeDecodeError`` or ``RecursionError`` from deep inside a parser.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from cephalo_lightning.planner.errors import PlanningError
+
+MAX_EXACT_INTEGER = 2**53  # above it a number no longer converts to a float exactly (or at all)
+
+
+def read_document(path: str | Path, what: str, fix: str, *, json_only: bool = False) -> Any:
+    """The parsed content of a JSON (by suffix, or ``json_only``) or YAML file; ``what`` names the
+    file's kind in errors ("cluster file") and ``fix`` says how to get a good one."""
+    path = Path(path)
+    if not path.exists():
+        raise PlanningError(f"{what} {str(path)!r} does not exist; {fix}")
+    if not path.is_file():
+        raise PlanningError(f"{what} {str(path)!r} is a directory, not a file; give the file's path")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise PlanningError(f"{path}: not a text file ({what}s are UTF-8 {'JSON' if json_only else 'JSON or YAML'}; byte {err.start} is "
+                            f"{err.object[err.start]:#04x}); {fix}") from None
+    except OSError as err:
+        raise PlanningError(f"{path}: cannot read the {what} ({err.strerror or err}); check its permissions") from None
+    try:
+        if json_only or path.suffix.lower() == ".json":
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as err:
+                raise PlanningError(f"{path}: not valid JSON ({err}); {fix}") from None
+        import yaml
+
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            first = " ".join(str(err).split())
+            raise PlanningError(f"{path}: not valid YAML ({first}); {fix}") from None
+    except RecursionError:
+        raise PlanningError(f"{path}: nested too deeply to be a {what} (more levels than the parser's stack); "
+                            f"{fix}") from None
+
+
+def check_output(path: str | Path, flag: str) -> Path:
+    """``path`` as a file to write, or a PlanningError when it cannot be one (a directory, no name)."""
+    path = Path(path)
+    if path.is_dir() or not path.name or path.name in (".", ".."):
+        raise PlanningError(f"{flag} {str(path)!r} is a directory; give a file name, e.g. {flag} "
+                            f"{path / 'plan.json'}")
+    return path
+
+
+def write_error(path: str | Path, err: OSError, flag: str) -> PlanningError:
+    """The one-line error for a file that could not be written."""
+    return PlanningError(f"cannot write {path} ({err.strerror or err}); choose another {flag}, or make room or "
+                         f"permission to write there")
+
+
+def shown_number(value: Any) -> str:
+    """A number for a message: an integer too large to print usefully is described by its digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INTEGER:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1:,} digits"
+    return repr(value)

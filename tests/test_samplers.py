@@ -1,0 +1,77 @@
+"""A training DataLoader's own sampler or batch sampler is refused at setup, never silently replaced.
+
+The planned loader draws every global batch itself; a ``WeightedRandomSampler`` (class balancing)
+or a custom ``batch_sampler`` it replaced would train on samples the user's sampler never draws.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, WeightedRandomSampler
+
+from cephalo_lightning import CephaloStrategy, Plan
+from cephalo_lightning._common.errors import UnsupportedError
+from cephalo_lightning.planner.plan import RankPlan
+from cephalo_lightning.runtime.plan_state import PlanState
+from cephalo_lightning.runtime.sampler import planned_loader
+from tests.helpers import trainer
+from tests.lightning_models import TinyLayered, token_data
+
+DATA = token_data(24)
+PLAN = Plan(8, "layered", (RankPlan(0, "a", 3, 1, 3, 0.5), RankPlan(1, "b", 5, 1, 5, 0.5)))
+
+
+class LengthBuckets(Sampler[list[int]]):
+    """A custom batch sampler (e.g. bucketing by length)."""
+
+    def __iter__(self):
+        return iter([list(range(i, i + 4)) for i in range(0, len(DATA), 4)])
+
+    def __len__(self) -> int:
+        return len(DATA) // 4
+
+
+def _weighted() -> WeightedRandomSampler:
+    return WeightedRandomSampler(torch.linspace(0.1, 1.0, len(DATA)), num_samples=len(DATA),
+                                 generator=torch.Generator().manual_seed(0))
+
+
+REFUSED = [
+    ("weighted", lambda: DataLoader(DATA, batch_size=8, sampler=_weighted()), "WeightedRandomSampler"),
+    ("weighted-under-lightning",  # what Lightning hands over with use_distributed_sampler=True
+     lambda: DataLoader(DATA, batch_size=4, sampler=DistributedSamplerWrapper(_weighted(), num_replicas=2, rank=0)),
+     "WeightedRandomSampler"),
+    ("with-replacement", lambda: DataLoader(DATA, batch_size=8, sampler=RandomSampler(DATA, replacement=True)),
+     "RandomSampler with replacement"),
+    ("batch-sampler", lambda: DataLoader(DATA, batch_sampler=LengthBuckets()), "batch_sampler (LengthBuckets)"),
+]
+
+
+@pytest.mark.parametrize(("make", "named"), [case[1:] for case in REFUSED], ids=[case[0] for case in REFUSED])
+def test_a_custom_sampler_is_refused_naming_it_and_the_fix(make, named):
+    with pytest.raises(UnsupportedError) as err:
+        planned_loader(make(), PlanState(PLAN), 0, shuffle=True, seed=0)
+    message = str(err.value)
+    assert named in message, message
+    assert "would replace" in message and "Subset" in message and "DistributedSampler" in message, message
+
+
+@pytest.mark.parametrize("make", [
+    lambda: DataLoader(DATA, batch_size=8),
+    lambda: DataLoader(DATA, batch_size=8, shuffle=True),
+    lambda: DataLoader(DATA, batch_size=4, sampler=DistributedSampler(DATA, num_replicas=2, rank=1)),
+    lambda: DataLoader(DATA, batch_sampler=BatchSampler(RandomSampler(DATA), 8, drop_last=True)),
+], ids=["sequential", "random", "distributed", "default-batch-sampler"])
+def test_the_default_samplers_are_still_cut_by_the_plan(make):
+    batches = list(planned_loader(make(), PlanState(PLAN), 1, shuffle=False, seed=0).batch_sampler)
+    assert batches == [[3, 4, 5, 6, 7], [11, 12, 13, 14, 15], [19, 20, 21, 22, 23]]
+
+
+def test_a_fit_with_a_weighted_sampler_stops_at_setup_before_any_step():
+    one_rank = Plan(8, "layered", (RankPlan(0, "a", 8, 1, 8, 1.0),))
+    t = trainer(CephaloStrategy(plan=one_rank), 1, 2)
+    with pytest.raises(UnsupportedError, match="WeightedRandomSampler"):
+        t.fit(TinyLayered(), DataLoader(DATA, batch_size=8, sampler=_weighted()))
+    assert t.global_step == 0
