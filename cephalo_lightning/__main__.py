@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from cephalo_lightning._common.errors import CephaloError
+from cephalo_lightning._common.errors import CephaloError, refused
 
 USAGE = """usage: python -m cephalo_lightning <command> [args]
 
@@ -16,13 +16,6 @@ commands:
   profile --config C.yaml [-o cluster.yaml] profile every rank of a configured run into a cluster file
   consolidate DIR [-o model.ckpt]           one ordinary Lightning checkpoint file from a sharded one
 """
-
-
-def refused(err: CephaloError) -> int:
-    """A refusal as one ``error: ...`` line on stderr (no traceback: the message says what to change);
-    the exit status is 2 for bad input (a ValueError or TypeError kind, as argparse), else 1."""
-    print("error: " + " ".join(str(err).split()), file=sys.stderr)
-    return 2 if isinstance(err, (ValueError, TypeError)) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

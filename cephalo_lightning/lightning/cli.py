@@ -26,7 +26,7 @@ from typing_extensions import override
 
 import cephalo_lightning  # noqa: F401  (registers strategy="cephalo" before arguments are parsed)
 from cephalo_lightning import configs
-from cephalo_lightning._common.errors import CephaloError
+from cephalo_lightning._common.errors import CephaloError, refused
 
 _CONFIG_FLAGS = ("--config", "-c")
 
@@ -163,8 +163,6 @@ def run_cli(args: list[str], run: bool = True) -> CephaloCLI:
 
 def main(argv: list[str] | None = None) -> int:
     """``cephalo-train``: a refusal of this package is one ``error:`` line (exit 2 for bad input, else 1)."""
-    from cephalo_lightning.__main__ import refused
-
     try:
         run_cli(list(sys.argv[1:] if argv is None else argv))
     except CephaloError as err:
