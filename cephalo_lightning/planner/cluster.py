@@ -216,7 +216,8 @@ def parse_settings(data: Any) -> Settings:
     if "usable_memory_fraction" in data:
         frac = _number(data["usable_memory_fraction"], "settings.usable_memory_fraction")
         if frac > 1:
-            raise PlanningError(f"settings.usable_memory_fraction must be <= 1, got {frac}")
+            raise PlanningError(f"settings.usable_memory_fraction must be <= 1, got {frac}: it is the share of each "
+                                f"device's memory the plan may fill (e.g. 0.9)")
         values["usable_memory_fraction"] = frac
     if data.get("link_bandwidth_gbps") is not None:
         values["link_bandwidth_gbps"] = _number(data["link_bandwidth_gbps"], "settings.link_bandwidth_gbps")
@@ -234,7 +235,8 @@ def parse_settings(data: Any) -> Settings:
         values["host_copy_gbps"] = _number(data["host_copy_gbps"], "settings.host_copy_gbps")
     if "collective" in data:
         if data["collective"] not in COLLECTIVE_MODES:
-            raise PlanningError(f"settings.collective must be one of {COLLECTIVE_MODES}, got {data['collective']!r}")
+            raise PlanningError(f"settings.collective must be one of {COLLECTIVE_MODES}, got {data['collective']!r}: "
+                                f"write collective: padded or collective: exact (the runtime's CephaloStrategy(collective=...))")
         values["collective"] = data["collective"]
     return Settings(**values)
 
