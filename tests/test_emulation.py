@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import time
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cephalo_lightning.planner.cluster import Emulation
+from cephalo_lightning.runtime.emulation import emulator as emulator_module
 from cephalo_lightning.runtime.emulation.emulator import (
     DeviceEmulator,
     EmulationSpecError,
@@ -83,57 +85,83 @@ def test_direct_construction_is_validated() -> None:
 # slowdown
 
 
-def _timed_region(emulator: DeviceEmulator, work_s: float) -> float:
-    start = time.perf_counter()
+# [Note: a clock the test controls] The emulator reads ContentionClock and sleeps with
+# time.sleep; on a loaded machine real sleeps wake arbitrarily late, so these tests run the
+# emulator on a fake clock: "work" and the emulator's waits advance it exactly, and a wake-up's
+# lateness is a number the test chooses. What is tested is the emulator's arithmetic, exactly.
+
+
+class FakeClock:
+    def __init__(self, lateness: float = 0.0) -> None:
+        self.t = 0.0
+        self.lateness = lateness  # how late every sleep of the emulator wakes up
+
+    def now(self) -> ContentionClock:
+        return ContentionClock(self.t, 0.0, threading.get_ident())
+
+    def work(self, seconds: float) -> None:  # compute inside a region
+        self.t += seconds
+
+    def sleep(self, seconds: float) -> None:  # the emulator's wait
+        self.t += seconds + self.lateness
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(ContentionClock, "now", classmethod(lambda cls: fake.now()))
+    monkeypatch.setattr(emulator_module, "time", SimpleNamespace(sleep=fake.sleep, perf_counter=lambda: fake.t))
+    return fake
+
+
+def _timed_region(clock: FakeClock, emulator: DeviceEmulator, work_s: float) -> float:
+    start = clock.t
     emulator.begin_compute()
-    time.sleep(work_s)  # stands for compute; immune to CPU contention, so the test is about the emulator
+    clock.work(work_s)
     emulator.end_compute()
-    return time.perf_counter() - start
+    return clock.t - start
 
 
-def test_slowdown_scales_a_region() -> None:
+def test_slowdown_scales_a_region(clock: FakeClock) -> None:
     for slowdown in (1.0, 3.0):
         emulator = DeviceEmulator(slowdown)
-        elapsed = min(_timed_region(emulator, 0.02) for _ in range(3))
-        assert elapsed == pytest.approx(0.02 * slowdown, rel=0.15)
+        assert _timed_region(clock, emulator, 0.02) == pytest.approx(0.02 * slowdown, rel=1e-9)
 
 
-def test_nested_regions_count_once() -> None:
+def test_nested_regions_count_once(clock: FakeClock) -> None:
     emulator = DeviceEmulator(2.0)
-    start = time.perf_counter()
+    start = clock.t
     emulator.begin_compute()
     emulator.begin_compute()
-    time.sleep(0.01)
+    clock.work(0.01)
     emulator.end_compute()  # inner: no wait yet
-    inner = time.perf_counter() - start
-    time.sleep(0.01)
-    emulator.end_compute()
-    total = time.perf_counter() - start
-    assert inner < 0.015
-    assert total == pytest.approx(0.04, rel=0.2)
+    assert clock.t - start == pytest.approx(0.01, rel=1e-9)
+    clock.work(0.01)
+    emulator.end_compute()  # outer: waits (2 - 1) x 0.02
+    assert clock.t - start == pytest.approx(0.04, rel=1e-9)
     emulator.end_compute()  # unmatched end: ignored
+    assert clock.t - start == pytest.approx(0.04, rel=1e-9)
 
 
-def _short_regions(emulator: DeviceEmulator, work: float, regions: int) -> float:
-    start = ContentionClock.now()
+def _short_regions(clock: FakeClock, emulator: DeviceEmulator, work: float, regions: int) -> float:
+    start = clock.t
     for _ in range(regions):
-        emulator.begin_compute()
-        end = time.perf_counter() + work
-        while time.perf_counter() < end:  # busy work of a known duration
-            pass
-        emulator.end_compute()
-    return ContentionClock.now().since(start)
+        _timed_region(clock, emulator, work)
+    return clock.t - start
 
 
-def test_short_regions_do_not_accumulate_oversleep() -> None:
-    """Sub-millisecond regions: the OS's late wake-ups are paid back, so the total stays ~3x."""
-    work, regions = 0.0003, 60
-    plain = _short_regions(DeviceEmulator(1.0), work, regions)
-    slowed = _short_regions(DeviceEmulator(3.0), work, regions)
-    assert slowed / plain == pytest.approx(3.0, rel=0.15)
+def test_short_regions_do_not_accumulate_oversleep(clock: FakeClock) -> None:
+    """Sub-millisecond regions whose waits each wake 50 us late: the lateness is paid back from the
+    next wait, so the total stays 3x the plain one plus one wake-up's lateness (carried over
+    nothing, 60 wake-ups would add 60 x 50 us: 3.17x)."""
+    work, regions, clock.lateness = 0.0003, 60, 5e-5
+    plain = _short_regions(clock, DeviceEmulator(1.0), work, regions)
+    slowed = _short_regions(clock, DeviceEmulator(3.0), work, regions)
+    assert plain == pytest.approx(regions * work, rel=1e-9)
+    assert slowed == pytest.approx(3 * regions * work + clock.lateness, rel=1e-9)
 
 
-def test_busy_time_counts_regions_and_the_emulated_waits() -> None:
+def test_busy_time_counts_regions_and_the_emulated_waits(clock: FakeClock) -> None:
     for slowdown in (1.0, 3.0):
         observers = Observers()
         observers.attach(DeviceEmulator(slowdown))
@@ -141,16 +169,21 @@ def test_busy_time_counts_regions_and_the_emulated_waits() -> None:
         before = busy.seconds
         for _ in range(3):
             with observers.compute("layer_forward"):
-                time.sleep(0.01)
-        time.sleep(0.01)  # outside any region: not busy
-        assert busy.seconds - before == pytest.approx(0.03 * slowdown, rel=0.2)
+                clock.work(0.01)
+        clock.work(0.01)  # outside any region: not busy
+        assert busy.seconds - before == pytest.approx(0.03 * slowdown, rel=1e-9)
 
 
-def test_contention_clock_is_wall_time_without_load() -> None:
-    start = ContentionClock.now()
-    time.sleep(0.01)  # sleeping is not waiting for a CPU: it counts
-    assert ContentionClock.now().since(start) == pytest.approx(0.01, abs=0.005)
+def test_contention_clock_subtracts_the_run_queue_wait_of_one_thread() -> None:
+    me, other = threading.get_ident(), threading.get_ident() + 1
+    earlier = ContentionClock(10.0, 2.0, me)
+    assert ContentionClock(10.5, 2.1, me).since(earlier) == pytest.approx(0.4)  # 0.1 s waited for a CPU
+    assert ContentionClock(10.5, 2.1, other).since(earlier) == pytest.approx(0.5)  # another thread: wall time
+    assert ContentionClock(10.5, None, me).since(earlier) == pytest.approx(0.5)  # no schedstat: wall time
+    assert ContentionClock(10.5, 3.0, me).since(earlier) == 0.0  # never negative
     assert ContentionClock.now().since(None) == 0.0
+    first = ContentionClock.now()
+    assert 0.0 <= ContentionClock.now().since(first)  # the real clock reads, and moves forward
 
 
 # ---------------------------------------------------------------------------------------------
