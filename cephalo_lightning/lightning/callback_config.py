@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning.lightning.config import check_flag
 from cephalo_lightning.planner import PlanningError, Settings
 from cephalo_lightning.planner.cluster import parse_settings
 
@@ -75,11 +76,7 @@ class CallbackConfig:
                 f"CephaloCallback(state_bytes_per_param={self.state_bytes_per_param!r}) must be a number > 0 "
                 "(e.g. 16 for fp32 AdamW: master, gradient and two moments), or None: 4 x the master dtype's size")
         for name in ("force_profile", "replan", "print_plan", "quiet"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise ConfigurationError(
-                    f"CephaloCallback({name}={value!r}) must be True or False, got {type(value).__name__}; write "
-                    f"{name}=True or {name}=False (in YAML: true / false)")
+            check_flag(name, getattr(self, name), owner="CephaloCallback")
         for name in ("cache_dir", "cluster_file", "plan_file"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (str, PathLike)) or str(value) == ""):

@@ -111,7 +111,7 @@ class StrategyConfig:
             _seed(o["seed"])
         for spec in fields(cls):
             if spec.type in ("bool", "bool | None"):
-                _flag(spec.name, o[spec.name], none_ok=spec.type != "bool")
+                check_flag(spec.name, o[spec.name], none_ok=spec.type != "bool")
         checked = cls(
             global_batch_size=o["global_batch_size"],
             mode=_choice("mode", o["mode"], MODES),
@@ -156,11 +156,11 @@ def _integer(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _flag(name: str, value: Any, *, none_ok: bool = False) -> None:
+def check_flag(name: str, value: Any, *, none_ok: bool = False, owner: str = "CephaloStrategy") -> None:
     """A bool option takes only True or False (``"no"`` would be truthy; YAML already reads ``false``)."""
     if not isinstance(value, bool) and not (none_ok and value is None):
         allowed = "True, False or None (decided by the device)" if none_ok else "True or False"
-        raise ConfigurationError(f"CephaloStrategy({name}={value!r}) must be {allowed}, got {type(value).__name__}; "
+        raise ConfigurationError(f"{owner}({name}={value!r}) must be {allowed}, got {type(value).__name__}; "
                                  f"write {name}=True or {name}=False (in YAML: true / false)")
 
 
