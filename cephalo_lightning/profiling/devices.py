@@ -1,4 +1,4 @@
-"""A rank's device, and how the measured devices become the planner's :class:`DeviceProfile`\ s.
+"""A rank's device, and how the measured devices become the planner's device profiles.
 
 What a rank is (:class:`RankIdentity`: host, device, emulation, memory) is gathered before
 anything is measured; after the measurements, :func:`device_profiles` turns each rank's (or its
