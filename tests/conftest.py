@@ -8,6 +8,8 @@ import os
 import pytest
 import torch.distributed as dist
 
+pytest_plugins = ["tests.fake_clock"]  # the ``clock`` fixture
+
 # A subprocess's timeout stops a hang and nothing else: never a speed check (a loaded machine
 # runs a 20 s subprocess for minutes).
 HANG_TIMEOUT_S = 1800

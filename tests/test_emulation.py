@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cephalo_lightning.planner.cluster import Emulation
-from cephalo_lightning.runtime.emulation import emulator as emulator_module
 from cephalo_lightning.runtime.emulation.emulator import (
     DeviceEmulator,
     EmulationSpecError,
@@ -20,6 +18,7 @@ from cephalo_lightning.runtime.emulation.emulator import (
 from cephalo_lightning.runtime.emulation.memory import EmulatedOutOfMemoryError
 from cephalo_lightning.runtime.observers import Observers
 from cephalo_lightning.runtime.timing import BusyTime, ContentionClock
+from tests.fake_clock import FakeClock
 
 # ---------------------------------------------------------------------------------------------
 # specs
@@ -89,29 +88,6 @@ def test_direct_construction_is_validated() -> None:
 # time.sleep; on a loaded machine real sleeps wake arbitrarily late, so these tests run the
 # emulator on a fake clock: "work" and the emulator's waits advance it exactly, and a wake-up's
 # lateness is a number the test chooses. What is tested is the emulator's arithmetic, exactly.
-
-
-class FakeClock:
-    def __init__(self, lateness: float = 0.0) -> None:
-        self.t = 0.0
-        self.lateness = lateness  # how late every sleep of the emulator wakes up
-
-    def now(self) -> ContentionClock:
-        return ContentionClock(self.t, 0.0, threading.get_ident())
-
-    def work(self, seconds: float) -> None:  # compute inside a region
-        self.t += seconds
-
-    def sleep(self, seconds: float) -> None:  # the emulator's wait
-        self.t += seconds + self.lateness
-
-
-@pytest.fixture
-def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    fake = FakeClock()
-    monkeypatch.setattr(ContentionClock, "now", classmethod(lambda cls: fake.now()))
-    monkeypatch.setattr(emulator_module, "time", SimpleNamespace(sleep=fake.sleep, perf_counter=lambda: fake.t))
-    return fake
 
 
 def _timed_region(clock: FakeClock, emulator: DeviceEmulator, work_s: float) -> float:

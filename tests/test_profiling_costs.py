@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +17,7 @@ from cephalo_lightning.profiling.collectives import CollectiveProfile, skewed_sh
 from cephalo_lightning.profiling.optimizer import time_optimizer_step
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from tests.distributed import run_distributed
+from tests.fake_clock import FakeClock
 
 QUICK = ProfileOptions(max_micro_batch=2, warmup=0, repeats=1, min_region_ms=0.0, collective_repeats=2)
 
@@ -35,11 +36,26 @@ def tiny() -> tuple[list[torch.nn.Module], torch.Tensor]:
     return gpt.layers(), torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
 
 
-def test_optimizer_step_is_timed_per_parameter_under_the_emulator() -> None:
-    plain = time_optimizer_step(numel=2**18, repeats=3)
-    assert plain.ns_per_param > 0 and plain.ns_per_param == pytest.approx(plain.step_ms * 1e6 / 2**18)
-    slow = time_optimizer_step(numel=2**18, repeats=3, emulator=DeviceEmulator(3.0))
-    assert 2.0 < slow.ns_per_param / plain.ns_per_param < 4.5  # the emulator's x3, on a shared host
+class _ClockedStep(torch.optim.Optimizer):
+    """An optimizer whose step costs exactly 1 ns per parameter on the test's clock."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], clock: FakeClock) -> None:
+        super().__init__(params, {})
+        self.clock = clock
+
+    def step(self, closure: object = None) -> None:
+        self.clock.work(sum(p.numel() for group in self.param_groups for p in group["params"]) * 1e-9)
+
+
+def test_optimizer_step_is_timed_per_parameter_inside_the_emulators_region(clock: FakeClock) -> None:
+    def optimizer(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return _ClockedStep(params, clock)
+
+    plain = time_optimizer_step(numel=2**10, repeats=3, optimizer=optimizer)
+    assert plain.ns_per_param == pytest.approx(1.0, rel=1e-9)
+    assert plain.ns_per_param == pytest.approx(plain.step_ms * 1e6 / 2**10, rel=1e-12)
+    slow = time_optimizer_step(numel=2**10, repeats=3, optimizer=optimizer, emulator=DeviceEmulator(3.0))
+    assert slow.ns_per_param == pytest.approx(3.0, rel=1e-9)  # the emulator's x3 applies to the step
     with pytest.raises(ValueError, match="numel >= 1"):
         time_optimizer_step(numel=0)
 
@@ -86,7 +102,8 @@ def test_two_ranks_measure_slope_overlap_and_optimizer() -> None:
     s = measured.settings
     assert s.uneven_slope is not None and s.uneven_slope >= 0
     assert s.overlap is not None and 0.0 <= s.overlap <= 1.0
-    fast, slow = measured.devices
-    assert fast.optimizer_ns_per_param > 0 and slow.optimizer_ns_per_param > fast.optimizer_ns_per_param
+    # the emulator's scaling of the step is checked exactly on a test clock above; measured here,
+    # the two ranks' figures only say that each was timed (a loaded host can invert their order)
+    assert all(device.optimizer_ns_per_param > 0 for device in measured.devices)
     assert plan(measured, 8).global_batch_size == 8
     assert pinned.settings.overlap == 0.25

@@ -12,7 +12,7 @@ import socket
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +26,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank(rank: int, world_size: int, port: int, out_dir: str, threads: int, fn: Callable[..., Any], args: tuple) -> None:
+def _rank(rank: int, world_size: int, port: int, out_dir: str, threads: int, environ: dict[str, str], cwd: str,
+          fn: Callable[..., Any], args: tuple) -> None:
+    # a forkserver child inherits the server's environment, not the caller's: take the caller's
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), NODE_RANK="0",  # Lightning then treats the processes as launched externally
@@ -48,17 +53,28 @@ def _rank(rank: int, world_size: int, port: int, out_dir: str, threads: int, fn:
     os._exit(0)
 
 
-def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1) -> list[Any]:
+def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int = 1, start_method: str = "spawn",
+                    preload: Sequence[str] = ()) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank; the per-rank results in rank order.
 
     ``fn`` must be a module-level function (ranks are spawned and import it); a script calling this
     must guard its entry point with ``if __name__ == "__main__":``. ``threads``: torch intra-op
-    threads per rank (1 keeps W ranks from fighting over a small machine's cores).
+    threads per rank (1 keeps W ranks from fighting over a small machine's cores). ``start_method``:
+    ``"spawn"`` or ``"forkserver"``; ``preload``: the modules a forkserver imports before its first
+    fork (``multiprocessing``'s setting is per process and fixed once the server runs, so the first
+    call's list holds for the rest of the process).
     """
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"run_local_ranks(start_method={start_method!r}): use 'spawn' or 'forkserver'")
+    if preload and start_method != "forkserver":
+        raise ValueError("run_local_ranks(preload=...) needs start_method='forkserver' (spawn imports everything per rank)")
+    if preload:
+        mp.get_context("forkserver").set_forkserver_preload(list(preload))
     sys.audit("cephalo_lightning.testing.run_local_ranks", world_size)  # lets a test suite see every launch
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.spawn(_rank, args=(world_size, free_port(), out_dir, threads, fn, args), nprocs=world_size, join=True)
+            mp.start_processes(_rank, args=(world_size, free_port(), out_dir, threads, dict(os.environ), os.getcwd(), fn, args),
+                               nprocs=world_size, join=True, start_method=start_method)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
             errors = []
             for rank in range(world_size):
