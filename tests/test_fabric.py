@@ -1,11 +1,17 @@
 """``Fabric(strategy="cephalo")``: a plain Fabric loop under an uneven plan equals single-process
 training on the same global batches; its checkpoints resume exactly; the boundaries are refused.
-(``Fabric(strategy="cephalo")`` in either import order: tests/test_registration.py.)"""
+(``Fabric(strategy="cephalo")`` in either import order: tests/test_registration.py.) The one spawn
+also runs a two-rank Trainer fit whose stdout is not a terminal (progress lines, no warnings about
+the strategy's own logs), the multi-rank half of tests/test_cluster_logs.py."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,11 +24,12 @@ from cephalo_lightning.lightning.fabric import CephaloFabricStrategy
 from cephalo_lightning.planner import RankPlan
 from tests.distributed import run_distributed
 from tests.helpers import NUM_SAMPLES
-from tests.lightning_models import token_data
+from tests.lightning_models import TinyLayered, loader, token_data
 from tests.models import TinyLM
 
 GLOBAL = 12
 STEPS = 3
+TRAINER_PLAN = Plan(GLOBAL, "layered", (RankPlan(0, "a", 9, 3, 3, 0.25), RankPlan(1, "b", 3, 1, 3, 0.75)))
 ACCUMULATED_STEPS, CLIP = 2, 0.05  # two global batches per step: the 48 samples; a clip that binds
 # rank 0: 4 samples and 70% of the state; rank 1: 8 samples and 30%
 PLAN = Plan(GLOBAL, "uniform", (RankPlan(0, "a", 4, 1, 4, 0.7), RankPlan(1, "b", 8, 1, 8, 0.3)))
@@ -78,8 +85,7 @@ def _fabric_loop(rank: int, world: int, folder: str) -> dict:
     fabric.launch()
     model = TinyLM()
     model, optimizer = fabric.setup(model, _optimizer(model.parameters()))
-    loader = fabric.setup_dataloaders(DataLoader(token_data(NUM_SAMPLES), batch_size=GLOBAL))
-    batches = list(loader)
+    batches = list(fabric.setup_dataloaders(DataLoader(token_data(NUM_SAMPLES), batch_size=GLOBAL)))
     sizes = []
     for step in range(STEPS):
         if step == 2:
@@ -110,23 +116,52 @@ def _fabric_loop(rank: int, world: int, folder: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     out["accumulated"] = fabric.strategy.sharded.full_state_dict()
+    # the same two ranks, a Trainer fit whose stdout is not a terminal (see tests/test_cluster_logs.py)
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()) as text:
+        warnings.simplefilter("always")
+        t = pl.Trainer(strategy=CephaloStrategy(plan=TRAINER_PLAN, progress_every=2), accelerator="cpu", devices=world,
+                       max_steps=4, logger=False, enable_model_summary=False, enable_checkpointing=False,
+                       use_distributed_sampler=False)
+        t.fit(TinyLayered(), loader(token_data(NUM_SAMPLES), GLOBAL))
+    out["trainer_stdout"], out["trainer_warnings"] = text.getvalue(), [str(w.message) for w in caught]
     return out
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """ONE spawn of two gloo ranks for every scenario of this file."""
+    return run_distributed(_fabric_loop, 2, str(tmp_path_factory.mktemp("fabric") / "ckpt"))
+
+
 @pytest.mark.multiprocess
-def test_a_fabric_loop_under_an_uneven_plan_equals_single_process_training_and_resumes_exactly(tmp_path):
-    ranks = run_distributed(_fabric_loop, 2, str(tmp_path / "ckpt"))
-    want = _reference()
-    got = ranks[0]["full"]
-    assert _error(got, want) <= _tolerance()
+def test_a_fabric_loop_under_an_uneven_plan_equals_single_process_training(two_ranks):
+    assert _error(two_ranks[0]["full"], _reference()) <= _tolerance()
+    assert [r["sizes"] for r in two_ranks] == [[4] * STEPS, [8] * STEPS]
+    assert [r["weight"] for r in two_ranks] == [4 / 12, 8 / 12]
+    total = sum(v.numel() for v in TinyLM().state_dict().values())
+    assert [round(r["local"] / total, 1) for r in two_ranks] == [0.7, 0.3]  # the plan's uneven shares
+
+
+@pytest.mark.multiprocess
+def test_fabric_save_and_load_resume_a_step_exactly(two_ranks):
+    got = two_ranks[0]["full"]
+    assert two_ranks[0]["resumed_step"] == 2
+    assert all(torch.equal(two_ranks[0]["resumed"][k], got[k]) for k in got)  # the same step 2, bit for bit
+
+
+@pytest.mark.multiprocess
+def test_fabric_gradient_accumulation_and_clipping_equal_single_process(two_ranks):
     accumulated = {"steps": ACCUMULATED_STEPS, "accumulate": 2, "clip": CLIP}
-    assert _error(ranks[0]["accumulated"], _reference(**accumulated)) <= _tolerance(**accumulated)
-    assert [r["sizes"] for r in ranks] == [[4] * STEPS, [8] * STEPS]
-    assert [r["weight"] for r in ranks] == [4 / 12, 8 / 12]
-    total = sum(v.numel() for v in want.values())
-    assert [round(r["local"] / total, 1) for r in ranks] == [0.7, 0.3]  # the plan's uneven shares
-    assert ranks[0]["resumed_step"] == 2
-    assert all(torch.equal(ranks[0]["resumed"][k], got[k]) for k in got)  # the same step 2, bit for bit
+    assert _error(two_ranks[0]["accumulated"], _reference(**accumulated)) <= _tolerance(**accumulated)
+
+
+@pytest.mark.multiprocess
+def test_a_two_rank_trainer_fit_prints_progress_lines_once_and_warns_nothing_about_its_own_logs(two_ranks):
+    steps = [[int(m[1]) for m in re.finditer(r"^Epoch 0 \| step (\d+)/4 \| ", r["trainer_stdout"], re.MULTILINE)]
+             for r in two_ranks]
+    assert steps == [[2, 4], []]  # rank 0 only, each step once
+    for r in two_ranks:
+        assert not [w for w in r["trainer_warnings"] if "sync_dist" in w or "train_loss" in w], r["trainer_warnings"]
 
 
 def test_a_layered_plan_is_refused_with_the_reason():
