@@ -1,4 +1,5 @@
-"""``strategy="cephalo"`` in Lightning's strategy registry, without importing Lightning here.
+"""``strategy="cephalo"`` in Lightning's strategy registries (the Trainer's and Fabric's), without
+importing Lightning here.
 
 See the comment in :func:`register` for how and why.
 """
@@ -74,15 +75,15 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
 
 
 def register() -> None:
-    # The same for Fabric's registry (lightning.fabric.strategies), which Fabric(strategy=...) reads.
     # Lightning has no entry points for strategies and ``import lightning.pytorch`` takes seconds,
     # which the torch-free planner must not pay. So: if Lightning's strategies module has already
     # run, add the name to its StrategyRegistry now; otherwise a meta-path finder waits for that
     # module, lets Lightning's own loader execute it unchanged (same spec and loader afterwards) and
     # adds the name right after, touching nothing but the just-built registry (lightning.pytorch may
     # still be half-initialised then). The registered callable is a factory that imports
-    # CephaloStrategy only when a Trainer asks for "cephalo". The finder stays installed, so a
-    # reload of Lightning's module registers again; it answers no other module.
+    # CephaloStrategy only when a Trainer asks for "cephalo". Fabric's registry
+    # (lightning.fabric.strategies' STRATEGY_REGISTRY) gets CephaloFabricStrategy the same way. The
+    # finder stays installed, so a reload of either module registers again; it answers no other module.
     for name, (registry, _) in REGISTRIES.items():
         strategies = sys.modules.get(name)
         if strategies is not None and hasattr(strategies, registry):
