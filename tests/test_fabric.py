@@ -19,7 +19,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 from cephalo_lightning import CephaloStrategy, Plan
-from cephalo_lightning._common.errors import UnsupportedError
+from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.lightning.fabric import CephaloFabricStrategy
 from cephalo_lightning.planner import RankPlan
 from tests.distributed import run_distributed
@@ -175,3 +175,22 @@ def test_the_trainer_strategy_is_not_a_fabric_strategy():
     to use CephaloFabricStrategy or strategy="cephalo")."""
     with pytest.raises(ValueError, match="invalid strategy"):
         Fabric(strategy=CephaloStrategy(), accelerator="cpu", devices=1)
+
+
+def test_other_precisions_are_refused_before_any_process_group():
+    fabric = Fabric(strategy=CephaloFabricStrategy(global_batch_size=GLOBAL), precision="64-true", accelerator="cpu",
+                    devices=1)
+    with pytest.raises(UnsupportedError, match="precision"):
+        fabric.strategy.setup_environment()  # what fabric.launch() calls first
+
+
+def test_a_checkpoint_of_another_plan_and_a_dataloader_in_the_state_are_refused(tmp_path):
+    """One rank, no process group: the refusals come before any collective."""
+    strategy = Fabric(strategy=CephaloFabricStrategy(global_batch_size=GLOBAL), accelerator="cpu", devices=1).strategy
+    # an even plan of one rank: share 1.0
+    with pytest.raises(UnsupportedError, match="DataLoader"):
+        strategy.save_checkpoint(tmp_path / "a", {"loader": DataLoader(token_data(NUM_SAMPLES), batch_size=GLOBAL)})
+    (tmp_path / "b").mkdir()
+    torch.save({"format": "cephalo-fabric/1", "state_shares": [0.7, 0.3], "state": {}}, tmp_path / "b" / "rank0-of-1.pt")
+    with pytest.raises(ConfigurationError, match="same plan"):
+        strategy.load_checkpoint(tmp_path / "b", {"step": 0})

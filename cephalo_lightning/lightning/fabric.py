@@ -103,13 +103,13 @@ class CephaloFabricStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()
         name = getattr(self.precision, "precision", None)
-        if name not in PRECISIONS:
+        if name not in PRECISIONS:  # before any process group exists
             raise UnsupportedError(
                 f"CephaloFabricStrategy supports precision {' or '.join(map(repr, PRECISIONS))}, not {name!r}: a loss "
                 "scaler (16-mixed) decides on each rank alone whether to skip a step, and sharded state in 16-bit "
                 "loses updates; use Fabric(precision='bf16-mixed') or '32-true'")
+        super().setup_environment()
         if self.plan is not None or self._global_batch_size is not None:
             self._plan()
 
@@ -168,7 +168,11 @@ class CephaloFabricStrategy(DDPStrategy):
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         """By the norm of the whole model's gradient, summed over the uneven shards."""
         self.precision.unscale_gradients(optimizer)
-        return self._sharded().clip_grad_norm_(float(max_norm), float(norm_type))
+        norm = self._sharded().clip_grad_norm_(float(max_norm), float(norm_type))
+        if error_if_nonfinite and not bool(torch.isfinite(norm)):  # the global norm: every rank alike
+            raise RuntimeError(f"the total norm of the gradients is {float(norm)}: a loss or gradient went non-finite "
+                               "(pass error_if_nonfinite=False to clip anyway)")
+        return norm
 
     def _sharded(self) -> ShardedModel:
         if self.sharded is None:
