@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -44,6 +45,7 @@ from typing_extensions import override
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.lightning._private import BackwardSyncControl
+from cephalo_lightning.lightning.config import COLLECTIVES, check_flag
 from cephalo_lightning.lightning.plan_resolution import check_loader_batch, data_seed
 from cephalo_lightning.planner import Plan
 from cephalo_lightning.runtime.collectives import resolve_mode
@@ -68,6 +70,13 @@ class CephaloFabricStrategy(DDPStrategy):
                  units: Sequence[type[nn.Module]] | None = None, collective: str = "auto", prefetch: bool = True,
                  scale_loss: bool = True, seed: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        owner = "CephaloFabricStrategy"
+        for name, flag in (("prefetch", prefetch), ("scale_loss", scale_loss)):
+            check_flag(name, flag, owner=owner)
+        if collective not in COLLECTIVES:
+            raise ConfigurationError(f"{owner}(collective={collective!r}): choose one of {', '.join(map(repr, COLLECTIVES))}")
+        if plan is not None and not isinstance(plan, (Plan, str, os.PathLike)):
+            raise ConfigurationError(f"{owner}(plan={plan!r}) must be a Plan or the path of a plan JSON file")
         self.plan: Plan | None = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
         if self.plan is not None:
             _check_plan(self.plan, global_batch_size)
@@ -111,7 +120,16 @@ class CephaloFabricStrategy(DDPStrategy):
                 "loses updates; use Fabric(precision='bf16-mixed') or '32-true'")
         super().setup_environment()
         if self.plan is not None or self._global_batch_size is not None:
-            self._plan()
+            self._describe(self._plan())
+
+    def _describe(self, plan: Plan) -> None:
+        if not self.is_global_zero:
+            return
+        rank_zero_info(f"Cephalo (Fabric): batches {list(plan.batch_sizes)} of {plan.global_batch_size}, state shares "
+                 f"{[round(s, 4) for s in plan.state_shares]}; fabric.backward weights each rank's loss by its batch")
+        if any(r.num_micro_batches > 1 for r in plan.ranks):
+            rank_zero_info("Cephalo (Fabric): the plan's micro-batches are not applied, your loop runs each rank's batch in "
+                     "one forward (split it under fabric.no_backward_sync(model) if it does not fit)")
 
     def _state_shares(self) -> list[float]:
         """The plan's shares; with no plan yet, an even plan's (which any batch size gives)."""
@@ -189,7 +207,10 @@ class CephaloFabricStrategy(DDPStrategy):
     @override
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
         """Every rank its slice of every global batch (the loader's ``batch_size``) of one order."""
+        described = self.plan is not None
         plan = self._plan(dataloader.batch_size)
+        if not described:
+            self._describe(plan)
         check_loader_batch(dataloader.batch_size, plan, None)
         seed = data_seed(self.seed, os.environ)
         if seed is None:  # one order on every rank: rank 0's
