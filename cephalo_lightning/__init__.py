@@ -1,8 +1,8 @@
 """Cephalo for PyTorch Lightning: heterogeneous-GPU training with per-rank batches and uneven sharding.
 
-``import cephalo_lightning`` registers ``Trainer(strategy="cephalo")`` (before or after
-``import lightning``) without importing torch or Lightning itself; ``CephaloStrategy`` and
-``CephaloCallback`` are imported on first use. The planner (:mod:`cephalo_lightning.planner`)
+``import cephalo_lightning`` registers ``Trainer(strategy="cephalo")`` and ``Fabric(strategy="cephalo")``
+(before or after ``import lightning``) without importing torch or Lightning itself;
+``CephaloStrategy`` and ``CephaloCallback`` are imported on first use. The planner (:mod:`cephalo_lightning.planner`)
 is torch-free.
 """
 

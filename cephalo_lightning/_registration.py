@@ -1,4 +1,5 @@
-"""``strategy="cephalo"`` in Lightning's strategy registry, without importing Lightning here.
+"""``strategy="cephalo"`` in Lightning's strategy registries (the Trainer's and Fabric's), without
+importing Lightning here.
 
 See the comment in :func:`register` for how and why.
 """
@@ -15,6 +16,7 @@ from typing import Any
 NAME = "cephalo"
 DESCRIPTION = "Cephalo: heterogeneous GPUs, uneven sharding"
 STRATEGIES_MODULE = "lightning.pytorch.strategies"
+FABRIC_STRATEGIES_MODULE = "lightning.fabric.strategies"
 
 
 def cephalo_strategy(**init_params: Any) -> Any:
@@ -24,9 +26,21 @@ def cephalo_strategy(**init_params: Any) -> Any:
     return CephaloStrategy(**init_params)
 
 
+def cephalo_fabric_strategy(**init_params: Any) -> Any:
+    """The same for ``Fabric(strategy="cephalo")``: an even plan of the loader's batch unless given one."""
+    from cephalo_lightning.lightning.fabric import CephaloFabricStrategy
+
+    return CephaloFabricStrategy(**init_params)
+
+
+REGISTRIES = {STRATEGIES_MODULE: ("StrategyRegistry", cephalo_strategy),
+              FABRIC_STRATEGIES_MODULE: ("STRATEGY_REGISTRY", cephalo_fabric_strategy)}
+
+
 def add_to(strategies: ModuleType) -> None:
-    """Put the name into the registry of Lightning's (executed) strategies module."""
-    strategies.StrategyRegistry.register(NAME, cephalo_strategy, description=DESCRIPTION, override=True)
+    """Put the name into the registry of Lightning's (executed) strategies module, Trainer's or Fabric's."""
+    registry, factory = REGISTRIES[strategies.__name__]
+    getattr(strategies, registry).register(NAME, factory, description=DESCRIPTION, override=True)
 
 
 class _AddAfterExec(importlib.abc.Loader):
@@ -47,7 +61,7 @@ class _AddAfterExec(importlib.abc.Loader):
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
                   ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != STRATEGIES_MODULE:
+        if fullname not in REGISTRIES:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -67,10 +81,12 @@ def register() -> None:
     # module, lets Lightning's own loader execute it unchanged (same spec and loader afterwards) and
     # adds the name right after, touching nothing but the just-built registry (lightning.pytorch may
     # still be half-initialised then). The registered callable is a factory that imports
-    # CephaloStrategy only when a Trainer asks for "cephalo". The finder stays installed, so a
-    # reload of Lightning's module registers again; it answers no other module.
-    strategies = sys.modules.get(STRATEGIES_MODULE)
-    if strategies is not None and hasattr(strategies, "StrategyRegistry"):
-        add_to(strategies)
+    # CephaloStrategy only when a Trainer asks for "cephalo". Fabric's registry
+    # (lightning.fabric.strategies' STRATEGY_REGISTRY) gets CephaloFabricStrategy the same way. The
+    # finder stays installed, so a reload of either module registers again; it answers no other module.
+    for name, (registry, _) in REGISTRIES.items():
+        strategies = sys.modules.get(name)
+        if strategies is not None and hasattr(strategies, registry):
+            add_to(strategies)
     if not any(isinstance(f, _RegisterOnImport) or type(f).__name__ == _RegisterOnImport.__name__ for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterOnImport())

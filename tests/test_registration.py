@@ -19,6 +19,8 @@ HEAVY = "assert not {'torch', 'lightning'} & set(sys.modules), sorted({'torch', 
 TRAINER = ("t = pl.Trainer(strategy='cephalo', accelerator='cpu', devices=1, logger=False, "
            "enable_progress_bar=False, enable_model_summary=False); "
            "assert type(t.strategy).__name__ == 'CephaloStrategy', type(t.strategy)")
+FABRIC = ("import lightning.fabric as lf; f = lf.Fabric(strategy='cephalo', accelerator='cpu', devices=1); "
+          "assert type(f.strategy).__name__ == 'CephaloFabricStrategy', type(f.strategy)")
 
 
 def _python(code: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -46,7 +48,8 @@ def test_the_plan_command_imports_neither_torch_nor_lightning(tmp_path):
 @pytest.mark.parametrize("first, then", [("cephalo_lightning", "lightning"), ("lightning", "cephalo_lightning")],
                          ids=["package_first", "lightning_first"])
 def test_strategy_name_works_in_either_import_order(first, then):
-    _python(f"import {first}; import {then}; import lightning.pytorch as pl; {TRAINER}")
+    """The Trainer's and Fabric's ``strategy="cephalo"``."""
+    _python(f"import {first}; import {then}; import lightning.pytorch as pl; {TRAINER}; {FABRIC}")
 
 
 @pytest.mark.multiprocess

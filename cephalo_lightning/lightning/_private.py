@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl
 from lightning.fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device as default_process_group_backend,
@@ -22,7 +23,7 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available as syn
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher as SubprocessScriptLauncher
 
 __all__ = [
-    "LoggedValue", "SubprocessScriptLauncher", "captured_logs", "checkpoint_callback_settings",
+    "BackwardSyncControl", "LoggedValue", "SubprocessScriptLauncher", "captured_logs", "checkpoint_callback_settings",
     "default_process_group_backend", "distributed_is_initialized", "init_dist_connection", "logged_values",
     "logging_as", "sync_ddp_if_available", "training_dataloader", "wandb_checkpoint_name", "wandb_log_model",
     "wandb_logged_model_times",

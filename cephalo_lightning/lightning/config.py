@@ -83,6 +83,9 @@ class StrategyConfig:
     seed: int | None = option(None, "the seed of the data order (unset: seed_everything's, else torch's at setup) "
                                     "and of meta-device initialisation (unset: 0)")
     verify_checksums: bool = option(True, "check every file's SHA-256 against the checkpoint's manifest")
+    progress_every: int | None = option(
+        None, "stdout not a terminal: a plain progress line every N steps instead of the bar; 0 = Lightning's bar",
+        unset="the Trainer's `log_every_n_steps`")
 
     @classmethod
     def build(cls, **given: Any) -> StrategyConfig:
@@ -132,6 +135,7 @@ class StrategyConfig:
             safe_globals=_safe_globals(o["safe_globals"]),
             seed=o["seed"],
             verify_checksums=o["verify_checksums"],
+            progress_every=_integer("progress_every", o["progress_every"], 0) if o["progress_every"] is not None else None,
         )
         plan, cluster = _plan_source(o["plan"], o["cluster"], o["global_batch_size"])
         return replace(checked, plan=plan, cluster=cluster)

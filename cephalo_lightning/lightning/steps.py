@@ -110,10 +110,24 @@ def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bo
     return StepReport(float(parts[0]), losses or grads, "loss" if losses else "gradient"), parts[1:-1]
 
 
+@dataclass(frozen=True)
+class AlreadyGlobal:
+    """The ``sync_dist_group`` of values every rank already holds in their global form (the step's
+    all-reduce made them): Lightning treats them as synchronised (no "use sync_dist=True" warning at
+    the epoch's end) and the strategy's ``reduce`` passes them through unchanged (no collective).
+    Every rank logs the same value with the same batch size, so the epoch's mean is the global one."""
+
+
+ALREADY_GLOBAL = AlreadyGlobal()
+
+
 def log_scalar(module: pl.LightningModule, name: str, value: float, batch_size: int, **options: Any) -> None:
-    """Log an already-global value from inside the strategy (no further sync)."""
+    """Log an already-global value from inside the strategy (synchronised already, see :class:`AlreadyGlobal`);
+    to the loggers unless ``logger`` says otherwise, when there are any (else Lightning warns of none)."""
+    options.setdefault("logger", module.trainer.logger is not None)
     with logging_as(module, "training_step"):
-        module.log(name, torch.tensor(value, dtype=torch.float32), sync_dist=False, batch_size=batch_size, **options)
+        module.log(name, torch.tensor(value, dtype=torch.float32), sync_dist=True, sync_dist_group=ALREADY_GLOBAL,
+                   batch_size=batch_size, **options)
 
 
 class LayeredSteps:

@@ -49,9 +49,10 @@ from cephalo_lightning.lightning.config import (
 )
 from cephalo_lightning.lightning.fit import FailureReport, FitRuntime
 from cephalo_lightning.lightning.precision import sharded_precision
+from cephalo_lightning.lightning.progress import use_progress_lines
 from cephalo_lightning.lightning.schedules import decide_schedule
 from cephalo_lightning.lightning.sharded_strategy import ShardedStrategy
-from cephalo_lightning.lightning.steps import TrainingStep
+from cephalo_lightning.lightning.steps import AlreadyGlobal, TrainingStep
 from cephalo_lightning.models import resolve
 from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.runtime.collectives import resolve_mode
@@ -84,7 +85,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  loss_weighting: LossWeightingChoice = DEFAULTS.loss_weighting, verify_loss: bool = DEFAULTS.verify_loss,
                  max_nonfinite_skips: int = DEFAULTS.max_nonfinite_skips, check_devices: bool = DEFAULTS.check_devices,
                  safe_globals: Sequence[Any] = DEFAULTS.safe_globals, seed: int | None = DEFAULTS.seed,
-                 verify_checksums: bool = DEFAULTS.verify_checksums,
+                 verify_checksums: bool = DEFAULTS.verify_checksums, progress_every: int | None = DEFAULTS.progress_every,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **kwargs: Any) -> None:
         options = {name: value for name, value in locals().items() if name in OPTION_NAMES}  # all, by name
@@ -130,6 +131,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if not isinstance(tensor, torch.Tensor) or (self._step is not None and self._step.capturing):
             return tensor  # values logged per micro-batch are combined (weighted, global) by the steps
+        if isinstance(group, AlreadyGlobal):
+            return tensor  # the steps' own logs: global on every rank already
         return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @contextlib.contextmanager
@@ -168,6 +171,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         self.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            use_progress_lines(trainer, self.config.progress_every,
+                               self.fit_runtime.plan.global_batch_size * trainer.accumulate_grad_batches)
             self.setup_optimizers(trainer)
             self._failures = self.fit_runtime.start_fit(trainer, self.broadcast(os.urandom(6).hex()), self.cluster,
                                                         reported_elsewhere=_has_cephalo_callback(trainer))
