@@ -27,6 +27,7 @@ from typing_extensions import override
 import cephalo_lightning  # noqa: F401  (registers strategy="cephalo" before arguments are parsed)
 from cephalo_lightning import configs
 from cephalo_lightning._common.errors import CephaloError, refused
+from cephalo_lightning.lightning.cli_loggers import replace_missing_wandb
 
 _CONFIG_FLAGS = ("--config", "-c")
 
@@ -92,7 +93,8 @@ def interpolation_error(err: OmegaConfBaseException, args: Sequence[str]) -> str
 
 
 class CephaloCLI(LightningCLI):
-    """LightningCLI with a ``--vars`` block, packaged configs by name and one-line interpolation errors."""
+    """LightningCLI with a ``--vars`` block, packaged configs by name, one-line interpolation errors and
+    a CSV logger in place of a ``WandbLogger`` when wandb is not installed (:mod:`.cli_loggers`)."""
 
     @override
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse's parser
@@ -109,6 +111,12 @@ class CephaloCLI(LightningCLI):
             super().parse_arguments(parser, None if args is None and argv == sys.argv[1:] else argv)
         except OmegaConfBaseException as err:
             _fail(interpolation_error(err, argv))
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if isinstance(config.get("trainer"), Namespace):
+            replace_missing_wandb(config.trainer)
 
     @override
     def instantiate_classes(self) -> None:
