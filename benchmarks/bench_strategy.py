@@ -96,6 +96,7 @@ def _fsdp2_module_class() -> type:
 
         class FSDP2GPTModule(GPTModule):
             def configure_model(self) -> None:
+                super().configure_model()  # builds the GPT
                 mesh = self.device_mesh["data_parallel"]  # a CPU mesh: the strategy builds it on the root device
                 for block in self.model.blocks:
                     fully_shard(block, mesh=mesh)

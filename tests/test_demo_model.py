@@ -128,6 +128,7 @@ def test_presets_and_planning_sizes() -> None:
 
 def test_layered_protocol_matches_training_loss() -> None:
     module = GPTModule(preset="tiny", seq_len=16).eval()
+    module.configure_model()  # outside a Trainer, as the docstring says
     idx = torch.randint(0, 256, (2, 17))
     batch = (idx[:, :-1], idx[:, 1:])
     h = module.cephalo_input(batch)
@@ -138,6 +139,7 @@ def test_layered_protocol_matches_training_loss() -> None:
 
 def test_optimizer_groups_by_name_cover_every_parameter_once() -> None:
     module = GPTModule(preset="tiny", seq_len=16, weight_decay=0.1)
+    module.configure_model()  # outside a Trainer, as the docstring says
     optimizer = module.configure_optimizers()["optimizer"]
     decay, no_decay = optimizer.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -157,6 +159,7 @@ def test_optimizer_groups_by_name_cover_every_parameter_once() -> None:
 def test_optimizer_works_on_flat_and_empty_shards() -> None:
     """Under Cephalo configure_optimizers sees 1-D local shards (some empty) under the original names."""
     module = GPTModule(preset="tiny", seq_len=16)
+    module.configure_model()  # outside a Trainer, as the docstring says
     before = {n: p.clone() for n, p in module.named_parameters()}
     for i, (owner, name, p) in enumerate(
         [(m, n, p) for m in module.modules() for n, p in m.named_parameters(recurse=False)]
