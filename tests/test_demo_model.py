@@ -304,3 +304,35 @@ def test_trainer_fit_and_checkpoint_round_trip(tmp_path) -> None:
     assert restored.hparams == model.hparams and restored.config == model.config
     for (name, a), (_, b) in zip(model.state_dict().items(), restored.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_the_gpt_is_built_in_configure_model_and_initialised_unit_by_unit_from_meta() -> None:
+    """Under Cephalo, configure_model() runs on the meta device and every unit is initialised on its own
+    through cephalo_init_weights: the same distributions as the eager GPT.reset_parameters."""
+    from cephalo_lightning import CephaloStrategy, Plan
+    from cephalo_lightning.planner import RankPlan
+
+    assert GPTModule(preset="tiny", seq_len=16).model is None  # nothing model-sized in __init__
+    module = GPTModule(preset="small", seq_len=16)
+    plan = Plan(8, "layered", (RankPlan(0, "a", 8, 1, 8, 1.0),))
+    trainer = pl.Trainer(strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=1, max_steps=0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, TextDataModule(seq_len=16, batch_size=8, max_train_samples=16, max_val_samples=8))
+    sharded = trainer.strategy.sharded
+    assert sharded.materialized_units == len(module.cephalo_layers())  # built on meta, every layer materialised
+    meta_built = sharded.full_state_dict()
+    torch.manual_seed(0)
+    eager = GPTModule(preset="small", seq_len=16)
+    eager.configure_model()
+    eager_built = eager.state_dict()
+    layers = eager.config.n_layer
+    for name, value in eager_built.items():
+        got = meta_built[name]
+        if name.endswith("bias"):
+            assert torch.equal(got, torch.zeros_like(got)) and torch.equal(value, torch.zeros_like(value)), name
+        elif ".ln_" in name:
+            assert torch.equal(got, value), name  # LayerNorm: ones
+        else:  # N(0, std): the same std within the sampling error of this many draws
+            std = 0.02 / math.sqrt(2 * layers) if name.endswith("c_proj.weight") else 0.02
+            tolerance = 4 * std / math.sqrt(2 * value.numel())  # 4 standard errors of a sample std
+            assert abs(got.std().item() - std) < tolerance and abs(value.std().item() - std) < tolerance, name
