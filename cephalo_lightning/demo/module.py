@@ -147,6 +147,15 @@ class GPTModule(pl.LightningModule):
     def test_step(self, batch: Batch, batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_ppl)
 
+    @override
+    def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
+        """Per window of an ``(x, y)`` batch: its mean next-token loss (``nll``, nats per token; the
+        window's perplexity is ``exp(nll)``) and the model's greedy next byte after it (``next_token``)."""
+        x, y = batch
+        logits = self(x).float()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)
+        return {"nll": nll, "next_token": logits[:, -1].argmax(dim=-1)}
+
     def _evaluate(self, batch: Batch, stage: str, perplexity: Perplexity) -> None:
         x, y = batch
         logits = self(x)

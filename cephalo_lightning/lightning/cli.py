@@ -30,6 +30,13 @@ from cephalo_lightning._common.errors import CephaloError, refused
 from cephalo_lightning.lightning.cli_loggers import replace_missing_wandb
 
 _CONFIG_FLAGS = ("--config", "-c")
+DESCRIPTION = (
+    "cephalo-train (cephalo-lightning): LightningCLI with the Cephalo strategy, for training transformers with "
+    "PyTorch Lightning on heterogeneous GPU clusters: per-GPU batch sizes, gradient accumulation and uneven "
+    "state sharding from a profiled plan. `cephalo-train fit --config quickstart` trains the packaged demo on an "
+    "emulated 2-rank CPU cluster; `python -m cephalo_lightning --help` lists the other commands (plan, profile, "
+    "demo, consolidate)."
+)
 
 
 def _fail(message: str) -> NoReturn:
@@ -164,7 +171,7 @@ def run_cli(args: list[str], run: bool = True) -> CephaloCLI:
         run=run,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        parser_kwargs={"parser_mode": "omegaconf+"},
+        parser_kwargs={"parser_mode": "omegaconf+", "description": DESCRIPTION},
         save_config_kwargs={"overwrite": True},
     )
 
@@ -192,10 +199,14 @@ def profile_main(argv: list[str] | None = None) -> int:
 
     from cephalo_lightning.lightning.callback import CephaloCallback
 
-    parser = argparse.ArgumentParser(prog="python -m cephalo_lightning profile", description=profile_main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cephalo_lightning profile", description=profile_main.__doc__,
+                                     epilog="Other arguments go to LightningCLI, e.g. --trainer.devices=4 or --vars.out=DIR.")
+    parser.add_argument("-c", "--config", action="append", required=True, metavar="C.yaml",
+                        help="the run's LightningCLI config file, or a packaged config name (quickstart); repeatable")
     parser.add_argument("-o", "--output", default="cluster.yaml", help="cluster file to write (YAML or .json)")
     parser.add_argument("--plan-output", default=None, help="also write the plan JSON here")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    rest = [arg for config in args.config for arg in ("--config", config)] + rest
     from cephalo_lightning.planner.files import check_output
 
     check_output(args.output, "-o")  # before the profile, not after it
