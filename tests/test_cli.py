@@ -108,3 +108,25 @@ def test_the_help_of_cephalo_train_and_profile_says_what_they_are_and_take(capsy
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--config" in out and "--plan-output" in out and "LightningCLI" in out
+
+
+def test_a_wandb_logger_without_wandb_becomes_a_csv_logger_in_its_directory(monkeypatch):
+    from jsonargparse import Namespace
+
+    from cephalo_lightning.lightning import cli_loggers
+
+    def trainer_config() -> Namespace:
+        wandb = Namespace(class_path=cli_loggers.WANDB_LOGGER, init_args=Namespace(project="p", save_dir="out", offline=True))
+        tensorboard = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger", init_args=Namespace(save_dir="tb"))
+        return Namespace(logger=[wandb, tensorboard], default_root_dir="root")
+
+    installed = trainer_config()
+    monkeypatch.setattr(cli_loggers, "wandb_installed", lambda: True)
+    assert cli_loggers.replace_missing_wandb(installed) == [] and installed == trainer_config()
+    missing = trainer_config()
+    monkeypatch.setattr(cli_loggers, "wandb_installed", lambda: False)
+    with pytest.warns(UserWarning, match=r'wandb is not installed.*CSVLogger in out.*cephalo-lightning\[wandb\]'):
+        assert cli_loggers.replace_missing_wandb(missing) == ["out"]
+    csv, tensorboard = missing.logger
+    assert csv == Namespace(class_path=cli_loggers.CSV_LOGGER, init_args=Namespace(save_dir="out", name="p"))
+    assert tensorboard == trainer_config().logger[1]
