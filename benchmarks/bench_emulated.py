@@ -85,7 +85,9 @@ def emulate_specs(cfg: Config) -> list[dict[str, float]]:
 def _module(cfg: Config):
     from cephalo_lightning.demo import GPTModule
 
-    return GPTModule(preset=cfg.preset, seq_len=cfg.seq_len, warmup_steps=2, lr_decay_steps=cfg.warmup + cfg.measured)
+    module = GPTModule(preset=cfg.preset, seq_len=cfg.seq_len, warmup_steps=2, lr_decay_steps=cfg.warmup + cfg.measured)
+    module.configure_model()  # built now, from the seed: every strategy compared starts from the same weights
+    return module
 
 
 def _trainer(cfg: Config, strategy, steps: int, callbacks: list):

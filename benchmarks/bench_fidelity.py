@@ -104,6 +104,7 @@ def _fit(cfg: Config, cluster: ClusterSpec, strategy: Any, steps: int, callback:
 
     pl.seed_everything(0, verbose=False)
     module = GPTModule(preset=cfg.preset, seq_len=cfg.seq_len, warmup_steps=2, lr_decay_steps=steps)
+    module.configure_model()  # built now, from the seed: every strategy compared starts from the same weights
     data = TextDataModule(seq_len=cfg.seq_len, batch_size=cluster.global_batch)
     _trainer(len(cluster.emulate), strategy, steps, [callback]).fit(module, data)
 

@@ -79,8 +79,10 @@ def _module(cfg: Config, fsdp2: bool):
     from cephalo_lightning.demo import GPTModule
 
     cls = _fsdp2_module_class() if fsdp2 else GPTModule
-    return cls(preset=cfg.preset, n_embd=cfg.n_embd, seq_len=cfg.seq_len, warmup_steps=2,
-               lr_decay_steps=cfg.warmup + cfg.measured)
+    module = cls(preset=cfg.preset, n_embd=cfg.n_embd, seq_len=cfg.seq_len, warmup_steps=2,
+                 lr_decay_steps=cfg.warmup + cfg.measured)
+    GPTModule.configure_model(module)  # built now, from the seed: every strategy compared starts from the same weights
+    return module
 
 
 _FSDP2_CLASS: type | None = None
@@ -96,6 +98,7 @@ def _fsdp2_module_class() -> type:
 
         class FSDP2GPTModule(GPTModule):
             def configure_model(self) -> None:
+                super().configure_model()  # builds the GPT (a no-op when built already)
                 mesh = self.device_mesh["data_parallel"]  # a CPU mesh: the strategy builds it on the root device
                 for block in self.model.blocks:
                     fully_shard(block, mesh=mesh)

@@ -76,17 +76,22 @@ def _module(sizes: Sizes, fsdp2: bool = False) -> Any:
     from cephalo_lightning.demo import GPTModule
 
     if not fsdp2:
-        return GPTModule(preset=sizes.preset, seq_len=sizes.seq_len, warmup_steps=2)
+        module = GPTModule(preset=sizes.preset, seq_len=sizes.seq_len, warmup_steps=2)
+        module.configure_model()  # built now, from the seed: every strategy compared starts from the same weights
+        return module
     from torch.distributed.fsdp import fully_shard
 
     class FSDP2Module(GPTModule):
         def configure_model(self) -> None:
+            super().configure_model()  # builds the GPT (a no-op when built already)
             mesh = self.device_mesh["data_parallel"]
             for block in self.model.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
 
-    return FSDP2Module(preset=sizes.preset, seq_len=sizes.seq_len, warmup_steps=2)
+    module = FSDP2Module(preset=sizes.preset, seq_len=sizes.seq_len, warmup_steps=2)
+    GPTModule.configure_model(module)  # built now, from the seed: every strategy compared starts from the same weights
+    return module
 
 
 # ----------------------------------------------------------------------------- 1. profiling

@@ -124,7 +124,9 @@ def check_planner(workdir: Path) -> bool:
 def _module():
     from cephalo_lightning.demo import GPTModule
 
-    return GPTModule(preset="small", seq_len=SEQ, warmup_steps=2, lr_decay_steps=WARMUP + MEASURED)
+    module = GPTModule(preset="small", seq_len=SEQ, warmup_steps=2, lr_decay_steps=WARMUP + MEASURED)
+    module.configure_model()  # built now, from the seed: every strategy compared starts from the same weights
+    return module
 
 
 def _data():

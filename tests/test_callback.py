@@ -26,7 +26,9 @@ EMULATE = [{"slowdown": 1.0, "memory_gb": 0.018}, {"slowdown": 2.0, "memory_gb":
 def module() -> pl.LightningModule:
     from cephalo_lightning.demo import GPTModule
 
-    return GPTModule(preset="small", seq_len=SEQ, warmup_steps=2, lr_decay_steps=STEPS)
+    built = GPTModule(preset="small", seq_len=SEQ, warmup_steps=2, lr_decay_steps=STEPS)
+    built.configure_model()  # now, from the seed: the single-process reference starts from the same weights
+    return built
 
 
 def datamodule() -> pl.LightningDataModule:

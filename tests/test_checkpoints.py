@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+import cephalo_lightning.lightning.checkpoint_io
 from cephalo_lightning import CephaloStrategy, Plan, consolidated
 from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime import checkpoint
@@ -383,3 +384,62 @@ def test_state_dict_type_full_writes_one_safe_file(tmp_path):
     restored = SGDModule.load_from_checkpoint(tmp_path / "export.ckpt", weights_only=True)
     full = t.strategy.sharded.full_state_dict()
     assert all(torch.equal(restored.state_dict()[k], full[k]) for k in full)
+
+
+# ----------------------------------------------------------------------------- moving a run off Cephalo
+
+
+def _plain_resume(path: Path, shuffle: bool, steps: int = TOTAL) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """Resume ``path`` under a plain single-process Trainer(strategy="auto"): the weights it starts
+    from, the weights it ends with, and its final global step."""
+    started: dict[str, torch.Tensor] = {}
+
+    class AtStart(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            started.update({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+
+    t = pl.Trainer(strategy="auto", accelerator="cpu", devices=1, max_steps=steps, precision="64-true", logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[AtStart()])
+    # another init (all must come from the file), in fp64 already: Lightning restores weights before the
+    # precision plugin converts the module, so an fp32 module would round the file's fp64 weights
+    t.fit(SGDModule(seed=3).double(), data_loader(shuffle), ckpt_path=str(path))
+    return started, {k: v.detach() for k, v in t.lightning_module.state_dict().items()}, t.global_step
+
+
+def _sgd_on(batches: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """Single-process SGD on the unshuffled data's batches ``(epoch, index)``, in that order."""
+    data = token_data(SAMPLES)
+    module = SGDModule().double()
+    optimizer = module.configure_optimizers()
+    for _, at in batches:
+        x, y = data[at * GLOBAL : (at + 1) * GLOBAL]
+        module.model.loss(module.model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {f"model.{k}": v.detach().clone() for k, v in module.model.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+def test_a_consolidated_checkpoint_resumes_under_a_plain_trainer(first_halves, tmp_path):
+    warnings.simplefilter("ignore")
+    files = {}
+    for name in ("ordered/step=5.ckpt", "ordered/step=3.ckpt", "shuffled/step=3.ckpt"):
+        files[name] = tmp_path / name.replace("/", "-")
+        note = cephalo_lightning.lightning.checkpoint_io.consolidate(first_halves / name, files[name])
+        assert "sampler's position (data epoch 0" in note and "Moving a run off Cephalo" in note, note
+        assert "combined_loader" not in torch.load(files[name], weights_only=True)["loops"]["fit_loop"]["state_dict"]
+    # at an epoch boundary, unshuffled: the plain Trainer continues on the uninterrupted run's batches
+    started, ended, step = _plain_resume(files["ordered/step=5.ckpt"], shuffle=False)
+    assert step == TOTAL and max_error(started, reference(5, False)) <= 1e-7
+    assert max_error(ended, reference(TOTAL, False)) <= 1e-7  # the uninterrupted single-process run
+    # mid-epoch: weights and step counters carry over; Lightning restarts the epoch's data (README)
+    started, ended, step = _plain_resume(files["ordered/step=3.ckpt"], shuffle=False)
+    assert step == TOTAL and max_error(started, reference(3, False)) <= 1e-7
+    restarted = [(0, 0), (0, 1), (0, 2), (0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+    assert max_error(ended, _sgd_on(restarted)) <= 1e-7
+    started, _, step = _plain_resume(files["shuffled/step=3.ckpt"], shuffle=True)
+    assert step == TOTAL and max_error(started, reference(3, True)) <= 1e-7
+    # and Cephalo itself, resuming from the consolidated file, continues on its own samples
+    t = trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)), 1, TOTAL)
+    t.fit(SGDModule(seed=3), data_loader(True), ckpt_path=str(files["shuffled/step=3.ckpt"]))
+    assert t.global_step == TOTAL and max_error(t.strategy.sharded.full_state_dict(), reference(TOTAL, True)) <= 1e-7

@@ -128,6 +128,7 @@ def test_presets_and_planning_sizes() -> None:
 
 def test_layered_protocol_matches_training_loss() -> None:
     module = GPTModule(preset="tiny", seq_len=16).eval()
+    module.configure_model()  # outside a Trainer, as the docstring says
     idx = torch.randint(0, 256, (2, 17))
     batch = (idx[:, :-1], idx[:, 1:])
     h = module.cephalo_input(batch)
@@ -138,6 +139,7 @@ def test_layered_protocol_matches_training_loss() -> None:
 
 def test_optimizer_groups_by_name_cover_every_parameter_once() -> None:
     module = GPTModule(preset="tiny", seq_len=16, weight_decay=0.1)
+    module.configure_model()  # outside a Trainer, as the docstring says
     optimizer = module.configure_optimizers()["optimizer"]
     decay, no_decay = optimizer.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
@@ -157,6 +159,7 @@ def test_optimizer_groups_by_name_cover_every_parameter_once() -> None:
 def test_optimizer_works_on_flat_and_empty_shards() -> None:
     """Under Cephalo configure_optimizers sees 1-D local shards (some empty) under the original names."""
     module = GPTModule(preset="tiny", seq_len=16)
+    module.configure_model()  # outside a Trainer, as the docstring says
     before = {n: p.clone() for n, p in module.named_parameters()}
     for i, (owner, name, p) in enumerate(
         [(m, n, p) for m in module.modules() for n, p in m.named_parameters(recurse=False)]
@@ -301,3 +304,35 @@ def test_trainer_fit_and_checkpoint_round_trip(tmp_path) -> None:
     assert restored.hparams == model.hparams and restored.config == model.config
     for (name, a), (_, b) in zip(model.state_dict().items(), restored.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_the_gpt_is_built_in_configure_model_and_initialised_unit_by_unit_from_meta() -> None:
+    """Under Cephalo, configure_model() runs on the meta device and every unit is initialised on its own
+    through cephalo_init_weights: the same distributions as the eager GPT.reset_parameters."""
+    from cephalo_lightning import CephaloStrategy, Plan
+    from cephalo_lightning.planner import RankPlan
+
+    assert GPTModule(preset="tiny", seq_len=16).model is None  # nothing model-sized in __init__
+    module = GPTModule(preset="small", seq_len=16)
+    plan = Plan(8, "layered", (RankPlan(0, "a", 8, 1, 8, 1.0),))
+    trainer = pl.Trainer(strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=1, max_steps=0, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, TextDataModule(seq_len=16, batch_size=8, max_train_samples=16, max_val_samples=8))
+    sharded = trainer.strategy.sharded
+    assert sharded.materialized_units == len(module.cephalo_layers())  # built on meta, every layer materialised
+    meta_built = sharded.full_state_dict()
+    torch.manual_seed(0)
+    eager = GPTModule(preset="small", seq_len=16)
+    eager.configure_model()
+    eager_built = eager.state_dict()
+    layers = eager.config.n_layer
+    for name, value in eager_built.items():
+        got = meta_built[name]
+        if name.endswith("bias"):
+            assert torch.equal(got, torch.zeros_like(got)) and torch.equal(value, torch.zeros_like(value)), name
+        elif ".ln_" in name:
+            assert torch.equal(got, value), name  # LayerNorm: ones
+        else:  # N(0, std): the same std within the sampling error of this many draws
+            std = 0.02 / math.sqrt(2 * layers) if name.endswith("c_proj.weight") else 0.02
+            tolerance = 4 * std / math.sqrt(2 * value.numel())  # 4 standard errors of a sample std
+            assert abs(got.std().item() - std) < tolerance and abs(value.std().item() - std) < tolerance, name

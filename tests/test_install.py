@@ -1,19 +1,21 @@
-"""The package as users install it: a wheel in a fresh venv, run from outside the repository.
+"""The package as users install it: a wheel in a fresh venv without extras, run from outside the repository.
 
-The venv reuses this environment's dependencies through a ``.pth`` line (no network, seconds),
-and only the wheel itself is installed into it; ``PYTHONPATH`` is dropped, so every import
-resolves to the installed copy. Also: the configs shipped in the package are the top-level
-``configs/`` files, byte for byte.
+The venv gets only the wheel and the closure of its CORE dependencies (``[project] dependencies``
+and what they require, as pip would install them): each of those distributions is linked in from
+this environment (no network, seconds), and nothing else is, so the extras (wandb, safetensors,
+transformers, litgpt, matplotlib) are absent there as after a plain ``pip install cephalo-lightning``.
+``PYTHONPATH`` is dropped, so every import resolves to the installed copy. Also: the configs shipped
+in the package are the top-level ``configs/`` files, byte for byte.
 """
 
 from __future__ import annotations
 
-import os
+import importlib.metadata
 import shutil
-import site
 import subprocess
 import sys
-import sysconfig
+import zipfile
+from email.parser import Parser
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,44 @@ from tests.conftest import HANG_TIMEOUT_S, clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "cephalo_lightning")
+EXTRAS_MODULES = ("wandb", "safetensors", "transformers", "litgpt", "matplotlib")
+
+
+def core_distributions(wheel: Path) -> list[importlib.metadata.Distribution]:
+    """The distributions a fresh venv and a plain ``pip install`` of ``wheel`` hold: pip, the wheel's
+    requirements without extras and, recursively, theirs (markers evaluated, requested extras followed), found in
+    this environment."""
+    from packaging.requirements import Requirement
+
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        wanted = [Requirement(r) for r in Parser().parsestr(archive.read(metadata).decode()).get_all("Requires-Dist", [])]
+    found: dict[tuple[str, frozenset[str]], importlib.metadata.Distribution] = {}
+    while wanted:
+        req = wanted.pop()
+        key = (req.name.lower().replace("_", "-"), frozenset(req.extras))
+        if key in found or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        found[key] = dist = importlib.metadata.distribution(req.name)
+        for line in dist.requires or []:
+            sub = Requirement(line)
+            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in (*req.extras, "")):
+                wanted.append(Requirement(str(sub).split(";")[0]))
+    found[("pip", frozenset())] = importlib.metadata.distribution("pip")  # a fresh venv has pip
+    return list({d.metadata["Name"]: d for d in found.values()}.values())
+
+
+def link_core_site(wheel: Path, target: Path) -> int:
+    """Link every top-level file and folder the wheel's core distributions installed into ``target``; their count."""
+    target.mkdir()
+    count = 0
+    for dist in core_distributions(wheel):
+        for top in {f.parts[0] for f in dist.files or [] if f.parts and f.parts[0] not in ("..", "__pycache__")}:
+            source = Path(dist.locate_file(top))
+            if source.exists() and not (target / top).exists():
+                (target / top).symlink_to(source)
+                count += 1
+    return count
 
 
 def test_the_packaged_configs_are_the_top_level_ones():
@@ -65,15 +105,17 @@ def installed(tmp_path_factory):
     python = venv / "bin" / "python"
     purelib = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp,
                         env=env).strip())
-    ours = {sysconfig.get_paths()["purelib"], *site.getsitepackages()}
-    # appended after the venv's own site-packages: the wheel's copy wins over any editable install
-    (purelib / "_reuse_dependencies.pth").write_text("\n".join(sorted(p for p in ours if os.path.isdir(p))) + "\n")
-    # --force-reinstall: the reused environment may list an (editable) cephalo-lightning already
-    _run([python, "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-index", wheel], cwd=tmp, env=env)
+    assert link_core_site(wheel, tmp / "core-site") > 0
+    # appended after the venv's own site-packages: the wheel's copy wins
+    (purelib / "_core_dependencies.pth").write_text(f"{tmp / 'core-site'}\n")
+    _run([python, "-m", "pip", "install", "--no-deps", "--no-index", wheel], cwd=tmp, env=env)  # the wheel alone
     outside = tmp / "elsewhere"
     outside.mkdir()
     where = _run([python, "-c", "import cephalo_lightning; print(cephalo_lightning.__file__)"], cwd=outside, env=env)
     assert Path(where.strip()).is_relative_to(venv), where
+    missing = _run([python, "-c", f"import importlib.util as u; print([m for m in {EXTRAS_MODULES!r} if u.find_spec(m)])"],
+                   cwd=outside, env=env)
+    assert missing.strip() == "[]", f"the venv has extras: {missing}"
     return venv / "bin", outside, env
 
 
@@ -88,8 +130,21 @@ def test_installed_demo_prints_its_help_outside_the_repository(installed):
 def test_installed_cephalo_train_fits_the_packaged_quickstart(installed):
     bin_dir, outside, env = installed
     out = _run([bin_dir / "cephalo-train", "fit", "--config", "quickstart", "--vars.steps=2", "--vars.profile_k=2",
-                "--vars.out=run", "--trainer.logger=false", "--trainer.enable_progress_bar=false"],
+                "--vars.out=run", "--trainer.enable_progress_bar=false"],
                cwd=outside, env=env, timeout=HANG_TIMEOUT_S)
     assert "Cephalo summary" in out and "2 steps" in out, out[-3000:]
     assert (outside / "run" / "checkpoints" / "last.ckpt").is_dir()
     assert (outside / "run" / "plan.json").is_file()
+    assert list((outside / "run").glob("*/version_*/metrics.csv"))  # the config's WandbLogger, as CSV (no wandb)
+
+
+@pytest.mark.multiprocess
+def test_installed_demo_runs_to_the_end_without_extras(installed):
+    bin_dir, outside, env = installed
+    env = {k: v for k, v in env.items() if k != "WANDB_MODE"}  # as a user's shell has it
+    out = _run([bin_dir / "python", "-m", "cephalo_lightning", "demo", "--even-steps=1", "--vars.steps=2",
+                "--vars.profile_k=2", "--vars.out=demo", "--trainer.enable_progress_bar=false"], cwd=outside, env=env)
+    assert "Cephalo demo: done" in out and "even plan:" in out and "metrics.csv (for W&B" in out, out[-3000:]
+    assert 'wandb is not installed' in out and 'pip install "cephalo-lightning[wandb]"' in out, out[-3000:]
+    assert (outside / "demo" / "checkpoints" / "last.ckpt").is_dir()
+    assert list((outside / "demo").glob("*/version_*/metrics.csv")), sorted(p.name for p in (outside / "demo").iterdir())

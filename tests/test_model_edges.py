@@ -4,6 +4,7 @@ wrap the model's own modules."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import lightning.pytorch as pl
@@ -14,6 +15,7 @@ from cephalo_lightning import CephaloStrategy, Plan, consolidated, full_shape
 from cephalo_lightning.planner import PlanningError, RankPlan
 from tests.distributed import run_distributed
 from tests.helpers import NUM_SAMPLES, fit, max_error, reference
+from tests.helpers import trainer as quiet_trainer
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
 
 transformers = pytest.importorskip("transformers")
@@ -51,6 +53,14 @@ class MetaLlama(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class EagerLlama(MetaLlama):
+    """Built in ``__init__``, as the README's Hugging Face example may: full random weights on the host."""
+
+    def __init__(self, family: str = "llama") -> None:
+        super().__init__(family)
+        self.configure_model()
+
+
 def _meta_and_pretrained(rank: int, world: int, weights: dict[str, str]):
     warnings.simplefilter("ignore")
     out = {}
@@ -62,6 +72,9 @@ def _meta_and_pretrained(rank: int, world: int, weights: dict[str, str]):
         out[f"init/{family}"] = trainer.strategy.sharded.full_state_dict()
         trainer = fit(MetaLlama(family), plan, world, steps=0, pretrained=weights[family])
         out[f"pretrained/{family}"] = trainer.strategy.sharded.full_state_dict()
+        torch.manual_seed(100 + rank)  # eager weights unlike the files' (and unlike each other's)
+        trainer = fit(EagerLlama(family), plan, world, steps=0, pretrained=weights[family])
+        out[f"eager/{family}"] = trainer.strategy.sharded.full_state_dict()
     return out
 
 
@@ -97,10 +110,34 @@ def test_pretrained_weights_land_in_the_shards_exactly(saved):
     paths, one, two = saved
     for family in ("llama", "gpt2"):
         stored = load_file(f"{paths[family]}/model.safetensors")
-        for got in (one[f"pretrained/{family}"], two[f"pretrained/{family}"]):
-            for name, value in got.items():
-                key = name[len("model."):]
-                assert torch.equal(value, stored[key]), f"{family}: {name}"
+        # built on the meta device in configure_model(), or eagerly in __init__ (then the files replace it)
+        for built in ("pretrained", "eager"):
+            for got in (one[f"{built}/{family}"], two[f"{built}/{family}"]):
+                assert {name[len("model."):] for name in got} >= set(stored), (built, family)
+                for name, value in got.items():
+                    key = name[len("model."):]
+                    if key not in stored:  # GPT-2's tied head is the embedding
+                        assert family == "gpt2" and torch.equal(value, stored["transformer.wte.weight"]), name
+                        continue
+                    assert torch.equal(value, stored[key]), f"{built} {family}: {name}"
+
+
+def test_safetensors_weights_without_safetensors_are_refused_at_setup_naming_the_extra(tmp_path, monkeypatch):
+    from cephalo_lightning.runtime.sharding.weights import WeightsError
+
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # `import safetensors` raises ImportError
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    profiled = []
+
+    class Recorder(pl.Callback):
+        def setup(self, trainer, pl_module, stage):  # a CephaloCallback profiles here: after the refusal
+            profiled.append(stage)
+
+    plan = Plan(12, "uniform", (RankPlan(0, "a", 12, 1, 12, 1.0),))
+    t = quiet_trainer(CephaloStrategy(plan=plan, pretrained=tmp_path), 1, 1, callbacks=[Recorder()])
+    with pytest.raises(WeightsError, match=r"cephalo-lightning\[hf\]"):
+        t.fit(MetaLlama(), loader(token_data(NUM_SAMPLES), 12))
+    assert profiled == []
 
 
 # ----------------------------------------------------------------------------- optimizer groups, logs, edges

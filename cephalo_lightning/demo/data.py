@@ -245,3 +245,8 @@ class TextDataModule(pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader:
         """The held-out text again: the corpus has no separate test split."""
         return self._loader(self._datasets()[1], train=False)
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out text, in order: ``predict`` scores each window (see ``GPTModule.predict_step``)."""
+        return self._loader(self._datasets()[1], train=False)

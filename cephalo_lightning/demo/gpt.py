@@ -135,6 +135,17 @@ class GPT(nn.Module):
             nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
 
+    def init_module(self, module: nn.Module) -> None:
+        """:meth:`reset_parameters` for ``module``'s own parameters alone (the same distributions), as
+        Cephalo initialises a model built on the meta device one unit at a time."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            residual = any(module is block.attn.c_proj or module is block.mlp.c_proj for block in self.blocks)
+            nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+
     def layers(self) -> list[nn.Module]:
         """The shard units in execution order; running them one after another is :meth:`forward`."""
         return [self.embed, *self.blocks, self.head]

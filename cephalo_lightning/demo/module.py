@@ -87,15 +87,35 @@ class GPTModule(pl.LightningModule):
             preset, vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
             dropout=dropout, bias=bias,
         )
-        self.model = GPT(self.config)
+        self.model: GPT | None = None  # built by configure_model(): on the meta device under Cephalo
         self.val_ppl = Perplexity()
         self.test_ppl = Perplexity()
+
+    @override
+    def configure_model(self) -> None:
+        """Build the GPT here, not in ``__init__``: under Cephalo this runs on the meta device and every
+        unit is materialised as this rank's shard alone, so no host ever holds the whole fp32 model (a
+        7B shape is ~26 GB); other strategies build it on their device as usual. Outside a Trainer,
+        call it once before using the module (``load_from_checkpoint`` does)."""
+        if self.model is None:
+            self.model = GPT(self.config)
+
+    def cephalo_init_weights(self, module: nn.Module) -> None:
+        """The GPT's own initialisation of one module built on the meta device (:meth:`GPT.init_module`)."""
+        assert self.model is not None
+        self.model.init_module(module)
 
     # ---- Cephalo layered protocol ----------------------------------------------------------------
 
     def cephalo_layers(self) -> Sequence[nn.Module]:
         """The shard units in order: ``[embed, *blocks, head]``; chaining them equals ``forward``."""
-        return self.model.layers()
+        return self._built().layers()
+
+    def _built(self) -> GPT:
+        if self.model is None:
+            raise RuntimeError("GPTModule builds its GPT in configure_model(): call module.configure_model() first "
+                               "(a Trainer and load_from_checkpoint call it)")
+        return self.model
 
     def cephalo_input(self, batch: Batch) -> Tensor:
         """The first layer's input: the token ids ``x`` of an ``(x, y)`` (micro-)batch."""
@@ -110,7 +130,7 @@ class GPTModule(pl.LightningModule):
     @override
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids ``(B, T)`` -> logits ``(B, T, vocab_size)``."""
-        return self.model(idx)
+        return self._built()(idx)
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
@@ -126,6 +146,15 @@ class GPTModule(pl.LightningModule):
     @override
     def test_step(self, batch: Batch, batch_idx: int) -> None:
         self._evaluate(batch, "test", self.test_ppl)
+
+    @override
+    def predict_step(self, batch: Batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
+        """Per window of an ``(x, y)`` batch: its mean next-token loss (``nll``, nats per token; the
+        window's perplexity is ``exp(nll)``) and the model's greedy next byte after it (``next_token``)."""
+        x, y = batch
+        logits = self(x).float()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(dim=1)
+        return {"nll": nll, "next_token": logits[:, -1].argmax(dim=-1)}
 
     def _evaluate(self, batch: Batch, stage: str, perplexity: Perplexity) -> None:
         x, y = batch

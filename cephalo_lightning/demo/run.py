@@ -2,7 +2,7 @@
 
 Runs ``cephalo-train fit --config quickstart`` (the copy of ``configs/quickstart.yaml`` shipped in
 the package: profile, plan table, training with a progress bar, a checkpoint, an offline W&B
-run), then trains briefly with the planner's EVEN plan in the same processes, so the Cephalo
+run, or CSV metrics when wandb is not installed), then trains briefly with the planner's EVEN plan in the same processes, so the Cephalo
 plan's throughput is measured side by side with the even baseline, and prints a summary. Extra arguments go to the CLI (e.g. ``--trainer.max_steps=40``).
 """
 
@@ -42,6 +42,8 @@ def _even_run(cli, steps: int) -> dict | None:
 
 
 def _report(cli, even: dict | None) -> str:
+    from cephalo_lightning.lightning.cli_loggers import INSTALL_HINT
+
     trainer = cli.trainer
     summary = next(cb for cb in trainer.callbacks if type(cb).__name__ == "CephaloCallback").summary
     lines = ["", "=" * 78, "Cephalo demo: done (all times measured on an EMULATED heterogeneous CPU cluster)"]
@@ -64,6 +66,8 @@ def _report(cli, even: dict | None) -> str:
     for logger in trainer.loggers:
         if type(logger).__name__ == "WandbLogger":
             lines.append(f"  W&B run:      {logger.experiment.dir} (offline; `wandb sync` to upload)")
+        elif type(logger).__name__ == "CSVLogger":
+            lines.append(f"  metrics:      {logger.log_dir}/metrics.csv (for W&B: {INSTALL_HINT})")
     lines.append("=" * 78)
     return "\n".join(lines)
 

@@ -33,12 +33,20 @@ def globals_with_lightning(extra: Sequence[Any] = ()) -> tuple[Any, ...]:
 def consolidated(path: str | Path, safe_globals: Sequence[Any] = ()) -> io.BytesIO:
     """A sharded checkpoint directory as one in-memory Lightning checkpoint file, e.g. for
     ``LightningModule.load_from_checkpoint(consolidated(DIR))`` (verified first)."""
-    return checkpoint.consolidated(path, globals_with_lightning(safe_globals))
+    buffer = io.BytesIO()
+    consolidate(path, buffer, safe_globals)
+    buffer.seek(0)
+    return buffer
 
 
-def consolidate(path: str | Path, output: str | Path | io.BytesIO, safe_globals: Sequence[Any] = ()) -> None:
-    """Write a sharded checkpoint directory as one ordinary Lightning checkpoint file (verified first)."""
-    checkpoint.consolidate(path, output, globals_with_lightning(safe_globals))
+def consolidate(path: str | Path, output: str | Path | io.BytesIO, safe_globals: Sequence[Any] = ()) -> str | None:
+    """Write a sharded checkpoint directory as one ordinary Lightning checkpoint file (verified first)
+    that any strategy resumes from; logs, and returns, what moving off Cephalo keeps (None when the
+    checkpoint holds no sampler position)."""
+    note = checkpoint.consolidate(path, output, globals_with_lightning(safe_globals))
+    if note is not None:
+        rank_zero_info(note)
+    return note
 
 
 class FitCheckpoints:
@@ -69,6 +77,7 @@ class FitCheckpoints:
         try:
             full = checkpoint.consolidated_dict(staging, self.safe_globals, verify_checksums=False)  # hashed by save
             checkpoint.remove(staging)  # before the file is written: the disk holds one copy at a time
+            checkpoint.set_aside_sampler_states(full)  # any strategy resumes from it; load_full puts it back
             checkpoint.write_file(full, path)
         finally:
             checkpoint.remove(staging)
@@ -90,6 +99,7 @@ class FitCheckpoints:
         if not checked:
             rank_zero_info(f"Cephalo: {path} carries no integrity record (not written by cephalo-lightning); "
                            "loaded unchecked.")
+        checkpoint.restore_sampler_states(loaded)  # a consolidated file: Cephalo continues on its samples
         state = loaded.get("state_dict", loaded)
         with torch.no_grad():
             for name, piece in self.sharded.named_parameters():

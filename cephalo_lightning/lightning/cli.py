@@ -27,8 +27,16 @@ from typing_extensions import override
 import cephalo_lightning  # noqa: F401  (registers strategy="cephalo" before arguments are parsed)
 from cephalo_lightning import configs
 from cephalo_lightning._common.errors import CephaloError, refused
+from cephalo_lightning.lightning.cli_loggers import replace_missing_wandb
 
 _CONFIG_FLAGS = ("--config", "-c")
+DESCRIPTION = (
+    "cephalo-train (cephalo-lightning): LightningCLI with the Cephalo strategy, for training transformers with "
+    "PyTorch Lightning on heterogeneous GPU clusters: per-GPU batch sizes, gradient accumulation and uneven "
+    "state sharding from a profiled plan. `cephalo-train fit --config quickstart` trains the packaged demo on an "
+    "emulated 2-rank CPU cluster; `python -m cephalo_lightning --help` lists the other commands (plan, profile, "
+    "demo, consolidate)."
+)
 
 
 def _fail(message: str) -> NoReturn:
@@ -92,7 +100,8 @@ def interpolation_error(err: OmegaConfBaseException, args: Sequence[str]) -> str
 
 
 class CephaloCLI(LightningCLI):
-    """LightningCLI with a ``--vars`` block, packaged configs by name and one-line interpolation errors."""
+    """LightningCLI with a ``--vars`` block, packaged configs by name, one-line interpolation errors and
+    a CSV logger in place of a ``WandbLogger`` when wandb is not installed (:mod:`.cli_loggers`)."""
 
     @override
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse's parser
@@ -109,6 +118,12 @@ class CephaloCLI(LightningCLI):
             super().parse_arguments(parser, None if args is None and argv == sys.argv[1:] else argv)
         except OmegaConfBaseException as err:
             _fail(interpolation_error(err, argv))
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if isinstance(config.get("trainer"), Namespace):
+            replace_missing_wandb(config.trainer)
 
     @override
     def instantiate_classes(self) -> None:
@@ -156,7 +171,7 @@ def run_cli(args: list[str], run: bool = True) -> CephaloCLI:
         run=run,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        parser_kwargs={"parser_mode": "omegaconf+"},
+        parser_kwargs={"parser_mode": "omegaconf+", "description": DESCRIPTION},
         save_config_kwargs={"overwrite": True},
     )
 
@@ -184,10 +199,14 @@ def profile_main(argv: list[str] | None = None) -> int:
 
     from cephalo_lightning.lightning.callback import CephaloCallback
 
-    parser = argparse.ArgumentParser(prog="python -m cephalo_lightning profile", description=profile_main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cephalo_lightning profile", description=profile_main.__doc__,
+                                     epilog="Other arguments go to LightningCLI, e.g. --trainer.devices=4 or --vars.out=DIR.")
+    parser.add_argument("-c", "--config", action="append", required=True, metavar="C.yaml",
+                        help="the run's LightningCLI config file, or a packaged config name (quickstart); repeatable")
     parser.add_argument("-o", "--output", default="cluster.yaml", help="cluster file to write (YAML or .json)")
     parser.add_argument("--plan-output", default=None, help="also write the plan JSON here")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    rest = [arg for config in args.config for arg in ("--config", config)] + rest
     from cephalo_lightning.planner.files import check_output
 
     check_output(args.output, "-o")  # before the profile, not after it

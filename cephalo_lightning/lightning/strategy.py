@@ -58,6 +58,7 @@ from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.runtime.collectives import resolve_mode
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, emulator_for_rank
 from cephalo_lightning.runtime.sampler import evaluation_loader, planned_loader, shuffles
+from cephalo_lightning.runtime.sharding.weights import check_readable
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self.config.pretrained is not None:  # before the callbacks profile: an unreadable file loses no work
+            check_readable(self.config.pretrained)
         self._init_process_group()
         self.emulator = emulator_for_rank(self.emulate, self.global_rank, self.world_size,
                                           synchronize_cuda=self.root_device.type == "cuda")

@@ -76,6 +76,7 @@ from cephalo_lightning.runtime.checkpoint.manifest import (
     read_manifest,
     verify,
 )
+from cephalo_lightning.runtime.checkpoint.portable import restore_sampler_states, set_aside_sampler_states
 from cephalo_lightning.runtime.checkpoint.safe_load import (
     SAFE_GLOBALS,
     SafeFileSystemReader,
@@ -108,6 +109,7 @@ __all__ = [
     "consolidated", "consolidated_dict", "content_sha256", "full_tensors", "is_checkpoint", "is_complete", "load",
     "load_file", "load_full_state_dict", "model_entries", "on_first_rank", "optimizer_entries", "read_dcp_metadata",
     "read_info",
-    "read_manifest", "read_meta", "remove", "safe_load", "save", "single_file_staging", "state_dict_aliases",
+    "read_manifest", "read_meta", "remove", "restore_sampler_states", "safe_load", "save", "set_aside_sampler_states",
+    "single_file_staging", "state_dict_aliases",
     "verify", "verify_file", "write_file",
 ]

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from cephalo_lightning.runtime.checkpoint.dcp_planners import Request, ShardLoadPlanner, dcp_call
 from cephalo_lightning.runtime.checkpoint.format import MODEL_PREFIX
 from cephalo_lightning.runtime.checkpoint.manifest import verify
+from cephalo_lightning.runtime.checkpoint.portable import set_aside_sampler_states
 from cephalo_lightning.runtime.checkpoint.safe_load import SafeFileSystemReader, read_dcp_metadata
 from cephalo_lightning.runtime.checkpoint.save_load import read_info, read_meta
 from cephalo_lightning.runtime.checkpoint.single_file import write_file
@@ -63,7 +64,7 @@ def load_full_state_dict(path: str | Path, verify_checksums: bool = True) -> dic
 
 
 def consolidate(path: str | Path, output: str | Path | io.BytesIO, safe_globals: Iterable[Any] = (),
-                verify_checksums: bool = True) -> None:
+                verify_checksums: bool = True) -> str | None:
     """Write an ordinary single-file Lightning checkpoint from a sharded one (no process group).
 
     The result loads with ``LightningModule.load_from_checkpoint`` / ``torch.load`` and trains on
@@ -71,8 +72,13 @@ def consolidate(path: str | Path, output: str | Path | io.BytesIO, safe_globals:
     index as ``torch.optim`` saves it, and Lightning's loops and callbacks; it carries its own
     checksum (:mod:`.single_file`). The manifest's sizes are always checked;
     ``verify_checksums=False`` skips hashing, for a checkpoint this process has just written (and hashed).
+    The sampler's position is set aside (:mod:`.portable`) so that any strategy resumes from the
+    file; returns the line that says what that keeps, or None when the checkpoint had no position.
     """
-    write_file(consolidated_dict(path, safe_globals, verify_checksums), output)
+    checkpoint = consolidated_dict(path, safe_globals, verify_checksums)
+    note = set_aside_sampler_states(checkpoint)
+    write_file(checkpoint, output)
+    return note
 
 
 def consolidated_dict(path: str | Path, safe_globals: Iterable[Any] = (), verify_checksums: bool = True) -> dict[str, Any]:

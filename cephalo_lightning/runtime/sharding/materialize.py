@@ -3,7 +3,9 @@
 A model built on the meta device is materialised one unit at a time: the unit's tensors are
 allocated, initialised (or read from a :class:`WeightSource`, this rank's slices only) and cut to
 the local shard before the next unit is touched, so the peak is the rank's share plus about one
-unit, never the whole model. A materialised model's units are cut to their shards as they are.
+unit, never the whole model. A materialised model's units are cut to their shards as they are, unless
+weights are given: then every unit is read from them, whether the model was built on the meta device
+(``configure_model()``) or eagerly (in ``__init__``), so pretrained weights are never silently ignored.
 """
 
 from __future__ import annotations
@@ -70,14 +72,15 @@ class UnitMaterializer:
         lo, hi = unit.shard_range(rank)
         params = [slot.current for slot in slots]
         meta = any(p.is_meta for p in params) or any(mod._buffers[attr].is_meta for _, mod, attr in buffers)
+        if meta:
+            self.materialized_units += 1
+        if self.source is not None:  # the files win over whatever the model was built with, meta or not
+            return self._read(unit, slots, rank, dtype, buffers)
         if not meta:
             self._buffers_to_device(buffers)
             if not params:
                 return torch.zeros(0, dtype=dtype, device=self.device)
             return _flat_range(params, lo, hi, dtype, self.device)
-        self.materialized_units += 1
-        if self.source is not None:
-            return self._read(unit, slots, rank, dtype, buffers)
         return self._initialise(index, unit, slots, dtype, buffers, lo, hi)
 
     def _buffers_to_device(self, buffers: list[Buffer]) -> None:
@@ -96,7 +99,9 @@ class UnitMaterializer:
                 pieces.append(self.source.read(span.name, span.shape, a, b).reshape(-1).to(device=self.device, dtype=dtype))
         for name, mod, attr in buffers:
             value = self.source.buffer(name, tuple(mod._buffers[attr].shape))
-            if value is None:  # not in the files (non-persistent, e.g. rotary frequencies): initialise it
+            if value is None and not mod._buffers[attr].is_meta:  # not in the files, but built: keep it
+                mod._buffers[attr] = mod._buffers[attr].to(self.device)
+            elif value is None:  # not in the files (non-persistent, e.g. rotary frequencies): initialise it
                 if self.init is None:
                     raise ValueError(f"buffer {name!r} is on the meta device and not in the weights; give an init")
                 mod._buffers[attr] = torch.empty_like(mod._buffers[attr], device=self.device)

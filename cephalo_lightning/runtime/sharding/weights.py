@@ -89,10 +89,31 @@ class WeightSource:
         pass
 
 
+def _is_safetensors(path: Path) -> bool:
+    return path.is_dir() or path.suffix == ".safetensors"
+
+
+def check_readable(path: str | Path) -> None:
+    """Refuse, before any work is done, weights this environment cannot read: safetensors files
+    need the optional package ``safetensors`` (the ``hf`` extra)."""
+    path = Path(path)
+    if not _is_safetensors(path):
+        return
+    try:
+        import safetensors  # noqa: F401
+    except ImportError as err:
+        raise WeightsError(
+            f"CephaloStrategy(pretrained={str(path)!r}) reads safetensors files, but the package `safetensors` is "
+            'not installed: pip install "cephalo-lightning[hf]" (or pip install safetensors), or give a state_dict '
+            "file (torch.save(model.state_dict(), 'weights.pt')) instead"
+        ) from err
+
+
 class SafetensorsSource(WeightSource):
     """A ``save_pretrained`` directory (``model.safetensors`` or an index of shards), or one file."""
 
     def __init__(self, path: str | Path, prefix: str = "") -> None:
+        check_readable(path)
         from safetensors import safe_open
 
         path = Path(path)
@@ -154,6 +175,6 @@ def open_weights(path: str | Path, prefix: str = "") -> WeightSource:
     path = Path(path)
     if not path.exists():
         raise WeightsError(f"pretrained weights {path} do not exist")
-    if path.is_dir() or path.suffix == ".safetensors":
+    if _is_safetensors(path):
         return SafetensorsSource(path, prefix)
     return StateDictSource(path, prefix)
