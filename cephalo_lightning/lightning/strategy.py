@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning.lightning import loggers, plan_resolution
-from cephalo_lightning.lightning._private import logging_as, sync_ddp_if_available
+from cephalo_lightning.lightning._private import logging_as, stop_at_batch_end, sync_ddp_if_available
 from cephalo_lightning.lightning.callback_api import CallbackAPI
 from cephalo_lightning.lightning.config import (
     DEFAULTS,
@@ -49,6 +49,7 @@ from cephalo_lightning.lightning.config import (
 )
 from cephalo_lightning.lightning.fit import FailureReport, FitRuntime
 from cephalo_lightning.lightning.precision import sharded_precision
+from cephalo_lightning.lightning.preemption import Preemption, requeue_job
 from cephalo_lightning.lightning.schedules import decide_schedule
 from cephalo_lightning.lightning.sharded_strategy import ShardedStrategy
 from cephalo_lightning.lightning.steps import TrainingStep
@@ -95,6 +96,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         self.fit_runtime: FitRuntime | None = None
         self.provisional_layout: str | None = None  # "memory": a plan follows (CephaloCallback)
         self._failures: FailureReport | None = None
+        self._preemption: Preemption | None = None  # while training: SIGTERM / requeue handling
         self._sync = True  # False while Lightning accumulates gradients over batches
         self._step: TrainingStep | None = None  # the training step in progress (see the module note)
 
@@ -219,6 +221,12 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         return self._loader
 
     @override
+    def on_train_start(self) -> None:
+        # after Lightning registered its own signal handlers (which ours replace while training)
+        self._preemption = Preemption.for_trainer(self.lightning_module.trainer, self.cluster_environment)
+        self._preemption.install()
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.fit_runtime.switches.switch_if_due(self.optimizers):
             self._adopted(self.fit_runtime.plan)
@@ -233,6 +241,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         runtime = self.fit_runtime
         self._loader.batch_sampler.mark_consumed(runtime.switches.next_batch().step)
         self._step = step = runtime.start_step(trainer, self._sync, self._scaler, args[1:])
+        if self._preemption is not None:
+            step.pending_signal = self._preemption.pending
         try:
             with runtime.step_scope(trainer.global_step), self.precision_plugin.train_step_context():
                 return runtime.steps.forward(args[0], step)
@@ -248,7 +258,10 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         try:
             with self.fit_runtime.step_scope(module.trainer.global_step), self.precision_plugin.train_step_context():
-                self.fit_runtime.guard.record(self.fit_runtime.steps.backward(closure_loss, step))
+                report = self.fit_runtime.steps.backward(closure_loss, step)
+            self.fit_runtime.guard.record(report)
+            if self._preemption is not None and self._preemption.agree(report.signals, step.sync, module.trainer.global_step):
+                stop_at_batch_end(module.trainer)  # every rank: the same step's all-reduce decided it
         finally:
             if module.automatic_optimization:
                 self._step = None  # the step's one backward ran (see the module note)
@@ -312,7 +325,10 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException):
-            self._stopped_by_sigterm(exception)
+            if self._preemption is not None and self._preemption.decision is not None:
+                self._stop_and_save(exception, self._preemption)
+            else:
+                self._stopped_by_sigterm(exception)
             return
         message = self._failures.describe(exception) if self._failures is not None else None
         if message:
@@ -329,8 +345,28 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         log.error(f"Cephalo (rank {self.global_rank}): stopped by SIGTERM after {step} steps; exiting with status "
                   f"{exception.code} (the fit did not finish).{hint}")
 
+    def _stop_and_save(self, exception: SIGTERMException, preemption: Preemption) -> None:
+        """Collective, on every rank at the agreed step (see :mod:`.preemption`): save, requeue, exit status."""
+        decision, trainer = preemption.decision, self.lightning_module.trainer
+        path = preemption.checkpoint_path(trainer)
+        preemption.saving = True
+        try:
+            trainer.save_checkpoint(path)
+        finally:
+            preemption.saving = False
+        requeued = requeue_job() if decision.requeue and self.is_global_zero else decision.requeue
+        exception.code = decision.exit_code
+        what = ("the job was requeued" if requeued else "requeueing FAILED (see above)") if decision.requeue \
+            else "not requeued"
+        log.error(f"Cephalo (rank {self.global_rank}): stop signal ({decision.describe()}); saved {path}, "
+                  f"{what}; exiting with status {exception.code}{preemption.late_signals()}. Resume with "
+                  f"trainer.fit(..., ckpt_path={str(path)!r}) or ckpt_path=\"last\".")
+
     @override
     def teardown(self) -> None:
+        if self._preemption is not None:
+            self._preemption.uninstall()
+            self._preemption = None
         if self._failures is not None:
             self._failures.close()
             self._failures = None
