@@ -4,7 +4,8 @@
 from stdin, one JSON object a line: ``{"point": ..., "ckpt": dir, "resume": path or "",
 "max_steps": n, "workdir": dir}``. Each request runs in a forked process: one-rank training that
 saves every step (``save_top_k=2`` by step, ``save_last``); after the optimizer step
-``max_steps`` the instrumented calls below are armed, and the first call that matches ``point``
+``max_steps`` the instrumented calls below are armed (``"async": true``: the saves are written by
+the background writer, and the kill lands in its thread), and the first call that matches ``point``
 kills the process. The server answers each request with one JSON line: the forked process's exit
 status (``-9``: killed at the point; ``0``: it finished without reaching it).
 
@@ -22,6 +23,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Callable
@@ -106,6 +108,7 @@ class Instrumented:
 
     def kill(self) -> None:
         (self.workdir / "killed-at").write_text(self.point)
+        (self.workdir / "killed-in").write_text(threading.current_thread().name)  # a background save's thread?
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -118,6 +121,7 @@ class Arm(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.at:
+            trainer.strategy.fit_runtime.checkpoints.wait()  # an earlier background save is not the one killed
             self.instrumented.armed = True
 
 
@@ -134,7 +138,8 @@ def train(request: dict) -> None:
             module.log("step", float(trainer.global_step))
 
     plan = Plan(8, "layered", (RankPlan(0, "a", 8, 2, 4, 1.0),))
-    trainer = pl.Trainer(strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=1,
+    strategy = CephaloStrategy(plan=plan, async_checkpoint=request.get("async", False))
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1,
                          max_steps=request["max_steps"], logger=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[saver, LogStep(), Arm(instrumented, request["max_steps"])],
                          default_root_dir=str(workdir))

@@ -83,6 +83,8 @@ class StrategyConfig:
     seed: int | None = option(None, "the seed of the data order (unset: seed_everything's, else torch's at setup) "
                                     "and of meta-device initialisation (unset: 0)")
     verify_checksums: bool = option(True, "check every file's SHA-256 against the checkpoint's manifest")
+    async_checkpoint: bool = option(
+        False, "save in the background: training waits only for a copy to host memory (`sharded` only)")
 
     @classmethod
     def build(cls, **given: Any) -> StrategyConfig:
@@ -132,7 +134,13 @@ class StrategyConfig:
             safe_globals=_safe_globals(o["safe_globals"]),
             seed=o["seed"],
             verify_checksums=o["verify_checksums"],
+            async_checkpoint=o["async_checkpoint"],
         )
+        if checked.async_checkpoint and checked.state_dict_type != "sharded":
+            raise ConfigurationError(
+                "CephaloStrategy(async_checkpoint=True, state_dict_type='full'): a single-file checkpoint is "
+                "consolidated on rank 0 after the save; use state_dict_type='sharded' (consolidate offline with "
+                "`python -m cephalo_lightning consolidate`) or async_checkpoint=False")
         plan, cluster = _plan_source(o["plan"], o["cluster"], o["global_batch_size"])
         return replace(checked, plan=plan, cluster=cluster)
 

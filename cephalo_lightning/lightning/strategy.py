@@ -85,7 +85,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  loss_weighting: LossWeightingChoice = DEFAULTS.loss_weighting, verify_loss: bool = DEFAULTS.verify_loss,
                  max_nonfinite_skips: int = DEFAULTS.max_nonfinite_skips, check_devices: bool = DEFAULTS.check_devices,
                  safe_globals: Sequence[Any] = DEFAULTS.safe_globals, seed: int | None = DEFAULTS.seed,
-                 verify_checksums: bool = DEFAULTS.verify_checksums,
+                 verify_checksums: bool = DEFAULTS.verify_checksums, async_checkpoint: bool = DEFAULTS.async_checkpoint,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **kwargs: Any) -> None:
         options = {name: value for name, value in locals().items() if name in OPTION_NAMES}  # all, by name
@@ -97,6 +97,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         self.provisional_layout: str | None = None  # "memory": a plan follows (CephaloCallback)
         self._failures: FailureReport | None = None
         self._preemption: Preemption | None = None  # while training: SIGTERM / requeue handling
+        self._abandon_background_save = False  # the fit failed: teardown does not wait for a background save
         self._sync = True  # False while Lightning accumulates gradients over batches
         self._step: TrainingStep | None = None  # the training step in progress (see the module note)
 
@@ -308,9 +309,14 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             raise UnsupportedError("CephaloStrategy.save_checkpoint(storage_options=...) is not supported")
         path = self.fit_runtime.checkpoints.save(Path(self.broadcast(str(filepath))), checkpoint_dict, self.optimizers)
         if self._failures is not None:
-            self._failures.last_checkpoint = path
+            self._failures.last_checkpoint = self.fit_runtime.checkpoints.newest_complete(path)
         self.barrier()
         loggers.log_checkpoint_artifacts(self.lightning_module.trainer)
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        if self.is_global_zero:
+            self.fit_runtime.checkpoints.remove(filepath)  # after a save still being written, if any
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -320,6 +326,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     @override
     def on_train_end(self) -> None:
+        self.fit_runtime.checkpoints.wait()  # a background save is published before the final upload
         loggers.log_checkpoint_artifacts(self.lightning_module.trainer, final=True)
 
     @override
@@ -330,6 +337,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             else:
                 self._stopped_by_sigterm(exception)
             return
+        self._abandon_background_save = True  # its collectives could wait for a peer that is gone
         message = self._failures.describe(exception) if self._failures is not None else None
         if message:
             log.error(message)
@@ -352,6 +360,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         preemption.saving = True
         try:
             trainer.save_checkpoint(path)
+            self.fit_runtime.checkpoints.wait()  # written and published before the process exits
         finally:
             preemption.saving = False
         requeued = requeue_job() if decision.requeue and self.is_global_zero else decision.requeue
@@ -364,6 +373,9 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.fit_runtime is not None and not self._abandon_background_save:
+            self.fit_runtime.checkpoints.wait()  # a background save completes before the fit returns
+        self._abandon_background_save = False
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
