@@ -363,28 +363,31 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             self.fit_runtime.checkpoints.wait()  # written and published before the process exits
         finally:
             preemption.saving = False
-        requeued = requeue_job() if decision.requeue and self.is_global_zero else decision.requeue
+        what = "not requeued"
+        if decision.requeue:
+            what = "rank 0 requeues the job" if not self.is_global_zero else (
+                "the job was requeued" if requeue_job() else "requeueing FAILED (see above)")
         exception.code = decision.exit_code
-        what = ("the job was requeued" if requeued else "requeueing FAILED (see above)") if decision.requeue \
-            else "not requeued"
         log.error(f"Cephalo (rank {self.global_rank}): stop signal ({decision.describe()}); saved {path}, "
                   f"{what}; exiting with status {exception.code}{preemption.late_signals()}. Resume with "
                   f"trainer.fit(..., ckpt_path={str(path)!r}) or ckpt_path=\"last\".")
 
     @override
     def teardown(self) -> None:
-        if self.fit_runtime is not None and not self._abandon_background_save:
-            self.fit_runtime.checkpoints.wait()  # a background save completes before the fit returns
-        self._abandon_background_save = False
-        if self._preemption is not None:
-            self._preemption.uninstall()
-            self._preemption = None
-        if self._failures is not None:
-            self._failures.close()
-            self._failures = None
-        assert self.cluster_environment is not None
-        self.cluster_environment.teardown()
-        super().teardown()
+        try:
+            if self.fit_runtime is not None and not self._abandon_background_save:
+                self.fit_runtime.checkpoints.wait()  # a background save completes before the fit returns
+        finally:
+            self._abandon_background_save = False
+            if self._preemption is not None:
+                self._preemption.uninstall()
+                self._preemption = None
+            if self._failures is not None:
+                self._failures.close()
+                self._failures = None
+            assert self.cluster_environment is not None
+            self.cluster_environment.teardown()
+            super().teardown()
 
 
 def _has_cephalo_callback(trainer: pl.Trainer) -> bool:
