@@ -137,6 +137,28 @@ class Preemption:
         folders = [c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
         return Path(folders[0] if folders else trainer.default_root_dir) / CHECKPOINT_NAME
 
+    def save_and_stop(self, trainer: pl.Trainer, exit_: SystemExit, wait: Callable[[], None]) -> None:
+        """Collective, on every rank at the agreed step (Lightning's ``SIGTERMException`` is being
+        handled): save the checkpoint (``wait``: until a background write of it is published),
+        requeue (rank 0), and set the exit status on ``exit_``."""
+        decision = self.decision
+        assert decision is not None
+        path = self.checkpoint_path(trainer)
+        self.saving = True
+        try:
+            trainer.save_checkpoint(path)
+            wait()
+        finally:
+            self.saving = False
+        what = "not requeued"
+        if decision.requeue:
+            what = "rank 0 requeues the job" if not trainer.is_global_zero else (
+                "the job was requeued" if requeue_job() else "requeueing FAILED (see above)")
+        exit_.code = decision.exit_code
+        log.error(f"Cephalo (rank {self.rank}): stop signal ({decision.describe()}); saved {path}, {what}; exiting "
+                  f"with status {exit_.code}{self.late_signals()}. Resume with trainer.fit(..., "
+                  f"ckpt_path={str(path)!r}) or ckpt_path=\"last\".")
+
     def late_signals(self) -> str:
         if not self.during_save:
             return ""

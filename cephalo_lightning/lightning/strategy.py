@@ -49,7 +49,7 @@ from cephalo_lightning.lightning.config import (
 )
 from cephalo_lightning.lightning.fit import FailureReport, FitRuntime
 from cephalo_lightning.lightning.precision import sharded_precision
-from cephalo_lightning.lightning.preemption import Preemption, requeue_job
+from cephalo_lightning.lightning.preemption import Preemption
 from cephalo_lightning.lightning.schedules import decide_schedule
 from cephalo_lightning.lightning.sharded_strategy import ShardedStrategy
 from cephalo_lightning.lightning.steps import TrainingStep
@@ -333,7 +333,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException):
             if self._preemption is not None and self._preemption.decision is not None:
-                self._stop_and_save(exception, self._preemption)
+                self._preemption.save_and_stop(self.lightning_module.trainer, exception,
+                                               wait=self.fit_runtime.checkpoints.wait)
             else:
                 self._stopped_by_sigterm(exception)
             return
@@ -352,25 +353,6 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         hint = self._failures.resume_hint() if self._failures is not None else ""
         log.error(f"Cephalo (rank {self.global_rank}): stopped by SIGTERM after {step} steps; exiting with status "
                   f"{exception.code} (the fit did not finish).{hint}")
-
-    def _stop_and_save(self, exception: SIGTERMException, preemption: Preemption) -> None:
-        """Collective, on every rank at the agreed step (see :mod:`.preemption`): save, requeue, exit status."""
-        decision, trainer = preemption.decision, self.lightning_module.trainer
-        path = preemption.checkpoint_path(trainer)
-        preemption.saving = True
-        try:
-            trainer.save_checkpoint(path)
-            self.fit_runtime.checkpoints.wait()  # written and published before the process exits
-        finally:
-            preemption.saving = False
-        what = "not requeued"
-        if decision.requeue:
-            what = "rank 0 requeues the job" if not self.is_global_zero else (
-                "the job was requeued" if requeue_job() else "requeueing FAILED (see above)")
-        exception.code = decision.exit_code
-        log.error(f"Cephalo (rank {self.global_rank}): stop signal ({decision.describe()}); saved {path}, "
-                  f"{what}; exiting with status {exception.code}{preemption.late_signals()}. Resume with "
-                  f"trainer.fit(..., ckpt_path={str(path)!r}) or ckpt_path=\"last\".")
 
     @override
     def teardown(self) -> None:
