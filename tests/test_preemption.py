@@ -253,3 +253,27 @@ def test_the_agreement_waits_for_an_optimizer_step_and_prefers_the_requeue_signa
     both = Preemption(0, requeue_signal=signal.SIGUSR1).agree(((0, 15), (1, int(signal.SIGUSR1))), True, 0)
     assert both.requeue and both.exit_code == EXIT_REQUEUED
     assert both.describe() == "rank 0: SIGTERM, rank 1: SIGUSR1; stopped after 1 steps"
+
+
+# ----------------------------------------------------------------------------- an elastic restart on fewer ranks
+
+
+@pytest.mark.multiprocess
+def test_an_elastic_restart_on_fewer_ranks_replans_the_pinned_plan_and_resumes_exactly(stopped, tmp_path):
+    """The stop's checkpoint of the 2-rank run, resumed on 1 rank with the 2-rank plan still pinned:
+    refused without ``elastic``; with it, re-planned with a warning and trained on to the
+    uninterrupted run's parameters."""
+    from cephalo_lightning.planner import PlanningError
+
+    warnings.simplefilter("ignore")
+    results, _ = stopped
+    path = results[0]["SIGTERM to every rank"]["checkpoint"]
+    with pytest.raises(PlanningError, match=r"elastic=True"):
+        helpers.trainer(CephaloStrategy(plan=PLAN2, seed=SEED), 1, TOTAL, precision="64-true",
+                        default_root_dir=str(tmp_path)).fit(SGDModule(), data_loader(True), ckpt_path=path)
+    t = helpers.trainer(CephaloStrategy(plan=PLAN2, seed=SEED, elastic=True), 1, TOTAL, precision="64-true",
+                        default_root_dir=str(tmp_path))
+    with pytest.warns(UserWarning, match=r"the plan is for 2 ranks but the job has 1 \(an elastic restart\)"):
+        t.fit(SGDModule(seed=3), data_loader(True), ckpt_path=path)
+    assert t.strategy.plan.batch_sizes == [PLAN2.global_batch_size] and t.global_step == TOTAL
+    assert max_error(t.strategy.sharded.full_state_dict(), reference(TOTAL, True)) <= TOLERANCE

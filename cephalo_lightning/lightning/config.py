@@ -85,6 +85,8 @@ class StrategyConfig:
     verify_checksums: bool = option(True, "check every file's SHA-256 against the checkpoint's manifest")
     async_checkpoint: bool = option(
         False, "save in the background: training waits only for a copy to host memory (`sharded` only)")
+    elastic: bool = option(
+        False, "a plan for another world size (an elastic restart) is re-planned for the ranks present, with a warning")
 
     @classmethod
     def build(cls, **given: Any) -> StrategyConfig:
@@ -135,6 +137,7 @@ class StrategyConfig:
             seed=o["seed"],
             verify_checksums=o["verify_checksums"],
             async_checkpoint=o["async_checkpoint"],
+            elastic=o["elastic"],
         )
         if checked.async_checkpoint and checked.state_dict_type != "sharded":
             raise ConfigurationError(

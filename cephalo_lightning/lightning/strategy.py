@@ -86,6 +86,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  max_nonfinite_skips: int = DEFAULTS.max_nonfinite_skips, check_devices: bool = DEFAULTS.check_devices,
                  safe_globals: Sequence[Any] = DEFAULTS.safe_globals, seed: int | None = DEFAULTS.seed,
                  verify_checksums: bool = DEFAULTS.verify_checksums, async_checkpoint: bool = DEFAULTS.async_checkpoint,
+                 elastic: bool = DEFAULTS.elastic,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **kwargs: Any) -> None:
         options = {name: value for name, value in locals().items() if name in OPTION_NAMES}  # all, by name
