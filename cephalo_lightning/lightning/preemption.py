@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 log = logging.getLogger(__name__)
 
 EXIT_STOPPED = 128 + signal.SIGTERM
-EXIT_REQUEUED = 128 + signal.SIGUSR1
+EXIT_REQUEUED = 128 + signal.SIGUSR1  # with SLURMEnvironment(requeue_signal=S): 128 + S
 CHECKPOINT_NAME = "last-preempted.ckpt"  # "last...": found by fit(ckpt_path="last") beside ModelCheckpoint's
 
 
@@ -54,10 +54,7 @@ class StopDecision:
     step: int  # optimizer steps done when the fit stops
     signals: tuple[tuple[int, int], ...]  # (rank, signal number) of the ranks that were signalled
     requeue: bool  # the requeue signal was among them and SLURM requeueing is on
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_REQUEUED if self.requeue else EXIT_STOPPED
+    exit_code: int  # the process's exit status (see the module docstring)
 
     def describe(self) -> str:
         names = ", ".join(f"rank {r}: {signal.Signals(s).name}" for r, s in self.signals)
@@ -128,7 +125,8 @@ class Preemption:
         if self.decision is not None or not signals or not sync:
             return None
         requeue = self.requeue_signal is not None and any(s == self.requeue_signal for _, s in signals)
-        self.decision = StopDecision(step + 1, signals, requeue)
+        code = 128 + self.requeue_signal if requeue else EXIT_STOPPED
+        self.decision = StopDecision(step + 1, signals, requeue, code)
         return self.decision
 
     def checkpoint_path(self, trainer: pl.Trainer) -> Path:
