@@ -27,7 +27,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
@@ -309,6 +309,9 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         if storage_options is not None:
             raise UnsupportedError("CephaloStrategy.save_checkpoint(storage_options=...) is not supported")
         path = self.fit_runtime.checkpoints.save(Path(self.broadcast(str(filepath))), checkpoint_dict, self.optimizers)
+        state = self.lightning_module.trainer.state
+        if not (state.fn == TrainerFn.FITTING and state.status == TrainerStatus.RUNNING):
+            self.fit_runtime.checkpoints.wait()  # outside a fit, the checkpoint is there when the call returns
         if self._failures is not None:
             self._failures.last_checkpoint = self.fit_runtime.checkpoints.newest_complete(path)
         self.barrier()
