@@ -63,8 +63,7 @@ def test_kills_during_background_saves_never_leave_a_checkpoint_that_looks_whole
     writer's thread (benchmarks/bench_checkpoint.py runs every point)."""
     from tests import kill_points
 
-    points = ["save: complete, before it is published", "delete: renamed away, nothing deleted yet",
-              "last: complete, before the exchange"]
+    points = ["save: complete, before it is published", "delete: renamed away, nothing deleted yet"]
     seen = kill_points.kill_loop(tmp_path, points, background=True)
     assert seen.threads == (THREAD_NAME,) * len(points)  # every kill landed in the background write
     assert seen.interrupted == len(points) and seen.complete_seen >= len(points)
