@@ -4,7 +4,8 @@
 from stdin, one JSON object a line: ``{"point": ..., "ckpt": dir, "resume": path or "",
 "max_steps": n, "workdir": dir}``. Each request runs in a forked process: one-rank training that
 saves every step (``save_top_k=2`` by step, ``save_last``); after the optimizer step
-``max_steps`` the instrumented calls below are armed, and the first call that matches ``point``
+``max_steps`` the instrumented calls below are armed (``"async": true``: the saves are written by
+the background writer, and the kill lands in its thread), and the first call that matches ``point``
 kills the process. The server answers each request with one JSON line: the forked process's exit
 status (``-9``: killed at the point; ``0``: it finished without reaching it).
 
@@ -22,9 +23,11 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -106,6 +109,7 @@ class Instrumented:
 
     def kill(self) -> None:
         (self.workdir / "killed-at").write_text(self.point)
+        (self.workdir / "killed-in").write_text(threading.current_thread().name)  # a background save's thread?
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -118,6 +122,7 @@ class Arm(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step == self.at:
+            trainer.strategy.fit_runtime.checkpoints.wait()  # an earlier background save is not the one killed
             self.instrumented.armed = True
 
 
@@ -134,12 +139,69 @@ def train(request: dict) -> None:
             module.log("step", float(trainer.global_step))
 
     plan = Plan(8, "layered", (RankPlan(0, "a", 8, 2, 4, 1.0),))
-    trainer = pl.Trainer(strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=1,
+    strategy = CephaloStrategy(plan=plan, async_checkpoint=request.get("async", False))
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1,
                          max_steps=request["max_steps"], logger=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[saver, LogStep(), Arm(instrumented, request["max_steps"])],
                          default_root_dir=str(workdir))
     trainer.fit(TinyLayered(), torch.utils.data.DataLoader(token_data(800), batch_size=8),
                 ckpt_path=request["resume"] or None)
+
+
+@dataclass(frozen=True)
+class KillLoop:
+    """What :func:`kill_loop` saw: kills, the threads they landed in, complete checkpoints found
+    after them, and how many landed inside a save or a deletion (a leftover was there)."""
+
+    kills: int
+    threads: tuple[str, ...]
+    complete_seen: int
+    interrupted: int
+
+
+def kill_loop(workdir: Path, points: list[str], background: bool = False) -> KillLoop:
+    """One SIGKILL at each of ``points`` (served by a ``python -m tests.kill_points`` child), each
+    run resuming from the previous one's ``last.ckpt``. After every kill: what the next run does
+    first (``clean_stale``), then every directory that looks like a checkpoint must verify, and
+    ``last.ckpt`` must be complete. Raises ``AssertionError`` naming the kill otherwise."""
+    import subprocess
+
+    from cephalo_lightning.runtime import checkpoint
+
+    ckpt = workdir / "ckpts"
+    resume, threads, saw_complete, interrupted = "", [], 0, 0
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                             "LOCAL_RANK", "NODE_RANK")}
+    server = subprocess.Popen([sys.executable, "-m", "tests.kill_points"], cwd=Path(__file__).resolve().parents[1],
+                              env={**env, "WANDB_MODE": "disabled"}, text=True, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    try:
+        for kill, point in enumerate(points):
+            # two steps past the resumed one: the armed save is of a new name and deletes a kept one
+            start = checkpoint.read_meta(resume)["global_step"] if resume else 1
+            request = {"point": point, "ckpt": str(ckpt), "resume": resume, "max_steps": start + 2,
+                       "workdir": str(workdir), "async": background}
+            server.stdin.write(json.dumps(request) + "\n")
+            server.stdin.flush()
+            status = json.loads(server.stdout.readline())["status"]
+            log = (workdir / "run.log").read_text()
+            assert status == -signal.SIGKILL, f"{point}: the run ended with {status} instead of dying there\n{log[-3000:]}"
+            assert (workdir / "killed-at").read_text() == point
+            threads.append((workdir / "killed-in").read_text())
+            interrupted += any(p.name.startswith(".") for p in ckpt.iterdir())  # a save or deletion was under way
+            checkpoint.clean_stale(ckpt)  # what the next run does first
+            found = [p for p in ckpt.iterdir() if checkpoint.is_checkpoint(p)]
+            assert found, f"kill {kill} ({point}): no checkpoint survived"
+            for path in found:  # everything that looks like a checkpoint is one
+                checkpoint.verify(path)
+            assert checkpoint.is_complete(ckpt / "last.ckpt"), f"kill {kill} ({point}): last.ckpt is missing or incomplete"
+            assert not [p for p in ckpt.iterdir() if p.name.startswith(".")], f"{point}: leftovers after clean_stale"
+            saw_complete += len(found)
+            resume = str(ckpt / "last.ckpt")  # and the next run resumes from it
+    finally:
+        server.stdin.close()
+        server.wait(timeout=60)
+    return KillLoop(len(points), tuple(threads), saw_complete, interrupted)
 
 
 def serve() -> None:

@@ -160,8 +160,9 @@ def test_sigterm_exits_non_zero_with_a_loadable_checkpoint_and_the_folder_releas
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
                           env=clean_env(), timeout=HANG_TIMEOUT_S)
     assert done.returncode == 128 + 15, (done.returncode, done.stderr[-3000:])
-    assert "stopped by SIGTERM after 3 steps" in done.stderr and "last.ckpt" in done.stderr, done.stderr[-3000:]
-    state = load_full_state_dict(ckpt / "last.ckpt")  # verified against its manifest first
+    # signalled after step 3's all-reduce: every rank learns of it at step 4's, and stops after it
+    assert "SIGTERM; stopped after 4 steps" in done.stderr and "last-preempted.ckpt" in done.stderr, done.stderr[-3000:]
+    state = load_full_state_dict(ckpt / "last-preempted.ckpt")  # verified against its manifest first
     want = TinyLayered().state_dict()
     assert {k: tuple(v.shape) for k, v in state.items() if k in want} == {k: tuple(v.shape) for k, v in want.items()}
     assert not (ckpt / LOCK_NAME).exists() and not list((tmp_path / ".cephalo").glob("heartbeat-*"))

@@ -25,7 +25,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 __all__ = [
     "BackwardSyncControl", "LoggedValue", "SubprocessScriptLauncher", "captured_logs", "checkpoint_callback_settings",
     "default_process_group_backend", "distributed_is_initialized", "init_dist_connection", "logged_values",
-    "logging_as", "sync_ddp_if_available", "training_dataloader", "wandb_checkpoint_name", "wandb_log_model",
+    "logging_as", "stop_at_batch_end", "sync_ddp_if_available", "training_dataloader", "wandb_checkpoint_name", "wandb_log_model",
     "wandb_logged_model_times",
 ]
 
@@ -43,6 +43,16 @@ def logging_as(module: pl.LightningModule, hook: str) -> Iterator[None]:
         yield
     finally:
         module._current_fx_name = previous
+
+
+def stop_at_batch_end(trainer: pl.Trainer) -> None:
+    """Make the training loop raise ``SIGTERMException`` at the end of the running batch.
+
+    Lightning's loops check the signal connector's ``received_sigterm`` after each batch (its own
+    SIGTERM handler sets it, on the signalled rank only); the preemption handling sets it on every
+    rank at the same step, once the ranks agreed to stop.
+    """
+    trainer._signal_connector.received_sigterm = True
 
 
 def training_dataloader(trainer: pl.Trainer) -> Any:

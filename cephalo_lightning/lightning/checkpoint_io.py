@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from cephalo_lightning.lightning.config import StrategyConfig
 from cephalo_lightning.planner import Plan
 from cephalo_lightning.runtime import checkpoint
+from cephalo_lightning.runtime.checkpoint.async_save import BackgroundWriter, writer_group
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
 LIGHTNING_SAFE_GLOBALS: tuple[Any, ...] = (AttributeDict,)  # Lightning's hyperparameter container
@@ -50,7 +51,8 @@ def consolidate(path: str | Path, output: str | Path | io.BytesIO, safe_globals:
 
 
 class FitCheckpoints:
-    """Saves and loads the sharded model (and its optimizer state) of one fit."""
+    """Saves and loads the sharded model (and its optimizer state) of one fit; with
+    ``async_checkpoint`` the saves are written in the background (:class:`~.checkpoint.BackgroundWriter`)."""
 
     def __init__(self, sharded: ShardedModel, config: StrategyConfig, rank: int, plan: Callable[[], Plan]) -> None:
         self.sharded = sharded
@@ -58,6 +60,32 @@ class FitCheckpoints:
         self.safe_globals = globals_with_lightning(config.safe_globals)
         self.rank = rank
         self.plan = plan  # the plan the model is sharded under when a checkpoint is written
+        self.writer: BackgroundWriter | None = None
+        if config.async_checkpoint:  # collective (the writer's own process group): at setup, on every rank
+            self.writer = BackgroundWriter(sharded, writer_group(sharded.comm.group))
+            rank_zero_info("Cephalo: checkpoints are written in the background (async_checkpoint=True): training "
+                           "waits only for the copy to host memory")
+
+    def newest_complete(self, submitted: Path) -> Path | None:
+        """The newest checkpoint known to be complete: ``submitted`` itself, unless it is still being written."""
+        return submitted if self.writer is None else self.writer.published
+
+    def wait(self) -> None:
+        """Return when every save submitted is written and published (raises a failed one's error)."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            writer, self.writer = self.writer, None
+            writer.close()
+
+    def remove(self, path: str | Path) -> None:
+        """Rank 0: delete a checkpoint, after any save submitted before it has published."""
+        if self.writer is not None:
+            self.writer.remove(path)
+        else:
+            checkpoint.remove(path)
 
     def save(self, path: Path, checkpoint_dict: dict[str, Any], optimizers: Sequence[Optimizer]) -> Path:
         """Collective: a sharded checkpoint directory, or with ``state_dict_type="full"`` one file
@@ -66,6 +94,8 @@ class FitCheckpoints:
         meta = {k: v for k, v in checkpoint_dict.items() if k not in ("state_dict", "optimizer_states")}
         info = {"plan": self.plan().to_dict(), "world_size": self.sharded.world_size}
         optimizers = optimizers if "optimizer_states" in checkpoint_dict else []
+        if self.writer is not None:
+            return self.writer.submit(path, optimizers, meta, info, self.safe_globals)
         if self.config.state_dict_type == "sharded":
             return checkpoint.save(path, self.sharded, optimizers, meta, info, self.safe_globals)
         staging = checkpoint.single_file_staging(path)
@@ -85,6 +115,7 @@ class FitCheckpoints:
     def load(self, path: Path, optimizers: Sequence[Optimizer], weights_only: bool | None = None) -> dict[str, Any]:
         """Collective: a sharded directory (any layout) or a single file (weights only)."""
         trusted = weights_only is False  # an explicit opt-in to unpickling meta.pt (never DCP's metadata)
+        self.wait()  # a checkpoint being written in the background is complete first
         if path.is_dir() or checkpoint.is_checkpoint(path) or not path.exists():
             meta, _ = checkpoint.load(path, self.sharded, optimizers, self.safe_globals,
                                       self.config.verify_checksums, trusted=trusted)

@@ -86,6 +86,10 @@ class StrategyConfig:
     progress_every: int | None = option(
         None, "stdout not a terminal: a plain progress line every N steps instead of the bar; 0 = Lightning's bar",
         unset="the Trainer's `log_every_n_steps`")
+    async_checkpoint: bool = option(
+        False, "save in the background: training waits only for a copy to host memory (`sharded` only)")
+    elastic: bool = option(
+        False, "a plan for another world size (an elastic restart) is re-planned for the ranks present, with a warning")
 
     @classmethod
     def build(cls, **given: Any) -> StrategyConfig:
@@ -136,7 +140,14 @@ class StrategyConfig:
             seed=o["seed"],
             verify_checksums=o["verify_checksums"],
             progress_every=_integer("progress_every", o["progress_every"], 0) if o["progress_every"] is not None else None,
+            async_checkpoint=o["async_checkpoint"],
+            elastic=o["elastic"],
         )
+        if checked.async_checkpoint and checked.state_dict_type != "sharded":
+            raise ConfigurationError(
+                "CephaloStrategy(async_checkpoint=True, state_dict_type='full'): a single-file checkpoint is "
+                "consolidated on rank 0 after the save; use state_dict_type='sharded' (consolidate offline with "
+                "`python -m cephalo_lightning consolidate`) or async_checkpoint=False")
         plan, cluster = _plan_source(o["plan"], o["cluster"], o["global_batch_size"])
         return replace(checked, plan=plan, cluster=cluster)
 

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.units import GIB
+from cephalo_lightning.lightning import elastic
 from cephalo_lightning.lightning._private import training_dataloader
 from cephalo_lightning.lightning.config import MAX_SEED, Schedule, StrategyConfig
 from cephalo_lightning.planner import Cluster, Plan, PlanningError
@@ -126,9 +127,14 @@ def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: Schedule, c
                        "Add CephaloCallback() to profile and plan for heterogeneous devices.")
         return plan
     if plan.world_size != world_size:
+        if config.elastic:  # an elastic restart: re-planned for the ranks present, with a warning
+            replanned = elastic.replan_for_world(plan, [i.name for i in identities()])
+            rank_zero_warn(elastic.describe(plan, replanned))
+            return replanned
         raise PlanningError(
             f"the plan is for {plan.world_size} ranks but the job has {world_size}: re-plan for {world_size} ranks "
-            f"(python -m cephalo_lightning plan ... ) or launch {plan.world_size} processes"
+            f"(python -m cephalo_lightning plan ... ), launch {plan.world_size} processes, or pass "
+            "CephaloStrategy(elastic=True) to re-plan it for the ranks present (elastic restarts)"
         )
     if config.check_devices:
         check_devices(plan, identities())

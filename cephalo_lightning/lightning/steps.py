@@ -8,8 +8,9 @@ equal the gradient of the mean loss over the global batch, whatever the plan.
 
 [Note: one all-reduce after the step] At the end of a step's backward every rank contributes, in
 ONE all-reduce, its weighted loss, the weighted values the user logged (uniform mode), and a flag
-per rank that says whether its loss or its gradient shard was not finite. So every rank knows the
-step's global loss (logged once, exact) and whether any rank went non-finite (:class:`NonFiniteGuard`).
+per rank that says whether its loss or its gradient shard was not finite, and the stop signal (if any)
+each rank received. So every rank knows the step's global loss (logged once, exact), whether any rank
+went non-finite (:class:`NonFiniteGuard`) and whether any rank was told to stop (:mod:`.preemption`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class TrainingStep:
     logged: list[tuple[float, list[LoggedValue]]] = field(default_factory=list)  # uniform: (weight, its logs)
     local_loss: torch.Tensor | None = None  # layered: this rank's weighted loss, for the backward
     capturing: bool = False  # inside the user's training_step: the strategy's reduce() leaves logs alone
+    pending_signal: Callable[[], int] = int  # the signal this rank received (0: none), read at the all-reduce
 
     @property
     def batch_idx(self) -> int:
@@ -71,6 +73,7 @@ class StepReport:
     loss: float  # the global batch's mean loss (weighted as the gradient is)
     nonfinite: tuple[int, ...]  # ranks whose loss (or, if none, gradient shard) was not finite
     what: str = "loss"  # which of the two
+    signals: tuple[tuple[int, int], ...] = ()  # (rank, signal number) of the ranks a stop signal reached
 
 
 def micro_batch_weights(parts: Sequence[Any], weighting: LossWeighting, global_batch: int,
@@ -86,8 +89,9 @@ def micro_batch_weights(parts: Sequence[Any], weighting: LossWeighting, global_b
 
 
 def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bool,
-                extra: Sequence[torch.Tensor] = ()) -> tuple[StepReport, list[torch.Tensor]]:
-    """The step's one all-reduce: global loss, the ``extra`` weighted sums, the non-finite flags.
+                extra: Sequence[torch.Tensor] = (), signal: int = 0) -> tuple[StepReport, list[torch.Tensor]]:
+    """The step's one all-reduce: global loss, the ``extra`` weighted sums, the non-finite flags,
+    and each rank's stop signal (``signal``: see :mod:`.preemption`).
 
     Two flags per rank: its loss, and its gradient shard. A non-finite loss on one rank makes every
     rank's shard non-finite through the reduce-scatter, so the report names the ranks whose loss
@@ -97,7 +101,8 @@ def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bo
     rank, world = rank_and_size(group)
     device = sharded.device
     loss = local_loss.detach().double().reshape(1).to(device)
-    flags = torch.zeros(2 * world, dtype=torch.float64, device=device)
+    flags = torch.zeros(3 * world, dtype=torch.float64, device=device)
+    flags[2 * world + rank] = float(signal)
     flags[rank] = 0.0 if bool(torch.isfinite(loss).all()) else 1.0
     if check_grads:
         flags[world + rank] = 0.0 if bool(torch.isfinite(sharded.grad_norm_sq())) else 1.0
@@ -107,7 +112,8 @@ def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bo
     flags_back = parts[-1].tolist()
     losses = tuple(i for i in range(world) if flags_back[i] > 0)
     grads = tuple(i for i in range(world) if flags_back[world + i] > 0)
-    return StepReport(float(parts[0]), losses or grads, "loss" if losses else "gradient"), parts[1:-1]
+    signals = tuple((i, int(flags_back[2 * world + i])) for i in range(world) if flags_back[2 * world + i] > 0)
+    return StepReport(float(parts[0]), losses or grads, "loss" if losses else "gradient", signals), parts[1:-1]
 
 
 @dataclass(frozen=True)
@@ -176,7 +182,8 @@ class LayeredSteps:
 
     def backward(self, closure_loss: torch.Tensor, step: TrainingStep) -> StepReport:
         self.schedule.backward(step.loss_scale)
-        report, _ = finish_step(step.local_loss * step.accumulate, self.schedule.sharded, step.sync)
+        report, _ = finish_step(step.local_loss * step.accumulate, self.schedule.sharded, step.sync,
+                                signal=step.pending_signal())
         log_scalar(self.module, "train_loss", report.loss, step.global_batch, prog_bar=True, on_step=True, on_epoch=True)
         return report
 
@@ -287,7 +294,8 @@ class UniformSteps:
         n = len(weights)
         if not self.module.automatic_optimization:  # manual_backward(loss) from inside training_step
             self.sharded.backward(closure_loss * weights[0])  # already scaled by the precision plugin
-            report, _ = finish_step(closure_loss.detach() * weights[0], self.sharded, step.sync)
+            report, _ = finish_step(closure_loss.detach() * weights[0], self.sharded, step.sync,
+                                    signal=step.pending_signal())
             return report
         self.sharded.set_requires_gradient_sync(step.sync and n == 1)
         self.sharded.backward(closure_loss * weights[0])
@@ -302,7 +310,7 @@ class UniformSteps:
         local = sum((w * loss.double() for w, loss in zip(step.weights, step.losses) if w),
                     torch.zeros((), dtype=torch.float64))
         names, sums = _weighted_logs(step.logged)
-        report, values = finish_step(local, self.sharded, step.sync, sums)
+        report, values = finish_step(local, self.sharded, step.sync, sums, signal=step.pending_signal())
         self._relog(names, values, step)
         return report
 

@@ -27,7 +27,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning.lightning import loggers, plan_resolution
-from cephalo_lightning.lightning._private import logging_as, sync_ddp_if_available
+from cephalo_lightning.lightning._private import logging_as, stop_at_batch_end, sync_ddp_if_available
 from cephalo_lightning.lightning.callback_api import CallbackAPI
 from cephalo_lightning.lightning.config import (
     DEFAULTS,
@@ -49,6 +49,7 @@ from cephalo_lightning.lightning.config import (
 )
 from cephalo_lightning.lightning.fit import FailureReport, FitRuntime
 from cephalo_lightning.lightning.precision import sharded_precision
+from cephalo_lightning.lightning.preemption import Preemption
 from cephalo_lightning.lightning.progress import use_progress_lines
 from cephalo_lightning.lightning.schedules import decide_schedule
 from cephalo_lightning.lightning.sharded_strategy import ShardedStrategy
@@ -87,6 +88,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  max_nonfinite_skips: int = DEFAULTS.max_nonfinite_skips, check_devices: bool = DEFAULTS.check_devices,
                  safe_globals: Sequence[Any] = DEFAULTS.safe_globals, seed: int | None = DEFAULTS.seed,
                  verify_checksums: bool = DEFAULTS.verify_checksums, progress_every: int | None = DEFAULTS.progress_every,
+                 async_checkpoint: bool = DEFAULTS.async_checkpoint, elastic: bool = DEFAULTS.elastic,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **kwargs: Any) -> None:
         options = {name: value for name, value in locals().items() if name in OPTION_NAMES}  # all, by name
@@ -97,6 +99,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         self.fit_runtime: FitRuntime | None = None
         self.provisional_layout: str | None = None  # "memory": a plan follows (CephaloCallback)
         self._failures: FailureReport | None = None
+        self._preemption: Preemption | None = None  # while training: SIGTERM / requeue handling
+        self._abandon_background_save = False  # the fit failed: teardown does not wait for a background save
         self._sync = True  # False while Lightning accumulates gradients over batches
         self._step: TrainingStep | None = None  # the training step in progress (see the module note)
 
@@ -227,6 +231,12 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         return self._loader
 
     @override
+    def on_train_start(self) -> None:
+        # after Lightning registered its own signal handlers (which ours replace while training)
+        self._preemption = Preemption.for_trainer(self.lightning_module.trainer, self.cluster_environment)
+        self._preemption.install()
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.fit_runtime.switches.switch_if_due(self.optimizers):
             self._adopted(self.fit_runtime.plan)
@@ -241,6 +251,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         runtime = self.fit_runtime
         self._loader.batch_sampler.mark_consumed(runtime.switches.next_batch().step)
         self._step = step = runtime.start_step(trainer, self._sync, self._scaler, args[1:])
+        if self._preemption is not None:
+            step.pending_signal = self._preemption.pending
         try:
             with runtime.step_scope(trainer.global_step), self.precision_plugin.train_step_context():
                 return runtime.steps.forward(args[0], step)
@@ -256,7 +268,10 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         try:
             with self.fit_runtime.step_scope(module.trainer.global_step), self.precision_plugin.train_step_context():
-                self.fit_runtime.guard.record(self.fit_runtime.steps.backward(closure_loss, step))
+                report = self.fit_runtime.steps.backward(closure_loss, step)
+            self.fit_runtime.guard.record(report)
+            if self._preemption is not None and self._preemption.agree(report.signals, step.sync, module.trainer.global_step):
+                stop_at_batch_end(module.trainer)  # every rank: the same step's all-reduce decided it
         finally:
             if module.automatic_optimization:
                 self._step = None  # the step's one backward ran (see the module note)
@@ -302,10 +317,18 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         if storage_options is not None:
             raise UnsupportedError("CephaloStrategy.save_checkpoint(storage_options=...) is not supported")
         path = self.fit_runtime.checkpoints.save(Path(self.broadcast(str(filepath))), checkpoint_dict, self.optimizers)
+        state = self.lightning_module.trainer.state
+        if not (state.fn == TrainerFn.FITTING and state.status == TrainerStatus.RUNNING):
+            self.fit_runtime.checkpoints.wait()  # outside a fit, the checkpoint is there when the call returns
         if self._failures is not None:
-            self._failures.last_checkpoint = path
+            self._failures.last_checkpoint = self.fit_runtime.checkpoints.newest_complete(path)
         self.barrier()
         loggers.log_checkpoint_artifacts(self.lightning_module.trainer)
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        if self.is_global_zero:
+            self.fit_runtime.checkpoints.remove(filepath)  # after a save still being written, if any
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -315,13 +338,19 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     @override
     def on_train_end(self) -> None:
+        self.fit_runtime.checkpoints.wait()  # a background save is published before the final upload
         loggers.log_checkpoint_artifacts(self.lightning_module.trainer, final=True)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException):
-            self._stopped_by_sigterm(exception)
+            if self._preemption is not None and self._preemption.decision is not None:
+                self._preemption.save_and_stop(self.lightning_module.trainer, exception,
+                                               wait=self.fit_runtime.checkpoints.wait)
+            else:
+                self._stopped_by_sigterm(exception)
             return
+        self._abandon_background_save = True  # its collectives could wait for a peer that is gone
         message = self._failures.describe(exception) if self._failures is not None else None
         if message:
             log.error(message)
@@ -339,12 +368,20 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._failures is not None:
-            self._failures.close()
-            self._failures = None
-        assert self.cluster_environment is not None
-        self.cluster_environment.teardown()
-        super().teardown()
+        try:
+            if self.fit_runtime is not None and not self._abandon_background_save:
+                self.fit_runtime.checkpoints.wait()  # a background save completes before the fit returns
+        finally:
+            self._abandon_background_save = False
+            if self._preemption is not None:
+                self._preemption.uninstall()
+                self._preemption = None
+            if self._failures is not None:
+                self._failures.close()
+                self._failures = None
+            assert self.cluster_environment is not None
+            self.cluster_environment.teardown()
+            super().teardown()
 
 
 def _has_cephalo_callback(trainer: pl.Trainer) -> bool:

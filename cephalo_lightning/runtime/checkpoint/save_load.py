@@ -7,12 +7,14 @@ means the first rank of that group: a model on a subgroup checkpoints without th
 
 from __future__ import annotations
 
+import copy as copy_module
 import io
 import json
 import os
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from cephalo_lightning._common.atomic_io import (
     staging_path,
     write_bytes_atomic,
 )
-from cephalo_lightning.runtime.checkpoint.dcp_planners import Request, ShardLoadPlanner, ShardSavePlanner, dcp_call
+from cephalo_lightning.runtime.checkpoint.dcp_planners import Entry, Request, ShardLoadPlanner, ShardSavePlanner, dcp_call
 from cephalo_lightning.runtime.checkpoint.entries import (
     buffers,
     local_pieces,
@@ -81,12 +83,30 @@ def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
     (the plan). Returns the published path. A save that fails (a full disk: :class:`NoSpaceError`)
     removes what it wrote on every rank alike; the checkpoint already at ``path`` stays as it was.
     """
-    path = Path(path)
+    group = sharded.comm.group
+    return write_prepared(path, prepare(sharded, optimizers, meta, safe_globals), info, group)
+
+
+@dataclass(frozen=True)
+class PreparedSave:
+    """Everything a save writes, taken from the model at one instant (:func:`prepare`)."""
+
+    token: str
+    entries: list[Entry]  # this rank's DCP entries
+    meta: bytes  # meta.pt's content (with the token)
+    document: dict[str, Any]  # cephalo.json's model-side part (shapes, aliases, optimizer groups)
+    on_first_rank: bool  # this rank writes meta.pt, cephalo.json, the manifest and publishes
+
+
+def prepare(sharded: ShardedModel, optimizers: Sequence[torch.optim.Optimizer], meta: dict[str, Any],
+            safe_globals: Iterable[Any] = (), copy: bool = False) -> PreparedSave:
+    """Collective (the token): what a save of the model as it is now writes. ``copy``: the tensors
+    are copied to host memory (a snapshot that later optimizer steps do not change); otherwise
+    they are views of the live pieces and must be written before the model changes."""
     group = sharded.comm.group
     rank, _ = rank_and_size(group)
     check_loadable(meta, safe_globals)  # fail before writing, on every rank alike
     token = _token(group)
-    staging = staging_path(path, token)
     buffer_entries = replicated_entries({MODEL_PREFIX + k: v for k, v in buffers(sharded).items()}, rank)
     entries = model_entries(sharded) + buffer_entries
     optimizer_info = []
@@ -97,21 +117,41 @@ def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
         replicated.update(saved.replicated)
         optimizer_info.append(saved.info)
     entries += replicated_entries(replicated, rank)
+    if copy:
+        entries = [Entry(e.fqn, e.shape, e.dtype, e.flat.detach().to("cpu", copy=True), e.start) for e in entries]
+        optimizer_info = copy_module.deepcopy(optimizer_info)
+    buffer = io.BytesIO()
+    if rank == 0:
+        torch.save({**meta, TOKEN_KEY: token}, buffer)
+    document = {
+        "param_shapes": {name: list(shape) for name, _, shape, _ in local_pieces(sharded)},
+        "aliases": state_dict_aliases(sharded),
+        "optimizers": optimizer_info,
+    }
+    return PreparedSave(token, entries, buffer.getvalue(), document, rank == 0)
+
+
+def write_prepared(path: str | Path, prepared: PreparedSave, info: dict[str, Any], group: Group) -> Path:
+    """Collective over ``group``: write ``prepared`` in a staging directory, hash it, write the
+    manifest and publish it atomically (see :func:`save`). ``group`` may be another process group
+    over the same ranks than the model's (a background writer's own)."""
+    path = Path(path)
+    rank, _ = rank_and_size(group)
+    token, entries = prepared.token, prepared.entries
+    staging = staging_path(path, token)
     needed = sum(gather_objects(sum(e.flat.numel() * e.flat.element_size() for e in entries), group))
     try:
         on_first_rank(group, lambda: (recover_directory(path, is_complete), staging.mkdir(parents=True)))
         dcp_call(f"saving {path}", lambda: dcp.save({}, storage_writer=_Writer(staging),
                                                     planner=ShardSavePlanner(entries), process_group=group,
                                                     no_dist=not is_distributed(group)))
-        on_first_rank(group, lambda: _write_meta(staging, {**meta, TOKEN_KEY: token}))
+        on_first_rank(group, lambda: write_bytes_atomic(staging / META_FILE, prepared.meta))
         dcp_files = hash_files(staging, group)  # .metadata and the shards (and meta.pt, for the manifest)
         document = {
             "format": FORMAT,
             "token": token,
             "files": {name: entry for name, entry in dcp_files.items() if name != META_FILE},
-            "param_shapes": {name: list(shape) for name, _, shape, _ in local_pieces(sharded)},
-            "aliases": state_dict_aliases(sharded),
-            "optimizers": optimizer_info,
+            **prepared.document,
             **info,
         }
         on_first_rank(group, lambda: (
@@ -167,12 +207,6 @@ def on_first_rank(group: Group, step: Callable[[], Any]) -> None:
         message, code = failed
         raise CheckpointError(f"the save failed on the group's first rank: {message}") from (
             OSError(code, message) if code else None)
-
-
-def _write_meta(staging: Path, meta: dict[str, Any]) -> None:
-    buffer = io.BytesIO()
-    torch.save(meta, buffer)
-    write_bytes_atomic(staging / META_FILE, buffer.getbuffer())
 
 
 def _remove_failed(staging: Path) -> int:
