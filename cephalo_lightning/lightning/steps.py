@@ -14,6 +14,7 @@ step's global loss (logged once, exact) and whether any rank went non-finite (:c
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from cephalo_lightning._common.errors import CephaloError, ConfigurationError
 from cephalo_lightning.lightning._private import LoggedValue, captured_logs, logged_values, logging_as
+from cephalo_lightning.lightning.discovered import discovered_check
 from cephalo_lightning.models.protocol import LayeredModel, LossWeighting, check_first_inputs
 from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime.batching import leading_size, micro_batches
@@ -128,16 +130,30 @@ class LayeredSteps:
     """
 
     def __init__(self, module: pl.LightningModule, schedule: LayeredSchedule, model: LayeredModel,
-                 verify_loss: bool = True, tolerance: float = 1e-3) -> None:
+                 verify_loss: bool = True, tolerance: float = 1e-3,
+                 fallback: Callable[[str], UniformSteps] | None = None) -> None:
         self.module = module
         self.schedule = schedule
         self.model = model
         self.verify_loss = verify_loss and model.derived  # cleared once checked (the first step of the fit)
+        self.check_discovered = model.discovery is not None  # always checked: the structure is only guessed
         self.tolerance = tolerance
+        self.fallback = fallback  # a discovered structure that does not hold: the uniform mode, from then on
+        self.uniform: UniformSteps | None = None
 
     def forward(self, batch: Any, step: TrainingStep) -> torch.Tensor:
+        if self.uniform is not None:
+            return self.uniform.forward(batch, step)
         sizes = step.rank_plan.micro_batch_sizes
         parts = micro_batches(batch, sizes) if sizes else []
+        if self.check_discovered:
+            self.check_discovered = self.verify_loss = False
+            why = discovered_check(self, parts[0] if parts else batch, bool(parts), step.batch_idx)
+            if why:
+                if self.fallback is None:
+                    raise ConfigurationError(f"Cephalo cannot run {self.model.name} layer by layer: {why}")
+                self.uniform = self.fallback(why)
+                return self.uniform.forward(batch, step)
         if self.verify_loss:
             self.verify_loss = False
             self._verify(parts[0] if parts else batch, has_samples=bool(parts), batch_idx=step.batch_idx)
@@ -157,11 +173,22 @@ class LayeredSteps:
             return x, side
 
         recompute = step.rank_plan.recompute or len(parts) > 1
-        step.local_loss = self.schedule.forward(parts, prepare, loss, weights, recompute=recompute)
+        with self._model_code():
+            step.local_loss = self.schedule.forward(parts, prepare, loss, weights, recompute=recompute)
         return step.local_loss.detach() * step.accumulate  # Lightning divides what we return by `accumulate`
 
+    def _model_code(self) -> contextlib.AbstractContextManager[Any]:
+        """A discovered model's layers run the user's training_step: its self.log calls are dropped
+        (the step logs its global loss itself)."""
+        if self.model.discovery is None:
+            return contextlib.nullcontext()
+        return captured_logs(self.module.trainer)
+
     def backward(self, closure_loss: torch.Tensor, step: TrainingStep) -> StepReport:
-        self.schedule.backward(step.loss_scale)
+        if self.uniform is not None:
+            return self.uniform.backward(closure_loss, step)
+        with self._model_code():
+            self.schedule.backward(step.loss_scale)
         report, _ = finish_step(step.local_loss * step.accumulate, self.schedule.sharded, step.sync)
         log_scalar(self.module, "train_loss", report.loss, step.global_batch, prog_bar=True, on_step=True, on_epoch=True)
         return report
