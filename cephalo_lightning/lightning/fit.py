@@ -80,6 +80,8 @@ class FitRuntime:
         tolerance = 1e-3 if (config.param_dtype or torch.float32).itemsize >= 4 else 3e-2
         return LayeredSteps(self.module, LayeredSchedule(self.sharded, layered.layers, offload=offload), layered,
                             verify_loss=config.verify_loss, tolerance=tolerance,
+                            # a discovered model's loss is the user's training_step's: weighted as the uniform mode weights it
+                            weighting=self.weighting if layered.discovery is not None else None,
                             fallback=lambda why: self._fall_back(why, training_step))
 
     def _fall_back(self, why: str, training_step: Callable[..., Any]) -> UniformSteps:

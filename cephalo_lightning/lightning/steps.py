@@ -131,10 +131,11 @@ class LayeredSteps:
 
     def __init__(self, module: pl.LightningModule, schedule: LayeredSchedule, model: LayeredModel,
                  verify_loss: bool = True, tolerance: float = 1e-3,
-                 fallback: Callable[[str], UniformSteps] | None = None) -> None:
+                 fallback: Callable[[str], UniformSteps] | None = None, weighting: LossWeighting | None = None) -> None:
         self.module = module
         self.schedule = schedule
         self.model = model
+        self.weighting = weighting or model.weighting
         self.verify_loss = verify_loss and model.derived  # cleared once checked (the first step of the fit)
         self.check_discovered = model.discovery is not None  # always checked: the structure is only guessed
         self.tolerance = tolerance
@@ -157,9 +158,9 @@ class LayeredSteps:
         if self.verify_loss:
             self.verify_loss = False
             self._verify(parts[0] if parts else batch, has_samples=bool(parts), batch_idx=step.batch_idx)
-        shares, total = micro_batch_weights(parts, self.model.weighting, step.global_batch, self.schedule.device,
+        shares, total = micro_batch_weights(parts, self.weighting, step.global_batch, self.schedule.device,
                                            self.schedule.sharded.comm.group)
-        share = self.model.weighting.share
+        share = self.weighting.share
         if share is not None:  # the model's loss divides by the global items itself: weight 1
             weights = [(1.0 if w else 0.0) / step.accumulate for w in shares]
             loss = lambda k, out, side: share(out, parts[k], side, total)  # noqa: E731

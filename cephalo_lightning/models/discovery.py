@@ -126,7 +126,7 @@ class Structure:
     and what else its output carries (non-tensor values a stand-in gives back unchanged)."""
 
     slots: tuple[Slot, ...]
-    rest: tuple[tuple[Any, ...] | None, ...]  # None: the block returns a tensor; else output[1:]
+    rest: tuple[tuple[Any, ...] | None, ...]  # None: the block returns a tensor; else output[1:], tensors as None
 
 
 @dataclass(frozen=True)
@@ -216,11 +216,12 @@ class Observation:
             out = outputs.get(index)
             if isinstance(out, torch.Tensor):
                 rest.append(None)
-            elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and not any(tensors_in(out[1:])):
-                rest.append(tuple(out[1:]))
+            elif isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+                # what else it returns (attention weights, ...) a stand-in gives back as None: if the model
+                # used it, the layered pass fails or its loss differs, and the check falls back
+                rest.append(tuple(None if next(tensors_in(item), None) is not None else item for item in out[1:]))
             else:
-                return None, (f"block {index} returns {type(out).__name__} carrying more than its hidden state "
-                              "(the layered pass passes on only the hidden state)")
+                return None, f"block {index} returns {type(out).__name__}, not its hidden state (a tensor or a tuple)"
             if previous is not None:
                 earlier[id(previous)] = index - 1
             previous = _hidden_of(out)
