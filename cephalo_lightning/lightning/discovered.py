@@ -24,7 +24,7 @@ ROUND_OFF = {4: 1e-5, 8: 1e-10}  # relative, by the parameters' element size; 16
 
 def _loss_value(output: Any) -> float:
     loss = output["loss"] if isinstance(output, dict) else output
-    return float(loss) if torch.is_tensor(loss) else math.nan
+    return float(loss.detach()) if torch.is_tensor(loss) else math.nan
 
 
 def _layered_loss(steps: Any, micro_batch: Any) -> tuple[float, str]:
