@@ -155,7 +155,9 @@ class Toy(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self(x), y)
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("toy_loss", loss, on_step=True, on_epoch=False)
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -193,15 +195,18 @@ def test_observation_names_why_blocks_are_not_a_sequence(wiring, reason):
     assert reason in why if reason else why == ""
 
 
-def _toy_reference(wiring: str, steps: int, batch: int) -> dict[str, torch.Tensor]:
+def _toy_reference(wiring: str, steps: int, batch: int) -> tuple[dict[str, torch.Tensor], float]:
+    """Single-process training: the parameters, and the last step's loss."""
     module, data = Toy(wiring), _toy_data()
     opt = module.configure_optimizers()
     for step in range(steps):
         part = data[step * batch:(step + 1) * batch]
-        module.training_step((torch.stack([a for a, _ in part]), torch.stack([b for _, b in part])), step).backward()
+        x, y = torch.stack([a for a, _ in part]), torch.stack([b for _, b in part])
+        loss = nn.functional.mse_loss(module(x), y)
+        loss.backward()
         opt.step()
         opt.zero_grad()
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
+    return {n: p.detach().clone() for n, p in module.named_parameters()}, loss.item()
 
 
 @pytest.mark.parametrize("wiring, mode, reason", [
@@ -217,7 +222,9 @@ def test_discovered_toy_trains_exactly_or_falls_back_with_one_line(wiring, mode,
     assert t.strategy.fit_runtime.schedule == mode
     lines = [r.getMessage() for r in caplog.records if "discovered block sequence does not hold" in r.getMessage()]
     assert len(lines) == (0 if reason is None else 1) and (reason is None or reason in lines[0])
-    want = _toy_reference(wiring, 2, 4)
+    want, last_loss = _toy_reference(wiring, 2, 4)
     with t.strategy.sharded.summon_full_params():
         err = max((p.detach() - want[n]).abs().max().item() for n, p in module.named_parameters())
     assert err <= EXACT, f"{wiring}: parameters differ by {err:.2e}"
+    # what training_step logs is relayed in both modes: the global batch's value (two micro-batches of 2)
+    assert float(t.callback_metrics["toy_loss"]) == pytest.approx(last_loss, rel=1e-6)

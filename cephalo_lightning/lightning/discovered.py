@@ -9,13 +9,18 @@ verdict, so all keep the layered mode or all fall back to the uniform one.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
-from cephalo_lightning.lightning._private import captured_logs
-from cephalo_lightning.runtime.distributed import gather_objects
+from cephalo_lightning.lightning._private import LoggedValue, captured_logs, logged_values, logging_as
+from cephalo_lightning.runtime.distributed import Group, gather_objects
+from cephalo_lightning.runtime.layered import Layer
 
 # the layered pass runs the same operations as the ordinary forward, in the same order: its loss
 # differs by round-off only; a block output used elsewhere changes it by far more
@@ -62,7 +67,7 @@ def discovered_check(steps: Any, micro_batch: Any, has_samples: bool, batch_idx:
     group = sharded.comm.group
     dtype = sharded.units[-1].compute_dtype
     tolerance = ROUND_OFF.get(torch.empty((), dtype=dtype).element_size(), 1e-2)
-    with captured_logs(steps.module.trainer):  # the check's own self.log calls are dropped
+    with user_code(steps.module):  # the check's own self.log calls are dropped
         sharded.gather_root()
         try:
             with discovery.observe() as seen, torch.enable_grad():
@@ -80,3 +85,66 @@ def discovered_check(steps: Any, micro_batch: Any, has_samples: bool, batch_idx:
                "same micro-batch (a block's output is used outside the block sequence, or the loss depends on "
                "every block's internals, e.g. a router's auxiliary loss)")
     return _first(gather_objects(why, group))
+
+
+@contextlib.contextmanager
+def user_code(module: pl.LightningModule) -> Iterator[None]:
+    """The user's ``training_step`` run by a discovered model's layers: its ``self.log`` calls land
+    in a collection of their own (dropped unless :class:`LossPassLogs` keeps them)."""
+    with logging_as(module, "training_step"), captured_logs(module.trainer):
+        yield
+
+
+class LossPassLogs:
+    """What the user's ``training_step`` logs in the forward's loss pass of a discovered model (once
+    per micro-batch, as the uniform mode runs it), to be logged once per step with the weighted
+    global value. Tensor values with a mean or sum reduction; their names are agreed between the
+    ranks on the first step (a rank may train no micro-batch), and a name first logged later is
+    not relayed."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        self.module = module
+        self.recording = False
+        self.logged: list[list[LoggedValue]] = []
+        self.specs: list[LoggedValue] | None = None
+
+    def wrap(self, layers: Sequence[Layer]) -> tuple[Layer, ...]:
+        last = layers[-1]
+
+        def call(hidden: torch.Tensor, side: Any) -> torch.Tensor:
+            with captured_logs(self.module.trainer) as capture:
+                out = last(hidden, side)
+            if self.recording:
+                self.logged.append(logged_values(capture))
+            return out
+
+        return (*layers[:-1], Layer(last.modules, call, last.name))
+
+    @contextlib.contextmanager
+    def recorded(self) -> Iterator[None]:
+        self.logged, self.recording = [], True
+        try:
+            yield
+        finally:
+            self.recording = False
+
+    def sums(self, weights: Sequence[float], group: Group) -> tuple[list[LoggedValue], list[torch.Tensor]]:
+        """The agreed names and, per name, sum_k w_k v_k (mean) or sum_k v_k (sum) over this rank's micro-batches."""
+        relayed = [v for values in self.logged for v in values
+                   if torch.is_tensor(v.value) and v.reduction in ("mean", "sum")]
+        if self.specs is None:
+            mine = list({v.name: dataclasses.replace(v, value=None) for v in relayed}.values())
+            agreed: dict[str, LoggedValue] = {}
+            for specs in gather_objects(mine, group):
+                for spec in specs:
+                    agreed.setdefault(spec.name, spec)
+            self.specs = list(agreed.values())
+        sums = []
+        for spec in self.specs:
+            total = torch.zeros((), dtype=torch.float64)
+            for weight, values in zip(weights, self.logged):
+                for v in values:
+                    if v.name == spec.name and torch.is_tensor(v.value) and (weight or spec.reduction == "sum"):
+                        total = total + (weight if spec.reduction == "mean" else 1.0) * v.value.detach().double().cpu()
+            sums.append(total)
+        return self.specs, sums

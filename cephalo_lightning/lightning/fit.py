@@ -22,6 +22,7 @@ from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning import loggers
 from cephalo_lightning.lightning.checkpoint_io import FitCheckpoints, globals_with_lightning
 from cephalo_lightning.lightning.config import Schedule, StrategyConfig
+from cephalo_lightning.lightning.discovered import LossPassLogs
 from cephalo_lightning.lightning.plan_switch import PlanSwitches
 from cephalo_lightning.lightning.schedules import check_plan, loss_weighting
 from cephalo_lightning.lightning.steps import LayeredSteps, NonFiniteGuard, TrainingStep, UniformSteps
@@ -78,11 +79,13 @@ class FitRuntime:
         # an emulated GPU keeps its stash on the host, as the real one would (accounted as host memory)
         offload = config.offload if config.offload is not None else (device.type == "cuda" or emulator.memory_gb is not None)
         tolerance = 1e-3 if (config.param_dtype or torch.float32).itemsize >= 4 else 3e-2
-        return LayeredSteps(self.module, LayeredSchedule(self.sharded, layered.layers, offload=offload), layered,
+        logs = LossPassLogs(self.module) if layered.discovery is not None else None
+        layers = logs.wrap(layered.layers) if logs is not None else layered.layers
+        return LayeredSteps(self.module, LayeredSchedule(self.sharded, layers, offload=offload), layered,
                             verify_loss=config.verify_loss, tolerance=tolerance,
                             # a discovered model's loss is the user's training_step's: weighted as the uniform mode weights it
                             weighting=self.weighting if layered.discovery is not None else None,
-                            fallback=lambda why: self._fall_back(why, training_step))
+                            fallback=lambda why: self._fall_back(why, training_step), logs=logs)
 
     def _fall_back(self, why: str, training_step: Callable[..., Any]) -> UniformSteps:
         """The first step found that a discovered block sequence does not hold: the uniform mode
