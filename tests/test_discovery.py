@@ -228,3 +228,36 @@ def test_discovered_toy_trains_exactly_or_falls_back_with_one_line(wiring, mode,
     assert err <= EXACT, f"{wiring}: parameters differ by {err:.2e}"
     # what training_step logs is relayed in both modes: the global batch's value (two micro-batches of 2)
     assert float(t.callback_metrics["toy_loss"]) == pytest.approx(last_loss, rel=1e-6)
+
+
+def _layered_pass_loss(discovery: Discovery, layered, micro_batch) -> float:
+    """The discovered layers run in order on an unsharded model (what the first step's check computes)."""
+    with torch.no_grad():
+        x, side = layered.prepare(micro_batch)
+        for layer in layered.layers:
+            x = layer(x, side)
+    return float(layered.loss(x, micro_batch, side))
+
+
+@pytest.mark.parametrize("router_logits", [False, True])
+def test_moe_router_aux_loss_keeps_the_uniform_mode(router_logits):
+    """With ``output_router_logits`` the loss adds an auxiliary term over every block's routing,
+    which the layered loss pass (one live block) cannot reproduce, and on a random model it moves
+    the loss by only ~1e-6: refused by the config flag at setup, not left to the loss comparison.
+    Without it the layered loss is the model's own to round-off."""
+    from cephalo_lightning.models.protocol import LossWeighting
+
+    module = Wrapped("mixtral")
+    module.model.config.output_router_logits = router_logits
+    resolution = resolve(module)
+    if router_logits:
+        assert resolution.layered is None and "output_router_logits=True" in resolution.reason
+        return
+    discovery = Discovery(module.model.model.layers, lambda mb: module.training_step(mb, 0), "model.model.layers")
+    layered = discovery.layered(LossWeighting("samples"), "mixtral")
+    batch = Samples("mixtral", 4).batch(0, 4)
+    with discovery.observe() as seen:
+        ordinary = float(module.training_step(batch, 0))
+    discovery.structure, why = seen.structure()
+    assert why == ""
+    assert _layered_pass_loss(discovery, layered, batch) == pytest.approx(ordinary, rel=1e-6)

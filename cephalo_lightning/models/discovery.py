@@ -348,6 +348,11 @@ class Discovery:
 def adapt(module: nn.Module, weighting: LossWeighting, name: str) -> tuple[LayeredModel | None, str]:
     """The discovered layered form of ``module`` (a LightningModule: its ``training_step`` is the
     forward), or ``(None, why not)``; the first step still checks it (:meth:`Discovery.observe`)."""
+    routed = next((sub for sub in module.modules() if getattr(getattr(sub, "config", None), "output_router_logits", False)
+                   is True), None)
+    if routed is not None:
+        return None, (f"{type(routed).__name__} adds the router's auxiliary loss over every block's routing "
+                      "(config.output_router_logits=True), which a layer-by-layer loss cannot see")
     found = block_list(module)
     if found is None:
         return None, f"{name} has no ModuleList of two or more blocks with parameters (a block sequence to layer)"
