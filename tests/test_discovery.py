@@ -9,6 +9,7 @@ mode with one log line, and stay exact (in-process, one rank).
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -30,7 +31,7 @@ from tests.test_runtime import assemble  # noqa: E402
 
 STEPS = 2
 GLOBAL = 8
-THREE_RANKS = ("gemma2", "bloom", "mixtral", "bert_mlm", "vit", "torch_encoder")  # a subset: the suite's budget
+THREE_RANKS = ("gemma2", "bloom", "bert_mlm", "torch_encoder")  # a subset: the suite's time budget
 PLANS = {  # different micro-batch counts and state shares on every rank
     2: Plan(GLOBAL, "layered", (RankPlan(0, "a", 5, 3, 2, 0.3), RankPlan(1, "b", 3, 1, 3, 0.7))),
     3: Plan(GLOBAL, "layered", (RankPlan(0, "a", 3, 2, 2, 0.5), RankPlan(1, "b", 4, 1, 4, 0.2),
@@ -68,7 +69,12 @@ def _fit_all(rank: int, world: int) -> dict:
     return out
 
 
-def _bound(family: str, data: Samples, want: dict[str, torch.Tensor]) -> float:
+@functools.cache
+def _reference(family: str) -> dict[str, torch.Tensor]:
+    return reference(family, STEPS, GLOBAL, Samples(family, GLOBAL * STEPS))
+
+
+def _floor_bound(family: str, data: Samples, want: dict[str, torch.Tensor]) -> float:
     module = Wrapped(family)  # the same training, each global batch micro-batched 5 + 3
     opt = module.configure_optimizers()
     for step in range(STEPS):
@@ -101,12 +107,11 @@ def test_discovered_family_trains_layered_exactly_like_single_process(runs, fami
     world, results = runs
     if family not in results[0]:
         pytest.skip(f"{family} runs on 2 ranks only (the suite's time budget)")
-    data = Samples(family, GLOBAL * STEPS)
-    want = reference(family, STEPS, GLOBAL, data)
+    want = _reference(family)
     assert [r[family][0] for r in results] == ["layered"] * world
     got = assemble([r[family][1] for r in results], torch.float64)
-    bound = _bound(family, data, want)
     err = max((got[name].float() - value.reshape(-1)).abs().max().item() for name, value in want.items())
+    bound = EXACT if err <= EXACT else _floor_bound(family, Samples(family, GLOBAL * STEPS), want)
     print(f"{family} on {world} ranks: largest difference {err:.2e} (bound {bound:.2e})")
     assert err <= bound, f"{family} on {world} ranks: parameters differ by {err:.2e} > {bound:.2e}"
 
