@@ -32,7 +32,7 @@ def _loss_value(output: Any) -> float:
     return float(loss.detach()) if torch.is_tensor(loss) else math.nan
 
 
-def _layered_loss(steps: Any, micro_batch: Any) -> tuple[float, str]:
+def _layered_loss(steps: Any, micro_batch: Any, compute: bool) -> tuple[float, str]:
     """The layered pass's loss of ``micro_batch``, or why it failed; every layer is gathered and
     freed on every rank whatever happens (the collectives stay aligned)."""
     sharded, model = steps.schedule.sharded, steps.model
@@ -44,7 +44,7 @@ def _layered_loss(steps: Any, micro_batch: Any) -> tuple[float, str]:
             for index, layer in enumerate(model.layers, start=1):
                 sharded.gather(index, prefetch=index + 1)
                 try:
-                    if not failure:
+                    if compute and not failure:
                         if index == 1:
                             x, side = model.prepare(micro_batch)
                         x = layer(x, side)
@@ -53,7 +53,9 @@ def _layered_loss(steps: Any, micro_batch: Any) -> tuple[float, str]:
                 sharded.units[index].free()
         finally:
             sharded.free_all()
-    return (math.nan, failure) if failure else (float(model.loss(x, micro_batch, side)), "")
+    if failure or not compute:
+        return math.nan, failure
+    return float(model.loss(x, micro_batch, side)), ""
 
 
 def _first(verdicts: list[str]) -> str:
@@ -62,30 +64,32 @@ def _first(verdicts: list[str]) -> str:
 
 def discovered_check(steps: Any, micro_batch: Any, has_samples: bool, batch_idx: int) -> str:
     """Collective: why the discovered sequence does not hold on some rank (the first such rank's
-    reason), or ''."""
+    reason), or ''. A rank without samples this step takes the structure another rank saw."""
     sharded, discovery = steps.schedule.sharded, steps.model.discovery
     group = sharded.comm.group
     dtype = sharded.units[-1].compute_dtype
     tolerance = ROUND_OFF.get(torch.empty((), dtype=dtype).element_size(), 1e-2)
+    structure, why = None, ""
     with user_code(steps.module):  # the check's own self.log calls are dropped
-        sharded.gather_root()
+        sharded.gather_root()  # every rank runs the forward: it gathers the units as a plain forward does
         try:
             with discovery.observe() as seen, torch.enable_grad():
                 ordinary = _loss_value(steps.module.training_step(micro_batch, batch_idx))
         finally:
             sharded.free_all()
-        structure, why = seen.structure()
-        why = _first(gather_objects(why, group))
+        if has_samples:  # an empty batch shows nothing reliable
+            structure, why = seen.structure()
+        seen_by_all = gather_objects((why, structure), group)
+        why = _first([w for w, _ in seen_by_all])
         if why:
             return why
-        discovery.structure = structure
-        layered, why = _layered_loss(steps, micro_batch)
+        discovery.structure = structure or next((s for _, s in seen_by_all if s is not None), None)
+        layered, why = _layered_loss(steps, micro_batch, compute=has_samples)
     if not why and has_samples and not math.isclose(layered, ordinary, rel_tol=tolerance, abs_tol=tolerance * 1e-3):
         why = (f"the layered pass gives the loss {layered:.9g} where the model's forward gives {ordinary:.9g} on the "
                "same micro-batch (a block's output is used outside the block sequence, or the loss depends on "
-               "every block's internals, e.g. a router's auxiliary loss)")
+               "every block's internals)")
     return _first(gather_objects(why, group))
-
 
 @contextlib.contextmanager
 def user_code(module: pl.LightningModule) -> Iterator[None]:
