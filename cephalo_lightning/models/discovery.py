@@ -15,8 +15,8 @@ state it was given, without computing anything; the model's code itself is untou
 
 * ``prepare``: the forward up to the LAST stand-in, which stops it; every block's side inputs are
   recorded, and block 0's hidden state is the first layer's input;
-* layer 1: block 0 on that hidden state; when a gradient is needed (the backward's recompute) the
-  forward runs again up to stand-in 0, so the embedding stage is part of layer 1's graph;
+* layer 1: the forward again up to stand-in 0 (the embedding stage, in layer 1's graph for the
+  backward's recompute), then block 0;
 * layers 2 .. L-1: block i called with its recorded side inputs;
 * layer L: the whole forward again, blocks 0 .. L-2 as stand-ins and block L-1 live on the
   schedule's hidden state (a pre-hook puts it in): its output is the loss, whose gradient reaches
@@ -314,9 +314,10 @@ class Discovery:
         raise RuntimeError("the forward returned without calling block 0")
 
     def _first_layer(self, hidden: torch.Tensor, side: _Side) -> torch.Tensor:
-        if torch.is_grad_enabled():  # the recompute: the embedding stage joins the graph
-            hidden = self._hidden_at_block0(side.micro_batch)
-        return side.calls[0].run(self.blocks[0], hidden)
+        """The embedding stage (the forward up to block 0) and block 0. The stage runs here, not
+        from ``prepare``'s hidden state, so the recompute has it in its graph and draws the same
+        random numbers (dropout) as the forward did."""
+        return side.calls[0].run(self.blocks[0], self._hidden_at_block0(side.micro_batch))
 
     def _last_layer(self, hidden: torch.Tensor, side: _Side) -> torch.Tensor:
         """The whole forward, blocks before the last as stand-ins, the last live on ``hidden``."""
