@@ -15,8 +15,9 @@ state it was given, without computing anything; the model's code itself is untou
 
 * ``prepare``: the forward up to the LAST stand-in, which stops it; every block's side inputs are
   recorded, and block 0's hidden state is the first layer's input;
-* layer 1: the forward again up to stand-in 0 (the embedding stage, in layer 1's graph for the
-  backward's recompute), then block 0;
+* layer 1: block 0 on that hidden state; in the backward's recompute the forward runs again up
+  to stand-in 0, so the embedding stage is in layer 1's graph (and in the forward too when the
+  stage draws random numbers, so both draw the same);
 * layers 2 .. L-1: block i called with its recorded side inputs;
 * layer L: the whole forward again, blocks 0 .. L-2 as stand-ins and block L-1 live on the
   schedule's hidden state (a pre-hook puts it in): its output is the loss, whose gradient reaches
@@ -133,6 +134,14 @@ class Structure:
 class _Side:
     micro_batch: Any
     calls: tuple[BlockInputs, ...]
+    reusable: bool  # the embedding stage drew no random numbers: the forward may use prepare's hidden state
+
+
+def _rng_states(like: torch.Tensor | None) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if like is not None and like.is_cuda:  # pragma: no cover - CUDA only
+        states.append(torch.cuda.get_rng_state(like.device))
+    return states
 
 
 class _Stop(Exception):
@@ -292,11 +301,14 @@ class Discovery:
                 raise _Stop(hidden)
             return self._answer(index, hidden)
 
+        device_hint = next(iter(self.blocks[0].parameters()), None)
+        before = _rng_states(device_hint)
         with self._stand_ins(len(self.blocks), record), contextlib.suppress(_Stop):
             self.forward(micro_batch)
         if len(calls) != len(self.blocks):
             raise RuntimeError(f"the forward called {len(calls)} of the {len(self.blocks)} blocks it called on the first step")
-        return firsts[0], _Side(micro_batch, tuple(calls))
+        reusable = all(torch.equal(a, b) for a, b in zip(before, _rng_states(device_hint)))
+        return firsts[0], _Side(micro_batch, tuple(calls), reusable)
 
     def _hidden_at_block0(self, micro_batch: Any) -> torch.Tensor:
         """The forward up to block 0: the hidden state the embedding stage makes (with its graph
@@ -314,10 +326,13 @@ class Discovery:
         raise RuntimeError("the forward returned without calling block 0")
 
     def _first_layer(self, hidden: torch.Tensor, side: _Side) -> torch.Tensor:
-        """The embedding stage (the forward up to block 0) and block 0. The stage runs here, not
-        from ``prepare``'s hidden state, so the recompute has it in its graph and draws the same
-        random numbers (dropout) as the forward did."""
-        return side.calls[0].run(self.blocks[0], self._hidden_at_block0(side.micro_batch))
+        """The embedding stage (the forward up to block 0) and block 0. Under a gradient (the
+        recompute) the stage runs again, to be in the graph; without one it reuses ``prepare``'s
+        hidden state unless the stage draws random numbers (dropout): then it runs here too, so the
+        recompute draws the same ones as the forward did."""
+        if torch.is_grad_enabled() or not side.reusable:
+            hidden = self._hidden_at_block0(side.micro_batch)
+        return side.calls[0].run(self.blocks[0], hidden)
 
     def _last_layer(self, hidden: torch.Tensor, side: _Side) -> torch.Tensor:
         """The whole forward, blocks before the last as stand-ins, the last live on ``hidden``."""
