@@ -93,6 +93,8 @@ def _hidden_of(output: Any) -> torch.Tensor:
 
 def _is_cache(value: Any) -> bool:
     """A key/value cache the model made for this forward (Hugging Face ``Cache``): blocks append to it."""
+    if value is None or isinstance(value, (torch.Tensor, bool, int, float, str, tuple)):
+        return False
     if "transformers" not in sys.modules:
         return False
     from transformers.cache_utils import Cache
@@ -154,14 +156,15 @@ class _Stop(Exception):
 
 class _StandIn(nn.Module):
     """Takes a block's place in its list for one pass: records the call, answers with its input.
-    Attributes the model's code reads from its blocks (``attention_type``, ...) are the block's."""
+    Attributes the model's code reads from its blocks (``attention_type``, ...) are the block's
+    (looked up once per stand-in, then kept: a stand-in lives for one pass)."""
 
     def __init__(self, index: int, block: nn.Module, answer: Callable[[int, tuple, dict], Any]) -> None:
         super().__init__()
         object.__setattr__(self, "_block", block)  # not a submodule: its parameters stay where they are
         object.__setattr__(self, "_answer", answer)
         self.index = index
-        self.train(block.training)
+        self.training = block.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._answer(self.index, args, kwargs)
@@ -170,7 +173,9 @@ class _StandIn(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(object.__getattribute__(self, "_block"), name)
+            value = getattr(object.__getattribute__(self, "_block"), name)
+            object.__setattr__(self, name, value)
+            return value
 
 
 class Observation:
