@@ -3,6 +3,7 @@
     python benchmarks/bench_discovery.py            # about a minute
     python benchmarks/bench_discovery.py --quick    # fewer rounds
     python benchmarks/bench_discovery.py --json
+    python benchmarks/bench_discovery.py --layers 12   # a deeper model: the discovery's cost is per micro-batch
 
 One Llama model (built from a config, no download) on 2 gloo ranks (CPU processes, NOT GPUs; every
 figure is a CPU measurement), three ways, side by side in one run, rounds interleaved:
@@ -157,9 +158,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--layers", type=int, default=Config.layers, help="decoder blocks (the overhead is per micro-batch)")
     args = parser.parse_args(argv)
     common.quiet_lightning()
-    cfg = Config(repeats=4, warmup=1) if args.quick else Config()
+    cfg = Config(repeats=4, warmup=1, layers=args.layers) if args.quick else Config(layers=args.layers)
     before = common.load_average()
     result = run_benchmark(cfg)
     if args.json:
