@@ -186,7 +186,7 @@ class _LanguageModelSteps(pl.LightningModule):
 
 
 class PlainLM(_LanguageModelSteps):
-    """(a) The HF-style model as-is: the strategy falls back to the uniform mode."""
+    """(a) The HF-style model as-is, trained in the uniform mode (asked for: auto would layer it by its blocks)."""
 
     def __init__(self, config: MyConfig = MyConfig(), learning_rate: float = 3e-3) -> None:
         super().__init__(config, learning_rate)
@@ -273,7 +273,8 @@ def train(variant: str, steps: int, devices: int, out: Path) -> dict[str, float]
     if variant == "uniform":
         module: pl.LightningModule = PlainLM(config)
         # the wrap policy: classes (or import paths, in a config file) whose instances become units
-        strategy = CephaloStrategy(units=[MyBlock], emulate=EMULATE[:devices])
+        # mode="uniform": with "auto" the strategy would discover the blocks and run layered itself
+        strategy = CephaloStrategy(mode="uniform", units=[MyBlock], emulate=EMULATE[:devices])
     else:
         module = LayeredLM(config)
         strategy = CephaloStrategy(mode="layered", emulate=EMULATE[:devices])  # mode="auto" would find it too

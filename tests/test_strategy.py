@@ -187,9 +187,14 @@ def test_model_without_units_is_refused():
 
 
 def test_layered_plan_on_a_model_without_the_protocol_is_refused():
+    class NoBlockList(TinyUniform):  # blocks in an nn.Sequential: no ModuleList for the discovery to find
+        def __init__(self):
+            super().__init__()
+            self.model.blocks = torch.nn.Sequential(*self.model.blocks)
+
     plan = Plan(12, "layered", (RankPlan(0, "a", 12, 3, 4, 1.0),))
     with pytest.raises(TypeError, match="cephalo_layers"):
-        _fit_one(CephaloStrategy(plan=plan, mode="layered"), TinyUniform())
+        _fit_one(CephaloStrategy(plan=plan, mode="layered"), NoBlockList())
 
 
 @pytest.mark.multiprocess

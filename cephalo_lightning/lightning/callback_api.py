@@ -52,12 +52,20 @@ class CallbackAPI:
 
     @property
     def layered_form(self) -> Any:
-        """The model's :class:`~cephalo_lightning.models.protocol.LayeredModel` in the layered mode, else None."""
-        return self._fit_runtime().layered_model
+        """The model's :class:`~cephalo_lightning.models.protocol.LayeredModel` in the layered mode, else None
+        (also for a discovered block sequence before the first step has checked it)."""
+        layered = self._fit_runtime().layered_model
+        if layered is not None and layered.discovery is not None and layered.discovery.structure is None:
+            return None
+        return layered
 
     @property
     def why_not_layered(self) -> str | None:
         """Why the model has no layered form (None when it has one)."""
+        layered = self._fit_runtime().layered_model
+        if layered is not None and layered.discovery is not None and layered.discovery.structure is None:
+            return (f"{layered.name}: the block sequence is checked on the first training step, so it cannot be "
+                    "profiled before")
         return self._fit_runtime().resolution.reason
 
     @contextlib.contextmanager

@@ -22,6 +22,7 @@ from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning import loggers
 from cephalo_lightning.lightning.checkpoint_io import FitCheckpoints, globals_with_lightning
 from cephalo_lightning.lightning.config import Schedule, StrategyConfig
+from cephalo_lightning.lightning.discovered import LossPassLogs
 from cephalo_lightning.lightning.plan_switch import PlanSwitches
 from cephalo_lightning.lightning.schedules import check_plan, loss_weighting
 from cephalo_lightning.lightning.steps import LayeredSteps, NonFiniteGuard, TrainingStep, UniformSteps
@@ -67,7 +68,7 @@ class FitRuntime:
         self.memory = _memory_tracking(self.sharded, emulator, device, config.memory_check_every_n_steps)
         self.steps = self._steps(device, emulator, training_step)
         self.guard = NonFiniteGuard(config.max_nonfinite_skips)
-        self.switches = PlanSwitches(plan, self.sharded, lambda p: check_plan(p, schedule, resolution, module))
+        self.switches = PlanSwitches(plan, self.sharded, lambda p: check_plan(p, self.schedule, resolution, module))
         self.checkpoints = FitCheckpoints(self.sharded, config, rank, lambda: self.plan)
 
     def _steps(self, device: torch.device, emulator: DeviceEmulator,
@@ -78,8 +79,28 @@ class FitRuntime:
         # an emulated GPU keeps its stash on the host, as the real one would (accounted as host memory)
         offload = config.offload if config.offload is not None else (device.type == "cuda" or emulator.memory_gb is not None)
         tolerance = 1e-3 if (config.param_dtype or torch.float32).itemsize >= 4 else 3e-2
-        return LayeredSteps(self.module, LayeredSchedule(self.sharded, layered.layers, offload=offload), layered,
-                            verify_loss=config.verify_loss, tolerance=tolerance)
+        logs = LossPassLogs(self.module) if layered.discovery is not None else None
+        layers = logs.wrap(layered.layers) if logs is not None else layered.layers
+        return LayeredSteps(self.module, LayeredSchedule(self.sharded, layers, offload=offload), layered,
+                            verify_loss=config.verify_loss, tolerance=tolerance,
+                            # a discovered model's loss is the user's training_step's: weighted as the uniform mode weights it
+                            weighting=self.weighting if layered.discovery is not None else None,
+                            fallback=lambda why: self._fall_back(why, training_step), logs=logs)
+
+    def _fall_back(self, why: str, training_step: Callable[..., Any]) -> UniformSteps:
+        """The first step found that a discovered block sequence does not hold: the uniform mode
+        from then on, when the plan allows it (one micro-batch count on every rank)."""
+        name = self.layered_model.name
+        counts = self.plan.num_micro_batches
+        if len(set(counts)) > 1:
+            raise ConfigurationError(
+                f"Cephalo cannot run {name} layer by layer: {why}. The plan gives ranks different micro-batch counts "
+                f"{list(counts)}, which only the layered mode can run: re-plan with mode='uniform' (one count on "
+                "every rank), or give the LightningModule the layered protocol (cephalo_layers, cephalo_input, "
+                "cephalo_loss)")
+        rank_zero_info(f"Cephalo: the uniform mode for {name}: the discovered block sequence does not hold ({why})")
+        self.schedule, self.layered_model = "uniform", None
+        return UniformSteps(self.module, self.sharded, training_step, self.weighting)
 
     @property
     def plan(self) -> Plan:

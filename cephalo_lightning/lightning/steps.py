@@ -15,6 +15,7 @@ went non-finite (:class:`NonFiniteGuard`) and whether any rank was told to stop 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from cephalo_lightning._common.errors import CephaloError, ConfigurationError
 from cephalo_lightning.lightning._private import LoggedValue, captured_logs, logged_values, logging_as
+from cephalo_lightning.lightning.discovered import LossPassLogs, discovered_check, user_code
 from cephalo_lightning.models.protocol import LayeredModel, LossWeighting, check_first_inputs
 from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime.batching import leading_size, micro_batches
@@ -148,22 +150,39 @@ class LayeredSteps:
     """
 
     def __init__(self, module: pl.LightningModule, schedule: LayeredSchedule, model: LayeredModel,
-                 verify_loss: bool = True, tolerance: float = 1e-3) -> None:
+                 verify_loss: bool = True, tolerance: float = 1e-3,
+                 fallback: Callable[[str], UniformSteps] | None = None, weighting: LossWeighting | None = None,
+                 logs: LossPassLogs | None = None) -> None:
         self.module = module
         self.schedule = schedule
         self.model = model
+        self.weighting = weighting or model.weighting
         self.verify_loss = verify_loss and model.derived  # cleared once checked (the first step of the fit)
+        self.check_discovered = model.discovery is not None  # always checked: the structure is only guessed
         self.tolerance = tolerance
+        self.fallback = fallback  # a discovered structure that does not hold: the uniform mode, from then on
+        self.uniform: UniformSteps | None = None
+        self.logs = logs  # a discovered model: what its training_step logs, relayed once per step
 
     def forward(self, batch: Any, step: TrainingStep) -> torch.Tensor:
+        if self.uniform is not None:
+            return self.uniform.forward(batch, step)
         sizes = step.rank_plan.micro_batch_sizes
         parts = micro_batches(batch, sizes) if sizes else []
+        if self.check_discovered:
+            self.check_discovered = self.verify_loss = False
+            why = discovered_check(self, parts[0] if parts else batch, bool(parts), step.batch_idx)
+            if why:
+                if self.fallback is None:
+                    raise ConfigurationError(f"Cephalo cannot run {self.model.name} layer by layer: {why}")
+                self.uniform = self.fallback(why)
+                return self.uniform.forward(batch, step)
         if self.verify_loss:
             self.verify_loss = False
             self._verify(parts[0] if parts else batch, has_samples=bool(parts), batch_idx=step.batch_idx)
-        shares, total = micro_batch_weights(parts, self.model.weighting, step.global_batch, self.schedule.device,
+        shares, total = micro_batch_weights(parts, self.weighting, step.global_batch, self.schedule.device,
                                            self.schedule.sharded.comm.group)
-        share = self.model.weighting.share
+        share = self.weighting.share
         if share is not None:  # the model's loss divides by the global items itself: weight 1
             weights = [(1.0 if w else 0.0) / step.accumulate for w in shares]
             loss = lambda k, out, side: share(out, parts[k], side, total)  # noqa: E731
@@ -177,14 +196,29 @@ class LayeredSteps:
             return x, side
 
         recompute = step.rank_plan.recompute or len(parts) > 1
-        step.local_loss = self.schedule.forward(parts, prepare, loss, weights, recompute=recompute)
+        with self._model_code(), self.logs.recorded() if self.logs is not None else contextlib.nullcontext():
+            step.local_loss = self.schedule.forward(parts, prepare, loss, weights, recompute=recompute)
+        step.weights = shares
         return step.local_loss.detach() * step.accumulate  # Lightning divides what we return by `accumulate`
 
+    def _model_code(self) -> contextlib.AbstractContextManager[Any]:
+        """A discovered model's layers run the user's training_step: its self.log calls are dropped
+        (the step logs its global loss itself)."""
+        return user_code(self.module) if self.model.discovery is not None else contextlib.nullcontext()
+
     def backward(self, closure_loss: torch.Tensor, step: TrainingStep) -> StepReport:
-        self.schedule.backward(step.loss_scale)
-        report, _ = finish_step(step.local_loss * step.accumulate, self.schedule.sharded, step.sync,
-                                signal=step.pending_signal())
-        log_scalar(self.module, "train_loss", report.loss, step.global_batch, prog_bar=True, on_step=True, on_epoch=True)
+        if self.uniform is not None:
+            return self.uniform.backward(closure_loss, step)
+        with self._model_code():
+            self.schedule.backward(step.loss_scale)
+        sharded = self.schedule.sharded
+        names, sums = self.logs.sums(step.weights, sharded.comm.group) if self.logs is not None else ([], [])
+        report, values = finish_step(step.local_loss * step.accumulate, sharded, step.sync, sums,
+                                     signal=step.pending_signal())
+        if "train_loss" not in {spec.name for spec in names}:  # the user's own train_loss is relayed instead
+            log_scalar(self.module, "train_loss", report.loss, step.global_batch, prog_bar=True, on_step=True,
+                       on_epoch=True)
+        relog(self.module, names, values, step)
         return report
 
     @torch.no_grad()
@@ -315,11 +349,8 @@ class UniformSteps:
         return report
 
     def _relog(self, names: list[LoggedValue], values: list[torch.Tensor], step: TrainingStep) -> None:
+        relog(self.module, names, values, step)
         done = {spec.name for spec in names}
-        for spec, value in zip(names, values):
-            log_scalar(self.module, spec.name, float(value), step.global_batch, prog_bar=spec.prog_bar,
-                       logger=spec.logger, on_step=spec.on_step, on_epoch=spec.on_epoch,
-                       reduce_fx=spec.reduction)
         last: dict[str, LoggedValue] = {}
         for _, logged in step.logged:
             for v in logged:
@@ -331,6 +362,13 @@ class UniformSteps:
                 self.module.log(v.name, v.value, prog_bar=v.prog_bar, logger=v.logger, on_step=v.on_step,
                                 on_epoch=v.on_epoch, sync_dist=torch.is_tensor(v.value),
                                 reduce_fx=v.reduction if v.reduction != "custom" else "mean", **kwargs)
+
+
+def relog(module: pl.LightningModule, names: list[LoggedValue], values: list[torch.Tensor], step: TrainingStep) -> None:
+    """Log the user's values with their weighted global combination (already all-reduced)."""
+    for spec, value in zip(names, values):
+        log_scalar(module, spec.name, float(value), step.global_batch, prog_bar=spec.prog_bar, logger=spec.logger,
+                   on_step=spec.on_step, on_epoch=spec.on_epoch, reduce_fx=spec.reduction)
 
 
 def check_training_step_output(output: Any) -> None:

@@ -2,7 +2,8 @@
 
 :func:`resolve` looks, in order, for the explicit layered protocol on the module
 (:mod:`.protocol`), a Hugging Face causal LM (:mod:`.hf`) or a litgpt ``GPT`` (:mod:`.litgpt`)
-inside it. What it finds decides the mode (layered when a layered form exists), how micro-batch
+inside it (named adapters: fast paths), and else for a block sequence in the model's structure
+(:mod:`.discovery`, checked on the first step). What it finds decides the mode (layered when a layered form exists), how micro-batch
 losses are weighted (tokens for causal LMs, samples otherwise) and how a model built on the meta
 device is initialised. ``transformers`` and ``litgpt`` are only looked at when already imported.
 """
@@ -15,13 +16,14 @@ from dataclasses import dataclass
 from torch import nn
 
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.models import hf, litgpt
+from cephalo_lightning.models import discovery, hf, litgpt
 from cephalo_lightning.models.protocol import PROTOCOL, LayeredModel, LossWeighting, from_protocol, has_protocol
 
 InitFn = Callable[[nn.Module], None]
 
 SUPPORTED = ("the layered protocol (cephalo_layers, cephalo_input, cephalo_loss)",
-             "Hugging Face causal LMs: " + ", ".join(sorted(hf.FAMILIES)), "litgpt GPT")
+             "Hugging Face causal LMs: " + ", ".join(sorted(hf.FAMILIES)), "litgpt GPT",
+             "any model whose largest ModuleList is a sequence of blocks (found on the first step)")
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,13 @@ def resolve(module: nn.Module) -> Resolution:
     elif gpt is not None:
         layered, why = litgpt.adapt(gpt)
     else:
-        layered, why = None, (f"{type(module).__name__} neither implements {', '.join(PROTOCOL)} nor holds a "
-                              "supported Hugging Face or litgpt model")
-    weighting = layered.weighting if layered is not None else (
-        LossWeighting("items", hf.label_count) if library is not None else LossWeighting("samples"))
+        layered, why = None, f"{type(module).__name__} holds no model a named adapter knows"
+    uniform = LossWeighting("items", hf.label_count) if library is not None else LossWeighting("samples")
+    if layered is None:  # no named adapter: the block sequence found from the model's structure
+        name = type(library).__name__ if library is not None else type(module).__name__
+        layered, found = discovery.adapt(module, uniform, name)
+        why = "" if layered is not None else f"{why}; {found}"
+    weighting = layered.weighting if layered is not None else uniform
     return Resolution(layered, weighting, why, init, library)
 
 

@@ -73,6 +73,7 @@ class LayeredModel:
     weighting: LossWeighting
     name: str
     derived: bool  # found by an adapter (True) or written by the user (False)
+    discovery: Any = None  # a models.discovery.Discovery: found from the structure, checked on the first step
 
     @property
     def units(self) -> list[list[nn.Module]]:

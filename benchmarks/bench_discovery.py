@@ -1,0 +1,188 @@
+"""The discovered layered mode vs the named adapter vs uniform: step time and peak memory.
+
+    python benchmarks/bench_discovery.py            # about a minute
+    python benchmarks/bench_discovery.py --quick    # fewer rounds
+    python benchmarks/bench_discovery.py --json
+    python benchmarks/bench_discovery.py --layers 12   # a deeper model: the discovery's cost is per micro-batch
+
+One Llama model (built from a config, no download) on 2 gloo ranks (CPU processes, NOT GPUs; every
+figure is a CPU measurement), three ways, side by side in one run, rounds interleaved:
+
+* ``adapter``: the layered schedule through the named Hugging Face adapter (``models.hf``: the
+  embedding and the head are units of their own);
+* ``discovered``: the same model through the structural discovery (``models.discovery``: the
+  blocks found from the forward, the embedding stage and the head in the root unit, the model's
+  forward re-entered for the prefix and the loss);
+* ``uniform``: micro-batch-major accumulation over the same block units (hooks).
+
+Printed: median step time (slowest rank) after the first step, the discovery's overhead over the
+adapter (goal <= 5%), and the peak accounted memory of one step (MemoryTracker, activations and
+gathered units; the resident state is the same for all three).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import cephalo_lightning  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _common as common
+import torch
+
+WORLD = 2
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int = 512
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    seq_len: int = 64
+    micro_batches: int = 4
+    micro_batch_size: int = 2
+    shares: tuple[float, ...] = (0.5, 0.5)
+    repeats: int = 12
+    warmup: int = 2
+
+
+def _model(cfg: Config):  # noqa: ANN202
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=4 * cfg.hidden,
+                                      num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                                      num_key_value_heads=cfg.heads, max_position_embeddings=cfg.seq_len,
+                                      attn_implementation="eager")
+    return transformers.LlamaForCausalLM(config)
+
+
+def _micro_batches(cfg: Config, rank: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(rank)
+    out = []
+    for _ in range(cfg.micro_batches):
+        ids = torch.randint(0, cfg.vocab_size, (cfg.micro_batch_size, cfg.seq_len), generator=gen)
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return out
+
+
+class _Variant:
+    """One way of running the step, with its own sharded copy of the model."""
+
+    def __init__(self, cfg: Config, how: str, parts: list[dict[str, torch.Tensor]]) -> None:
+        from cephalo_lightning.models import hf
+        from cephalo_lightning.models.discovery import Discovery
+        from cephalo_lightning.models.protocol import LossWeighting
+        from cephalo_lightning.runtime.layered import LayeredSchedule
+        from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+
+        self.how, self.parts = how, parts
+        self.lm = _model(cfg)
+        if how == "adapter":
+            self.layered, _ = hf.adapt(self.lm)
+        else:
+            blocks = self.lm.model.layers
+            discovery = Discovery(blocks, lambda mb: self.lm(**mb).loss, "model.layers")
+            self.layered = discovery.layered(LossWeighting("items", hf.label_count), "LlamaForCausalLM")
+        self.sharded = ShardedModel(self.lm, list(cfg.shares), units=self.layered.units)
+        self.schedule = LayeredSchedule(self.sharded, self.layered.layers, offload=False) if how != "uniform" else None
+        if how == "discovered":  # the first step's observation (an ordinary forward, hooks on the blocks)
+            self.sharded.gather_root()
+            with self.layered.discovery.observe() as seen, torch.no_grad():
+                self.lm(**parts[0])
+            self.sharded.free_all()
+            self.layered.discovery.structure, why = seen.structure()
+            assert not why, why
+
+    def step(self) -> None:
+        n = len(self.parts)
+        for p in self.sharded.parameters():
+            p.grad = None
+        if self.schedule is None:
+            self.sharded.gather_root()
+            for k, mb in enumerate(self.parts):
+                self.sharded.set_requires_gradient_sync(k == n - 1)
+                self.sharded.backward(self.lm(**mb).loss / n)
+            self.sharded.set_requires_gradient_sync(True)
+            return
+        model = self.layered
+        self.schedule.forward(self.parts, model.prepare, lambda k, out, side: model.loss(out, self.parts[k], side),
+                              [1.0 / n] * n)
+        self.schedule.backward()
+
+
+def _rank_main(rank: int, world: int, cfg: Config) -> dict[str, Any]:
+    from cephalo_lightning.runtime.emulation.memory import MemoryTracker
+
+    torch.set_num_threads(1)
+    parts = _micro_batches(cfg, rank)
+    variants = {how: _Variant(cfg, how, parts) for how in ("adapter", "discovered", "uniform")}
+    peaks = {}
+    for how, variant in variants.items():
+        variant.step()  # the first step (untimed)
+        gc.collect()
+        tracker = MemoryTracker()
+        with variant.sharded.observers.attached(tracker), tracker:
+            variant.step()
+        peaks[how] = tracker.peak_bytes
+    times = common.interleaved_times({how: v.step for how, v in variants.items()}, cfg.repeats, cfg.warmup)
+    return {"rank": rank, "times": times, "peaks": peaks}
+
+
+def run_benchmark(cfg: Config = Config()) -> dict[str, Any]:
+    per_rank = common.run_ranks(_rank_main, WORLD, cfg)
+    names = list(per_rank[0]["times"])
+    slowest = {how: [max(r["times"][how][i] for r in per_rank) for i in range(cfg.repeats)] for how in names}
+    rows = [{"variant": how, "median_step_s": common.median(slowest[how]),
+             "peak_bytes": max(r["peaks"][how] for r in per_rank)} for how in names]
+    return {
+        "config": asdict(cfg), "rows": rows,
+        "discovery_over_adapter": common.paired_ratio(slowest["discovered"], slowest["adapter"]),
+        "adapter_over_uniform": common.paired_ratio(slowest["adapter"], slowest["uniform"]),
+        "discovered_over_uniform": common.paired_ratio(slowest["discovered"], slowest["uniform"]),
+        # the fastest round of each: the least disturbed by other processes on a shared machine
+        "fastest_discovery_over_adapter": min(slowest["discovered"]) / min(slowest["adapter"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--layers", type=int, default=Config.layers, help="decoder blocks (the overhead is per micro-batch)")
+    args = parser.parse_args(argv)
+    common.quiet_lightning()
+    cfg = Config(repeats=4, warmup=1, layers=args.layers) if args.quick else Config(layers=args.layers)
+    before = common.load_average()
+    result = run_benchmark(cfg)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(common.environment_note())
+    common.print_table(
+        ["variant", "median step s (measured, CPU)", "peak MiB of a step (measured, accounted)"],
+        [[r["variant"], f"{r['median_step_s']:.4f}", common.mib(r["peak_bytes"])] for r in result["rows"]],
+        title=f"Llama {cfg.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}: {cfg.micro_batches} micro-batches "
+              f"of {cfg.micro_batch_size} per rank, {WORLD} gloo ranks (MEASURED on CPU)")
+    overhead = result["discovery_over_adapter"] - 1.0
+    print(f"discovered / adapter step time (paired median, measured): {result['discovery_over_adapter']:.3f} "
+          f"-> discovery overhead after the first step {100 * overhead:+.1f}% (goal <= 5%: "
+          f"{'met' if overhead <= 0.05 else 'NOT met'})")
+    print(f"fastest round discovered / fastest round adapter (measured; less sensitive to other load): "
+          f"{result['fastest_discovery_over_adapter']:.3f}")
+    print(f"adapter / uniform: {result['adapter_over_uniform']:.3f}; discovered / uniform: "
+          f"{result['discovered_over_uniform']:.3f} (measured)")
+    print(common.load_note(before, common.load_average()))
+
+
+if __name__ == "__main__":
+    main()
