@@ -44,6 +44,7 @@ from cephalo_lightning.lightning.config import (
     Collective,
     LossWeightingChoice,
     Mode,
+    RouterAuxLoss,
     StateDictType,
     StrategyConfig,
 )
@@ -81,7 +82,9 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  memory_check_every_n_steps: int = DEFAULTS.memory_check_every_n_steps,
                  state_dict_type: StateDictType = DEFAULTS.state_dict_type, prefetch: bool = DEFAULTS.prefetch,
                  overlap: bool = DEFAULTS.overlap, pretrained: str | Path | None = DEFAULTS.pretrained,
-                 loss_weighting: LossWeightingChoice = DEFAULTS.loss_weighting, verify_loss: bool = DEFAULTS.verify_loss,
+                 loss_weighting: LossWeightingChoice = DEFAULTS.loss_weighting,
+                 router_aux_loss: RouterAuxLoss = DEFAULTS.router_aux_loss,
+                 gather_on_teardown: bool = DEFAULTS.gather_on_teardown, verify_loss: bool = DEFAULTS.verify_loss,
                  max_nonfinite_skips: int = DEFAULTS.max_nonfinite_skips, check_devices: bool = DEFAULTS.check_devices,
                  safe_globals: Sequence[Any] = DEFAULTS.safe_globals, seed: int | None = DEFAULTS.seed,
                  verify_checksums: bool = DEFAULTS.verify_checksums,
@@ -97,6 +100,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         self._failures: FailureReport | None = None
         self._sync = True  # False while Lightning accumulates gradients over batches
         self._step: TrainingStep | None = None  # the training step in progress (see the module note)
+        self._failed = False  # the current fit/evaluation raised (on_exception)
 
     global_batch_size = property(lambda self: self.config.global_batch_size)
     collective = property(lambda self: resolve_mode(self.config.collective))  # once the backend is known
@@ -165,6 +169,9 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             self._adopted(self.fit_runtime.plan)
             if self._precision_plugin is not None:  # always one of ours (the setter converts it)
                 self._precision_plugin.shard_over(self.fit_runtime.sharded.comm)
+        else:  # the same module again (e.g. trainer.test after trainer.fit): its whole parameters into the shards
+            self.fit_runtime.sharded.take_back()
+        self._failed = False
         self.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -311,6 +318,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # no collective at teardown: a peer may be gone
         if isinstance(exception, SIGTERMException):
             self._stopped_by_sigterm(exception)
             return
@@ -331,6 +339,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.fit_runtime is not None:  # the user's module after fit/validate/test: see runtime.sharding.handback
+            self.fit_runtime.sharded.hand_back(whole=self.config.gather_on_teardown and not self._failed)
         if self._failures is not None:
             self._failures.close()
             self._failures = None

@@ -3,8 +3,8 @@
 :func:`resolve` looks, in order, for the explicit layered protocol on the module
 (:mod:`.protocol`), a Hugging Face causal LM (:mod:`.hf`) or a litgpt ``GPT`` (:mod:`.litgpt`)
 inside it. What it finds decides the mode (layered when a layered form exists), how micro-batch
-losses are weighted (tokens for causal LMs, samples otherwise) and how a model built on the meta
-device is initialised. ``transformers`` and ``litgpt`` are only looked at when already imported.
+losses are weighted (:mod:`.weighting`: by what the model's loss averages over) and how a model
+built on the meta device is initialised. ``transformers`` and ``litgpt`` are only looked at when already imported.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.models import hf, litgpt
+from cephalo_lightning.models import hf, litgpt, weighting
 from cephalo_lightning.models.protocol import PROTOCOL, LayeredModel, LossWeighting, from_protocol, has_protocol
 
 InitFn = Callable[[nn.Module], None]
@@ -71,7 +71,7 @@ def resolve(module: nn.Module) -> Resolution:
     init = _init_for(module, library, library_init)
     if has_protocol(module):
         layered = from_protocol(module)
-        return Resolution(layered, layered.weighting, "", init, library)
+        return Resolution(layered, weighting.choose("auto", module, layered).weighting, "", init, library)
     if lm is not None:
         layered, why = hf.adapt(lm)
     elif gpt is not None:
@@ -79,9 +79,7 @@ def resolve(module: nn.Module) -> Resolution:
     else:
         layered, why = None, (f"{type(module).__name__} neither implements {', '.join(PROTOCOL)} nor holds a "
                               "supported Hugging Face or litgpt model")
-    weighting = layered.weighting if layered is not None else (
-        LossWeighting("items", hf.label_count) if library is not None else LossWeighting("samples"))
-    return Resolution(layered, weighting, why, init, library)
+    return Resolution(layered, weighting.choose("auto", module, layered).weighting, why, init, library)
 
 
 __all__ = ["LayeredModel", "LossWeighting", "PROTOCOL", "Resolution", "SUPPORTED", "resolve"]

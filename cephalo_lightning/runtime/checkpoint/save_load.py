@@ -110,6 +110,7 @@ def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
             "token": token,
             "files": {name: entry for name, entry in dcp_files.items() if name != META_FILE},
             "param_shapes": {name: list(shape) for name, _, shape, _ in local_pieces(sharded)},
+            "units": [[span.name for span in unit.spans] for unit in sharded.units],  # an export reads unit by unit
             "aliases": state_dict_aliases(sharded),
             "optimizers": optimizer_info,
             **info,

@@ -1,0 +1,104 @@
+"""The user's module after a fit: whole trained parameters, or shard pieces that refuse to be used.
+
+While a fit runs, the modules hold this rank's local pieces (views of the master shard) and the
+hooks gather them for compute. Once ``fit``/``validate``/``test`` returns, code outside the
+strategy (``save_pretrained``, ``generate``, ``state_dict``, a plain forward) must see the model
+it trained, so :func:`hand_back` either
+
+* gathers every unit once (an all-gather per unit, in the master dtype) and puts whole copies of
+  the trained parameters into the modules (``whole=True``): an ordinary model on every rank, tied
+  parameters still tied; the hooks stand aside (``Mode.HANDED_BACK``); or
+* leaves the pieces in place (``whole=False``, for a model too big to hold whole) and refuses every
+  forward through a module holding them and every ``state_dict()`` of the model with an error that
+  says what to do (``Mode.PARKED``).
+
+:func:`take_back` undoes it when the same module is set up again (``trainer.test`` after
+``trainer.fit``): the whole parameters, edited or not, are copied into the master shards, which the
+optimizer's pieces view, and the modules hold the pieces again.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from cephalo_lightning._common.errors import UnsupportedError
+
+if TYPE_CHECKING:
+    from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+
+PIECE_ATTRIBUTE = "_cephalo_full_shape"  # set on every local piece (see flat_unit)
+
+REFUSAL = ("{what}: the module's parameters are this rank's shard pieces of a Cephalo fit "
+           "(CephaloStrategy(gather_on_teardown=False)), not the model's weights. Use the model through "
+           "the Trainer (trainer.validate/test/predict), set gather_on_teardown=True to get whole parameters "
+           "after the fit, or export a checkpoint: python -m cephalo_lightning export CHECKPOINT_DIR --hf OUT")
+
+
+def hand_back(sharded: ShardedModel, whole: bool) -> None:
+    """The end of a fit (collective when ``whole``): see the module docstring."""
+    from cephalo_lightning.runtime.sharding.sharded_model import Mode
+
+    if sharded.mode in (Mode.HANDED_BACK, Mode.PARKED):
+        return
+    full = sharded.full_state_dict() if whole else None
+    sharded.free_all()
+    if full is None:
+        _refuse_use(sharded)
+        sharded.mode = Mode.PARKED
+        return
+    for unit in sharded.units:
+        for slot, span, requires_grad in zip(unit.slots, unit.spans, unit.requires_grad):
+            slot.set(nn.Parameter(full.pop(span.name), requires_grad=requires_grad))
+    sharded.mode = Mode.HANDED_BACK
+
+
+def take_back(sharded: ShardedModel) -> None:
+    """Before the same module trains or evaluates again: the whole parameters into the shards."""
+    from cephalo_lightning.runtime.sharding.sharded_model import Mode
+
+    if sharded.mode is Mode.HANDED_BACK:
+        for unit in sharded.units:
+            lo, _ = unit.layout.shard_range(unit.rank)
+            for index, (slot, span) in enumerate(zip(unit.slots, unit.spans)):
+                current = slot.current
+                if tuple(current.shape) != tuple(span.shape):
+                    raise UnsupportedError(
+                        f"{span.name} is now {tuple(current.shape)}, was {tuple(span.shape)} when the model was sharded: "
+                        "a module whose parameters changed shape cannot train on; build a new module")
+                a, b = unit.local_range(index)
+                start = span.offset + a - lo
+                unit.master[start : start + b - a].copy_(current.detach().reshape(-1)[a:b])
+            unit.use_local()
+    for handle in sharded.refusals:
+        handle.remove()
+    sharded.refusals.clear()
+    if sharded.mode in (Mode.HANDED_BACK, Mode.PARKED):
+        sharded.mode = Mode.HOOKS
+
+
+def check_not_pieces(module: nn.Module) -> None:
+    """Refuse to shard a module that still holds the pieces of an earlier fit's sharding."""
+    pieces = [name for name, p in module.named_parameters() if hasattr(p, PIECE_ATTRIBUTE)]
+    if pieces:
+        raise UnsupportedError(REFUSAL.format(what=f"cannot shard {type(module).__name__} again ({pieces[0]}, ...)"))
+
+
+def _refuse_use(sharded: ShardedModel) -> None:
+    holders = {id(m): m for unit in sharded.units for slot in unit.slots for m, _ in slot.holders}
+    holders[id(sharded.module)] = sharded.module
+
+    def refuse_forward(module: nn.Module, args: Any) -> None:
+        raise UnsupportedError(REFUSAL.format(what=f"{type(module).__name__}.forward() after the fit"))
+
+    def refuse_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        raise UnsupportedError(REFUSAL.format(what=f"{type(module).__name__}.state_dict() after the fit"))
+
+    for module in holders.values():
+        sharded.refusals.append(module.register_forward_pre_hook(refuse_forward))
+    for module in sharded.module.modules():  # save_pretrained() asks a submodule for its state_dict
+        sharded.refusals.append(module.register_state_dict_pre_hook(refuse_state_dict))
+
+
+__all__ = ["check_not_pieces", "hand_back", "take_back"]
