@@ -6,8 +6,9 @@ strategy (``save_pretrained``, ``generate``, ``state_dict``, a plain forward) mu
 it trained, so :func:`hand_back` either
 
 * gathers every unit once (an all-gather per unit, in the master dtype) and puts whole copies of
-  the trained parameters into the modules (``whole=True``): an ordinary model on every rank, tied
-  parameters still tied; the hooks stand aside (``Mode.HANDED_BACK``); or
+  the trained parameters into the modules (``whole=True``; in host memory when training ran on a
+  GPU): an ordinary model on every rank, tied parameters still tied; the hooks stand aside
+  (``Mode.HANDED_BACK``); or
 * leaves the pieces in place (``whole=False``, for a model too big to hold whole) and refuses every
   forward through a module holding them and every ``state_dict()`` of the model with an error that
   says what to do (``Mode.PARKED``).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from cephalo_lightning._common.errors import UnsupportedError
@@ -42,15 +44,21 @@ def hand_back(sharded: ShardedModel, whole: bool) -> None:
 
     if sharded.mode in (Mode.HANDED_BACK, Mode.PARKED):
         return
-    full = sharded.full_state_dict() if whole else None
     sharded.free_all()
-    if full is None:
+    if not whole:
         _refuse_use(sharded)
         sharded.mode = Mode.PARKED
         return
+    # one unit at a time on the device; on a GPU the whole copies go to host memory, where
+    # Lightning's teardown moves the module anyway, so the device never holds more than one unit
+    home = torch.device("cpu") if sharded.device.type == "cuda" else sharded.device
     for unit in sharded.units:
+        flat = torch.empty(unit.layout.numel, dtype=unit.master.dtype, device=unit.device)
+        sharded.comm.all_gather(unit.master, flat, unit.layout).wait()
+        flat = flat.to(home)
         for slot, span, requires_grad in zip(unit.slots, unit.spans, unit.requires_grad):
-            slot.set(nn.Parameter(full.pop(span.name), requires_grad=requires_grad))
+            whole_param = flat[span.offset : span.offset + span.numel].view(span.shape).clone()
+            slot.set(nn.Parameter(whole_param, requires_grad=requires_grad))
     sharded.mode = Mode.HANDED_BACK
 
 
