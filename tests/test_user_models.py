@@ -34,6 +34,7 @@ from cephalo_lightning._common.errors import UnsupportedError  # noqa: E402
 from cephalo_lightning.models import resolve, weighting  # noqa: E402
 from cephalo_lightning.planner import RankPlan  # noqa: E402
 from cephalo_lightning.runtime.checkpoint import load_full_state_dict  # noqa: E402
+from cephalo_lightning.runtime.checkpoint.export import export_hf  # noqa: E402
 from tests import library_models  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.library_models import LibraryLM, PaddedTokens  # noqa: E402
@@ -230,6 +231,10 @@ def test_after_fit_the_module_is_the_trained_model(results, out_dir, llama_refer
     assert cli(["export", str(checkpoint), "--hf", str(exported)]) == 0
     _equal(_whole(transformers.LlamaForCausalLM.from_pretrained(exported)), whole, "the exported directory")
     assert cli(["export", str(checkpoint), "--hf", str(exported)]) == 1  # refuses to overwrite
+    # one file per unit (with the index), config and prefix given instead of the recorded ones
+    pieces = export_hf(checkpoint, out_dir / f"{mode}-files", config=out_dir / mode, prefix="model.", max_shard_bytes=1)
+    assert len(pieces.files) > 2 and (out_dir / f"{mode}-files" / "model.safetensors.index.json").exists()
+    _equal(_whole(transformers.LlamaForCausalLM.from_pretrained(out_dir / f"{mode}-files")), whole, "one file per unit")
 
 
 @pytest.mark.multiprocess
