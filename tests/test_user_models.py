@@ -115,11 +115,16 @@ def _refused(use) -> str:
     return ""
 
 
+class TestedLM(LibraryLM):
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self.model(**batch).loss)
+
+
 def _after_fit(rank: int, out_dir: str) -> dict:
     out = {}
     tokens = PaddedTokens(GLOBAL * STEPS)
     for mode, plan in (("uniform", PLAN), ("layered", LAYERED)):
-        module = LibraryLM("llama")
+        module = TestedLM("llama")
         trainer = _trainer(plan, mode=mode)
         trainer.fit(module, library_models.loader(tokens, GLOBAL))
         assert trainer.strategy.fit_runtime.schedule == mode
@@ -127,7 +132,12 @@ def _after_fit(rank: int, out_dir: str) -> dict:
         module.model.save_pretrained(f"{out_dir}/{mode}")  # Hugging Face writes on the main process only
         generated = _generate(module.model)
         trainer.save_checkpoint(f"{out_dir}/{mode}.ckpt")  # after the fit, from the shards
-        out[mode] = (whole, generated, _whole(module.model))
+        # an edit of the whole parameters survives another run of the same trainer (sharded again, handed back)
+        with torch.no_grad():
+            module.model.lm_head.weight.mul_(0.5)
+        edited = _whole(module.model)
+        trainer.test(module, library_models.loader(tokens, GLOBAL), verbose=False)
+        out[mode] = (whole, generated, edited, _whole(module.model))
     module = LibraryLM("llama")
     _trainer(PLAN, steps=1, mode="uniform", gather_on_teardown=False).fit(module, library_models.loader(tokens, GLOBAL))
     out["parked"] = [_refused(lambda: _generate(module.model)), _refused(module.state_dict),
@@ -215,9 +225,10 @@ def test_after_fit_the_module_is_the_trained_model(results, out_dir, llama_refer
     want, bound, want_tokens = llama_reference
     whole = results[0][mode][0]
     for rank, rank_result in enumerate(results):
-        got, generated, after_generate = rank_result[mode]
+        got, generated, edited, after_test = rank_result[mode]
         _equal(got, whole, f"rank {rank} vs rank 0")
-        _equal(after_generate, whole, f"rank {rank} after generate()")
+        assert torch.equal(edited["lm_head.weight"], whole["lm_head.weight"] * 0.5)
+        _equal(after_test, edited, f"rank {rank} after trainer.test")
         for name, value in want.items():
             err = (got[name] - value).abs().max().item()
             assert err <= bound, f"{mode}: {name} differs from single-process training by {err:.2e} > {bound:.2e}"

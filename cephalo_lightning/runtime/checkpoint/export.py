@@ -130,7 +130,8 @@ def export_hf(checkpoint: str | Path, output: str | Path, *, config: str | Path 
              for n in inside}
     batches = list(_batches(_groups(info, inside), sizes, max_shard_bytes))
     staging = output.with_name(output.name + ".exporting")
-    remove_tree(staging) if staging.exists() else None
+    if staging.exists():  # what an interrupted export left
+        remove_tree(staging)
     staging.mkdir(parents=True)
     try:
         files, weight_map, count = [], {}, 0
