@@ -115,7 +115,7 @@ def _refused(use) -> str:
     return ""
 
 
-class TestedLM(LibraryLM):
+class EvaluatedLM(LibraryLM):
     def test_step(self, batch, batch_idx):
         self.log("test_loss", self.model(**batch).loss)
 
@@ -124,7 +124,7 @@ def _after_fit(rank: int, out_dir: str) -> dict:
     out = {}
     tokens = PaddedTokens(GLOBAL * STEPS)
     for mode, plan in (("uniform", PLAN), ("layered", LAYERED)):
-        module = TestedLM("llama")
+        module = EvaluatedLM("llama")
         trainer = _trainer(plan, mode=mode)
         trainer.fit(module, library_models.loader(tokens, GLOBAL))
         assert trainer.strategy.fit_runtime.schedule == mode
