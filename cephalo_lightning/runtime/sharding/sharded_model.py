@@ -329,13 +329,26 @@ class ShardedModel:
 
     @torch.no_grad()
     def hand_back(self, whole: bool = True) -> None:
-        """Collective with ``whole``: the end of a fit (see :mod:`.handback`)."""
-        handback.hand_back(self, whole)
+        """The end of a fit (collective with ``whole``): the modules hold whole copies of the trained
+        parameters, or keep the pieces and refuse to be used (see :mod:`.handback`)."""
+        if self.mode in (Mode.HANDED_BACK, Mode.PARKED):
+            return
+        self.free_all()
+        if whole:
+            handback.put_whole(self)
+            self.mode = Mode.HANDED_BACK
+        else:
+            handback.refuse_use(self)
+            self.mode = Mode.PARKED
 
     @torch.no_grad()
     def take_back(self) -> None:
-        """Before the next fit or evaluation on the same module (see :mod:`.handback`)."""
-        handback.take_back(self)
+        """Before the next fit or evaluation of the same module: the whole parameters into the shards."""
+        if self.mode is Mode.HANDED_BACK:
+            handback.copy_into_shards(self)
+        handback.stop_refusing(self)
+        if self.mode in (Mode.HANDED_BACK, Mode.PARKED):
+            self.mode = Mode.HOOKS
 
     def reshard(self, shares: Sequence[float], optimizers: Sequence[torch.optim.Optimizer] = ()) -> ShardLayout:
         """Collective: move every rank's state (master shards, optimizer state) onto the layout of
