@@ -14,7 +14,8 @@ After ``fit`` in either mode (an HF Llama, 2 ranks, uneven plans) every rank's m
 whole trained parameters: equal to the consolidated checkpoint bit for bit and to single-process
 training within its noise floor; ``save_pretrained`` + ``from_pretrained`` and the export command's
 directory load the same weights exactly; ``generate()`` gives the single-process tokens. With
-``gather_on_teardown=False`` a forward, ``generate`` or ``state_dict`` of the pieces is refused.
+``gather_on_teardown=False`` a forward, ``generate``, ``state_dict`` of the pieces or sharding them
+again (another Trainer) is refused.
 All ranks' fits run in one spawn.
 """
 
@@ -141,7 +142,8 @@ def _after_fit(rank: int, out_dir: str) -> dict:
     module = LibraryLM("llama")
     _trainer(PLAN, steps=1, mode="uniform", gather_on_teardown=False).fit(module, library_models.loader(tokens, GLOBAL))
     out["parked"] = [_refused(lambda: _generate(module.model)), _refused(module.state_dict),
-                     _refused(lambda: module.model.save_pretrained(f"{out_dir}/parked"))]
+                     _refused(lambda: module.model.save_pretrained(f"{out_dir}/parked")),
+                     _refused(lambda: _trainer(PLAN, steps=1, mode="uniform").fit(module, library_models.loader(tokens, GLOBAL)))]
     return out
 
 
@@ -251,7 +253,8 @@ def test_after_fit_the_module_is_the_trained_model(results, out_dir, llama_refer
 @pytest.mark.multiprocess
 def test_pieces_left_sharded_are_refused_outside_the_strategy(results):
     for rank_result in results:
-        generate, state_dict, save_pretrained = rank_result["parked"]
+        generate, state_dict, save_pretrained, another_fit = rank_result["parked"]
+        assert "cannot shard" in another_fit
         assert "gather_on_teardown=False" in generate and "forward()" in generate
         assert "state_dict()" in state_dict and "gather_on_teardown=True" in state_dict
         assert "state_dict()" in save_pretrained
