@@ -1,4 +1,4 @@
-"""``python -m cephalo_lightning <command>``: plan | profile | demo | fit | validate | test | predict."""
+"""``python -m cephalo_lightning <command>``: plan | profile | demo | fit | validate | test | predict | consolidate | export."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ commands:
                                             is the packaged quickstart config)
   profile --config C.yaml [-o cluster.yaml] profile every rank of a configured run into a cluster file
   consolidate DIR [-o model.ckpt]           one ordinary Lightning checkpoint file from a sharded one
+  export DIR --hf OUT                       a Hugging Face save_pretrained directory (safetensors) from a
+                                            sharded checkpoint
 """
 
 
@@ -44,6 +46,8 @@ def _run(command: str, rest: list[str]) -> int:
         return profile_main(rest)
     if command == "consolidate":
         return consolidate_main(rest)
+    if command == "export":
+        return export_main(rest)
     if command in ("fit", "validate", "test", "predict"):
         from cephalo_lightning.lightning.cli import main as cli_main
 
@@ -77,6 +81,36 @@ def consolidate_main(argv: list[str]) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {output} ({output.stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+def export_main(argv: list[str]) -> int:
+    """``export DIR --hf OUT``: verify a sharded checkpoint and write its Hugging Face model as a
+    ``save_pretrained`` directory (config.json, safetensors), read unit by unit, so
+    ``from_pretrained(OUT)`` gives the trained weights."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m cephalo_lightning export", description=export_main.__doc__)
+    parser.add_argument("checkpoint", help="a sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
+    parser.add_argument("--hf", required=True, metavar="OUT", help="the directory to write (must not exist or be empty)")
+    parser.add_argument("--config", default=None,
+                        help="a config.json or a model directory, for a checkpoint that records no Hugging Face config")
+    parser.add_argument("--prefix", default=None,
+                        help="the model's attribute path in the LightningModule with a trailing dot (e.g. 'model.'); "
+                             "default: what the checkpoint records")
+    parser.add_argument("--max-shard-size-mb", type=int, default=2048, help="the largest safetensors file (MiB)")
+    args = parser.parse_args(argv)
+    from cephalo_lightning.runtime.checkpoint import CheckpointError
+    from cephalo_lightning.runtime.checkpoint.export import export_hf
+
+    try:
+        done = export_hf(args.checkpoint, args.hf, config=args.config, prefix=args.prefix,
+                         max_shard_bytes=args.max_shard_size_mb * 2**20)
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {done.output}: {done.tensors} tensors in {len(done.files)} safetensors file(s)"
+          + (f"; left out {len(done.skipped)} tensors outside the model (e.g. {done.skipped[0]})" if done.skipped else ""))
     return 0
 
 

@@ -26,7 +26,7 @@ from tests.lightning_models import TinyUniform, loader, token_data
 # ----------------------------------------------------------------------------- the strategy's options
 
 STRATEGY_BOOLS = ("prefetch", "overlap", "verify_loss", "check_devices", "verify_checksums", "async_checkpoint",
-                  "elastic")
+                  "elastic", "gather_on_teardown")
 CALLBACK_BOOLS = ("force_profile", "replan", "print_plan", "quiet")
 
 

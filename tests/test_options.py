@@ -74,8 +74,11 @@ def test_every_given_option_reaches_the_config():
              "emulate": [{"slowdown": 1.0}], "offload": True, "memory_check_every_n_steps": 7,
              "state_dict_type": "full", "prefetch": False, "overlap": False, "loss_weighting": "samples",
              "verify_loss": False, "max_nonfinite_skips": 0, "check_devices": False, "safe_globals": [Path],
-             "seed": 3, "verify_checksums": False, "progress_every": 10}
+             "seed": 3, "verify_checksums": False, "progress_every": 10, "elastic": True,
+             "router_aux_loss": "exclude", "gather_on_teardown": False}
     config = CephaloStrategy(**given).config
     assert config == StrategyConfig.build(**given)
     changed = {name for name in OPTION_NAMES if getattr(config, name) != getattr(DEFAULTS, name)}
     assert changed == set(given)
+    background = {**given, "state_dict_type": "sharded", "async_checkpoint": True}  # needs sharded checkpoints
+    assert CephaloStrategy(**background).config == StrategyConfig.build(**background)

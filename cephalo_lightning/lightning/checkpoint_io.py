@@ -54,8 +54,10 @@ class FitCheckpoints:
     """Saves and loads the sharded model (and its optimizer state) of one fit; with
     ``async_checkpoint`` the saves are written in the background (:class:`~.checkpoint.BackgroundWriter`)."""
 
-    def __init__(self, sharded: ShardedModel, config: StrategyConfig, rank: int, plan: Callable[[], Plan]) -> None:
+    def __init__(self, sharded: ShardedModel, config: StrategyConfig, rank: int, plan: Callable[[], Plan],
+                 model_info: dict[str, Any] | None = None) -> None:
         self.sharded = sharded
+        self.model_info = model_info or {}  # recorded in cephalo.json (a Hugging Face model's config, for export)
         self.config = config
         self.safe_globals = globals_with_lightning(config.safe_globals)
         self.rank = rank
@@ -92,7 +94,7 @@ class FitCheckpoints:
         (consolidated on rank 0 from a sharded one written beside it). ``checkpoint_dict`` without
         ``optimizer_states`` (``save_weights_only``) saves no optimizer state."""
         meta = {k: v for k, v in checkpoint_dict.items() if k not in ("state_dict", "optimizer_states")}
-        info = {"plan": self.plan().to_dict(), "world_size": self.sharded.world_size}
+        info = {"plan": self.plan().to_dict(), "world_size": self.sharded.world_size, **self.model_info}
         optimizers = optimizers if "optimizer_states" in checkpoint_dict else []
         if self.writer is not None:
             return self.writer.submit(path, optimizers, meta, info, self.safe_globals)

@@ -39,6 +39,8 @@ MODES: tuple[str, ...] = get_args(Mode)
 COLLECTIVES: tuple[str, ...] = get_args(Collective)
 STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictType)
 LOSS_WEIGHTINGS: tuple[str, ...] = get_args(LossWeightingChoice)
+RouterAuxLoss = Literal["keep", "exclude"]
+ROUTER_AUX_LOSSES: tuple[str, ...] = get_args(RouterAuxLoss)
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
 
@@ -74,7 +76,10 @@ class StrategyConfig:
     prefetch: bool = option(True, "all-gather the next unit early")
     overlap: bool = option(True, "on CUDA, collectives on their own streams")
     pretrained: Path | None = option(None, "a `save_pretrained` directory or a `state_dict` file, read into the shards")
-    loss_weighting: str = option("auto", "`tokens` (items of the model's loss), `samples`, or what the model defines")
+    loss_weighting: str = option("auto", "`tokens` (items of the model's loss), `samples`, or what the model's loss averages over")
+    router_aux_loss: str = option("keep", "an MoE model's router auxiliary loss: `keep` (per micro-batch) or `exclude`")
+    gather_on_teardown: bool = option(True, "after fit/validate/test the module holds whole trained parameters on "
+                                            "every rank (False: it stays sharded and refuses use)")
     verify_loss: bool = option(True, "a recognised library model: check once that `training_step` returns its loss")
     max_nonfinite_skips: int = option(
         5, "consecutive non-finite steps skipped before training stops; 0 = no guard")
@@ -133,6 +138,8 @@ class StrategyConfig:
             overlap=o["overlap"],
             pretrained=Path(o["pretrained"]) if o["pretrained"] is not None else None,
             loss_weighting=_choice("loss_weighting", o["loss_weighting"], LOSS_WEIGHTINGS),
+            router_aux_loss=_choice("router_aux_loss", o["router_aux_loss"], ROUTER_AUX_LOSSES),
+            gather_on_teardown=o["gather_on_teardown"],
             verify_loss=o["verify_loss"],
             max_nonfinite_skips=_integer("max_nonfinite_skips", o["max_nonfinite_skips"], 0),
             check_devices=o["check_devices"],

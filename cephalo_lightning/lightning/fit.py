@@ -10,13 +10,14 @@ the rank's emulator and memory tracking, and picks the step runner for the sched
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning import loggers
@@ -26,7 +27,8 @@ from cephalo_lightning.lightning.discovered import LossPassLogs
 from cephalo_lightning.lightning.plan_switch import PlanSwitches
 from cephalo_lightning.lightning.schedules import check_plan, loss_weighting
 from cephalo_lightning.lightning.steps import LayeredSteps, NonFiniteGuard, TrainingStep, UniformSteps
-from cephalo_lightning.models import Resolution
+from cephalo_lightning.models import Resolution, hf, weighting
+from cephalo_lightning.models.weighting import Decision
 from cephalo_lightning.planner import Plan
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.distributed import broadcast_object, gather_objects
@@ -59,7 +61,9 @@ class FitRuntime:
         self.schedule = schedule
         self.resolution = resolution
         self.rank = rank
-        self.weighting = loss_weighting(config.loss_weighting, resolution)
+        self.loss = loss_weighting(config.loss_weighting, resolution, module)
+        self.weighting = self.loss.weighting
+        _say_weighting(self.loss, config.router_aux_loss, module)
         self.layered_model = resolution.layered if schedule == "layered" else None
         self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model)
         module.to(device)  # buffers; the local pieces are already there
@@ -69,7 +73,7 @@ class FitRuntime:
         self.steps = self._steps(device, emulator, training_step)
         self.guard = NonFiniteGuard(config.max_nonfinite_skips)
         self.switches = PlanSwitches(plan, self.sharded, lambda p: check_plan(p, self.schedule, resolution, module))
-        self.checkpoints = FitCheckpoints(self.sharded, config, rank, lambda: self.plan)
+        self.checkpoints = FitCheckpoints(self.sharded, config, rank, lambda: self.plan, hf.checkpoint_info(module))
 
     def _steps(self, device: torch.device, emulator: DeviceEmulator,
                training_step: Callable[..., Any]) -> LayeredSteps | UniformSteps:
@@ -79,12 +83,11 @@ class FitRuntime:
         # an emulated GPU keeps its stash on the host, as the real one would (accounted as host memory)
         offload = config.offload if config.offload is not None else (device.type == "cuda" or emulator.memory_gb is not None)
         tolerance = 1e-3 if (config.param_dtype or torch.float32).itemsize >= 4 else 3e-2
+        layered = dataclasses.replace(layered, weighting=self.weighting)  # the fit's decision (loss_weighting=)
         logs = LossPassLogs(self.module) if layered.discovery is not None else None
         layers = logs.wrap(layered.layers) if logs is not None else layered.layers
         return LayeredSteps(self.module, LayeredSchedule(self.sharded, layers, offload=offload), layered,
                             verify_loss=config.verify_loss, tolerance=tolerance,
-                            # a discovered model's loss is the user's training_step's: weighted as the uniform mode weights it
-                            weighting=self.weighting if layered.discovery is not None else None,
                             fallback=lambda why: self._fall_back(why, training_step), logs=logs)
 
     def _fall_back(self, why: str, training_step: Callable[..., Any]) -> UniformSteps:
@@ -112,7 +115,7 @@ class FitRuntime:
         built = f", {self.sharded.materialized_units} units materialised from meta" if self.sharded.materialized_units else ""
         return (f"Cephalo: {self.schedule} mode ({what}), {len(self.sharded.units)} units, state shares "
                 f"{[round(s, 4) for s in self.plan.state_shares]}, losses weighted by "
-                f"{'items (non-ignored label tokens)' if self.weighting.kind == 'items' else 'samples'}{built}")
+                f"{self.loss.words}{built}")
 
     def start_fit(self, trainer: pl.Trainer, token: str, cluster: Any, reported_elsewhere: bool) -> FailureReport:
         """Collective, before a fit trains: refuse hyperparameters a checkpoint could not load back,
@@ -156,6 +159,16 @@ class FitRuntime:
             return
         with self.memory.step(step):
             yield
+
+
+def _say_weighting(loss: Decision, router_aux_loss: str, module: pl.LightningModule) -> None:
+    """Once at setup: a weighting chosen without certainty, and a router term that depends on the plan."""
+    if loss.note:
+        rank_zero_info(loss.note)
+    if loss.router_aux and router_aux_loss == "exclude":
+        rank_zero_info(f"Cephalo: router_aux_loss='exclude': {weighting.exclude_router_aux(module)}")
+    elif loss.router_aux:
+        rank_zero_warn(weighting.router_aux_warning(loss.router_aux))
 
 
 def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resolution: Resolution,

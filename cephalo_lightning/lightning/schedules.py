@@ -13,8 +13,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning.lightning.config import Schedule
-from cephalo_lightning.models import SUPPORTED, Resolution, hf
-from cephalo_lightning.models.protocol import LossWeighting
+from cephalo_lightning.models import SUPPORTED, Resolution, weighting
+from cephalo_lightning.models.weighting import Decision
 from cephalo_lightning.planner import Plan, PlanningError
 
 
@@ -50,13 +50,7 @@ def check_plan(plan: Plan, schedule: Schedule, resolution: Resolution, module: p
         )
 
 
-def loss_weighting(requested: str, resolution: Resolution) -> LossWeighting:
-    """``CephaloStrategy(loss_weighting=...)`` as the steps apply it; the one place the user's words
-    meet the protocol's: ``"tokens"`` is ``LossWeighting("items")`` (the items a per-token mean is
-    over: the model's own count where it has one, else the non-ignored labels), ``"samples"`` is
-    ``LossWeighting("samples")``, ``"auto"`` is what the model defines."""
-    if requested == "samples":
-        return LossWeighting("samples")
-    if requested == "tokens":
-        return resolution.weighting if resolution.weighting.kind == "items" else LossWeighting("items", hf.label_count)
-    return resolution.weighting
+def loss_weighting(requested: str, resolution: Resolution, module: pl.LightningModule) -> Decision:
+    """``CephaloStrategy(loss_weighting=...)`` as the steps apply it, with the setup log's words for
+    it: what the model's loss averages over (:func:`cephalo_lightning.models.weighting.choose`)."""
+    return weighting.choose(requested, module, resolution.layered)

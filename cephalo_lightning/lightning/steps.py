@@ -151,12 +151,11 @@ class LayeredSteps:
 
     def __init__(self, module: pl.LightningModule, schedule: LayeredSchedule, model: LayeredModel,
                  verify_loss: bool = True, tolerance: float = 1e-3,
-                 fallback: Callable[[str], UniformSteps] | None = None, weighting: LossWeighting | None = None,
-                 logs: LossPassLogs | None = None) -> None:
+                 fallback: Callable[[str], UniformSteps] | None = None, logs: LossPassLogs | None = None) -> None:
         self.module = module
         self.schedule = schedule
         self.model = model
-        self.weighting = weighting or model.weighting
+        self.weighting = model.weighting  # the fit's decision (loss_weighting=, see .fit)
         self.verify_loss = verify_loss and model.derived  # cleared once checked (the first step of the fit)
         self.check_discovered = model.discovery is not None  # always checked: the structure is only guessed
         self.tolerance = tolerance

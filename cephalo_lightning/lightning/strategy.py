@@ -44,6 +44,7 @@ from cephalo_lightning.lightning.config import (
     Collective,
     LossWeightingChoice,
     Mode,
+    RouterAuxLoss,
     StateDictType,
     StrategyConfig,
 )
@@ -84,7 +85,9 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  memory_check_every_n_steps: int = DEFAULTS.memory_check_every_n_steps,
                  state_dict_type: StateDictType = DEFAULTS.state_dict_type, prefetch: bool = DEFAULTS.prefetch,
                  overlap: bool = DEFAULTS.overlap, pretrained: str | Path | None = DEFAULTS.pretrained,
-                 loss_weighting: LossWeightingChoice = DEFAULTS.loss_weighting, verify_loss: bool = DEFAULTS.verify_loss,
+                 loss_weighting: LossWeightingChoice = DEFAULTS.loss_weighting,
+                 router_aux_loss: RouterAuxLoss = DEFAULTS.router_aux_loss,
+                 gather_on_teardown: bool = DEFAULTS.gather_on_teardown, verify_loss: bool = DEFAULTS.verify_loss,
                  max_nonfinite_skips: int = DEFAULTS.max_nonfinite_skips, check_devices: bool = DEFAULTS.check_devices,
                  safe_globals: Sequence[Any] = DEFAULTS.safe_globals, seed: int | None = DEFAULTS.seed,
                  verify_checksums: bool = DEFAULTS.verify_checksums, progress_every: int | None = DEFAULTS.progress_every,
@@ -103,6 +106,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         self._abandon_background_save = False  # the fit failed: teardown does not wait for a background save
         self._sync = True  # False while Lightning accumulates gradients over batches
         self._step: TrainingStep | None = None  # the training step in progress (see the module note)
+        self._failed = False  # the current fit/evaluation raised (on_exception)
 
     global_batch_size = property(lambda self: self.config.global_batch_size)
     collective = property(lambda self: resolve_mode(self.config.collective))  # once the backend is known
@@ -175,6 +179,9 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             self._adopted(self.fit_runtime.plan)
             if self._precision_plugin is not None:  # always one of ours (the setter converts it)
                 self._precision_plugin.shard_over(self.fit_runtime.sharded.comm)
+        else:  # the same module again (e.g. trainer.test after trainer.fit): its whole parameters into the shards
+            self.fit_runtime.sharded.take_back()
+        self._failed = False
         self.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -343,6 +350,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # no collective at teardown: a peer may be gone
         if isinstance(exception, SIGTERMException):
             if self._preemption is not None and self._preemption.decision is not None:
                 self._preemption.save_and_stop(self.lightning_module.trainer, exception,
@@ -371,17 +379,27 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         try:
             if self.fit_runtime is not None and not self._abandon_background_save:
                 self.fit_runtime.checkpoints.wait()  # a background save completes before the fit returns
+        except BaseException:
+            self._failed = True  # a failed save: the module stays sharded (and guarded), no gather
+            raise
         finally:
-            self._abandon_background_save = False
-            if self._preemption is not None:
-                self._preemption.uninstall()
-                self._preemption = None
-            if self._failures is not None:
-                self._failures.close()
-                self._failures = None
-            assert self.cluster_environment is not None
-            self.cluster_environment.teardown()
-            super().teardown()
+            try:
+                if self.fit_runtime is not None:  # the user's module after fit/validate/test: see runtime.sharding.handback
+                    self.fit_runtime.sharded.hand_back(whole=self.config.gather_on_teardown and not self._failed)
+            finally:
+                self._teardown_run()
+
+    def _teardown_run(self) -> None:
+        self._abandon_background_save = False
+        if self._preemption is not None:
+            self._preemption.uninstall()
+            self._preemption = None
+        if self._failures is not None:
+            self._failures.close()
+            self._failures = None
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        super().teardown()
 
 
 def _has_cephalo_callback(trainer: pl.Trainer) -> bool:

@@ -3,9 +3,10 @@
 :func:`resolve` looks, in order, for the explicit layered protocol on the module
 (:mod:`.protocol`), a Hugging Face causal LM (:mod:`.hf`) or a litgpt ``GPT`` (:mod:`.litgpt`)
 inside it (named adapters: fast paths), and else for a block sequence in the model's structure
-(:mod:`.discovery`, checked on the first step). What it finds decides the mode (layered when a layered form exists), how micro-batch
-losses are weighted (tokens for causal LMs, samples otherwise) and how a model built on the meta
-device is initialised. ``transformers`` and ``litgpt`` are only looked at when already imported.
+(:mod:`.discovery`, checked on the first step). What it finds decides the mode (layered when a
+layered form exists), how micro-batch losses are weighted (:mod:`.weighting`: by what the model's
+loss averages over) and how a model built on the meta device is initialised. ``transformers`` and
+``litgpt`` are only looked at when already imported.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.models import discovery, hf, litgpt
+from cephalo_lightning.models import discovery, hf, litgpt, weighting
 from cephalo_lightning.models.protocol import PROTOCOL, LayeredModel, LossWeighting, from_protocol, has_protocol
 
 InitFn = Callable[[nn.Module], None]
@@ -73,20 +74,18 @@ def resolve(module: nn.Module) -> Resolution:
     init = _init_for(module, library, library_init)
     if has_protocol(module):
         layered = from_protocol(module)
-        return Resolution(layered, layered.weighting, "", init, library)
+        return Resolution(layered, weighting.choose("auto", module, layered).weighting, "", init, library)
     if lm is not None:
         layered, why = hf.adapt(lm)
     elif gpt is not None:
         layered, why = litgpt.adapt(gpt)
     else:
         layered, why = None, f"{type(module).__name__} holds no model a named adapter knows"
-    uniform = LossWeighting("items", hf.label_count) if library is not None else LossWeighting("samples")
     if layered is None:  # no named adapter: the block sequence found from the model's structure
         name = type(library).__name__ if library is not None else type(module).__name__
-        layered, found = discovery.adapt(module, uniform, name)
+        layered, found = discovery.adapt(module, weighting.choose("auto", module, None).weighting, name)
         why = "" if layered is not None else f"{why}; {found}"
-    weighting = layered.weighting if layered is not None else uniform
-    return Resolution(layered, weighting, why, init, library)
+    return Resolution(layered, weighting.choose("auto", module, layered).weighting, why, init, library)
 
 
 __all__ = ["LayeredModel", "LossWeighting", "PROTOCOL", "Resolution", "SUPPORTED", "resolve"]

@@ -16,6 +16,7 @@ GPT-2, GPT-NeoX. ``transformers`` is imported only when such a model is seen.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -26,9 +27,8 @@ from torch import nn
 from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning.models.capture import BlockCall, first_block_call
 from cephalo_lightning.models.protocol import LayeredModel, LossWeighting
+from cephalo_lightning.models.weighting import IGNORE_INDEX, hf_model, shifted_label_tokens  # noqa: F401 - litgpt uses IGNORE_INDEX
 from cephalo_lightning.runtime.layered import Layer
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,7 @@ def find_causal_lm(module: nn.Module) -> nn.Module | None:
     return None
 
 
-def label_count(micro_batch: Any) -> int:
-    """Labels the causal-LM loss averages over: every label after the first that is not -100."""
-    labels = micro_batch["labels"]
-    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+label_count = shifted_label_tokens  # what the causal-LM loss averages over (see :mod:`.weighting`)
 
 
 @dataclass(frozen=True)
@@ -128,3 +125,20 @@ def init_weights(lm: nn.Module):  # noqa: ANN201 - returns an InitFn
         lm._init_weights(module)
 
     return init
+
+
+def checkpoint_info(module: nn.Module) -> dict[str, Any]:
+    """What a checkpoint records so an export can write a ``save_pretrained`` directory from it
+    (:mod:`cephalo_lightning.runtime.checkpoint.export`): the Hugging Face model's config, class,
+    generation config and attribute path in ``module``; nothing for a module without one."""
+    model = hf_model(module)
+    if model is None:
+        return {}
+    path = next(name for name, sub in module.named_modules() if sub is model)
+    generation = getattr(model, "generation_config", None) if model.can_generate() else None
+    return {"hf": {
+        "prefix": f"{path}." if path else "",
+        "class": type(model).__name__,
+        "config": json.loads(model.config.to_json_string(use_diff=False)),
+        "generation_config": json.loads(generation.to_json_string(use_diff=True)) if generation is not None else None,
+    }}

@@ -63,7 +63,8 @@ def state_dict_aliases(sharded: ShardedModel) -> dict[str, str]:
     names = set(canonical.values())
     tensors = {**{id(t): n for n, t in buffers(sharded).items()}, **canonical}
     aliases = {}
-    for key, value in sharded.module.state_dict(keep_vars=True).items():
+    module = sharded.module  # the state dict's keys, without calling state_dict() (refused on a parked model)
+    for key, value in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
         saved = tensors.get(id(value))
         if saved is not None and key != saved and key not in names:
             aliases[key] = saved

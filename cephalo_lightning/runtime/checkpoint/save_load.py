@@ -125,6 +125,7 @@ def prepare(sharded: ShardedModel, optimizers: Sequence[torch.optim.Optimizer], 
         torch.save({**meta, TOKEN_KEY: token}, buffer)
     document = {
         "param_shapes": {name: list(shape) for name, _, shape, _ in local_pieces(sharded)},
+        "units": [[span.name for span in unit.spans] for unit in sharded.units],  # an export reads unit by unit
         "aliases": state_dict_aliases(sharded),
         "optimizers": optimizer_info,
     }

@@ -64,6 +64,7 @@ from torch import nn
 from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams
 from cephalo_lightning.runtime.observers import Observer, Observers
+from cephalo_lightning.runtime.sharding import handback
 from cephalo_lightning.runtime.sharding.clip import clip_grad_norm_, local_grad_norm
 from cephalo_lightning.runtime.sharding.flat_unit import FlatUnit, GradState, UnitState
 from cephalo_lightning.runtime.sharding.grouping import (
@@ -88,6 +89,8 @@ class Mode(enum.Enum):
     HOOKS = enum.auto()  # modules hold local pieces; the uniform-mode hooks gather on demand
     SCHEDULED = enum.auto()  # a schedule (the layered mode) drives gathers and reductions itself
     SUMMONED = enum.auto()  # units gathered by hand (summon_full_params, unit_gathered); no hook acts
+    HANDED_BACK = enum.auto()  # after a fit: the modules hold whole copies of the trained parameters; no hook acts
+    PARKED = enum.auto()  # after a fit, left sharded: a forward or state_dict of the module is refused
 
 
 class ShardedModel:
@@ -117,7 +120,9 @@ class ShardedModel:
         overlap: bool = True,
         observers: Sequence[Observer] = (),
     ) -> None:
+        handback.check_not_pieces(module)
         self.module = module
+        self.refusals: list[Any] = []  # hooks refusing use of the pieces after a fit (handback, PARKED)
         self.observers = Observers()
         for observer in observers:  # attached first, they also see the buffers sharding creates
             self.observers.attach(observer)
@@ -319,6 +324,31 @@ class ShardedModel:
             for span in unit.spans:
                 out[span.name] = full[span.offset : span.offset + span.numel].view(span.shape).clone()
         return out
+
+    # ------------------------------------------------------------------ after a fit
+
+    @torch.no_grad()
+    def hand_back(self, whole: bool = True) -> None:
+        """The end of a fit (collective with ``whole``): the modules hold whole copies of the trained
+        parameters, or keep the pieces and refuse to be used (see :mod:`.handback`)."""
+        if self.mode in (Mode.HANDED_BACK, Mode.PARKED):
+            return
+        self.free_all()
+        if whole:
+            handback.put_whole(self)
+            self.mode = Mode.HANDED_BACK
+        else:
+            handback.refuse_use(self)
+            self.mode = Mode.PARKED
+
+    @torch.no_grad()
+    def take_back(self) -> None:
+        """Before the next fit or evaluation of the same module: the whole parameters into the shards."""
+        if self.mode is Mode.HANDED_BACK:
+            handback.copy_into_shards(self)
+        handback.stop_refusing(self)
+        if self.mode in (Mode.HANDED_BACK, Mode.PARKED):
+            self.mode = Mode.HOOKS
 
     def reshard(self, shares: Sequence[float], optimizers: Sequence[torch.optim.Optimizer] = ()) -> ShardLayout:
         """Collective: move every rank's state (master shards, optimizer state) onto the layout of
