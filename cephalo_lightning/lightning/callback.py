@@ -40,6 +40,7 @@ from cephalo_lightning.lightning.loggers import (
     save_run_files,
     terminal_width,
 )
+from cephalo_lightning.lightning.run_model import CalibrationResult, DriftEpisodes, calibrate, drifting_ranks, gain
 from cephalo_lightning.lightning.strategy import CephaloStrategy
 from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.planner import plan as make_plan
@@ -75,6 +76,8 @@ class CephaloCallback(Callback):
         watch_every_n_steps: int = CallbackConfig.watch_every_n_steps,
         drift_threshold: float = CallbackConfig.drift_threshold,
         replan: bool = CallbackConfig.replan,
+        calibrate_after_windows: int = CallbackConfig.calibrate_after_windows,
+        switch_gain: float = CallbackConfig.switch_gain,
         state_bytes_per_param: float | None = CallbackConfig.state_bytes_per_param,
         print_plan: bool = CallbackConfig.print_plan,
         quiet: bool = CallbackConfig.quiet,
@@ -93,6 +96,8 @@ class CephaloCallback(Callback):
         self._samples = 0
         self._busy: BusyTime | None = None
         self._planning = False
+        self.calibration: CalibrationResult | None = None
+        self._episodes = DriftEpisodes()
 
     # ------------------------------------------------------------------ setup: profile and plan
 
@@ -253,12 +258,7 @@ class CephaloCallback(Callback):
         predicted = self._predicted_busy(strategy)
         assert strategy.plan is not None
         ratios = [r["busy_s"] / p if p else None for r, p in zip(rows, predicted)]
-        known = [r for r in ratios if r]
-        median = statistics.median(known) if known else None
-        drifting = [
-            i for i, r in enumerate(ratios)
-            if r and median and abs(math.log(r / median)) > math.log(1 + self.config.drift_threshold)
-        ]
+        drifting, reference = drifting_ranks(ratios, self.config.drift_threshold, self.calibration is not None)
         record = {
             "step": trainer.global_step,
             "step_s": statistics.median(walls),
@@ -275,12 +275,40 @@ class CephaloCallback(Callback):
         if trainer.is_global_zero:
             throughput = self._throughput.compute() if self._throughput is not None else {}
             log_rank_series(trainer.loggers, record, throughput, trainer.global_step)
-        if drifting:
-            names = ", ".join(f"rank {i} ({ratios[i] / median:.2f}x the median rank's measured/predicted)" for i in drifting)
+        event = self._episodes.update(drifting)
+        if event == "start":
+            against = "its calibrated prediction" if self.calibration is not None else "the median rank's"
+            names = ", ".join(f"rank {i} ({ratios[i] / reference:.2f}x {against})" for i in drifting)  # type: ignore[operator]
             rank_zero_warn(f"Cephalo: {names} drifted from the plan by more than {self.config.drift_threshold:.0%}"
-                           + ("; re-planning." if self.config.replan else "; CephaloCallback(replan=True) would re-plan."))
+                           + ("; re-planning." if self.config.replan else "; CephaloCallback(replan=True) would re-plan.")
+                           + " Said once until the drifting ranks change.")
             if self.config.replan:
                 self._replan(trainer, strategy)
+        elif event == "end":
+            rank_zero_info("Cephalo: every rank is back within the drift threshold of its prediction.")
+        windows = self.config.calibrate_after_windows
+        if windows and self.calibration is None and self.cluster is not None and len(self.history) == 1 + windows:
+            self._calibrate(trainer, strategy, self.history[1:])
+
+    def _calibrate(self, trainer: pl.Trainer, strategy: CephaloStrategy, windows: list[dict[str, Any]]) -> None:
+        """Fit the run-time terms to ``windows`` (the same on every rank), log them, and move to the
+        calibrated optimum in place when it beats the current plan by more than ``switch_gain``."""
+        assert self.cluster is not None and strategy.plan is not None
+        self.calibration = result = calibrate(self.cluster, strategy.plan, windows)
+        self.cluster = result.cluster
+        if trainer.is_global_zero:
+            rank_zero_info(result.message())
+            for logger in trainer.loggers:
+                logger.log_metrics(result.metrics(), step=trainer.global_step)
+        plan = strategy.plan
+        best = strategy.broadcast(make_plan(result.cluster, plan.global_batch_size, mode=plan.mode)
+                                  if trainer.is_global_zero else None)
+        faster = gain(result.predicted_after_s, best.predicted_step_s)
+        if faster > self.config.switch_gain and best.ranks != plan.ranks:
+            epoch, step = strategy.schedule_plan(best)
+            self.plan = best
+            rank_zero_info(f"Cephalo: the calibrated optimum is predicted {faster:.1%} faster; switching in place from "
+                           f"epoch {epoch} step {step} (no files written):\n{render_plan(best, width=terminal_width())}")
 
     def _replan(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
         module = trainer.lightning_module
@@ -304,12 +332,14 @@ class CephaloCallback(Callback):
         steady = self._all_walls[1:] or self._all_walls  # the first step pays for warm-up
         step_s = statistics.median(steady)
         summary = {
+            "global_batch_size": strategy.plan.global_batch_size,
             "measured_samples_per_s": strategy.plan.global_batch_size / step_s,
             "measured_step_s": step_s,
             "predicted_samples_per_s": strategy.plan.predicted_samples_per_s,
             "predicted_step_s": strategy.plan.predicted_step_s,
             "even_predicted_samples_per_s": strategy.plan.baselines.get("even").predicted_samples_per_s
             if "even" in strategy.plan.baselines else None,
+            "calibrated_predicted_step_s": self.calibration.predicted_after_s if self.calibration is not None else None,
             "steps": len(self._all_walls),
             "emulated": bool(strategy.emulator.is_emulated or strategy.plan.emulated),
         }
@@ -329,6 +359,10 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     if predicted:
         lines.append(f"  predicted  {predicted:.2f} samples/s (measured / predicted = "
                      f"{summary['measured_samples_per_s'] / predicted:.2f})")
+    calibrated = summary.get("calibrated_predicted_step_s")
+    if calibrated:
+        lines.append(f"  calibrated {summary['global_batch_size'] / calibrated:.2f} samples/s predicted after calibration "
+                     f"(measured / predicted = {calibrated / summary['measured_step_s']:.2f})")
     even = summary.get("even_predicted_samples_per_s")
     if even and predicted:
         lines.append(f"  even plan  {even:.2f} samples/s predicted (this plan is predicted {predicted / even:.2f}x faster)")
