@@ -28,9 +28,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
+from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning._common.units import GIB
-from cephalo_lightning.lightning._private import training_dataloader
 from cephalo_lightning.lightning.callback_config import CallbackConfig
 from cephalo_lightning.lightning.loggers import (
     log_plan,
@@ -40,6 +39,7 @@ from cephalo_lightning.lightning.loggers import (
     save_run_files,
     terminal_width,
 )
+from cephalo_lightning.lightning.profiled_input import planning_sample, profiled_form
 from cephalo_lightning.lightning.run_model import CalibrationResult, DriftEpisodes, calibrate, drifting_ranks, gain
 from cephalo_lightning.lightning.strategy import CephaloStrategy
 from cephalo_lightning.planner import Cluster, Plan
@@ -47,7 +47,6 @@ from cephalo_lightning.planner import plan as make_plan
 from cephalo_lightning.planner.cost import predicted_busy_s
 from cephalo_lightning.planner.report import render_plan
 from cephalo_lightning.profiling import ProfileOptions, default_settings, profile_cluster
-from cephalo_lightning.runtime.batching import leading_size, slice_batch
 from cephalo_lightning.runtime.distributed import gather_objects
 from cephalo_lightning.runtime.sharding.flat_unit import full_shape
 from cephalo_lightning.runtime.timing import BusyTime
@@ -134,28 +133,11 @@ class CephaloCallback(Callback):
             log_plan(trainer.loggers, self.plan, self.cluster)
             log_run(trainer, self.plan, self.cluster or strategy.cluster, callback=self)
 
-    def _sample(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> tuple[Any, int]:
-        loader = training_dataloader(trainer)
-        batch_size = self.config.global_batch_size or strategy.global_batch_size or getattr(loader, "batch_size", None)
-        if not batch_size:
-            raise ConfigurationError("CephaloCallback needs the global batch: set batch_size on the training DataLoader "
-                                     "or CephaloCallback(global_batch_size=B)")
-        loader_batch = getattr(loader, "batch_size", None)
-        if self.config.global_batch_size and loader_batch and strategy.global_batch_size is None and loader_batch != batch_size:
-            raise ValueError(  # kept a ValueError by name: failure reports start with the type's name
-                f"CephaloCallback(global_batch_size={self.config.global_batch_size}) but the training DataLoader's batch_size "
-                f"is {loader_batch}: the DataLoader's batch is the global batch (every rank takes its slice of it), "
-                "so they must agree; drop global_batch_size or set the DataLoader's batch_size to it"
-            )
-        batch = next(iter(loader))
-        rows = leading_size(batch) or 1
-        return slice_batch(batch, 0, min(rows, self.config.max_micro_batch)), int(batch_size)
-
     def _profile_and_plan(self, trainer: pl.Trainer, module: pl.LightningModule, strategy: CephaloStrategy,
                           force: bool) -> tuple[Cluster, Plan]:
         """Collective: profile every rank on the sharded model, one unit at a time, and plan."""
-        sample, global_batch = self._sample(trainer, strategy)
-        layers, sample_input, kwargs = self._profiled_form(module, strategy, sample)
+        sample, global_batch = planning_sample(trainer, strategy, self.config)
+        layers, sample_input, kwargs = profiled_form(module, strategy, sample)
         settings = replace(default_settings(strategy.root_device), **self.config.settings)
         trainable = [p for p in module.parameters() if p.requires_grad]
         parameters = sum(math.prod(full_shape(p)) for p in trainable)  # the pieces are shards: count the whole
@@ -180,23 +162,6 @@ class CephaloCallback(Callback):
         # every rank must shard by the same plan: rank 0's, in case float noise ever made two differ
         plan = strategy.broadcast(make_plan(cluster, global_batch, mode=mode) if trainer.is_global_zero else None)
         return cluster, plan
-
-    @staticmethod
-    def _profiled_form(module: pl.LightningModule, strategy: CephaloStrategy,
-                       sample: Any) -> tuple[list[Any], Any, dict[str, Any]]:
-        """What is measured: the layered form's layers on a sample batch, each gathered in place;
-        else the whole module as one "layer" on its ``example_input_array``, every unit gathered."""
-        layered = strategy.layered_form
-        if layered is not None:
-            return list(layered.layers), sample, {"prepare": layered.prepare, "loss": layered.loss,
-                                                  "unit_context": strategy.gathered_layer}
-        example = getattr(module, "example_input_array", None)
-        if example is None:
-            raise ConfigurationError(
-                f"CephaloCallback cannot profile {type(module).__name__}: it has no layered form "
-                f"({strategy.why_not_layered}); set example_input_array, or give the strategy a plan / cluster file"
-            )
-        return [module], example, {"unit_context": lambda i: strategy.gathered_model()}
 
     # ------------------------------------------------------------------ watching
 
