@@ -163,7 +163,13 @@ def _rank_main(rank: int, world: int, cfg: Config, cluster: ClusterSpec) -> dict
     assert profiled is not None
     plan = make_plan(profiled, cluster.global_batch, mode=cluster.mode)
     fitted = _measure_plan(cfg, cluster, plan)
-    calibration = fit_calibration(profiled, observations(plan, fitted["history"]), fitted_on=plan_label(plan))
+    import torch.distributed as dist
+
+    # each rank's windows hold its own step walls: rank 0's fit, for every rank (one plan everywhere)
+    shared = [fit_calibration(profiled, observations(plan, fitted["history"]), fitted_on=plan_label(plan))
+              if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    calibration = shared[0]
     calibrated = with_calibration(profiled, calibration)
     others = [{"name": name, **_measure_plan(cfg, cluster, p)} for name, p in _other_plans(profiled, calibrated, cluster)]
     return {"cluster": profiled, "plan": plan, "history": fitted["history"], "calibration": calibration,

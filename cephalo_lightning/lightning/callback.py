@@ -256,10 +256,12 @@ class CephaloCallback(Callback):
             self._calibrate(trainer, strategy, self.history[1:])
 
     def _calibrate(self, trainer: pl.Trainer, strategy: CephaloStrategy, windows: list[dict[str, Any]]) -> None:
-        """Fit the run-time terms to ``windows`` (the same on every rank), log them, and move to the
+        """Collective: fit the run-time terms to ``windows``, log them, and move to the
         calibrated optimum in place when it beats the current plan by more than ``switch_gain``."""
         assert self.cluster is not None and strategy.plan is not None
-        self.calibration = result = calibrate(self.cluster, strategy.plan, windows)
+        # each rank's windows hold its own step walls: rank 0's fit, for every rank
+        result = strategy.broadcast(calibrate(self.cluster, strategy.plan, windows) if trainer.is_global_zero else None)
+        self.calibration = result
         self.cluster = result.cluster
         if trainer.is_global_zero:
             rank_zero_info(result.message())
