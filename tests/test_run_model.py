@@ -45,7 +45,7 @@ def test_a_sustained_drift_warns_once_and_the_run_is_calibrated(tmp_path) -> Non
                 trainer.strategy.emulator.slowdown = SLOWDOWN if trainer.global_step == SLOW_FROM else 1.0
 
     watcher = CephaloCallback(max_micro_batch=1, cache_dir=None, watch_every_n_steps=WATCH, drift_threshold=DRIFT,
-                              calibrate_after_windows=1, print_plan=False, quiet=True)
+                              calibrate_after_windows=1, adapt=False, print_plan=False, quiet=True)
     trainer = pl.Trainer(
         strategy=CephaloStrategy(emulate=[{"slowdown": 1.0}]), accelerator="cpu", devices=1, max_steps=STEPS,
         callbacks=[watcher, Throttle()], logger=False, enable_checkpointing=False, enable_progress_bar=False,

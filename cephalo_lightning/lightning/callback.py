@@ -25,11 +25,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning._common.units import GIB
+from cephalo_lightning.lightning.adaptation import RunAdapter
 from cephalo_lightning.lightning.callback_config import CallbackConfig
 from cephalo_lightning.lightning.loggers import (
     log_plan,
@@ -40,7 +41,7 @@ from cephalo_lightning.lightning.loggers import (
     terminal_width,
 )
 from cephalo_lightning.lightning.profiled_input import planning_sample, profiled_form
-from cephalo_lightning.lightning.run_model import CalibrationResult, DriftEpisodes, calibrate, drifting_ranks, gain
+from cephalo_lightning.lightning.run_model import CalibrationResult, drifting_ranks
 from cephalo_lightning.lightning.strategy import CephaloStrategy
 from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.planner import plan as make_plan
@@ -75,6 +76,8 @@ class CephaloCallback(Callback):
         watch_every_n_steps: int = CallbackConfig.watch_every_n_steps,
         drift_threshold: float = CallbackConfig.drift_threshold,
         replan: bool = CallbackConfig.replan,
+        adapt: bool = CallbackConfig.adapt,
+        min_dwell_windows: int = CallbackConfig.min_dwell_windows,
         calibrate_after_windows: int = CallbackConfig.calibrate_after_windows,
         switch_gain: float = CallbackConfig.switch_gain,
         state_bytes_per_param: float | None = CallbackConfig.state_bytes_per_param,
@@ -95,8 +98,7 @@ class CephaloCallback(Callback):
         self._samples = 0
         self._busy: BusyTime | None = None
         self._planning = False
-        self.calibration: CalibrationResult | None = None
-        self._episodes = DriftEpisodes()
+        self._adapter = RunAdapter(self.config)  # calibration, drift episodes, stragglers
 
     # ------------------------------------------------------------------ setup: profile and plan
 
@@ -240,42 +242,13 @@ class CephaloCallback(Callback):
         if trainer.is_global_zero:
             throughput = self._throughput.compute() if self._throughput is not None else {}
             log_rank_series(trainer.loggers, record, throughput, trainer.global_step)
-        event = self._episodes.update(drifting)
-        if event == "start":
-            against = "its calibrated prediction" if self.calibration is not None else "the median rank's"
-            names = ", ".join(f"rank {i} ({ratios[i] / reference:.2f}x {against})" for i in drifting)  # type: ignore[operator]
-            rank_zero_warn(f"Cephalo: {names} drifted from the plan by more than {self.config.drift_threshold:.0%}"
-                           + ("; re-planning." if self.config.replan else "; CephaloCallback(replan=True) would re-plan.")
-                           + " Said once until the drifting ranks change.")
-            if self.config.replan:
-                self._replan(trainer, strategy)
-        elif event == "end":
-            rank_zero_info("Cephalo: every rank is back within the drift threshold of its prediction.")
-        windows = self.config.calibrate_after_windows
-        if windows and self.calibration is None and self.cluster is not None and len(self.history) == 1 + windows:
-            self._calibrate(trainer, strategy, self.history[1:])
+        self.cluster = self._adapter.after_window(trainer, strategy, self.cluster, self.history, ratios, reference,
+                                                  replan=lambda: self._replan(trainer, strategy))
 
-    def _calibrate(self, trainer: pl.Trainer, strategy: CephaloStrategy, windows: list[dict[str, Any]]) -> None:
-        """Collective: fit the run-time terms to ``windows``, log them, and move to the
-        calibrated optimum in place when it beats the current plan by more than ``switch_gain``."""
-        assert self.cluster is not None and strategy.plan is not None
-        # each rank's windows hold its own step walls: rank 0's fit, for every rank
-        result = strategy.broadcast(calibrate(self.cluster, strategy.plan, windows) if trainer.is_global_zero else None)
-        self.calibration = result
-        self.cluster = result.cluster
-        if trainer.is_global_zero:
-            rank_zero_info(result.message())
-            for logger in trainer.loggers:
-                logger.log_metrics(result.metrics(), step=trainer.global_step)
-        plan = strategy.plan
-        best = strategy.broadcast(make_plan(result.cluster, plan.global_batch_size, mode=plan.mode)
-                                  if trainer.is_global_zero else None)
-        faster = gain(result.predicted_after_s, best.predicted_step_s)
-        if faster > self.config.switch_gain and best.ranks != plan.ranks:
-            epoch, step = strategy.schedule_plan(best)
-            self.plan = best
-            rank_zero_info(f"Cephalo: the calibrated optimum is predicted {faster:.1%} faster; switching in place from "
-                           f"epoch {epoch} step {step} (no files written):\n{render_plan(best, width=terminal_width())}")
+    @property
+    def calibration(self) -> CalibrationResult | None:
+        """The run's calibration, once made (``calibrate_after_windows``)."""
+        return self._adapter.calibration
 
     def _replan(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
         module = trainer.lightning_module

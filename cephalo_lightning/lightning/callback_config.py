@@ -56,6 +56,10 @@ class CallbackConfig:
     switch_gain: float = _option(
         0.05, "after calibrating, switch in place to the calibrated optimum when it is predicted faster by more "
         "than this fraction")
+    adapt: bool = _option(
+        True, "once calibrated, re-time a drifting rank from its measured busy time, re-solve and switch plan in "
+        "place (no re-profile, no files); it moves back when the rank recovers")
+    min_dwell_windows: int = _option(2, "after a plan switch, watch windows without another decision (hysteresis)")
     state_bytes_per_param: float | None = _option(
         None, "training-state bytes per parameter (None: 4 x the master dtype's size, 16 for fp32)",
         shown="4 x the master dtype's size")
@@ -86,7 +90,11 @@ class CallbackConfig:
             raise ConfigurationError(
                 f"CephaloCallback(state_bytes_per_param={self.state_bytes_per_param!r}) must be a number > 0 "
                 "(e.g. 16 for fp32 AdamW: master, gradient and two moments), or None: 4 x the master dtype's size")
-        for name in ("force_profile", "replan", "print_plan", "quiet"):
+        dwell = self.min_dwell_windows
+        if isinstance(dwell, bool) or not isinstance(dwell, int) or dwell < 1:
+            raise ConfigurationError(f"CephaloCallback(min_dwell_windows={dwell!r}) must be an integer >= 1 (windows "
+                                     "without a decision after a plan switch), e.g. 2")
+        for name in ("force_profile", "replan", "adapt", "print_plan", "quiet"):
             check_flag(name, getattr(self, name), owner="CephaloCallback")
         for name in ("cache_dir", "cluster_file", "plan_file"):
             value = getattr(self, name)
