@@ -97,8 +97,8 @@ def _runs(rank: int, world: int, root: str) -> dict:
                 base = EMULATE[1]["slowdown"]
                 trainer.strategy.emulator.slowdown = base * self.rng.uniform(1 - JITTER, 1 + JITTER)
 
-    Path(root, "straggler").mkdir()
-    Path(root, "jitter").mkdir()
+    Path(root, "straggler").mkdir(exist_ok=True)
+    Path(root, "jitter").mkdir(exist_ok=True)
     return {"straggler": _fit(f"{root}/straggler", Throttle()), "jitter": _fit(f"{root}/jitter", Jitter())}
 
 
