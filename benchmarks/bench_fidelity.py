@@ -20,9 +20,10 @@ Only the public Lightning path is used. Per cluster, in one spawned group of ran
    priced by the profile alone (BEFORE) and by the calibrated cluster (AFTER), then measured the
    same way. No measured step of these plans enters the fit: the figures test prediction, not fitting.
 
-A plan's measured step is the median over its measured windows (the rounds; the first window, whose
-steps count every tensor, is left out). The goal: AFTER within 10% of the measured step on the
-plans not fitted, and peak memory never under-predicted (calibration does not touch memory).
+Every plan is measured once per round (``rounds``, the order rotated; the host's load drifts over
+minutes and should reach every plan alike); a plan's measured step is the median over the windows of
+all its rounds (the first window of each run, whose steps count every tensor, is left out). The
+goal: AFTER within 10% of the measured step on the plans not fitted, and peak memory never under-predicted (calibration does not touch memory).
 """
 
 from __future__ import annotations
@@ -76,11 +77,12 @@ class Config:
     profile_k: int = 8
     usable_memory_fraction: float = 0.9
     window: int = 3  # CephaloCallback(watch_every_n_steps=window)
-    windows: int = 3  # measured windows (rounds) after the first (whose steps 0-2 count every tensor: slow)
+    windows: int = 2  # measured windows per run after the first (whose steps 0-2 count every tensor: slow)
+    rounds: int = 3  # every plan measured once per round, interleaved
     threads: int = 1
 
 
-QUICK = Config(window=3, windows=2)
+QUICK = Config(window=3, windows=1, rounds=2)
 
 
 def _specs(cluster: ClusterSpec) -> list[dict[str, float]]:
@@ -119,7 +121,7 @@ def _measure_plan(cfg: Config, cluster: ClusterSpec, plan: Any) -> dict[str, Any
     return {"plan": plan, "history": watcher.history[1:]}
 
 
-def _other_plans(profiled: Any, calibrated: Any, cluster: ClusterSpec) -> list[tuple[str, Any]]:
+def _other_plans(profiled: Any, calibrated: Any, cluster: ClusterSpec, fitted: Any) -> list[tuple[str, Any]]:
     """Plans that differ from the fitted one in batch, micro-batch counts, shares or mode (those that fit)."""
     from cephalo_lightning.planner import PlanningError
     from cephalo_lightning.planner import plan as make_plan
@@ -139,7 +141,7 @@ def _other_plans(profiled: Any, calibrated: Any, cluster: ClusterSpec) -> list[t
             candidate = make()
         except PlanningError:
             continue
-        if all(candidate.ranks != p.ranks or candidate.mode != p.mode for _, p in out):
+        if all(candidate.ranks != p.ranks or candidate.mode != p.mode for _, p in [("fitted", fitted), *out]):
             out.append((name, candidate))
     return out
 
@@ -171,9 +173,21 @@ def _rank_main(rank: int, world: int, cfg: Config, cluster: ClusterSpec) -> dict
     dist.broadcast_object_list(shared, src=0)
     calibration = shared[0]
     calibrated = with_calibration(profiled, calibration)
-    others = [{"name": name, **_measure_plan(cfg, cluster, p)} for name, p in _other_plans(profiled, calibrated, cluster)]
-    return {"cluster": profiled, "plan": plan, "history": fitted["history"], "calibration": calibration,
-            "others": others, "profile_s": profile_s}
+    others = _other_plans(profiled, calibrated, cluster, plan)
+    # rounds: every plan (the fitted one too) once per round, the order rotated, so that the host's
+    # load, which drifts over minutes, reaches every plan alike; a plan's step is its median over rounds
+    measured: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in [("fitted on", plan), *others]}
+    measured["fitted on"].extend(fitted["history"])
+    runs = [("fitted on", plan), *others]
+    for r in range(cfg.rounds):
+        order = runs[r % len(runs):] + runs[:r % len(runs)]
+        for name, p in order:
+            if r == 0 and name == "fitted on":
+                continue  # round 0 of the fitted plan is the calibration run
+            measured[name].extend(_measure_plan(cfg, cluster, p)["history"])
+    return {"cluster": profiled, "plan": plan, "history": measured["fitted on"], "calibration": calibration,
+            "others": [{"name": name, "plan": p, "history": measured[name]} for name, p in others],
+            "fit_windows": len(fitted["history"]), "profile_s": profile_s}
 
 
 def observations(plan: Any, history: list[dict[str, Any]]) -> list[Any]:
@@ -187,7 +201,7 @@ def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any
               fitted: bool) -> dict[str, Any]:
     from cephalo_lightning.planner.fit import plan_label, predicted
 
-    measured = statistics.median(w["step_s"] for w in history)
+    measured = statistics.median(w["step_s"] for w in history)  # windows of every round
     before, after = predicted(profiled, plan)[0], predicted(calibrated, plan)[0]
     memory = []
     for i, r in enumerate(plan.ranks):

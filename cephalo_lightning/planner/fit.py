@@ -15,13 +15,18 @@ short and a long step), by Gauss-Newton with Levenberg damping, each term kept i
 direction the observations cannot tell apart (one plan's steps fix the step overhead plus the
 exposed communication, not the two apart) stays at the profile's value: a weak prior term
 ``PRIOR_WEIGHT * (theta - theta_0)`` is part of the objective. On data the model can produce
-exactly, with the terms identifiable, the fit returns the producing terms.
+exactly, with the terms identifiable, the fit returns the producing terms. The fit runs twice: first
+with the collectives and the overlap held near the profile's (``HELD_WEIGHT``), so that what the
+data cannot tell apart from a fixed per-step cost is charged per step (it does not grow with the
+micro-batch count or the mode, as a scaled collective would), then with every term free, which
+moves only what the data determine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +36,7 @@ from cephalo_lightning.planner.cost import communication, evaluate_arrays, predi
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.plan import Plan
 
+HELD_WEIGHT = 0.1  # the first stage's pull on the collectives and the overlap (see fit_calibration)
 PRIOR_WEIGHT = 1e-6  # relative pull towards the profile's terms: decides only what the data leave open
 _ITERATIONS = 60
 _STEP = 1e-7  # finite-difference step, relative to each term's scale
@@ -94,7 +100,8 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
     busys = np.array([o.busy_s for o in observations], dtype=float)
     which = np.array([index[id(o.plan)] for o in observations])
     steps = len(observations)
-    weight = PRIOR_WEIGHT * np.sqrt(steps * (world + 1))
+    base_weight = np.sqrt(steps * (world + 1))
+    weight = PRIOR_WEIGHT * base_weight  # the prior's pull per term, set per stage below
 
     def residuals(theta: np.ndarray) -> np.ndarray:
         model = with_calibration(base, _calibration(base, theta, ag0, rs0, 0, ""))
@@ -106,7 +113,19 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
         r_busy = np.where(busys > 0, r_busy, 0.0)  # a rank with nothing to compute says nothing of its speed
         return np.concatenate([r_wall, r_busy.ravel(), weight * (theta - theta0) / scale])
 
-    theta, damping = theta0.copy(), 1e-3
+    # stage 1 holds the collectives and the overlap near the profile's (what one plan's steps cannot
+    # tell from the fixed overhead goes to the overhead); stage 2 frees them where the data decide
+    theta = theta0.copy()
+    for weights in (np.array([PRIOR_WEIGHT, PRIOR_WEIGHT, HELD_WEIGHT, HELD_WEIGHT, *[PRIOR_WEIGHT] * world]),
+                    np.full(len(theta0), PRIOR_WEIGHT)):
+        weight = weights * base_weight
+        theta = _least_squares(residuals, theta, scale)
+    return _calibration(base, theta, ag0, rs0, steps, fitted_on)
+
+
+def _least_squares(residuals: Any, theta: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Gauss-Newton with Levenberg-Marquardt damping, each term kept in its range (see :func:`_clip`)."""
+    damping = 1e-3
     r = residuals(theta)
     cost = float(r @ r)
     for _ in range(_ITERATIONS):
@@ -132,7 +151,7 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
             damping *= 10
         if not improved:
             break
-    return _calibration(base, theta, ag0, rs0, steps, fitted_on)
+    return theta
 
 
 def plan_label(plan: Plan) -> str:
