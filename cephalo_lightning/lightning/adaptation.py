@@ -54,6 +54,7 @@ class RunAdapter:
         self.episodes = DriftEpisodes()
         self.switches: list[Switch] = []
         self._previous: tuple[int, ...] = ()  # the ranks the last window found drifting
+        self._calibrate_at = 1 + config.calibrate_after_windows  # windows seen when calibrating (the first warms up)
 
     def in_dwell(self, window: int) -> bool:
         last = self.switches[-1].window if self.switches else None
@@ -61,7 +62,7 @@ class RunAdapter:
 
     def after_window(self, trainer: pl.Trainer, strategy: CephaloStrategy, cluster: Cluster | None,
                      history: list[dict[str, Any]], ratios: Sequence[float | None], reference: float | None,
-                     replan: Callable[[], None]) -> Cluster | None:
+                     replan: Callable[[], Cluster | None]) -> Cluster | None:
         """Collective. Returns the cluster the next windows are predicted by."""
         index, record = len(history) - 1, history[-1]
         self._measured_gain(index, record)
@@ -78,7 +79,10 @@ class RunAdapter:
             rank_zero_warn(f"Cephalo: {names} drifted from the plan by more than {self.config.drift_threshold:.0%}; "
                            f"{action}. Said once until the drifting ranks change.")
             if self.config.replan:
-                replan()
+                cluster = replan()
+                if self.calibration is not None:  # a new profile: calibrate it again, after a window of both plans
+                    self.calibration = None
+                    self._calibrate_at = len(history) + 1 + self.config.calibrate_after_windows
         elif event == "end":
             rank_zero_info("Cephalo: every rank is within the drift threshold of its prediction again.")
         confirmed = drifting and tuple(drifting) == self._previous  # two windows in a row: not noise
@@ -87,8 +91,8 @@ class RunAdapter:
             cluster = self._retime(trainer, strategy, cluster, ratios, drifting, index, record)
             self._previous = ()
         windows = self.config.calibrate_after_windows
-        if windows and self.calibration is None and cluster is not None and len(history) == 1 + windows:
-            cluster = self._calibrate(trainer, strategy, cluster, history[1:], index, record)
+        if windows and self.calibration is None and cluster is not None and len(history) == self._calibrate_at:
+            cluster = self._calibrate(trainer, strategy, cluster, history[-windows:], index, record)
         return cluster
 
     def _calibrate(self, trainer: pl.Trainer, strategy: CephaloStrategy, cluster: Cluster,

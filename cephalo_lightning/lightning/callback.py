@@ -243,7 +243,7 @@ class CephaloCallback(Callback):
             throughput = self._throughput.compute() if self._throughput is not None else {}
             log_rank_series(trainer.loggers, record, throughput, trainer.global_step)
         self.cluster = self._adapter.after_window(trainer, strategy, self.cluster, self.history, ratios, reference,
-                                                  replan=lambda: self._replan(trainer, strategy))
+                                                  replan=lambda: self._replan(trainer, strategy) or self.cluster)
 
     @property
     def calibration(self) -> CalibrationResult | None:
