@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import warnings
 
 import lightning.pytorch as pl
@@ -67,3 +68,73 @@ def test_a_sustained_drift_warns_once_and_the_run_is_calibrated(tmp_path) -> Non
     assert not watcher.history[-1]["drifting"]  # recovered by the end
     inside = [h["step"] for h in watcher.history if SLOW_FROM + WATCH <= h["step"] <= SLOW_UNTIL]
     assert inside and all(h["drifting"] for h in watcher.history if h["step"] in inside), ratios
+
+
+# ----------------------------------------------------------------------------- the adapter's decisions, in-process
+
+
+class _Trainer:
+    is_global_zero = True
+    loggers: list = []
+    global_step = 0
+
+
+class _Strategy:
+    """What the adapter uses of the strategy: the plan, a broadcast, and a switch that takes effect at once."""
+
+    def __init__(self, plan) -> None:
+        self.plan = plan
+
+    def broadcast(self, value):
+        return value
+
+    def schedule_plan(self, plan):
+        self.plan = plan
+        return 0, 0
+
+
+def _windows(true_scales, jitter: float, count: int, seed: int = 0):
+    """Runs ``count`` windows of a 3-rank cluster whose rank speeds follow ``true_scales(window)``; each
+    rank's busy time is the cost model's on the true speeds, times a random factor within +-jitter."""
+    from dataclasses import replace as change
+
+    from cephalo_lightning.lightning.adaptation import RunAdapter
+    from cephalo_lightning.lightning.callback_config import CallbackConfig
+    from cephalo_lightning.lightning.run_model import CalibrationResult
+    from cephalo_lightning.planner import cluster_from_dict, plan
+    from cephalo_lightning.planner.calibration import with_calibration
+    from cephalo_lightning.planner.fit import predicted
+    from tests.test_calibration import INJECTED, _cluster
+
+    rng = random.Random(seed)
+    cluster = with_calibration(cluster_from_dict(_cluster()), INJECTED)
+    first = plan(cluster, 12)
+    strategy, trainer = _Strategy(first), _Trainer()
+    adapter = RunAdapter(CallbackConfig(calibrate_after_windows=0, min_dwell_windows=1))
+    adapter.calibration = CalibrationResult(cluster, 1.0, 1.0, 1.0, 1)
+    history: list[dict] = []
+    for w in range(count):
+        truth = with_calibration(cluster, change(INJECTED, compute_scale=tuple(
+            s * k for s, k in zip(INJECTED.compute_scale, true_scales(w)))))
+        step, busy = predicted(truth, strategy.plan)
+        busy = [b * rng.uniform(1 - jitter, 1 + jitter) for b in busy]
+        expected = predicted(cluster, strategy.plan)[1]
+        ratios = [b / p if p else None for b, p in zip(busy, expected)]
+        drifting, reference = drifting_ranks(ratios, 0.3, calibrated=True)
+        history.append({"step": 2 * w + 2, "step_s": step, "drifting": drifting,
+                        "ranks": [{"measured_busy_s": b} for b in busy]})
+        cluster = adapter.after_window(trainer, strategy, cluster, history, ratios, reference, replan=lambda: None)
+    return adapter.switches, first, strategy.plan
+
+
+def test_the_adapter_follows_a_slowed_rank_and_returns() -> None:
+    switches, first, last = _windows(lambda w: (1.0, 3.0, 1.0) if 3 <= w < 11 else (1.0, 1.0, 1.0), 0.02, 20)
+    assert [s.reason for s in switches] == ["re-timed rank 1", "re-timed rank 1"], switches
+    assert switches[0].window == 4 and switches[1].window == 12  # the second window of each change confirms it
+    assert all(s.predicted_gain > 0.05 for s in switches)
+    assert last.batch_sizes == first.batch_sizes
+
+
+def test_the_adapter_makes_no_switch_under_jitter_alone() -> None:
+    switches, first, last = _windows(lambda w: (1.0, 1.0, 1.0), 0.2, 40, seed=1)
+    assert switches == [] and last is first
