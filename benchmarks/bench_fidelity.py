@@ -192,9 +192,9 @@ def _rank_main(rank: int, world: int, cfg: Config, cluster: ClusterSpec) -> dict
 
 def observations(plan: Any, history: list[dict[str, Any]]) -> list[Any]:
     """The watcher's windows as the fit's observations: the median step and every rank's median busy time."""
-    from cephalo_lightning.planner.fit import StepObservation
+    from cephalo_lightning.lightning.run_model import observations as from_windows
 
-    return [StepObservation(plan, w["step_s"], tuple(r["measured_busy_s"] for r in w["ranks"])) for w in history]
+    return from_windows(plan, history)
 
 
 def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any, calibrated: Any,

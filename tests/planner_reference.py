@@ -132,8 +132,9 @@ def rank_times(cluster: Cluster, batch, micro, shares, keep=None, mode: str = "l
     """Each rank's step time (s) by the brief's formulas, the optimizer step and the fixed per-step
     overhead included."""
     layers = layer_times(cluster, batch, micro, max(shares), keep, mode)
-    fixed = cluster.settings.step_overhead_ms
-    return [(t + _optimizer_ms(cluster, d) * r + fixed) / 1e3 for t, d, r in zip(layers, cluster.devices, shares)]
+    fixed, contention = cluster.settings.step_overhead_ms, cluster.settings.host_contention
+    return [(contention * (t + _optimizer_ms(cluster, d) * r) + fixed) / 1e3
+            for t, d, r in zip(layers, cluster.devices, shares)]
 
 
 def calibrated_by_hand(data: dict, calibration: dict) -> Cluster:
@@ -152,6 +153,7 @@ def calibrated_by_hand(data: dict, calibration: dict) -> Cluster:
     settings.pop("link_bandwidth_gbps", None)
     settings.update({k: calibration[k] for k in ("step_overhead_ms", "micro_batch_overhead_ms", "allgather_ms",
                                                   "reduce_scatter_ms", "overlap")})
+    settings["host_contention"] = calibration.get("host_contention", 1.0)
     return cluster_from_dict({"model": data["model"], "settings": settings, "devices": entries})
 
 

@@ -39,7 +39,7 @@ def _cluster() -> dict[str, Any]:
 
 
 INJECTED = Calibration(step_overhead_ms=40.0, micro_batch_overhead_ms=2.5, allgather_ms=9.0, reduce_scatter_ms=9.0,
-                       overlap=0.3, compute_scale=(1.3, 0.9, 1.6))
+                       overlap=0.3, compute_scale=(1.3, 0.9, 1.6), host_contention=1.25)
 PLANS = ((12, "layered"), (24, "layered"), (6, "uniform"), (18, "uniform"), (3, "layered"))
 
 
@@ -55,7 +55,8 @@ def _observe(truth, plans) -> list[StepObservation]:
     out = []
     for p in plans:
         step, busy = predicted(truth, p)
-        out.append(StepObservation(p, step, tuple(busy)))
+        contention = truth.calibration.host_contention  # the compute regions' wall time per busy second
+        out.append(StepObservation(p, step, tuple(busy), tuple(b * contention for b in busy)))
     return out
 
 
@@ -63,7 +64,8 @@ def test_fit_recovers_injected_terms_exactly(plans: list[Any]) -> None:
     cluster = cluster_from_dict(_cluster())
     assert any(max(r.num_micro_batches for r in p.ranks) > 1 for p in plans)  # the overhead shows
     fitted = fit_calibration(cluster, _observe(with_calibration(cluster, INJECTED), plans))
-    for name in ("step_overhead_ms", "micro_batch_overhead_ms", "allgather_ms", "reduce_scatter_ms", "overlap"):
+    for name in ("step_overhead_ms", "micro_batch_overhead_ms", "allgather_ms", "reduce_scatter_ms", "overlap",
+                 "host_contention"):
         assert getattr(fitted, name) == pytest.approx(getattr(INJECTED, name), rel=FIT_TOL), name
     assert fitted.compute_scale == pytest.approx(INJECTED.compute_scale, rel=FIT_TOL)
     assert fitted.steps == len(plans) and fitted.source == "measured"
@@ -115,6 +117,7 @@ def test_calibration_block_round_trips_and_plans_the_same(tmp_path: Path) -> Non
     (lambda c: c.update(overlap=1.5), r"calibration.overlap must be in \[0, 1\]"),
     (lambda c: c.update(step_overhead_ms=-1), r"calibration.step_overhead_ms must be >= 0"),
     (lambda c: c.update(source="guessed"), r"calibration.source must be one of"),
+    (lambda c: c.update(host_contention=0.5), r"calibration.host_contention must be >= 1"),
     (lambda c: c.update(scale=2), r"calibration: unknown key\(s\) \['scale'\]"),
 ])
 def test_bad_calibration_block_names_the_field(change, message: str) -> None:
@@ -137,7 +140,8 @@ def test_calibrated_plans_optimal_against_brute_force(seed: int) -> None:
         data = cluster_to_dict(random_cluster(rng, world))
         block = {"step_overhead_ms": rng.choice([0.0, 5.0, 80.0]), "micro_batch_overhead_ms": rng.choice([0.0, 3.0]),
                  "allgather_ms": rng.uniform(0, 20), "reduce_scatter_ms": rng.uniform(0, 20),
-                 "overlap": rng.choice([0.0, 0.5, 1.0]), "compute_scale": [rng.uniform(0.5, 3) for _ in range(world)]}
+                 "overlap": rng.choice([0.0, 0.5, 1.0]), "compute_scale": [rng.uniform(0.5, 3) for _ in range(world)],
+                 "host_contention": rng.choice([1.0, 2.5])}
         mode = rng.choice(["layered", "layered", "uniform"])
         batch = rng.randint(world if mode == "uniform" else 1, 9 if world == 3 else 11)
         cluster = cluster_from_dict({**data, "calibration": block})

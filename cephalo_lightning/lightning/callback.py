@@ -90,8 +90,8 @@ class CephaloCallback(Callback):
         self.plan: Plan | None = None
         self.history: list[dict[str, Any]] = []  # one row per watch window, on every rank
         self._step_start = 0.0
-        self._busy_start = 0.0
-        self._window: list[tuple[float, float]] = []  # (wall, busy) seconds per step
+        self._busy_start = (0.0, 0.0)  # busy and its wall-clock twin at the step's start
+        self._window: list[tuple[float, float, float]] = []  # (wall, busy, busy on the wall clock) s per step
         self._all_walls: list[float] = []
         self._throughput: Throughput | None = None
         self._t0 = 0.0  # when training started (the throughput's clock)
@@ -186,14 +186,15 @@ class CephaloCallback(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_start = time.perf_counter()
-        self._busy_start = self._busy.seconds if self._busy is not None else 0.0
+        self._busy_start = (self._busy.seconds, self._busy.wall_seconds) if self._busy is not None else (0.0, 0.0)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy = self._strategy(trainer)
         wall = time.perf_counter() - self._step_start
-        busy = self._busy.seconds - self._busy_start if self._busy is not None else 0.0
-        self._window.append((wall, busy))
+        busy, busy_wall = ((self._busy.seconds - self._busy_start[0], self._busy.wall_seconds - self._busy_start[1])
+                           if self._busy is not None else (0.0, 0.0))
+        self._window.append((wall, busy, busy_wall))
         self._all_walls.append(wall)
         assert strategy.plan is not None
         self._samples += strategy.plan.global_batch_size
@@ -219,9 +220,9 @@ class CephaloCallback(Callback):
 
     def _watch(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
         """Collective: every rank shares its window, every rank takes the same decision."""
-        walls = sorted(w for w, _ in self._window)
-        busy = statistics.median(b for _, b in self._window)
-        rows = gather_objects({"busy_s": busy, "peak_memory_gb": self._peak_memory_gb(strategy)})
+        walls = sorted(w for w, _, _ in self._window)
+        busy, busy_wall = (statistics.median(x[k] for x in self._window) for k in (1, 2))
+        rows = gather_objects({"busy_s": busy, "busy_wall_s": busy_wall, "peak_memory_gb": self._peak_memory_gb(strategy)})
         predicted = self._predicted_busy(strategy)
         assert strategy.plan is not None
         ratios = [r["busy_s"] / p if p else None for r, p in zip(rows, predicted)]
@@ -232,7 +233,8 @@ class CephaloCallback(Callback):
             "samples_per_s": strategy.plan.global_batch_size / statistics.median(walls),
             "predicted_samples_per_s": strategy.plan.predicted_samples_per_s,
             "ranks": [
-                {"rank": i, "measured_busy_s": r["busy_s"], "predicted_busy_s": predicted[i],
+                {"rank": i, "measured_busy_s": r["busy_s"], "measured_busy_wall_s": r["busy_wall_s"],
+                 "predicted_busy_s": predicted[i],
                  "peak_memory_gb": r["peak_memory_gb"], "predicted_memory_gb": strategy.plan.ranks[i].predicted_memory_gb}
                 for i, r in enumerate(rows)
             ],

@@ -24,7 +24,12 @@ from cephalo_lightning.planner.fit import StepObservation, fit_calibration, plan
 
 def observations(plan: Plan, windows: Sequence[Mapping[str, Any]]) -> list[StepObservation]:
     """The watch windows as the fit's observations (every rank's median busy time, the median step)."""
-    return [StepObservation(plan, w["step_s"], tuple(r["measured_busy_s"] for r in w["ranks"])) for w in windows]
+    def walls(w: Mapping[str, Any]) -> tuple[float, ...] | None:
+        values = [r.get("measured_busy_wall_s") for r in w["ranks"]]
+        return None if None in values else tuple(values)  # type: ignore[arg-type]
+
+    return [StepObservation(plan, w["step_s"], tuple(r["measured_busy_s"] for r in w["ranks"]), walls(w))
+            for w in windows]
 
 
 @dataclass(frozen=True)

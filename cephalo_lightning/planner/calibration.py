@@ -7,9 +7,12 @@ issues them (and how much of them hides behind compute), and ranks competing for
 module holds the fitted terms and folds them into an ordinary cluster, so the cost model, the
 solver (and its certified gap) and ``python -m cephalo_lightning plan`` all price the run as run::
 
-    step_i = step_overhead_ms + cost model with, for rank i,
+    step_i = step_overhead_ms + host_contention x (cost model with, for rank i,
              F, B and the optimizer step scaled by compute_scale[i],
-             c = micro_batch_overhead_ms, AG = allgather_ms, RS = reduce_scatter_ms, overlap = overlap
+             c = micro_batch_overhead_ms, AG = allgather_ms, RS = reduce_scatter_ms, overlap = overlap)
+
+``host_contention`` (>= 1) is measured, not fitted: the wall time of the ranks' compute regions per
+second of their contention-free busy time (ranks of one host waiting for its cores); 1 on a GPU.
 
 A cluster without the block is priced exactly as before.
 """
@@ -38,6 +41,7 @@ class Calibration:
     reduce_scatter_ms: float
     overlap: float
     compute_scale: tuple[float, ...]
+    host_contention: float = 1.0  # wall per busy second while computing: ranks waiting for a shared host's cores
     steps: int = 0  # measured steps the fit used
     fitted_on: str = ""  # the plan(s) measured, e.g. "B=32 layered b=[20, 12]"
     source: str = "measured"
@@ -45,6 +49,7 @@ class Calibration:
     def as_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {k: getattr(self, k) for k in _TERMS}
         data["compute_scale"] = list(self.compute_scale)
+        data["host_contention"] = self.host_contention
         data.update(steps=self.steps, fitted_on=self.fitted_on, source=self.source)
         return data
 
@@ -56,7 +61,7 @@ def parse_calibration(data: Any, world_size: int) -> Calibration | None:
     if data is None:
         return None
     data = _mapping(data, "calibration")
-    _reject_unknown(data, {*_TERMS, "compute_scale", "steps", "fitted_on", "source"}, "calibration")
+    _reject_unknown(data, {*_TERMS, "compute_scale", "host_contention", "steps", "fitted_on", "source"}, "calibration")
     missing = [k for k in (*_TERMS, "compute_scale") if k not in data]
     if missing:
         raise PlanningError(f"calibration is missing {missing}; write the whole block as `fit_calibration` does, or "
@@ -66,12 +71,16 @@ def parse_calibration(data: Any, world_size: int) -> Calibration | None:
     if len(scale) != world_size:
         raise PlanningError(f"calibration.compute_scale has {len(scale)} entries but the cluster has {world_size} ranks; "
                             "give one per rank (calibrate again after changing the devices)")
+    contention = _number(data.get("host_contention", 1.0), "calibration.host_contention")
+    if contention < 1:
+        raise PlanningError(f"calibration.host_contention must be >= 1 (1: no rank waits for a core), got {contention}; "
+                            "set it to 1 or more")
     source = str(data.get("source", "measured"))
     if source not in CALIBRATION_SOURCES:
         raise PlanningError(f"calibration.source must be one of {CALIBRATION_SOURCES}, got {source!r}; write one of those")
     return Calibration(
         **values, overlap=_fraction(data["overlap"], "calibration.overlap", "the overlap achieved"),
-        compute_scale=scale, steps=_integer(data.get("steps", 0), "calibration.steps", minimum=0),
+        compute_scale=scale, host_contention=contention, steps=_integer(data.get("steps", 0), "calibration.steps", minimum=0),
         fitted_on=str(data.get("fitted_on", "")), source=source)
 
 
@@ -99,7 +108,7 @@ def calibrated(cluster: Cluster) -> Cluster:
         devices.append(folded[key])
     settings = replace(s, step_overhead_ms=cal.step_overhead_ms, micro_batch_overhead_ms=cal.micro_batch_overhead_ms,
                        allgather_ms=cal.allgather_ms, reduce_scatter_ms=cal.reduce_scatter_ms,
-                       link_bandwidth_gbps=None, overlap=cal.overlap)
+                       link_bandwidth_gbps=None, overlap=cal.overlap, host_contention=cal.host_contention)
     return replace(cluster, devices=tuple(devices), settings=settings, calibration=None)
 
 
@@ -116,5 +125,5 @@ def describe(calibration: Calibration, width: int = 3) -> str:
     scales = ", ".join(f"{v:.{width - 1}f}" for v in calibration.compute_scale)
     return (f"per step +{calibration.step_overhead_ms:.1f} ms, per extra micro-batch {calibration.micro_batch_overhead_ms:.2f} "
             f"ms/layer, AG {calibration.allgather_ms:.3f} / RS {calibration.reduce_scatter_ms:.3f} ms/layer, overlap "
-            f"{calibration.overlap:.2f}, compute x[{scales}] ({calibration.source}, {calibration.steps} steps)")
+            f"{calibration.overlap:.2f}, compute x[{scales}], host contention x{calibration.host_contention:.2f} ({calibration.source}, {calibration.steps} steps)")
 

@@ -66,6 +66,7 @@ class Settings:
     reserved_memory_gb: float = 2.0
     micro_batch_overhead_ms: float = 10.0
     step_overhead_ms: float = 0.0  # fixed per-step time outside the layers (a calibration measures it)
+    host_contention: float = 1.0  # wall time per compute second, ranks sharing host cores (a calibration measures it)
     allgather_ms: float = 0.0  # one layer, even shares; or priced from link_bandwidth_gbps
     reduce_scatter_ms: float = 0.0
     link_bandwidth_gbps: float | None = None  # GB/s per direction between ranks
@@ -224,6 +225,11 @@ def parse_settings(data: Any) -> Settings:
         values["usable_memory_fraction"] = frac
     if data.get("link_bandwidth_gbps") is not None:
         values["link_bandwidth_gbps"] = _number(data["link_bandwidth_gbps"], "settings.link_bandwidth_gbps")
+    if "host_contention" in data:
+        values["host_contention"] = _number(data["host_contention"], "settings.host_contention")
+        if values["host_contention"] < 1:
+            raise PlanningError(f"settings.host_contention must be >= 1 (1: no waiting for a core), got "
+                                f"{values['host_contention']}; set it to 1 or more{CLUSTER_FILE}")
     if "estimated_mfu" in data:
         values["estimated_mfu"] = _number(data["estimated_mfu"], "settings.estimated_mfu")
     for key in ("uneven_slope", "optimizer_ns_per_param"):
@@ -392,7 +398,9 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
     model = {k: v for k, v in asdict(cluster.model).items() if v is not None}
     settings = {k: v for k, v in asdict(cluster.settings).items() if v is not None}
     if not settings.get("step_overhead_ms"):
-        settings.pop("step_overhead_ms", None)  # files written before the term existed read the same
+        settings.pop("step_overhead_ms", None)  # files written before the terms existed read the same
+    if settings.get("host_contention") == 1.0:
+        settings.pop("host_contention", None)
     data = {"model": model, "settings": settings, "devices": entries}
     if cluster.calibration is not None:
         data["calibration"] = cluster.calibration.as_dict()

@@ -49,6 +49,7 @@ class StepObservation:
     plan: Plan
     wall_s: float
     busy_s: tuple[float, ...]
+    busy_wall_s: tuple[float, ...] | None = None  # the same regions on the wall clock (CPU: waits for a core)
 
 
 def _start(cluster: Cluster, observations: Sequence[StepObservation]) -> tuple[np.ndarray, np.ndarray]:
@@ -59,11 +60,18 @@ def _start(cluster: Cluster, observations: Sequence[StepObservation]) -> tuple[n
     return theta0, scale
 
 
-def _calibration(cluster: Cluster, theta: np.ndarray, ag0: float, rs0: float, steps: int, fitted_on: str) -> Calibration:
+def host_contention(observations: Sequence[StepObservation]) -> float:
+    """Wall seconds per busy second in the compute regions, the median over ranks and steps (>= 1)."""
+    ratios = [w / b for o in observations if o.busy_wall_s is not None for w, b in zip(o.busy_wall_s, o.busy_s) if b > 0]
+    return max(1.0, float(np.median(ratios))) if ratios else 1.0
+
+
+def _calibration(cluster: Cluster, theta: np.ndarray, ag0: float, rs0: float, steps: int, fitted_on: str,
+                 contention: float = 1.0) -> Calibration:
     return Calibration(
         step_overhead_ms=float(theta[0]), micro_batch_overhead_ms=float(theta[1]), allgather_ms=float(theta[2] * ag0),
         reduce_scatter_ms=float(theta[2] * rs0), overlap=float(theta[3]),
-        compute_scale=tuple(float(v) for v in theta[4:]), steps=steps, fitted_on=fitted_on)
+        compute_scale=tuple(float(v) for v in theta[4:]), host_contention=contention, steps=steps, fitted_on=fitted_on)
 
 
 def _clip(theta: np.ndarray) -> np.ndarray:
@@ -100,11 +108,12 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
     busys = np.array([o.busy_s for o in observations], dtype=float)
     which = np.array([index[id(o.plan)] for o in observations])
     steps = len(observations)
+    contention = host_contention(observations)
     base_weight = np.sqrt(steps * (world + 1))
     weight = PRIOR_WEIGHT * base_weight  # the prior's pull per term, set per stage below
 
     def residuals(theta: np.ndarray) -> np.ndarray:
-        model = with_calibration(base, _calibration(base, theta, ag0, rs0, 0, ""))
+        model = with_calibration(base, _calibration(base, theta, ag0, rs0, 0, "", contention))
         priced = [predicted(model, p) for p in plans]
         step = np.array([priced[k][0] for k in which])
         busy = np.array([priced[k][1] for k in which])
@@ -120,7 +129,7 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
                     np.full(len(theta0), PRIOR_WEIGHT)):
         weight = weights * base_weight
         theta = _least_squares(residuals, theta, scale)
-    return _calibration(base, theta, ag0, rs0, steps, fitted_on)
+    return _calibration(base, theta, ag0, rs0, steps, fitted_on, contention)
 
 
 def _least_squares(residuals: Any, theta: np.ndarray, scale: np.ndarray) -> np.ndarray:

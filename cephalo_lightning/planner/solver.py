@@ -431,14 +431,15 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
     upper = upper_bound_samples_per_s(cluster, B, mode)
     if planner != "cephalo":
         return _baseline_plan(cluster, B, mode, planner, upper)
-    # a fixed per-step overhead shifts every plan alike: solve without it, then add it to the
-    # plan's step and to the proven lower bound (the certified gap only shrinks)
-    fixed_s = cluster.settings.step_overhead_ms / 1e3
-    core = replace(cluster, settings=replace(cluster.settings, step_overhead_ms=0.0))
+    # a fixed per-step overhead and a host's contention factor shift and scale every plan alike:
+    # solve without them, then apply both to the plan's step and the proven lower bound (the
+    # certified gap only shrinks)
+    fixed_s, contention = cluster.settings.step_overhead_ms / 1e3, cluster.settings.host_contention
+    core = replace(cluster, settings=replace(cluster.settings, step_overhead_ms=0.0, host_contention=1.0))
     problem = Problem(core, B, mode, group_kinds=_group_kinds)
     _check_memory(problem)
     best, lower_s = problem.solve()
-    lower_s += fixed_s
+    lower_s = contention * lower_s + fixed_s
     ranks, step = rank_plans(cluster, best.batch, best.micro, best.shares, ~best.keep, mode,
                              kinds=(problem.costs, problem.of_rank))
     return Plan(
