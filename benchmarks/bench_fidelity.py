@@ -1,8 +1,8 @@
-"""Plan fidelity: the planner's predicted step time and peak memory per rank against what training measures.
+"""Plan fidelity: predicted vs measured step time and peak memory, before and after calibration.
 
-    python benchmarks/bench_fidelity.py            # 6 emulated clusters and 2 controls (~5 minutes)
+    python benchmarks/bench_fidelity.py            # clusters A, C, D, E (EMULATED; minutes)
     python benchmarks/bench_fidelity.py --quick    # the same clusters, fewer steps
-    python benchmarks/bench_fidelity.py --json     # the rows as data
+    python benchmarks/bench_fidelity.py --clusters A,C,D,E,F,S1,S2 --json
 
 THE CLUSTERS ARE EMULATED ON CPU: every rank is a CPU process on this machine (gloo), slowed by
 sleeping after each compute region and given an accounted memory capacity
@@ -11,18 +11,19 @@ sleeping after each compute region and given an accounted memory capacity
 Only the public Lightning path is used. Per cluster, in one spawned group of ranks:
 
 1. profile: a 1-step ``Trainer.fit`` with ``CephaloCallback`` (which profiles every emulated rank at
-   setup: layers, collectives, the uneven-shard slope, the compute/communication overlap and the
-   optimizer step) gives the planner's cluster, then ``planner.plan`` plans it in the cluster's mode;
-2. measure: ``Trainer.fit(strategy=CephaloStrategy(plan=..., emulate=...))`` with a
-   ``CephaloCallback`` watching every ``window`` steps; its ``history`` holds every rank's measured
-   compute (busy) time and peak accounted memory per window, its ``summary`` the median step.
+   setup) gives the planner's cluster, and ``planner.plan`` plans it in the cluster's mode;
+2. calibrate: ``Trainer.fit(strategy=CephaloStrategy(plan=..., emulate=...))`` with a watching
+   ``CephaloCallback`` measures that plan; its windows (median step wall time, every rank's median
+   busy time) are the observations :func:`~cephalo_lightning.planner.fit.fit_calibration` fits;
+3. predict, then measure: other plans of the same profile (another global batch, the even baseline,
+   the other mode, the calibrated optimum: other batches, micro-batch counts, shares and modes) are
+   priced by the profile alone (BEFORE) and by the calibrated cluster (AFTER), then measured the
+   same way. No measured step of these plans enters the fit: the figures test prediction, not fitting.
 
-Per rank the table prints: PREDICTED step time (the rank's own, ``RankPlan.predicted_step_s``;
-the plan's step is the slowest rank's) against the MEASURED step (wall time per step, median
-over the measured windows' steps, the same on every rank since every step ends in collectives);
-PREDICTED compute (the cost model's layer compute alone) against the MEASURED busy time; PREDICTED
-peak memory (``RankPlan.predicted_memory_gb``) against the MEASURED peak of the accounted memory.
-The goal is every ratio within 10%; the bottleneck rank's step ratio is the plan's.
+Every plan is measured once per round (``rounds``, the order rotated; the host's load drifts over
+minutes and should reach every plan alike); a plan's measured step is the median over the windows of
+all its rounds (the first window of each run, whose steps count every tensor, is left out). The
+goal: AFTER within 10% of the measured step on the plans not fitted, and peak memory never under-predicted (calibration does not touch memory).
 """
 
 from __future__ import annotations
@@ -75,12 +76,13 @@ class Config:
     seq_len: int = 64
     profile_k: int = 8
     usable_memory_fraction: float = 0.9
-    window: int = 4  # CephaloCallback(watch_every_n_steps=window)
-    windows: int = 3  # measured windows after the first (whose steps 0-2 count every tensor: slow)
+    window: int = 3  # CephaloCallback(watch_every_n_steps=window)
+    windows: int = 2  # measured windows per run after the first (whose steps 0-2 count every tensor: slow)
+    rounds: int = 3  # every plan measured once per round, interleaved
     threads: int = 1
 
 
-QUICK = Config(window=3, windows=2)
+QUICK = Config(window=3, windows=1, rounds=2)
 
 
 def _specs(cluster: ClusterSpec) -> list[dict[str, float]]:
@@ -97,7 +99,7 @@ def _trainer(world: int, strategy: Any, steps: int, callbacks: list) -> Any:
     )
 
 
-def _fit(cfg: Config, cluster: ClusterSpec, strategy: Any, steps: int, callback: Any) -> None:
+def _fit(cfg: Config, cluster: ClusterSpec, strategy: Any, steps: int, callback: Any, batch: int | None = None) -> None:
     import lightning.pytorch as pl
 
     from cephalo_lightning.demo import GPTModule, TextDataModule
@@ -105,45 +107,129 @@ def _fit(cfg: Config, cluster: ClusterSpec, strategy: Any, steps: int, callback:
     pl.seed_everything(0, verbose=False)
     module = GPTModule(preset=cfg.preset, seq_len=cfg.seq_len, warmup_steps=2, lr_decay_steps=steps)
     module.configure_model()  # built now, from the seed: every strategy compared starts from the same weights
-    data = TextDataModule(seq_len=cfg.seq_len, batch_size=cluster.global_batch)
+    data = TextDataModule(seq_len=cfg.seq_len, batch_size=batch or cluster.global_batch)
     _trainer(len(cluster.emulate), strategy, steps, [callback]).fit(module, data)
+
+
+def _measure_plan(cfg: Config, cluster: ClusterSpec, plan: Any) -> dict[str, Any]:
+    """Run ``plan`` for ``window * (1 + windows)`` steps; the watcher's windows, the first left out."""
+    from cephalo_lightning import CephaloCallback, CephaloStrategy
+
+    watcher = CephaloCallback(watch_every_n_steps=cfg.window, print_plan=False, quiet=True, cache_dir=None,
+                              calibrate_after_windows=0)
+    _fit(cfg, cluster, CephaloStrategy(plan=plan, emulate=_specs(cluster), mode=plan.mode),
+         cfg.window * (1 + cfg.windows), watcher, batch=plan.global_batch_size)
+    return {"plan": plan, "history": watcher.history[1:]}
+
+
+def _other_plans(profiled: Any, calibrated: Any, cluster: ClusterSpec, fitted: Any) -> list[tuple[str, Any]]:
+    """Plans that differ from the fitted one in batch, micro-batch counts, shares or mode (those that fit)."""
+    from cephalo_lightning.planner import PlanningError
+    from cephalo_lightning.planner import plan as make_plan
+
+    other_mode = "uniform" if cluster.mode == "layered" else "layered"
+    B = cluster.global_batch
+    wanted = [
+        (f"B={B * 3 // 2}", lambda: make_plan(profiled, B * 3 // 2, mode=cluster.mode)),
+        (f"B={B // 2}", lambda: make_plan(profiled, B // 2, mode=cluster.mode)),
+        ("even", lambda: make_plan(profiled, B, mode=cluster.mode, planner="even")),
+        (other_mode, lambda: make_plan(profiled, B, mode=other_mode)),
+        ("calibrated optimum", lambda: make_plan(calibrated, B, mode=cluster.mode)),
+    ]
+    out: list[tuple[str, Any]] = []
+    for name, make in wanted:
+        try:
+            candidate = make()
+        except PlanningError:
+            continue
+        if all(candidate.ranks != p.ranks or candidate.mode != p.mode for _, p in [("fitted", fitted), *out]):
+            out.append((name, candidate))
+    return out
 
 
 def _rank_main(rank: int, world: int, cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
     from cephalo_lightning import CephaloCallback, CephaloStrategy
     from cephalo_lightning.planner import plan as make_plan
+    from cephalo_lightning.planner.calibration import with_calibration
+    from cephalo_lightning.planner.fit import fit_calibration, plan_label
 
     common.quiet_lightning()
     common.pin_threads(cfg.threads)
     # the layers are profiled through the layered protocol whichever mode the plan then runs in
     profiler = CephaloCallback(max_micro_batch=cfg.profile_k, cache_dir=None, watch_every_n_steps=0, mode=cluster.mode,
                                settings={"usable_memory_fraction": cfg.usable_memory_fraction},
-                               print_plan=False, quiet=True)
+                               print_plan=False, quiet=True, calibrate_after_windows=0)
     start = time.perf_counter()
     _fit(cfg, cluster, CephaloStrategy(emulate=_specs(cluster)), 1, profiler)
     profile_s = time.perf_counter() - start
     profiled = profiler.cluster
     assert profiled is not None
     plan = make_plan(profiled, cluster.global_batch, mode=cluster.mode)
-    watcher = CephaloCallback(watch_every_n_steps=cfg.window, print_plan=False, quiet=True, cache_dir=None)
-    _fit(cfg, cluster, CephaloStrategy(plan=plan, emulate=_specs(cluster), mode=cluster.mode),
-         cfg.window * (1 + cfg.windows), watcher)
-    return {"cluster": profiled, "plan": plan, "history": watcher.history,
-            "summary": getattr(watcher, "summary", None), "profile_s": profile_s}
+    fitted = _measure_plan(cfg, cluster, plan)
+    import torch.distributed as dist
+
+    # each rank's windows hold its own step walls: rank 0's fit, for every rank (one plan everywhere)
+    shared = [fit_calibration(profiled, observations(plan, fitted["history"]), fitted_on=plan_label(plan))
+              if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    calibration = shared[0]
+    calibrated = with_calibration(profiled, calibration)
+    others = _other_plans(profiled, calibrated, cluster, plan)
+    # rounds: every plan (the fitted one too) once per round, the order rotated, so that the host's
+    # load, which drifts over minutes, reaches every plan alike; a plan's step is its median over rounds
+    measured: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in [("fitted on", plan), *others]}
+    measured["fitted on"].extend(fitted["history"])
+    runs = [("fitted on", plan), *others]
+    for r in range(cfg.rounds):
+        order = runs[r % len(runs):] + runs[:r % len(runs)]
+        for name, p in order:
+            if r == 0 and name == "fitted on":
+                continue  # round 0 of the fitted plan is the calibration run
+            measured[name].extend(_measure_plan(cfg, cluster, p)["history"])
+    return {"cluster": profiled, "plan": plan, "history": measured["fitted on"], "calibration": calibration,
+            "others": [{"name": name, "plan": p, "history": measured[name]} for name, p in others],
+            "fit_windows": len(fitted["history"]), "profile_s": profile_s}
+
+
+def observations(plan: Any, history: list[dict[str, Any]]) -> list[Any]:
+    """The watcher's windows as the fit's observations: the median step and every rank's median busy time."""
+    from cephalo_lightning.lightning.run_model import observations as from_windows
+
+    return from_windows(plan, history)
+
+
+def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any, calibrated: Any,
+              fitted: bool) -> dict[str, Any]:
+    from cephalo_lightning.planner.fit import plan_label, predicted
+
+    measured = statistics.median(w["step_s"] for w in history)  # windows of every round
+    before, after = predicted(profiled, plan)[0], predicted(calibrated, plan)[0]
+    memory = []
+    for i, r in enumerate(plan.ranks):
+        peaks = [w["ranks"][i]["peak_memory_gb"] for w in history if w["ranks"][i]["peak_memory_gb"] is not None]
+        if peaks and r.predicted_memory_gb:
+            memory.append(max(peaks) / r.predicted_memory_gb)
+    return {"name": name, "label": plan_label(plan), "fitted": fitted, "measured_step_s": measured,
+            "predicted_before_s": before, "predicted_after_s": after,
+            "error_before": measured / before - 1, "error_after": measured / after - 1,
+            "window_errors_after": [w["step_s"] / after - 1 for w in history],
+            "memory_ratio_max": max(memory) if memory else None}
 
 
 def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
+    from cephalo_lightning.planner.calibration import with_calibration
+
     try:
         per_rank = common.run_ranks(_rank_main, len(cluster.emulate), cfg, cluster, threads=cfg.threads)
     except RuntimeError as err:  # e.g. an emulated OOM: the plan did not hold; report it, measure the rest
-        lines = [line for line in str(err).splitlines() if "Error" in line and "Traceback" not in line]
+        lines = [line for line in str(err).splitlines() if "Error:" in line and "Traceback" not in line]
         return {"cluster": asdict(cluster), "mode": cluster.mode, "failed": lines[0] if lines else str(err)[-300:]}
     r0 = per_rank[0]
-    profiled, plan, history = r0["cluster"], r0["plan"], r0["history"][1:]  # window 1: the counting steps
-    wall = [statistics.median(r["summary"]["measured_step_s"] for r in per_rank if r["summary"])] if any(
-        r["summary"] for r in per_rank) else []
-    steps = [w["step_s"] for w in history]
-    measured_step = statistics.median(steps) if steps else (wall[0] if wall else float("nan"))
+    profiled, plan, history, calibration = r0["cluster"], r0["plan"], r0["history"], r0["calibration"]
+    calibrated = with_calibration(profiled, calibration)
+    plans = [_plan_row("fitted on", plan, history, profiled, calibrated, True)]
+    plans += [_plan_row(o["name"], o["plan"], o["history"], profiled, calibrated, False) for o in r0["others"]]
+    measured_step = plans[0]["measured_step_s"]
     compute = predicted_busy_s(profiled, plan)  # layers and optimizer step, as the busy time counts them
     rows = []
     for i, r in enumerate(plan.ranks):
@@ -168,7 +254,8 @@ def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
         "measured_s": measured_step - max(r["measured_busy_s"] for r in rows),
     }
     return {"cluster": asdict(cluster), "mode": plan.mode, "predicted_step_s": plan.predicted_step_s, "outside": outside,
-            "measured_step_s": measured_step, "ranks": rows, "profile_s": r0["profile_s"],
+            "measured_step_s": measured_step, "ranks": rows, "plans": plans, "calibration": calibration.as_dict(),
+            "profile_s": r0["profile_s"],
             "settings": {"allgather_ms": s.allgather_ms, "reduce_scatter_ms": s.reduce_scatter_ms,
                          "uneven_slope": s.uneven_slope, "overlap": s.overlap},
             "optimizer_ns_per_param": [d.optimizer_ns_per_param for d in profiled.devices]}
@@ -228,7 +315,9 @@ def print_report(result: dict[str, Any]) -> None:
               f"measured {1e3 * c['measured_step_s']:.0f} ms ({c['measured_step_s'] / c['predicted_step_s']:.2f}); "
               f"beyond the compute: predicted {1e3 * c['outside']['predicted_s']:.0f} ms, measured "
               f"{1e3 * c['outside']['measured_s']:.0f} ms")
-    print(f"within 10%: {sum(within)} of {len(within)} figures (the slowest rank's step, every rank's peak memory)")
+    print(f"profile alone, the fitted plan: within 10%: {sum(within)} of {len(within)} figures (the slowest rank's "
+          "step, every rank's peak memory)")
+    print_calibration(result)
     most = max(len(c["cluster"]["emulate"]) for c in result["clusters"])
     if most > (result["cores"] or 0):
         print(f"NOTE: up to {most} ranks on {result['cores']} cores: "
@@ -236,10 +325,46 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"wall time {result['wall_s']:.0f} s; " + common.load_note(*result["load_average"]))
 
 
+def print_calibration(result: dict[str, Any]) -> None:
+    """Per plan: the measured step against the profile's prediction (BEFORE) and the calibrated one (AFTER)."""
+    rows, after, before, under = [], [], [], []
+    for c in result["clusters"]:
+        if "failed" in c:
+            continue
+        for p in c["plans"]:
+            if not p["fitted"]:
+                after.append(abs(p["error_after"]))
+                before.append(abs(p["error_before"]))
+            if p["memory_ratio_max"] is not None and p["memory_ratio_max"] > 1 + 1e-9:
+                under.append(f"{c['cluster']['name']} {p['name']}")
+            rows.append([c["cluster"]["name"] if p is c["plans"][0] else "", p["name"], p["label"],
+                         f"{1e3 * p['measured_step_s']:.0f}", f"{1e3 * p['predicted_before_s']:.0f}",
+                         f"{100 * p['error_before']:+.0f}%", f"{1e3 * p['predicted_after_s']:.0f}",
+                         f"{100 * p['error_after']:+.1f}%",
+                         "-" if p["memory_ratio_max"] is None else f"{p['memory_ratio_max']:.2f}"])
+    common.print_table(
+        ["cluster", "plan", "assignment", "meas. step ms", "pred. before ms", "error", "pred. after ms", "error",
+         "max meas./pred. peak"], rows,
+        title="Prediction before and after calibration (EMULATED; 'fitted on': the plan whose windows were fitted, "
+              "the rest are predicted)")
+    for c in result["clusters"]:
+        if "failed" not in c:
+            from cephalo_lightning.planner.calibration import Calibration, describe
+
+            cal = dict(c["calibration"])
+            cal["compute_scale"] = tuple(cal["compute_scale"])
+            print(f"  {c['cluster']['name']} calibration: {describe(Calibration(**cal))}")
+    if after:
+        print(f"plans not fitted: {len(after)}; median |error| BEFORE {100 * statistics.median(before):.0f}%, "
+              f"AFTER {100 * statistics.median(after):.1f}%; within 10% after: {sum(e <= 0.10 for e in after)} of "
+              f"{len(after)} (before: {sum(e <= 0.10 for e in before)})")
+    print("peak memory under-predicted: " + (", ".join(under) if under else "never (every measured peak <= predicted)"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer measured steps")
-    parser.add_argument("--clusters", default=",".join(c.name for c in CLUSTERS), help="which clusters, e.g. A,C,S1")
+    parser.add_argument("--clusters", default="A,C,D,E", help="which clusters, e.g. A,C,S1 (all: A,B,C,D,E,F,S1,S2)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     chosen = tuple(c for c in CLUSTERS if c.name in args.clusters.split(","))

@@ -129,9 +129,32 @@ def layer_times(cluster: Cluster, batch, micro, rho: float, keep=None, mode: str
 
 
 def rank_times(cluster: Cluster, batch, micro, shares, keep=None, mode: str = "layered") -> list[float]:
-    """Each rank's step time (s) by the brief's formulas, the optimizer step included."""
+    """Each rank's step time (s) by the brief's formulas, the optimizer step and the fixed per-step
+    overhead included."""
     layers = layer_times(cluster, batch, micro, max(shares), keep, mode)
-    return [(t + _optimizer_ms(cluster, d) * r) / 1e3 for t, d, r in zip(layers, cluster.devices, shares)]
+    fixed, contention = cluster.settings.step_overhead_ms, cluster.settings.host_contention
+    return [(contention * (t + _optimizer_ms(cluster, d) * r) + fixed) / 1e3
+            for t, d, r in zip(layers, cluster.devices, shares)]
+
+
+def calibrated_by_hand(data: dict, calibration: dict) -> Cluster:
+    """A cluster file with a calibration block written out as a plain cluster file: each rank its own
+    device entry, its times scaled, the measured terms as settings (the block's documented meaning)."""
+    from cephalo_lightning.planner import cluster_from_dict
+
+    entries = [dict(e, count=1) for e in data["devices"] for _ in range(e.get("count", 1))]
+    settings = dict(data.get("settings", {}))
+    for entry, scale in zip(entries, calibration["compute_scale"]):
+        entry["layer_fwd_ms"] = [v * scale for v in entry["layer_fwd_ms"]]
+        entry["layer_bwd_ms"] = [v * scale for v in entry["layer_bwd_ms"]]
+        ns = entry.get("optimizer_ns_per_param", settings.get("optimizer_ns_per_param"))
+        if ns is not None:
+            entry["optimizer_ns_per_param"] = ns * scale
+    settings.pop("link_bandwidth_gbps", None)
+    settings.update({k: calibration[k] for k in ("step_overhead_ms", "micro_batch_overhead_ms", "allgather_ms",
+                                                  "reduce_scatter_ms", "overlap")})
+    settings["host_contention"] = calibration.get("host_contention", 1.0)
+    return cluster_from_dict({"model": data["model"], "settings": settings, "devices": entries})
 
 
 def memory_used(cluster: Cluster, d, b: int, n: int, share: float, kept: bool = False, mode: str = "layered") -> float:

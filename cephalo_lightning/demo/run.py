@@ -47,8 +47,14 @@ def _report(cli, even: dict | None) -> str:
     trainer = cli.trainer
     summary = next(cb for cb in trainer.callbacks if type(cb).__name__ == "CephaloCallback").summary
     lines = ["", "=" * 78, "Cephalo demo: done (all times measured on an EMULATED heterogeneous CPU cluster)"]
-    lines.append(f"  Cephalo plan: {summary['measured_samples_per_s']:.1f} samples/s measured, "
-                 f"{summary['predicted_samples_per_s']:.1f} predicted")
+    measured = summary["measured_samples_per_s"]
+    lines.append(f"  Cephalo plan: {measured:.1f} samples/s measured, {summary['predicted_samples_per_s']:.1f} "
+                 f"predicted from the profile (measured / predicted = {measured / summary['predicted_samples_per_s']:.2f})")
+    calibrated = summary.get("calibrated_predicted_step_s")
+    if calibrated:
+        after = summary["global_batch_size"] / calibrated
+        lines.append(f"                {after:.1f} samples/s predicted after calibration on the run's first steps "
+                     f"(measured / predicted = {measured / after:.2f})")
     if even and "infeasible" in even:
         lines.append(f"  even plan:    infeasible here ({even['infeasible'].splitlines()[0]})")
     elif even:

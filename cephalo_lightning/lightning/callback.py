@@ -25,12 +25,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
+from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning._common.units import GIB
-from cephalo_lightning.lightning._private import training_dataloader
+from cephalo_lightning.lightning.adaptation import RunAdapter
 from cephalo_lightning.lightning.callback_config import CallbackConfig
 from cephalo_lightning.lightning.loggers import (
     log_plan,
@@ -40,13 +40,14 @@ from cephalo_lightning.lightning.loggers import (
     save_run_files,
     terminal_width,
 )
+from cephalo_lightning.lightning.profiled_input import planning_sample, profiled_form
+from cephalo_lightning.lightning.run_model import CalibrationResult, drifting_ranks
 from cephalo_lightning.lightning.strategy import CephaloStrategy
 from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.planner import plan as make_plan
 from cephalo_lightning.planner.cost import predicted_busy_s
 from cephalo_lightning.planner.report import render_plan
 from cephalo_lightning.profiling import ProfileOptions, default_settings, profile_cluster
-from cephalo_lightning.runtime.batching import leading_size, slice_batch
 from cephalo_lightning.runtime.distributed import gather_objects
 from cephalo_lightning.runtime.sharding.flat_unit import full_shape
 from cephalo_lightning.runtime.timing import BusyTime
@@ -75,6 +76,10 @@ class CephaloCallback(Callback):
         watch_every_n_steps: int = CallbackConfig.watch_every_n_steps,
         drift_threshold: float = CallbackConfig.drift_threshold,
         replan: bool = CallbackConfig.replan,
+        adapt: bool = CallbackConfig.adapt,
+        min_dwell_windows: int = CallbackConfig.min_dwell_windows,
+        calibrate_after_windows: int = CallbackConfig.calibrate_after_windows,
+        switch_gain: float = CallbackConfig.switch_gain,
         state_bytes_per_param: float | None = CallbackConfig.state_bytes_per_param,
         print_plan: bool = CallbackConfig.print_plan,
         quiet: bool = CallbackConfig.quiet,
@@ -85,14 +90,15 @@ class CephaloCallback(Callback):
         self.plan: Plan | None = None
         self.history: list[dict[str, Any]] = []  # one row per watch window, on every rank
         self._step_start = 0.0
-        self._busy_start = 0.0
-        self._window: list[tuple[float, float]] = []  # (wall, busy) seconds per step
+        self._busy_start = (0.0, 0.0)  # busy and its wall-clock twin at the step's start
+        self._window: list[tuple[float, float, float]] = []  # (wall, busy, busy on the wall clock) s per step
         self._all_walls: list[float] = []
         self._throughput: Throughput | None = None
         self._t0 = 0.0  # when training started (the throughput's clock)
         self._samples = 0
         self._busy: BusyTime | None = None
         self._planning = False
+        self._adapter = RunAdapter(self.config)  # calibration, drift episodes, stragglers
 
     # ------------------------------------------------------------------ setup: profile and plan
 
@@ -129,28 +135,11 @@ class CephaloCallback(Callback):
             log_plan(trainer.loggers, self.plan, self.cluster)
             log_run(trainer, self.plan, self.cluster or strategy.cluster, callback=self)
 
-    def _sample(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> tuple[Any, int]:
-        loader = training_dataloader(trainer)
-        batch_size = self.config.global_batch_size or strategy.global_batch_size or getattr(loader, "batch_size", None)
-        if not batch_size:
-            raise ConfigurationError("CephaloCallback needs the global batch: set batch_size on the training DataLoader "
-                                     "or CephaloCallback(global_batch_size=B)")
-        loader_batch = getattr(loader, "batch_size", None)
-        if self.config.global_batch_size and loader_batch and strategy.global_batch_size is None and loader_batch != batch_size:
-            raise ValueError(  # kept a ValueError by name: failure reports start with the type's name
-                f"CephaloCallback(global_batch_size={self.config.global_batch_size}) but the training DataLoader's batch_size "
-                f"is {loader_batch}: the DataLoader's batch is the global batch (every rank takes its slice of it), "
-                "so they must agree; drop global_batch_size or set the DataLoader's batch_size to it"
-            )
-        batch = next(iter(loader))
-        rows = leading_size(batch) or 1
-        return slice_batch(batch, 0, min(rows, self.config.max_micro_batch)), int(batch_size)
-
     def _profile_and_plan(self, trainer: pl.Trainer, module: pl.LightningModule, strategy: CephaloStrategy,
                           force: bool) -> tuple[Cluster, Plan]:
         """Collective: profile every rank on the sharded model, one unit at a time, and plan."""
-        sample, global_batch = self._sample(trainer, strategy)
-        layers, sample_input, kwargs = self._profiled_form(module, strategy, sample)
+        sample, global_batch = planning_sample(trainer, strategy, self.config)
+        layers, sample_input, kwargs = profiled_form(module, strategy, sample)
         settings = replace(default_settings(strategy.root_device), **self.config.settings)
         trainable = [p for p in module.parameters() if p.requires_grad]
         parameters = sum(math.prod(full_shape(p)) for p in trainable)  # the pieces are shards: count the whole
@@ -176,23 +165,6 @@ class CephaloCallback(Callback):
         plan = strategy.broadcast(make_plan(cluster, global_batch, mode=mode) if trainer.is_global_zero else None)
         return cluster, plan
 
-    @staticmethod
-    def _profiled_form(module: pl.LightningModule, strategy: CephaloStrategy,
-                       sample: Any) -> tuple[list[Any], Any, dict[str, Any]]:
-        """What is measured: the layered form's layers on a sample batch, each gathered in place;
-        else the whole module as one "layer" on its ``example_input_array``, every unit gathered."""
-        layered = strategy.layered_form
-        if layered is not None:
-            return list(layered.layers), sample, {"prepare": layered.prepare, "loss": layered.loss,
-                                                  "unit_context": strategy.gathered_layer}
-        example = getattr(module, "example_input_array", None)
-        if example is None:
-            raise ConfigurationError(
-                f"CephaloCallback cannot profile {type(module).__name__}: it has no layered form "
-                f"({strategy.why_not_layered}); set example_input_array, or give the strategy a plan / cluster file"
-            )
-        return [module], example, {"unit_context": lambda i: strategy.gathered_model()}
-
     # ------------------------------------------------------------------ watching
 
     @override
@@ -214,14 +186,15 @@ class CephaloCallback(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_start = time.perf_counter()
-        self._busy_start = self._busy.seconds if self._busy is not None else 0.0
+        self._busy_start = (self._busy.seconds, self._busy.wall_seconds) if self._busy is not None else (0.0, 0.0)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         strategy = self._strategy(trainer)
         wall = time.perf_counter() - self._step_start
-        busy = self._busy.seconds - self._busy_start if self._busy is not None else 0.0
-        self._window.append((wall, busy))
+        busy, busy_wall = ((self._busy.seconds - self._busy_start[0], self._busy.wall_seconds - self._busy_start[1])
+                           if self._busy is not None else (0.0, 0.0))
+        self._window.append((wall, busy, busy_wall))
         self._all_walls.append(wall)
         assert strategy.plan is not None
         self._samples += strategy.plan.global_batch_size
@@ -247,25 +220,21 @@ class CephaloCallback(Callback):
 
     def _watch(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
         """Collective: every rank shares its window, every rank takes the same decision."""
-        walls = sorted(w for w, _ in self._window)
-        busy = statistics.median(b for _, b in self._window)
-        rows = gather_objects({"busy_s": busy, "peak_memory_gb": self._peak_memory_gb(strategy)})
+        walls = sorted(w for w, _, _ in self._window)
+        busy, busy_wall = (statistics.median(x[k] for x in self._window) for k in (1, 2))
+        rows = gather_objects({"busy_s": busy, "busy_wall_s": busy_wall, "peak_memory_gb": self._peak_memory_gb(strategy)})
         predicted = self._predicted_busy(strategy)
         assert strategy.plan is not None
         ratios = [r["busy_s"] / p if p else None for r, p in zip(rows, predicted)]
-        known = [r for r in ratios if r]
-        median = statistics.median(known) if known else None
-        drifting = [
-            i for i, r in enumerate(ratios)
-            if r and median and abs(math.log(r / median)) > math.log(1 + self.config.drift_threshold)
-        ]
+        drifting, reference = drifting_ranks(ratios, self.config.drift_threshold, self.calibration is not None)
         record = {
             "step": trainer.global_step,
             "step_s": statistics.median(walls),
             "samples_per_s": strategy.plan.global_batch_size / statistics.median(walls),
             "predicted_samples_per_s": strategy.plan.predicted_samples_per_s,
             "ranks": [
-                {"rank": i, "measured_busy_s": r["busy_s"], "predicted_busy_s": predicted[i],
+                {"rank": i, "measured_busy_s": r["busy_s"], "measured_busy_wall_s": r["busy_wall_s"],
+                 "predicted_busy_s": predicted[i],
                  "peak_memory_gb": r["peak_memory_gb"], "predicted_memory_gb": strategy.plan.ranks[i].predicted_memory_gb}
                 for i, r in enumerate(rows)
             ],
@@ -275,12 +244,13 @@ class CephaloCallback(Callback):
         if trainer.is_global_zero:
             throughput = self._throughput.compute() if self._throughput is not None else {}
             log_rank_series(trainer.loggers, record, throughput, trainer.global_step)
-        if drifting:
-            names = ", ".join(f"rank {i} ({ratios[i] / median:.2f}x the median rank's measured/predicted)" for i in drifting)
-            rank_zero_warn(f"Cephalo: {names} drifted from the plan by more than {self.config.drift_threshold:.0%}"
-                           + ("; re-planning." if self.config.replan else "; CephaloCallback(replan=True) would re-plan."))
-            if self.config.replan:
-                self._replan(trainer, strategy)
+        self.cluster = self._adapter.after_window(trainer, strategy, self.cluster, self.history, ratios, reference,
+                                                  replan=lambda: self._replan(trainer, strategy) or self.cluster)
+
+    @property
+    def calibration(self) -> CalibrationResult | None:
+        """The run's calibration, once made (``calibrate_after_windows``)."""
+        return self._adapter.calibration
 
     def _replan(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
         module = trainer.lightning_module
@@ -304,12 +274,14 @@ class CephaloCallback(Callback):
         steady = self._all_walls[1:] or self._all_walls  # the first step pays for warm-up
         step_s = statistics.median(steady)
         summary = {
+            "global_batch_size": strategy.plan.global_batch_size,
             "measured_samples_per_s": strategy.plan.global_batch_size / step_s,
             "measured_step_s": step_s,
             "predicted_samples_per_s": strategy.plan.predicted_samples_per_s,
             "predicted_step_s": strategy.plan.predicted_step_s,
             "even_predicted_samples_per_s": strategy.plan.baselines.get("even").predicted_samples_per_s
             if "even" in strategy.plan.baselines else None,
+            "calibrated_predicted_step_s": self.calibration.predicted_after_s if self.calibration is not None else None,
             "steps": len(self._all_walls),
             "emulated": bool(strategy.emulator.is_emulated or strategy.plan.emulated),
         }
@@ -329,6 +301,10 @@ def format_summary(summary: Mapping[str, Any]) -> str:
     if predicted:
         lines.append(f"  predicted  {predicted:.2f} samples/s (measured / predicted = "
                      f"{summary['measured_samples_per_s'] / predicted:.2f})")
+    calibrated = summary.get("calibrated_predicted_step_s")
+    if calibrated:
+        lines.append(f"  calibrated {summary['global_batch_size'] / calibrated:.2f} samples/s predicted after calibration "
+                     f"(measured / predicted = {calibrated / summary['measured_step_s']:.2f})")
     even = summary.get("even_predicted_samples_per_s")
     if even and predicted:
         lines.append(f"  even plan  {even:.2f} samples/s predicted (this plan is predicted {predicted / even:.2f}x faster)")

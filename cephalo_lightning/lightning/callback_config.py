@@ -50,6 +50,16 @@ class CallbackConfig:
     drift_threshold: float = _option(
         0.3, "a rank whose measured/predicted ratio departs from the median rank's by more than this fraction drifts")
     replan: bool = _option(False, "on drift: re-profile, re-plan and re-shard (state is kept)")
+    calibrate_after_windows: int = _option(
+        2, "once, fit the cost model's run-time terms to this many watch windows after the first, log the "
+        "prediction before/after against the measured step and judge drift by the calibrated one (0: never)")
+    switch_gain: float = _option(
+        0.05, "after calibrating, switch in place to the calibrated optimum when it is predicted faster by more "
+        "than this fraction")
+    adapt: bool = _option(
+        True, "once calibrated, re-time a drifting rank from its measured busy time, re-solve and switch plan in "
+        "place (no re-profile, no files); it moves back when the rank recovers")
+    min_dwell_windows: int = _option(2, "after a plan switch, watch windows without another decision (hysteresis)")
     state_bytes_per_param: float | None = _option(
         None, "training-state bytes per parameter (None: 4 x the master dtype's size, 16 for fp32)",
         shown="4 x the master dtype's size")
@@ -71,11 +81,20 @@ class CallbackConfig:
             raise ConfigurationError(
                 f"CephaloCallback(watch_every_n_steps={watch!r}, drift_threshold={self.drift_threshold!r}): "
                 "watch_every_n_steps must be >= 0 and drift_threshold > 0 (an integer and a number, e.g. 10 and 0.3)")
+        windows = self.calibrate_after_windows
+        if isinstance(windows, bool) or not isinstance(windows, int) or windows < 0 or not _positive(self.switch_gain):
+            raise ConfigurationError(
+                f"CephaloCallback(calibrate_after_windows={windows!r}, switch_gain={self.switch_gain!r}): "
+                "calibrate_after_windows must be an integer >= 0 (0: never) and switch_gain a number > 0, e.g. 2 and 0.05")
         if self.state_bytes_per_param is not None and not _positive(self.state_bytes_per_param):
             raise ConfigurationError(
                 f"CephaloCallback(state_bytes_per_param={self.state_bytes_per_param!r}) must be a number > 0 "
                 "(e.g. 16 for fp32 AdamW: master, gradient and two moments), or None: 4 x the master dtype's size")
-        for name in ("force_profile", "replan", "print_plan", "quiet"):
+        dwell = self.min_dwell_windows
+        if isinstance(dwell, bool) or not isinstance(dwell, int) or dwell < 1:
+            raise ConfigurationError(f"CephaloCallback(min_dwell_windows={dwell!r}) must be an integer >= 1 (windows "
+                                     "without a decision after a plan switch), e.g. 2")
+        for name in ("force_profile", "replan", "adapt", "print_plan", "quiet"):
             check_flag(name, getattr(self, name), owner="CephaloCallback")
         for name in ("cache_dir", "cluster_file", "plan_file"):
             value = getattr(self, name)

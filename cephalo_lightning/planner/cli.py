@@ -122,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         from cephalo_lightning.planner.report import print_plan
 
         print_plan(result)
+        if cluster.calibration is not None:
+            from cephalo_lightning.planner.calibration import describe
+
+            print(f"priced with the file's calibration: {describe(cluster.calibration)}")
         if args.output:
             print(f"plan written to {args.output}")
     return 0

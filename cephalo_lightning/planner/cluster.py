@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cephalo_lightning._common.atomic_io import write_text_atomic
+from cephalo_lightning.planner.calibration import Calibration, parse_calibration
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import MAX_EXACT_INTEGER, read_document, shown_number
 from cephalo_lightning.planner.limits import MAX_CLUSTER_RANKS, MAX_RANKS
@@ -64,6 +65,8 @@ class Settings:
     usable_memory_fraction: float = 0.75
     reserved_memory_gb: float = 2.0
     micro_batch_overhead_ms: float = 10.0
+    step_overhead_ms: float = 0.0  # fixed per-step time outside the layers (a calibration measures it)
+    host_contention: float = 1.0  # wall time per compute second, ranks sharing host cores (a calibration measures it)
     allgather_ms: float = 0.0  # one layer, even shares; or priced from link_bandwidth_gbps
     reduce_scatter_ms: float = 0.0
     link_bandwidth_gbps: float | None = None  # GB/s per direction between ranks
@@ -108,6 +111,7 @@ class Cluster:
     model: ModelSpec
     devices: tuple[DeviceProfile, ...]
     settings: Settings = field(default_factory=Settings)
+    calibration: Calibration | None = None  # terms measured on a run (planner.calibration)
 
     @property
     def world_size(self) -> int:
@@ -210,7 +214,7 @@ def parse_settings(data: Any) -> Settings:
     data = _mapping(data, "settings")
     _reject_unknown(data, {f.name for f in fields(Settings)}, "settings")
     values: dict[str, Any] = {}
-    for key in ("allgather_ms", "reduce_scatter_ms", "micro_batch_overhead_ms", "reserved_memory_gb"):
+    for key in ("allgather_ms", "reduce_scatter_ms", "micro_batch_overhead_ms", "step_overhead_ms", "reserved_memory_gb"):
         if key in data:
             values[key] = _number(data[key], f"settings.{key}", strict=False)
     if "usable_memory_fraction" in data:
@@ -221,6 +225,11 @@ def parse_settings(data: Any) -> Settings:
         values["usable_memory_fraction"] = frac
     if data.get("link_bandwidth_gbps") is not None:
         values["link_bandwidth_gbps"] = _number(data["link_bandwidth_gbps"], "settings.link_bandwidth_gbps")
+    if "host_contention" in data:
+        values["host_contention"] = _number(data["host_contention"], "settings.host_contention")
+        if values["host_contention"] < 1:
+            raise PlanningError(f"settings.host_contention must be >= 1 (1: no waiting for a core), got "
+                                f"{values['host_contention']}; set it to 1 or more{CLUSTER_FILE}")
     if "estimated_mfu" in data:
         values["estimated_mfu"] = _number(data["estimated_mfu"], "settings.estimated_mfu")
     for key in ("uneven_slope", "optimizer_ns_per_param"):
@@ -336,7 +345,7 @@ def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[Devi
 
 def cluster_from_dict(data: Any) -> Cluster:
     data = _mapping(data, "cluster file")
-    _reject_unknown(data, {"model", "settings", "devices"}, "cluster file")
+    _reject_unknown(data, {"model", "settings", "devices", "calibration"}, "cluster file")
     if "model" not in data:
         raise PlanningError("the cluster file needs a 'model:' section (num_layers, parameters); add one, e.g. "
                             "model: {num_layers: 32, parameters: 2700000000}")
@@ -345,7 +354,9 @@ def cluster_from_dict(data: Any) -> Cluster:
                             "devices: [{name: a100, count: 2}]")
     model = parse_model(data["model"])
     settings = parse_settings(data.get("settings"))
-    return Cluster(model=model, devices=parse_devices(data["devices"], model, settings), settings=settings)
+    devices = parse_devices(data["devices"], model, settings)
+    return Cluster(model=model, devices=devices, settings=settings,
+                   calibration=parse_calibration(data.get("calibration"), len(devices)))
 
 
 def load_cluster(path: str | Path) -> Cluster:
@@ -386,7 +397,14 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         previous = device
     model = {k: v for k, v in asdict(cluster.model).items() if v is not None}
     settings = {k: v for k, v in asdict(cluster.settings).items() if v is not None}
-    return {"model": model, "settings": settings, "devices": entries}
+    if not settings.get("step_overhead_ms"):
+        settings.pop("step_overhead_ms", None)  # files written before the terms existed read the same
+    if settings.get("host_contention") == 1.0:
+        settings.pop("host_contention", None)
+    data = {"model": model, "settings": settings, "devices": entries}
+    if cluster.calibration is not None:
+        data["calibration"] = cluster.calibration.as_dict()
+    return data
 
 
 def save_cluster(cluster: Cluster, path: str | Path) -> None:

@@ -15,8 +15,12 @@ compute, ``max``; overlap 0: serial, ``comm + compute``)::
     uniform (micro-batch-major: every micro-batch gathers every layer, graph kept, one RS):
         fwd_i = comb(n_i AG,      sum_k F(s_k))
         bwd_i = comb(n_i AG + RS, sum_k B(s_k) + (n_i - 1) c)
-    step_i = num_layers * (fwd_i + bwd_i) + optimizer_ns_per_param_i * r_i * parameters
+    step_i = contention * (num_layers * (fwd_i + bwd_i) + optimizer_ns_per_param_i * r_i * parameters) + step_overhead
     step   = max_i step_i
+
+A cluster's ``calibration:`` block (terms measured on a run) is folded in first
+(:func:`cephalo_lightning.planner.calibration.calibrated`); ``step_overhead`` is zero and
+``contention`` one without one.
 
 where s_1..s_n are rank i's near-equal micro-batch sizes and r_i its state share (the optimizer
 updates only the rank's own share). AG and RS grow with the largest share rho by
@@ -45,6 +49,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cephalo_lightning._common.units import GIB
+from cephalo_lightning.planner.calibration import calibrated
 from cephalo_lightning.planner.cluster import Cluster, DeviceProfile
 from cephalo_lightning.planner.errors import PlanningError
 
@@ -146,6 +151,7 @@ class Communication:
 
 def communication(cluster: Cluster) -> Communication:
     """Price the collectives: given per-layer times, or bytes over the link bandwidth."""
+    cluster = calibrated(cluster)
     s, model, world = cluster.settings, cluster.model, cluster.world_size
     ag, rs = s.allgather_ms, s.reduce_scatter_ms
     if s.link_bandwidth_gbps and world > 1:
@@ -163,6 +169,7 @@ def predicted_busy_s(cluster: Cluster, plan: Plan) -> list[float]:
     """Each rank's predicted compute seconds per step: its layers' forward and backward passes (with
     any recompute) and its optimizer step, which is what the runtime counts as busy (everything
     but collectives and waiting)."""
+    cluster = calibrated(cluster)
     out = []
     for device, rank in zip(cluster.devices, plan.ranks):
         cost = DeviceCost(device, cluster, plan.mode)
@@ -186,6 +193,8 @@ class DeviceCost:
                                   else PiecewiseLinear(device.activation_memory_gb))
         s, model = cluster.settings, cluster.model
         self.overhead_ms = s.micro_batch_overhead_ms
+        self.step_overhead_ms = s.step_overhead_ms
+        self.host_contention = s.host_contention
         self.overlap = 1.0 if s.overlap is None else s.overlap
         self.num_layers = model.num_layers
         self.budget_gb = s.usable_memory_fraction * device.memory_gb - s.reserved_memory_gb
@@ -256,7 +265,8 @@ class DeviceCost:
                share: float = 0.0, recompute: bool = True) -> float:
         layer = float(self.layer_ms(np.array([batch_size]), np.array([num_micro_batches]), ag_ms, rs_ms,
                                     not recompute)[0])
-        return (self.num_layers * layer + float(self.optimizer_ms(share))) / 1e3
+        return (self.host_contention * (self.num_layers * layer + float(self.optimizer_ms(share)))
+                + self.step_overhead_ms) / 1e3
 
     # ------------------------------------------------------------------ memory
 
@@ -299,6 +309,7 @@ class RankCost:
 
 def kind_costs(cluster: Cluster, mode: str = "layered") -> tuple[list[DeviceCost], np.ndarray]:
     """One DeviceCost per distinct device profile, and each rank's index into them."""
+    cluster = calibrated(cluster)
     index: dict[DeviceProfile, int] = {}
     costs: list[DeviceCost] = []
     of_rank = np.empty(cluster.world_size, dtype=np.int64)
@@ -321,6 +332,7 @@ def evaluate_arrays(
     kinds: tuple[list[DeviceCost], np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every rank's predicted step time (s), memory (GiB) and whether it fits, vectorised by kind."""
+    cluster = calibrated(cluster)
     b = np.asarray(batch_sizes, dtype=np.int64)
     n = np.maximum(np.asarray(num_micro_batches, dtype=np.int64), 1)
     r = np.asarray(shares, dtype=float)
@@ -334,12 +346,13 @@ def evaluate_arrays(
     limit = np.empty(len(b))
     m = np.where(b > 0, -(-b // n), 0)
     reserved = cluster.settings.reserved_memory_gb
+    fixed, contention = cluster.settings.step_overhead_ms, cluster.settings.host_contention
     for k, cost in enumerate(costs):
         at = np.nonzero(of_rank == k)[0]
         if not len(at):
             continue
         layer = cost.layer_ms(b[at], n[at], ag, rs, keep[at])
-        step[at] = (cost.num_layers * layer + cost.optimizer_ms(r[at])) / 1e3
+        step[at] = (contention * (cost.num_layers * layer + cost.optimizer_ms(r[at])) + fixed) / 1e3
         used = cost.compute_memory(m[at]) + cost.extra_memory_gb(m[at], n[at], keep[at])
         memory[at] = used + reserved + cost.state_gb * r[at]
         limit[at] = cluster.settings.usable_memory_fraction * cost.device.memory_gb

@@ -35,6 +35,7 @@ import numpy as np
 from cephalo_lightning.planner.assemble import model_summary, rank_plans
 from cephalo_lightning.planner.assignment import Assignment, assign
 from cephalo_lightning.planner.baselines import per_sample_ms, upper_bound_samples_per_s
+from cephalo_lightning.planner.calibration import calibrated
 from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.cost import DeviceCost, communication, kind_costs
 from cephalo_lightning.planner.errors import PlanningError
@@ -426,12 +427,19 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
     from cephalo_lightning.planner.peers import compute_baselines  # peers build on this module
 
     B = _check_inputs(cluster, global_batch_size, mode, planner)
+    cluster = calibrated(cluster)
     upper = upper_bound_samples_per_s(cluster, B, mode)
     if planner != "cephalo":
         return _baseline_plan(cluster, B, mode, planner, upper)
-    problem = Problem(cluster, B, mode, group_kinds=_group_kinds)
+    # a fixed per-step overhead and a host's contention factor shift and scale every plan alike:
+    # solve without them, then apply both to the plan's step and the proven lower bound (the
+    # certified gap only shrinks)
+    fixed_s, contention = cluster.settings.step_overhead_ms / 1e3, cluster.settings.host_contention
+    core = replace(cluster, settings=replace(cluster.settings, step_overhead_ms=0.0, host_contention=1.0))
+    problem = Problem(core, B, mode, group_kinds=_group_kinds)
     _check_memory(problem)
     best, lower_s = problem.solve()
+    lower_s = contention * lower_s + fixed_s
     ranks, step = rank_plans(cluster, best.batch, best.micro, best.shares, ~best.keep, mode,
                              kinds=(problem.costs, problem.of_rank))
     return Plan(

@@ -86,6 +86,7 @@ class BusyTime(Observer):
         self._depth = 0
         self._start: Any = None
         self._total = 0.0
+        self._wall = 0.0  # CPU: the same regions on the wall clock, run-queue waits included
         self._pending: list[tuple[Any, Any]] = []
 
     def compute_begin(self, region: str) -> None:
@@ -110,7 +111,9 @@ class BusyTime(Observer):
             if len(self._pending) >= self.max_pending:
                 self._fold()
         else:
-            self._total += ContentionClock.now().since(self._start)
+            now = ContentionClock.now()
+            self._total += now.since(self._start)
+            self._wall += now.wall - self._start.wall
         self._start = None
 
     def _fold(self) -> None:  # pragma: no cover - CUDA only
@@ -118,6 +121,12 @@ class BusyTime(Observer):
             end.synchronize()
             self._total += start.elapsed_time(end) / 1e3
         self._pending.clear()
+
+    @property
+    def wall_seconds(self) -> float:
+        """CPU: wall seconds in the same regions, waits for a core included (ranks sharing a host);
+        CUDA: :attr:`seconds`."""
+        return self.seconds if self.cuda else self._wall
 
     @property
     def seconds(self) -> float:

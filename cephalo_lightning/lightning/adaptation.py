@@ -1,0 +1,152 @@
+"""What the callback does after each watch window: calibrate once, report drift, follow stragglers.
+
+* **Calibration** (once, after ``calibrate_after_windows`` windows past the first): rank 0 fits the
+  cost model's run-time terms to the windows (:func:`.run_model.calibrate`), every rank adopts the
+  calibrated cluster, and the calibrated optimum replaces the plan in place when it is predicted
+  faster by more than ``switch_gain``.
+* **Drift** is reported once per episode (:class:`.run_model.DriftEpisodes`).
+* **Stragglers** (``adapt``, once calibrated): a rank drifting in two windows in a row (one
+  window of noise moves nothing) is re-timed from its own measured busy time (its compute scale multiplied by measured / predicted; no re-profile), the plan is
+  re-solved, and the state moves in place when the new optimum is predicted faster than the current
+  plan by more than ``switch_gain``. A rank that recovers drifts the other way and is re-timed back,
+  so the plan moves back. Hysteresis: no decision for ``min_dwell_windows`` windows after a switch
+  (the first of them mixes the two plans); every switch is logged with its predicted gain and, one
+  full window after it took effect, the measured one. No files are written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from cephalo_lightning.lightning.callback_config import CallbackConfig
+from cephalo_lightning.lightning.run_model import CalibrationResult, DriftEpisodes, calibrate, gain
+from cephalo_lightning.lightning.strategy import CephaloStrategy
+from cephalo_lightning.planner import Cluster, Plan
+from cephalo_lightning.planner import plan as make_plan
+from cephalo_lightning.planner.calibration import with_calibration
+from cephalo_lightning.planner.fit import plan_label, predicted
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One plan switch: when it was decided, why, and (later) what it measured."""
+
+    window: int  # index into the callback's history
+    step: int
+    reason: str
+    predicted_gain: float
+    measured_step_before_s: float
+    plan: str
+    measured_gain: float | None = None
+
+
+class RunAdapter:
+    """The callback's decisions after each window (see the module); the same on every rank."""
+
+    def __init__(self, config: CallbackConfig) -> None:
+        self.config = config
+        self.calibration: CalibrationResult | None = None
+        self.episodes = DriftEpisodes()
+        self.switches: list[Switch] = []
+        self._previous: tuple[int, ...] = ()  # the ranks the last window found drifting
+        self._calibrate_at = 1 + config.calibrate_after_windows  # windows seen when calibrating (the first warms up)
+
+    def in_dwell(self, window: int) -> bool:
+        last = self.switches[-1].window if self.switches else None
+        return last is not None and window - last <= self.config.min_dwell_windows
+
+    def after_window(self, trainer: pl.Trainer, strategy: CephaloStrategy, cluster: Cluster | None,
+                     history: list[dict[str, Any]], ratios: Sequence[float | None], reference: float | None,
+                     replan: Callable[[], Cluster | None]) -> Cluster | None:
+        """Collective. Returns the cluster the next windows are predicted by."""
+        index, record = len(history) - 1, history[-1]
+        self._measured_gain(index, record)
+        if self.in_dwell(index):
+            record["drifting"] = []  # a window mixing two plans, or too soon after a switch: no decision
+        drifting = record["drifting"]
+        event = self.episodes.update(drifting)
+        adapting = self.config.adapt and self.calibration is not None and not self.config.replan
+        if event == "start":
+            against = "its calibrated prediction" if self.calibration is not None else "the median rank's"
+            names = ", ".join(f"rank {i} ({ratios[i] / reference:.2f}x {against})" for i in drifting)  # type: ignore[operator]
+            action = ("re-planning" if self.config.replan else "re-timing it from its measured spans" if adapting
+                      else "CephaloCallback(replan=True) would re-plan")
+            rank_zero_warn(f"Cephalo: {names} drifted from the plan by more than {self.config.drift_threshold:.0%}; "
+                           f"{action}. Said once until the drifting ranks change.")
+            if self.config.replan:
+                cluster = replan()
+                if self.calibration is not None:  # a new profile: calibrate it again, after a window of both plans
+                    self.calibration = None
+                    self._calibrate_at = len(history) + 1 + self.config.calibrate_after_windows
+        elif event == "end":
+            rank_zero_info("Cephalo: every rank is within the drift threshold of its prediction again.")
+        confirmed = drifting and tuple(drifting) == self._previous  # two windows in a row: not noise
+        self._previous = tuple(drifting)
+        if adapting and confirmed and cluster is not None:
+            cluster = self._retime(trainer, strategy, cluster, ratios, drifting, index, record)
+            self._previous = ()
+        windows = self.config.calibrate_after_windows
+        if windows and self.calibration is None and cluster is not None and len(history) == self._calibrate_at:
+            cluster = self._calibrate(trainer, strategy, cluster, history[-windows:], index, record)
+        return cluster
+
+    def _calibrate(self, trainer: pl.Trainer, strategy: CephaloStrategy, cluster: Cluster,
+                   windows: list[dict[str, Any]], index: int, record: dict[str, Any]) -> Cluster:
+        assert strategy.plan is not None
+        # each rank's windows hold its own step walls: rank 0's fit, for every rank
+        result = strategy.broadcast(calibrate(cluster, strategy.plan, windows) if trainer.is_global_zero else None)
+        self.calibration = result
+        if trainer.is_global_zero:
+            rank_zero_info(result.message())
+            for logger in trainer.loggers:
+                logger.log_metrics(result.metrics(), step=trainer.global_step)
+        self._offer(trainer, strategy, result.cluster, index, record, "calibrated optimum")
+        return result.cluster
+
+    def _retime(self, trainer: pl.Trainer, strategy: CephaloStrategy, cluster: Cluster, ratios: Sequence[float | None],
+                drifting: Sequence[int], index: int, record: dict[str, Any]) -> Cluster:
+        calibration = cluster.calibration
+        assert calibration is not None
+        scales = list(calibration.compute_scale)
+        for i in drifting:
+            scales[i] *= ratios[i]  # type: ignore[operator]
+        retimed = with_calibration(cluster, replace(calibration, compute_scale=tuple(scales)))
+        shown = ", ".join(f"rank {i} x{scales[i]:.2f}" for i in drifting)
+        rank_zero_info(f"Cephalo: re-timed from measured busy time (compute scale against the profile: {shown}); "
+                       "re-solving the plan")
+        self._offer(trainer, strategy, retimed, index, record, "re-timed " + ", ".join(f"rank {i}" for i in drifting))
+        return retimed
+
+    def _offer(self, trainer: pl.Trainer, strategy: CephaloStrategy, cluster: Cluster, index: int,
+               record: dict[str, Any], reason: str) -> None:
+        """Switch in place to ``cluster``'s optimum when it beats the current plan by more than ``switch_gain``."""
+        current = strategy.plan
+        assert current is not None
+        best: Plan = strategy.broadcast(make_plan(cluster, current.global_batch_size, mode=current.mode)
+                                        if trainer.is_global_zero else None)
+        faster = gain(predicted(cluster, current)[0], best.predicted_step_s)
+        if faster <= self.config.switch_gain or best.ranks == current.ranks:
+            rank_zero_info(f"Cephalo: {reason}: the best plan is predicted {faster:.1%} faster than the current one "
+                           f"(switch_gain {self.config.switch_gain:.0%}); keeping it.")
+            return
+        epoch, step = strategy.schedule_plan(best)
+        self.switches.append(Switch(index, trainer.global_step, reason, faster, record["step_s"], plan_label(best)))
+        rank_zero_info(f"Cephalo: {reason}: switching in place to {plan_label(best)} from epoch {epoch} step {step}, "
+                       f"predicted {faster:.1%} faster (no files written).")
+
+    def _measured_gain(self, index: int, record: dict[str, Any]) -> None:
+        """One full window after a switch took effect: what it measured against the window before it."""
+        if not self.switches or self.switches[-1].measured_gain is not None:
+            return
+        last = self.switches[-1]
+        if index != last.window + 2:  # window + 1 mixes the two plans
+            return
+        measured = last.measured_step_before_s / record["step_s"] - 1.0
+        self.switches[-1] = replace(last, measured_gain=measured)
+        rank_zero_info(f"Cephalo: the switch at step {last.step} ({last.reason}) measured {measured:+.1%} "
+                       f"(predicted {last.predicted_gain:+.1%}).")

@@ -1,0 +1,129 @@
+"""The cluster file's ``calibration:`` block: cost-model terms measured on a run, and how they apply.
+
+The profile measures each layer alone; a training step also pays what no single layer shows: the
+framework's per-step work, each extra micro-batch's overhead as run, the collectives as the run
+issues them (and how much of them hides behind compute), and ranks competing for a shared host.
+:func:`cephalo_lightning.planner.fit.fit_calibration` fits these from a run's measured spans; this
+module holds the fitted terms and folds them into an ordinary cluster, so the cost model, the
+solver (and its certified gap) and ``python -m cephalo_lightning plan`` all price the run as run::
+
+    step_i = step_overhead_ms + host_contention x (cost model with, for rank i,
+             F, B and the optimizer step scaled by compute_scale[i],
+             c = micro_batch_overhead_ms, AG = allgather_ms, RS = reduce_scatter_ms, overlap = overlap)
+
+``host_contention`` (>= 1) is measured, not fitted: the wall time of the ranks' compute regions per
+second of their contention-free busy time (ranks of one host waiting for its cores); 1 on a GPU.
+
+A cluster without the block is priced exactly as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from cephalo_lightning.planner.errors import PlanningError
+
+if TYPE_CHECKING:
+    from cephalo_lightning.planner.cluster import Cluster
+
+CALIBRATION_SOURCES = ("measured", "emulated")
+_TERMS = ("step_overhead_ms", "micro_batch_overhead_ms", "allgather_ms", "reduce_scatter_ms", "overlap")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Terms fitted on measured steps (times in ms; compute_scale per rank, 1 = as profiled)."""
+
+    step_overhead_ms: float
+    micro_batch_overhead_ms: float
+    allgather_ms: float  # one layer, even shares, as run
+    reduce_scatter_ms: float
+    overlap: float
+    compute_scale: tuple[float, ...]
+    host_contention: float = 1.0  # wall per busy second while computing: ranks waiting for a shared host's cores
+    steps: int = 0  # measured steps the fit used
+    fitted_on: str = ""  # the plan(s) measured, e.g. "B=32 layered b=[20, 12]"
+    source: str = "measured"
+
+    def as_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {k: getattr(self, k) for k in _TERMS}
+        data["compute_scale"] = list(self.compute_scale)
+        data["host_contention"] = self.host_contention
+        data.update(steps=self.steps, fitted_on=self.fitted_on, source=self.source)
+        return data
+
+
+def parse_calibration(data: Any, world_size: int) -> Calibration | None:
+    """The block as written in a cluster file (None: absent)."""
+    from cephalo_lightning.planner.cluster import _fraction, _integer, _mapping, _number, _reject_unknown, _series
+
+    if data is None:
+        return None
+    data = _mapping(data, "calibration")
+    _reject_unknown(data, {*_TERMS, "compute_scale", "host_contention", "steps", "fitted_on", "source"}, "calibration")
+    missing = [k for k in (*_TERMS, "compute_scale") if k not in data]
+    if missing:
+        raise PlanningError(f"calibration is missing {missing}; write the whole block as `fit_calibration` does, or "
+                            "remove it to plan from the profile alone")
+    values = {k: _number(data[k], f"calibration.{k}", strict=False) for k in _TERMS if k != "overlap"}
+    scale = _series(data["compute_scale"], "calibration.compute_scale", strict=True)
+    if len(scale) != world_size:
+        raise PlanningError(f"calibration.compute_scale has {len(scale)} entries but the cluster has {world_size} ranks; "
+                            "give one per rank (calibrate again after changing the devices)")
+    contention = _number(data.get("host_contention", 1.0), "calibration.host_contention")
+    if contention < 1:
+        raise PlanningError(f"calibration.host_contention must be >= 1 (1: no rank waits for a core), got {contention}; "
+                            "set it to 1 or more")
+    source = str(data.get("source", "measured"))
+    if source not in CALIBRATION_SOURCES:
+        raise PlanningError(f"calibration.source must be one of {CALIBRATION_SOURCES}, got {source!r}; write one of those")
+    return Calibration(
+        **values, overlap=_fraction(data["overlap"], "calibration.overlap", "the overlap achieved"),
+        compute_scale=scale, host_contention=contention, steps=_integer(data.get("steps", 0), "calibration.steps", minimum=0),
+        fitted_on=str(data.get("fitted_on", "")), source=source)
+
+
+def calibrated(cluster: Cluster) -> Cluster:
+    """The cluster with its calibration folded into profiles and settings (itself when it has none).
+
+    Ranks with the same profile and the same scale keep one profile object, so the solver still
+    groups them into one kind. The result carries no calibration: folding twice changes nothing.
+    """
+    cal = cluster.calibration
+    if cal is None:
+        return cluster
+    s = cluster.settings
+    folded: dict[tuple[Any, float], Any] = {}
+    devices = []
+    for device, scale in zip(cluster.devices, cal.compute_scale):
+        key = (device, scale)
+        if key not in folded:
+            ns = device.optimizer_ns_per_param
+            ns = s.optimizer_ns_per_param if ns is None else ns
+            folded[key] = replace(
+                device, layer_fwd_ms=tuple(v * scale for v in device.layer_fwd_ms),
+                layer_bwd_ms=tuple(v * scale for v in device.layer_bwd_ms),
+                optimizer_ns_per_param=None if ns is None else ns * scale)
+        devices.append(folded[key])
+    settings = replace(s, step_overhead_ms=cal.step_overhead_ms, micro_batch_overhead_ms=cal.micro_batch_overhead_ms,
+                       allgather_ms=cal.allgather_ms, reduce_scatter_ms=cal.reduce_scatter_ms,
+                       link_bandwidth_gbps=None, overlap=cal.overlap, host_contention=cal.host_contention)
+    return replace(cluster, devices=tuple(devices), settings=settings, calibration=None)
+
+
+def with_calibration(cluster: Cluster, calibration: Calibration | None) -> Cluster:
+    """The same profile with ``calibration`` (None: the profile alone)."""
+    if calibration is not None and len(calibration.compute_scale) != cluster.world_size:
+        raise PlanningError(f"a calibration of {len(calibration.compute_scale)} ranks cannot apply to a cluster of "
+                            f"{cluster.world_size}; calibrate on this cluster")
+    return replace(cluster, calibration=calibration)
+
+
+def describe(calibration: Calibration, width: int = 3) -> str:
+    """One line naming the fitted terms."""
+    scales = ", ".join(f"{v:.{width - 1}f}" for v in calibration.compute_scale)
+    return (f"per step +{calibration.step_overhead_ms:.1f} ms, per extra micro-batch {calibration.micro_batch_overhead_ms:.2f} "
+            f"ms/layer, AG {calibration.allgather_ms:.3f} / RS {calibration.reduce_scatter_ms:.3f} ms/layer, overlap "
+            f"{calibration.overlap:.2f}, compute x[{scales}], host contention x{calibration.host_contention:.2f} ({calibration.source}, {calibration.steps} steps)")
+

@@ -1,0 +1,116 @@
+"""Stragglers without a re-profile: a rank that slows is re-timed from its spans, the plan moves and moves back.
+
+(Noise alone making no switch is tested in-process, on the adapter: tests/test_run_model.py.)"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from cephalo_lightning import CephaloCallback, CephaloStrategy
+from tests.distributed import run_distributed
+from tests.helpers import max_error
+from tests.test_callback import EMULATE, GLOBAL_BATCH, SEQ
+
+STEPS = 22
+WATCH = 2
+# rank 0 runs x4 slower for global steps 5..12: the windows ending at steps 6 and 8 confirm it (a
+# switch), 10 mixes the plans, 12 measures the switch; it recovers at 13: 14 and 16 confirm (back)
+SLOW_FROM, SLOW_UNTIL = 5, 13
+
+
+def module() -> pl.LightningModule:
+    from cephalo_lightning.demo import GPTModule
+
+    return GPTModule(preset="small", seq_len=SEQ, warmup_steps=2, lr_decay_steps=STEPS)
+
+
+def datamodule() -> pl.LightningDataModule:
+    from cephalo_lightning.demo import TextDataModule
+
+    return TextDataModule(seq_len=SEQ, batch_size=GLOBAL_BATCH, max_train_samples=GLOBAL_BATCH * STEPS)
+
+
+def reference_params() -> dict[str, torch.Tensor]:
+    """Single process on the same global batches: the sampler's documented order (seeded permutation)."""
+    pl.seed_everything(0)
+    model = module().double()
+    data = datamodule()
+    data.setup("fit")
+    dataset = data.train_dataset
+    optimizer_config = model.configure_optimizers()
+    optimizer, scheduler = optimizer_config["optimizer"], optimizer_config["lr_scheduler"]["scheduler"]
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
+    for step in range(STEPS):
+        idx = order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
+        loss = model.model.loss(model(torch.stack([dataset[int(i)][0] for i in idx])),
+                                torch.stack([dataset[int(i)][1] for i in idx]))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _fit(root: str, throttle: Callback) -> dict:
+    watcher = CephaloCallback(max_micro_batch=4, cache_dir=None, watch_every_n_steps=WATCH, calibrate_after_windows=1,
+                              min_dwell_windows=1, settings={"usable_memory_fraction": 0.8}, print_plan=False,
+                              quiet=True)
+    seen: list[list[int]] = []
+
+    class Record(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if not seen or seen[-1] != trainer.strategy.plan.batch_sizes:
+                seen.append(list(trainer.strategy.plan.batch_sizes))
+
+    trainer = pl.Trainer(
+        strategy=CephaloStrategy(emulate=EMULATE), accelerator="cpu", devices=2, max_steps=STEPS,
+        callbacks=[watcher, throttle, Record()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0, default_root_dir=root,
+        precision="64-true",
+    )
+    pl.seed_everything(0)
+    trainer.fit(module(), datamodule())
+    return {"plans": seen, "switches": [(s.reason, s.predicted_gain, s.measured_gain) for s in watcher._adapter.switches],
+            "params": trainer.strategy.sharded.full_state_dict(), "calibrated": watcher.calibration is not None}
+
+
+def _runs(rank: int, world: int, root: str) -> dict:
+    warnings.simplefilter("ignore")
+
+    class Throttle(Callback):  # rank 0 slows mid-run, then recovers
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_rank == 0 and trainer.global_step in (SLOW_FROM, SLOW_UNTIL):
+                trainer.strategy.emulator.slowdown = 4.0 if trainer.global_step == SLOW_FROM else EMULATE[0]["slowdown"]
+
+    Path(root, "straggler").mkdir(exist_ok=True)
+    return {"straggler": _fit(f"{root}/straggler", Throttle())}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stragglers")
+    return run_distributed(_runs, 2, str(root))[0], root
+
+
+@pytest.mark.multiprocess
+def test_a_slowed_rank_moves_the_plan_and_it_moves_back_with_exact_training(runs):
+    results, root = runs
+    run = results["straggler"]
+    assert run["calibrated"]
+    retimed = [s for s in run["switches"] if s[0].startswith("re-timed")]
+    assert len(retimed) == 2, run["switches"]  # away from the slowed rank, and back
+    assert all(gain > 0 for _, gain, _ in retimed)
+    plans = run["plans"]
+    slowed = min(plans, key=lambda b: b[0])
+    assert slowed[0] < plans[0][0] and plans[-1][0] > slowed[0], plans  # rank 0 gets fewer samples, then more
+    written = [p for p in Path(root, "straggler").rglob("*") if p.is_file()]
+    assert not written, f"the switches move state between ranks, not through files: {written}"
+    # the same parameters as single-process training on the same global batches (fp64 on both sides)
+    err = max_error(run["params"], reference_params())
+    assert err <= 1e-9, err
