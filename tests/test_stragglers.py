@@ -27,7 +27,9 @@ SLOW_FROM, SLOW_UNTIL = 5, 13
 def module() -> pl.LightningModule:
     from cephalo_lightning.demo import GPTModule
 
-    return GPTModule(preset="small", seq_len=SEQ, warmup_steps=2, lr_decay_steps=STEPS)
+    built = GPTModule(preset="small", seq_len=SEQ, warmup_steps=2, lr_decay_steps=STEPS)
+    built.configure_model()  # now, from the seed: the single-process reference starts from the same weights
+    return built
 
 
 def datamodule() -> pl.LightningDataModule:
