@@ -27,7 +27,7 @@ from tests.lightning_models import TinyUniform, loader, token_data
 
 STRATEGY_BOOLS = ("prefetch", "overlap", "verify_loss", "check_devices", "verify_checksums", "async_checkpoint",
                   "elastic", "gather_on_teardown")
-CALLBACK_BOOLS = ("force_profile", "replan", "print_plan", "quiet")
+CALLBACK_BOOLS = ("force_profile", "replan", "adapt", "print_plan", "quiet")
 
 
 def test_the_bool_tables_cover_every_bool_option() -> None:
