@@ -23,7 +23,7 @@ from cephalo_lightning import CephaloStrategy, Plan
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime.checkpoint import load_full_state_dict
-from cephalo_lightning.runtime.liveness import LOCK_NAME, FolderInUseError
+from cephalo_lightning.runtime.liveness import LOCK_NAME, FolderInUseError, Heartbeat
 from tests.conftest import HANG_TIMEOUT_S, clean_env
 from tests.distributed import run_distributed
 from tests.helpers import trainer
@@ -77,6 +77,28 @@ def test_a_second_run_in_a_live_runs_folder_is_refused_before_touching_it(tmp_pa
     assert (ckpt / LOCK_NAME).read_text() == _owner(live)  # and its lock
     assert sorted(p.name for p in ckpt.iterdir()) == sorted([staging.name, LOCK_NAME])  # nothing written
     assert not (tmp_path / ".cephalo").exists()
+
+
+def test_a_heartbeat_starts_when_a_rank_that_stopped_early_removed_the_empty_directory(tmp_path):
+    """Rank 1 fails at once and stops (removing the run's directory while it is still empty) between
+    rank 0's mkdir and its write: rank 0 makes the directory again instead of failing the fit."""
+    directory = tmp_path / "heartbeat-run"
+    early = Heartbeat(directory, 1, 2)
+    late = Heartbeat(directory, 0, 2)
+    make = Path.mkdir
+
+    def mkdir_then_the_other_rank_stops(path: Path, *args, **kwargs) -> None:
+        make(path, *args, **kwargs)
+        if path == directory and not early._stop.is_set():
+            early.stop()  # unlinks nothing of rank 0's, and removes the empty directory
+
+    with mock.patch.object(Path, "mkdir", mkdir_then_the_other_rank_stops):
+        late.start()
+    try:
+        assert json.loads((directory / "rank-0.json").read_text())["pid"] == os.getpid()
+    finally:
+        late.stop()
+    assert not directory.exists()
 
 
 @pytest.mark.multiprocess

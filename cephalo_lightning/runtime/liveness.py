@@ -46,8 +46,16 @@ class Heartbeat:
         return self.directory / f"rank-{rank}.json"
 
     def start(self) -> Heartbeat:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._file(self.rank).write_text(json.dumps(process_identity()))
+        # a rank that stops early removes the directory while it is empty (stop), which can fall
+        # between another rank's mkdir and its write: make the directory again and write once more
+        for attempt in range(3):
+            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                self._file(self.rank).write_text(json.dumps(process_identity()))
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         self._thread = threading.Thread(target=self._beat, name=f"cephalo-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
         return self
