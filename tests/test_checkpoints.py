@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import traceback
@@ -334,36 +333,8 @@ def test_kills_during_saves_and_deletions_never_leave_a_checkpoint_that_looks_wh
     from tests import kill_points
 
     points = [p for p in kill_points.POINTS if _exchange_supported(tmp_path) or p not in kill_points.NEEDS_EXCHANGE]
-    ckpt = tmp_path / "ckpts"
-    resume = ""
-    saw_complete = interrupted = 0
-    server = subprocess.Popen([sys.executable, "-m", "tests.kill_points"], cwd=ROOT, env=clean_env(), text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    try:
-        for kill, point in enumerate(points):
-            # two steps past the resumed one: the armed save is of a new name and deletes a kept one
-            start = checkpoint.read_meta(resume)["global_step"] if resume else 1
-            request = {"point": point, "ckpt": str(ckpt), "resume": resume, "max_steps": start + 2,
-                       "workdir": str(tmp_path)}
-            server.stdin.write(json.dumps(request) + "\n")
-            server.stdin.flush()
-            status = json.loads(server.stdout.readline())["status"]
-            log = (tmp_path / "run.log").read_text()
-            assert status == -signal.SIGKILL, f"{point}: the run ended with {status} instead of dying there\n{log[-3000:]}"
-            assert (tmp_path / "killed-at").read_text() == point
-            interrupted += any(p.name.startswith(".") for p in ckpt.iterdir())  # a save or deletion was under way
-            checkpoint.clean_stale(ckpt)  # what the next run does first
-            found = [p for p in ckpt.iterdir() if checkpoint.is_checkpoint(p)]
-            assert found, f"kill {kill} ({point}): no checkpoint survived"
-            for path in found:  # everything that looks like a checkpoint is one
-                checkpoint.verify(path)
-            assert checkpoint.is_complete(ckpt / "last.ckpt"), f"kill {kill} ({point}): last.ckpt is missing or incomplete"
-            assert not [p for p in ckpt.iterdir() if p.name.startswith(".")], f"{point}: leftovers after clean_stale"
-            saw_complete += len(found)
-            resume = str(ckpt / "last.ckpt")  # and the next run resumes from it
-    finally:
-        server.stdin.close()
-        server.wait(timeout=60)
+    seen = kill_points.kill_loop(tmp_path, points)
+    saw_complete, interrupted = seen.complete_seen, seen.interrupted
     assert saw_complete >= 10
     # every point but the one before the deletion's rename leaves a leftover behind
     assert interrupted == len(points) - 1, f"only {interrupted} of {len(points)} kills landed inside a save or a deletion"
