@@ -137,24 +137,10 @@ def kill_loop(workdir: Path) -> Any:
     from cephalo_lightning.runtime.checkpoint.async_save import THREAD_NAME
     from tests import kill_points
 
-    points = list(kill_points.POINTS)
-    if not _exchange_supported(workdir):
-        points = [p for p in points if p not in kill_points.NEEDS_EXCHANGE]
+    points = kill_points.points_here(workdir)
     seen = kill_points.kill_loop(workdir, points, background=True)
     return seen, all(t == THREAD_NAME for t in seen.threads)
 
-
-def _exchange_supported(directory: Path) -> bool:
-    from cephalo_lightning._common.atomic_io import _exchange
-
-    a, b = directory / "probe-a", directory / "probe-b"
-    a.mkdir()
-    b.mkdir()
-    try:
-        return _exchange(a, b)
-    finally:
-        a.rmdir()
-        b.rmdir()
 
 
 def main(argv: list[str] | None = None) -> int:

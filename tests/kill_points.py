@@ -69,6 +69,22 @@ WITHOUT_EXCHANGE = ("last, no exchange: the old set aside, the new not yet in",
                     "last, no exchange: the new in, the old not yet removed")
 
 
+def points_here(directory: Path) -> list[str]:
+    """Every kill point this file system can reach: without an atomic exchange (renameat2), the one
+    inside an exchange does not exist."""
+    from cephalo_lightning._common.atomic_io import _exchange
+
+    a, b = directory / "probe-a", directory / "probe-b"
+    a.mkdir()
+    b.mkdir()
+    try:
+        exchange = _exchange(a, b)
+    finally:
+        a.rmdir()
+        b.rmdir()
+    return [p for p in POINTS if exchange or p not in NEEDS_EXCHANGE]
+
+
 class Instrumented:
     """Wraps the calls a save and a deletion make; once armed, kills at the first matching one."""
 

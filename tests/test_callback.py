@@ -23,18 +23,18 @@ SWITCH_AT = 5  # rank 0 becomes slow from this step on
 EMULATE = [{"slowdown": 1.0, "memory_gb": 0.018}, {"slowdown": 2.0, "memory_gb": 0.5}]  # fp64 sizes
 
 
-def module() -> pl.LightningModule:
+def module(steps: int = STEPS) -> pl.LightningModule:
     from cephalo_lightning.demo import GPTModule
 
-    built = GPTModule(preset="small", seq_len=SEQ, warmup_steps=2, lr_decay_steps=STEPS)
+    built = GPTModule(preset="small", seq_len=SEQ, warmup_steps=2, lr_decay_steps=steps)
     built.configure_model()  # now, from the seed: the single-process reference starts from the same weights
     return built
 
 
-def datamodule() -> pl.LightningDataModule:
+def datamodule(steps: int = STEPS) -> pl.LightningDataModule:
     from cephalo_lightning.demo import TextDataModule
 
-    return TextDataModule(seq_len=SEQ, batch_size=GLOBAL_BATCH, max_train_samples=GLOBAL_BATCH * STEPS)
+    return TextDataModule(seq_len=SEQ, batch_size=GLOBAL_BATCH, max_train_samples=GLOBAL_BATCH * steps)
 
 
 def _replan_run(rank: int, world: int, root: str):
@@ -79,17 +79,17 @@ def _replan_run(rank: int, world: int, root: str):
     }
 
 
-def reference_params() -> dict[str, torch.Tensor]:
+def reference_params(steps: int = STEPS) -> dict[str, torch.Tensor]:
     """Single process on the same global batches: the sampler's documented order (seeded permutation)."""
     pl.seed_everything(0)
-    model = module().double()
-    data = datamodule()
+    model = module(steps).double()
+    data = datamodule(steps)
     data.setup("fit")
     dataset = data.train_dataset
     optimizer_config = model.configure_optimizers()
     optimizer, scheduler = optimizer_config["optimizer"], optimizer_config["lr_scheduler"]["scheduler"]
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
-    for step in range(STEPS):
+    for step in range(steps):
         idx = order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
         x = torch.stack([dataset[int(i)][0] for i in idx])
         y = torch.stack([dataset[int(i)][1] for i in idx])

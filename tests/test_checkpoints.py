@@ -311,19 +311,6 @@ def test_truncated_or_missing_files_are_clear_errors(tmp_path):
 # ----------------------------------------------------------------------------- kills never leave a fake
 
 
-def _exchange_supported(directory: Path) -> bool:
-    from cephalo_lightning._common.atomic_io import _exchange
-
-    a, b = directory / "probe-a", directory / "probe-b"
-    a.mkdir()
-    b.mkdir()
-    try:
-        return _exchange(a, b)
-    finally:
-        a.rmdir()
-        b.rmdir()
-
-
 @pytest.mark.multiprocess
 def test_kills_during_saves_and_deletions_never_leave_a_checkpoint_that_looks_whole(tmp_path):
     """One SIGKILL at every point of a save, of a top-k deletion and of replacing last.ckpt (both
@@ -332,7 +319,7 @@ def test_kills_during_saves_and_deletions_never_leave_a_checkpoint_that_looks_wh
     kill lands where it is meant to, whatever the machine's speed."""
     from tests import kill_points
 
-    points = [p for p in kill_points.POINTS if _exchange_supported(tmp_path) or p not in kill_points.NEEDS_EXCHANGE]
+    points = kill_points.points_here(tmp_path)
     seen = kill_points.kill_loop(tmp_path, points)
     saw_complete, interrupted = seen.complete_seen, seen.interrupted
     assert saw_complete >= 10

@@ -10,54 +10,18 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from lightning.pytorch.callbacks import Callback
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy
 from tests.distributed import run_distributed
 from tests.helpers import max_error
-from tests.test_callback import EMULATE, GLOBAL_BATCH, SEQ
+from tests.test_callback import EMULATE, datamodule, module, reference_params
 
 STEPS = 22
 WATCH = 2
 # rank 0 runs x4 slower for global steps 5..12: the windows ending at steps 6 and 8 confirm it (a
 # switch), 10 mixes the plans, 12 measures the switch; it recovers at 13: 14 and 16 confirm (back)
 SLOW_FROM, SLOW_UNTIL = 5, 13
-
-
-def module() -> pl.LightningModule:
-    from cephalo_lightning.demo import GPTModule
-
-    built = GPTModule(preset="small", seq_len=SEQ, warmup_steps=2, lr_decay_steps=STEPS)
-    built.configure_model()  # now, from the seed: the single-process reference starts from the same weights
-    return built
-
-
-def datamodule() -> pl.LightningDataModule:
-    from cephalo_lightning.demo import TextDataModule
-
-    return TextDataModule(seq_len=SEQ, batch_size=GLOBAL_BATCH, max_train_samples=GLOBAL_BATCH * STEPS)
-
-
-def reference_params() -> dict[str, torch.Tensor]:
-    """Single process on the same global batches: the sampler's documented order (seeded permutation)."""
-    pl.seed_everything(0)
-    model = module().double()
-    data = datamodule()
-    data.setup("fit")
-    dataset = data.train_dataset
-    optimizer_config = model.configure_optimizers()
-    optimizer, scheduler = optimizer_config["optimizer"], optimizer_config["lr_scheduler"]["scheduler"]
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
-    for step in range(STEPS):
-        idx = order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
-        loss = model.model.loss(model(torch.stack([dataset[int(i)][0] for i in idx])),
-                                torch.stack([dataset[int(i)][1] for i in idx]))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
-    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def _fit(root: str, throttle: Callback) -> dict:
@@ -78,7 +42,7 @@ def _fit(root: str, throttle: Callback) -> dict:
         precision="64-true",
     )
     pl.seed_everything(0)
-    trainer.fit(module(), datamodule())
+    trainer.fit(module(STEPS), datamodule(STEPS))
     return {"plans": seen, "switches": [(s.reason, s.predicted_gain, s.measured_gain) for s in watcher._adapter.switches],
             "params": trainer.strategy.sharded.full_state_dict(), "calibrated": watcher.calibration is not None}
 
@@ -115,5 +79,5 @@ def test_a_slowed_rank_moves_the_plan_and_it_moves_back_with_exact_training(runs
     written = [p for p in Path(root, "straggler").rglob("*") if p.is_file()]
     assert not written, f"the switches move state between ranks, not through files: {written}"
     # the same parameters as single-process training on the same global batches (fp64 on both sides)
-    err = max_error(run["params"], reference_params())
+    err = max_error(run["params"], reference_params(STEPS))
     assert err <= 1e-9, err
