@@ -78,6 +78,55 @@ def test_version_1_files_load_with_recompute(tmp_path: Path) -> None:
     assert loaded == Plan.from_dict(plan_data())
 
 
+def test_version_2_files_load_as_one_shard_group(tmp_path: Path) -> None:
+    data = plan_data()
+    data["format_version"] = 2
+    for r in data["ranks"]:
+        r.pop("shard_group")
+    loaded = Plan.load(write(tmp_path, data))
+    assert loaded.shard_groups == (tuple(range(loaded.world_size)),) and loaded.num_shard_groups == 1
+    assert loaded == Plan.from_dict(plan_data())
+
+
+def _grouped(groups: list[int], shares: list[float]) -> dict[str, Any]:
+    data = Plan.even(len(groups), 4 * len(groups)).to_dict()
+    for r, g, s in zip(data["ranks"], groups, shares):
+        r.update(shard_group=g, state_share=s)
+    return data
+
+
+def test_shard_groups_round_trip_with_shares_summing_to_one_in_each(tmp_path: Path) -> None:
+    data = _grouped([0, 0, 1, 1], [0.7, 0.3, 0.25, 0.75])
+    loaded = Plan.load(write(tmp_path, data))
+    assert loaded.shard_groups == ((0, 1), (2, 3)) and loaded.num_shard_groups == 2
+    assert loaded.group_shares(2) == [0.25, 0.75]
+    loaded.save(tmp_path / "again.json")
+    assert Plan.load(tmp_path / "again.json") == loaded
+    ddp = Plan.load(write(tmp_path, _grouped([0, 1, 2, 3], [1.0] * 4)))
+    assert ddp.shard_groups == ((0,), (1,), (2,), (3,))
+
+
+@pytest.mark.parametrize("groups, shares, message", [
+    ([0, 0, 1, 1], [0.5, 0.5, 0.5, 0.4],
+     r"the state shares of shard group 1 \(ranks \[2, 3\]\) sum to 0\.900000, not 1 \(each group holds one whole "
+     r"replica of the state\); re-make the plan"),
+    ([1, 1, 0, 0], [0.5] * 4, r"rank 0: shard_group 1 where 0 was expected: groups are numbered 0, 1, 2, \.\.\. in "
+                              r"the order of their first rank"),
+    ([0, 2, 1, 1], [1.0, 1.0, 0.5, 0.5], r"rank 1: shard_group 2 where 1 was expected"),
+    ([0, 0, 1, 1], [0.5, 0.5, 0.5, 0.5], None),
+])
+def test_bad_shard_groups_are_refused_by_name(tmp_path: Path, groups, shares, message) -> None:
+    data = _grouped(groups, shares)
+    if message is None:
+        assert Plan.load(write(tmp_path, data)).num_shard_groups == 2
+        return
+    with pytest.raises(PlanningError, match=message):
+        Plan.load(write(tmp_path, data))
+    data["ranks"][0]["shard_group"] = -1
+    with pytest.raises(PlanningError, match=r"ranks\[0\]\.shard_group \(rank 0\) must be a whole number >= 0"):
+        Plan.load(write(tmp_path, data))
+
+
 def test_files_that_call_the_planner_strategy_still_load(tmp_path: Path) -> None:
     data = plan_data()
     assert data["planner"] == "cephalo" and "strategy" not in data

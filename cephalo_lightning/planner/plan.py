@@ -15,7 +15,9 @@ from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import MAX_EXACT_INTEGER, read_document, shown_number
 
 PLAN_MODES = ("layered", "uniform")
-PLAN_FORMAT_VERSION = 2  # 2: RankPlan.recompute (files of version 1 load with recompute = True)
+# 2: RankPlan.recompute (files of version 1 load with recompute = True)
+# 3: RankPlan.shard_group (files of versions 1 and 2 load as one group of every rank)
+PLAN_FORMAT_VERSION = 3
 REMAKE = "re-make the plan with `python -m cephalo_lightning plan`"
 LEGACY_PLANNER_KEY = "strategy"  # what files written before the 'planner' field call it
 
@@ -44,6 +46,11 @@ class RankPlan:
     # False: the rank's one micro-batch keeps its autograd graph instead of recomputing each layer
     # in the backward pass (layered mode, num_micro_batches == 1)
     recompute: bool = True
+    # The shard group the rank belongs to: the ranks of one group hold one whole replica of the
+    # training state between them, split by their state shares (which sum to 1 within the group);
+    # groups replicate each other. One group of every rank is a full shard; groups of one rank are
+    # data parallelism.
+    shard_group: int = 0
 
     def __post_init__(self) -> None:
         _builtin_numbers(self)
@@ -99,6 +106,23 @@ class Plan:
     @property
     def state_shares(self) -> list[float]:
         return [r.state_share for r in self.ranks]
+
+    @property
+    def shard_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of every shard group, groups in order of their index, ranks in order."""
+        groups: dict[int, list[int]] = {}
+        for r in self.ranks:
+            groups.setdefault(r.shard_group, []).append(r.rank)
+        return tuple(tuple(groups[g]) for g in sorted(groups))
+
+    @property
+    def num_shard_groups(self) -> int:
+        return len({r.shard_group for r in self.ranks})
+
+    def group_shares(self, rank: int) -> list[float]:
+        """The state shares of the ranks in ``rank``'s shard group, in rank order (they sum to 1)."""
+        group = self.ranks[rank].shard_group
+        return [r.state_share for r in self.ranks if r.shard_group == group]
 
     @property
     def fraction_of_upper_bound(self) -> float | None:
@@ -265,6 +289,8 @@ def _rank_from_dict(data: Any, i: int, where: str) -> RankPlan:
             values[key] = _finite(data[key], f"{at}.{key} (rank {i})")
     if "source" in data:
         values["source"] = str(data["source"])
+    if "shard_group" in data:
+        values["shard_group"] = _whole(data["shard_group"], f"{at}.shard_group (rank {i})", 0)
     if "recompute" in data:
         if not isinstance(data["recompute"], bool):
             raise PlanningError(f"{at}.recompute (rank {i}) must be true or false, got {_shown(data['recompute'])}; "
@@ -303,8 +329,7 @@ def validate_plan(plan: Plan) -> None:
                 f"rank {r.rank}: micro_batch_size {r.micro_batch_size} does not match "
                 f"ceil({r.batch_size} / {r.num_micro_batches}) = {expected}; set it to {expected} or {REMAKE}"
             )
-    if abs(sum(r.state_share for r in plan.ranks) - 1.0) > 1e-6:
-        raise PlanningError(f"plan state shares sum to {sum(plan.state_shares):.6f}, not 1; {REMAKE}")
+    _validate_shard_groups(plan)
     if plan.mode == "uniform":
         if len({r.num_micro_batches for r in plan.ranks}) > 1:
             raise PlanningError(f"a uniform plan must give every rank the same number of micro-batches; use the "
@@ -312,3 +337,22 @@ def validate_plan(plan: Plan) -> None:
         if any(r.batch_size == 0 for r in plan.ranks):
             raise PlanningError(f"a uniform plan must give every rank samples (b_i = 0 needs the layered mode); use "
                                 f"the layered mode or {REMAKE}")
+
+
+def _validate_shard_groups(plan: Plan) -> None:
+    """Groups numbered 0, 1, ... in the order of their first rank; shares sum to 1 within each."""
+    seen: list[int] = []
+    for r in plan.ranks:
+        if r.shard_group not in seen:
+            if r.shard_group != len(seen):
+                raise PlanningError(
+                    f"rank {r.rank}: shard_group {r.shard_group} where {len(seen)} was expected: groups are "
+                    f"numbered 0, 1, 2, ... in the order of their first rank; {REMAKE}")
+            seen.append(r.shard_group)
+    for index, ranks in enumerate(plan.shard_groups):
+        total = sum(plan.ranks[k].state_share for k in ranks)
+        if abs(total - 1.0) > 1e-6:
+            if len(seen) == 1:
+                raise PlanningError(f"plan state shares sum to {total:.6f}, not 1; {REMAKE}")
+            raise PlanningError(f"the state shares of shard group {index} (ranks {list(ranks)}) sum to {total:.6f}, "
+                                f"not 1 (each group holds one whole replica of the state); {REMAKE}")
