@@ -1,11 +1,23 @@
-"""Re-planning a pinned plan for the ranks an elastic restart brings (``CephaloStrategy(elastic=True)``);
-the restart itself, resumed exactly on fewer ranks, is in tests/test_preemption.py."""
+"""Re-planning for the ranks an elastic restart brings (``CephaloStrategy(elastic=True)``): a pinned
+plan from its own figures, or from the cluster file beside it; the restart resumed exactly on fewer
+ranks is in tests/test_preemption.py, the torchrun run that loses and regains a node in
+tests/test_elastic_torchrun.py."""
 
 from __future__ import annotations
 
-from cephalo_lightning import Plan
-from cephalo_lightning.lightning.elastic import replan_for_world
-from cephalo_lightning.planner import RankPlan
+import warnings
+
+import pytest
+import torch
+
+from cephalo_lightning import CephaloStrategy, Plan
+from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning.lightning.elastic import replan, replan_for_world
+from cephalo_lightning.planner import PlanningError, RankPlan, cluster_from_dict, plan
+from tests import helpers
+from tests.distributed import run_distributed
+from tests.lightning_models import TinyLayered, token_data
+from tests.test_checkpoints import SEED
 
 PLAN3 = Plan(24, "layered", (RankPlan(0, "big", 12, 2, 6, 0.5), RankPlan(1, "mid", 8, 2, 4, 0.3),
                              RankPlan(2, "small", 4, 2, 2, 0.2)))
@@ -27,3 +39,90 @@ def test_a_device_the_plan_does_not_know_takes_the_plans_mean_and_more_ranks_spl
     assert abs(sum(r.state_share for r in plan.ranks) - 1.0) < 1e-12
     single = replan_for_world(PLAN3, ["cpu"])
     assert single.batch_sizes == [24] and single.ranks[0].state_share == 1.0
+
+
+# ----------------------------------------------------------------------------- re-planned from the cluster file
+
+BIG, MID, SMALL = "cpu (emulated x1.0, 3 GiB)", "cpu (emulated x1.0, 2 GiB)", "cpu (emulated x1.0, 1 GiB)"
+
+
+def _device(name: str, memory: float, ms: float) -> dict:
+    """A measured-style profile: ``ms`` per sample and layer forward, twice that backward."""
+    return {"name": name, "memory_gb": memory, "layer_fwd_ms": [ms, 2 * ms, 3 * ms],
+            "layer_bwd_ms": [2 * ms, 4 * ms, 6 * ms], "compute_memory_gb": [0.01, 0.02, 0.03]}
+
+
+def _cluster(devices: list[dict]) -> dict:
+    parameters = sum(p.numel() for p in TinyLayered().parameters())
+    return {"model": {"name": "tiny-layered", "num_layers": 4, "parameters": parameters},
+            "settings": {"reserved_memory_gb": 0.0}, "devices": devices}
+
+
+CLUSTER3 = _cluster([_device(BIG, 3.0, 1.0), _device(MID, 2.0, 2.0), _device(SMALL, 1.0, 6.0)])
+PINNED3 = Plan(12, "layered", (RankPlan(0, BIG, 6, 2, 3, 1.0, shard_group=0), RankPlan(1, MID, 4, 2, 2, 0.6, shard_group=1),
+                               RankPlan(2, SMALL, 2, 1, 2, 0.4, shard_group=1)))
+
+
+def test_a_cluster_file_replans_the_devices_present_from_their_profiles_in_one_shard_group():
+    new, warning = replan(PINNED3, cluster_from_dict(CLUSTER3), [BIG, SMALL], 12, "layered")
+    # independently: the planner on a file that lists only the two devices present
+    want = plan(cluster_from_dict(_cluster([_device(BIG, 3.0, 1.0), _device(SMALL, 1.0, 6.0)])), 12, "layered")
+    assert new.batch_sizes == want.batch_sizes and [r.state_share for r in new.ranks] == [r.state_share for r in want.ranks]
+    assert [r.device for r in new.ranks] == [BIG, SMALL] and new.global_batch_size == 12
+    assert {r.shard_group for r in new.ranks} == {0} and new.num_shard_groups == 1  # the pinned plan had 2 groups
+    assert new.batch_sizes != replan_for_world(PINNED3, [BIG, SMALL]).batch_sizes  # the profiles decided, not the plan
+    assert "the plan is for 3 ranks but the job has 2 (an elastic restart)" in warning
+    assert "from the cluster file's profiles" in warning and "one shard group" in warning
+    twice, _ = replan(None, cluster_from_dict(CLUSTER3), [BIG, BIG], 12, "layered")  # a device's profile serves both
+    assert twice.batch_sizes == [6, 6] and [r.device for r in twice.ranks] == [BIG, BIG]
+
+
+def test_a_device_the_cluster_file_does_not_profile_falls_back_to_the_plan_or_is_refused_by_name():
+    cluster = cluster_from_dict(CLUSTER3)
+    new, warning = replan(PINNED3, cluster, [BIG, "cpu (emulated x1.0, 9 GiB)"], 12, "layered")
+    assert new.batch_sizes == replan_for_world(PINNED3, [BIG, "cpu (emulated x1.0, 9 GiB)"]).batch_sizes
+    assert "from the plan's own per-device figures (['cpu (emulated x1.0, 9 GiB)'] not in the cluster file)" in warning
+    assert "Device memory was not re-checked" in warning
+    with pytest.raises(PlanningError, match=r"no profile of \['cpu \(emulated x1.0, 9 GiB\)'\].*CephaloCallback"):
+        replan(None, cluster, [BIG, "cpu (emulated x1.0, 9 GiB)"], 12, "layered")
+
+
+def test_devices_present_that_cannot_hold_the_model_are_refused_with_the_planners_reason():
+    tiny = _cluster([_device(BIG, 3.0, 1.0), {**_device(SMALL, 1.0, 6.0), "memory_gb": 1e-6}])
+    with pytest.raises(PlanningError, match=r"re-planned from the cluster file failed for the devices present"):
+        replan(None, cluster_from_dict(tiny), [SMALL], 12, "layered")
+
+
+def test_a_plan_beside_a_cluster_file_needs_elastic():
+    with pytest.raises(ConfigurationError, match=r"elastic=True"):
+        CephaloStrategy(plan=PINNED3, cluster=cluster_from_dict(CLUSTER3))
+    CephaloStrategy(plan=PINNED3, cluster=cluster_from_dict(CLUSTER3), elastic=True)
+
+
+def _two_of_three(rank: int, world: int, which: str):
+    warnings.simplefilter("always")
+    emulate = [{"slowdown": 1.0, "memory_gb": 3.0}, {"slowdown": 1.0, "memory_gb": 1.0}]
+    given = {"pinned plan": {"plan": PINNED3}, "cluster only": {"global_batch_size": 12}}[which]
+    strategy = CephaloStrategy(cluster=cluster_from_dict(CLUSTER3), elastic=True, emulate=emulate, seed=SEED, **given)
+    t = helpers.trainer(strategy, world, 2, precision="64-true")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(TinyLayered(), torch.utils.data.DataLoader(token_data(48), batch_size=12, shuffle=True))
+    said = [str(w.message) for w in caught if "elastic restart" in str(w.message)]
+    return {"plan": t.strategy.plan.to_dict(), "warnings": said, "step": t.global_step}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("which", ["pinned plan", "cluster only"])
+def test_an_elastic_start_on_fewer_ranks_than_the_cluster_file_plans_for_the_devices_present(which):
+    """Two ranks (a big and a small emulated device) of a three-device cluster file, with the
+    3-rank plan pinned beside it or the file alone: re-planned from the two devices' profiles, with
+    the warning (rank 0's), and trained."""
+    results = run_distributed(_two_of_three, 2, which)
+    want = plan(cluster_from_dict(_cluster([_device(BIG, 3.0, 1.0), _device(SMALL, 1.0, 6.0)])), 12, "layered")
+    for rank, result in enumerate(results):
+        got = Plan.from_dict(result["plan"])
+        assert got.batch_sizes == want.batch_sizes and [r.device for r in got.ranks] == [BIG, SMALL], rank
+        assert {r.shard_group for r in got.ranks} == {0} and result["step"] == 2
+    assert len(results[0]["warnings"]) == 1 and "from the cluster file's profiles" in results[0]["warnings"][0]
+    assert results[1]["warnings"] == []  # rank 0 warns for the job

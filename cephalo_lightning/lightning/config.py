@@ -94,7 +94,8 @@ class StrategyConfig:
     async_checkpoint: bool = option(
         False, "save in the background: training waits only for a copy to host memory (`sharded` only)")
     elastic: bool = option(
-        False, "a plan for another world size (an elastic restart) is re-planned for the ranks present, with a warning")
+        False, "a plan for another world size (an elastic restart) is re-planned for the ranks present (from the cluster "
+        "file when given beside it), with a warning")
 
     @classmethod
     def build(cls, **given: Any) -> StrategyConfig:
@@ -155,7 +156,7 @@ class StrategyConfig:
                 "CephaloStrategy(async_checkpoint=True, state_dict_type='full'): a single-file checkpoint is "
                 "consolidated on rank 0 after the save; use state_dict_type='sharded' (consolidate offline with "
                 "`python -m cephalo_lightning consolidate`) or async_checkpoint=False")
-        plan, cluster = _plan_source(o["plan"], o["cluster"], o["global_batch_size"])
+        plan, cluster = _plan_source(o["plan"], o["cluster"], o["global_batch_size"], checked.elastic)
         return replace(checked, plan=plan, cluster=cluster)
 
 
@@ -234,7 +235,7 @@ def _safe_globals(value: Any) -> tuple[Any, ...]:
 
 
 def _plan_source(plan: Plan | str | Path | None, cluster: Cluster | str | Path | None,
-                 global_batch_size: int | None) -> tuple[Plan | None, Cluster | None]:
+                 global_batch_size: int | None, elastic: bool) -> tuple[Plan | None, Cluster | None]:
     """The ``plan`` and ``cluster`` options, loaded, and checked against each other."""
     for name, value, kind in (("plan", plan, Plan), ("cluster", cluster, Cluster)):
         if value is not None and not isinstance(value, (kind, str, PathLike)):
@@ -242,8 +243,12 @@ def _plan_source(plan: Plan | str | Path | None, cluster: Cluster | str | Path |
                 f"CephaloStrategy({name}={value!r}) must be a {kind.__name__} or the path of a {name} file "
                 f"({'plan JSON' if name == 'plan' else 'YAML or JSON'}), got {type(value).__name__}; write "
                 f"{name}='{name}.{'json' if name == 'plan' else 'yaml'}'")
-    if cluster is not None and (plan is not None or global_batch_size is None):
-        raise ConfigurationError("CephaloStrategy(cluster=...) plans at setup: give global_batch_size=B and no plan=")
+    if cluster is not None and plan is not None and not elastic:
+        raise ConfigurationError("CephaloStrategy(cluster=...) plans at setup: give global_batch_size=B and no plan= "
+                                 "(or elastic=True: the plan is used, and re-planned from the cluster file when the "
+                                 "world size changes)")
+    if cluster is not None and plan is None and global_batch_size is None:
+        raise ConfigurationError("CephaloStrategy(cluster=...) plans at setup: give global_batch_size=B")
     plan = Plan.load(plan) if isinstance(plan, (str, PathLike)) else plan
     if plan is not None and global_batch_size not in (None, plan.global_batch_size):
         raise ConfigurationError(

@@ -2,21 +2,79 @@
 
 When an elastic launcher (torchrun ``--nnodes MIN:MAX``) restarts the job with fewer or more
 ranks, a plan pinned for the old membership no longer fits. With ``CephaloStrategy(elastic=True)``
-it is re-planned from its own figures instead of refused: each present rank takes the figures of a
-rank of the same device in the old plan (its batch, micro-batch size and state share; a device the
-plan does not know takes the plan's mean), batches are apportioned in proportion to them over the
-same global batch (so the sequence of global batches, and a resume, stay exact), each rank keeps its
-device's micro-batch size (more micro-batches when its batch grows), and state shares are
-re-normalised. Memory is not re-checked: the strategy warns and names the planned alternative
-(``CephaloCallback``, which profiles the devices present at every start).
+it is re-planned instead of refused, always over the same global batch (so the sequence of global
+batches, and a resume, stay exact) and as one shard group:
+
+* **from the cluster file** (``cluster=``, alone or beside a pinned plan) when every present device
+  is in it: the planner solves again for the profiles of the devices present (:func:`replan`; a
+  device that appears twice reuses its profile; the file's calibration, fitted on another
+  membership, is left out), memory checked as for any plan;
+* **from the plan's own figures** otherwise (:func:`replan_for_world`): each present rank takes the
+  figures of a rank of the same device in the old plan (its batch, micro-batch size and state
+  share; a device the plan does not know takes the plan's mean), batches are apportioned in
+  proportion to them, each rank keeps its device's micro-batch size (more micro-batches when its
+  batch grows), and state shares are re-normalised. Memory is not re-checked: the warning says so
+  and names the planned alternative (``CephaloCallback``, which profiles the devices present at
+  every start, from its cache for devices it has seen).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
-from cephalo_lightning.planner import Plan, RankPlan
+from cephalo_lightning.planner import Cluster, Plan, PlanningError, RankPlan
+from cephalo_lightning.planner import plan as make_plan
+
+
+def replan(plan: Plan | None, cluster: Cluster | None, devices: Sequence[str], global_batch_size: int,
+           mode: str) -> tuple[Plan, str]:
+    """The plan for ranks on ``devices`` (one name per present rank, in rank order) and the warning
+    that says how it was made: from ``cluster`` when it profiles every present device, else from
+    ``plan``'s figures. Raises ``PlanningError`` when neither can (a device the cluster file does
+    not profile and no plan), or when the devices present cannot hold the model."""
+    old = plan.world_size if plan is not None else cluster.world_size if cluster is not None else None
+    head = f"Cephalo: the plan is for {old} ranks but the job has {len(devices)} (an elastic restart): re-planned"
+    unknown = sorted(set(devices) - {d.name for d in cluster.devices}) if cluster is not None else []
+    if cluster is not None and not unknown:
+        present = cluster_for_devices(cluster, devices)
+        try:
+            new = make_plan(present, global_batch_size, mode=mode)
+        except PlanningError as err:
+            raise PlanningError(f"{head[len('Cephalo: '):]} from the cluster file failed for the devices present "
+                                f"{list(devices)}: {err}") from err
+        return new, (f"{head} from the cluster file's profiles for the devices present (elastic=True): batches "
+                     f"{new.batch_sizes}, state shares {[round(r.state_share, 4) for r in new.ranks]}, the global "
+                     f"batch unchanged ({new.global_batch_size}), one shard group")
+    if plan is None:
+        known = sorted({d.name for d in cluster.devices}) if cluster is not None else []
+        raise PlanningError(
+            f"an elastic restart on {len(devices)} ranks cannot be planned: the cluster file has no profile of "
+            f"{unknown} (it profiles {known}); add CephaloCallback() to profile the devices present (profiles it "
+            "has cached are not measured again), or add their profiles to the cluster file")
+    new = replan_for_world(plan, devices)
+    why = f" ({unknown} not in the cluster file)" if unknown else ""
+    return new, (f"{head} from the plan's own per-device figures{why} (elastic=True): batches {new.batch_sizes}, "
+                 f"state shares {[round(r.state_share, 4) for r in new.ranks]}, the global batch unchanged "
+                 f"({new.global_batch_size}), one shard group. Device memory was not re-checked: add "
+                 "CephaloCallback() to profile and plan for the devices present at every start")
+
+
+def cluster_for_devices(cluster: Cluster, devices: Sequence[str]) -> Cluster:
+    """``cluster`` cut to the ranks on ``devices`` (every name must be one of its devices'): each
+    rank takes the file's next unused profile of its name, a repeated one when all are used. The
+    calibration is dropped: its per-rank terms were fitted on the old membership."""
+    by_name: dict[str, list] = {}
+    for device in cluster.devices:
+        by_name.setdefault(device.name, []).append(device)
+    used: dict[str, int] = {}
+    chosen = []
+    for name in devices:
+        profiles = by_name[name]
+        chosen.append(profiles[min(used.get(name, 0), len(profiles) - 1)])
+        used[name] = used.get(name, 0) + 1
+    return replace(cluster, devices=tuple(chosen), calibration=None)
 
 
 def replan_for_world(plan: Plan, devices: Sequence[str]) -> Plan:
@@ -56,10 +114,3 @@ def _apportion(total: int, weights: Sequence[float]) -> list[int]:
         out[i] += 1
     return out
 
-
-def describe(old: Plan, new: Plan) -> str:
-    return (f"Cephalo: the plan is for {old.world_size} ranks but the job has {new.world_size} (an elastic restart): "
-            f"re-planned from the plan's own per-device figures (elastic=True): batches {new.batch_sizes}, state "
-            f"shares {[round(r.state_share, 4) for r in new.ranks]}, the global batch unchanged "
-            f"({new.global_batch_size}). Device memory was not re-checked: add CephaloCallback() to profile and plan "
-            "for the devices present at every start")

@@ -117,8 +117,12 @@ def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: Schedule, c
     def batch() -> int:
         return global_batch(config.global_batch_size, trainer, world_size)
 
+    planner_mode = "uniform" if schedule == "uniform" else "layered"
+    if config.elastic and cluster is not None and (plan if plan is not None else cluster).world_size != world_size:
+        return replanned(plan, cluster, plan.global_batch_size if plan is not None else batch(),
+                         plan.mode if plan is not None else planner_mode, identities)
     if plan is None and cluster is not None:
-        plan = make_plan(cluster, batch(), mode="uniform" if schedule == "uniform" else "layered")
+        plan = make_plan(cluster, batch(), mode=planner_mode)
     if plan is None:
         plan = Plan.even(world_size, batch(), mode=schedule)
         if provisional:
@@ -127,10 +131,8 @@ def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: Schedule, c
                        "Add CephaloCallback() to profile and plan for heterogeneous devices.")
         return plan
     if plan.world_size != world_size:
-        if config.elastic:  # an elastic restart: re-planned for the ranks present, with a warning
-            replanned = elastic.replan_for_world(plan, [i.name for i in identities()])
-            rank_zero_warn(elastic.describe(plan, replanned))
-            return replanned
+        if config.elastic:
+            return replanned(plan, None, plan.global_batch_size, plan.mode, identities)
         raise PlanningError(
             f"the plan is for {plan.world_size} ranks but the job has {world_size}: re-plan for {world_size} ranks "
             f"(python -m cephalo_lightning plan ... ), launch {plan.world_size} processes, or pass "
@@ -139,6 +141,14 @@ def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: Schedule, c
     if config.check_devices:
         check_devices(plan, identities())
     return plan
+
+
+def replanned(plan: Plan | None, cluster: Cluster | None, global_batch_size: int, mode: str,
+              identities: Callable[[], list[DeviceIdentity]]) -> Plan:
+    """An elastic restart: the plan for the devices present (:func:`.elastic.replan`), with a warning."""
+    new, warning = elastic.replan(plan, cluster, [i.name for i in identities()], global_batch_size, mode)
+    rank_zero_warn(warning)
+    return new
 
 
 def memory_proportional(plan: Plan, identities: list[DeviceIdentity]) -> Plan:
