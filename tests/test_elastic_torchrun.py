@@ -16,14 +16,16 @@ How torchrun behaves here, and what the run is set up for (torch 2.13, read from
   node that stays);
 * a dead node leaves the rendezvous when its heartbeat is ``keep_alive_interval`` x
   ``keep_alive_max_attempt`` old (1 s x 5 here; 5 s x 3 by default); the survivor then waits
-  ``last_call_timeout`` for more nodes (5 s here, 30 s by default) before it starts without them;
+  ``last_call_timeout`` for more nodes (30 s by default) before it starts without them; 10 s here,
+  well over the two agents' start-up skew, so the first round always has both;
 * a node that joins a running job is seen by the other agent's monitor (``num_nodes_waiting``),
   which stops its ranks with SIGTERM: the strategy's preemption handling saves at the next step
   boundary, so nothing is redone on a grow;
 * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with the agents' shared TCP store (the default), a
   node that joins a later round as a non-zero rank waits forever for the rank-0 node to publish
   the workers' store address, which that node publishes only in its own first round (the join
-  fails after 60 s: ``wait timeout ... /torch.rendezvous.<id>.<round>/MASTER_ADDR``).
+  fails after 60 s: ``wait timeout ... /torch.rendezvous.<id>.<round>/MASTER_ADDR``; the shared
+  store's restart troubles upstream: pytorch/pytorch#135712).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from tests.test_checkpoints import reference
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-7  # fp64 SGD (see tests/test_checkpoints.py): a wrong resume is off by ~1e-2, noise ~1e-15
-RDZV_CONF = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=300"
+RDZV_CONF = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=300"
 DEADLINE_S = 1500  # the whole run, on a loaded 2-core machine (about 4 minutes there)
 
 
@@ -130,6 +132,6 @@ def test_a_lost_node_is_replaced_by_torchrun_replanned_and_regrown_to_the_uninte
     assert recovered["step"] == KILL_AT  # the step the kill interrupted, trained again from step KILL_AT - 1
     grown = min(x["start"] for x in final)
     print(f"\nelastic (measured, 2 + 1 CPU ranks, gloo, this machine's load): kill after step {killed['step']} -> first "
-          f"step on 2 ranks {recovered['time'] - killed['time']:.1f} s (heartbeat expiry <= 5 s, last call 5 s, rank "
+          f"step on 2 ranks {recovered['time'] - killed['time']:.1f} s (heartbeat expiry <= 5 s, last call 10 s, rank "
           f"start-up, resume); node started again -> 3 ranks in the fit {grown - grow_at:.1f} s; max |param - "
           f"single-process replay| = {error:.2e}")
