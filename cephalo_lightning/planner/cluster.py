@@ -78,6 +78,10 @@ class Settings:
     optimizer_ns_per_param: float | None = None  # for devices without their own figure (else 0)
     offload_stash: bool = False  # the layered stash is copied to host memory and back (CUDA's default)
     host_copy_gbps: float = 12.0  # device <-> pinned host GB/s, for devices without their own figure
+    # the link between nodes (``DeviceProfile.node``), GB/s per direction per rank; None: as fast as
+    # link_bandwidth_gbps (then the intra-node figure)
+    inter_node_bandwidth_gbps: float | None = None
+    inter_node_latency_ms: float = 0.0  # per collective that crosses nodes
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,7 @@ class DeviceProfile:
     activation_memory_gb: tuple[float, ...] | None = None
     optimizer_ns_per_param: float | None = None  # optimizer step time per state parameter owned
     host_copy_gbps: float | None = None  # device <-> pinned host copy bandwidth
+    node: int | None = None  # the node (host) it is in; None on every device: one node
 
 
 @dataclass(frozen=True)
@@ -431,7 +436,7 @@ def _device_entry(device: DeviceProfile) -> dict[str, Any]:
         entry["emulate"] = {k: v for k, v in asdict(device.emulate).items() if v is not None}
     if device.activation_memory_gb is not None:
         entry["activation_memory_gb"] = list(device.activation_memory_gb)
-    for key in ("optimizer_ns_per_param", "host_copy_gbps"):
+    for key in ("optimizer_ns_per_param", "host_copy_gbps", "node"):
         if getattr(device, key) is not None:
             entry[key] = getattr(device, key)
     return entry
@@ -453,6 +458,8 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         settings.pop("step_overhead_ms", None)  # files written before the terms existed read the same
     if settings.get("host_contention") == 1.0:
         settings.pop("host_contention", None)
+    if not settings.get("inter_node_latency_ms"):
+        settings.pop("inter_node_latency_ms", None)
     data = {"model": model, "settings": settings, "devices": entries}
     if cluster.calibration is not None:
         data["calibration"] = cluster.calibration.as_dict()
