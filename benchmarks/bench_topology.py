@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -450,13 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides: dict[str, Any] = {"profile_only": args.profile_only, "fits_everywhere": not args.no_second}
     if args.rounds:
         overrides["rounds"] = args.rounds
-    cfg = Config(**{**asdict(cfg), **overrides})
-    result = run_benchmark(cfg)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print_report(result)
-    return 0
+    return common.emit(run_benchmark(Config(**{**asdict(cfg), **overrides})), args.json, print_report)
 
 
 if __name__ == "__main__":
