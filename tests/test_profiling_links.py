@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
-from cephalo_lightning.planner.cluster import Emulation, cluster_to_dict
+from cephalo_lightning.planner.cluster import Emulation, Settings, cluster_to_dict
+from cephalo_lightning.profiling.collectives import CollectiveProfile
+from cephalo_lightning.profiling.devices import measured_settings
 from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions
-from cephalo_lightning.profiling.topology import NodeClue, Topology, find_nodes, node_clue
+from cephalo_lightning.profiling.topology import LinkProfile, NodeClue, Topology, find_nodes, node_clue
 from tests.distributed import run_distributed
 from tests.test_profiling import sample_tokens, tiny_gpt
 
@@ -51,7 +54,8 @@ def _profile_two_nodes(rank: int, world_size: int, emulate: list | None, group_r
         os.environ["GROUP_RANK"] = str(group_ranks[rank])
     torch.set_num_threads(1)
     report = ClusterProfiler(tiny_gpt().layers(), sample_tokens(), emulate=emulate, options=OPTIONS, quiet=True).run()
-    return {"cluster": report.cluster, "topology": report.topology, "links": report.links}
+    return {"cluster": report.cluster, "topology": report.topology, "links": report.links,
+            "measured_by": report.measured_by}
 
 
 @pytest.mark.multiprocess
@@ -63,6 +67,8 @@ def test_two_emulated_nodes_are_found_and_the_slow_link_is_measured() -> None:
     assert results[0]["topology"] == Topology((0, 0, 1, 1), "emulation")
     assert [d.node for d in cluster.devices] == [0, 0, 1, 1]
     assert [d.emulate.node for d in cluster.devices] == [0, 0, 1, 1]
+    # a node changes no compute: rank 3 (node 1) uses rank 0's measurement; rank 2's memory differs
+    assert results[0]["measured_by"] == (0, 0, 2, 0)
     links = results[0]["links"]
     assert links.emulated and links.probe_bytes == 2**18
     inter, intra = cluster.settings.inter_node_bandwidth_gbps, cluster.settings.link_bandwidth_gbps
@@ -84,3 +90,18 @@ def test_a_launchers_node_ranks_are_found_and_both_links_measured() -> None:
     assert not links.emulated
     # one host: both classes are the same loopback, measured, positive
     assert cluster.settings.link_bandwidth_gbps > 0 and cluster.settings.inter_node_bandwidth_gbps > 0
+
+
+def test_measured_links_fill_the_settings_unless_the_caller_set_them() -> None:
+    comm = CollectiveProfile(numel=8, world_size=4, allgather_ms=1.0, reduce_scatter_ms=2.0)
+    links = LinkProfile(intra_node_gbps=12.345678, inter_node_gbps=0.000123456, probe_bytes=4, intra_node_ms=1.0,
+                        inter_node_ms=9.0, emulated=True)
+    settings = measured_settings(Settings(), comm, "padded", None, links)
+    # four significant figures: a very slow link keeps its figure (it is never rounded to 0)
+    assert (settings.link_bandwidth_gbps, settings.inter_node_bandwidth_gbps) == (12.35, 0.0001235)
+    mine = measured_settings(Settings(link_bandwidth_gbps=100.0, inter_node_bandwidth_gbps=3.0), comm, "padded",
+                             None, links)
+    assert (mine.link_bandwidth_gbps, mine.inter_node_bandwidth_gbps) == (100.0, 3.0)
+    # nodes of one rank each: no intra-node figure, the setting stays as it was
+    alone = replace(links, intra_node_gbps=None, intra_node_ms=None)
+    assert measured_settings(Settings(), comm, "padded", None, alone).link_bandwidth_gbps is None
