@@ -78,14 +78,83 @@ class Settings:
     optimizer_ns_per_param: float | None = None  # for devices without their own figure (else 0)
     offload_stash: bool = False  # the layered stash is copied to host memory and back (CUDA's default)
     host_copy_gbps: float = 12.0  # device <-> pinned host GB/s, for devices without their own figure
+    # the link between nodes (``DeviceProfile.node``), GB/s per direction per rank; None: as fast as
+    # link_bandwidth_gbps (then the intra-node figure)
+    inter_node_bandwidth_gbps: float | None = None
+    inter_node_latency_ms: float = 0.0  # per collective that crosses nodes
 
 
 @dataclass(frozen=True)
 class Emulation:
-    """CPU emulation of a slower or smaller device (see ``cephalo_lightning.runtime.emulation.emulator``)."""
+    """CPU emulation of a slower or smaller device (see ``cephalo_lightning.runtime.emulation.emulator``),
+    optionally on an emulated node whose links to the other nodes are slowed
+    (``cephalo_lightning.runtime.emulation.links``)."""
 
     slowdown: float = 1.0
     memory_gb: float | None = None
+    node: int | None = None  # the emulated node this rank is in (None: the links are not emulated)
+    inter_node_gbps: float | None = None  # GB/s per direction per rank over the link between emulated nodes
+
+
+class EmulationSpecError(PlanningError):
+    """A per-rank emulation spec (of a cluster file or the strategy's ``emulate=``) is malformed; the
+    message names the rank or entry and the fix."""
+
+
+EMULATION_KEYS = ("slowdown", "memory_gb", "node", "inter_node_gbps")
+EMULATION_EXAMPLE = "{slowdown: 3, memory_gb: 0.5, node: 1, inter_node_gbps: 1.25}"
+
+
+def _spec_number(value: Any, where: str, fix: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise EmulationSpecError(f"{where} must be a finite number, got {value!r}. {fix}")
+    return float(value)
+
+
+def parse_emulation_spec(data: Any, where: str = "emulate") -> Emulation | None:
+    """One rank's emulation spec (``None``, a mapping or an :class:`Emulation`), validated.
+
+    ``None`` means "a real device, not emulated"; ``{}`` means "emulated, at full speed and with
+    unlimited memory" (a CPU rank that stands in for the fastest GPU of the cluster). Whether the
+    ranks' ``node`` / ``inter_node_gbps`` agree with each other is checked over all ranks
+    (``cephalo_lightning.runtime.emulation.links.links_from_emulation``).
+    """
+    if data is None:
+        return None
+    if isinstance(data, Emulation):
+        data = asdict(data)
+    if not isinstance(data, Mapping):
+        raise EmulationSpecError(
+            f"{where} must be null or a mapping like {EMULATION_EXAMPLE}, got {type(data).__name__} {data!r}")
+    unknown = sorted(map(str, set(data) - set(EMULATION_KEYS)))
+    if unknown:
+        raise EmulationSpecError(
+            f"{where}: unknown key(s) {unknown}; an emulation spec has 'slowdown' (>= 1), 'memory_gb' (GiB), "
+            "'node' (an int >= 0) and 'inter_node_gbps' (GB/s per direction between emulated nodes)")
+    slowdown = _spec_number(data.get("slowdown", 1.0), f"{where}.slowdown",
+                            "Use 1 for full speed, 3 for three times slower.")
+    if slowdown < 1.0:
+        raise EmulationSpecError(
+            f"{where}.slowdown must be >= 1 (1 = full speed; a CPU process cannot be made faster), got {slowdown:g}; "
+            "set 1 for full speed or k > 1 for k times slower, and express the cluster relative to its fastest device, "
+            "which gets slowdown 1.")
+    memory = data.get("memory_gb")
+    if memory is not None:
+        memory = _spec_number(memory, f"{where}.memory_gb", "Give the emulated capacity in GiB, or null for unlimited.")
+        if memory <= 0:
+            raise EmulationSpecError(f"{where}.memory_gb must be > 0 GiB (or null for unlimited), got {memory:g}")
+    node = data.get("node")
+    if node is not None and (isinstance(node, bool) or not isinstance(node, int) or node < 0):
+        raise EmulationSpecError(
+            f"{where}.node must be a whole number >= 0 (the emulated node's index: 0, 1, ...), got {node!r}")
+    gbps = data.get("inter_node_gbps")
+    if gbps is not None:
+        gbps = _spec_number(gbps, f"{where}.inter_node_gbps",
+                            "Give the emulated inter-node bandwidth in GB/s per direction per rank, e.g. 1.25.")
+        if gbps <= 0:
+            raise EmulationSpecError(
+                f"{where}.inter_node_gbps must be > 0 GB/s, got {gbps:g}; give the link's bandwidth per direction")
+    return Emulation(slowdown=slowdown, memory_gb=memory, node=node, inter_node_gbps=gbps)
 
 
 @dataclass(frozen=True)
@@ -104,6 +173,7 @@ class DeviceProfile:
     activation_memory_gb: tuple[float, ...] | None = None
     optimizer_ns_per_param: float | None = None  # optimizer step time per state parameter owned
     host_copy_gbps: float | None = None  # device <-> pinned host copy bandwidth
+    node: int | None = None  # the node (host) it is in; None on every device: one node
 
 
 @dataclass(frozen=True)
@@ -250,19 +320,6 @@ def parse_settings(data: Any) -> Settings:
     return Settings(**values)
 
 
-def _parse_emulation(data: Any, where: str) -> Emulation | None:
-    if data is None:
-        return None
-    data = _mapping(data, where)
-    _reject_unknown(data, {"slowdown", "memory_gb"}, where)
-    slowdown = _number(data.get("slowdown", 1.0), f"{where}.slowdown")
-    if slowdown < 1:
-        raise PlanningError(f"{where}.slowdown must be >= 1 (1 = full speed), got {slowdown}; set 1 for full speed or "
-                            "k > 1 for k times slower")
-    memory = data.get("memory_gb")
-    return Emulation(slowdown, None if memory is None else _number(memory, f"{where}.memory_gb"))
-
-
 _PROFILE_KEYS = ("layer_fwd_ms", "layer_bwd_ms", "compute_memory_gb")
 _EXTRA_KEYS = ("activation_memory_gb", "optimizer_ns_per_param", "host_copy_gbps")  # optional with either
 _DEVICE_KEYS = {"name", "count", "memory_gb", "source", "emulate", *_PROFILE_KEYS, *_EXTRA_KEYS}
@@ -313,7 +370,7 @@ def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[Devi
                                 "measured figures")
         name = str(entry["name"])
         count = _integer(entry.get("count", 1), f"{where}.count")
-        emulate = _parse_emulation(entry.get("emulate"), f"{where}.emulate")
+        emulate = parse_emulation_spec(entry.get("emulate"), f"{where}.emulate")
         given = [k for k in _PROFILE_KEYS if k in entry]
         if given and len(given) != len(_PROFILE_KEYS):
             missing = sorted(set(_PROFILE_KEYS) - set(given))
@@ -379,7 +436,7 @@ def _device_entry(device: DeviceProfile) -> dict[str, Any]:
         entry["emulate"] = {k: v for k, v in asdict(device.emulate).items() if v is not None}
     if device.activation_memory_gb is not None:
         entry["activation_memory_gb"] = list(device.activation_memory_gb)
-    for key in ("optimizer_ns_per_param", "host_copy_gbps"):
+    for key in ("optimizer_ns_per_param", "host_copy_gbps", "node"):
         if getattr(device, key) is not None:
             entry[key] = getattr(device, key)
     return entry
@@ -401,6 +458,8 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         settings.pop("step_overhead_ms", None)  # files written before the terms existed read the same
     if settings.get("host_contention") == 1.0:
         settings.pop("host_contention", None)
+    if not settings.get("inter_node_latency_ms"):
+        settings.pop("inter_node_latency_ms", None)
     data = {"model": model, "settings": settings, "devices": entries}
     if cluster.calibration is not None:
         data["calibration"] = cluster.calibration.as_dict()

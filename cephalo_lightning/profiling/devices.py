@@ -20,6 +20,7 @@ from cephalo_lightning.planner.cluster import DeviceProfile, Emulation, Settings
 from cephalo_lightning.profiling.collectives import CollectiveProfile, uneven_slope
 from cephalo_lightning.profiling.errors import ProfilingError
 from cephalo_lightning.profiling.model import ModelProfile
+from cephalo_lightning.profiling.topology import LinkProfile
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 
 MIN_MS = 1e-5  # the planner needs strictly positive times; a layer can take less than a microsecond
@@ -136,11 +137,17 @@ def device_profiles(ids: Sequence[RankIdentity], leaders: Sequence[int], profile
 
 
 def measured_settings(settings: Settings, comm: CollectiveProfile | None, mode: str,
-                      overlap: float | None) -> Settings:
-    """``settings`` with the measured collective times, their uneven slope and overlap (a value the
-    caller set explicitly wins over a measured slope or overlap)."""
+                      overlap: float | None, links: LinkProfile | None = None) -> Settings:
+    """``settings`` with the measured collective times, their uneven slope and overlap, and the links'
+    bandwidths within and between nodes (a value the caller set explicitly wins over a measured
+    slope, overlap or bandwidth)."""
     if comm is None:
         return settings
+    if links is not None:
+        if settings.link_bandwidth_gbps is None and links.intra_node_gbps is not None:
+            settings = replace(settings, link_bandwidth_gbps=float(f"{links.intra_node_gbps:.4g}"))
+        if settings.inter_node_bandwidth_gbps is None:
+            settings = replace(settings, inter_node_bandwidth_gbps=float(f"{links.inter_node_gbps:.4g}"))
     settings = replace(settings, allgather_ms=round(comm.allgather_ms, 5),
                        reduce_scatter_ms=round(comm.reduce_scatter_ms, 5), collective=mode)
     slope = uneven_slope(comm, mode)

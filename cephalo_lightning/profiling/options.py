@@ -27,6 +27,7 @@ class ProfileOptions:
     collectives: bool = True  # time the all-gather / reduce-scatter (else keep the settings' values)
     collective_modes: tuple[str, ...] = ("padded",)  # the first is the runtime's mode
     collective_repeats: int = 5
+    link_probe_bytes: int = 4 * 2**20  # each rank's shard when the links within / between nodes are timed
     share_measurements: bool = True  # identical devices (same name and emulation) measure once
     serialize: bool | None = None  # measuring ranks take turns (default: on CPU, where they share cores)
     statistic: str | None = None  # how repeats are reduced: "min" | "median" (default: min on CPU, median on CUDA)
@@ -35,6 +36,9 @@ class ProfileOptions:
     def __post_init__(self) -> None:
         if isinstance(self.max_micro_batch, bool) or not isinstance(self.max_micro_batch, int) or self.max_micro_batch < 1:
             raise ConfigurationError(f"max_micro_batch must be an integer >= 1, got {self.max_micro_batch!r}")
+        if isinstance(self.link_probe_bytes, bool) or not isinstance(self.link_probe_bytes, int) \
+                or self.link_probe_bytes < 4:
+            raise ConfigurationError(f"link_probe_bytes must be an integer >= 4, got {self.link_probe_bytes!r}")
         if self.warmup < 0 or self.repeats < 1 or self.collective_repeats < 1:
             raise ConfigurationError("need warmup >= 0, repeats >= 1 and collective_repeats >= 1")
         if self.statistic is not None and self.statistic not in STATISTICS:

@@ -11,7 +11,9 @@ and before the model is sharded. Each rank:
    same device name and emulation spec (and, on CPU, the same host) may share one measurement;
    on CPU the measuring ranks take turns by default, step by step (:mod:`.turns`), because they
    share the host's cores and would otherwise measure each other;
-4. times one unit's all-gather and reduce-scatter with every rank (:mod:`.collectives`);
+4. times one unit's all-gather and reduce-scatter with every rank (:mod:`.collectives`) and, when
+   the ranks span nodes (:mod:`.topology`: emulated nodes, the launcher's node ranks, host names),
+   the links within and between nodes;
 5. gathers the device profiles and returns the cluster, identical on every rank; rank 0 writes it
    to the cache (the planner's cluster file format, for offline re-planning).
 
@@ -24,11 +26,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +70,11 @@ from cephalo_lightning.profiling.model import ModelHooks, ModelProfile, Pacing, 
 from cephalo_lightning.profiling.optimizer import time_optimizer_step
 from cephalo_lightning.profiling.options import ProfileOptions
 from cephalo_lightning.profiling.progress import ProfileProgress
+from cephalo_lightning.profiling.topology import LinkProfile, Topology, find_nodes, node_clue, time_links
 from cephalo_lightning.profiling.turns import TurnTaker
 from cephalo_lightning.runtime.distributed import broadcast_object, gather_objects, rank_and_size
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, EmulationSpec, parse_emulation_specs
+from cephalo_lightning.runtime.emulation.links import links_from_emulation
 from cephalo_lightning.runtime.layered import Layer
 
 log = logging.getLogger(__name__)
@@ -85,6 +90,8 @@ class ProfileReport:
     measured_by: tuple[int, ...]  # for every rank, the rank whose measurement it uses
     local: ModelProfile | None = None  # this rank's own measurement, if it measured
     collectives: CollectiveProfile | None = None
+    topology: Topology | None = None  # every rank's node and what told it
+    links: LinkProfile | None = None  # the links within and between nodes, when the ranks span nodes
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,9 +220,12 @@ class ClusterProfiler:
                         return p.dtype
         return torch.float32
 
-    def _fingerprint(self, ids: Sequence[RankIdentity]) -> str:
+    def _fingerprint(self, ids: Sequence[RankIdentity], topology: Topology) -> str:
         opts = self.options
+        nodes = {"nodes": list(topology.nodes), "link_probe_bytes": opts.link_probe_bytes} \
+            if topology.num_nodes > 1 else {}  # one node: the keys of files written before nodes existed
         return fingerprint({
+            **nodes,
             "model": structure(self.layers, self.sample_input, opts.batch_dim),
             "sizes": list(range(1, opts.max_micro_batch + 1)),
             "world_size": self.world_size,
@@ -238,7 +248,9 @@ class ClusterProfiler:
         first: dict[tuple[Any, ...], int] = {}
         leaders = []
         for i in ids:
-            key = (i.name, i.emulate, i.host if i.device_type == "cpu" else "")
+            # an emulated node or link changes no compute: the same device on another node measures alike
+            compute = i.emulate if i.emulate is None else replace(i.emulate, node=None, inter_node_gbps=None)
+            key = (i.name, compute, i.host if i.device_type == "cpu" else "")
             leaders.append(first.setdefault(key, i.rank))
         return leaders
 
@@ -254,7 +266,10 @@ class ClusterProfiler:
         """Profile (or reuse the cache) and return the report; every rank must call it."""
         started = time.perf_counter()
         ids: list[RankIdentity] = gather_objects(self._identity(), self.group)
-        key = self._fingerprint(ids)
+        links = links_from_emulation([i.emulate for i in ids])  # every rank checks every rank's spec alike
+        clues = gather_objects(node_clue(self.emulator.spec, os.environ, ids[self.rank].host), self.group)
+        topology = find_nodes(clues)
+        key = self._fingerprint(ids, topology)
         path = cache_path(self.cache_dir, key) if self.cache_dir is not None else None
         leaders = self._leaders(ids)
         talk = self.rank == 0 and not self.quiet
@@ -267,7 +282,8 @@ class ClusterProfiler:
                 cluster = cluster_from_dict(data)
                 if talk:
                     ProfileProgress.info("Cephalo: reusing the device profile %s (force=True profiles again)", path)
-                return ProfileReport(cluster, path, True, time.perf_counter() - started, tuple(leaders))
+                return ProfileReport(cluster, path, True, time.perf_counter() - started, tuple(leaders),
+                                     topology=topology)
 
         measuring = sorted(set(leaders))
         serialize = self.options.serialize if self.options.serialize is not None else self.device.type == "cpu"
@@ -276,7 +292,9 @@ class ClusterProfiler:
         local: ModelProfile | None = None
         optimizer_ns: float | None = None
         failure: str | None = None
-        with ProfileProgress(enabled=talk, phases=1 + int(with_comm)) as progress:
+        with_links = with_comm and topology.num_nodes > 1
+        link_profile: LinkProfile | None = None
+        with ProfileProgress(enabled=talk, phases=1 + int(with_comm) + int(with_links)) as progress:
             progress.phase(
                 f"profiling {len(measuring)} device(s) in turn" if serialize
                 else f"profiling {len(measuring)} device(s)"
@@ -307,8 +325,15 @@ class ClusterProfiler:
                 progress.phase("timing all-gather / reduce-scatter")
                 comm, overlap = self._time_collectives(profiles[leaders[0]])
                 progress.phase_done()
+            if with_links:
+                progress.phase(f"timing the links within and between {topology.num_nodes} nodes ({topology.source})")
+                backend = dist.get_backend(self.group)
+                link_profile = time_links(
+                    topology, group=self.group, device=self.device if backend == "nccl" else torch.device("cpu"),
+                    probe_bytes=self.options.link_probe_bytes, links=links, repeats=self.options.collective_repeats)
+                progress.phase_done()
 
-        cluster = self._cluster(ids, leaders, profiles, comm, optimizer, overlap)
+        cluster = self._cluster(ids, leaders, profiles, comm, optimizer, overlap, topology, link_profile)
         if path is not None and self.rank == 0:
             write_cached(cluster, path)
         seconds = time.perf_counter() - started
@@ -318,7 +343,7 @@ class ClusterProfiler:
                 seconds,
                 f"; cluster file {path}" if path is not None else "",
             )
-        return ProfileReport(cluster, path, False, seconds, tuple(leaders), local, comm)
+        return ProfileReport(cluster, path, False, seconds, tuple(leaders), local, comm, topology, link_profile)
 
     def _time_optimizer(self, turns: TurnTaker | None, layer_turns: _LayerTurns | None, measure: bool) -> float | None:
         """The optimizer step's time per state parameter, measured in turn like the layers."""
@@ -350,10 +375,12 @@ class ClusterProfiler:
     def _cluster(
         self, ids: Sequence[RankIdentity], leaders: Sequence[int], profiles: Sequence[ModelProfile | None],
         comm: CollectiveProfile | None, optimizer: Sequence[float | None] | None = None,
-        overlap: float | None = None,
+        overlap: float | None = None, topology: Topology | None = None, link_profile: LinkProfile | None = None,
     ) -> Cluster:
         smooth = self.options.smooth if self.options.smooth is not None else self.device.type == "cpu"
         devices = device_profiles(ids, leaders, profiles, optimizer, smooth)
+        if topology is not None and topology.num_nodes > 1:
+            devices = tuple(replace(d, node=n) for d, n in zip(devices, topology.nodes))
         first = next(p for p in profiles if p is not None)
         model = ModelSpec(
             name=self.model_name,
@@ -364,7 +391,7 @@ class ClusterProfiler:
             seq_len=self.seq_len,
             compute_bytes_per_param=float(torch.empty((), dtype=self._compute_dtype()).element_size()),
         )
-        settings = measured_settings(self.settings, comm, self.options.collective_modes[0], overlap)
+        settings = measured_settings(self.settings, comm, self.options.collective_modes[0], overlap, link_profile)
         return Cluster(model=model, devices=devices, settings=settings)
 
 def profile_cluster(layers: Sequence[nn.Module], sample_input: torch.Tensor, **kwargs: Any) -> Cluster:

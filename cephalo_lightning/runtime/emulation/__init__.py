@@ -1,4 +1,5 @@
-"""A CPU process standing in for a slower or smaller GPU: the emulator and the memory accounting."""
+"""A CPU process standing in for a slower or smaller GPU: the emulator, the memory accounting and the
+emulated links between nodes."""
 
 from cephalo_lightning.runtime.emulation.emulator import (
     DeviceEmulator,
@@ -8,7 +9,8 @@ from cephalo_lightning.runtime.emulation.emulator import (
     parse_emulation,
     parse_emulation_specs,
 )
+from cephalo_lightning.runtime.emulation.links import EmulatedLinks, links_from_emulation
 from cephalo_lightning.runtime.emulation.memory import EmulatedOutOfMemoryError, MemoryTracker
 
-__all__ = ["DeviceEmulator", "EmulatedOutOfMemoryError", "EmulationSpec", "EmulationSpecError", "MemoryTracker",
-           "emulator_for_rank", "parse_emulation", "parse_emulation_specs"]
+__all__ = ["DeviceEmulator", "EmulatedLinks", "EmulatedOutOfMemoryError", "EmulationSpec", "EmulationSpecError",
+           "MemoryTracker", "emulator_for_rank", "links_from_emulation", "parse_emulation", "parse_emulation_specs"]

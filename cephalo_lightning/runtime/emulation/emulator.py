@@ -1,7 +1,7 @@
 """Emulation of a slower or smaller device, so a CPU process can stand in for a GPU of a mixed cluster.
 
 A rank's emulation is the planner's :class:`~cephalo_lightning.planner.cluster.Emulation`
-``(slowdown, memory_gb)``:
+``(slowdown, memory_gb, node, inter_node_gbps)``:
 
 * ``slowdown`` >= 1: every compute region takes that many times longer. The emulator is a runtime
   observer (:mod:`.observers`): attached to a sharded model it hears each unit's forward and
@@ -15,13 +15,15 @@ A rank's emulation is the planner's :class:`~cephalo_lightning.planner.cluster.E
   which raises :class:`~cephalo_lightning.runtime.emulation.memory.EmulatedOutOfMemoryError` (a
   ``torch.OutOfMemoryError``) past it. On CUDA it can cap a real GPU with the caching allocator's
   per-process memory fraction (:meth:`DeviceEmulator.cap_cuda_memory`).
+* ``node`` and ``inter_node_gbps``: the emulated node the rank is in and the bandwidth of the link
+  between nodes; the runtime's collectives slow the sends that cross nodes to it
+  (:mod:`.links`, built from every rank's spec by :func:`~.links.links_from_emulation`).
 
 Everything that reports a figure measured under emulation should say so (:meth:`DeviceEmulator.describe`).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,9 +31,10 @@ from typing import Any
 
 import torch
 
-from cephalo_lightning._common.errors import CephaloError, ConfigurationError
+from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.units import GIB
-from cephalo_lightning.planner.cluster import Emulation
+from cephalo_lightning.planner.cluster import Emulation, EmulationSpecError, parse_emulation_spec
+from cephalo_lightning.runtime.emulation.links import links_from_emulation
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker
 from cephalo_lightning.runtime.observers import Observer
 from cephalo_lightning.runtime.timing import ContentionClock
@@ -44,51 +47,16 @@ __all__ = [
 EmulationSpec = Emulation | Mapping[str, Any] | None  # what a user may write for one rank
 
 
-class EmulationSpecError(CephaloError, ValueError):
-    """A per-rank emulation spec is malformed; the message names the rank and the fix."""
-
-
-def _spec_number(value: Any, where: str, what: str, fix: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise EmulationSpecError(f"{where}.{what} must be a finite number, got {value!r}. {fix}")
-    return float(value)
-
-
 def parse_emulation(spec: EmulationSpec | DeviceEmulator, where: str = "emulate") -> Emulation | None:
     """One rank's spec (``None``, an :class:`Emulation`, a dict or an emulator) as an :class:`Emulation`.
 
     ``None`` means "a real device, not emulated"; ``{}`` means "emulated, at full speed and with
-    unlimited memory" (a CPU rank that stands in for the fastest GPU of the cluster).
+    unlimited memory" (a CPU rank that stands in for the fastest GPU of the cluster). The checks are
+    the cluster file's (:func:`~cephalo_lightning.planner.cluster.parse_emulation_spec`).
     """
-    if spec is None:
-        return None
     if isinstance(spec, DeviceEmulator):
         return spec.spec
-    if isinstance(spec, Emulation):
-        slowdown, memory = spec.slowdown, spec.memory_gb
-    elif isinstance(spec, Mapping):
-        unknown = sorted(set(spec) - {"slowdown", "memory_gb"})
-        if unknown:
-            raise EmulationSpecError(
-                f"{where}: unknown key(s) {unknown}; an emulation spec has 'slowdown' (>= 1) and 'memory_gb' (GiB)"
-            )
-        slowdown, memory = spec.get("slowdown", 1.0), spec.get("memory_gb")
-    else:
-        raise EmulationSpecError(
-            f"{where} must be null, a mapping like {{slowdown: 3, memory_gb: 0.5}} or an Emulation, "
-            f"got {type(spec).__name__} {spec!r}"
-        )
-    slowdown = _spec_number(slowdown, where, "slowdown", "Use 1 for full speed, 3 for three times slower.")
-    if slowdown < 1.0:
-        raise EmulationSpecError(
-            f"{where}.slowdown must be >= 1 (1 = full speed; a CPU process cannot be made faster), got {slowdown:g}. "
-            "Express the cluster relative to its fastest device, which gets slowdown 1."
-        )
-    if memory is not None:
-        memory = _spec_number(memory, where, "memory_gb", "Give the emulated capacity in GiB, or null for unlimited.")
-        if memory <= 0:
-            raise EmulationSpecError(f"{where}.memory_gb must be > 0 GiB (or null for unlimited), got {memory:g}")
-    return Emulation(slowdown=slowdown, memory_gb=memory)
+    return parse_emulation_spec(spec, where)
 
 
 def parse_emulation_specs(specs: Sequence[EmulationSpec] | None, world_size: int) -> list[Emulation | None]:
@@ -110,7 +78,9 @@ def parse_emulation_specs(specs: Sequence[EmulationSpec] | None, world_size: int
             f"emulate has {len(specs)} spec(s) but the world has {world_size} rank(s): give exactly one per rank "
             "in rank order (null or {} for a rank at full speed with unlimited memory)"
         )
-    return [parse_emulation(spec, f"emulate[{rank}] (rank {rank})") for rank, spec in enumerate(specs)]
+    parsed = [parse_emulation(spec, f"emulate[{rank}] (rank {rank})") for rank, spec in enumerate(specs)]
+    links_from_emulation(parsed)  # the ranks' nodes and link agree
+    return parsed
 
 
 @dataclass
@@ -123,6 +93,9 @@ class DeviceEmulator(Observer):
     where a tracker or a CUDA cap is set up from it (:meth:`memory_tracker`,
     :meth:`cap_cuda_memory`), not by the slowdown regions.
 
+    ``node`` / ``inter_node_gbps``: the emulated node and inter-node link this rank's spec names;
+    recorded (in :attr:`spec` and :meth:`describe`) here, priced by :class:`~.links.EmulatedLinks`.
+
     ``emulated`` marks the rank as an emulated device even at slowdown 1 without a memory cap
     (a CPU process standing in for the fastest GPU of a cluster); figures it reports say so.
     ``synchronize_cuda``: the rank computes on CUDA: a slowdown synchronizes the device before
@@ -132,6 +105,8 @@ class DeviceEmulator(Observer):
 
     slowdown: float = 1.0
     memory_gb: float | None = None
+    node: int | None = None
+    inter_node_gbps: float | None = None
     emulated: bool = False
     synchronize_cuda: bool = False
     label: str = ""
@@ -140,10 +115,7 @@ class DeviceEmulator(Observer):
     _start_clock: ContentionClock | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.slowdown < 1.0:
-            raise EmulationSpecError(f"slowdown must be >= 1 (1 = full speed), got {self.slowdown}")
-        if self.memory_gb is not None and not self.memory_gb > 0:
-            raise EmulationSpecError(f"memory_gb must be > 0 GiB (or None for unlimited), got {self.memory_gb}")
+        parse_emulation_spec(Emulation(self.slowdown, self.memory_gb, self.node, self.inter_node_gbps), "DeviceEmulator")
 
     # ------------------------------------------------------------------ construction
 
@@ -154,8 +126,8 @@ class DeviceEmulator(Observer):
         if emulation is None:
             return cls(label=label, synchronize_cuda=synchronize_cuda)
         return cls(
-            slowdown=emulation.slowdown, memory_gb=emulation.memory_gb, emulated=True, label=label,
-            synchronize_cuda=synchronize_cuda,
+            slowdown=emulation.slowdown, memory_gb=emulation.memory_gb, node=emulation.node,
+            inter_node_gbps=emulation.inter_node_gbps, emulated=True, label=label, synchronize_cuda=synchronize_cuda,
         )
 
     # ------------------------------------------------------------------ what it emulates
@@ -168,12 +140,14 @@ class DeviceEmulator(Observer):
     @property
     def is_emulated(self) -> bool:
         """Whether figures measured on this rank come from emulation (not the bare device)."""
-        return self.emulated or self.active or self.memory_gb is not None
+        return self.emulated or self.active or self.memory_gb is not None or self.node is not None
 
     @property
     def spec(self) -> Emulation | None:
         """The planner's record of this emulation (``None`` for a real device)."""
-        return Emulation(self.slowdown, self.memory_gb) if self.is_emulated else None
+        if not self.is_emulated:
+            return None
+        return Emulation(self.slowdown, self.memory_gb, self.node, self.inter_node_gbps)
 
     @property
     def capacity_bytes(self) -> int | None:
@@ -185,9 +159,14 @@ class DeviceEmulator(Observer):
         if not self.is_emulated:
             return "real device (not emulated)"
         memory = f"{self.memory_gb:g} GiB memory" if self.memory_gb is not None else "unlimited memory"
+        link = ""
+        if self.node is not None:
+            speed = f"{self.inter_node_gbps:g} GB/s per direction" if self.inter_node_gbps is not None \
+                else "the bandwidth the other ranks' specs give"
+            link = f", on emulated node {self.node} (links to other nodes emulated at {speed})"
         return (
-            f"emulated device: compute x{self.slowdown:g} slower, {memory} "
-            "(times and capacity are emulated, not measured on real hardware)"
+            f"emulated device: compute x{self.slowdown:g} slower, {memory}{link} "
+            "(times, capacity and links are emulated, not measured on real hardware)"
         )
 
     def name_suffix(self) -> str:

@@ -1,0 +1,456 @@
+"""Shard groups over an emulated network topology: the planner's choice vs full shard, HSDP and DDP.
+
+    python benchmarks/bench_topology.py              # 2 rounds per cluster; several minutes on 2 cores
+    python benchmarks/bench_topology.py --quick      # 1 round, fewer batches
+    python benchmarks/bench_topology.py --check      # which pieces this checkout has, nothing run
+    python benchmarks/bench_topology.py --profile-only  # measure the links, profile and plan; no fits
+    python benchmarks/bench_topology.py --json       # the rows as data
+
+THE CLUSTER IS EMULATED ON CPU: 4 gloo ranks on this machine stand for 2 nodes x 2 GPUs. Node 0 has
+two fast ranks with little memory, node 1 two ranks twice as slow with plenty
+(:class:`~cephalo_lightning.runtime.emulation.emulator.DeviceEmulator`); what a rank sends to a rank
+of the other node is held to an emulated inter-node link (``node`` / ``inter_node_gbps``,
+:class:`~cephalo_lightning.runtime.emulation.links.EmulatedLinks`) set to ``link_ratio`` (10) times
+slower than the host's own link between two ranks, which is MEASURED first (an all-gather between
+ranks, :func:`~cephalo_lightning.profiling.topology.time_links`). No GPU is involved.
+
+In one spawned group of 4 ranks, for each of two clusters:
+
+1. profile once (a 1-step ``Trainer.fit`` with :class:`~cephalo_lightning.CephaloCallback`): the
+   profiler finds the emulated nodes and measures both link classes;
+2. plan: the planner's choice (``planner.plan``, which chooses the shard groups), ``full-shard``
+   (the planner on the same devices seen as one node: one group of every rank, today's plan),
+   ``hsdp-even`` and ``ddp-even`` (``planner="hsdp-even"`` / ``"ddp-even"``, even shares and batches,
+   a group per node / per rank); a plan the planner finds infeasible is skipped, and why is printed;
+3. train the demo GPT with each plan through ``Trainer.fit`` (``CephaloStrategy(plan=..., emulate=...)``),
+   R rounds of one short fit per plan, the order rotated each round, same data and seed.
+
+The second cluster fits the model on every rank with no link penalty (one node, full speed,
+unlimited memory): the planner's choice beside Lightning's ``strategy="ddp"`` (goal: within 1.05x).
+
+Figures: MEASURED step = ``on_train_batch_start`` -> ``on_train_batch_end``, max over the ranks per
+batch, median over the measured batches (the first ``warmup`` of every fit skipped); PREDICTED =
+the planner's cost model on the profiled (emulated) cluster. Measured ratios are medians of
+per-round ratios (fits run seconds apart).
+
+It needs the group-aware planner (``hsdp-even`` / ``ddp-even``), a runtime that runs shard groups
+(``ShardedModel(shard_groups=...)``) and emulated links in the runtime's collectives
+(``Collectives(links=...)``, passed from ``lightning/fit.py``): ``--check`` says which are
+missing, and without them only ``--profile-only`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+try:
+    import cephalo_lightning  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _common as common
+
+WORLD = 4
+NODES = (0, 0, 1, 1)
+PLANS = ("cephalo", "full-shard", "hsdp-even", "ddp-even")
+FITS_EVERYWHERE_PLANS = ("cephalo", "ddp")  # the second cluster: the planner's choice vs Lightning's DDP
+GOALS = {"full-shard": 1.5, "ddp": 1.05}  # full shard / cephalo step >= 1.5; cephalo / ddp step <= 1.05
+
+
+@dataclass(frozen=True)
+class Config:
+    # per rank (slowdown, memory_gb): node 0 fast with little memory, node 1 twice as slow with plenty
+    devices: tuple[tuple[float, float | None], ...] = ((1.0, 0.03), (1.0, 0.03), (2.0, 0.5), (2.0, 0.5))
+    link_ratio: float = 10.0  # the emulated inter-node link is this many times slower than the host's own
+    probe_bytes: int = 2**20  # each rank's shard when the host's link is measured
+    preset: str = "small"  # the demo GPT: 4 blocks x 128, ~0.9M parameters
+    seq_len: int = 64
+    global_batch: int = 32
+    profile_k: int = 4
+    usable_memory_fraction: float = 0.9
+    rounds: int = 2
+    warmup: int = 3  # >= 3: under a memory cap the strategy counts every tensor (slow) in steps 0-2
+    measured: int = 5
+    threads: int = 1
+    plans: tuple[str, ...] = PLANS
+    fits_everywhere: bool = True  # also run the second cluster
+    profile_only: bool = False
+
+
+QUICK = Config(rounds=1, measured=4)
+
+
+# ----------------------------------------------------------------------------- what this checkout has
+
+
+def missing_pieces() -> list[str]:
+    """The pieces the fits need that this checkout lacks, each with what would provide it."""
+    from cephalo_lightning.planner.solver import PLANNERS
+    from cephalo_lightning.runtime.collectives import Collectives
+    from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+
+    missing = []
+    absent = [name for name in ("hsdp-even", "ddp-even") if name not in PLANNERS]
+    if absent:
+        missing.append(f"the planner has no baseline(s) {absent} (planner.solver.PLANNERS = {PLANNERS}): the "
+                       "group-aware planner provides them")
+    if "shard_groups" not in inspect.signature(ShardedModel).parameters:
+        missing.append("ShardedModel takes no shard_groups: the runtime cannot run a plan with more than one "
+                       "shard group")
+    if "links" not in {f.name for f in dataclasses.fields(Collectives)}:
+        missing.append("Collectives takes no links: the emulated inter-node link would not slow training")
+    import cephalo_lightning.lightning.fit as fit
+
+    if "links_from_emulation" not in inspect.getsource(fit):
+        missing.append("lightning/fit.py does not build links_from_emulation(...) from the strategy's emulate= "
+                       "specs for ShardedModel(links=...)")
+    return missing
+
+
+# ----------------------------------------------------------------------------- the clusters
+
+
+def host_link_gbps(cfg: Config) -> float:
+    """The host's own link between two ranks (GB/s per direction per rank), MEASURED: the least of an
+    all-gather within and across the would-be nodes, no emulated link (every rank gets the same)."""
+    from cephalo_lightning.profiling.topology import Topology, time_links
+
+    profile = time_links(Topology(NODES, "bench"), probe_bytes=cfg.probe_bytes, repeats=5)
+    assert profile is not None and profile.intra_node_gbps is not None
+    return min(profile.intra_node_gbps, profile.inter_node_gbps)
+
+
+def topology_specs(cfg: Config, inter_node_gbps: float) -> list[dict[str, Any]]:
+    specs = []
+    for (slowdown, memory), node in zip(cfg.devices, NODES):
+        spec: dict[str, Any] = {"slowdown": slowdown, "node": node, "inter_node_gbps": inter_node_gbps}
+        if memory is not None:
+            spec["memory_gb"] = memory
+        specs.append(spec)
+    return specs
+
+
+def fits_everywhere_specs() -> list[dict[str, Any]]:
+    return [{"slowdown": 1.0} for _ in range(WORLD)]  # one node, full speed, unlimited memory
+
+
+def _module(cfg: Config):
+    from cephalo_lightning.demo import GPTModule
+
+    module = GPTModule(preset=cfg.preset, seq_len=cfg.seq_len, warmup_steps=2, lr_decay_steps=cfg.warmup + cfg.measured)
+    module.configure_model()  # built now, from the seed: every plan compared starts from the same weights
+    return module
+
+
+def _trainer(strategy, steps: int, callbacks: list):
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=steps, precision="32-true",
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=callbacks,
+    )
+
+
+def _datamodule(cfg: Config, batch_size: int | None = None):
+    from cephalo_lightning.demo import TextDataModule
+
+    return TextDataModule(seq_len=cfg.seq_len, batch_size=batch_size or cfg.global_batch)
+
+
+def profile(cfg: Config, specs: list[dict[str, Any]]):
+    """Profile the emulated ranks once through the callback (a 1-step fit); the planner's cluster."""
+    import lightning.pytorch as pl
+
+    from cephalo_lightning import CephaloCallback, CephaloStrategy
+
+    callback = CephaloCallback(max_micro_batch=cfg.profile_k, cache_dir=None, watch_every_n_steps=0,
+                               settings={"usable_memory_fraction": cfg.usable_memory_fraction},
+                               print_plan=False, quiet=True)
+    pl.seed_everything(0, verbose=False)
+    trainer = _trainer(CephaloStrategy(emulate=specs), 1, [callback])
+    trainer.fit(_module(cfg), _datamodule(cfg))
+    assert callback.cluster is not None
+    return callback.cluster
+
+
+def one_node_view(cluster):
+    """The same devices seen as one node (no link classes): what the planner plans without a topology."""
+    devices = tuple(replace(d, node=None) for d in cluster.devices)
+    settings = replace(cluster.settings, inter_node_bandwidth_gbps=None, inter_node_latency_ms=0.0)
+    return replace(cluster, devices=devices, settings=settings)
+
+
+def make_plans(cfg: Config, cluster, names: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each requested plan of the profiled cluster, and why any was skipped."""
+    from cephalo_lightning.planner import PlanningError
+    from cephalo_lightning.planner import plan as make_plan
+
+    plans, skipped = {}, {}
+    for name in names:
+        try:
+            if name == "cephalo":
+                plans[name] = make_plan(cluster, cfg.global_batch, mode="layered")
+            elif name == "full-shard":
+                flat = make_plan(one_node_view(cluster), cfg.global_batch, mode="layered")
+                if flat.num_shard_groups != 1:
+                    skipped[name] = (f"the planner chose {flat.num_shard_groups} shard groups {flat.shard_groups} even "
+                                     "on the one-node view; a full shard needs one group of every rank")
+                    continue
+                plans[name] = flat
+            elif name != "ddp":  # ddp is Lightning's own strategy, no plan
+                plans[name] = make_plan(cluster, cfg.global_batch, mode="layered", planner=name)
+        except PlanningError as err:
+            skipped[name] = str(err)
+    return plans, skipped
+
+
+def predicted_step_s(cluster, plan) -> float | None:
+    """The cost model's step for ``plan`` on ``cluster`` (the full shard was planned on the one-node view:
+    priced again here on the cluster with its links)."""
+    from cephalo_lightning.planner import evaluate
+
+    if plan.num_shard_groups != 1:
+        return plan.predicted_step_s  # the planner priced its groups on this cluster
+    costs = evaluate(cluster, plan.batch_sizes, plan.num_micro_batches, plan.state_shares,
+                     [r.recompute for r in plan.ranks], plan.mode)
+    return max(c.step_s for c in costs)
+
+
+# ----------------------------------------------------------------------------- fits
+
+
+def fit(cfg: Config, name: str, plan, specs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Train one short fit; this rank's per-batch times, warm-up skipped."""
+    import lightning.pytorch as pl
+
+    from cephalo_lightning import CephaloStrategy
+
+    timer = common.step_timer()
+    pl.seed_everything(0, verbose=False)
+    if name == "ddp":  # Lightning's DDP: the DataLoader's batch is per rank
+        trainer = _trainer("ddp", cfg.warmup + cfg.measured, [timer])
+        datamodule = _datamodule(cfg, cfg.global_batch // WORLD)
+    else:
+        trainer = _trainer(CephaloStrategy(plan=plan, emulate=specs), cfg.warmup + cfg.measured, [timer])
+        datamodule = _datamodule(cfg)
+    trainer.fit(_module(cfg), datamodule)
+    return {"step_s": timer.step_s(cfg.warmup), "iteration_s": timer.iteration_s(cfg.warmup),
+            "loss": float(trainer.callback_metrics.get("train_loss", float("nan")))}
+
+
+def interleaved_fits(cfg: Config, plans: dict[str, Any], specs, names: list[str]):
+    fits: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    order = []
+    for i in range(cfg.rounds):
+        rotated = common.rotated(names, i)
+        order.append(rotated)
+        for name in rotated:
+            fits[name].append(fit(cfg, name, plans.get(name), specs))
+    return fits, order
+
+
+def _cluster_run(cfg: Config, specs: list[dict[str, Any]], names: tuple[str, ...]) -> dict[str, Any]:
+    start = time.perf_counter()
+    cluster = profile(cfg, specs)
+    profile_s = time.perf_counter() - start
+    plans, skipped = make_plans(cfg, cluster, names)
+    out: dict[str, Any] = {"specs": specs, "cluster": cluster, "plans": plans, "skipped": skipped,
+                           "profile_s": profile_s, "fits": {}, "order": []}
+    if not cfg.profile_only:
+        runnable = [n for n in names if n in plans or n == "ddp"]
+        out["fits"], out["order"] = interleaved_fits(cfg, plans, specs, runnable)
+    return out
+
+
+def _rank_main(rank: int, world: int, cfg: Config) -> dict[str, Any]:
+    common.quiet_lightning()
+    common.pin_threads(cfg.threads)
+    host_gbps = host_link_gbps(cfg)
+    inter_node_gbps = float(f"{host_gbps / cfg.link_ratio:.3g}")
+    out = {"host_link_gbps": host_gbps, "inter_node_gbps": inter_node_gbps,
+           "topology": _cluster_run(cfg, topology_specs(cfg, inter_node_gbps), cfg.plans)}
+    if cfg.fits_everywhere:
+        out["fits_everywhere"] = _cluster_run(cfg, fits_everywhere_specs(), FITS_EVERYWHERE_PLANS)
+    return out
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def summarize(cfg: Config, run: dict[str, Any], fits: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    cluster = run["cluster"]
+    rows = []
+    for name, per_fit in fits.items():
+        plan = run["plans"].get(name)
+        predicted = predicted_step_s(cluster, plan) if plan is not None else None
+        rows.append({
+            "plan": name,
+            "shard_groups": [list(g) for g in plan.shard_groups] if plan is not None else "per rank (Lightning DDP)",
+            "batch_sizes": plan.batch_sizes if plan is not None else [cfg.global_batch // WORLD] * WORLD,
+            "micro_batches": plan.num_micro_batches if plan is not None else [1] * WORLD,
+            "state_shares": plan.state_shares if plan is not None else [1.0] * WORLD,
+            "predicted_step_ms": None if predicted is None else 1e3 * predicted,
+            "measured_step_ms": 1e3 * common.median([t for f in per_fit for t in f["step_s"]]),
+            "per_round_step_ms": [1e3 * common.median(f["step_s"]) for f in per_fit],
+            "final_loss": [f["loss"] for f in per_fit],
+        })
+    by = {r["plan"]: r for r in rows}
+    ratios = []
+    if "cephalo" in by:
+        for other in by:
+            if other == "cephalo":
+                continue
+            per_round = [o / c for o, c in zip(by[other]["per_round_step_ms"], by["cephalo"]["per_round_step_ms"])]
+            predicted = (by[other]["predicted_step_ms"] / by["cephalo"]["predicted_step_ms"]
+                         if by[other]["predicted_step_ms"] and by["cephalo"]["predicted_step_ms"] else None)
+            ratios.append({"ratio": f"{other} / cephalo", "measured_paired": common.median(per_round),
+                           "min_round": min(per_round), "max_round": max(per_round), "predicted": predicted})
+    fastest = min(rows, key=lambda r: r["measured_step_ms"])["plan"] if rows else None
+    return {"rows": rows, "ratios": ratios, "fastest_measured": fastest}
+
+
+def _combine(cfg: Config, per_rank: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    run = per_rank[0][key]
+    fits = common.max_over_rank_results([r[key]["fits"] for r in per_rank], ("step_s", "iteration_s")) \
+        if run["fits"] else {}
+    return {"specs": run["specs"], "skipped": run["skipped"], "order": run["order"], "profile_s": run["profile_s"],
+            "settings": asdict(run["cluster"].settings),
+            "devices": [{"rank": i, "device": d.name, "node": d.node, "memory_gb": d.memory_gb,
+                         "emulate": asdict(d.emulate) if d.emulate else None} for i, d in enumerate(run["cluster"].devices)],
+            "plans": {name: {"shard_groups": [list(g) for g in p.shard_groups], "batch_sizes": p.batch_sizes,
+                             "micro_batches": p.num_micro_batches, "state_shares": p.state_shares,
+                             "predicted_step_ms": None if (s := predicted_step_s(run["cluster"], p)) is None else 1e3 * s}
+                      for name, p in run["plans"].items()},
+            **(summarize(cfg, run, fits) if fits else {"rows": [], "ratios": [], "fastest_measured": None})}
+
+
+def run_benchmark(cfg: Config = Config()) -> dict[str, Any]:
+    """Measure the host's link, then profile, plan and fit both clusters (one spawn of 4 gloo ranks)."""
+    missing = missing_pieces()
+    if missing and not cfg.profile_only:
+        raise SystemExit("bench_topology cannot fit grouped plans over emulated links in this checkout:\n  - "
+                         + "\n  - ".join(missing) + "\nRun it after those land, or with --profile-only (links, "
+                         "profile, plans; no fits).")
+    start, load = time.perf_counter(), common.load_average()
+    per_rank = common.run_ranks(_rank_main, WORLD, cfg, threads=cfg.threads)
+    result: dict[str, Any] = {
+        "config": asdict(cfg), "environment": common.environment_note(cfg.threads), "emulated": True,
+        "missing": missing, "host_link_gbps": per_rank[0]["host_link_gbps"],
+        "inter_node_gbps": per_rank[0]["inter_node_gbps"], "topology": _combine(cfg, per_rank, "topology"),
+    }
+    if cfg.fits_everywhere:
+        result["fits_everywhere"] = _combine(cfg, per_rank, "fits_everywhere")
+    result["wall_s"] = time.perf_counter() - start
+    result["load_average"] = (load, common.load_average())
+    return result
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _fmt(value: float | None, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print_cluster(title: str, run: dict[str, Any]) -> None:
+    print(title)
+    for d in run["devices"]:
+        print(f"  rank {d['rank']}: {d['device']}, node {d['node']}, {d['memory_gb']:g} GiB (emulate {d['emulate']})")
+    s = run["settings"]
+    print(f"  profiled ({run['profile_s']:.1f} s): link within a node {_fmt(s.get('link_bandwidth_gbps'), '.4g')} GB/s, "
+          f"between nodes {_fmt(s.get('inter_node_bandwidth_gbps'), '.4g')} GB/s (MEASURED on the EMULATED cluster); "
+          f"all-gather {s['allgather_ms']:.2f} ms, reduce-scatter {s['reduce_scatter_ms']:.2f} ms per layer (measured)")
+    for name, why in run["skipped"].items():
+        print(f"  skipped {name}: {why}")
+    common.print_table(
+        ["plan", "shard groups", "batch per rank", "micro-batches", "state shares", "predicted step ms"],
+        [[name, p["shard_groups"], p["batch_sizes"], p["micro_batches"], "/".join(f"{v:.2f}" for v in p["state_shares"]),
+          _fmt(p["predicted_step_ms"])] for name, p in run["plans"].items()],
+        title="  plans (predicted by the planner's cost model on the profiled EMULATED cluster)",
+    )
+    if not run["rows"]:
+        return
+    common.print_table(
+        ["plan", "shard groups", "predicted step ms", "measured step ms", "measured / predicted", "per-round measured"],
+        [[r["plan"], r["shard_groups"], _fmt(r["predicted_step_ms"]), f"{r['measured_step_ms']:.1f}",
+          _fmt(r["measured_step_ms"] / r["predicted_step_ms"] if r["predicted_step_ms"] else None, ".2f"),
+          " ".join(f"{v:.0f}" for v in r["per_round_step_ms"])] for r in run["rows"]],
+        title="  step per plan, MEASURED through Trainer.fit on the EMULATED cluster (max over ranks, median over batches)",
+    )
+    common.print_table(
+        ["ratio", "measured (paired)", "rounds min..max", "predicted"],
+        [[r["ratio"], f"{r['measured_paired']:.2f}", f"{r['min_round']:.2f}..{r['max_round']:.2f}",
+          _fmt(r["predicted"], ".2f")] for r in run["ratios"]],
+        title="  step ratios (> 1: the planner's choice is faster)",
+    )
+    print(f"  fastest measured: {run['fastest_measured']}\n")
+
+
+def print_report(result: dict[str, Any]) -> None:
+    cfg = result["config"]
+    print("EMULATED cluster on CPU: 4 gloo processes on this machine stand for 2 nodes x 2 GPUs (slowed by sleeping, "
+          "given an\naccounted memory capacity, their sends across nodes held to an emulated link); none of these "
+          "figures comes from a GPU or a network.")
+    print(result["environment"])
+    print(f"host link between two ranks: {result['host_link_gbps']:.4g} GB/s (MEASURED, {cfg['probe_bytes']} B per rank); "
+          f"emulated inter-node link: {result['inter_node_gbps']:.4g} GB/s ({cfg['link_ratio']:g}x slower, EMULATED)")
+    print(f"demo GPTModule ({cfg['preset']}), seq {cfg['seq_len']}, global batch {cfg['global_batch']}, AdamW, 32-true, "
+          f"layered; {cfg['rounds']} round(s) x one fit per plan, {cfg['warmup']} warm-up + {cfg['measured']} "
+          "measured batches per fit.\n")
+    if result["missing"]:
+        print("MISSING in this checkout (so no fits ran):\n  - " + "\n  - ".join(result["missing"]) + "\n")
+    _print_cluster("Cluster 1: 2 emulated nodes, heterogeneous slowdowns and memories, slow inter-node link",
+                   result["topology"])
+    if "fits_everywhere" in result:
+        _print_cluster("Cluster 2: one node, the model fits every rank, no link penalty",
+                       result["fits_everywhere"])
+    topo = {r["ratio"]: r for r in result["topology"]["ratios"]}
+    if "full-shard / cephalo" in topo:
+        value = topo["full-shard / cephalo"]["measured_paired"]
+        verdict = "meets" if value >= GOALS["full-shard"] else "MISSES"
+        print(f"full shard / planner's choice step = {value:.2f} (measured, EMULATED): {verdict} the goal of >= "
+              f"{GOALS['full-shard']:.2f}.")
+    if result["topology"]["fastest_measured"] is not None:
+        verdict = "meets" if result["topology"]["fastest_measured"] == "cephalo" else "MISSES"
+        print(f"fastest measured on cluster 1: {result['topology']['fastest_measured']}: {verdict} the goal that the "
+              "planner's choice is the fastest of the plans that fit.")
+    everywhere = {r["ratio"]: r for r in result.get("fits_everywhere", {}).get("ratios", [])}
+    if "ddp / cephalo" in everywhere:
+        value = 1.0 / everywhere["ddp / cephalo"]["measured_paired"]
+        verdict = "meets" if value <= GOALS["ddp"] else "MISSES"
+        print(f"planner's choice / DDP step on cluster 2 = {value:.3f} (measured): {verdict} the goal of <= "
+              f"{GOALS['ddp']:.2f}.")
+    print(f"wall time of the run: {result['wall_s']:.1f} s; " + common.load_note(*result["load_average"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 round, fewer batches")
+    parser.add_argument("--rounds", type=int, help="override the number of rounds")
+    parser.add_argument("--check", action="store_true", help="say which pieces this checkout lacks; run nothing")
+    parser.add_argument("--profile-only", action="store_true", help="measure the links, profile and plan; no fits")
+    parser.add_argument("--no-second", action="store_true", help="skip the cluster that fits everywhere")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    if args.check:
+        missing = missing_pieces()
+        print("bench_topology: every piece is there" if not missing else
+              "bench_topology is missing:\n  - " + "\n  - ".join(missing))
+        return 0 if not missing else 2
+    cfg = QUICK if args.quick else Config()
+    overrides: dict[str, Any] = {"profile_only": args.profile_only, "fits_everywhere": not args.no_second}
+    if args.rounds:
+        overrides["rounds"] = args.rounds
+    return common.emit(run_benchmark(Config(**{**asdict(cfg), **overrides})), args.json, print_report)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
