@@ -391,14 +391,31 @@ class Discovery:
                             f"{name}, blocks {self.path}[0..{n - 1}] discovered", derived=True, discovery=self)
 
 
-def adapt(module: nn.Module, weighting: LossWeighting, name: str) -> tuple[LayeredModel | None, str]:
+def routed_model(module: nn.Module) -> nn.Module | None:
+    """A module under ``module`` whose config adds the router's auxiliary loss (``output_router_logits``)."""
+    return next((sub for sub in module.modules()
+                 if getattr(getattr(sub, "config", None), "output_router_logits", False) is True), None)
+
+
+def router_aux_reason(routed: nn.Module) -> str:
+    """Why a loss with the router's auxiliary term stays in the uniform mode."""
+    return (f"{type(routed).__name__} adds the router's auxiliary loss (config.output_router_logits=True), one function "
+            "of every block's router probabilities and top-k choices over the micro-batch together; the layered loss "
+            "pass runs only the last block live (the others answer from the layered pass and their routers do not "
+            "run), so its loss would hold the last block's router term alone and give the other blocks' routers no "
+            "gradient (carrying the statistics through the schedule would need a loss term of its own for each layer's "
+            "backward). CephaloStrategy(router_aux_loss='exclude') trains the token loss alone, layered and exact")
+
+
+def adapt(module: nn.Module, weighting: LossWeighting, name: str,
+          router_aux_excluded: bool = False) -> tuple[LayeredModel | None, str]:
     """The discovered layered form of ``module`` (a LightningModule: its ``training_step`` is the
-    forward), or ``(None, why not)``; the first step still checks it (:meth:`Discovery.observe`)."""
-    routed = next((sub for sub in module.modules() if getattr(getattr(sub, "config", None), "output_router_logits", False)
-                   is True), None)
-    if routed is not None:
-        return None, (f"{type(routed).__name__} adds the router's auxiliary loss over every block's routing "
-                      "(config.output_router_logits=True), which a layer-by-layer loss cannot see")
+    forward), or ``(None, why not)``; the first step still checks it (:meth:`Discovery.observe`).
+    ``router_aux_excluded``: the fit turns the router's auxiliary loss off at setup
+    (``router_aux_loss="exclude"``), so a model that adds it now is layered once it is off."""
+    routed = routed_model(module)
+    if routed is not None and not router_aux_excluded:
+        return None, router_aux_reason(routed)
     found = block_list(module)
     if found is None:
         return None, f"{name} has no ModuleList of two or more blocks with parameters (a block sequence to layer)"
