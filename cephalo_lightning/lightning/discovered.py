@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 
 from cephalo_lightning.lightning._private import LoggedValue, captured_logs, logged_values, logging_as
+from cephalo_lightning.models.discovery import router_aux_reason, routed_model
 from cephalo_lightning.runtime.distributed import Group, gather_objects
 from cephalo_lightning.runtime.layered import Layer
 
@@ -67,6 +68,9 @@ def discovered_check(steps: Any, micro_batch: Any, has_samples: bool, batch_idx:
     reason), or ''. A rank without samples this step takes the structure another rank saw."""
     sharded, discovery = steps.schedule.sharded, steps.model.discovery
     group = sharded.comm.group
+    routed = routed_model(steps.module)  # turned on after setup: the layered loss pass cannot reproduce it
+    if routed is not None:
+        return router_aux_reason(routed)
     dtype = sharded.units[-1].compute_dtype
     tolerance = ROUND_OFF.get(torch.empty((), dtype=dtype).element_size(), 1e-2)
     structure, why = None, ""

@@ -165,7 +165,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         module = self.lightning_module
         if self.fit_runtime is None or self.fit_runtime.module is not module:
             self.model = self.precision_plugin.convert_module(self.model)
-            resolution = resolve(module)
+            resolution = resolve(module, self.config.router_aux_loss)
             schedule = decide_schedule(self.config.mode, resolution, module)
             plan = plan_resolution.resolve(
                 plan=self.plan, cluster=self.cluster, schedule=schedule, config=self.config, trainer=trainer,

@@ -66,8 +66,10 @@ def _init_for(lightning_module: nn.Module, library_model: nn.Module | None, libr
     return init
 
 
-def resolve(module: nn.Module) -> Resolution:
-    """Everything the strategy needs to know about ``module``'s model (see the module docstring)."""
+def resolve(module: nn.Module, router_aux_loss: str = "keep") -> Resolution:
+    """Everything the strategy needs to know about ``module``'s model (see the module docstring).
+    ``router_aux_loss``: the strategy's option (``"exclude"``: an MoE model's router term is turned off
+    at setup, so it does not keep the model from the layered mode)."""
     lm, gpt = hf.find_causal_lm(module), litgpt.find_gpt(module)
     library = lm if lm is not None else gpt
     library_init = hf.init_weights(lm) if lm is not None else litgpt.init_weights(gpt) if gpt is not None else None
@@ -83,7 +85,8 @@ def resolve(module: nn.Module) -> Resolution:
         layered, why = None, f"{type(module).__name__} holds no model a named adapter knows"
     if layered is None:  # no named adapter: the block sequence found from the model's structure
         name = type(library).__name__ if library is not None else type(module).__name__
-        layered, found = discovery.adapt(module, weighting.choose("auto", module, None).weighting, name)
+        layered, found = discovery.adapt(module, weighting.choose("auto", module, None).weighting, name,
+                                         router_aux_excluded=router_aux_loss == "exclude")
         why = "" if layered is not None else f"{why}; {found}"
     return Resolution(layered, weighting.choose("auto", module, layered).weighting, why, init, library)
 

@@ -130,6 +130,7 @@ class Structure:
 
     slots: tuple[Slot, ...]
     rest: tuple[tuple[Any, ...] | None, ...]  # None: the block returns a tensor; else output[1:], tensors as None
+    makes_cache: bool = False  # the forward made a key/value cache and passed it to the blocks
 
 
 @dataclass(frozen=True)
@@ -156,15 +157,14 @@ class _Stop(Exception):
 
 class _StandIn(nn.Module):
     """Takes a block's place in its list for one pass: records the call, answers with its input.
-    Attributes the model's code reads from its blocks (``attention_type``, ...) are the block's
-    (looked up once per stand-in, then kept: a stand-in lives for one pass)."""
+    Made once per block and kept (a pass swaps it in, sets what it answers, swaps it out); any
+    attribute the model's code reads from its blocks (``attention_type``, ...) is the block's."""
 
-    def __init__(self, index: int, block: nn.Module, answer: Callable[[int, tuple, dict], Any]) -> None:
+    def __init__(self, index: int, block: nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, "_block", block)  # not a submodule: its parameters stay where they are
-        object.__setattr__(self, "_answer", answer)
+        object.__setattr__(self, "_answer", None)
         self.index = index
-        self.training = block.training
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._answer(self.index, args, kwargs)
@@ -173,9 +173,7 @@ class _StandIn(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            value = getattr(object.__getattribute__(self, "_block"), name)
-            object.__setattr__(self, name, value)
-            return value
+            return getattr(object.__getattribute__(self, "_block"), name)
 
 
 class Observation:
@@ -240,18 +238,30 @@ class Observation:
                 earlier[id(previous)] = index - 1
             previous = _hidden_of(out)
             slots.append(slot)
-        return Structure(tuple(slots), tuple(rest)), ""
+        makes_cache = any(_is_cache(v) for _, args, kwargs in self.calls for v in (*args, *kwargs.values()))
+        return Structure(tuple(slots), tuple(rest), makes_cache), ""
 
 
 class Discovery:
-    """A model's candidate block sequence and the passes of its layered form (module docstring)."""
+    """A model's candidate block sequence and the passes of its layered form (module docstring).
 
-    def __init__(self, blocks: nn.ModuleList, forward: Forward, path: str) -> None:
+    ``root``: the model the forward runs. Where the first step saw its forward make a key/value
+    cache for the blocks (Hugging Face ``use_cache``), the layered passes run with that cache off
+    (``config.use_cache`` False for the pass, then restored): training reads no cache, the passes
+    give the blocks none anyway (:func:`_without_caches`), and making one per pass is most of the
+    cost of re-entering the forward."""
+
+    def __init__(self, blocks: nn.ModuleList, forward: Forward, path: str, root: nn.Module | None = None) -> None:
         self.block_list = blocks
         self.blocks = tuple(blocks)
         self.forward = forward
         self.path = path
         self.structure: Structure | None = None  # set by the first step's check
+        self._in_pass = False
+        self._stand_in_modules = tuple(_StandIn(index, block) for index, block in enumerate(self.blocks))
+        self._configs = () if root is None else tuple(
+            {id(c): c for c in (getattr(sub, "config", None) for sub in root.modules())
+             if isinstance(getattr(c, "use_cache", None), bool)}.values())
 
     @contextlib.contextmanager
     def observe(self) -> Iterator[Observation]:
@@ -271,14 +281,29 @@ class Discovery:
 
     @contextlib.contextmanager
     def _stand_ins(self, count: int, answer: Callable[[int, tuple, dict], Any]) -> Iterator[None]:
-        """Blocks 0 .. count-1 replaced by stand-ins in their list for one pass, then put back."""
+        """Blocks 0 .. count-1 replaced by their stand-ins in the list for one pass (the model's
+        cache off, when it makes one), then put back."""
+        if self._in_pass:
+            raise RuntimeError(f"a pass of the discovered blocks {self.path} began inside another one")
+        self._in_pass = True
+        configs = self._configs if self._structure().makes_cache else ()
+        use_cache = [config.use_cache for config in configs]
+        for config in configs:
+            config.use_cache = False
         for index in range(count):
-            self.block_list[index] = _StandIn(index, self.blocks[index], answer)
+            stand_in = self._stand_in_modules[index]
+            object.__setattr__(stand_in, "_answer", answer)
+            object.__setattr__(stand_in, "training", self.blocks[index].training)
+            self.block_list[index] = stand_in
         try:
             yield
         finally:
             for index in range(count):
                 self.block_list[index] = self.blocks[index]
+                object.__setattr__(self._stand_in_modules[index], "_answer", None)
+            for config, value in zip(configs, use_cache):
+                config.use_cache = value
+            self._in_pass = False
 
     def _structure(self) -> Structure:
         if self.structure is None:
@@ -366,17 +391,34 @@ class Discovery:
                             f"{name}, blocks {self.path}[0..{n - 1}] discovered", derived=True, discovery=self)
 
 
-def adapt(module: nn.Module, weighting: LossWeighting, name: str) -> tuple[LayeredModel | None, str]:
+def routed_model(module: nn.Module) -> nn.Module | None:
+    """A module under ``module`` whose config adds the router's auxiliary loss (``output_router_logits``)."""
+    return next((sub for sub in module.modules()
+                 if getattr(getattr(sub, "config", None), "output_router_logits", False) is True), None)
+
+
+def router_aux_reason(routed: nn.Module) -> str:
+    """Why a loss with the router's auxiliary term stays in the uniform mode."""
+    return (f"{type(routed).__name__} adds the router's auxiliary loss (config.output_router_logits=True), one function "
+            "of every block's router probabilities and top-k choices over the micro-batch together; the layered loss "
+            "pass runs only the last block live (the others answer from the layered pass and their routers do not "
+            "run), so its loss would hold the last block's router term alone and give the other blocks' routers no "
+            "gradient (carrying the statistics through the schedule would need a loss term of its own for each layer's "
+            "backward). CephaloStrategy(router_aux_loss='exclude') trains the token loss alone, layered and exact")
+
+
+def adapt(module: nn.Module, weighting: LossWeighting, name: str,
+          router_aux_excluded: bool = False) -> tuple[LayeredModel | None, str]:
     """The discovered layered form of ``module`` (a LightningModule: its ``training_step`` is the
-    forward), or ``(None, why not)``; the first step still checks it (:meth:`Discovery.observe`)."""
-    routed = next((sub for sub in module.modules() if getattr(getattr(sub, "config", None), "output_router_logits", False)
-                   is True), None)
-    if routed is not None:
-        return None, (f"{type(routed).__name__} adds the router's auxiliary loss over every block's routing "
-                      "(config.output_router_logits=True), which a layer-by-layer loss cannot see")
+    forward), or ``(None, why not)``; the first step still checks it (:meth:`Discovery.observe`).
+    ``router_aux_excluded``: the fit turns the router's auxiliary loss off at setup
+    (``router_aux_loss="exclude"``), so a model that adds it now is layered once it is off."""
+    routed = routed_model(module)
+    if routed is not None and not router_aux_excluded:
+        return None, router_aux_reason(routed)
     found = block_list(module)
     if found is None:
         return None, f"{name} has no ModuleList of two or more blocks with parameters (a block sequence to layer)"
     path, blocks = found
-    discovery = Discovery(blocks, lambda micro_batch: module.training_step(micro_batch, 0), path)
+    discovery = Discovery(blocks, lambda micro_batch: module.training_step(micro_batch, 0), path, root=module)
     return discovery.layered(weighting, name), ""
