@@ -227,9 +227,11 @@ class CephaloCallback(Callback):
         assert strategy.plan is not None
         ratios = [r["busy_s"] / p if p else None for r, p in zip(rows, predicted)]
         drifting, reference = drifting_ranks(ratios, self.config.drift_threshold, self.calibration is not None)
+        step_s = statistics.median(walls)
         record = {
             "step": trainer.global_step,
-            "step_s": statistics.median(walls),
+            "step_s": step_s,
+            "step_spread": statistics.median(abs(w - step_s) for w in walls) / step_s if step_s > 0 else 0.0,
             "samples_per_s": strategy.plan.global_batch_size / statistics.median(walls),
             "predicted_samples_per_s": strategy.plan.predicted_samples_per_s,
             "ranks": [
