@@ -209,7 +209,19 @@ def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any
         peaks = [w["ranks"][i]["peak_memory_gb"] for w in history if w["ranks"][i]["peak_memory_gb"] is not None]
         if peaks and r.predicted_memory_gb:
             memory.append(max(peaks) / r.predicted_memory_gb)
-    return {"name": name, "label": plan_label(plan), "fitted": fitted, "measured_step_s": measured,
+    from cephalo_lightning.planner.fit import predicted_collective_s
+
+    collectives = [min(r["measured_collective_s"] for r in w["ranks"]) for w in history
+                   if len(w["ranks"]) > 1 and all(r.get("measured_collective_s") is not None for r in w["ranks"])]
+    detail = {  # what tells the terms apart: every rank's compute, the collectives as run
+        "shares": [round(r.state_share, 4) for r in plan.ranks], "recompute": [r.recompute for r in plan.ranks],
+        "measured_busy_s": [statistics.median(w["ranks"][i]["measured_busy_s"] for w in history)
+                            for i in range(len(plan.ranks))],
+        "predicted_busy_after_s": predicted(calibrated, plan)[1],
+        "measured_collective_s": statistics.median(collectives) if collectives else None,
+        "predicted_collective_after_s": predicted_collective_s(calibrated, plan),
+    }
+    return {"name": name, "label": plan_label(plan), "fitted": fitted, "measured_step_s": measured, **detail,
             "predicted_before_s": before, "predicted_after_s": after,
             "error_before": measured / before - 1, "error_after": measured / after - 1,
             "window_errors_after": [w["step_s"] / after - 1 for w in history],
