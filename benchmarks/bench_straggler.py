@@ -95,7 +95,7 @@ def _fit(cfg: Config, root: str, adapt: bool, plan: Any = None) -> dict[str, Any
     trainer.fit(GPTModule(preset="small", seq_len=cfg.seq_len, warmup_steps=2, lr_decay_steps=cfg.steps),
                 TextDataModule(seq_len=cfg.seq_len, batch_size=cfg.global_batch))
     return {"history": [{"step": w["step"], "step_s": w["step_s"]} for w in watcher.history],
-            "switches": [{k: v for k, v in asdict(s).items() if k != "previous"} for s in watcher._adapter.switches],
+            "switches": [{k: v for k, v in asdict(s).items() if k not in ("previous", "target")} for s in watcher._adapter.switches],
             "calibration": watcher.calibration}
 
 

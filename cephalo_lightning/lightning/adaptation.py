@@ -50,6 +50,7 @@ class Switch:
     plan: str
     measured_gain: float | None = None
     previous: Plan | None = None  # the plan it left (what a rollback returns to)
+    target: Plan | None = None  # the plan it scheduled
     noise_before: float = 0.0  # the deciding window's relative spread (see noise)
     rollback: bool = False  # this switch undid the one before it
     rolled_back: bool = False  # this switch measured slower beyond noise and was undone
@@ -172,7 +173,7 @@ class RunAdapter:
             return
         epoch, step = strategy.schedule_plan(best)
         self.switches.append(Switch(index, trainer.global_step, reason, faster, record["step_s"], plan_label(best),
-                                    previous=current, noise_before=noise(record)))
+                                    previous=current, target=best, noise_before=noise(record)))
         rank_zero_info(f"Cephalo: {reason}: switching in place to {plan_label(best)} from epoch {epoch} step {step}, "
                        f"predicted {faster:.1%} faster (no files written).")
 
@@ -200,11 +201,11 @@ class RunAdapter:
             rank_zero_info(f"Cephalo: the switch at step {last.step} ({last.reason}) measured {measured:+.1%} "
                            f"(predicted {last.predicted_gain:+.1%}).")
             return False
-        assert last.previous is not None
-        self._refused[_key(strategy.plan)] = (self._speeds(cluster), last)  # type: ignore[arg-type]
+        assert last.previous is not None and last.target is not None
+        self._refused[_key(last.target)] = (self._speeds(cluster), last)
         epoch, step = strategy.schedule_plan(last.previous)
         self.switches.append(Switch(index, trainer.global_step, f"rolled back: {last.reason}", -measured / (1 + measured),
-                                    now_s, plan_label(last.previous), rollback=True))
+                                    now_s, plan_label(last.previous), rollback=True, target=last.previous))
         rank_zero_warn(f"Cephalo: the switch at step {last.step} ({last.reason}) was predicted {last.predicted_gain:+.1%} "
                        f"faster but measured {measured:+.1%} (step {last.measured_step_before_s:.4f} s -> "
                        f"{now_s:.4f} s, beyond the noise of {tolerance:.1%}); rolling back in place to "
