@@ -12,7 +12,7 @@ import pytest
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, load_cluster, plan, save_cluster
 from cephalo_lightning.planner.calibration import Calibration, with_calibration
 from cephalo_lightning.planner.cluster import cluster_to_dict
-from cephalo_lightning.planner.fit import StepObservation, fit_calibration, predicted
+from cephalo_lightning.planner.fit import StepObservation, fit_calibration, predicted, predicted_collective_s
 from tests.planner_reference import brute_force, calibrated_by_hand, rank_times
 from tests.test_planner import random_cluster
 
@@ -83,6 +83,27 @@ def test_fit_on_one_plan_predicts_it_and_keeps_the_profile_where_it_cannot_tell(
     assert fitted.compute_scale == pytest.approx(INJECTED.compute_scale, rel=FIT_TOL)  # busy spans tell each rank
     # every rank runs one micro-batch here: nothing measures the overhead, the profile's value stays
     assert fitted.micro_batch_overhead_ms == pytest.approx(1.0, rel=FIT_TOL)
+
+
+def test_measured_collectives_tell_them_from_a_fixed_cost_on_one_plan(plans: list[Any]) -> None:
+    """One plan's steps fix the step overhead plus the exposed collectives, not the two apart; the
+    time inside the collectives (the rank that waits least) does, so a plan issuing more of them
+    (uniform, several micro-batches) is predicted too."""
+    cluster = cluster_from_dict(_cluster())
+    # the profile's overlap and micro-batch overhead: one plan of one micro-batch per rank cannot tell them
+    truth = with_calibration(cluster, replace(INJECTED, overlap=0.6, micro_batch_overhead_ms=1.0))
+    one, more = plans[0], plan(cluster, 24, "uniform")
+    assert more.mode == "uniform" and min(r.num_micro_batches for r in more.ranks) > 1  # it gathers more often
+    observed = [replace(o, collective_s=predicted_collective_s(truth, one)) for o in _observe(truth, [one])] * 3
+    fitted = fit_calibration(cluster, observed)
+    assert fitted.allgather_ms == pytest.approx(INJECTED.allgather_ms, rel=FIT_TOL)
+    assert fitted.reduce_scatter_ms == pytest.approx(INJECTED.reduce_scatter_ms, rel=FIT_TOL)
+    assert fitted.step_overhead_ms == pytest.approx(INJECTED.step_overhead_ms, rel=FIT_TOL)
+    assert predicted(with_calibration(cluster, fitted), more)[0] == pytest.approx(predicted(truth, more)[0], rel=FIT_TOL)
+    # without the collectives' spans the same steps charge them to the fixed cost, which does not grow
+    # with the collectives issued: the other plan is mispredicted
+    blind = fit_calibration(cluster, [replace(o, collective_s=None) for o in observed])
+    assert abs(predicted(with_calibration(cluster, blind), more)[0] / predicted(truth, more)[0] - 1) > 0.01
 
 
 def test_old_cluster_files_price_as_before(plans: list[Any]) -> None:

@@ -6,6 +6,7 @@ import random
 import warnings
 
 import lightning.pytorch as pl
+import pytest
 from lightning.pytorch.callbacks import Callback
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy
@@ -93,9 +94,12 @@ class _Strategy:
         return 0, 0
 
 
-def _windows(true_scales, jitter: float, count: int, seed: int = 0):
+def _windows(true_scales, jitter: float, count: int, seed: int = 0, mispriced: float = 1.0, spread: float = 0.0,
+             adapter_out: list | None = None):
     """Runs ``count`` windows of a 3-rank cluster whose rank speeds follow ``true_scales(window)``; each
-    rank's busy time is the cost model's on the true speeds, times a random factor within +-jitter."""
+    rank's busy time is the cost model's on the true speeds, times a random factor within +-jitter.
+    Every plan but the first measures a step ``mispriced`` times the model's (a term the model
+    misses); every window reports ``spread`` as its steps' relative spread."""
     from dataclasses import replace as change
 
     from cephalo_lightning.lightning.adaptation import RunAdapter
@@ -121,9 +125,13 @@ def _windows(true_scales, jitter: float, count: int, seed: int = 0):
         expected = predicted(cluster, strategy.plan)[1]
         ratios = [b / p if p else None for b, p in zip(busy, expected)]
         drifting, reference = drifting_ranks(ratios, 0.3, calibrated=True)
-        history.append({"step": 2 * w + 2, "step_s": step, "drifting": drifting,
+        if strategy.plan.ranks != first.ranks:
+            step *= mispriced
+        history.append({"step": 2 * w + 2, "step_s": step, "step_spread": spread, "drifting": drifting,
                         "ranks": [{"measured_busy_s": b} for b in busy]})
         cluster = adapter.after_window(trainer, strategy, cluster, history, ratios, reference, replan=lambda: None)
+    if adapter_out is not None:
+        adapter_out.extend([adapter, cluster, strategy, history])
     return adapter.switches, first, strategy.plan
 
 
@@ -132,7 +140,42 @@ def test_the_adapter_follows_a_slowed_rank_and_returns() -> None:
     assert [s.reason for s in switches] == ["re-timed rank 1", "re-timed rank 1"], switches
     assert switches[0].window == 4 and switches[1].window == 12  # the second window of each change confirms it
     assert all(s.predicted_gain > 0.05 for s in switches)
+    assert all(s.measured_gain is not None and s.measured_gain > 0 and not s.rolled_back for s in switches)
     assert last.batch_sizes == first.batch_sizes
+
+
+def _slowed(window: int) -> tuple[float, ...]:
+    return (1.0, 3.0, 1.0) if window >= 3 else (1.0, 1.0, 1.0)
+
+
+def test_a_switch_measured_slower_beyond_noise_is_rolled_back_and_not_offered_again() -> None:
+    """The re-timed optimum measures 2x the step the model gives it: one full window after it took
+    effect it measures slower, is undone, and is refused while the speeds stay as they are."""
+    kept: list = []
+    switches, first, last = _windows(_slowed, 0.02, 16, mispriced=2.0, adapter_out=kept)
+    assert [(s.window, s.reason, s.rollback, s.rolled_back) for s in switches] == [
+        (4, "re-timed rank 1", False, True), (6, "rolled back: re-timed rank 1", True, False)], switches
+    switch, rollback = switches
+    assert switch.predicted_gain > 0.05 and switch.measured_gain < -0.05  # the figures the rollback is logged with
+    assert rollback.predicted_gain == pytest.approx(-switch.measured_gain / (1 + switch.measured_gain))
+    assert last.ranks == first.ranks
+    # the same cluster offers the same optimum again: refused (no oscillation); the windows of the
+    # run after the rollback made no further switch either
+    adapter, cluster, strategy, history = kept
+    with warnings.catch_warnings(record=True):
+        adapter._offer(_Trainer(), strategy, cluster, len(history) - 1, history[-1], "again")
+    assert len(adapter.switches) == 2 and strategy.plan.ranks == first.ranks
+
+
+def test_a_switch_slower_within_its_windows_noise_is_kept() -> None:
+    """-9% measured with each window's steps spread by 3%: within switch_gain + 2 x 3%, kept; the
+    same figures from windows of no spread are beyond it, rolled back."""
+    gain = _windows(_slowed, 0.0, 7, mispriced=1.0)[0][0].measured_gain
+    factor = (1 + gain) / 0.91  # the mispricing that makes the switch measure -9%
+    kept = _windows(_slowed, 0.0, 7, mispriced=factor, spread=0.03)[0]
+    assert len(kept) == 1 and kept[0].measured_gain == pytest.approx(-0.09) and not kept[0].rolled_back
+    undone = _windows(_slowed, 0.0, 7, mispriced=factor, spread=0.0)[0]
+    assert [s.rollback for s in undone] == [False, True]
 
 
 def test_the_adapter_makes_no_switch_under_jitter_alone() -> None:

@@ -12,6 +12,12 @@
   so the plan moves back. Hysteresis: no decision for ``min_dwell_windows`` windows after a switch
   (the first of them mixes the two plans); every switch is logged with its predicted gain and, one
   full window after it took effect, the measured one. No files are written.
+* **Rollback**: a switch whose measured gain is negative beyond noise (slower by more than
+  ``switch_gain`` plus both windows' own spread, :func:`noise`) is undone in place: the previous
+  plan is scheduled again and the rollback logged with the predicted and the measured figures. The
+  plan it left is then refused while the model's rank speeds stay those it was refused under (within
+  ``drift_threshold``), so a mis-priced plan is not offered again and again; a rollback itself is
+  never rolled back (it returns to a plan already measured).
 """
 
 from __future__ import annotations
@@ -43,6 +49,25 @@ class Switch:
     measured_step_before_s: float
     plan: str
     measured_gain: float | None = None
+    previous: Plan | None = None  # the plan it left (what a rollback returns to)
+    target: Plan | None = None  # the plan it scheduled
+    noise_before: float = 0.0  # the deciding window's relative spread (see noise)
+    rollback: bool = False  # this switch undid the one before it
+    rolled_back: bool = False  # this switch measured slower beyond noise and was undone
+
+
+def noise(record: dict[str, Any]) -> float:
+    """A window's relative spread: the median absolute deviation of its steps over their median
+    (0 when the window does not say); two windows' gains differ by noise when within their sum."""
+    return float(record.get("step_spread", 0.0))
+
+
+def _key(plan: Plan) -> tuple[Any, ...]:
+    return plan.mode, plan.ranks
+
+
+def _same_speeds(a: Sequence[float], b: Sequence[float], threshold: float) -> bool:
+    return all(max(x, y) <= min(x, y) * (1 + threshold) for x, y in zip(a, b))
 
 
 class RunAdapter:
@@ -55,6 +80,7 @@ class RunAdapter:
         self.switches: list[Switch] = []
         self._previous: tuple[int, ...] = ()  # the ranks the last window found drifting
         self._calibrate_at = 1 + config.calibrate_after_windows  # windows seen when calibrating (the first warms up)
+        self._refused: dict[tuple[Any, ...], tuple[tuple[float, ...], Switch]] = {}  # rolled-back plans: speeds, switch
 
     def in_dwell(self, window: int) -> bool:
         last = self.switches[-1].window if self.switches else None
@@ -65,7 +91,9 @@ class RunAdapter:
                      replan: Callable[[], Cluster | None]) -> Cluster | None:
         """Collective. Returns the cluster the next windows are predicted by."""
         index, record = len(history) - 1, history[-1]
-        self._measured_gain(index, record)
+        if self._measured_gain(trainer, strategy, cluster, index, record):
+            record["drifting"] = []  # rolled back: the next windows mix the plans again, no other decision now
+            return cluster
         if self.in_dwell(index):
             record["drifting"] = []  # a window mixing two plans, or too soon after a switch: no decision
         drifting = record["drifting"]
@@ -134,19 +162,53 @@ class RunAdapter:
             rank_zero_info(f"Cephalo: {reason}: the best plan is predicted {faster:.1%} faster than the current one "
                            f"(switch_gain {self.config.switch_gain:.0%}); keeping it.")
             return
+        speeds = self._speeds(cluster)
+        refused = self._refused.get(_key(best))
+        if refused is not None and _same_speeds(refused[0], speeds, self.config.drift_threshold):
+            was = refused[1]
+            rank_zero_info(f"Cephalo: {reason}: the best plan, {plan_label(best)} (predicted {faster:.1%} faster), was "
+                           f"rolled back at step {was.step} (predicted {was.predicted_gain:+.1%}, measured "
+                           f"{was.measured_gain:+.1%}) and the ranks' speeds have not changed since; keeping the "
+                           "current plan.")
+            return
         epoch, step = strategy.schedule_plan(best)
-        self.switches.append(Switch(index, trainer.global_step, reason, faster, record["step_s"], plan_label(best)))
+        self.switches.append(Switch(index, trainer.global_step, reason, faster, record["step_s"], plan_label(best),
+                                    previous=current, target=best, noise_before=noise(record)))
         rank_zero_info(f"Cephalo: {reason}: switching in place to {plan_label(best)} from epoch {epoch} step {step}, "
                        f"predicted {faster:.1%} faster (no files written).")
 
-    def _measured_gain(self, index: int, record: dict[str, Any]) -> None:
-        """One full window after a switch took effect: what it measured against the window before it."""
+    @staticmethod
+    def _speeds(cluster: Cluster | None) -> tuple[float, ...]:
+        calibration = cluster.calibration if cluster is not None else None
+        return calibration.compute_scale if calibration is not None else ()
+
+    def _measured_gain(self, trainer: pl.Trainer, strategy: CephaloStrategy, cluster: Cluster | None, index: int,
+                       record: dict[str, Any]) -> bool:
+        """One full window after a switch took effect: what it measured against the window before it;
+        a switch slower beyond noise is rolled back (see the module). True when it rolled back."""
         if not self.switches or self.switches[-1].measured_gain is not None:
-            return
+            return False
         last = self.switches[-1]
         if index != last.window + 2:  # window + 1 mixes the two plans
-            return
-        measured = last.measured_step_before_s / record["step_s"] - 1.0
-        self.switches[-1] = replace(last, measured_gain=measured)
-        rank_zero_info(f"Cephalo: the switch at step {last.step} ({last.reason}) measured {measured:+.1%} "
-                       f"(predicted {last.predicted_gain:+.1%}).")
+            return False
+        # each rank's windows hold its own step walls: rank 0's figures decide, for every rank
+        measured, tolerance, now_s = strategy.broadcast(
+            (last.measured_step_before_s / record["step_s"] - 1.0, self.config.switch_gain + last.noise_before
+             + noise(record), record["step_s"]) if trainer.is_global_zero else None)
+        undo = measured < -tolerance and not last.rollback and last.previous is not None
+        self.switches[-1] = last = replace(last, measured_gain=measured, rolled_back=undo)
+        if not undo:
+            rank_zero_info(f"Cephalo: the switch at step {last.step} ({last.reason}) measured {measured:+.1%} "
+                           f"(predicted {last.predicted_gain:+.1%}).")
+            return False
+        assert last.previous is not None and last.target is not None
+        self._refused[_key(last.target)] = (self._speeds(cluster), last)
+        epoch, step = strategy.schedule_plan(last.previous)
+        self.switches.append(Switch(index, trainer.global_step, f"rolled back: {last.reason}", -measured / (1 + measured),
+                                    now_s, plan_label(last.previous), rollback=True, target=last.previous))
+        rank_zero_warn(f"Cephalo: the switch at step {last.step} ({last.reason}) was predicted {last.predicted_gain:+.1%} "
+                       f"faster but measured {measured:+.1%} (step {last.measured_step_before_s:.4f} s -> "
+                       f"{now_s:.4f} s, beyond the noise of {tolerance:.1%}); rolling back in place to "
+                       f"{plan_label(last.previous)} from epoch {epoch} step {step}. That plan is not offered again while "
+                       "the ranks' speeds stay as they are.")
+        return True

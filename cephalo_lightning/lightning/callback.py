@@ -49,8 +49,37 @@ from cephalo_lightning.planner.cost import predicted_busy_s
 from cephalo_lightning.planner.report import render_plan
 from cephalo_lightning.profiling import ProfileOptions, default_settings, profile_cluster
 from cephalo_lightning.runtime.distributed import gather_objects
+from cephalo_lightning.runtime.observers import Observer
 from cephalo_lightning.runtime.sharding.flat_unit import full_shape
-from cephalo_lightning.runtime.timing import BusyTime
+from cephalo_lightning.runtime.timing import BusyTime, ContentionClock
+
+
+class CollectiveTime(Observer):
+    """Seconds this rank spends inside collectives (the contention-free clock, as :class:`BusyTime`).
+
+    A collective also waits for the ranks that reach it later, so the rank that waits least (the
+    smallest figure of a step over the ranks) measures the collectives as run; the calibration
+    fits the cost model's collective terms to it.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._depth = 0
+        self._start: ContentionClock | None = None
+
+    def collective_begin(self, op: str, unit: str, numel: int) -> None:
+        if self._depth == 0:
+            self._start = ContentionClock.now()
+        self._depth += 1
+
+    def collective_end(self, op: str, unit: str, numel: int) -> None:
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0:
+            self.seconds += ContentionClock.now().since(self._start)
+            self._start = None
+
 
 # what "<x>-true" precision turns the parameters into (Lightning converts the module after setup)
 _TRUE_PRECISION_DTYPES = {"64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}
@@ -90,13 +119,14 @@ class CephaloCallback(Callback):
         self.plan: Plan | None = None
         self.history: list[dict[str, Any]] = []  # one row per watch window, on every rank
         self._step_start = 0.0
-        self._busy_start = (0.0, 0.0)  # busy and its wall-clock twin at the step's start
-        self._window: list[tuple[float, float, float]] = []  # (wall, busy, busy on the wall clock) s per step
+        self._busy_start = (0.0, 0.0, 0.0)  # busy, its wall-clock twin and the collectives' time at the step's start
+        self._window: list[tuple[float, float, float, float]] = []  # (wall, busy, busy on the wall clock, collectives) s per step
         self._all_walls: list[float] = []
         self._throughput: Throughput | None = None
         self._t0 = 0.0  # when training started (the throughput's clock)
         self._samples = 0
         self._busy: BusyTime | None = None
+        self._collectives: CollectiveTime | None = None
         self._planning = False
         self._adapter = RunAdapter(self.config)  # calibration, drift episodes, stragglers
 
@@ -175,18 +205,23 @@ class CephaloCallback(Callback):
         if self.config.watch_every_n_steps:  # the watch measures compute, emulated waits included
             self._busy = BusyTime(cuda=strategy.root_device.type == "cuda")
             strategy.attach_observer(self._busy, outermost=True)
+            if strategy.root_device.type != "cuda":  # CUDA collectives run on side streams: no host span says their cost
+                self._collectives = CollectiveTime()
+                strategy.attach_observer(self._collectives, outermost=True)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = self._strategy(trainer)
-        if self._busy is not None:
-            strategy.detach_observer(self._busy)
+        for observer in (self._busy, self._collectives):
+            if observer is not None:
+                strategy.detach_observer(observer)
         self._summarize(trainer, strategy)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._step_start = time.perf_counter()
-        self._busy_start = (self._busy.seconds, self._busy.wall_seconds) if self._busy is not None else (0.0, 0.0)
+        self._busy_start = ((self._busy.seconds, self._busy.wall_seconds) if self._busy is not None else (0.0, 0.0)) + (
+            self._collectives.seconds if self._collectives is not None else 0.0,)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -194,7 +229,8 @@ class CephaloCallback(Callback):
         wall = time.perf_counter() - self._step_start
         busy, busy_wall = ((self._busy.seconds - self._busy_start[0], self._busy.wall_seconds - self._busy_start[1])
                            if self._busy is not None else (0.0, 0.0))
-        self._window.append((wall, busy, busy_wall))
+        collectives = self._collectives.seconds - self._busy_start[2] if self._collectives is not None else None
+        self._window.append((wall, busy, busy_wall, collectives))
         self._all_walls.append(wall)
         assert strategy.plan is not None
         self._samples += strategy.plan.global_batch_size
@@ -220,20 +256,25 @@ class CephaloCallback(Callback):
 
     def _watch(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
         """Collective: every rank shares its window, every rank takes the same decision."""
-        walls = sorted(w for w, _, _ in self._window)
+        walls = sorted(w for w, *_ in self._window)
         busy, busy_wall = (statistics.median(x[k] for x in self._window) for k in (1, 2))
-        rows = gather_objects({"busy_s": busy, "busy_wall_s": busy_wall, "peak_memory_gb": self._peak_memory_gb(strategy)})
+        collectives = None if self._collectives is None else statistics.median(x[3] for x in self._window)
+        rows = gather_objects({"busy_s": busy, "busy_wall_s": busy_wall, "collective_s": collectives,
+                               "peak_memory_gb": self._peak_memory_gb(strategy)})
         predicted = self._predicted_busy(strategy)
         assert strategy.plan is not None
         ratios = [r["busy_s"] / p if p else None for r, p in zip(rows, predicted)]
         drifting, reference = drifting_ranks(ratios, self.config.drift_threshold, self.calibration is not None)
+        step_s = statistics.median(walls)
         record = {
             "step": trainer.global_step,
-            "step_s": statistics.median(walls),
+            "step_s": step_s,
+            "step_spread": statistics.median(abs(w - step_s) for w in walls) / step_s if step_s > 0 else 0.0,
             "samples_per_s": strategy.plan.global_batch_size / statistics.median(walls),
             "predicted_samples_per_s": strategy.plan.predicted_samples_per_s,
             "ranks": [
                 {"rank": i, "measured_busy_s": r["busy_s"], "measured_busy_wall_s": r["busy_wall_s"],
+                 "measured_collective_s": r["collective_s"],
                  "predicted_busy_s": predicted[i],
                  "peak_memory_gb": r["peak_memory_gb"], "predicted_memory_gb": strategy.plan.ranks[i].predicted_memory_gb}
                 for i, r in enumerate(rows)

@@ -28,8 +28,12 @@ def observations(plan: Plan, windows: Sequence[Mapping[str, Any]]) -> list[StepO
         values = [r.get("measured_busy_wall_s") for r in w["ranks"]]
         return None if None in values else tuple(values)  # type: ignore[arg-type]
 
-    return [StepObservation(plan, w["step_s"], tuple(r["measured_busy_s"] for r in w["ranks"]), walls(w))
-            for w in windows]
+    def collectives(w: Mapping[str, Any]) -> float | None:
+        values = [r.get("measured_collective_s") for r in w["ranks"]]
+        return None if None in values or len(values) < 2 else min(values)  # type: ignore[type-var]
+
+    return [StepObservation(plan, w["step_s"], tuple(r["measured_busy_s"] for r in w["ranks"]), walls(w),
+                            collectives(w)) for w in windows]
 
 
 @dataclass(frozen=True)

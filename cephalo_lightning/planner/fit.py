@@ -1,8 +1,10 @@
 """Fit a :class:`~cephalo_lightning.planner.calibration.Calibration` to measured steps (torch-free).
 
 What a run measures per step, on every rank, without extra instrumentation: the step's wall time
-(the same on every rank, as every step ends in collectives) and the rank's busy time (its compute
-regions, emulated waits included; :class:`~cephalo_lightning.runtime.timing.BusyTime`). The
+(the same on every rank, as every step ends in collectives), the rank's busy time (its compute
+regions, emulated waits included; :class:`~cephalo_lightning.runtime.timing.BusyTime`) and, where
+the collectives block the host (CPU), the time inside them on the rank that waits least, which
+tells the collectives as run apart from a fixed per-step cost even on one plan's steps. The
 unknowns are the calibration's terms, theta = (step overhead, micro-batch overhead, a multiplier
 k of the profiled collective times, the overlap, one compute scale per rank), and the model is the
 cost model itself on the calibrated cluster, so what is fitted is exactly what ``plan`` predicts::
@@ -30,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from cephalo_lightning.planner.calibration import Calibration, with_calibration
+from cephalo_lightning.planner.calibration import Calibration, calibrated, with_calibration
 from cephalo_lightning.planner.cluster import Cluster
-from cephalo_lightning.planner.cost import communication, evaluate_arrays, predicted_busy_s
+from cephalo_lightning.planner.cost import communication, evaluate_arrays, kind_costs, predicted_busy_s
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.plan import Plan
 
@@ -50,6 +52,7 @@ class StepObservation:
     wall_s: float
     busy_s: tuple[float, ...]
     busy_wall_s: tuple[float, ...] | None = None  # the same regions on the wall clock (CPU: waits for a core)
+    collective_s: float | None = None  # seconds inside collectives, the rank that waits least (None: not measured)
 
 
 def _start(cluster: Cluster, observations: Sequence[StepObservation]) -> tuple[np.ndarray, np.ndarray]:
@@ -89,6 +92,19 @@ def predicted(cluster: Cluster, plan: Plan) -> tuple[float, list[float]]:
     return float(step.max()), predicted_busy_s(cluster, plan)
 
 
+def predicted_collective_s(cluster: Cluster, plan: Plan) -> float:
+    """Seconds per step the cost model spends in collectives (overlapped or not), on the rank that
+    issues the fewest: what :attr:`StepObservation.collective_s` measures."""
+    cluster = calibrated(cluster)
+    comm = communication(cluster)
+    rho = max(plan.state_shares) if plan.ranks else 0.0
+    costs, of_rank = kind_costs(cluster, plan.mode)
+    n = np.array([max(r.num_micro_batches, 1) for r in plan.ranks])
+    fewest = min(float(sum(costs[of_rank[i]].collectives(n[i:i + 1], comm.allgather(rho), comm.reduce_scatter(rho))[j][0]
+                           for j in (0, 1))) for i in range(len(plan.ranks)))
+    return cluster.settings.host_contention * cluster.model.num_layers * fewest / 1e3
+
+
 def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], fitted_on: str = "") -> Calibration:
     """The calibration whose cost model best predicts ``observations`` (least squares, see the module)."""
     if not observations:
@@ -109,8 +125,11 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
     which = np.array([index[id(o.plan)] for o in observations])
     steps = len(observations)
     contention = host_contention(observations)
+    collective = np.array([np.nan if o.collective_s is None else o.collective_s for o in observations])
+    measured_comm = np.isfinite(collective) & (collective > 0)
     base_weight = np.sqrt(steps * (world + 1))
     weight = PRIOR_WEIGHT * base_weight  # the prior's pull per term, set per stage below
+    anchor = theta0  # and where it pulls to
 
     def residuals(theta: np.ndarray) -> np.ndarray:
         model = with_calibration(base, _calibration(base, theta, ag0, rs0, 0, "", contention))
@@ -120,14 +139,21 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
         r_wall = (step - walls) / np.maximum(walls, 1e-12)
         r_busy = (busy - busys) / np.maximum(busys, 1e-12)
         r_busy = np.where(busys > 0, r_busy, 0.0)  # a rank with nothing to compute says nothing of its speed
-        return np.concatenate([r_wall, r_busy.ravel(), weight * (theta - theta0) / scale])
+        parts = [r_wall, r_busy.ravel()]
+        if measured_comm.any():
+            comm = np.array([predicted_collective_s(model, p) for p in plans])[which]
+            parts.append(np.where(measured_comm, (comm - collective) / np.where(measured_comm, collective, 1.0), 0.0))
+        return np.concatenate([*parts, weight * (theta - anchor) / scale])
 
     # stage 1 holds the collectives and the overlap near the profile's (what one plan's steps cannot
     # tell from the fixed overhead goes to the overhead); stage 2 frees them where the data decide
+    # (measured collective spans fix the collectives themselves: only the overlap is held then)
     theta = theta0.copy()
-    for weights in (np.array([PRIOR_WEIGHT, PRIOR_WEIGHT, HELD_WEIGHT, HELD_WEIGHT, *[PRIOR_WEIGHT] * world]),
+    held_collectives = PRIOR_WEIGHT if measured_comm.any() else HELD_WEIGHT
+    for weights in (np.array([PRIOR_WEIGHT, PRIOR_WEIGHT, held_collectives, HELD_WEIGHT, *[PRIOR_WEIGHT] * world]),
                     np.full(len(theta0), PRIOR_WEIGHT)):
         weight = weights * base_weight
+        anchor = theta.copy()  # stage 2 is pulled towards stage 1's terms: it moves what the data decide
         theta = _least_squares(residuals, theta, scale)
     return _calibration(base, theta, ag0, rs0, steps, fitted_on, contention)
 
