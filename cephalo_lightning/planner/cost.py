@@ -43,7 +43,7 @@ Memory is in GiB (2**30 bytes), as ``torch.cuda`` reports it; times in milliseco
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -314,9 +314,10 @@ def kind_costs(cluster: Cluster, mode: str = "layered") -> tuple[list[DeviceCost
     costs: list[DeviceCost] = []
     of_rank = np.empty(cluster.world_size, dtype=np.int64)
     for rank, device in enumerate(cluster.devices):
-        k = index.get(device)
+        key = device if device.node is None else replace(device, node=None)  # one kind across nodes
+        k = index.get(key)
         if k is None:
-            k = index[device] = len(costs)
+            k = index[key] = len(costs)
             costs.append(DeviceCost(device, cluster, mode))
         of_rank[rank] = k
     return costs, of_rank
