@@ -11,8 +11,11 @@
 2. Bounded in B: 4 GPUs (2x L4 + A6000 + P40, catalog) from B = 64 to the planner's limit in both
    modes, and B = 10^9 (a clear error, not an OOM).
 3. Quality: 4, 16, 64 GPUs of ``configs/clusters/hetero-64.yaml`` at B = 64..4096: the plan's
-   predicted samples/s against every baseline (even, proportional, poplar, reference) and the
-   upper bound.
+   predicted samples/s against every baseline (even, proportional, poplar, reference, ddp-even,
+   hsdp-even) and the upper bound.
+4. Topology: the scaling cluster in nodes of 8 GPUs in rank order (10,000 GPUs: 1,250 nodes; a node
+   may straddle two kinds), 300 GB/s inside a node, 25 GB/s between nodes: ``plan()`` weighs every
+   candidate grouping (full shard, per node, node halves and pairs, per rank). Goal: < 2 s at 10,000.
 
 Throughput figures are PREDICTIONS of the planner's cost model for catalog-estimated clusters;
 times and memory are measured on this machine. ``run_benchmark()``, ``run_scaling()`` and
@@ -52,6 +55,10 @@ SCALING = (8, 64, 512, 1024, 4096, 10_000)
 QUICK_SCALING = (8, 512, 10_000)
 SCALING_BATCH = 65_536
 BOUND_BATCHES = (64, 4096, 65_536, MAX_GLOBAL_BATCH, 10**9)
+NODE_SIZE = 8
+TOPOLOGY_LINKS = {"link_bandwidth_gbps": 300.0, "inter_node_bandwidth_gbps": 25.0, "inter_node_latency_ms": 0.02}
+TOPOLOGY = (512, 1024, 10_000)
+QUICK_TOPOLOGY = (10_000,)
 QUICK_BOUND_BATCHES = (64, 65_536, 10**9)
 
 
@@ -63,6 +70,14 @@ def subset(cluster: Cluster, gpus: int) -> Cluster:
     if per_kind < 1 or per_kind * len(kinds) != gpus or per_kind > available:
         raise ValueError(f"{gpus} GPUs is not a multiple of the {len(kinds)} kinds up to {available} each")
     return replace(cluster, devices=tuple(k for k in kinds for _ in range(per_kind)))
+
+
+def with_nodes(cluster: Cluster, per_node: int = NODE_SIZE, links: dict[str, float] | None = None) -> Cluster:
+    """The ranks in nodes of ``per_node`` in rank order, with the link figures ``links`` (TOPOLOGY_LINKS)."""
+    made: dict[tuple[int, int], Any] = {}
+    devices = tuple(made.setdefault((id(d), r // per_node), replace(d, node=r // per_node))
+                    for r, d in enumerate(cluster.devices))
+    return replace(cluster, devices=devices, settings=replace(cluster.settings, **(links or TOPOLOGY_LINKS)))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -83,10 +98,12 @@ _RUNNER = textwrap.dedent("""
 
     from cephalo_lightning.planner import PlanningError, load_cluster, plan
     sys.path.insert(0, {bench!r})
-    from bench_planner import subset
+    from bench_planner import subset, with_nodes
     cluster = load_cluster({file!r})
     if {gpus!r} is not None:
         cluster = subset(cluster, {gpus!r})
+    if {nodes!r}:
+        cluster = with_nodes(cluster)
     import_mb = peak_mb()
     best, result, error = float("inf"), None, None
     for _ in range({repeats!r}):
@@ -98,17 +115,27 @@ _RUNNER = textwrap.dedent("""
         best = min(best, time.perf_counter() - start)
     row = {{"plan_s": best, "peak_mb": peak_mb(),
             "import_mb": import_mb, "error": error}}
+    if {nodes!r}:  # the same plan with the one-group grouping alone, for the cost of weighing the others
+        full = float("inf")
+        for _ in range({repeats!r}):
+            start = time.perf_counter()
+            plan(cluster, {batch!r}, mode={mode!r}, groupings=("full",))
+            full = min(full, time.perf_counter() - start)
+        row["full_only_s"] = full
     if result is not None:
         row.update(predicted_samples_per_s=result.predicted_samples_per_s, optimality_gap=result.optimality_gap,
+                   shard_groups=result.num_shard_groups, nodes=cluster.num_nodes,
                    baselines={{n: b.predicted_samples_per_s for n, b in result.baselines.items()}})
     print(json.dumps(row))
 """)
 
 
-def isolated(file: Path, gpus: int | None, batch: int, mode: str = "layered", repeats: int = 3) -> dict[str, Any]:
-    """One plan() in a fresh torch-free interpreter: best time of ``repeats`` and the process's peak memory."""
+def isolated(file: Path, gpus: int | None, batch: int, mode: str = "layered", repeats: int = 3,
+             nodes: bool = False) -> dict[str, Any]:
+    """One plan() in a fresh torch-free interpreter: best time of ``repeats`` and the process's peak memory
+    (``nodes``: the ranks in nodes of NODE_SIZE, see :func:`with_nodes`)."""
     code = _RUNNER.format(root=str(ROOT), bench=str(ROOT / "benchmarks"), file=str(file), gpus=gpus, batch=batch,
-                          mode=mode, repeats=repeats)
+                          mode=mode, repeats=repeats, nodes=nodes)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600,
                          env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -118,6 +145,14 @@ def run_scaling(sizes: tuple[int, ...] = SCALING, batch: int = SCALING_BATCH, re
     rows = []
     for gpus in sizes:
         row = isolated(SCALING_FILE, gpus, batch, repeats=repeats)
+        rows.append({"gpus": gpus, "kinds": 8, "global_batch": batch, **row})
+    return rows
+
+
+def run_topology(sizes: tuple[int, ...] = TOPOLOGY, batch: int = SCALING_BATCH, repeats: int = 3) -> list[dict[str, Any]]:
+    rows = []
+    for gpus in sizes:
+        row = isolated(SCALING_FILE, gpus, batch, repeats=repeats, nodes=True)
         rows.append({"gpus": gpus, "kinds": 8, "global_batch": batch, **row})
     return rows
 
@@ -192,6 +227,29 @@ def print_scaling(rows: list[dict[str, Any]]) -> None:
           "after the imports alone). Goal: < 1 s and < 500 MB at 10,000 GPUs.")
 
 
+def print_topology(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"4. shard groups: nodes of {NODE_SIZE}, 300 GB/s inside, 25 GB/s between, B = "
+                        f"{SCALING_BATCH:,} (time: measured; samples/s: predicted)", title_justify="left")
+    for header in ("GPUs", "nodes", "plan time s", "full only s", "peak MB", "samples/s", "groups", "vs hsdp-even",
+                   "vs ddp-even", "opt. gap"):
+        table.add_column(header, justify="right")
+    for r in rows:
+        base = r.get("baselines", {})
+        table.add_row(f"{r['gpus']:,}", f"{r.get('nodes', 0):,}", f"{r['plan_s']:.3f}", f"{r['full_only_s']:.3f}",
+                      f"{r['peak_mb']:.0f}",
+                      _fmt(r.get("predicted_samples_per_s"), ".4g", "error"), f"{r.get('shard_groups', 0):,}",
+                      _fmt(_ratio(r.get("predicted_samples_per_s"), base.get("hsdp-even")), ".2f"),
+                      _fmt(_ratio(r.get("predicted_samples_per_s"), base.get("ddp-even")), ".2f"),
+                      _fmt(None if r.get("optimality_gap") is None else 100 * r["optimality_gap"], ".3f", "-") + "%")
+    Console(width=120).print(table)
+    print("plan() weighs every candidate grouping (full only: groupings=('full',), the plan without groups); "
+          "opt. gap: certified over those groupings. "
+          f"Goal: < 2 s at 10,000 GPUs ({10_000 // NODE_SIZE:,} nodes).")
+
+
 def print_bound(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -232,18 +290,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("layered", "uniform"), default="layered", help="for table 3")
     parser.add_argument("--cluster", default=str(CLUSTER_FILE), help="table 3: cluster file with 4 kinds of 16 GPUs")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--topology-only", action="store_true", help="table 4 alone")
     args = parser.parse_args(argv)
     quick = args.quick
+    if args.topology_only:
+        print_topology(run_topology(QUICK_TOPOLOGY if quick else TOPOLOGY, repeats=1 if quick else 3))
+        return 0
     scaling = run_scaling(QUICK_SCALING if quick else SCALING, repeats=1 if quick else 3)
     bound = run_batch_bound(QUICK_BOUND_BATCHES if quick else BOUND_BATCHES)
     quality = run_benchmark(QUICK_SIZES if quick else SIZES, QUICK_BATCHES if quick else BATCHES, args.mode,
                             1 if quick else 3, args.cluster)
+    topology = run_topology(QUICK_TOPOLOGY if quick else TOPOLOGY, repeats=1 if quick else 3)
     if args.json:
-        print(json.dumps({"scaling": scaling, "bound": bound, "quality": quality}, indent=2))
+        print(json.dumps({"scaling": scaling, "bound": bound, "quality": quality, "topology": topology}, indent=2))
     else:
         print_scaling(scaling)
         print_bound(bound)
         print_table(quality)
+        print_topology(topology)
     return 0
 
 

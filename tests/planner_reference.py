@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.cost import UNEVEN_SLOPE  # a constant of the model, not the solver
@@ -80,6 +81,7 @@ class Best:
     micro: tuple[int, ...]
     shares: tuple[float, ...]
     keep: tuple[bool, ...] = ()
+    groups: tuple[int, ...] = ()  # every rank's shard group (brute_force_groups)
 
 
 def _overlapped(comm: float, compute: float, overlap: float) -> float:
@@ -94,8 +96,10 @@ def _optimizer_ms(cluster: Cluster, device) -> float:
     return ns * cluster.model.parameters / 1e6
 
 
-def layer_times(cluster: Cluster, batch, micro, rho: float, keep=None, mode: str = "layered") -> list[float]:
-    """Each rank's step time (ms) without the optimizer, collectives priced at largest share rho."""
+def layer_times(cluster: Cluster, batch, micro, rho: float, keep=None, mode: str = "layered",
+                collectives: list[tuple[float, float]] | None = None) -> list[float]:
+    """Each rank's step time (ms) without the optimizer, collectives priced at largest share rho (or
+    every rank's own (all-gather, reduce-scatter) per layer: ``collectives``)."""
     ag0, rs0 = collective_ms(cluster)
     s = cluster.settings
     w = cluster.world_size
@@ -109,7 +113,9 @@ def layer_times(cluster: Cluster, batch, micro, rho: float, keep=None, mode: str
         stash = cluster.model.hidden_size * cluster.model.seq_len * cluster.model.compute_bytes_per_param
     keep = keep or [False] * len(batch)
     out = []
-    for d, b, n, kept in zip(cluster.devices, batch, micro, keep):
+    for rank, (d, b, n, kept) in enumerate(zip(cluster.devices, batch, micro, keep)):
+        if collectives is not None:
+            ag, rs = collectives[rank]
         sizes = near_equal(b, n)
         f = sum(profile_value(d.layer_fwd_ms, x) for x in sizes)
         back = sum(profile_value(d.layer_bwd_ms, x) for x in sizes)
@@ -272,4 +278,119 @@ def brute_force(cluster: Cluster, global_batch: int, mode: str = "layered") -> B
                     step = max(rank_times(cluster, batch, micro, shares, list(keep), mode))
                 if best is None or step < best.step_s:
                     best = Best(step, batch, tuple(micro), tuple(shares), tuple(keep))
+    return best
+
+
+# ----------------------------------------------------------------------------- shard groups
+
+
+def candidate_groupings(cluster: Cluster) -> list[tuple[int, ...]]:
+    """The groupings the README says the planner weighs, as every rank's group label: one group, one per
+    node, the halves and the pairs of every node of an even four or more ranks, one per rank."""
+    nodes = [0 if d.node is None else d.node for d in cluster.devices]
+    members: dict[int, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        members.setdefault(node, []).append(rank)
+    halves, pairs = list(nodes), list(nodes)
+    for node, ranks in members.items():
+        if len(ranks) >= 4 and len(ranks) % 2 == 0:
+            for position, rank in enumerate(ranks):
+                halves[rank] = (node, position // (len(ranks) // 2))
+                pairs[rank] = (node, position // 2)
+    out: list[tuple[int, ...]] = []
+    for labels in ([0] * len(nodes), nodes, halves, pairs, list(range(len(nodes)))):
+        first: dict[Any, int] = {}
+        numbered = tuple(first.setdefault(label, len(first)) for label in labels)
+        if numbered not in out:
+            out.append(numbered)
+    return out
+
+
+def group_collectives(cluster: Cluster, groups, shares) -> list[tuple[float, float]]:
+    """Every rank's (all-gather, reduce-scatter + cross-group reduction) of one layer (ms), as the README's
+    "Topology and shard groups" describes: bytes over the link bandwidths or, with measured per-layer
+    times (one node), those times scaled by the bytes a group of k moves against the world's."""
+    s, model = cluster.settings, cluster.model
+    nodes = [0 if d.node is None else d.node for d in cluster.devices]
+    w = len(nodes)
+    intra = s.link_bandwidth_gbps
+    inter = s.inter_node_bandwidth_gbps or intra
+    measured = bool(s.allgather_ms or s.reduce_scatter_ms)
+    assert not measured or len(set(nodes)) == 1, "the reference scales measured times on one node only"
+    slope = s.uneven_slope if s.uneven_slope is not None else UNEVEN_SLOPE[s.collective]
+    layer = model.parameters / model.num_layers
+    G = len(set(groups))
+    spans = len(set(nodes)) > 1
+
+    def seconds_ms(fraction: float, bytes_per_param: float, crosses: bool, measured_ms: float) -> float:
+        if measured:  # a fraction of a layer against the world's (w - 1) / w
+            return measured_ms * fraction / ((w - 1) / w)
+        if not intra:
+            return 0.0
+        latency = s.inter_node_latency_ms if crosses else 0.0
+        return fraction * layer * bytes_per_param / ((inter if crosses else intra) * 1e9) * 1e3 + latency
+
+    out = []
+    for rank in range(len(groups)):
+        members = [i for i, g in enumerate(groups) if g == groups[rank]]
+        k = len(members)
+        crosses = len({nodes[i] for i in members}) > 1
+        rho = max(shares[i] for i in members)
+        factor = 1 + slope * max(0.0, k * rho - 1)
+        ag = rs = 0.0
+        if k > 1:
+            ag = seconds_ms((k - 1) / k, model.compute_bytes_per_param, crosses, s.allgather_ms) * factor
+            rs = seconds_ms((k - 1) / k, model.grad_bytes_per_param, crosses, s.reduce_scatter_ms) * factor
+        if G > 1:
+            rs += seconds_ms(2 * (G - 1) / G * rho, model.grad_bytes_per_param, spans, s.reduce_scatter_ms)
+        out.append((ag, rs))
+    return out
+
+
+def group_rank_times(cluster: Cluster, batch, micro, shares, groups, mode: str = "layered") -> list[float]:
+    """Each rank's step time (s) under shard groups (no optimizer cost, no kept graphs)."""
+    layers = layer_times(cluster, batch, micro, 1.0, None, mode, group_collectives(cluster, groups, shares))
+    fixed, contention = cluster.settings.step_overhead_ms, cluster.settings.host_contention
+    return [(contention * t + fixed) / 1e3 for t in layers]
+
+
+def brute_force_groups(cluster: Cluster, global_batch: int, mode: str = "layered",
+                       groupings: list[tuple[int, ...]] | None = None) -> Best | None:
+    """The optimal grouping and assignment by enumeration over the candidate groupings (no optimizer
+    cost, no kept graphs). Each group's collectives grow only with its own largest share, so within
+    every group the exact water-filling under the memory caps is optimal."""
+    assert all(_optimizer_ms(cluster, d) == 0 and d.activation_memory_gb is None for d in cluster.devices)
+    s = cluster.settings
+    w = cluster.world_size
+    state = cluster.model.state_bytes_per_param * cluster.model.parameters / GIB
+    best: Best | None = None
+    for groups in groupings or candidate_groupings(cluster):
+        members = [[i for i in range(w) if groups[i] == g] for g in sorted(set(groups))]
+        even = [0.0] * w
+        for m in members:
+            for i in m:
+                even[i] = 1 / len(m)
+        for batch in _compositions(global_batch, w, 0 if mode == "layered" else 1):
+            if mode == "layered":
+                counts = itertools.product(*[range(1, b + 1) if b else (1,) for b in batch])
+            else:
+                counts = ((n,) * w for n in range(1, min(batch) + 1))
+            for micro in counts:
+                caps = [(s.usable_memory_fraction * d.memory_gb - memory_used(cluster, d, b, n, 0.0, False, mode))
+                        / state for d, b, n in zip(cluster.devices, batch, micro)]
+                if any(c < 0 for c in caps):
+                    continue
+                if best is not None and max(group_rank_times(cluster, batch, micro, even, groups, mode)) >= best.step_s:
+                    continue  # even the cheapest collectives do not beat the best
+                shares = [0.0] * w
+                for m in members:
+                    filled = water_fill_exact([caps[i] for i in m])
+                    if filled is None:
+                        break
+                    for i, r in zip(m, filled):
+                        shares[i] = r
+                else:
+                    step = max(group_rank_times(cluster, batch, micro, shares, groups, mode))
+                    if best is None or step < best.step_s:
+                        best = Best(step, tuple(batch), tuple(micro), tuple(shares), groups=tuple(groups))
     return best

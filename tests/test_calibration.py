@@ -22,6 +22,8 @@ CLUSTERS = [ROOT / "configs" / "clusters" / name for name in ("a100x2-v100x2.yam
 # the conditioning of the terms, far under any change the terms make
 FIT_TOL = 1e-5
 
+FULL = ("full",)  # one shard group of every rank, which the one-group references enumerate
+
 
 def _device(name: str, fwd_ms: float, memory_gb: float) -> dict[str, Any]:
     return {"name": name, "memory_gb": memory_gb, "layer_fwd_ms": [fwd_ms * k for k in (1.0, 1.9, 2.7, 3.6)],
@@ -47,7 +49,7 @@ PLANS = ((12, "layered"), (24, "layered"), (6, "uniform"), (18, "uniform"), (3, 
 def plans() -> list[Any]:
     """Plans of the profile alone that differ in batch, micro-batch counts, shares and mode (planned once)."""
     cluster = cluster_from_dict(_cluster())
-    return [plan(cluster, b, mode) for b, mode in PLANS]
+    return [plan(cluster, b, mode, groupings=FULL) for b, mode in PLANS]
 
 
 def _observe(truth, plans) -> list[StepObservation]:
@@ -119,7 +121,7 @@ def test_old_cluster_files_price_as_before(plans: list[Any]) -> None:
     for p in plans:
         (step, busy), (step0, busy0) = predicted(with_calibration(cluster, same), p), predicted(cluster, p)
         assert step == pytest.approx(step0, rel=1e-12) and busy == pytest.approx(busy0, rel=1e-12)
-    assert plan(with_calibration(cluster, same), 12).to_dict() == plans[0].to_dict()
+    assert plan(with_calibration(cluster, same), 12, groupings=FULL).to_dict() == plans[0].to_dict()
 
 
 def test_calibration_block_round_trips_and_plans_the_same(tmp_path: Path) -> None:
@@ -170,9 +172,9 @@ def test_calibrated_plans_optimal_against_brute_force(seed: int) -> None:
         best = brute_force(by_hand, batch, mode)
         if best is None:
             with pytest.raises(PlanningError):
-                plan(cluster, batch, mode)
+                plan(cluster, batch, mode, groupings=FULL)
             continue
-        p = plan(cluster, batch, mode)
+        p = plan(cluster, batch, mode, groupings=FULL)
         keep = [not r.recompute for r in p.ranks]
         times = rank_times(by_hand, p.batch_sizes, p.num_micro_batches, p.state_shares, keep, p.mode)
         assert p.predicted_step_s == pytest.approx(max(times), rel=1e-9)

@@ -30,6 +30,7 @@ from tests.planner_reference import brute_force, memory_ok, rank_times
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "configs" / "clusters"
+FULL = ("full",)  # one shard group of every rank, which brute_force enumerates
 GPT27 = {"name": "gpt-2.7b", "num_layers": 32, "parameters": 2770621440, "hidden_size": 2560, "seq_len": 2048}
 
 
@@ -97,9 +98,9 @@ def test_optimal_against_brute_force(seed: int) -> None:
         best = brute_force(cluster, batch, mode)
         if best is None:
             with pytest.raises(PlanningError):
-                plan(cluster, batch, mode)
+                plan(cluster, batch, mode, groupings=FULL)
             continue
-        p = plan(cluster, batch, mode)
+        p = plan(cluster, batch, mode, groupings=FULL)  # one shard group: tests/test_planner_groups.py weighs the others
         check_plan(cluster, p, batch)
         assert p.predicted_step_s <= best.step_s * 1.005, (cluster, batch, mode, best, p)
         assert p.predicted_step_s >= best.step_s * (1 - 1e-9)  # nothing beats the exhaustive optimum
@@ -118,7 +119,7 @@ def test_layered_with_four_gpus_against_brute_force() -> None:
         best = brute_force(cluster, batch)
         if best is None:
             continue
-        p = plan(cluster, batch)
+        p = plan(cluster, batch, groupings=FULL)
         check_plan(cluster, p, batch)
         assert p.predicted_step_s <= best.step_s * 1.005
 

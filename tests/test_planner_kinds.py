@@ -16,6 +16,8 @@ from cephalo_lightning.planner import Cluster, PlanningError, cluster_from_dict,
 from tests.planner_reference import brute_force
 from tests.test_planner import check_plan
 
+FULL = ("full",)  # one shard group of every rank, which the one-group references enumerate
+
 
 def series(rng: random.Random, k: int, first: float, growth: tuple[float, float]) -> list[float]:
     out, v = [], first
@@ -77,9 +79,9 @@ def agrees(cluster: Cluster, batch: int, mode: str, tol: float) -> bool:
     best = brute_force(cluster, batch, mode)
     if best is None:
         with pytest.raises(PlanningError):
-            plan(cluster, batch, mode)
+            plan(cluster, batch, mode, groupings=FULL)
         return False
-    p = plan(cluster, batch, mode)
+    p = plan(cluster, batch, mode, groupings=FULL)
     check_plan(cluster, p, batch)
     assert p.predicted_step_s <= best.step_s * (1 + tol), (cluster, batch, mode, best, p)
     assert p.predicted_step_s >= best.step_s * (1 - tol)  # nothing beats the exhaustive optimum
@@ -106,12 +108,12 @@ def test_planning_by_kinds_equals_planning_by_ranks(seed: int) -> None:
     compared = 0
     for cluster, batch, mode in cases(200 + seed, 25, extras=seed > 0):
         try:
-            by_kind = plan(cluster, batch, mode)
+            by_kind = plan(cluster, batch, mode, groupings=FULL)
         except PlanningError:
             with pytest.raises(PlanningError):
-                plan(cluster, batch, mode, _group_kinds=False)
+                plan(cluster, batch, mode, _group_kinds=False, groupings=FULL)
             continue
-        by_rank = plan(cluster, batch, mode, _group_kinds=False)
+        by_rank = plan(cluster, batch, mode, _group_kinds=False, groupings=FULL)
         assert by_kind.predicted_step_s == pytest.approx(by_rank.predicted_step_s, rel=1e-9)
         compared += 1
     assert compared >= 10
@@ -126,7 +128,7 @@ def test_relaxation_path_is_feasible_and_its_gap_honest(seed: int, monkeypatch: 
     for cluster, batch, mode in cases(300 + seed, 25, extras=seed == 2):
         best = brute_force(cluster, batch, mode)
         try:
-            p = plan(cluster, batch, mode)
+            p = plan(cluster, batch, mode, groupings=FULL)
         except PlanningError:
             continue  # the heuristic may miss what the exact program finds: it never invents plans
         assert best is not None
@@ -143,7 +145,7 @@ def test_ranks_of_one_kind_may_differ() -> None:
                                  "settings": {"reserved_memory_gb": 0, "micro_batch_overhead_ms": 0},
                                  "devices": [{"name": "a", "memory_gb": 16, "layer_fwd_ms": [5, 10],
                                               "layer_bwd_ms": [10, 20], "compute_memory_gb": [1, 2], "count": 4}]})
-    p = plan(cluster, 6)
+    p = plan(cluster, 6, groupings=FULL)
     assert sorted(p.batch_sizes) == [1, 1, 2, 2]
     assert p.predicted_step_s == pytest.approx(2 * (2 * 10 + 20) / 1e3)
 
@@ -159,7 +161,8 @@ def test_a_slow_optimizer_moves_state_off_its_gpu() -> None:
                                   "settings": {"reserved_memory_gb": 0, "micro_batch_overhead_ms": 0},
                                   "devices": [{"name": "fast", "memory_gb": 24, "layer_fwd_ms": [5, 10],
                                                "layer_bwd_ms": [10, 20], "compute_memory_gb": [2, 4]}, slow]})
-    free, costly = plan(cluster(None), 16), plan(cluster(20.0), 16)  # 20 s for the whole state on "slow"
+    # 20 s for the whole state on "slow"; one shard group (with free collectives groups of one rank tie)
+    free, costly = plan(cluster(None), 16, groupings=FULL), plan(cluster(20.0), 16, groupings=FULL)
     assert free.state_shares == pytest.approx([0.5, 0.5])  # memory allows the evenest shares
     assert costly.ranks[1].state_share < 0.1  # half the state would cost the slow GPU 10 s a step
     assert costly.ranks[0].num_micro_batches > free.ranks[0].num_micro_batches  # smaller micro-batches make room

@@ -29,6 +29,7 @@ class Assignment:
     shares: np.ndarray
     keep: np.ndarray  # one micro-batch keeping its graph (RankPlan.recompute = False)
     step_s: float  # priced exactly by cost.evaluate_arrays
+    groups: np.ndarray | None = None  # every rank's shard group (None: one group of all)
 
 
 
@@ -65,7 +66,7 @@ def split(problem: Problem, kind: int, b: int, m: int, ag: float, rs: float, n_f
     return model.fastest(b, model.splits(b, m, None), ag, rs)[0]
 
 def share_cap(problem: Problem, row: list, S: float, ag: float, rs: float, cap: float) -> float:
-    kind, _, b, _, n, keep = row
+    kind, _, b, _, n, keep = row[:6]
     model = problem.kinds[kind]
     m = -(-b // n) if b else 0
     room = float(model.room_for(np.array([m]), n, keep)[0])
@@ -75,7 +76,11 @@ def share_cap(problem: Problem, row: list, S: float, ag: float, rs: float, cap: 
     return min(room, cap)
 
 def trim(problem: Problem, rows: list[list], ag: float, rs: float, n_fixed: int | None) -> None:
-    """Remove the surplus samples from the slowest ranks: every trimmed rank ends at one time level."""
+    """Remove the surplus samples from the slowest ranks: every trimmed rank ends at one time level.
+
+    Rows are [kind, count, b, m cap, n, keep]; a row of a shard group solve carries, beyond these,
+    its ranks (split with the row) and its own collective prices (ag, rs), which replace the given ones.
+    """
     excess = sum(row[1] * row[2] for row in rows) - problem.B
     if excess <= 0:
         return
@@ -86,7 +91,8 @@ def trim(problem: Problem, rows: list[list], ag: float, rs: float, n_fixed: int 
         b = np.arange(low, row[2] + 1)
         n = np.maximum(1, np.minimum(row[4], b))
         lows.append(low)
-        times.append(np.maximum.accumulate(problem.kinds[row[0]].layer_ms(b, n, ag, rs, row[5])))
+        row_ag, row_rs = row[7] if len(row) > 7 else (ag, rs)
+        times.append(np.maximum.accumulate(problem.kinds[row[0]].layer_ms(b, n, row_ag, row_rs, row[5])))
 
     def cut(i: int, level: float) -> int:
         """The largest b of row i whose time is <= level (its lowest if none)."""
@@ -113,7 +119,10 @@ def trim(problem: Problem, rows: list[list], ag: float, rs: float, n_fixed: int 
         row = rows[i]
         take = min(row[1], rest)
         if take < row[1]:
-            rows.append([row[0], row[1] - take, row[2], row[3], row[4], row[5]])
+            tail = [row[0], row[1] - take, *row[2:]]
+            if len(row) > 6:  # the ranks: the first `take` stay with this row
+                tail[6], row[6] = row[6][take:], row[6][:take]
+            rows.append(tail)
             lows.append(lows[i])
             times.append(times[i])
             heapq.heappush(heap, (-float(times[i][row[2] - lows[i]]), len(rows) - 1))

@@ -2,6 +2,9 @@
 
 * ``even``: equal batches (+-1) and equal shares, the smallest common micro-batch count that fits
   every rank's memory, as plain FSDP with gradient accumulation would run.
+* ``ddp-even`` / ``hsdp-even``: ``even`` with a shard group per rank (data parallelism: every
+  rank holds the whole state) / per node (FSDP2's 2-D mesh: even shares inside a node, replicas
+  across nodes; one node: the same as ``even``).
 * ``proportional``: the batch split by each device's best memory-feasible speed (what earlier
   heterogeneity-aware systems do), equal shares, per rank the fewest micro-batches that fit.
 * upper bound: the sum over devices of their best memory-feasible samples/s (compute only, no
@@ -82,7 +85,8 @@ def _too_small(cluster: Cluster, rank: int, share: float, samples: int = 1) -> s
     need = float(cost.compute_memory(samples)) + cluster.settings.reserved_memory_gb + share * cost.state_gb
     limit = cluster.settings.usable_memory_fraction * device.memory_gb
     beside = "beside one sample" if samples else "even with no samples"
-    return (f"rank {rank} ({device.name}) cannot hold 1/{cluster.world_size} of the state "
+    part = "the whole state" if share >= 1 else f"1/{round(1 / share)} of the state"
+    return (f"rank {rank} ({device.name}) cannot hold {part} "
             f"({share * cost.state_gb:.1f} GiB) {beside}: needs {need:.1f} GiB of {limit:.1f} usable")
 
 
@@ -103,33 +107,35 @@ def keep_where_fits(cluster: Cluster, batch: np.ndarray, micro: np.ndarray, shar
 
 
 def result(cluster: Cluster, batch: np.ndarray, micro: np.ndarray, shares: np.ndarray, global_batch: int,
-           mode: str, with_ranks: bool) -> BaselineResult:
+           mode: str, with_ranks: bool, shard_groups: np.ndarray | None = None) -> BaselineResult:
     """A baseline's assignment priced by the cost model (an overcommitted rank makes it infeasible)."""
     keep = keep_where_fits(cluster, batch, micro, shares, mode)
-    step, memory, fits = evaluate_arrays(cluster, batch, micro, shares, ~keep, mode)
+    step, memory, fits = evaluate_arrays(cluster, batch, micro, shares, ~keep, mode, shard_groups=shard_groups)
     if not fits.all():
         r = int(np.nonzero(~fits)[0][0])
         limit = cluster.settings.usable_memory_fraction * cluster.devices[r].memory_gb
         return BaselineResult(None, False, reason=f"rank {r} ({cluster.devices[r].name}) needs {memory[r]:.1f} "
                                                   f"GiB of {limit:.1f} usable")
-    ranks = rank_plans(cluster, batch, micro, shares, ~keep, mode)[0] if with_ranks else ()
+    ranks = rank_plans(cluster, batch, micro, shares, ~keep, mode, shard_groups=shard_groups)[0] if with_ranks else ()
     top = float(step.max())
     return BaselineResult(global_batch / top, True, top, None, ranks)
 
 
 def even_baseline(cluster: Cluster, global_batch: int, mode: str = "layered",
-                  with_ranks: bool = True) -> BaselineResult:
-    """Equal batches and shares with the smallest common micro-batch count that fits."""
+                  with_ranks: bool = True, shard_groups: np.ndarray | None = None) -> BaselineResult:
+    """Equal batches and shares (within each shard group; None: one group) with the smallest common
+    micro-batch count that fits."""
     world = cluster.world_size
     q, rem = divmod(global_batch, world)
     batch = q + (np.arange(world) < rem).astype(np.int64)
-    share = 1.0 / world
+    groups = np.zeros(world, np.int64) if shard_groups is None else np.asarray(shard_groups, dtype=np.int64)
+    shares = 1.0 / np.bincount(groups)[groups]
     costs, of_rank = kind_costs(cluster, mode)
     need = 1
     for k, cost in enumerate(costs):
         ranks = np.nonzero(of_rank == k)[0]
-        for b in sorted({int(x) for x in batch[ranks]}):
-            rank = int(ranks[batch[ranks] == b][0])
+        for b, share in sorted({(int(x), float(r)) for x, r in zip(batch[ranks], shares[ranks])}):
+            rank = int(ranks[(batch[ranks] == b) & (shares[ranks] == share)][0])
             if b == 0:  # an idle rank still holds its share beside the empty-batch memory
                 if cost.max_share(0) < share - 1e-12:
                     return BaselineResult(None, False, reason=_too_small(cluster, rank, share, 0))
@@ -145,7 +151,8 @@ def even_baseline(cluster: Cluster, global_batch: int, mode: str = "layered",
         return BaselineResult(None, False, reason=(
             f"no common micro-batch count fits: a rank needs {need} micro-batches but the smallest "
             f"batch is {smallest} samples"))
-    return result(cluster, batch, np.full(world, need), np.full(world, share), global_batch, mode, with_ranks)
+    return result(cluster, batch, np.full(world, need), shares, global_batch, mode, with_ranks,
+                  None if shard_groups is None else groups)
 
 
 def _largest_remainder(total: int, weights: np.ndarray) -> np.ndarray:

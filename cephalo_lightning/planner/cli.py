@@ -13,6 +13,7 @@ import sys
 from cephalo_lightning.planner.cluster import cluster_from_dict, load_cluster, save_cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import check_output, write_error
+from cephalo_lightning.planner.grouped import GROUPINGS
 from cephalo_lightning.planner.plan import PLAN_MODES
 from cephalo_lightning.planner.solver import PLANNERS, plan
 
@@ -23,6 +24,8 @@ def _add_plan_options(parser: argparse.ArgumentParser, required: bool) -> None:
                         help="layered: micro-batch count per rank (default); uniform: one count for all")
     parser.add_argument("--planner", "--strategy", dest="planner", choices=PLANNERS, default="cephalo",
                         help="plan with cephalo (default) or output a baseline plan")
+    parser.add_argument("--groupings", default=None, metavar="NAMES",
+                        help=f"comma-separated shard groupings to weigh, of {','.join(GROUPINGS)} (default: all)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     parser.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
 
@@ -107,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
         else:
             cluster = load_cluster(args.cluster_file)
-        result = plan(cluster, args.global_batch_size, mode=args.mode, planner=args.planner)
+        groupings = None if args.groupings is None else tuple(g.strip() for g in args.groupings.split(","))
+        result = plan(cluster, args.global_batch_size, mode=args.mode, planner=args.planner, groupings=groupings)
         if args.output:
             try:
                 result.save(args.output)

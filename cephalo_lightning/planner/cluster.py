@@ -191,6 +191,15 @@ class Cluster:
     def emulated(self) -> bool:
         return any(d.source == "emulated" for d in self.devices)
 
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """Every rank's node (0 everywhere when no device names one)."""
+        return tuple(0 if d.node is None else d.node for d in self.devices)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(set(self.nodes))
+
 
 # --------------------------------------------------------------------------------------------
 # parsing and validation
@@ -293,8 +302,12 @@ def parse_settings(data: Any) -> Settings:
             raise PlanningError(f"settings.usable_memory_fraction must be <= 1, got {frac}: it is the share of each "
                                 f"device's memory the plan may fill (e.g. 0.9)")
         values["usable_memory_fraction"] = frac
-    if data.get("link_bandwidth_gbps") is not None:
-        values["link_bandwidth_gbps"] = _number(data["link_bandwidth_gbps"], "settings.link_bandwidth_gbps")
+    for key in ("link_bandwidth_gbps", "inter_node_bandwidth_gbps"):
+        if data.get(key) is not None:
+            values[key] = _number(data[key], f"settings.{key}")
+    if "inter_node_latency_ms" in data:
+        values["inter_node_latency_ms"] = _number(data["inter_node_latency_ms"], "settings.inter_node_latency_ms",
+                                                  strict=False)
     if "host_contention" in data:
         values["host_contention"] = _number(data["host_contention"], "settings.host_contention")
         if values["host_contention"] < 1:
@@ -322,7 +335,7 @@ def parse_settings(data: Any) -> Settings:
 
 _PROFILE_KEYS = ("layer_fwd_ms", "layer_bwd_ms", "compute_memory_gb")
 _EXTRA_KEYS = ("activation_memory_gb", "optimizer_ns_per_param", "host_copy_gbps")  # optional with either
-_DEVICE_KEYS = {"name", "count", "memory_gb", "source", "emulate", *_PROFILE_KEYS, *_EXTRA_KEYS}
+_DEVICE_KEYS = {"name", "count", "memory_gb", "source", "emulate", "node", *_PROFILE_KEYS, *_EXTRA_KEYS}
 
 
 def _device_extras(entry: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -353,16 +366,56 @@ def _check_rank_count(entries: Sequence[Any]) -> None:
             f"kinds in proportion (e.g. every count and the global batch divided by {-(-total // MAX_RANKS):,})")
 
 
-def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[DeviceProfile, ...]:
+def _node_entries(data: Any) -> list[tuple[str, Any, int]]:
+    """The ``nodes:`` form as (where, device entry, node) in rank order: node i lists its devices."""
+    if isinstance(data, (str, bytes)) or not isinstance(data, Sequence) or len(data) == 0:
+        raise PlanningError("nodes must be a non-empty list, one entry per node in rank order, each with its "
+                            "devices, e.g. nodes: [{devices: [{name: a100, count: 8}]}, {devices: [...]}]")
+    out = []
+    for n, node in enumerate(data):
+        node = _mapping(node, f"nodes[{n}]")
+        _reject_unknown(node, {"devices"}, f"nodes[{n}]")
+        entries = node.get("devices")
+        if isinstance(entries, (str, bytes)) or not isinstance(entries, Sequence) or len(entries) == 0:
+            raise PlanningError(f"nodes[{n}].devices must be a non-empty list of device entries, got {entries!r}; "
+                                "list the node's GPUs, e.g. devices: [{name: a100, count: 8}]")
+        for i, entry in enumerate(entries):
+            where = f"nodes[{n}].devices[{i}]"
+            if isinstance(entry, Mapping) and "node" in entry and entry["node"] != n:
+                raise PlanningError(f"{where}.node is {entry['node']!r} inside nodes[{n}]: under nodes: a device's "
+                                    "node is its position; drop the key")
+            out.append((where, entry, n))
+    return out
+
+
+def _entry_nodes(data: Sequence[Any]) -> list[int | None]:
+    """Each ``devices:`` entry's ``node:`` (all given or none)."""
+    nodes = []
+    for i, entry in enumerate(data):
+        value = entry.get("node") if isinstance(entry, Mapping) else None
+        nodes.append(None if value is None else _integer(value, f"devices[{i}].node", minimum=0))
+    given = [i for i, n in enumerate(nodes) if n is not None]
+    missing = [i for i, n in enumerate(nodes) if n is None and isinstance(data[i], Mapping)]
+    if given and missing:
+        raise PlanningError(f"devices{given} name a node but devices{missing} do not: give every entry a node: "
+                            "(its host, 0, 1, ...) or none (one node)")
+    return nodes
+
+
+def parse_devices(data: Any, model: ModelSpec, settings: Settings, *, nodes: Any = None) -> tuple[DeviceProfile, ...]:
+    """Devices from a ``devices:`` list (each entry may name its ``node``) or from a ``nodes:`` list."""
     from cephalo_lightning.planner.catalog import estimate_profile  # catalog needs parse-free types
 
-    if isinstance(data, (str, bytes)) or not isinstance(data, Sequence) or len(data) == 0:
-        raise PlanningError("devices must be a non-empty list (one entry per GPU kind, in rank order); list at least "
-                            "one, e.g. devices: [{name: a100, count: 2}]")
-    _check_rank_count(data)
+    if nodes is not None:
+        listed = _node_entries(nodes)
+    else:
+        if isinstance(data, (str, bytes)) or not isinstance(data, Sequence) or len(data) == 0:
+            raise PlanningError("devices must be a non-empty list (one entry per GPU kind, in rank order); list at "
+                                "least one, e.g. devices: [{name: a100, count: 2}]")
+        listed = [(f"devices[{i}]", entry, node) for i, (entry, node) in enumerate(zip(data, _entry_nodes(data)))]
+    _check_rank_count([entry for _, entry, _ in listed])
     devices: list[DeviceProfile] = []
-    for i, entry in enumerate(data):
-        where = f"devices[{i}]"
+    for where, entry, node in listed:
         entry = _mapping(entry, where)
         _reject_unknown(entry, _DEVICE_KEYS, where)
         if "name" not in entry:
@@ -395,23 +448,26 @@ def parse_devices(data: Any, model: ModelSpec, settings: Settings) -> tuple[Devi
             if "memory_gb" in entry:
                 device = replace(device, memory_gb=_number(entry["memory_gb"], f"{where}.memory_gb"))
             device = replace(device, emulate=emulate)
-        device = replace(device, **_device_extras(entry, where))
+        device = replace(device, **_device_extras(entry, where), node=node)
         devices.extend([device] * count)
     return tuple(devices)
 
 
 def cluster_from_dict(data: Any) -> Cluster:
     data = _mapping(data, "cluster file")
-    _reject_unknown(data, {"model", "settings", "devices", "calibration"}, "cluster file")
+    _reject_unknown(data, {"model", "settings", "devices", "nodes", "calibration"}, "cluster file")
     if "model" not in data:
         raise PlanningError("the cluster file needs a 'model:' section (num_layers, parameters); add one, e.g. "
                             "model: {num_layers: 32, parameters: 2700000000}")
-    if "devices" not in data:
+    if "devices" in data and "nodes" in data:
+        raise PlanningError("the cluster file gives both 'devices:' and 'nodes:'; keep one: a devices: list (each "
+                            "entry may say node: i) or a nodes: list of {devices: [...]}")
+    if "devices" not in data and "nodes" not in data:
         raise PlanningError("the cluster file needs a 'devices:' list; add one in rank order, e.g. "
-                            "devices: [{name: a100, count: 2}]")
+                            "devices: [{name: a100, count: 2}] (or a nodes: list, one {devices: [...]} per node)")
     model = parse_model(data["model"])
     settings = parse_settings(data.get("settings"))
-    devices = parse_devices(data["devices"], model, settings)
+    devices = parse_devices(data.get("devices"), model, settings, nodes=data.get("nodes"))
     return Cluster(model=model, devices=devices, settings=settings,
                    calibration=parse_calibration(data.get("calibration"), len(devices)))
 

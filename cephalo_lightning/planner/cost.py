@@ -43,7 +43,7 @@ Memory is in GiB (2**30 bytes), as ``torch.cuda`` reports it; times in milliseco
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -149,20 +149,114 @@ class Communication:
         return self.reduce_scatter_ms * self.factor(max_share)
 
 
-def communication(cluster: Cluster) -> Communication:
-    """Price the collectives: given per-layer times, or bytes over the link bandwidth."""
+@dataclass(frozen=True)
+class LinkPrices:
+    """Per-layer collective prices of any shard group, from the whole world's figures and the link classes.
+
+    A group of k ranks moves (k - 1) / k of a layer per rank in an all-gather or a reduce-scatter, over
+    its slowest link: inside one node the intra-node link, else the inter-node one. The world's
+    figures (measured ``allgather_ms`` / ``reduce_scatter_ms``, else bytes over the bandwidth of the
+    world's own link class) are scaled by the bytes and by the ratio of the two bandwidths (1 when
+    either is unknown). With G > 1 groups the reduced gradient pieces are summed across the replicas:
+    2 (G - 1) / G of the rank's gradient shard (at most rho of a layer) per rank, over the inter-node
+    link whenever the cluster spans nodes. ``latency_ms`` is added to every collective that crosses
+    nodes when priced from a bandwidth (a measured time includes its own).
+    """
+
+    allgather_ms: float  # the world as one group, even shares, without latency
+    reduce_scatter_ms: float
+    world_size: int
+    world_crosses: bool  # the world spans more than one node
+    intra_ratio: float  # time per byte on the intra-node link / on the world's link
+    inter_ratio: float
+    latency_ms: float
+    uneven_slope: float
+
+    def _per_group(self, size: np.ndarray, crosses: np.ndarray, rho: np.ndarray, groups: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        size = np.asarray(size, dtype=float)
+        crosses = np.asarray(crosses, dtype=bool)
+        rho = np.asarray(rho, dtype=float)
+        W = self.world_size
+        if W == 1:
+            zero = np.zeros(np.broadcast(size, rho).shape)
+            return zero, zero
+        world_fraction = (W - 1) / W
+        scale = np.where(size > 1, (size - 1) / np.maximum(size, 1) / world_fraction, 0.0)
+        ratio = np.where(crosses, self.inter_ratio, self.intra_ratio)
+        latency = np.where(crosses & (size > 1), self.latency_ms, 0.0)
+        factor = 1.0 + self.uneven_slope * np.maximum(0.0, size * rho - 1.0)
+        ag = (self.allgather_ms * scale * ratio + latency) * factor
+        rs = (self.reduce_scatter_ms * scale * ratio + latency) * factor
+        if groups > 1:
+            cross_ratio = self.inter_ratio if self.world_crosses else self.intra_ratio
+            cross_latency = self.latency_ms if self.world_crosses else 0.0
+            per_layer = self.reduce_scatter_ms / world_fraction  # a whole layer's gradient over the world's link
+            rs = rs + 2.0 * (groups - 1) / groups * rho * per_layer * cross_ratio + cross_latency
+        return ag, rs
+
+    def group(self, size: int, crosses: bool, rho: float, groups: int) -> tuple[float, float]:
+        """(all-gather, reduce-scatter plus the cross-group reduction) of one layer for one group (ms)."""
+        ag, rs = self._per_group(np.array(size), np.array(crosses), np.array(rho), groups)
+        return float(ag), float(rs)
+
+    def ranks(self, group_of: np.ndarray, nodes: np.ndarray, shares: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's (all-gather, reduce-scatter + cross-group) per layer under a grouping."""
+        G = int(group_of.max()) + 1 if len(group_of) else 0
+        size = np.bincount(group_of, minlength=G)
+        rho = np.zeros(G)
+        np.maximum.at(rho, group_of, shares)
+        low = np.full(G, np.iinfo(np.int64).max)
+        high = np.full(G, -1)
+        np.minimum.at(low, group_of, nodes)
+        np.maximum.at(high, group_of, nodes)
+        ag, rs = self._per_group(size, low != high, rho, G)
+        return ag[group_of], rs[group_of]
+
+
+def link_prices(cluster: Cluster) -> LinkPrices:
+    """The cluster's link classes and the world group's collective figures (see :class:`LinkPrices`)."""
     cluster = calibrated(cluster)
     s, model, world = cluster.settings, cluster.model, cluster.world_size
+    crosses = cluster.num_nodes > 1
+    intra = s.link_bandwidth_gbps
+    inter = s.inter_node_bandwidth_gbps or intra
+    own = inter if crosses else intra
     ag, rs = s.allgather_ms, s.reduce_scatter_ms
-    if s.link_bandwidth_gbps and world > 1:
+    measured_ag, measured_rs = bool(ag), bool(rs)
+    if own and world > 1:
         moved = (world - 1) / world * model.layer_parameters
-        bandwidth = s.link_bandwidth_gbps * 1e9  # bytes/s
+        bandwidth = own * 1e9  # bytes/s
         ag = ag or moved * model.compute_bytes_per_param / bandwidth * 1e3
         rs = rs or moved * model.grad_bytes_per_param / bandwidth * 1e3
     if world == 1:
         ag = rs = 0.0
+
+    def ratio(link: float | None) -> float:
+        return own / link if own and link else 1.0
+
+    latency = 0.0 if measured_ag or measured_rs else s.inter_node_latency_ms
     slope = s.uneven_slope if s.uneven_slope is not None else UNEVEN_SLOPE[s.collective]
-    return Communication(ag, rs, world, slope, 1.0 if s.overlap is None else s.overlap)
+    return LinkPrices(ag, rs, world, crosses, ratio(intra), ratio(inter), latency, slope)
+
+
+def communication(cluster: Cluster) -> Communication:
+    """Price the collectives of one group of every rank: given per-layer times, or bytes over the link bandwidth."""
+    cluster = calibrated(cluster)
+    prices = link_prices(cluster)
+    ag, rs = prices.allgather_ms, prices.reduce_scatter_ms
+    if prices.world_crosses and cluster.world_size > 1:
+        ag, rs = ag + prices.latency_ms, rs + prices.latency_ms
+    overlap = cluster.settings.overlap
+    return Communication(ag, rs, cluster.world_size, prices.uneven_slope, 1.0 if overlap is None else overlap)
+
+
+def single_group(shard_groups: Sequence[int] | np.ndarray | None) -> bool:
+    """Whether a per-rank group index names one group of every rank (None: yes)."""
+    if shard_groups is None:
+        return True
+    g = np.asarray(shard_groups)
+    return not len(g) or bool((g == g[0]).all())
 
 
 def predicted_busy_s(cluster: Cluster, plan: Plan) -> list[float]:
@@ -307,17 +401,30 @@ class RankCost:
     fits: bool
 
 
+_KIND_FIELDS = tuple(f.name for f in fields(DeviceProfile) if f.name != "node")
+
+
+def _without_node(device: DeviceProfile) -> tuple:
+    """What makes a device kind: everything but its node (cheaper than a replaced profile)."""
+    return tuple(getattr(device, name) for name in _KIND_FIELDS)
+
+
 def kind_costs(cluster: Cluster, mode: str = "layered") -> tuple[list[DeviceCost], np.ndarray]:
     """One DeviceCost per distinct device profile, and each rank's index into them."""
     cluster = calibrated(cluster)
     index: dict[DeviceProfile, int] = {}
     costs: list[DeviceCost] = []
     of_rank = np.empty(cluster.world_size, dtype=np.int64)
+    known: dict[int, int] = {}  # id(device) -> kind: ranks of one entry share one profile object
     for rank, device in enumerate(cluster.devices):
-        k = index.get(device)
+        k = known.get(id(device))
         if k is None:
-            k = index[device] = len(costs)
-            costs.append(DeviceCost(device, cluster, mode))
+            key = device if device.node is None else _without_node(device)  # one kind across nodes
+            k = index.get(key)
+            if k is None:
+                k = index[key] = len(costs)
+                costs.append(DeviceCost(device, cluster, mode))
+            known[id(device)] = k
         of_rank[rank] = k
     return costs, of_rank
 
@@ -330,16 +437,25 @@ def evaluate_arrays(
     recompute: Sequence[bool] | np.ndarray | None = None,
     mode: str = "layered",
     kinds: tuple[list[DeviceCost], np.ndarray] | None = None,
+    shard_groups: Sequence[int] | np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every rank's predicted step time (s), memory (GiB) and whether it fits, vectorised by kind."""
+    """Every rank's predicted step time (s), memory (GiB) and whether it fits, vectorised by kind.
+
+    ``shard_groups``: every rank's shard group (None: one group of all); ``shares`` are then within
+    each group, and each group's collectives are priced by :class:`LinkPrices`.
+    """
     cluster = calibrated(cluster)
     b = np.asarray(batch_sizes, dtype=np.int64)
     n = np.maximum(np.asarray(num_micro_batches, dtype=np.int64), 1)
     r = np.asarray(shares, dtype=float)
     keep = np.zeros(len(b), bool) if recompute is None else ~np.asarray(recompute, dtype=bool)
-    comm = communication(cluster)
-    rho = float(r.max()) if len(r) else 0.0
-    ag, rs = comm.allgather(rho), comm.reduce_scatter(rho)
+    if single_group(shard_groups):
+        comm = communication(cluster)
+        rho = float(r.max()) if len(r) else 0.0
+        ag, rs = np.full(len(b), comm.allgather(rho)), np.full(len(b), comm.reduce_scatter(rho))
+    else:
+        groups = np.unique(np.asarray(shard_groups, dtype=np.int64), return_inverse=True)[1]
+        ag, rs = link_prices(cluster).ranks(groups, np.asarray(cluster.nodes, dtype=np.int64), r)
     costs, of_rank = kinds if kinds is not None else kind_costs(cluster, mode)
     step = np.empty(len(b))
     memory = np.empty(len(b))
@@ -351,7 +467,7 @@ def evaluate_arrays(
         at = np.nonzero(of_rank == k)[0]
         if not len(at):
             continue
-        layer = cost.layer_ms(b[at], n[at], ag, rs, keep[at])
+        layer = cost.layer_ms(b[at], n[at], ag[at], rs[at], keep[at])
         step[at] = (contention * (cost.num_layers * layer + cost.optimizer_ms(r[at])) + fixed) / 1e3
         used = cost.compute_memory(m[at]) + cost.extra_memory_gb(m[at], n[at], keep[at])
         memory[at] = used + reserved + cost.state_gb * r[at]
@@ -366,9 +482,12 @@ def evaluate(
     shares: Sequence[float],
     recompute: Sequence[bool] | None = None,
     mode: str = "layered",
+    shard_groups: Sequence[int] | None = None,
 ) -> list[RankCost]:
-    """The cost model applied to one assignment: every rank's predicted step time and memory."""
-    step, memory, fits = evaluate_arrays(cluster, batch_sizes, num_micro_batches, shares, recompute, mode)
+    """The cost model applied to one assignment: every rank's predicted step time and memory
+    (``shard_groups``: each rank's group, shares within it; None: one group)."""
+    step, memory, fits = evaluate_arrays(cluster, batch_sizes, num_micro_batches, shares, recompute, mode,
+                                         shard_groups=shard_groups)
     return [RankCost(float(s), float(m), bool(f)) for s, m, f in zip(step, memory, fits)]
 
 

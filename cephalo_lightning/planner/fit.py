@@ -88,7 +88,8 @@ def _clip(theta: np.ndarray) -> np.ndarray:
 def predicted(cluster: Cluster, plan: Plan) -> tuple[float, list[float]]:
     """The plan's predicted step (s, the slowest rank's) and every rank's busy seconds on ``cluster``."""
     step, _, _ = evaluate_arrays(cluster, plan.batch_sizes, [r.num_micro_batches for r in plan.ranks],
-                                 plan.state_shares, [r.recompute for r in plan.ranks], plan.mode)
+                                 plan.state_shares, [r.recompute for r in plan.ranks], plan.mode,
+                                 shard_groups=[r.shard_group for r in plan.ranks])
     return float(step.max()), predicted_busy_s(cluster, plan)
 
 

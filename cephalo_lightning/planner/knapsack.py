@@ -133,6 +133,21 @@ def upper_hull(opts: Options) -> np.ndarray:
     return idx
 
 
+def hull_steps(tables: Sequence[Options], hulls: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every step between neighbouring hull vertices of every table, cheapest share per sample first
+    (a table's steps stay in hull order, the hull being concave): its table, samples gained, share lost."""
+    kinds, price, db, dr = [], [], [], []
+    for k, (t, h) in enumerate(zip(tables, hulls)):
+        steps_b = np.diff(t.b[h]).astype(float)
+        steps_r = -np.diff(t.r[h])
+        kinds.append(np.full(len(steps_b), k))
+        price.append(steps_r / steps_b)
+        db.append(steps_b)
+        dr.append(steps_r)
+    order = np.argsort(np.concatenate(price), kind="stable")
+    return np.concatenate(kinds).astype(np.int64)[order], np.concatenate(db)[order], np.concatenate(dr)[order]
+
+
 @dataclass(frozen=True)
 class Group:
     """``count`` devices of kind ``kind`` on option ``option`` of that kind's table."""
@@ -162,17 +177,7 @@ def relaxation(tables: Sequence[Options], counts: Sequence[int], B: int) -> Rela
     straddle: int | None = None
     moved = 0
     if samples < B:
-        kinds, price, db, dr = [], [], [], []
-        for k, (t, h) in enumerate(zip(tables, hulls)):
-            steps_b = np.diff(t.b[h]).astype(float)
-            steps_r = -np.diff(t.r[h])
-            kinds.append(np.full(len(steps_b), k))
-            price.append(steps_r / steps_b)
-            db.append(steps_b)
-            dr.append(steps_r)
-        kind_of = np.concatenate(kinds).astype(np.int64)
-        order = np.argsort(np.concatenate(price), kind="stable")  # a kind's steps stay in hull order
-        kind_of, step_b, step_r = kind_of[order], np.concatenate(db)[order], np.concatenate(dr)[order]
+        kind_of, step_b, step_r = hull_steps(tables, hulls)
         gain = step_b * np.asarray(counts, dtype=float)[kind_of]
         cum = np.cumsum(gain)
         need = B - samples

@@ -29,10 +29,11 @@ from cephalo_lightning.planner.assignment import expand, finish, split, trim
 from cephalo_lightning.planner.baselines import even_baseline, proportional_baseline, result
 from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.errors import PlanningError
+from cephalo_lightning.planner.grouped import canonical
 from cephalo_lightning.planner.plan import BaselineResult
 from cephalo_lightning.planner.solver import BISECTION_TOL, Problem
 
-BASELINES = ("even", "proportional", "poplar", "reference")
+BASELINES = ("even", "proportional", "poplar", "reference", "ddp-even", "hsdp-even")
 REFERENCE_LIMIT = 4096  # ranks x global batch for the reference's exact-sum dynamic program
 REFERENCE_UNEVEN = 1.25  # the release's surcharge on an uneven collective
 REFERENCE_BALANCE = 0.5  # the release's max_balance_util: below it shares stay even
@@ -208,6 +209,10 @@ def compute_baselines(cluster: Cluster, global_batch: int, mode: str = "layered"
     for name in names:
         if name == "even":
             out[name] = even_baseline(cluster, global_batch, mode, with_ranks)
+        elif name == "ddp-even":
+            out[name] = even_baseline(cluster, global_batch, mode, with_ranks, np.arange(cluster.world_size))
+        elif name == "hsdp-even":
+            out[name] = even_baseline(cluster, global_batch, mode, with_ranks, canonical(np.asarray(cluster.nodes)))
         elif mode == "uniform":
             out[name] = BaselineResult(None, False, skipped=True, reason=(
                 f"not computed: {name} picks each rank's micro-batch count, which the uniform mode does not"))

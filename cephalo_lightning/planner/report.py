@@ -34,17 +34,43 @@ def _micro(r: RankPlan) -> str:
     return f"{r.num_micro_batches} x " + "-".join(str(s) for s in sizes) + kept
 
 
-def _row(r: RankPlan) -> tuple[str, ...]:
+def _row(r: RankPlan, groups: bool = False) -> tuple[str, ...]:
     step = f"{r.predicted_step_s:.4g}" if r.predicted_step_s is not None else "-"
-    return (r.device, str(r.batch_size), _micro(r), f"{100 * r.state_share:.1f}%", step,
+    group = (str(r.shard_group),) if groups else ()
+    return (*group, r.device, str(r.batch_size), _micro(r), f"{100 * r.state_share:.1f}%", step,
             _memory(r.predicted_memory_gb, r.memory_limit_gb, r.memory_capacity_gb), r.source)
+
+
+def _span(ranks: tuple[int, ...]) -> str:
+    contiguous = ranks == tuple(range(ranks[0], ranks[-1] + 1))
+    if len(ranks) == 1:
+        return str(ranks[0])
+    return f"{ranks[0]}-{ranks[-1]}" if contiguous else ",".join(map(str, ranks))
+
+
+def groups_line(plan: Plan) -> str:
+    """The shard groups in one line: each group's ranks, or their sizes when there are many."""
+    groups = plan.shard_groups
+    if len(groups) == 1:
+        return f"shard groups: one of all {plan.world_size} ranks (full shard)"
+    if all(len(g) == 1 for g in groups):
+        return f"shard groups: {len(groups)} of one rank each (data parallel: every rank holds the whole state)"
+    if len(groups) <= 8:
+        return f"shard groups: {len(groups)}, ranks " + " | ".join(_span(g) for g in groups) + \
+            " (state sharded inside a group, replicated across groups)"
+    sizes: dict[int, int] = {}
+    for g in groups:
+        sizes[len(g)] = sizes.get(len(g), 0) + 1
+    shown = ", ".join(f"{count} of {size} ranks" for size, count in sorted(sizes.items()))
+    return f"shard groups: {len(groups)} ({shown}; state sharded inside a group, replicated across groups)"
 
 
 def _runs(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
     """Consecutive ranks with identical rows fold into one ("0-15")."""
     runs: list[tuple[int, int, tuple[str, ...]]] = []
+    groups = plan.num_shard_groups > 1
     for r in plan.ranks:
-        row = _row(r)
+        row = _row(r, groups)
         if runs and runs[-1][2] == row:
             runs[-1] = (runs[-1][0], r.rank, row)
         else:
@@ -59,7 +85,8 @@ def rank_table(plan: Plan) -> Table:
              f"{plan.world_size} ranks{emulated}")
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   collapse_padding=True)
-    for header, right in (("rank", True), ("device", False), ("batch", True), ("micro-\nbatches", True),
+    group = (("group", True),) if plan.num_shard_groups > 1 else ()
+    for header, right in (("rank", True), *group, ("device", False), ("batch", True), ("micro-\nbatches", True),
                           ("state\nshare", True), ("step s", True), ("memory GiB\nused/limit/cap", True),
                           ("source", False)):
         table.add_column(header, justify="right" if right else "left", no_wrap=True)
@@ -69,9 +96,9 @@ def rank_table(plan: Plan) -> Table:
 
 
 def summary_lines(plan: Plan) -> list[str]:
-    """Throughput, fraction of the upper bound, each baseline and the speedup over it."""
+    """The shard groups, throughput, fraction of the upper bound, each baseline and the speedup over it."""
     emulated = " (emulated)" if plan.emulated else ""
-    lines = []
+    lines = [groups_line(plan)] if plan.num_shard_groups > 1 else []
     if plan.predicted_samples_per_s is not None and plan.predicted_step_s is not None:
         line = (f"predicted{emulated}: {plan.predicted_samples_per_s:.3g} samples/s "
                 f"(step {plan.predicted_step_s:.3g} s)")
@@ -79,7 +106,7 @@ def summary_lines(plan: Plan) -> list[str]:
             line += (f", {100 * plan.fraction_of_upper_bound:.1f}% of the upper bound "
                      f"{plan.upper_bound_samples_per_s:.3g} samples/s")
         if plan.optimality_gap is not None:
-            line += f"; within {100 * plan.optimality_gap:.2f}% of optimal"
+            line += f"; within {100 * plan.optimality_gap:.2f}% of optimal (over the groupings weighed)"
         lines.append(line)
     for name, base in plan.baselines.items():
         if base.skipped:

@@ -37,9 +37,10 @@ from cephalo_lightning.planner.assignment import Assignment, assign
 from cephalo_lightning.planner.baselines import per_sample_ms, upper_bound_samples_per_s
 from cephalo_lightning.planner.calibration import calibrated
 from cephalo_lightning.planner.cluster import Cluster
-from cephalo_lightning.planner.cost import DeviceCost, communication, kind_costs
+from cephalo_lightning.planner.cost import DeviceCost, communication, kind_costs, link_prices
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import shown_number
+from cephalo_lightning.planner.grouped import GROUPINGS, GroupedProblem, candidate_groupings
 from cephalo_lightning.planner.knapsack import (
     SHARE_TOL,
     Group,
@@ -54,13 +55,14 @@ from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH, MAX_RANKS
 from cephalo_lightning.planner.options import DeviceModel, Options
 from cephalo_lightning.planner.plan import PLAN_MODES, Plan
 
-PLANNERS = ("cephalo", "even", "proportional", "poplar", "reference")
+PLANNERS = ("cephalo", "even", "proportional", "poplar", "reference", "ddp-even", "hsdp-even")
 BISECTION_TOL = 5e-4  # relative width of the final step-time bracket
 RHO_TOL = 1e-3  # branch and bound stops when the best plan is within this of the lower bound
 DENSE_WORK_LIMIT = 3e7  # element operations of one exact knapsack check
 DENSE_CALL_LIMIT = 20_000  # options summed over devices (one vector operation each)
 UNIFORM_COUNTS = 16  # uniform mode: counts examined per price of collectives; the rest enter the bound
 RHO_NODES = 64  # branch-and-bound nodes over the largest share; open ones enter the bound
+TIE_TOL = 1e-9  # groupings whose plans are this close predict the same step
 
 
 @dataclass(frozen=True)
@@ -398,12 +400,75 @@ def _check_memory(problem: Problem) -> None:
             f"add GPUs or memory, or shrink the model")
 
 
+# ---------------------------------------------------------------------- shard groups
+
+
+def _check_groupings(groupings: object) -> tuple[str, ...]:
+    if groupings is None:
+        return GROUPINGS
+    if isinstance(groupings, str) or not all(isinstance(g, str) for g in groupings) or not groupings:  # type: ignore[union-attr]
+        raise PlanningError(f"groupings must be a non-empty list of names from {GROUPINGS}, got {groupings!r}; "
+                            f"e.g. groupings=('full', 'per-node')")
+    unknown = [g for g in groupings if g not in GROUPINGS]  # type: ignore[union-attr]
+    if unknown:
+        raise PlanningError(f"unknown grouping(s) {unknown}; choose from {GROUPINGS}")
+    return tuple(groupings)  # type: ignore[arg-type]
+
+
+def solve_groupings(problem: Problem, groupings: tuple[str, ...]) -> tuple[Assignment, float, str]:
+    """The best assignment over the candidate groupings named, the least proven lower bound over
+    them (s) and the name of the grouping chosen (see :mod:`.grouped`)."""
+    to_s = 1e-3
+    best: Assignment | None = None
+    lower_s, chosen = math.inf, ""
+    candidates = [(names, labels) for names, labels in candidate_groupings(problem.cluster.nodes)
+                  if set(names) & set(groupings)]
+    if not candidates:
+        raise PlanningError(f"none of the groupings {list(groupings)} applies to this cluster (node-halves and "
+                            f"node-pairs need a node of 4, 6, 8, ... ranks); add 'full', 'per-node' or 'per-rank'")
+    prices = link_prices(problem.cluster)
+    top_count = problem.B // problem.W
+    for names, labels in candidates:
+        name = next(n for n in names if n in groupings)
+        if "full" in names:
+            best, lower_s = problem.solve()
+            chosen = name
+            continue
+        grouped = GroupedProblem(problem, labels, prices)
+        if not grouped.holds:  # some group cannot hold a replica: no plan of this grouping exists
+            continue
+        ag_top = max(p[-1][0] for p in grouped.priced)
+        rs_top = max(p[-1][1] for p in grouped.priced)
+        counts: list[int | None] = [None] if problem.mode == "layered" else list(range(1, top_count + 1))
+        for i, n in enumerate(counts):
+            ceiling = None if best is None else best.step_s / to_s * (1 + TIE_TOL)  # only as good a plan is of use
+            floor = problem.compute_floor if n is None else problem.count_floor(n, 0.0, 0.0)
+            if ceiling is not None and floor > ceiling:
+                lower_s = min(lower_s, ceiling * to_s)  # this and every larger count
+                break
+            if n is not None and i >= UNIFORM_COUNTS:
+                lower_s = min(lower_s, floor * to_s)  # the rest: bounded, not solved
+                break
+            found, proven = grouped.solve(max(floor * (1 - 1e-9), 1e-12), problem.saturated(ag_top, rs_top, n),
+                                          ceiling, n)
+            lower_s = min(lower_s, proven * to_s)
+            # a tie goes to groups of one rank: data parallelism issues no all-gathers, one all-reduce per
+            # layer, which the cost model prices like the gathers and reduce-scatters it replaces; any
+            # other grouping must be faster than the best (it issues more collectives, not fewer)
+            margin = 1 + TIE_TOL if name == "per-rank" else 1 - TIE_TOL
+            if found is not None and (best is None or found.step_s <= best.step_s * margin):
+                best, chosen = found, name
+    if best is None:
+        raise problem.no_plan()
+    return best, min(lower_s, best.step_s), chosen
+
+
 # ---------------------------------------------------------------------- public API
 
 
 def _baseline_plan(cluster: Cluster, B: int, mode: str, planner: str, upper: float) -> Plan:
     """A baseline as a plan of its own (the even one has one micro-batch count, so either mode fits)."""
-    if planner != "even" and mode == "uniform":
+    if planner not in ("even", "ddp-even", "hsdp-even") and mode == "uniform":
         raise PlanningError(f"the {planner} baseline picks each rank's micro-batch count, so it has no "
                             f"uniform form; use --mode layered or --planner even")
     from cephalo_lightning.planner.peers import compute_baselines  # peers build on this module
@@ -417,16 +482,19 @@ def _baseline_plan(cluster: Cluster, B: int, mode: str, planner: str, upper: flo
 
 
 def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planner: str = "cephalo",
-         _group_kinds: bool = True) -> Plan:
-    """Plan a cluster: per-rank batch, micro-batches and state share minimising the step time.
+         _group_kinds: bool = True, groupings: tuple[str, ...] | None = None) -> Plan:
+    """Plan a cluster: shard groups, per-rank batch, micro-batches and state share minimising the step time.
 
-    ``planner`` names a baseline (``even``, ``proportional``, ``poplar``, ``reference``) to return
-    that baseline as a plan instead. The cephalo plan carries every baseline's figures, the upper
-    bound and its certified optimality gap.
+    ``groupings`` names the candidate groupings to weigh (:data:`.grouped.GROUPINGS`; None: all of
+    them; ``("full",)``: one group of every rank). ``planner`` names a baseline (``even``,
+    ``proportional``, ``poplar``, ``reference``, ``ddp-even``, ``hsdp-even``) to return that baseline
+    as a plan instead. The cephalo plan carries every baseline's figures, the upper bound and its
+    certified optimality gap (against the best plan over the groupings weighed).
     """
     from cephalo_lightning.planner.peers import compute_baselines  # peers build on this module
 
     B = _check_inputs(cluster, global_batch_size, mode, planner)
+    names = _check_groupings(groupings)
     cluster = calibrated(cluster)
     upper = upper_bound_samples_per_s(cluster, B, mode)
     if planner != "cephalo":
@@ -438,10 +506,10 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
     core = replace(cluster, settings=replace(cluster.settings, step_overhead_ms=0.0, host_contention=1.0))
     problem = Problem(core, B, mode, group_kinds=_group_kinds)
     _check_memory(problem)
-    best, lower_s = problem.solve()
+    best, lower_s, _ = solve_groupings(problem, names)
     lower_s = contention * lower_s + fixed_s
     ranks, step = rank_plans(cluster, best.batch, best.micro, best.shares, ~best.keep, mode,
-                             kinds=(problem.costs, problem.of_rank))
+                             kinds=(problem.costs, problem.of_rank), shard_groups=best.groups)
     return Plan(
         global_batch_size=B,
         mode=mode,
