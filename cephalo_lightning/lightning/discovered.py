@@ -66,7 +66,7 @@ def discovered_check(steps: Any, micro_batch: Any, has_samples: bool, batch_idx:
     """Collective: why the discovered sequence does not hold on some rank (the first such rank's
     reason), or ''. A rank without samples this step takes the structure another rank saw."""
     sharded, discovery = steps.schedule.sharded, steps.model.discovery
-    group = sharded.comm.group
+    group = sharded.world_group
     dtype = sharded.units[-1].compute_dtype
     tolerance = ROUND_OFF.get(torch.empty((), dtype=dtype).element_size(), 1e-2)
     structure, why = None, ""

@@ -264,7 +264,9 @@ class FlatUnit:
         return torch.cat(pieces)
 
     def add_local_grad(self, shard_grad: torch.Tensor) -> None:
-        """Accumulate a reduced shard gradient into the local pieces' ``.grad``."""
+        """Accumulate a reduced shard gradient into the local pieces' ``.grad``. ``shard_grad`` is
+        the caller's to give (a fresh reduction result): a piece without a gradient takes a view of
+        it, not a copy."""
         lo, _ = self.layout.shard_range(self.rank)
         for span, param in zip(self.spans, self.local_params):
             if not param.requires_grad:
@@ -273,6 +275,6 @@ class FlatUnit:
             start = span.offset + a - lo
             piece = shard_grad[start : start + b - a].to(param.dtype).view(param.shape)
             if param.grad is None:
-                param.grad = piece.clone()
+                param.grad = piece
             else:
                 param.grad.add_(piece)

@@ -6,6 +6,10 @@ the whole model (to the element). Units are filled in order and split EVENLY amo
 still have quota, so the early units take the fast even collectives and the imbalance collects in
 the last units (the reference implementation does the same). Pure Python: the layout is a function
 of the shares and the unit sizes only, so every rank computes the same one without talking.
+
+With shard groups each group lays the whole model out over its own ranks (:func:`group_layouts`);
+the common refinement of the groups' cut points (:func:`refinement`, :func:`replica_pieces`) says
+which rank of every group owns each range, for the sum over the replicas (:mod:`.replicas`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cephalo_lightning.runtime.collectives import Collectives, PendingWork
+from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Links, PendingWork
 from cephalo_lightning.runtime.sharding.layout import ShardLayout, UnitLayout, replica_pieces, same_bounds
 
 Consume = Callable[[torch.Tensor], None]
@@ -182,3 +182,25 @@ def new_groups(group: dist.ProcessGroup | None, members: Sequence[Sequence[int]]
         else:
             out.append(dist.new_group([global_rank(r) for r in ranks]))
     return out
+
+
+def group_collectives(world: Collectives, shard_groups: Sequence[Sequence[int]], group: dist.ProcessGroup | None,
+                      collective: str, record: bool, streams: CudaStreams | None,
+                      links: Links | None) -> tuple[Collectives, Collectives | None]:
+    """This rank's shard group's collectives and its replica group's (rank i of every group; None
+    with one group or groups of different sizes). One group of all ranks is the world itself."""
+    if len(shard_groups) == 1:
+        return world, None
+    size = world.world_size
+    if size != dist.get_world_size():
+        raise ValueError(f"shard groups need the model on every rank of the default process group ({size} of "
+                         f"{dist.get_world_size()} here): their process groups are created by every rank")
+    mine = next(g for g, ranks in enumerate(shard_groups) if world.rank in ranks)
+    comm = Collectives(new_groups(group, shard_groups, size)[mine], collective, record=record,
+                       observers=world.observers, streams=streams, links=links)
+    replicas = replica_ranks(shard_groups)
+    if replicas is None:
+        return comm, None
+    place = shard_groups[mine].index(world.rank)
+    return comm, Collectives(new_groups(group, replicas, size)[place], collective, record=record,
+                             observers=world.observers, links=links)

@@ -77,7 +77,7 @@ from cephalo_lightning.runtime.sharding.grouping import (
 )
 from cephalo_lightning.runtime.sharding.layout import ShardLayout, check_shard_groups, group_layouts
 from cephalo_lightning.runtime.sharding.materialize import UnitMaterializer
-from cephalo_lightning.runtime.sharding.replicas import ReplicaReducer, new_groups, replica_ranks
+from cephalo_lightning.runtime.sharding.replicas import ReplicaReducer, group_collectives
 from cephalo_lightning.runtime.sharding.reshard import reshard
 from cephalo_lightning.runtime.sharding.units import WrapPolicy, check_units_disjoint
 
@@ -153,7 +153,7 @@ class ShardedModel:
             shard_groups if shard_groups is not None else [range(self.world.world_size)], self.world.world_size)
         self.group_index = next(g for g, ranks in enumerate(self.shard_groups) if self.world.rank in ranks)
         self._group_args = (group, collective, record_collectives, streams, links)
-        self.comm, replica = self._group_collectives(*self._group_args)
+        self.comm, replica = group_collectives(self.world, self.shard_groups, *self._group_args)
         self.unit_groups = unit_groups(module, units)
         check_units_disjoint(self.unit_groups)
         slot_groups = group_slots(module, self.unit_groups)
@@ -181,23 +181,6 @@ class ShardedModel:
         self._sync = True
         self._unit_index = {id(unit): index for index, unit in enumerate(self.units)}
         self._hooks = _UniformHooks(self) if hooks else None
-
-    def _group_collectives(self, group: dist.ProcessGroup | None, collective: str, record: bool,
-                           streams: CudaStreams | None, links: Links | None) -> tuple[Collectives, Collectives | None]:
-        """This rank's shard group's collectives and its replica group's (rank i of every group;
-        None with one group or groups of different sizes). One group of all ranks is the world."""
-        if len(self.shard_groups) == 1:
-            return self.world, None
-        size = self.world.world_size
-        shard_pgs = new_groups(group, self.shard_groups, size)
-        comm = Collectives(shard_pgs[self.group_index], collective, record=record, observers=self.observers,
-                           streams=streams, links=links)
-        replicas = replica_ranks(self.shard_groups)
-        if replicas is None:
-            return comm, None
-        place = self.shard_groups[self.group_index].index(self.world.rank)
-        replica_pgs = new_groups(group, replicas, size)
-        return comm, Collectives(replica_pgs[place], collective, record=record, observers=self.observers, links=links)
 
     # ------------------------------------------------------------------ introspection
 
@@ -417,7 +400,7 @@ class ShardedModel:
         self.layout = layouts[self.group_index]
         replica = self.replicas.replica
         if regrouped:
-            self.comm, replica = self._group_collectives(*self._group_args)
+            self.comm, replica = group_collectives(self.world, shard_groups, *self._group_args)
         self.replicas = ReplicaReducer(layouts, shard_groups, self.world, replica, self.device)
 
 
