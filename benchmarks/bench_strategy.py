@@ -1,6 +1,6 @@
 """Lightning strategy benchmark: ``strategy="cephalo"`` (even plan) vs FSDP2 and DDP in ``Trainer.fit``.
 
-    python benchmarks/bench_strategy.py            # 4 rounds x 4 strategies, ~2 minutes on 2 cores
+    python benchmarks/bench_strategy.py            # rounds x 5 strategies, ~2 minutes on 2 cores
     python benchmarks/bench_strategy.py --quick    # 2 rounds, fewer steps; under a minute
     python benchmarks/bench_strategy.py --profile  # also cProfile one cephalo fit's steady steps on rank 0
     python benchmarks/bench_strategy.py --json     # the rows as data
@@ -16,6 +16,9 @@ real ``Trainer.fit`` runs with:
   one shard unit per block plus a root unit, i.e. the same wrapping as the FSDP2 run;
 * ``fsdp2``: Lightning's ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)``; the
   module's ``configure_model`` applies ``fully_shard`` to every block and the root over the CPU mesh;
+* ``cephalo-ddp``: ``CephaloStrategy`` with the even plan's ranks each in a shard group of its own
+  (``shard_group = rank``, share 1): data parallelism, what the planner chooses for a model that fits
+  every rank and no link penalty (no all-gathers; one all-reduce per unit, started in the backward);
 * ``ddp``: ``strategy="ddp"``.
 
 One spawned pair of ranks runs every fit: R rounds, each round one short fit per strategy, the order
@@ -53,8 +56,9 @@ except ImportError:  # run from a checkout without installing
 import _common as common
 
 WORLD = 2
-STRATEGIES = ("cephalo", "cephalo-uniform", "fsdp2", "ddp")
+STRATEGIES = ("cephalo", "cephalo-uniform", "cephalo-ddp", "fsdp2", "ddp")
 GOALS = {"fsdp2": 0.90, "ddp": 1.35}  # cephalo step time at most this multiple of the other strategy's
+DDP_PLAN_GOAL = 1.05  # cephalo under the groups-of-one plan, against DDP
 LOW_QUANTILE = 0.2  # the fastest fifth of the batches: contention from other programs only ever adds time
 
 
@@ -108,13 +112,21 @@ def _fsdp2_module_class() -> type:
     return _FSDP2_CLASS
 
 
-def _strategy(name: str):
+def _strategy(name: str, cfg: Config):
     if name == "cephalo":
         return "cephalo"  # the registered name, default arguments: an even plan made at setup
     if name == "cephalo-uniform":
         from cephalo_lightning import CephaloStrategy
 
         return CephaloStrategy(mode="uniform")
+    if name == "cephalo-ddp":
+        import dataclasses
+
+        from cephalo_lightning import CephaloStrategy, Plan
+
+        even = Plan.even(WORLD, cfg.global_batch)
+        ranks = tuple(dataclasses.replace(r, state_share=1.0, shard_group=r.rank) for r in even.ranks)
+        return CephaloStrategy(plan=dataclasses.replace(even, ranks=ranks))
     if name == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -139,7 +151,7 @@ def _fit(cfg: Config, name: str, profile: bool = False) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     module = _module(cfg, fsdp2=name == "fsdp2")
     trainer = pl.Trainer(
-        strategy=_strategy(name), accelerator="cpu", devices=WORLD, max_steps=cfg.warmup + cfg.measured,
+        strategy=_strategy(name, cfg), accelerator="cpu", devices=WORLD, max_steps=cfg.warmup + cfg.measured,
         precision="32-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
     )
@@ -219,7 +231,7 @@ def summarize(cfg: Config, fits: dict[str, list[dict[str, Any]]]) -> dict[str, A
             "final_loss": [f["loss"] for f in fits[name]],
         })
     ratios = []
-    for num in ("cephalo", "cephalo-uniform"):
+    for num in ("cephalo", "cephalo-uniform", "cephalo-ddp"):
         for den in ("fsdp2", "ddp"):
             if num in fits and den in fits:
                 for key in ("step_s", "iteration_s", "cpu_s"):
@@ -279,6 +291,12 @@ def print_report(result: dict[str, Any]) -> None:
         if goal is not None:
             verdict = "meets" if goal["paired"] <= limit else "MISSES"
             print(f"cephalo / {other} step time = {goal['paired']:.3f} (measured, paired): {verdict} the goal of <= {limit:.2f}.")
+    goal = next((r for r in result["ratios"] if r["numerator"] == "cephalo-ddp" and r["denominator"] == "ddp"
+                 and r["measure"] == "step"), None)
+    if goal is not None:
+        verdict = "meets" if goal["paired"] <= DDP_PLAN_GOAL else "MISSES"
+        print(f"cephalo (groups-of-one plan) / ddp step time = {goal['paired']:.3f} (measured, paired): {verdict} the "
+              f"goal of <= {DDP_PLAN_GOAL:.2f}.")
     print("Per step, cephalo (layered, the default for a module with the layered protocol) runs each rank's one "
           "micro-batch\nwithout recomputing (it keeps the autograd graph), all-gathers every layer in the forward "
           "and again in the\nbackward, reduce-scatters every layer's gradient and all-reduces the loss and the "

@@ -64,7 +64,7 @@ class FitCheckpoints:
         self.plan = plan  # the plan the model is sharded under when a checkpoint is written
         self.writer: BackgroundWriter | None = None
         if config.async_checkpoint:  # collective (the writer's own process group): at setup, on every rank
-            self.writer = BackgroundWriter(sharded, writer_group(sharded.comm.group))
+            self.writer = BackgroundWriter(sharded, writer_group(sharded.world_group))
             rank_zero_info("Cephalo: checkpoints are written in the background (async_checkpoint=True): training "
                            "waits only for the copy to host memory")
 
@@ -102,7 +102,7 @@ class FitCheckpoints:
             return checkpoint.save(path, self.sharded, optimizers, meta, info, self.safe_globals)
         staging = checkpoint.single_file_staging(path)
         checkpoint.save(staging, self.sharded, optimizers, meta, info, self.safe_globals)
-        checkpoint.on_first_rank(self.sharded.comm.group, lambda: self._consolidate(staging, path))
+        checkpoint.on_first_rank(self.sharded.world_group, lambda: self._consolidate(staging, path))
         return path
 
     def _consolidate(self, staging: Path, path: Path) -> None:

@@ -67,7 +67,7 @@ def discovered_check(steps: Any, micro_batch: Any, has_samples: bool, batch_idx:
     """Collective: why the discovered sequence does not hold on some rank (the first such rank's
     reason), or ''. A rank without samples this step takes the structure another rank saw."""
     sharded, discovery = steps.schedule.sharded, steps.model.discovery
-    group = sharded.comm.group
+    group = sharded.world_group
     routed = routed_model(steps.module)  # turned on after setup: the layered loss pass cannot reproduce it
     if routed is not None:
         return router_aux_reason(routed)

@@ -31,6 +31,7 @@ from cephalo_lightning.models import Resolution, hf, weighting
 from cephalo_lightning.models.weighting import Decision
 from cephalo_lightning.planner import Plan
 from cephalo_lightning.runtime import checkpoint
+from cephalo_lightning.runtime.collectives import Links
 from cephalo_lightning.runtime.distributed import broadcast_object, gather_objects
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.emulation.memory import SampledTracking
@@ -54,7 +55,7 @@ class FitRuntime:
 
     def __init__(self, module: pl.LightningModule, plan: Plan, config: StrategyConfig, *, schedule: Schedule,
                  resolution: Resolution, rank: int, device: torch.device, emulator: DeviceEmulator,
-                 collective: str, training_step: Callable[..., Any]) -> None:
+                 collective: str, training_step: Callable[..., Any], links: Links | None = None) -> None:
         check_plan(plan, schedule, resolution, module)  # before any shard is built
         self.module = module
         self.config = config
@@ -65,7 +66,7 @@ class FitRuntime:
         self.weighting = self.loss.weighting
         _say_weighting(self.loss, config.router_aux_loss, module)
         self.layered_model = resolution.layered if schedule == "layered" else None
-        self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model)
+        self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links)
         module.to(device)  # buffers; the local pieces are already there
         if emulator.is_emulated:  # a real device gets no observer at all (no clock, no state)
             self.sharded.observers.attach(emulator)
@@ -172,14 +173,17 @@ def _say_weighting(loss: Decision, router_aux_loss: str, module: pl.LightningMod
 
 
 def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resolution: Resolution,
-           device: torch.device, collective: str, layered: Any) -> ShardedModel:
-    """The module sharded by ``plan``'s state shares, a meta-device model materialised unit by unit."""
+           device: torch.device, collective: str, layered: Any, links: Links | None) -> ShardedModel:
+    """The module sharded by ``plan``'s shard groups and state shares (each group holds a replica),
+    a meta-device model materialised unit by unit; ``links`` slows the collectives crossing
+    emulated links."""
     source = None
     if config.pretrained is not None:
         source = open_weights(config.pretrained, _prefix_of(module, resolution.model))
     try:
         return ShardedModel(
-            module, plan.state_shares, units=layered.units if layered is not None else config.units,
+            module, plan.state_shares, shard_groups=plan.shard_groups, links=links,
+            units=layered.units if layered is not None else config.units,
             collective=collective, compute_dtype=config.param_dtype, prefetch=config.prefetch, device=device,
             overlap=config.overlap,
             materializer=UnitMaterializer(device, init=resolution.init, source=source, seed=config.seed or 0),

@@ -36,7 +36,7 @@ class PlanSwitches:
         optimizer-step boundary); batches already cut keep the old plan. Returns (data epoch, step)."""
         self.check(plan)
         at = torch.tensor(self.plan_state.first_uncut(), dtype=torch.int64)
-        self.sharded.comm.all_reduce_max(at)
+        self.sharded.world.all_reduce_max(at)
         epoch, step = (int(v) for v in at.tolist())
         step = -(-step // accumulate) * accumulate
         self.plan_state.schedule(plan, (epoch, step))
@@ -55,7 +55,7 @@ class PlanSwitches:
         return True
 
     def _reshard(self, version: PlanVersion, optimizers: Sequence[Optimizer]) -> None:
-        self.sharded.reshard(version.plan.state_shares, optimizers)
+        self.sharded.reshard(version.plan.state_shares, optimizers, shard_groups=version.plan.shard_groups)
         self.plan_state.sharded_version = version.version
 
     def next_batch(self) -> CutBatch:

@@ -25,15 +25,17 @@ class _ShardedClipping(Precision):
     (:meth:`shard_over`) gives the global norm.
     """
 
-    comm: Collectives | None = None  # the sharded model's collectives; None: the world group
+    comm: Collectives | None = None  # the sharded model's world collectives; None: the world group
+    contributes: bool = True  # this rank's replica is the one whose norm every replica uses
 
-    def shard_over(self, comm: Collectives) -> None:
-        """Clip over the ranks of ``comm``'s group, the ones the model is sharded across."""
-        self.comm = comm
+    def shard_over(self, comm: Collectives, contributes: bool = True) -> None:
+        """Clip over the ranks of ``comm``'s group, every replica's; with shard groups only one
+        replica's ranks ``contribute`` their shards' norm, so every replica scales alike."""
+        self.comm, self.contributes = comm, contributes
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        clip_grad_norm_(self.main_params(optimizer), float(clip_val), comm=self.comm)
+        clip_grad_norm_(self.main_params(optimizer), float(clip_val), comm=self.comm, contributes=self.contributes)
 
     # clipping by value is elementwise, so each rank clipping its own pieces is already exact
 

@@ -99,7 +99,7 @@ def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bo
     rank's shard non-finite through the reduce-scatter, so the report names the ranks whose loss
     went non-finite (the origin), or, if none did, those whose gradients did.
     """
-    group = sharded.comm.group
+    group = sharded.world_group
     rank, world = rank_and_size(group)
     device = sharded.device
     loss = local_loss.detach().double().reshape(1).to(device)
@@ -180,7 +180,7 @@ class LayeredSteps:
             self.verify_loss = False
             self._verify(parts[0] if parts else batch, has_samples=bool(parts), batch_idx=step.batch_idx)
         shares, total = micro_batch_weights(parts, self.weighting, step.global_batch, self.schedule.device,
-                                           self.schedule.sharded.comm.group)
+                                           self.schedule.sharded.world_group)
         share = self.weighting.share
         if share is not None:  # the model's loss divides by the global items itself: weight 1
             weights = [(1.0 if w else 0.0) / step.accumulate for w in shares]
@@ -211,7 +211,7 @@ class LayeredSteps:
         with self._model_code():
             self.schedule.backward(step.loss_scale)
         sharded = self.schedule.sharded
-        names, sums = self.logs.sums(step.weights, sharded.comm.group) if self.logs is not None else ([], [])
+        names, sums = self.logs.sums(step.weights, sharded.world_group) if self.logs is not None else ([], [])
         report, values = finish_step(step.local_loss * step.accumulate, sharded, step.sync, sums,
                                      signal=step.pending_signal())
         if "train_loss" not in {spec.name for spec in names}:  # the user's own train_loss is relayed instead
@@ -251,7 +251,7 @@ class LayeredSteps:
             if not math.isclose(user_value, derived_value, rel_tol=self.tolerance, abs_tol=self.tolerance):
                 mismatch = 1.0
         flag = [mismatch, float(user) if torch.is_tensor(user) else math.nan, float(derived)]
-        bad = [(r, f) for r, f in enumerate(gather_objects(flag, sharded.comm.group)) if f[0] > 0]
+        bad = [(r, f) for r, f in enumerate(gather_objects(flag, sharded.world_group)) if f[0] > 0]
         if bad:
             rank, (_, got, want) = bad[0]
             raise ConfigurationError(
@@ -312,7 +312,7 @@ class UniformSteps:
     def forward(self, batch: Any, step: TrainingStep) -> Any:
         step.micro_batches = micro_batches(batch, step.rank_plan.micro_batch_sizes)
         step.weights, _ = micro_batch_weights(step.micro_batches, self.weighting, step.global_batch,
-                                              self.sharded.device, self.sharded.comm.group)
+                                              self.sharded.device, self.sharded.world_group)
         self.sharded.gather_root()
         return self._run(step, 0)
 

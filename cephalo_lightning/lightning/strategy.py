@@ -178,7 +178,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                 training_step=self._user_training_step)
             self._adopted(self.fit_runtime.plan)
             if self._precision_plugin is not None:  # always one of ours (the setter converts it)
-                self._precision_plugin.shard_over(self.fit_runtime.sharded.comm)
+                sharded = self.fit_runtime.sharded
+                self._precision_plugin.shard_over(sharded.world, contributes=sharded.group_index == 0)
         else:  # the same module again (e.g. trainer.test after trainer.fit): its whole parameters into the shards
             self.fit_runtime.sharded.take_back()
         self._failed = False

@@ -17,6 +17,15 @@ compute stream waits on an all-gather only where the gathered unit is used
 (:meth:`PendingGather.wait`) and on the reduce-scatters only before the optimizer needs the
 gradients (:meth:`Collectives.wait_reductions`). On gloo (CPU) everything runs in order.
 
+[Note: emulated links] ``links`` (any object with ``seconds(rank, peer_bytes)``, :class:`Links`)
+slows the collectives that cross a slow link: a collective this rank issues at ``t0`` completes no
+earlier than ``t0 + links.seconds(global rank, bytes sent to each global peer)``. A synchronous call
+sleeps the remainder before returning, an asynchronous one in its ``wait()``, so compute that
+overlaps an asynchronous collective hides the link's time, as on hardware. The bytes per peer are
+what the call sends: its split sizes for an ``all_to_all_single``, the (padded) shard to every peer
+for an equal-size all-gather or reduce-scatter, ``2M/k`` to each peer for an all-reduce of ``M``
+bytes over ``k`` ranks.
+
 [Note: memory lifetime across streams] A tensor allocated on one stream and used on another is
 marked with ``record_stream`` for the using stream (the caching allocator then waits for that
 stream before reusing the block). Buffers held by a :class:`PendingGather` stay referenced until
@@ -26,8 +35,10 @@ its ``wait()``, so nothing a collective reads or writes is freed while it is in 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -79,6 +90,35 @@ class CudaStreams:
             yield current
 
 
+class Links(Protocol):
+    """How long this rank's sends of one collective take over the links (e.g. emulated ones)."""
+
+    def seconds(self, rank: int, peer_bytes: Mapping[int, int]) -> float: ...
+
+
+def _sleep_until(deadline: float | None) -> None:
+    if deadline is not None:
+        left = deadline - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
+@dataclass
+class PendingWork:
+    """A collective in flight (or done): ``wait()`` returns once it is complete and its emulated
+    link time, if any, has passed."""
+
+    work: dist.Work | None = None
+    deadline: float | None = None  # perf_counter() time before which the links have not delivered
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        _sleep_until(self.deadline)
+        self.deadline = None
+
+
 @dataclass
 class PendingGather:
     """An all-gather in flight; ``wait()`` makes ``out`` hold the whole unit."""
@@ -89,11 +129,14 @@ class PendingGather:
     unit: UnitLayout | None = None
     source: torch.Tensor | None = None  # the sent shard, kept alive until the collective is done
     stream: torch.cuda.Stream | None = None  # the side stream the copy-in ran on (CUDA)
+    deadline: float | None = None  # see [Note: emulated links]
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        _sleep_until(self.deadline)
+        self.deadline = None
         if self.stream is not None:  # pragma: no cover - CUDA only
             torch.cuda.current_stream(self.out.device).wait_stream(self.stream)
             self.stream = None
@@ -116,10 +159,15 @@ class Collectives:
     log: list[tuple[str, str, int]] = field(default_factory=list)
     observers: Observers = field(default_factory=Observers)
     streams: CudaStreams | None = None
+    links: Links | None = None  # see [Note: emulated links]
 
     def __post_init__(self) -> None:
         self.mode = resolve_mode(self.mode, self.group)
         self.rank, self.world_size = rank_and_size(self.group)
+        # every rank of the group by its global rank (what the links are keyed by)
+        self.global_ranks: tuple[int, ...] = (
+            tuple(dist.get_process_group_ranks(self.group)) if self.group is not None and self.world_size > 1
+            else tuple(range(self.world_size)))
         # Gloo's reduce_scatter_tensor is slower than its all_reduce; all_to_all_single plus a local
         # sum gives the same result 1.6-2x faster, so equal-size reduce-scatters (even units, padded
         # mode) use it on gloo (benchmarks/bench_runtime.py). NCCL keeps reduce_scatter_tensor.
@@ -128,6 +176,19 @@ class Collectives:
     def _note(self, op: str, unit: UnitLayout) -> None:
         if self.record:
             self.log.append((op, unit.name, unit.numel))
+
+    def _deadline(self, sent: list[int], element_size: int) -> float | None:
+        """When a collective issued now, sending ``sent[q]`` elements to group rank q, is complete
+        over the links (None without links or when nothing leaves this rank)."""
+        if self.links is None or self.world_size == 1:
+            return None
+        start = time.perf_counter()
+        peer_bytes = {self.global_ranks[q]: n * element_size for q, n in enumerate(sent) if q != self.rank and n}
+        seconds = self.links.seconds(self.global_ranks[self.rank], peer_bytes) if peer_bytes else 0.0
+        return start + seconds if seconds > 0 else None
+
+    def _equal_sends(self, chunk: int) -> list[int]:
+        return [chunk] * self.world_size
 
     def all_gather(
         self, shard: torch.Tensor, out: torch.Tensor, unit: UnitLayout, async_op: bool = False,
@@ -152,6 +213,18 @@ class Collectives:
         if self.world_size == 1:
             out.copy_(shard)
             return PendingGather(out, source=shard)
+        lo, hi = unit.shard_range(self.rank)
+        per_peer = hi - lo if unit.is_even or self.mode == "exact" else unit.max_shard
+        deadline = self._deadline(self._equal_sends(per_peer), shard.element_size())
+        pending = self._all_gather_issue(shard, out, unit, async_op)
+        if async_op:
+            pending.deadline = deadline
+        else:
+            _sleep_until(deadline)
+        return pending
+
+    def _all_gather_issue(self, shard: torch.Tensor, out: torch.Tensor, unit: UnitLayout,
+                          async_op: bool) -> PendingGather:
         lo, hi = unit.shard_range(self.rank)
         if unit.is_even:
             work = _all_gather_equal(out, shard, group=self.group, async_op=async_op)
@@ -179,7 +252,18 @@ class Collectives:
         """
         self._note("reduce_scatter", unit)
         with self.observers.collective("reduce_scatter", unit.name, unit.numel):
-            return self._reduce_scatter(full, unit)
+            deadline = self._deadline(self._reduce_scatter_sends(unit), full.element_size())
+            shard = self._reduce_scatter(full, unit)
+            _sleep_until(deadline)
+            return shard
+
+    def _reduce_scatter_sends(self, unit: UnitLayout) -> list[int]:
+        """Elements this rank sends to each group rank in the reduce-scatter of ``unit``."""
+        if unit.is_even:
+            return self._equal_sends(unit.numel // max(self.world_size, 1))
+        if self.mode == "exact":
+            return list(unit.shard_sizes)
+        return self._equal_sends(unit.max_shard)
 
     def reduce_scatter_into(self, full: torch.Tensor, unit: UnitLayout, consume) -> None:  # noqa: ANN001
         """Reduce-scatter ``full`` and hand this rank's range to ``consume(shard)``; on CUDA both run
@@ -207,8 +291,8 @@ class Collectives:
 
     def _reduce_scatter(self, full: torch.Tensor, unit: UnitLayout) -> torch.Tensor:
         lo, hi = unit.shard_range(self.rank)
-        if self.world_size == 1:
-            return full[lo:hi].clone()
+        if self.world_size == 1:  # a rank alone: its gradient is the sum (the caller's own tensor)
+            return full if (lo, hi) == (0, full.numel()) else full[lo:hi].clone()
         if unit.is_even:
             return self._reduce_scatter_equal(full)
         if self.mode == "exact":
@@ -237,26 +321,38 @@ class Collectives:
         return out
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            with self.observers.collective("all_reduce", "", tensor.numel()):
-                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        self.start_all_reduce(tensor).wait()
         return tensor
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            with self.observers.collective("all_reduce", "", tensor.numel()):
-                dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        self.start_all_reduce(tensor, dist.ReduceOp.MAX).wait()
         return tensor
 
+    def start_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                         name: str = "") -> PendingWork:
+        """Begin reducing ``tensor`` in place over the group; it holds the result after ``wait()``."""
+        if self.world_size == 1:
+            return PendingWork()
+        if self.record and name:
+            self.log.append(("all_reduce", name, tensor.numel()))
+        with self.observers.collective("all_reduce", name, tensor.numel()):
+            per_peer = 2 * tensor.numel() // self.world_size
+            deadline = self._deadline(self._equal_sends(per_peer), tensor.element_size())
+            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        return PendingWork(work, deadline)
+
     def move(self, source: torch.Tensor, out: torch.Tensor, send_sizes: list[int], receive_sizes: list[int],
-             name: str = "") -> None:
+             name: str = "", recorded_numel: int | None = None) -> None:
         """Send consecutive pieces of ``source`` to ranks 0..W-1 and receive ``out``'s from each
-        (one ``all_to_all_single`` with split sizes; how state moves between two layouts)."""
+        (one ``all_to_all_single`` with split sizes; how state moves between two layouts).
+        ``recorded_numel``: the size the log records (default: what this rank sends)."""
         if self.record:
-            self.log.append(("all_to_all", name, source.numel()))
+            self.log.append(("all_to_all", name, source.numel() if recorded_numel is None else recorded_numel))
         if self.world_size == 1:
             out.copy_(source)
             return
         with self.observers.collective("all_to_all", name, source.numel()):
+            deadline = self._deadline(list(send_sizes), source.element_size())
             dist.all_to_all_single(out, source, output_split_sizes=receive_sizes, input_split_sizes=send_sizes,
                                    group=self.group)
+            _sleep_until(deadline)

@@ -2,8 +2,9 @@
 
 Each helper takes the process group it works over (``None``: the default, world group) and is the
 identity in a single process, so a caller never branches on "is this distributed?" itself. Pass
-the group the model was sharded over (``ShardedModel.comm.group``): a helper that silently used
-the world group while the model lives on a subgroup would mix ranks that do not share the model.
+the group the model spans (``ShardedModel.world_group``, every replica's ranks; ``comm.group`` is
+only this rank's shard group): a helper that silently used the default group while the model lives
+on a subgroup would mix ranks that do not share the model.
 
 Tensor collectives of the sharded state (all-gather, reduce-scatter, their CUDA streams and
 padding) live in :mod:`.collectives`; this module is for the small agreements around them.

@@ -1,8 +1,10 @@
 """Collective save and load of a sharded model's checkpoint, at any layout on either side.
 
 Every collective step (the staging token, the barriers, DCP's planning, the manifest's hashing)
-runs over the process group the model is sharded over (``sharded.comm.group``), and "rank 0"
-means the first rank of that group: a model on a subgroup checkpoints without the other ranks.
+runs over the process group the model is sharded over (``sharded.world_group``, every replica's
+ranks), and "rank 0" means the first rank of that group: a model on a subgroup checkpoints without
+the other ranks. With several shard groups one replica writes (group 0's ranks: the replicas are
+bitwise identical); every rank loads its own pieces, whatever the grouping that wrote them.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
     (the plan). Returns the published path. A save that fails (a full disk: :class:`NoSpaceError`)
     removes what it wrote on every rank alike; the checkpoint already at ``path`` stays as it was.
     """
-    group = sharded.comm.group
+    group = sharded.world_group
     return write_prepared(path, prepare(sharded, optimizers, meta, safe_globals), info, group)
 
 
@@ -103,17 +105,18 @@ def prepare(sharded: ShardedModel, optimizers: Sequence[torch.optim.Optimizer], 
     """Collective (the token): what a save of the model as it is now writes. ``copy``: the tensors
     are copied to host memory (a snapshot that later optimizer steps do not change); otherwise
     they are views of the live pieces and must be written before the model changes."""
-    group = sharded.comm.group
+    group = sharded.world_group
     rank, _ = rank_and_size(group)
     check_loadable(meta, safe_globals)  # fail before writing, on every rank alike
     token = _token(group)
     buffer_entries = replicated_entries({MODEL_PREFIX + k: v for k, v in buffers(sharded).items()}, rank)
-    entries = model_entries(sharded) + buffer_entries
+    writes = sharded.group_index == 0  # one replica writes the pieces
+    entries = (model_entries(sharded) if writes else []) + buffer_entries
     optimizer_info = []
     replicated: dict[str, torch.Tensor] = {}
     for i, optimizer in enumerate(optimizers):
         saved = optimizer_entries(sharded, optimizer, f"optimizer_{i}")
-        entries += saved.entries
+        entries += saved.entries if writes else []
         replicated.update(saved.replicated)
         optimizer_info.append(saved.info)
     entries += replicated_entries(replicated, rank)
@@ -177,10 +180,16 @@ def write_prepared(path: str | Path, prepared: PreparedSave, info: dict[str, Any
 class _Writer(dcp.FileSystemWriter):
     """DCP's writer, with a full disk reported as the OSError it is: torch's zip writer hides it as
     ``enforce fail at inline_container.cc`` (the OSError only as its context, which is lost when
-    DCP hands the failure to the other ranks)."""
+    DCP hands the failure to the other ranks). A rank with nothing to write (a replica that does
+    not write, a rank with an empty share) writes no file: DCP would leave an empty one that its
+    ``.metadata`` does not name."""
 
     @override
     def write_data(self, plan: Any, planner: Any) -> Any:
+        if not plan.items:
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result([])
+            return done
         try:
             return super().write_data(plan, planner)
         except Exception as err:
@@ -266,7 +275,7 @@ def load(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
 
     Returns ``(meta, info)``: Lightning's state and the JSON extras.
     """
-    group = sharded.comm.group
+    group = sharded.world_group
     path = _prepare(path, verify_checksums, group)
     info = read_info(path)
     meta = read_meta(path, safe_globals, trusted)

@@ -119,16 +119,11 @@ class FlatUnit:
         self.trainable = any(self.requires_grad)
         self.num_trainable = sum(self.requires_grad)
         self.observers = observers if observers is not None else Observers()
-        self.full = torch.empty(layout.numel, dtype=compute_dtype, device=self.device)
         self.full_params = [
-            nn.Parameter(self.full[s.offset : s.offset + s.numel].view(s.shape), requires_grad=rg)
+            nn.Parameter(torch.empty(s.shape, dtype=compute_dtype, device=self.device), requires_grad=rg)
             for s, rg in zip(layout.params, self.requires_grad)
         ]
-        # Collectives write through this alias: it shares the storage but not the version counter,
-        # so refilling the buffer for the backward pass does not trip autograd's in-place checks
-        # on tensors it saved in the forward (they are views of the same storage).
-        self._full_raw = self.full.data
-        self._resize(0)
+        self.resident: bool | None = None  # set by _bind_full
         self.state = UnitState.SHARDED
         self._pending: PendingGather | None = None  # the all-gather in flight while GATHERING
         self.grad_state = GradState.IDLE
@@ -147,7 +142,30 @@ class FlatUnit:
                                  requires_grad=requires_grad)
             piece._cephalo_full_shape = span.shape
             self.local_params.append(piece)
+        self._bind_full()
         self.use_local()
+
+    def _bind_full(self) -> None:
+        """Point the full parameters at their buffer. A rank alone in its shard group that computes
+        in the master dtype holds the unit whole: the full parameters are views of the master
+        itself (*resident*), and gathering is only the modules switching to them (no copy, no
+        collective: data parallelism's forward). Otherwise the buffer is allocated while gathered."""
+        resident = self.layout.world_size == 1 and self.compute_dtype == self.master.dtype
+        if resident is self.resident and not resident:
+            return  # keeps its (empty) buffer
+        self.resident = resident
+        if resident:
+            self.full = self.master
+        else:
+            self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
+        for span, param in zip(self.layout.params, self.full_params):
+            param.data = self.full[span.offset : span.offset + span.numel].view(span.shape)
+        # Collectives write through this alias: it shares the storage but not the version counter,
+        # so refilling the buffer for the backward pass does not trip autograd's in-place checks
+        # on tensors it saved in the forward (they are views of the same storage).
+        self._full_raw = self.full.data
+        if not resident:
+            self._resize(0)
 
     def relayout(self, layout: UnitLayout, master: torch.Tensor) -> list[nn.Parameter]:
         """Adopt a new layout of the same unit with this rank's new master shard; returns the old
@@ -199,7 +217,7 @@ class FlatUnit:
     def start_gather(self, comm: Collectives) -> None:
         """SHARDED -> GATHERING: begin filling the full buffer; overlaps with compute where the
         backend allows. A unit already gathering or gathered stays as it is."""
-        if self.state is not UnitState.SHARDED:
+        if self.state is not UnitState.SHARDED or self.resident:
             return
         self._resize(self.full.numel() * self.full.element_size())
         self._pending = comm.all_gather(self.master, self._full_raw, self.layout, async_op=True, dtype=self.compute_dtype)
@@ -223,7 +241,8 @@ class FlatUnit:
         """-> SHARDED: release the full buffer; modules go back to the local pieces."""
         # a prefetch nobody used is waited for first: the all-gather writes into this storage
         self._finish_gather()
-        self._resize(0)
+        if not self.resident:
+            self._resize(0)
         self.state = UnitState.SHARDED
         self.use_local()
 
@@ -245,7 +264,9 @@ class FlatUnit:
         return torch.cat(pieces)
 
     def add_local_grad(self, shard_grad: torch.Tensor) -> None:
-        """Accumulate a reduced shard gradient into the local pieces' ``.grad``."""
+        """Accumulate a reduced shard gradient into the local pieces' ``.grad``. ``shard_grad`` is
+        the caller's to give (a fresh reduction result): a piece without a gradient takes a view of
+        it, not a copy."""
         lo, _ = self.layout.shard_range(self.rank)
         for span, param in zip(self.spans, self.local_params):
             if not param.requires_grad:
@@ -254,6 +275,6 @@ class FlatUnit:
             start = span.offset + a - lo
             piece = shard_grad[start : start + b - a].to(param.dtype).view(param.shape)
             if param.grad is None:
-                param.grad = piece.clone()
+                param.grad = piece
             else:
                 param.grad.add_(piece)

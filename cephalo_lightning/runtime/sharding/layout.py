@@ -6,10 +6,15 @@ the whole model (to the element). Units are filled in order and split EVENLY amo
 still have quota, so the early units take the fast even collectives and the imbalance collects in
 the last units (the reference implementation does the same). Pure Python: the layout is a function
 of the shares and the unit sizes only, so every rank computes the same one without talking.
+
+With shard groups each group lays the whole model out over its own ranks (:func:`group_layouts`);
+the common refinement of the groups' cut points (:func:`refinement`, :func:`replica_pieces`) says
+which rank of every group owns each range, for the sum over the replicas (:mod:`.replicas`).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -154,3 +159,96 @@ def build_layout(
             bounds.append(bounds[-1] + t)
         units.append(UnitLayout(name, tuple(bounds), tuple(spans)))
     return ShardLayout(tuple(float(s) for s in shares), tuple(units))
+
+
+# ---------------------------------------------------------------------------- shard groups
+
+
+def group_layouts(
+    unit_sizes: Sequence[int],
+    shares: Sequence[float],
+    shard_groups: Sequence[Sequence[int]],
+    unit_names: Sequence[str] | None = None,
+    unit_params: Sequence[Sequence[ParamSpan]] | None = None,
+) -> tuple[ShardLayout, ...]:
+    """Every shard group's layout of the same units: group g's ranks split the whole model by their
+    shares (``shares`` has one entry per rank of the world; a group's entries are its ranks')."""
+    return tuple(build_layout(unit_sizes, [shares[r] for r in ranks], unit_names, unit_params)
+                 for ranks in shard_groups)
+
+
+def check_shard_groups(shard_groups: Sequence[Sequence[int]], world_size: int) -> tuple[tuple[int, ...], ...]:
+    """The groups as tuples; every rank of the world in exactly one, each group's ranks ascending
+    (a rank's place in its group is its place among the group's ranks, as process groups number them)."""
+    groups = tuple(tuple(int(r) for r in ranks) for ranks in shard_groups)
+    seen = sorted(r for ranks in groups for r in ranks)
+    if seen != list(range(world_size)) or any(not ranks for ranks in groups):
+        raise ValueError(f"shard groups {[list(g) for g in groups]} must hold every rank 0..{world_size - 1} exactly "
+                         "once, in non-empty groups")
+    for ranks in groups:
+        if list(ranks) != sorted(ranks):
+            raise ValueError(f"shard group {list(ranks)}: list its ranks in ascending order")
+    return groups
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A range of a unit that one rank of every shard group owns whole (a piece of the common
+    refinement of the groups' cut points)."""
+
+    start: int
+    stop: int
+    owners: tuple[int, ...]  # per group, the owning rank's place in that group
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def _owner(bounds: Sequence[int], position: int) -> int:
+    """The rank whose range [bounds[r], bounds[r+1]) holds ``position`` (empty ranges hold nothing)."""
+    return bisect_right(bounds, position) - 1
+
+
+def refinement(units: Sequence[UnitLayout]) -> tuple[Segment, ...]:
+    """The common refinement of one unit's layouts (one per group): every range between two
+    consecutive cut points of any group, with its owner in each group. Pure: every rank computes
+    the same segments alone."""
+    if len({u.numel for u in units}) > 1:
+        raise ValueError(f"unit {units[0].name}: the groups' layouts disagree on its size "
+                         f"({[u.numel for u in units]})")
+    cuts = sorted({c for u in units for c in u.bounds})
+    return tuple(Segment(a, b, tuple(_owner(u.bounds, a) for u in units)) for a, b in zip(cuts, cuts[1:]) if b > a)
+
+
+@dataclass(frozen=True)
+class ReplicaPiece:
+    """A range of a unit whose sum over the groups one leader computes: the owner in group
+    ``leader`` receives the other groups' owners' partial sums, adds them in group order and sends
+    the total back."""
+
+    start: int
+    stop: int
+    leader: int  # the group whose owner sums this piece
+    owners: tuple[int, ...]  # per group, the owning rank's place in that group
+
+
+def replica_pieces(units: Sequence[UnitLayout]) -> tuple[ReplicaPiece, ...]:
+    """Each segment of the refinement split into one near-equal piece per group, piece k led by
+    group k's owner: every rank sums about 1/G of its range and sends and receives about
+    (G-1)/G of it twice (the bandwidth of a reduce-scatter plus an all-gather among the replicas)."""
+    groups = len(units)
+    pieces = []
+    for seg in refinement(units):
+        for k in range(groups):
+            a = seg.start + seg.numel * k // groups
+            b = seg.start + seg.numel * (k + 1) // groups
+            if b > a:
+                pieces.append(ReplicaPiece(a, b, k, seg.owners))
+    return tuple(pieces)
+
+
+def same_bounds(units: Sequence[UnitLayout]) -> bool:
+    """True when every group cuts the unit at the same points (equal groups with equal shares, or
+    groups of one rank): the replicas of each range are then rank i of every group."""
+    return len({u.bounds for u in units}) == 1

@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cephalo_lightning.runtime.batching import tensors_in
-from cephalo_lightning.runtime.collectives import Collectives, CudaStreams
+from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Links
 from cephalo_lightning.runtime.observers import Observer, Observers
 from cephalo_lightning.runtime.sharding import handback
 from cephalo_lightning.runtime.sharding.clip import clip_grad_norm_, local_grad_norm
@@ -75,8 +75,9 @@ from cephalo_lightning.runtime.sharding.grouping import (
     unit_names,
     unit_spans,
 )
-from cephalo_lightning.runtime.sharding.layout import ShardLayout, build_layout
+from cephalo_lightning.runtime.sharding.layout import ShardLayout, check_shard_groups, group_layouts
 from cephalo_lightning.runtime.sharding.materialize import UnitMaterializer
+from cephalo_lightning.runtime.sharding.replicas import ReplicaReducer, group_collectives
 from cephalo_lightning.runtime.sharding.reshard import reshard
 from cephalo_lightning.runtime.sharding.units import WrapPolicy, check_units_disjoint
 
@@ -96,6 +97,16 @@ class Mode(enum.Enum):
 class ShardedModel:
     """``module`` with its parameters sharded across ``group`` by ``shares``.
 
+    ``shard_groups`` (the ranks of each group, ascending; None: one group of all ranks) splits the
+    ranks into shard groups that each hold one whole replica between them, by their ranks' shares
+    (``shares`` has one entry per rank of ``group``; a group's entries sum to 1). :attr:`comm` is this
+    rank's shard group's collectives (gathers and reduce-scatters), :attr:`world` those of ``group``,
+    the group spanning every replica: what every agreement between ranks must use (loss and sample
+    sums, flags, checkpoints). Gradients are summed over the groups exactly (:mod:`.replicas`), so
+    the replicas stay bitwise identical. Every rank of the default process group must build the
+    model alike (the shard groups' process groups are created collectively). ``links`` slows the
+    collectives crossing emulated links (see :class:`~cephalo_lightning.runtime.collectives.Links`).
+
     After construction ``module.parameters()`` yields this rank's local pieces (possibly empty),
     keyed by the original names: build the optimizer from them. ``units`` is a wrap policy
     (:func:`~.units.find_units`) or, for a schedule, the units themselves (a module or a group of
@@ -109,6 +120,8 @@ class ShardedModel:
         *,
         units: WrapPolicy | Units = None,
         group: dist.ProcessGroup | None = None,
+        shard_groups: Sequence[Sequence[int]] | None = None,
+        links: Links | None = None,
         collective: str = "auto",
         compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
@@ -129,18 +142,27 @@ class ShardedModel:
         first = next(iter(module.parameters()), None)
         self.device = torch.device(device) if device is not None else (
             first.device if first is not None and not first.is_meta else torch.device("cpu"))
-        self.comm = Collectives(group, collective, record=record_collectives, observers=self.observers,
-                                streams=CudaStreams.for_device(self.device, overlap))
-        if len(shares) != self.comm.world_size:
+        streams = CudaStreams.for_device(self.device, overlap)
+        self.world = Collectives(group, collective, record=record_collectives, observers=self.observers,
+                                 streams=streams, links=links)
+        if len(shares) != self.world.world_size:
             raise ValueError(
-                f"{len(shares)} state shares for a world of {self.comm.world_size} ranks: give one share per rank"
+                f"{len(shares)} state shares for a world of {self.world.world_size} ranks: give one share per rank"
             )
+        self.shard_groups = check_shard_groups(
+            shard_groups if shard_groups is not None else [range(self.world.world_size)], self.world.world_size)
+        self.group_index = next(g for g, ranks in enumerate(self.shard_groups) if self.world.rank in ranks)
+        self._group_args = (group, collective, record_collectives, streams, links)
+        self.comm, replica = group_collectives(self.world, self.shard_groups, *self._group_args)
         self.unit_groups = unit_groups(module, units)
         check_units_disjoint(self.unit_groups)
         slot_groups = group_slots(module, self.unit_groups)
         spans = [unit_spans(slots) for slots in slot_groups]
-        self.layout: ShardLayout = build_layout([sum(s.numel for s in unit) for unit in spans], list(shares),
-                                                unit_names(module, self.unit_groups), spans)
+        self.layouts: tuple[ShardLayout, ...] = group_layouts(
+            [sum(s.numel for s in unit) for unit in spans], list(shares), self.shard_groups,
+            unit_names(module, self.unit_groups), spans)
+        self.layout: ShardLayout = self.layouts[self.group_index]  # this rank's group's
+        self.replicas = ReplicaReducer(self.layouts, self.shard_groups, self.world, replica, self.device)
         self.reduce_dtype = reduce_dtype
         materializer = materializer or UnitMaterializer(self.device)
         buffers = buffers_by_unit(module, self.unit_groups)
@@ -157,17 +179,25 @@ class ShardedModel:
         self.prefetch = prefetch
         self.mode = Mode.HOOKS
         self._sync = True
+        self._unit_index = {id(unit): index for index, unit in enumerate(self.units)}
         self._hooks = _UniformHooks(self) if hooks else None
 
     # ------------------------------------------------------------------ introspection
 
     @property
     def rank(self) -> int:
-        return self.comm.rank
+        """This rank's place in the world (``group``); its place in its shard group is ``comm.rank``."""
+        return self.world.rank
 
     @property
     def world_size(self) -> int:
-        return self.comm.world_size
+        """Every rank of every replica; the shard group's size is ``comm.world_size``."""
+        return self.world.world_size
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """The process group spanning every replica: what agreements between all ranks use."""
+        return self.world.group
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's local pieces (what the optimizer should own)."""
@@ -246,10 +276,13 @@ class ShardedModel:
         if not unit.trainable:
             return
         full_grad = unit.take_full_grad(self.reduce_dtype)
-        self.comm.reduce_scatter_into(full_grad, unit.layout, unit.add_local_grad)
+        summed = partial(self.replicas.reduce, self._unit_index[id(unit)], unit.layout, consume=unit.add_local_grad)
+        self.comm.reduce_scatter_into(full_grad, unit.layout, summed)
 
     def wait_reductions(self) -> None:
-        """The gradients of every reduced unit are ready for the optimizer (a no-op on CPU)."""
+        """The gradients of every reduced unit are ready for the optimizer: the cross-group
+        all-reduces in flight are done (on CUDA, the reduce-scatter stream is joined)."""
+        self.replicas.wait()
         self.comm.wait_reductions([p.grad for p in self.parameters() if p.grad is not None])
 
     def finish_backward(self) -> None:
@@ -277,8 +310,9 @@ class ShardedModel:
         return local_grad_norm(self.parameters(), norm_type, self.device)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the norm of the WHOLE model's gradient, summed across the uneven shards."""
-        return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.comm)
+        """Clip by the norm of the WHOLE model's gradient, summed across the uneven shards (group 0's
+        shards, summed over the world, so every replica scales by the same bits)."""
+        return clip_grad_norm_(self.parameters(), max_norm, norm_type, self.world, contributes=self.group_index == 0)
 
     # ------------------------------------------------------------------ full parameters
 
@@ -350,10 +384,24 @@ class ShardedModel:
         if self.mode in (Mode.HANDED_BACK, Mode.PARKED):
             self.mode = Mode.HOOKS
 
-    def reshard(self, shares: Sequence[float], optimizers: Sequence[torch.optim.Optimizer] = ()) -> ShardLayout:
+    def reshard(self, shares: Sequence[float], optimizers: Sequence[torch.optim.Optimizer] = (),
+                shard_groups: Sequence[Sequence[int]] | None = None) -> ShardLayout:
         """Collective: move every rank's state (master shards, optimizer state) onto the layout of
-        new ``shares``, in place, by the overlap of old and new ranges (:mod:`.reshard`)."""
-        return reshard(self, shares, optimizers)
+        new ``shares`` (and ``shard_groups``; None keeps the groups), in place, by the overlap of
+        old and new ranges (:mod:`.reshard`)."""
+        return reshard(self, shares, optimizers, shard_groups)
+
+    def adopt_layouts(self, shard_groups: tuple[tuple[int, ...], ...], layouts: tuple[ShardLayout, ...]) -> None:
+        """After the state moved (:mod:`.reshard`): the new groups' layouts, collectives and reducer
+        (collective when the grouping changes: the new process groups are created by every rank)."""
+        regrouped = shard_groups != self.shard_groups
+        self.shard_groups, self.layouts = shard_groups, layouts
+        self.group_index = next(g for g, ranks in enumerate(shard_groups) if self.world.rank in ranks)
+        self.layout = layouts[self.group_index]
+        replica = self.replicas.replica
+        if regrouped:
+            self.comm, replica = group_collectives(self.world, shard_groups, *self._group_args)
+        self.replicas = ReplicaReducer(layouts, shard_groups, self.world, replica, self.device)
 
 
 class _UniformHooks:

@@ -1,0 +1,206 @@
+"""Summing a unit's reduced gradient over the shard groups, exactly, so every replica holds the same.
+
+Each shard group holds one whole replica of the training state, split by its own shares. After the
+in-group reduce-scatter, rank i of group g holds its group's gradient sum over its range; the
+model's gradient is the sum of those over the groups. Groups cut the unit at different points, so
+the pieces do not line up: the sum runs over the common refinement of every group's cut points
+(:func:`~.layout.replica_pieces`). Each refinement segment is split into one piece per group; the
+owner of piece k in group k is its *leader*. Two ``all_to_all_single`` on the world group do it:
+every owner sends its partial sum of a piece to the piece's leader, the leader adds the groups' sums
+in group order (0, 1, ...) and sends the total back. Every replica of an element then holds the
+very bits its leader computed.
+
+When every group cuts a unit at the same points (groups of one rank, or equal groups with equal
+shares: HSDP), the replicas of a range are rank i of every group and one ``all_reduce`` over that
+*replica group* does the same (its result is the same on every rank of it). That all-reduce is
+started as soon as the in-group reduction is done and waited for in :meth:`ReplicaReducer.wait`,
+before the optimizer: with groups of one rank this is data parallelism's overlapped all-reduce.
+
+Every rank issues the same collectives for the same units in the same order (the choice between the
+two ways is a pure function of the layouts), including ranks whose range of a unit is empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Links, PendingWork
+from cephalo_lightning.runtime.sharding.layout import ShardLayout, UnitLayout, replica_pieces, same_bounds
+
+Consume = Callable[[torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """One unit's leader exchange, seen from one rank (all indices are offsets into its range)."""
+
+    send_index: torch.Tensor  # what goes to the leaders, by destination (world order), then position
+    send_sizes: tuple[int, ...]  # per world rank
+    receive_sizes: tuple[int, ...]  # per world rank: the other groups' partial sums of the pieces it leads
+    led_index: torch.Tensor  # the elements this rank leads, in position order
+    from_group: tuple[torch.Tensor | None, ...]  # per group: where in the receive buffer each led element's
+    #                                              partial sum is (None: this rank's own group)
+    receive_slot: torch.Tensor  # per received element: its place among the led elements
+
+
+def _exchange(units: Sequence[UnitLayout], shard_groups: Sequence[Sequence[int]], group_of: Sequence[int],
+              rank: int, device: torch.device) -> _Exchange:
+    world = len(group_of)
+    mine = group_of[rank]
+    place = shard_groups[mine].index(rank)
+    lo = units[mine].bounds[place]
+    sends: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    receives: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]  # (start, stop, led offset)
+    led: list[tuple[int, int]] = []
+    led_numel = 0
+    for piece in replica_pieces(units):
+        if piece.owners[mine] != place:
+            continue
+        if piece.leader == mine:
+            led.append((piece.start, piece.stop))
+            for g, ranks in enumerate(shard_groups):
+                if g != mine:
+                    receives[ranks[piece.owners[g]]].append((piece.start, piece.stop, led_numel))
+            led_numel += piece.stop - piece.start
+        else:
+            sends[shard_groups[piece.leader][piece.owners[piece.leader]]].append((piece.start, piece.stop))
+
+    def offsets(ranges: Sequence[tuple[int, int]]) -> list[int]:
+        return [i - lo for a, b in ranges for i in range(a, b)]
+
+    send_index = offsets([r for per_rank in sends for r in per_rank])
+    slots: list[int] = []
+    from_group = [[0] * led_numel if g != mine else None for g in range(len(shard_groups))]
+    for source in range(world):
+        for a, b, at in receives[source]:
+            for t in range(b - a):
+                from_group[group_of[source]][at + t] = len(slots)
+                slots.append(at + t)
+
+    def index(values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return _Exchange(index(send_index), tuple(sum(b - a for a, b in per) for per in sends),
+                     tuple(sum(b - a for a, b, _ in per) for per in receives), index(offsets(led)),
+                     tuple(index(f) if f is not None else None for f in from_group), index(slots))
+
+
+class ReplicaReducer:
+    """The cross-group sum of every unit's reduced gradient for one rank (see the module notes).
+
+    ``layouts``: every shard group's layout (group order); ``world``: the collectives of the group
+    spanning all replicas; ``replica``: those of this rank's replica group (rank i of every group),
+    or None when the groups differ in size (no unit can then be cut alike).
+    """
+
+    def __init__(self, layouts: Sequence[ShardLayout], shard_groups: Sequence[Sequence[int]], world: Collectives,
+                 replica: Collectives | None, device: torch.device) -> None:
+        self.world = world
+        self.replica = replica
+        self.num_groups = len(shard_groups)
+        group_of = [0] * world.world_size
+        for g, ranks in enumerate(shard_groups):
+            for r in ranks:
+                group_of[r] = g
+        self._plans: list[_Exchange | None] = []  # per unit; None: all-reduce over the replica group
+        for units in zip(*(layout.units for layout in layouts)):
+            if self.num_groups == 1 or same_bounds(units):
+                self._plans.append(None)
+            else:
+                self._plans.append(_exchange(units, shard_groups, group_of, world.rank, device))
+        self._pending: list[tuple[PendingWork, torch.Tensor, Consume]] = []
+
+    @property
+    def active(self) -> bool:
+        return self.num_groups > 1
+
+    def uses_all_reduce(self, index: int) -> bool:
+        return self.active and self._plans[index] is None
+
+    def reduce(self, index: int, unit: UnitLayout, shard: torch.Tensor, consume: Consume) -> None:
+        """Sum unit ``index``'s group-reduced ``shard`` over the groups and hand it to ``consume``:
+        at once after the leader exchange, or in :meth:`wait` after an all-reduce started now."""
+        if not self.active:
+            consume(shard)
+            return
+        plan = self._plans[index]
+        if plan is None:
+            assert self.replica is not None
+            self._pending.append((self.replica.start_all_reduce(shard, name=f"replicas:{unit.name}"), shard, consume))
+            return
+        consume(self._exchange(plan, unit, shard))
+
+    @torch.no_grad()
+    def _exchange(self, plan: _Exchange, unit: UnitLayout, shard: torch.Tensor) -> torch.Tensor:
+        partial = torch.empty(sum(plan.receive_sizes), dtype=shard.dtype, device=shard.device)
+        self.world.move(shard.index_select(0, plan.send_index), partial, list(plan.send_sizes),
+                        list(plan.receive_sizes), name=f"replicas:{unit.name}",
+                        recorded_numel=unit.numel)
+        total: torch.Tensor | None = None
+        for source in plan.from_group:  # in group order, so every leader adds alike
+            part = shard.index_select(0, plan.led_index) if source is None else partial.index_select(0, source)
+            total = part if total is None else total + part
+        assert total is not None
+        back = torch.empty(plan.send_index.numel(), dtype=shard.dtype, device=shard.device)
+        self.world.move(total.index_select(0, plan.receive_slot), back, list(plan.receive_sizes),
+                        list(plan.send_sizes), name=f"replicas:{unit.name}:back", recorded_numel=unit.numel)
+        out = shard.clone()
+        out.index_copy_(0, plan.send_index, back)
+        out.index_copy_(0, plan.led_index, total)
+        return out
+
+    def wait(self) -> None:
+        """Every started all-reduce is done and consumed (in the order they were started)."""
+        pending, self._pending = self._pending, []
+        for work, shard, consume in pending:
+            work.wait()
+            consume(shard)
+
+
+def replica_ranks(shard_groups: Sequence[Sequence[int]]) -> list[tuple[int, ...]] | None:
+    """Rank i of every group, for each i, when the groups are all the same size (else None)."""
+    sizes = {len(ranks) for ranks in shard_groups}
+    if len(sizes) != 1:
+        return None
+    return [tuple(ranks[i] for ranks in shard_groups) for i in range(sizes.pop())]
+
+
+def new_groups(group: dist.ProcessGroup | None, members: Sequence[Sequence[int]], world_size: int) -> list[dist.ProcessGroup | None]:
+    """One process group per entry of ``members`` (ranks of ``group``); every rank creates every one,
+    in the same order, as ``new_group`` requires. A group of all ranks is ``group`` itself."""
+    def global_rank(r: int) -> int:
+        return dist.get_global_rank(group, r) if group is not None else r
+
+    out = []
+    for ranks in members:
+        if len(ranks) == world_size:
+            out.append(group)
+        else:
+            out.append(dist.new_group([global_rank(r) for r in ranks]))
+    return out
+
+
+def group_collectives(world: Collectives, shard_groups: Sequence[Sequence[int]], group: dist.ProcessGroup | None,
+                      collective: str, record: bool, streams: CudaStreams | None,
+                      links: Links | None) -> tuple[Collectives, Collectives | None]:
+    """This rank's shard group's collectives and its replica group's (rank i of every group; None
+    with one group or groups of different sizes). One group of all ranks is the world itself."""
+    if len(shard_groups) == 1:
+        return world, None
+    size = world.world_size
+    if size != dist.get_world_size():
+        raise ValueError(f"shard groups need the model on every rank of the default process group ({size} of "
+                         f"{dist.get_world_size()} here): their process groups are created by every rank")
+    mine = next(g for g, ranks in enumerate(shard_groups) if world.rank in ranks)
+    comm = Collectives(new_groups(group, shard_groups, size)[mine], collective, record=record,
+                       observers=world.observers, streams=streams, links=links)
+    replicas = replica_ranks(shard_groups)
+    if replicas is None:
+        return comm, None
+    place = shard_groups[mine].index(world.rank)
+    return comm, Collectives(new_groups(group, replicas, size)[place], collective, record=record,
+                             observers=world.observers, links=links)
