@@ -2,7 +2,6 @@
 
     python benchmarks/bench_topology.py              # 2 rounds per cluster; several minutes on 2 cores
     python benchmarks/bench_topology.py --quick      # 1 round, fewer batches
-    python benchmarks/bench_topology.py --check      # which pieces this checkout has, nothing run
     python benchmarks/bench_topology.py --profile-only  # measure the links, profile and plan; no fits
     python benchmarks/bench_topology.py --json       # the rows as data
 
@@ -32,18 +31,11 @@ Figures: MEASURED step = ``on_train_batch_start`` -> ``on_train_batch_end``, max
 batch, median over the measured batches (the first ``warmup`` of every fit skipped); PREDICTED =
 the planner's cost model on the profiled (emulated) cluster. Measured ratios are medians of
 per-round ratios (fits run seconds apart).
-
-It needs the group-aware planner (``hsdp-even`` / ``ddp-even``), a runtime that runs shard groups
-(``ShardedModel(shard_groups=...)``) and emulated links in the runtime's collectives
-(``Collectives(links=...)``, passed from ``lightning/fit.py``): ``--check`` says which are
-missing, and without them only ``--profile-only`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -88,30 +80,6 @@ QUICK = Config(rounds=1, measured=4)
 
 
 # ----------------------------------------------------------------------------- what this checkout has
-
-
-def missing_pieces() -> list[str]:
-    """The pieces the fits need that this checkout lacks, each with what would provide it."""
-    from cephalo_lightning.planner.solver import PLANNERS
-    from cephalo_lightning.runtime.collectives import Collectives
-    from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
-
-    missing = []
-    absent = [name for name in ("hsdp-even", "ddp-even") if name not in PLANNERS]
-    if absent:
-        missing.append(f"the planner has no baseline(s) {absent} (planner.solver.PLANNERS = {PLANNERS}): the "
-                       "group-aware planner provides them")
-    if "shard_groups" not in inspect.signature(ShardedModel).parameters:
-        missing.append("ShardedModel takes no shard_groups: the runtime cannot run a plan with more than one "
-                       "shard group")
-    if "links" not in {f.name for f in dataclasses.fields(Collectives)}:
-        missing.append("Collectives takes no links: the emulated inter-node link would not slow training")
-    import cephalo_lightning.lightning.fit as fit
-
-    if "links_from_emulation" not in inspect.getsource(fit):
-        missing.append("lightning/fit.py does not build links_from_emulation(...) from the strategy's emulate= "
-                       "specs for ShardedModel(links=...)")
-    return missing
 
 
 # ----------------------------------------------------------------------------- the clusters
@@ -334,16 +302,11 @@ def _combine(cfg: Config, per_rank: list[dict[str, Any]], key: str) -> dict[str,
 
 def run_benchmark(cfg: Config = Config()) -> dict[str, Any]:
     """Measure the host's link, then profile, plan and fit both clusters (one spawn of 4 gloo ranks)."""
-    missing = missing_pieces()
-    if missing and not cfg.profile_only:
-        raise SystemExit("bench_topology cannot fit grouped plans over emulated links in this checkout:\n  - "
-                         + "\n  - ".join(missing) + "\nRun it after those land, or with --profile-only (links, "
-                         "profile, plans; no fits).")
     start, load = time.perf_counter(), common.load_average()
     per_rank = common.run_ranks(_rank_main, WORLD, cfg, threads=cfg.threads)
     result: dict[str, Any] = {
         "config": asdict(cfg), "environment": common.environment_note(cfg.threads), "emulated": True,
-        "missing": missing, "host_link_gbps": per_rank[0]["host_link_gbps"],
+        "host_link_gbps": per_rank[0]["host_link_gbps"],
         "inter_node_gbps": per_rank[0]["inter_node_gbps"], "topology": _combine(cfg, per_rank, "topology"),
     }
     if cfg.fits_everywhere:
@@ -405,8 +368,6 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"demo GPTModule ({cfg['preset']}), seq {cfg['seq_len']}, global batch {cfg['global_batch']}, AdamW, 32-true, "
           f"layered; {cfg['rounds']} round(s) x one fit per plan, {cfg['warmup']} warm-up + {cfg['measured']} "
           "measured batches per fit.\n")
-    if result["missing"]:
-        print("MISSING in this checkout (so no fits ran):\n  - " + "\n  - ".join(result["missing"]) + "\n")
     _print_cluster("Cluster 1: 2 emulated nodes, heterogeneous slowdowns and memories, slow inter-node link",
                    result["topology"])
     if "fits_everywhere" in result:
@@ -435,16 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 round, fewer batches")
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
-    parser.add_argument("--check", action="store_true", help="say which pieces this checkout lacks; run nothing")
     parser.add_argument("--profile-only", action="store_true", help="measure the links, profile and plan; no fits")
     parser.add_argument("--no-second", action="store_true", help="skip the cluster that fits everywhere")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
-    if args.check:
-        missing = missing_pieces()
-        print("bench_topology: every piece is there" if not missing else
-              "bench_topology is missing:\n  - " + "\n  - ".join(missing))
-        return 0 if not missing else 2
     cfg = QUICK if args.quick else Config()
     overrides: dict[str, Any] = {"profile_only": args.profile_only, "fits_everywhere": not args.no_second}
     if args.rounds:

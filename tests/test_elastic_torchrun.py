@@ -31,7 +31,6 @@ How torchrun behaves here, and what the run is set up for (torch 2.13, read from
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

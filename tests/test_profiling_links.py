@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from cephalo_lightning.planner.cluster import Emulation, Settings, cluster_to_dict
+from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions
 from cephalo_lightning.profiling.collectives import CollectiveProfile
 from cephalo_lightning.profiling.devices import measured_settings
-from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions
 from cephalo_lightning.profiling.topology import LinkProfile, NodeClue, Topology, find_nodes, node_clue
 from tests.distributed import run_distributed
 from tests.test_profiling import sample_tokens, tiny_gpt

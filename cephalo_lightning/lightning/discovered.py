@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch
 
 from cephalo_lightning.lightning._private import LoggedValue, captured_logs, logged_values, logging_as
-from cephalo_lightning.models.discovery import router_aux_reason, routed_model
+from cephalo_lightning.models.discovery import routed_model, router_aux_reason
 from cephalo_lightning.runtime.distributed import Group, gather_objects
 from cephalo_lightning.runtime.layered import Layer
 

@@ -58,7 +58,8 @@ from cephalo_lightning.lightning.steps import AlreadyGlobal, TrainingStep
 from cephalo_lightning.models import resolve
 from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.runtime.collectives import resolve_mode
-from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, emulator_for_rank
+from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, emulator_for_rank, parse_emulation_specs
+from cephalo_lightning.runtime.emulation.links import EmulatedLinks, links_from_emulation
 from cephalo_lightning.runtime.sampler import evaluation_loader, planned_loader, shuffles
 from cephalo_lightning.runtime.sharding.weights import check_readable
 
@@ -99,6 +100,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         self.config = StrategyConfig.build(**options)
         self.plan, self.cluster = self.config.plan, self.config.cluster  # the plan in force; the callback's cluster
         self.emulator = DeviceEmulator()
+        self.links: EmulatedLinks | None = None
         self.fit_runtime: FitRuntime | None = None
         self.provisional_layout: str | None = None  # "memory": a plan follows (CephaloCallback)
         self._failures: FailureReport | None = None
@@ -137,6 +139,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         self._init_process_group()
         self.emulator = emulator_for_rank(self.emulate, self.global_rank, self.world_size,
                                           synchronize_cuda=self.root_device.type == "cuda")
+        # collectives crossing emulated nodes are slowed to the emulated link (None: no nodes named)
+        self.links = links_from_emulation(parse_emulation_specs(self.emulate, self.world_size))
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -175,7 +179,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             self.fit_runtime = FitRuntime(
                 module, plan, self.config, schedule=schedule, resolution=resolution, rank=self.global_rank,
                 device=self.root_device, emulator=self.emulator, collective=self.collective,
-                training_step=self._user_training_step)
+                training_step=self._user_training_step, links=self.links)
             self._adopted(self.fit_runtime.plan)
             if self._precision_plugin is not None:  # always one of ours (the setter converts it)
                 sharded = self.fit_runtime.sharded

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
-from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES, Collectives
+from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES, Collectives, Links
 from cephalo_lightning.runtime.distributed import all_reduce_, barrier, is_distributed
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.sharding.layout import UnitLayout, build_layout
@@ -88,6 +88,7 @@ def time_collectives(
     reduce_dtype: torch.dtype = torch.float32,
     modes: Sequence[str] = ("padded",),
     shares: Sequence[float] | None = None,
+    links: Links | None = None,
     warmup: int = 1,
     repeats: int = 5,
 ) -> CollectiveProfile:
@@ -114,9 +115,9 @@ def time_collectives(
     even = build_layout([numel], [1.0 / world] * world, ["profiled-unit"]).units[0]
     uneven = even if shares is None else build_layout([numel], list(shares), ["profiled-unit"]).units[0]
     mode = modes[0] if modes else "padded"
-    ag, rs = _time_unit(Collectives(group, mode), even, device, compute_dtype, reduce_dtype, warmup, repeats)
+    ag, rs = _time_unit(Collectives(group, mode, links=links), even, device, compute_dtype, reduce_dtype, warmup, repeats)
     by_mode = {
-        mode: _time_unit(Collectives(group, mode), uneven, device, compute_dtype, reduce_dtype, warmup, repeats)
+        mode: _time_unit(Collectives(group, mode, links=links), uneven, device, compute_dtype, reduce_dtype, warmup, repeats)
         if shares is not None else (ag, rs)
         for mode in modes
     }
@@ -159,6 +160,7 @@ def time_overlap(
     group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
     emulator: DeviceEmulator | None = None,
+    links: Links | None = None,
     compute_dtype: torch.dtype = torch.float32,
     mode: str = "padded",
     repeats: int = 5,
@@ -175,7 +177,7 @@ def time_overlap(
         return 1.0
     device = torch.device(device)
     world = dist.get_world_size(group)
-    comm = Collectives(group, mode)
+    comm = Collectives(group, mode, links=links)
     unit = build_layout([numel], [1.0 / world] * world, ["profiled-unit"]).units[0]
     lo, hi = unit.shard_range(comm.rank)
     shard = torch.ones(hi - lo, dtype=compute_dtype, device=device)

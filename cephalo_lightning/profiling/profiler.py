@@ -74,7 +74,7 @@ from cephalo_lightning.profiling.topology import LinkProfile, Topology, find_nod
 from cephalo_lightning.profiling.turns import TurnTaker
 from cephalo_lightning.runtime.distributed import broadcast_object, gather_objects, rank_and_size
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, EmulationSpec, parse_emulation_specs
-from cephalo_lightning.runtime.emulation.links import links_from_emulation
+from cephalo_lightning.runtime.emulation.links import EmulatedLinks, links_from_emulation
 from cephalo_lightning.runtime.layered import Layer
 
 log = logging.getLogger(__name__)
@@ -323,7 +323,7 @@ class ClusterProfiler:
             comm, overlap = None, None
             if with_comm:
                 progress.phase("timing all-gather / reduce-scatter")
-                comm, overlap = self._time_collectives(profiles[leaders[0]])
+                comm, overlap = self._time_collectives(profiles[leaders[0]], links)
                 progress.phase_done()
             if with_links:
                 progress.phase(f"timing the links within and between {topology.num_nodes} nodes ({topology.source})")
@@ -355,8 +355,10 @@ class ClusterProfiler:
                 return run(step)
         return run(turns or (lambda fn: fn()))
 
-    def _time_collectives(self, profile: ModelProfile | None) -> tuple[CollectiveProfile, float]:
-        """The even times, the uneven ones (for the slope), and the overlap with compute."""
+    def _time_collectives(self, profile: ModelProfile | None, links: EmulatedLinks | None
+                          ) -> tuple[CollectiveProfile, float]:
+        """The even times, the uneven ones (for the slope), and the overlap with compute, over the
+        world's links (emulated ones included: the planner scales the world's figures by link class)."""
         assert profile is not None  # rank 0 always measures or shares a leader's profile
         numel = math.ceil(sum(profile.layer_numels) / profile.num_layers)
         numel = max(self.world_size, math.ceil(numel / self.world_size) * self.world_size)  # an even unit
@@ -365,9 +367,9 @@ class ClusterProfiler:
         comm = time_collectives(
             numel, group=self.group, device=device, compute_dtype=self._compute_dtype(),
             modes=self.options.collective_modes, shares=skewed_shares(self.world_size),
-            repeats=self.options.collective_repeats,
+            repeats=self.options.collective_repeats, links=links,
         )
-        overlap = time_overlap(numel, group=self.group, device=self.device, emulator=self.emulator,
+        overlap = time_overlap(numel, group=self.group, device=self.device, emulator=self.emulator, links=links,
                                compute_dtype=self._compute_dtype(), mode=self.options.collective_modes[0],
                                repeats=self.options.collective_repeats)
         return comm, overlap

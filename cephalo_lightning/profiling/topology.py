@@ -18,7 +18,6 @@ across the nodes (inter-node, the traffic of a cross-group reduction), every gro
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -119,20 +118,6 @@ class LinkProfile:
     emulated: bool  # the inter-node link is emulated (EmulatedLinks), not a real network
 
 
-def _wait_for_links(links: EmulatedLinks | None, rank: int, peer_bytes: Mapping[int, int], started: float) -> None:
-    """Hold a finished collective until the emulated link would have delivered its bytes.
-
-    The same rule as the runtime's emulated links (a collective issued at ``started`` completes no
-    earlier than ``started + links.seconds(...)``), applied after the call returns; with links
-    given to the collectives themselves the remainder is already zero.
-    """
-    if links is None:
-        return
-    left = started + links.seconds(rank, peer_bytes) - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
-
-
 def _subgroups(members: Sequence[Sequence[int]], group: dist.ProcessGroup | None) -> list[dist.ProcessGroup | None]:
     """A process group for every list of ranks (of ``group``) with two or more; every rank creates
     every one, in the same order."""
@@ -161,16 +146,9 @@ def _time_class(
         unit = build_layout([shard_numel * size], [1.0 / size] * size, ["link-probe"]).units[0]
         shard = torch.ones(shard_numel, dtype=torch.float32, device=device)
         full = torch.empty(unit.numel, dtype=torch.float32, device=device)
-        comm = Collectives(sub, "padded")
+        comm = Collectives(sub, "padded", links=links)  # the emulated link holds what crosses nodes
         sent = shard_numel * 4
-        peer_bytes = {peer: sent for peer in ranks if peer != rank}
-
-        def gather() -> None:
-            started = time.perf_counter()
-            comm.all_gather(shard, full, unit).wait()
-            _wait_for_links(links, rank, peer_bytes, started)
-
-        ms = _time_op(gather, device, group, warmup, repeats)
+        ms = _time_op(lambda: comm.all_gather(shard, full, unit).wait(), device, group, warmup, repeats)
         seconds_per_gb = ms / 1e3 / (sent * (size - 1) / 1e9)
     else:  # not in a group of this class: keep the barriers of the timed rounds
         _time_op(lambda: None, device, group, warmup, repeats)
