@@ -18,7 +18,7 @@ In one spawned group of 4 ranks, for each of two clusters:
 1. profile once (a 1-step ``Trainer.fit`` with :class:`~cephalo_lightning.CephaloCallback`): the
    profiler finds the emulated nodes and measures both link classes;
 2. plan: the planner's choice (``planner.plan``, which chooses the shard groups), ``full-shard``
-   (the planner on the same devices seen as one node: one group of every rank, today's plan),
+   (the planner restricted to one group of every rank, ``groupings=("full",)``: today's plan),
    ``hsdp-even`` and ``ddp-even`` (``planner="hsdp-even"`` / ``"ddp-even"``, even shares and batches,
    a group per node / per rank); a plan the planner finds infeasible is skipped, and why is printed;
 3. train the demo GPT with each plan through ``Trainer.fit`` (``CephaloStrategy(plan=..., emulate=...)``),
@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -149,13 +149,6 @@ def profile(cfg: Config, specs: list[dict[str, Any]]):
     return callback.cluster
 
 
-def one_node_view(cluster):
-    """The same devices seen as one node (no link classes): what the planner plans without a topology."""
-    devices = tuple(replace(d, node=None) for d in cluster.devices)
-    settings = replace(cluster.settings, inter_node_bandwidth_gbps=None, inter_node_latency_ms=0.0)
-    return replace(cluster, devices=devices, settings=settings)
-
-
 def make_plans(cfg: Config, cluster, names: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, str]]:
     """Each requested plan of the profiled cluster, and why any was skipped."""
     from cephalo_lightning.planner import PlanningError
@@ -166,30 +159,13 @@ def make_plans(cfg: Config, cluster, names: tuple[str, ...]) -> tuple[dict[str, 
         try:
             if name == "cephalo":
                 plans[name] = make_plan(cluster, cfg.global_batch, mode="layered")
-            elif name == "full-shard":
-                flat = make_plan(one_node_view(cluster), cfg.global_batch, mode="layered")
-                if flat.num_shard_groups != 1:
-                    skipped[name] = (f"the planner chose {flat.num_shard_groups} shard groups {flat.shard_groups} even "
-                                     "on the one-node view; a full shard needs one group of every rank")
-                    continue
-                plans[name] = flat
+            elif name == "full-shard":  # the planner's best plan with one group of every rank
+                plans[name] = make_plan(cluster, cfg.global_batch, mode="layered", groupings=("full",))
             elif name != "ddp":  # ddp is Lightning's own strategy, no plan
                 plans[name] = make_plan(cluster, cfg.global_batch, mode="layered", planner=name)
         except PlanningError as err:
             skipped[name] = str(err)
     return plans, skipped
-
-
-def predicted_step_s(cluster, plan) -> float | None:
-    """The cost model's step for ``plan`` on ``cluster`` (the full shard was planned on the one-node view:
-    priced again here on the cluster with its links)."""
-    from cephalo_lightning.planner import evaluate
-
-    if plan.num_shard_groups != 1:
-        return plan.predicted_step_s  # the planner priced its groups on this cluster
-    costs = evaluate(cluster, plan.batch_sizes, plan.num_micro_batches, plan.state_shares,
-                     [r.recompute for r in plan.ranks], plan.mode)
-    return max(c.step_s for c in costs)
 
 
 # ----------------------------------------------------------------------------- fits
@@ -254,11 +230,10 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict[str, Any]:
 
 
 def summarize(cfg: Config, run: dict[str, Any], fits: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    cluster = run["cluster"]
     rows = []
     for name, per_fit in fits.items():
         plan = run["plans"].get(name)
-        predicted = predicted_step_s(cluster, plan) if plan is not None else None
+        predicted = plan.predicted_step_s if plan is not None else None
         rows.append({
             "plan": name,
             "shard_groups": [list(g) for g in plan.shard_groups] if plan is not None else "per rank (Lightning DDP)",
@@ -295,7 +270,7 @@ def _combine(cfg: Config, per_rank: list[dict[str, Any]], key: str) -> dict[str,
                          "emulate": asdict(d.emulate) if d.emulate else None} for i, d in enumerate(run["cluster"].devices)],
             "plans": {name: {"shard_groups": [list(g) for g in p.shard_groups], "batch_sizes": p.batch_sizes,
                              "micro_batches": p.num_micro_batches, "state_shares": p.state_shares,
-                             "predicted_step_ms": None if (s := predicted_step_s(run["cluster"], p)) is None else 1e3 * s}
+                             "predicted_step_ms": None if (s := p.predicted_step_s) is None else 1e3 * s}
                       for name, p in run["plans"].items()},
             **(summarize(cfg, run, fits) if fits else {"rows": [], "ratios": [], "fastest_measured": None})}
 
