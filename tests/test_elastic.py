@@ -63,16 +63,16 @@ PINNED3 = Plan(12, "layered", (RankPlan(0, BIG, 6, 2, 3, 1.0, shard_group=0), Ra
                                RankPlan(2, SMALL, 2, 1, 2, 0.4, shard_group=1)))
 
 
-def test_a_cluster_file_replans_the_devices_present_from_their_profiles_in_one_shard_group():
+def test_a_cluster_file_replans_the_devices_present_from_their_profiles_and_groups():
     new, warning = replan(PINNED3, cluster_from_dict(CLUSTER3), [BIG, SMALL], 12, "layered")
     # independently: the planner on a file that lists only the two devices present
     want = plan(cluster_from_dict(_cluster([_device(BIG, 3.0, 1.0), _device(SMALL, 1.0, 6.0)])), 12, "layered")
     assert new.batch_sizes == want.batch_sizes and [r.state_share for r in new.ranks] == [r.state_share for r in want.ranks]
     assert [r.device for r in new.ranks] == [BIG, SMALL] and new.global_batch_size == 12
-    assert {r.shard_group for r in new.ranks} == {0} and new.num_shard_groups == 1  # the pinned plan had 2 groups
+    assert new.shard_groups == want.shard_groups  # the planner's grouping for the two, not the pinned plan's
     assert new.batch_sizes != replan_for_world(PINNED3, [BIG, SMALL]).batch_sizes  # the profiles decided, not the plan
     assert "the plan is for 3 ranks but the job has 2 (an elastic restart)" in warning
-    assert "from the cluster file's profiles" in warning and "one shard group" in warning
+    assert "from the cluster file's profiles" in warning and f"shard groups {[list(g) for g in want.shard_groups]}" in warning
     twice, _ = replan(None, cluster_from_dict(CLUSTER3), [BIG, BIG], 12, "layered")  # a device's profile serves both
     assert twice.batch_sizes == [6, 6] and [r.device for r in twice.ranks] == [BIG, BIG]
 
@@ -123,6 +123,6 @@ def test_an_elastic_start_on_fewer_ranks_than_the_cluster_file_plans_for_the_dev
     for rank, result in enumerate(results):
         got = Plan.from_dict(result["plan"])
         assert got.batch_sizes == want.batch_sizes and [r.device for r in got.ranks] == [BIG, SMALL], rank
-        assert {r.shard_group for r in got.ranks} == {0} and result["step"] == 2
+        assert got.shard_groups == want.shard_groups and result["step"] == 2
     assert len(results[0]["warnings"]) == 1 and "from the cluster file's profiles" in results[0]["warnings"][0]
     assert results[1]["warnings"] == []  # rank 0 warns for the job

@@ -3,17 +3,17 @@
 When an elastic launcher (torchrun ``--nnodes MIN:MAX``) restarts the job with fewer or more
 ranks, a plan pinned for the old membership no longer fits. With ``CephaloStrategy(elastic=True)``
 it is re-planned instead of refused, always over the same global batch (so the sequence of global
-batches, and a resume, stay exact) and as one shard group:
+batches, and a resume, stay exact):
 
 * **from the cluster file** (``cluster=``, alone or beside a pinned plan) when every present device
   is in it: the planner solves again for the profiles of the devices present (:func:`replan`; a
   device that appears twice reuses its profile; the file's calibration, fitted on another
-  membership, is left out), memory checked as for any plan;
+  membership, is left out), memory checked and shard groups chosen as for any plan;
 * **from the plan's own figures** otherwise (:func:`replan_for_world`): each present rank takes the
   figures of a rank of the same device in the old plan (its batch, micro-batch size and state
   share; a device the plan does not know takes the plan's mean), batches are apportioned in
   proportion to them, each rank keeps its device's micro-batch size (more micro-batches when its
-  batch grows), and state shares are re-normalised. Memory is not re-checked: the warning says so
+  batch grows), and state shares are re-normalised, in one shard group. Memory is not re-checked: the warning says so
   and names the planned alternative (``CephaloCallback``, which profiles the devices present at
   every start, from its cache for devices it has seen).
 """
@@ -46,7 +46,7 @@ def replan(plan: Plan | None, cluster: Cluster | None, devices: Sequence[str], g
                                 f"{list(devices)}: {err}") from err
         return new, (f"{head} from the cluster file's profiles for the devices present (elastic=True): batches "
                      f"{new.batch_sizes}, state shares {[round(r.state_share, 4) for r in new.ranks]}, the global "
-                     f"batch unchanged ({new.global_batch_size}), one shard group")
+                     f"batch unchanged ({new.global_batch_size}), shard groups {[list(g) for g in new.shard_groups]}")
     if plan is None:
         known = sorted({d.name for d in cluster.devices}) if cluster is not None else []
         raise PlanningError(

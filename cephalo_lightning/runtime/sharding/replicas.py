@@ -34,59 +34,72 @@ from cephalo_lightning.runtime.sharding.layout import ShardLayout, UnitLayout, r
 Consume = Callable[[torch.Tensor], None]
 
 
+Runs = tuple[tuple[int, int], ...]  # (offset, length) runs of a buffer, in the order they are used
+
+
+def _take(tensor: torch.Tensor, runs: Runs) -> torch.Tensor:
+    """The runs of ``tensor`` one after another (a new tensor)."""
+    if not runs:
+        return tensor.new_empty(0)
+    return torch.cat([tensor.narrow(0, a, n) for a, n in runs])
+
+
+def _put(out: torch.Tensor, runs: Runs, values: torch.Tensor) -> None:
+    """Write ``values`` (the runs' elements one after another) into ``out``'s runs."""
+    at = 0
+    for a, n in runs:
+        out.narrow(0, a, n).copy_(values.narrow(0, at, n))
+        at += n
+
+
 @dataclass(frozen=True)
 class _Exchange:
-    """One unit's leader exchange, seen from one rank (all indices are offsets into its range)."""
+    """One unit's leader exchange, seen from one rank: a few runs per piece, never per element."""
 
-    send_index: torch.Tensor  # what goes to the leaders, by destination (world order), then position
+    send_runs: Runs  # of this rank's range: what goes to the leaders, by destination (world order)
     send_sizes: tuple[int, ...]  # per world rank
     receive_sizes: tuple[int, ...]  # per world rank: the other groups' partial sums of the pieces it leads
-    led_index: torch.Tensor  # the elements this rank leads, in position order
-    from_group: tuple[torch.Tensor | None, ...]  # per group: where in the receive buffer each led element's
-    #                                              partial sum is (None: this rank's own group)
-    receive_slot: torch.Tensor  # per received element: its place among the led elements
+    led_runs: Runs  # of this rank's range: the pieces it leads, in led order
+    from_group: tuple[Runs | None, ...]  # per group: where in the receive buffer each led piece's partial
+    #                                      sum is, in led order (None: this rank's own group)
+    back_runs: Runs  # of the led total: what goes back to each owner, in receive order
 
 
 def _exchange(units: Sequence[UnitLayout], shard_groups: Sequence[Sequence[int]], group_of: Sequence[int],
-              rank: int, device: torch.device) -> _Exchange:
+              rank: int) -> _Exchange:
     world = len(group_of)
     mine = group_of[rank]
     place = shard_groups[mine].index(rank)
     lo = units[mine].bounds[place]
     sends: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-    receives: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]  # (start, stop, led offset)
+    receives: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]  # (start, length, led offset)
     led: list[tuple[int, int]] = []
     led_numel = 0
     for piece in replica_pieces(units):
         if piece.owners[mine] != place:
             continue
+        n = piece.stop - piece.start
         if piece.leader == mine:
-            led.append((piece.start, piece.stop))
+            led.append((piece.start - lo, n))
             for g, ranks in enumerate(shard_groups):
                 if g != mine:
-                    receives[ranks[piece.owners[g]]].append((piece.start, piece.stop, led_numel))
-            led_numel += piece.stop - piece.start
+                    receives[ranks[piece.owners[g]]].append((piece.start, n, led_numel))
+            led_numel += n
         else:
-            sends[shard_groups[piece.leader][piece.owners[piece.leader]]].append((piece.start, piece.stop))
-
-    def offsets(ranges: Sequence[tuple[int, int]]) -> list[int]:
-        return [i - lo for a, b in ranges for i in range(a, b)]
-
-    send_index = offsets([r for per_rank in sends for r in per_rank])
-    slots: list[int] = []
-    from_group = [[0] * led_numel if g != mine else None for g in range(len(shard_groups))]
+            sends[shard_groups[piece.leader][piece.owners[piece.leader]]].append((piece.start - lo, n))
+    from_group: list[list[tuple[int, int, int]] | None] = [[] if g != mine else None for g in range(len(shard_groups))]
+    back: list[tuple[int, int]] = []
+    offset = 0  # in the receive buffer: sources in world order, each source's pieces in led order
     for source in range(world):
-        for a, b, at in receives[source]:
-            for t in range(b - a):
-                from_group[group_of[source]][at + t] = len(slots)
-                slots.append(at + t)
-
-    def index(values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return _Exchange(index(send_index), tuple(sum(b - a for a, b in per) for per in sends),
-                     tuple(sum(b - a for a, b, _ in per) for per in receives), index(offsets(led)),
-                     tuple(index(f) if f is not None else None for f in from_group), index(slots))
+        for _, n, at in receives[source]:
+            from_group[group_of[source]].append((at, offset, n))  # type: ignore[union-attr]
+            back.append((at, n))
+            offset += n
+    return _Exchange(
+        tuple(run for per_rank in sends for run in per_rank), tuple(sum(n for _, n in per) for per in sends),
+        tuple(sum(n for _, n, _ in per) for per in receives), tuple(led),
+        tuple(None if runs is None else tuple((o, n) for _, o, n in sorted(runs)) for runs in from_group),
+        tuple(back))
 
 
 class ReplicaReducer:
@@ -98,7 +111,7 @@ class ReplicaReducer:
     """
 
     def __init__(self, layouts: Sequence[ShardLayout], shard_groups: Sequence[Sequence[int]], world: Collectives,
-                 replica: Collectives | None, device: torch.device) -> None:
+                 replica: Collectives | None) -> None:
         self.world = world
         self.replica = replica
         self.num_groups = len(shard_groups)
@@ -111,7 +124,7 @@ class ReplicaReducer:
             if self.num_groups == 1 or same_bounds(units):
                 self._plans.append(None)
             else:
-                self._plans.append(_exchange(units, shard_groups, group_of, world.rank, device))
+                self._plans.append(_exchange(units, shard_groups, group_of, world.rank))
         self._pending: list[tuple[PendingWork, torch.Tensor, Consume]] = []
 
     @property
@@ -137,20 +150,19 @@ class ReplicaReducer:
     @torch.no_grad()
     def _exchange(self, plan: _Exchange, unit: UnitLayout, shard: torch.Tensor) -> torch.Tensor:
         partial = torch.empty(sum(plan.receive_sizes), dtype=shard.dtype, device=shard.device)
-        self.world.move(shard.index_select(0, plan.send_index), partial, list(plan.send_sizes),
-                        list(plan.receive_sizes), name=f"replicas:{unit.name}",
-                        recorded_numel=unit.numel)
+        self.world.move(_take(shard, plan.send_runs), partial, list(plan.send_sizes), list(plan.receive_sizes),
+                        name=f"replicas:{unit.name}", recorded_numel=unit.numel)
         total: torch.Tensor | None = None
-        for source in plan.from_group:  # in group order, so every leader adds alike
-            part = shard.index_select(0, plan.led_index) if source is None else partial.index_select(0, source)
+        for runs in plan.from_group:  # in group order, so every leader adds alike
+            part = _take(shard, plan.led_runs) if runs is None else _take(partial, runs)
             total = part if total is None else total + part
         assert total is not None
-        back = torch.empty(plan.send_index.numel(), dtype=shard.dtype, device=shard.device)
-        self.world.move(total.index_select(0, plan.receive_slot), back, list(plan.receive_sizes),
-                        list(plan.send_sizes), name=f"replicas:{unit.name}:back", recorded_numel=unit.numel)
+        back = torch.empty(sum(plan.send_sizes), dtype=shard.dtype, device=shard.device)
+        self.world.move(_take(total, plan.back_runs), back, list(plan.receive_sizes), list(plan.send_sizes),
+                        name=f"replicas:{unit.name}:back", recorded_numel=unit.numel)
         out = shard.clone()
-        out.index_copy_(0, plan.send_index, back)
-        out.index_copy_(0, plan.led_index, total)
+        _put(out, plan.send_runs, back)
+        _put(out, plan.led_runs, total)
         return out
 
     def wait(self) -> None:

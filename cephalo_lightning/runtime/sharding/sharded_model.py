@@ -162,7 +162,7 @@ class ShardedModel:
             [sum(s.numel for s in unit) for unit in spans], list(shares), self.shard_groups,
             unit_names(module, self.unit_groups), spans)
         self.layout: ShardLayout = self.layouts[self.group_index]  # this rank's group's
-        self.replicas = ReplicaReducer(self.layouts, self.shard_groups, self.world, replica, self.device)
+        self.replicas = ReplicaReducer(self.layouts, self.shard_groups, self.world, replica)
         self.reduce_dtype = reduce_dtype
         materializer = materializer or UnitMaterializer(self.device)
         buffers = buffers_by_unit(module, self.unit_groups)
@@ -401,7 +401,7 @@ class ShardedModel:
         replica = self.replicas.replica
         if regrouped:
             self.comm, replica = group_collectives(self.world, shard_groups, *self._group_args)
-        self.replicas = ReplicaReducer(layouts, shard_groups, self.world, replica, self.device)
+        self.replicas = ReplicaReducer(layouts, shard_groups, self.world, replica)
 
 
 class _UniformHooks:
