@@ -170,6 +170,12 @@ def test_a_layered_plan_is_refused_with_the_reason():
         CephaloFabricStrategy(plan=layered)
 
 
+def test_a_plan_with_shard_groups_is_refused_not_flattened():
+    grouped = Plan(GLOBAL, "uniform", (RankPlan(0, "a", 4, 1, 4, 1.0), RankPlan(1, "b", 8, 1, 8, 1.0, shard_group=1)))
+    with pytest.raises(UnsupportedError, match=r"2 shard groups \[\[0\], \[1\]\].*groupings=\('full',\)"):
+        CephaloFabricStrategy(plan=grouped)
+
+
 def test_the_trainer_strategy_is_not_a_fabric_strategy():
     """Lightning's own refusal: the Trainer's CephaloStrategy is a Trainer strategy (the README says
     to use CephaloFabricStrategy or strategy="cephalo")."""

@@ -310,6 +310,11 @@ def _check_plan(plan: Plan, global_batch_size: int | None) -> None:
             "CephaloFabricStrategy runs uniform plans: the layered schedule runs the model's layers itself and owns "
             "the forward and backward loop, which under Fabric is yours. Plan with mode='uniform' "
             "(cephalo plan --mode uniform), or use Trainer(strategy=CephaloStrategy(...)) for the layered mode")
+    if plan.num_shard_groups > 1:  # its shares sum to 1 per group: as one group they would be re-normalised
+        raise UnsupportedError(
+            f"CephaloFabricStrategy shards over one group of every rank; this plan has {plan.num_shard_groups} shard "
+            f"groups {[list(g) for g in plan.shard_groups]}: plan with groupings=('full',) "
+            "(cephalo plan --groupings full), or use Trainer(strategy=CephaloStrategy(...)) for shard groups")
     if global_batch_size not in (None, plan.global_batch_size):
         raise ConfigurationError(f"global_batch_size={global_batch_size} but the plan is for {plan.global_batch_size}: "
                                  "drop one")
