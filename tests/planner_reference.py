@@ -134,12 +134,51 @@ def layer_times(cluster: Cluster, batch, micro, rho: float, keep=None, mode: str
     return out
 
 
+def compute_ms(cluster: Cluster, batch, micro, shares, keep=None, mode: str = "layered") -> list[float]:
+    """Each rank's compute per step (ms, no collectives, no contention): num_layers x (forward pass +
+    backward pass) + its optimizer step, as the README's formulas write them."""
+    s = cluster.settings
+    keep = keep or [False] * len(batch)
+    stash = cluster.model.stash_bytes_per_sample
+    if stash is None and cluster.model.hidden_size and cluster.model.seq_len:
+        stash = cluster.model.hidden_size * cluster.model.seq_len * cluster.model.compute_bytes_per_param
+    out = []
+    for d, b, n, kept, r in zip(cluster.devices, batch, micro, keep, shares):
+        sizes = near_equal(b, n)
+        f = sum(profile_value(d.layer_fwd_ms, x) for x in sizes)
+        back = sum(profile_value(d.layer_bwd_ms, x) for x in sizes)
+        over = max(0, len(sizes) - 1) * s.micro_batch_overhead_ms
+        if mode == "uniform":
+            layer = f + back + over
+        elif kept:
+            layer = f + back
+        else:
+            copy = 0.0
+            if s.offload_stash and stash is not None:
+                copy = b * stash / ((d.host_copy_gbps or s.host_copy_gbps) * 1e9) * 1e3
+            layer = 2 * f + back + 2 * copy + over
+        out.append(cluster.model.num_layers * layer + _optimizer_ms(cluster, d) * r)
+    return out
+
+
+def shared_host_floor_s(cluster: Cluster, batch, micro, shares, keep=None, mode: str = "layered") -> float:
+    """Ranks on one host of K cores: the step is at least their real compute (compute over each rank's
+    emulated slowdown) over K, plus the fixed per-step overhead; 0 without a core count."""
+    cores = cluster.settings.host_cores
+    if not cores:
+        return 0.0
+    slow = [1.0 if d.emulate is None else d.emulate.slowdown for d in cluster.devices]
+    real = sum(c / k for c, k in zip(compute_ms(cluster, batch, micro, shares, keep, mode), slow))
+    return (real / cores + cluster.settings.step_overhead_ms) / 1e3
+
+
 def rank_times(cluster: Cluster, batch, micro, shares, keep=None, mode: str = "layered") -> list[float]:
-    """Each rank's step time (s) by the brief's formulas, the optimizer step and the fixed per-step
-    overhead included."""
+    """Each rank's step time (s) by the brief's formulas, the optimizer step, the fixed per-step
+    overhead and the shared-host bound included."""
     layers = layer_times(cluster, batch, micro, max(shares), keep, mode)
     fixed, contention = cluster.settings.step_overhead_ms, cluster.settings.host_contention
-    return [(contention * (t + _optimizer_ms(cluster, d) * r) + fixed) / 1e3
+    floor = shared_host_floor_s(cluster, batch, micro, shares, keep, mode)
+    return [max(floor, (contention * (t + _optimizer_ms(cluster, d) * r) + fixed) / 1e3)
             for t, d, r in zip(layers, cluster.devices, shares)]
 
 
@@ -173,6 +212,13 @@ def memory_used(cluster: Cluster, d, b: int, n: int, share: float, kept: bool = 
         used += profile_value(d.activation_memory_gb, m)
     if mode == "uniform" and n > 1:
         used += cluster.model.compute_bytes_per_param * cluster.model.parameters / GIB  # full grads accumulate
+    if mode == "layered" and not kept and s.stash_on_device:  # every sample's stash, held between the passes
+        per_sample = cluster.model.kept_bytes_per_sample
+        if per_sample is None:  # estimated: every layer's input, seq_len x hidden_size in the compute dtype
+            m_ = cluster.model
+            per_sample = (m_.num_layers * m_.hidden_size * m_.seq_len * m_.compute_bytes_per_param
+                          if m_.hidden_size and m_.seq_len else 0.0)
+        used += b * per_sample / GIB
     return used + s.reserved_memory_gb + state * share
 
 
@@ -351,7 +397,8 @@ def group_rank_times(cluster: Cluster, batch, micro, shares, groups, mode: str =
     """Each rank's step time (s) under shard groups (no optimizer cost, no kept graphs)."""
     layers = layer_times(cluster, batch, micro, 1.0, None, mode, group_collectives(cluster, groups, shares))
     fixed, contention = cluster.settings.step_overhead_ms, cluster.settings.host_contention
-    return [(contention * t + fixed) / 1e3 for t in layers]
+    floor = shared_host_floor_s(cluster, batch, micro, shares, None, mode)
+    return [max(floor, (contention * t + fixed) / 1e3) for t in layers]
 
 
 def brute_force_groups(cluster: Cluster, global_batch: int, mode: str = "layered",

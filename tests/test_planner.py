@@ -111,6 +111,86 @@ def test_optimal_against_brute_force(seed: int) -> None:
     assert checked >= 30  # most random clusters are plannable
 
 
+def with_extras(cluster: Cluster, rng: random.Random, stash: bool, cores: bool) -> Cluster:
+    """The same cluster with a stash kept on the device (bytes per sample of the order of a sample's
+    compute memory) and / or every rank on one host of a few cores, emulated slowdowns 1 to 4."""
+    from cephalo_lightning.planner.cluster import Emulation
+
+    settings, model, devices = cluster.settings, cluster.model, cluster.devices
+    if stash:
+        settings = replace(settings, stash_on_device=True)
+        model = replace(model, kept_bytes_per_sample=rng.uniform(0.02, 1.0) * 2**30)
+    if cores:
+        settings = replace(settings, host_cores=float(rng.choice([1, 2, 3])))
+        slowdown = {d: rng.choice([1.0, 1.0, 2.0, 4.0]) for d in set(devices)}
+        devices = tuple(replace(d, emulate=Emulation(slowdown=slowdown[d]), source="emulated") for d in devices)
+    return replace(cluster, settings=settings, model=model, devices=devices)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stash_on_the_device_optimal_against_brute_force(seed: int) -> None:
+    """The stash's memory grows with the batch: the solver stays exact against the exhaustive reference."""
+    rng = random.Random(100 + seed)
+    checked = binding = 0
+    for _ in range(40):
+        world = rng.choice([1, 2, 2, 3, 3])
+        base = random_cluster(rng, world)
+        cluster = with_extras(base, rng, stash=True, cores=False)
+        batch = rng.randint(1, 9 if world == 3 else 12)
+        best = brute_force(cluster, batch, "layered")
+        if best is None:
+            with pytest.raises(PlanningError):
+                plan(cluster, batch, groupings=FULL)
+            continue
+        p = plan(cluster, batch, groupings=FULL)
+        check_plan(cluster, p, batch)
+        assert p.predicted_step_s <= best.step_s * 1.005, (cluster, batch, best, p)
+        assert p.predicted_step_s >= best.step_s * (1 - 1e-9)
+        assert p.optimality_gap is not None and p.optimality_gap <= 0.005
+        free = brute_force(base, batch, "layered")  # the stash's memory changes some optima
+        binding += free is None or free.step_s < best.step_s * (1 - 1e-9)
+        checked += 1
+    assert checked >= 15 and binding >= 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_shared_host_bound_keeps_the_certified_gap_true(seed: int) -> None:
+    """Ranks on one host: every plan is priced at least at the shared-host bound (as the reference
+    prices it), and the certified lower bound stays below the exhaustive optimum."""
+    rng = random.Random(200 + seed)
+    checked = binding = 0
+    for _ in range(40):
+        world = rng.choice([2, 2, 3, 3])
+        base = random_cluster(rng, world)
+        cluster = with_extras(base, rng, stash=rng.random() < 0.3, cores=True)
+        mode = rng.choice(["layered", "layered", "uniform"])
+        batch = rng.randint(world if mode == "uniform" else 1, 9 if world == 3 else 12)
+        best = brute_force(cluster, batch, mode)
+        if best is None:
+            continue
+        p = plan(cluster, batch, mode, groupings=FULL)
+        check_plan(cluster, p, batch)
+        assert p.optimality_gap is not None
+        lower = p.predicted_step_s / (1 + p.optimality_gap)
+        assert lower <= best.step_s * (1 + 1e-9), (cluster, batch, mode, best, p)
+        assert p.predicted_step_s >= best.step_s * (1 - 1e-9)  # nothing beats the exhaustive optimum
+        binding += p.predicted_step_s > max(r.predicted_step_s for r in plan(base, batch, mode, groupings=FULL).ranks) * (1 + 1e-9)
+        checked += 1
+    assert checked >= 15 and binding >= 1
+
+
+def test_shared_host_bound_costs_nothing_without_a_core_count() -> None:
+    """Without host_cores (one device per rank) the bound is absent: plans and prices as before."""
+    rng = random.Random(7)
+    for _ in range(10):
+        cluster = random_cluster(rng, 3)
+        emulated = with_extras(cluster, rng, stash=False, cores=True)
+        no_cores = replace(emulated, settings=replace(emulated.settings, host_cores=None))
+        a, b = plan(cluster, 9, groupings=FULL), plan(no_cores, 9, groupings=FULL)
+        assert (a.batch_sizes, a.num_micro_batches, a.state_shares) == (b.batch_sizes, b.num_micro_batches, b.state_shares)
+        assert a.predicted_step_s == b.predicted_step_s and a.optimality_gap == b.optimality_gap
+
+
 def test_layered_with_four_gpus_against_brute_force() -> None:
     rng = random.Random(99)
     for _ in range(6):

@@ -171,6 +171,8 @@ class CephaloCallback(Callback):
         sample, global_batch = planning_sample(trainer, strategy, self.config)
         layers, sample_input, kwargs = profiled_form(module, strategy, sample)
         settings = replace(default_settings(strategy.root_device), **self.config.settings)
+        if "stash_on_device" not in self.config.settings and not settings.offload_stash:
+            settings = replace(settings, stash_on_device=not strategy.offloads_stash)
         trainable = [p for p in module.parameters() if p.requires_grad]
         parameters = sum(math.prod(full_shape(p)) for p in trainable)  # the pieces are shards: count the whole
         precision = trainer.precision_plugin

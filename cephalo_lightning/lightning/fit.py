@@ -81,8 +81,7 @@ class FitRuntime:
         layered, config = self.layered_model, self.config
         if layered is None:
             return UniformSteps(self.module, self.sharded, training_step, self.weighting)
-        # an emulated GPU keeps its stash on the host, as the real one would (accounted as host memory)
-        offload = config.offload if config.offload is not None else (device.type == "cuda" or emulator.memory_gb is not None)
+        offload = stash_offloaded(config.offload, device, emulator)
         tolerance = 1e-3 if (config.param_dtype or torch.float32).itemsize >= 4 else 3e-2
         layered = dataclasses.replace(layered, weighting=self.weighting)  # the fit's decision (loss_weighting=)
         logs = LossPassLogs(self.module) if layered.discovery is not None else None
@@ -194,6 +193,12 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
             source.close()
             if unused:
                 rank_zero_info(f"Cephalo: {len(unused)} tensors of {config.pretrained} were not used, e.g. {unused[:3]}")
+
+
+def stash_offloaded(offload: bool | None, device: torch.device, emulator: DeviceEmulator) -> bool:
+    """Whether the layered stash lives on the host: as asked, else on CUDA and on an emulated GPU (whose
+    stash stays on the host as the real one's would, accounted as host memory)."""
+    return offload if offload is not None else (device.type == "cuda" or emulator.memory_gb is not None)
 
 
 def _memory_tracking(sharded: ShardedModel, emulator: DeviceEmulator, device: torch.device,

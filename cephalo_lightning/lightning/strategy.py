@@ -48,7 +48,7 @@ from cephalo_lightning.lightning.config import (
     StateDictType,
     StrategyConfig,
 )
-from cephalo_lightning.lightning.fit import FailureReport, FitRuntime
+from cephalo_lightning.lightning.fit import FailureReport, FitRuntime, stash_offloaded
 from cephalo_lightning.lightning.precision import sharded_precision
 from cephalo_lightning.lightning.preemption import Preemption
 from cephalo_lightning.lightning.progress import use_progress_lines
@@ -118,6 +118,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     memory = property(lambda self: self.fit_runtime.memory.tracker
                       if self.fit_runtime is not None and self.fit_runtime.memory else None)
     emulate = property(lambda self: plan_resolution.emulation_specs(self.config.emulate, self.cluster))
+    # where the layered stash lives (the cost model's settings.stash_on_device is its negation)
+    offloads_stash = property(lambda self: stash_offloaded(self.config.offload, self.root_device, self.emulator))
 
     # --------------------------------------------------------------------------- Lightning plumbing
 

@@ -69,7 +69,7 @@ def share_cap(problem: Problem, row: list, S: float, ag: float, rs: float, cap: 
     kind, _, b, _, n, keep = row[:6]
     model = problem.kinds[kind]
     m = -(-b // n) if b else 0
-    room = float(model.room_for(np.array([m]), n, keep)[0])
+    room = float(model.room_for(np.array([m]), n, keep, b)[0])
     if model.kappa > 0:  # the time the optimizer step may take within S
         layer = float(model.layer_ms(np.array([b]), np.array([n]), ag, rs, keep)[0])
         room = min(room, (S - problem.L * layer) / model.kappa)
@@ -153,7 +153,7 @@ def finish(problem: Problem, rows: list[list], shares: list[float], ag: float, r
             continue
         n = np.arange(1, b + 1, dtype=np.int64)
         n = n[-(-b // n) <= model.m_cap]
-        n = n[model.room_for(-(-b // n), n) >= share - 1e-12]
+        n = n[model.room_for(-(-b // n), n, b=b) >= share - 1e-12]
         keep = np.zeros(len(n), bool)
         if model.keep_cap >= b and model.room_keep[b] >= share - 1e-12:
             n, keep = np.concatenate(([1], n)), np.concatenate(([True], keep))

@@ -36,7 +36,7 @@ def micro_times(model: DeviceModel) -> tuple[np.ndarray, np.ndarray]:
         return m, np.zeros(0)
     ones = np.ones(len(m), np.int64)
     fwd, bwd = cost.compute_parts(m, ones)
-    time = np.where(model.room_for(m, 1) >= 0, fwd + bwd, np.inf)
+    time = np.where(model.room_for(m, 1, b=m) >= 0, fwd + bwd, np.inf)
     if cost.can_keep:
         fwd, bwd = cost.compute_parts(m, ones, keep=True)
         time = np.minimum(time, np.where(model.room_keep[m] >= 0, fwd + bwd, np.inf))

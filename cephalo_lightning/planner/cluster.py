@@ -39,6 +39,10 @@ class ModelSpec:
     compute_bytes_per_param: float = 2.0  # bytes of a gathered parameter (bf16)
     grad_bytes_per_param: float = 4.0  # bytes of a reduced gradient (fp32)
     stash_bytes_per_sample: float | None = None  # one sample's input to one layer (host offload copy)
+    # device bytes one sample holds between the layered forward and backward passes while the stash
+    # stays on the device (settings.stash_on_device): every layer's input and the last layer's output
+    # (measured by the profiler; absent: estimated, see kept_bytes)
+    kept_bytes_per_sample: float | None = None
 
     @property
     def state_bytes(self) -> float:
@@ -56,6 +60,15 @@ class ModelSpec:
         if self.hidden_size is not None and self.seq_len is not None:
             return float(self.hidden_size * self.seq_len * self.compute_bytes_per_param)
         return None
+
+    @property
+    def kept_bytes(self) -> float:
+        """Device bytes one sample keeps between the layered passes when the stash stays on the device:
+        measured, else ``num_layers x stash_bytes`` (every layer's input; the last output unknown), else 0."""
+        if self.kept_bytes_per_sample is not None:
+            return self.kept_bytes_per_sample
+        stash = self.stash_bytes
+        return 0.0 if stash is None else self.num_layers * stash
 
 
 @dataclass(frozen=True)
@@ -77,11 +90,18 @@ class Settings:
     overlap: float | None = None  # how much communication hides behind compute: 1 = max(AG, F), 0 = AG + F
     optimizer_ns_per_param: float | None = None  # for devices without their own figure (else 0)
     offload_stash: bool = False  # the layered stash is copied to host memory and back (CUDA's default)
+    # the layered stash stays in device memory (the runtime's offload=False: a CPU rank without an emulated
+    # capacity); memory then grows by batch x model.kept_bytes. False: on the host (CUDA, emulated memory)
+    stash_on_device: bool = False
     host_copy_gbps: float = 12.0  # device <-> pinned host GB/s, for devices without their own figure
     # the link between nodes (``DeviceProfile.node``), GB/s per direction per rank; None: as fast as
     # link_bandwidth_gbps (then the intra-node figure)
     inter_node_bandwidth_gbps: float | None = None
     inter_node_latency_ms: float = 0.0  # per collective that crosses nodes
+    # cores of the one host every rank runs on (CPU ranks, emulated clusters; the profiler fills it);
+    # None: every rank has a device of its own. With it the step is at least the ranks' real compute
+    # (their compute without emulated waits) spread over these cores (cost.shared_host_floor_ms)
+    host_cores: float | None = None
 
 
 @dataclass(frozen=True)
@@ -283,6 +303,8 @@ def parse_model(data: Any) -> ModelSpec:
         grad_bytes_per_param=_number(data.get("grad_bytes_per_param", 4), "model.grad_bytes_per_param"),
         stash_bytes_per_sample=None if data.get("stash_bytes_per_sample") is None else
         _number(data["stash_bytes_per_sample"], "model.stash_bytes_per_sample"),
+        kept_bytes_per_sample=None if data.get("kept_bytes_per_sample") is None else
+        _number(data["kept_bytes_per_sample"], "model.kept_bytes_per_sample", strict=False),
         **optional_ints,
     )
 
@@ -323,6 +345,13 @@ def parse_settings(data: Any) -> Settings:
                                       "1 = communication hidden behind compute, 0 = not at all")
     if "offload_stash" in data:
         values["offload_stash"] = _flag(data["offload_stash"], "settings.offload_stash")
+    if "stash_on_device" in data:
+        values["stash_on_device"] = _flag(data["stash_on_device"], "settings.stash_on_device")
+    if values.get("offload_stash") and values.get("stash_on_device"):
+        raise PlanningError("settings.offload_stash and settings.stash_on_device are both true, but the stash is "
+                            "either copied to the host or kept on the device; set one of them to false")
+    if data.get("host_cores") is not None:
+        values["host_cores"] = _number(data["host_cores"], "settings.host_cores")
     if "host_copy_gbps" in data:
         values["host_copy_gbps"] = _number(data["host_copy_gbps"], "settings.host_copy_gbps")
     if "collective" in data:
@@ -516,6 +545,8 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         settings.pop("host_contention", None)
     if not settings.get("inter_node_latency_ms"):
         settings.pop("inter_node_latency_ms", None)
+    if not settings.get("stash_on_device"):
+        settings.pop("stash_on_device", None)
     data = {"model": model, "settings": settings, "devices": entries}
     if cluster.calibration is not None:
         data["calibration"] = cluster.calibration.as_dict()

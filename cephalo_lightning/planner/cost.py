@@ -30,7 +30,18 @@ Memory of rank i::
     compute_memory_i(m_i) [+ activation_memory_i(m_i) when the graph is kept]
         [+ compute_bytes_per_param * parameters in uniform mode with n_i > 1: the whole model's
            unsharded gradient accumulates, in the compute dtype, until the last micro-batch]
+        [+ b_i * model.kept_bytes in layered mode, recomputing, with ``settings.stash_on_device``:
+           the stash (every layer's input of every sample, and the last layer's outputs until the
+           loss) held between the two passes; measured by the profiler]
         + reserved + state_bytes_per_param * parameters * r_i  <=  usable_memory_fraction * memory_i
+
+Ranks sharing one host (``settings.host_cores`` = K, CPU ranks and emulated clusters) compete for
+its cores: an emulated slow rank sleeps through (1 - 1/slowdown) of its compute, and only its real
+compute needs a core. The step is then at least every rank's real compute spread over the cores::
+
+    step >= step_overhead + sum_i busy_i / slowdown_i / K      (busy_i: layers and optimizer step)
+
+(:func:`shared_host_floor_ms`); without ``host_cores`` (one device per rank) there is no such term.
 
 Profiles are piecewise linear between measured sizes; beyond the last measured size each series is
 extrapolated on its own, linearly through its last two points (one point: proportionally,
@@ -259,6 +270,22 @@ def single_group(shard_groups: Sequence[int] | np.ndarray | None) -> bool:
     return not len(g) or bool((g == g[0]).all())
 
 
+def slowdown_of(device: DeviceProfile) -> float:
+    """A device's emulated slowdown (1: not emulated): the share 1 / slowdown of its compute is real."""
+    return 1.0 if device.emulate is None else float(device.emulate.slowdown)
+
+
+def shared_host_floor_ms(cluster: Cluster, busy_ms: np.ndarray) -> float:
+    """The shared-host bound on the step (ms; 0 without ``settings.host_cores``): the ranks' real compute
+    (``busy_ms`` per rank, contention-free, divided by each rank's emulated slowdown) over the host's
+    cores, plus the fixed per-step overhead."""
+    cores = cluster.settings.host_cores
+    if not cores:
+        return 0.0
+    real = np.asarray(busy_ms, dtype=float) / np.array([slowdown_of(d) for d in cluster.devices])
+    return float(real.sum()) / cores + cluster.settings.step_overhead_ms
+
+
 def predicted_busy_s(cluster: Cluster, plan: Plan) -> list[float]:
     """Each rank's predicted compute seconds per step: its layers' forward and backward passes (with
     any recompute) and its optimizer step, which is what the runtime counts as busy (everything
@@ -302,6 +329,9 @@ class DeviceCost:
         gbps = device.host_copy_gbps or s.host_copy_gbps
         copies = s.offload_stash and mode == "layered" and stash is not None
         self.copy_ms_per_sample = stash / (gbps * 1e9) * 1e3 if copies else 0.0  # one direction, one layer
+        # a recomputing layered rank keeps every sample's stash on the device between the passes
+        self.kept_gb_per_sample = model.kept_bytes / GIB if s.stash_on_device and mode == "layered" else 0.0
+        self.slowdown = slowdown_of(device)
         # keeping the graph is priced only where its memory was measured
         self.can_keep = mode == "layered" and self.activation_memory is not None
 
@@ -364,11 +394,14 @@ class DeviceCost:
 
     # ------------------------------------------------------------------ memory
 
-    def extra_memory_gb(self, m: np.ndarray, n: np.ndarray | int = 1, keep: np.ndarray | bool = False
-                        ) -> np.ndarray:
-        """Memory beyond compute_memory(m): the kept graph, and uniform mode's accumulating gradients."""
+    def extra_memory_gb(self, m: np.ndarray, n: np.ndarray | int = 1, keep: np.ndarray | bool = False,
+                        b: np.ndarray | int | None = None) -> np.ndarray:
+        """Memory beyond compute_memory(m): the kept graph, uniform mode's accumulating gradients and,
+        given the batch b, the stash a recomputing layered rank keeps on the device."""
         m = np.asarray(m, dtype=np.int64)
         extra = np.zeros(m.shape)
+        if b is not None and self.kept_gb_per_sample:
+            extra = extra + self.stash_gb(b, keep)
         graph = self.activation_memory is not None and (self.mode == "uniform" or np.any(keep))
         if graph:
             act = self.activation_memory(m)
@@ -377,21 +410,28 @@ class DeviceCost:
             extra = extra + np.where(np.asarray(n) > 1, self.grad_gb, 0.0)
         return extra
 
+    def stash_gb(self, b: np.ndarray | int, keep: np.ndarray | bool = False) -> np.ndarray:
+        """The stash b samples keep on the device between the passes (0 when kept graphs replace it)."""
+        return np.where(np.asarray(keep, dtype=bool), 0.0, np.asarray(b, dtype=float) * self.kept_gb_per_sample)
+
     def memory_gb(self, micro_batch_size: int, share: float, reserved_gb: float, num_micro_batches: int = 1,
-                  recompute: bool = True) -> float:
+                  recompute: bool = True, batch_size: int | None = None) -> float:
         m = np.array([micro_batch_size])
-        extra = float(self.extra_memory_gb(m, num_micro_batches, not recompute)[0])
+        extra = float(self.extra_memory_gb(m, num_micro_batches, not recompute, batch_size)[0])
         return float(self.compute_memory(micro_batch_size)) + extra + reserved_gb + self.state_gb * share
 
-    def room(self, m: np.ndarray, n: np.ndarray | int = 1, keep: np.ndarray | bool = False) -> np.ndarray:
-        """Largest state share that fits beside compute at micro-batch size m (may be < 0)."""
+    def room(self, m: np.ndarray, n: np.ndarray | int = 1, keep: np.ndarray | bool = False,
+             b: np.ndarray | int | None = None) -> np.ndarray:
+        """Largest state share that fits beside compute at micro-batch size m (may be < 0); with the
+        batch b, beside its stash too (without: the room before the stash, an upper bound)."""
         m = np.asarray(m, dtype=np.int64)
-        used = self.compute_memory(m) + self.extra_memory_gb(m, n, keep)
+        used = self.compute_memory(m) + self.extra_memory_gb(m, n, keep, b)
         return (self.budget_gb - used) / self.state_gb
 
-    def max_share(self, micro_batch_size: int, num_micro_batches: int = 1, recompute: bool = True) -> float:
+    def max_share(self, micro_batch_size: int, num_micro_batches: int = 1, recompute: bool = True,
+                  batch_size: int | None = None) -> float:
         """Largest state share that fits beside compute at this micro-batch size (may be < 0)."""
-        return float(self.room(np.array([micro_batch_size]), num_micro_batches, not recompute)[0])
+        return float(self.room(np.array([micro_batch_size]), num_micro_batches, not recompute, batch_size)[0])
 
 
 @dataclass(frozen=True)
@@ -463,15 +503,21 @@ def evaluate_arrays(
     m = np.where(b > 0, -(-b // n), 0)
     reserved = cluster.settings.reserved_memory_gb
     fixed, contention = cluster.settings.step_overhead_ms, cluster.settings.host_contention
+    busy = np.zeros(len(b))  # contention-free compute ms, for the shared-host bound
     for k, cost in enumerate(costs):
         at = np.nonzero(of_rank == k)[0]
         if not len(at):
             continue
         layer = cost.layer_ms(b[at], n[at], ag[at], rs[at], keep[at])
         step[at] = (contention * (cost.num_layers * layer + cost.optimizer_ms(r[at])) + fixed) / 1e3
-        used = cost.compute_memory(m[at]) + cost.extra_memory_gb(m[at], n[at], keep[at])
+        if cluster.settings.host_cores:
+            fwd, bwd = cost.compute_parts(b[at], n[at], keep[at])
+            busy[at] = cost.num_layers * (fwd + bwd) + cost.optimizer_ms(r[at])
+        used = cost.compute_memory(m[at]) + cost.extra_memory_gb(m[at], n[at], keep[at], b[at])
         memory[at] = used + reserved + cost.state_gb * r[at]
         limit[at] = cluster.settings.usable_memory_fraction * cost.device.memory_gb
+    if cluster.settings.host_cores:
+        step = np.maximum(step, shared_host_floor_ms(cluster, busy) / 1e3)
     return step, memory, memory <= limit * (1 + 1e-9)
 
 

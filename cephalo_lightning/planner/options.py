@@ -148,6 +148,8 @@ class DeviceModel:
         self.room_many = cost.room(ms, n=2) if self.uniform else self.room  # uniform, n > 1
         self.room_keep = cost.room(ms, keep=True) if cost.can_keep else np.full(len(ms), -np.inf)
         self.keep_cap = int(np.count_nonzero(self.room_keep >= 0)) - 1 if cost.can_keep else 0
+        # the share each sample's stash takes while it stays on the device (0: on the host, or uniform)
+        self.kept = cost.kept_gb_per_sample / cost.state_gb if cost.state_gb > 0 else 0.0
 
     # ------------------------------------------------------------------ exact times
 
@@ -161,10 +163,13 @@ class DeviceModel:
         gathers = n if self.uniform else 1
         return 2 * gathers * ag + rs
 
-    def room_for(self, m: np.ndarray, n: np.ndarray | int, keep: np.ndarray | bool = False) -> np.ndarray:
-        """Share room at micro-batch size m (indices 0..m_cap)."""
+    def room_for(self, m: np.ndarray, n: np.ndarray | int, keep: np.ndarray | bool = False,
+                 b: np.ndarray | int | None = None) -> np.ndarray:
+        """Share room at micro-batch size m (indices 0..m_cap); with the batch b, beside its stash."""
         m = np.asarray(m, dtype=np.int64)
         base = np.where(np.asarray(n) > 1, self.room_many[m], self.room[m])
+        if b is not None and self.kept:
+            base = base - np.asarray(b, dtype=float) * self.kept
         return np.where(keep, self.room_keep[m], base)
 
     # ------------------------------------------------------------------ largest batch per n
@@ -260,7 +265,16 @@ class DeviceModel:
         if n_fixed is not None:  # uniform: every rank computes at least n samples
             take &= b_m >= n_fixed
         take[0] = n_fixed is None and self.room[0] >= 0
-        cand = [(b_m[take], m[take], r[take], np.zeros(int(take.sum()), bool))]
+        if self.kept and n_fixed is None:
+            # a stash on the device: every batch is its own option (fewer samples leave more room), each at
+            # the smallest micro-batch size that takes it, m*(b) = min{m : b_m[m] >= b}
+            bs = np.arange(0, int(b_m[take].max(initial=0)) + 1)
+            ms = np.searchsorted(b_m, bs, side="left")  # b_m is non-decreasing in m
+            ok = (ms < len(b_m)) & take[np.minimum(ms, len(b_m) - 1)]
+            bs, ms = bs[ok], ms[ok]
+            cand = [(bs, ms, np.minimum(self.room_for(ms, 1, b=bs), limit), np.zeros(len(bs), bool))]
+        else:
+            cand = [(b_m[take], m[take], r[take], np.zeros(int(take.sum()), bool))]
         if top >= 1:
             ks = np.arange(1, top + 1)
             cand.append((ks, ks, np.minimum(self.room_keep[ks], limit), np.ones(top, bool)))
@@ -307,7 +321,7 @@ class DeviceModel:
             parts.append((np.zeros(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.int64), np.zeros(1, bool)))
         bb, nn, m, keep = (np.concatenate(p) for p in zip(*parts))
         slack = (step_ms - self.L * self.layer_ms(bb, nn, ag, rs, keep)) / self.kappa
-        r = np.minimum(np.minimum(self.room_for(m, nn, keep), cap), slack)
+        r = np.minimum(np.minimum(self.room_for(m, nn, keep, bb), cap), slack)
         return pareto(bb, m, r, keep)
 
     def _levels(self, step_ms: float, ag: float, rs: float, cap: float, n_fixed: int | None

@@ -362,7 +362,7 @@ def _check_memory(problem: Problem) -> None:
                 f"of an empty batch plus the reserve) but has {s.usable_memory_fraction * m.device.memory_gb:.2f} "
                 f"GiB usable; remove it, lower reserved_memory_gb or raise usable_memory_fraction")
     room0 = np.array([m.room[0] * state for m in kinds])
-    room1 = np.array([float(m.room_for(np.array([1]), 1)[0]) * state if m.m_cap >= 1 else -math.inf
+    room1 = np.array([float(m.room_for(np.array([1]), 1, b=1)[0]) * state if m.m_cap >= 1 else -math.inf
                       for m in kinds])
     total0 = float((room0 * counts).sum())
     if state > total0 * (1 + 1e-12):
@@ -398,6 +398,19 @@ def _check_memory(problem: Problem) -> None:
             f"the training state ({state:.1f} GiB) fits only while no GPU computes: with one sample on the "
             f"roomiest GPU the {problem.W} GPUs have {best:.1f} GiB free {where}, short by {state - best:.1f} GiB; "
             f"add GPUs or memory, or shrink the model")
+
+
+def shared_host_lower_ms(problem: Problem, cluster: Cluster) -> float:
+    """A lower bound on any plan's shared-host bound (:func:`.cost.shared_host_floor_ms`; 0 without
+    ``settings.host_cores``): the B samples cost at least the best real per-sample compute of any kind
+    (its best per-sample time over its emulated slowdown), and the state's optimizer step at least the
+    cheapest kind's real rate (the shares sum to one)."""
+    cores = cluster.settings.host_cores
+    if not cores:
+        return 0.0
+    rate = min(per_sample_ms(k) / k.cost.slowdown for k in problem.kinds)
+    optimizer = min(k.kappa / k.cost.slowdown for k in problem.kinds)
+    return (problem.L * problem.B * (rate if math.isfinite(rate) else 0.0) + optimizer) / cores + cluster.settings.step_overhead_ms
 
 
 # ---------------------------------------------------------------------- shard groups
@@ -501,13 +514,15 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
         return _baseline_plan(cluster, B, mode, planner, upper)
     # a fixed per-step overhead and a host's contention factor shift and scale every plan alike:
     # solve without them, then apply both to the plan's step and the proven lower bound (the
-    # certified gap only shrinks)
+    # certified gap only shrinks); the shared-host bound, too, is left out of the solve and enters
+    # the plan's price and the lower bound (shared_host_lower_ms)
     fixed_s, contention = cluster.settings.step_overhead_ms / 1e3, cluster.settings.host_contention
-    core = replace(cluster, settings=replace(cluster.settings, step_overhead_ms=0.0, host_contention=1.0))
+    core = replace(cluster, settings=replace(cluster.settings, step_overhead_ms=0.0, host_contention=1.0,
+                                             host_cores=None))
     problem = Problem(core, B, mode, group_kinds=_group_kinds)
     _check_memory(problem)
     best, lower_s, _ = solve_groupings(problem, names)
-    lower_s = contention * lower_s + fixed_s
+    lower_s = max(contention * lower_s + fixed_s, shared_host_lower_ms(problem, cluster) / 1e3)
     ranks, step = rank_plans(cluster, best.batch, best.micro, best.shares, ~best.keep, mode,
                              kinds=(problem.costs, problem.of_rank), shard_groups=best.groups)
     return Plan(

@@ -156,3 +156,15 @@ def measured_settings(settings: Settings, comm: CollectiveProfile | None, mode: 
     if settings.overlap is None and overlap is not None:
         settings = replace(settings, overlap=overlap)
     return settings
+
+
+def shared_host_cores(ids: Sequence[RankIdentity]) -> float | None:
+    """The cores every rank shares when all are CPU processes on one host (the cores this process may
+    run on, as the OS reports them), else None: ranks with devices of their own share no cores."""
+    if not ids or any(i.device_type != "cpu" for i in ids) or len({i.host for i in ids}) != 1:
+        return None
+    try:
+        return float(len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not on every platform
+        count = os.cpu_count()
+        return float(count) if count else None

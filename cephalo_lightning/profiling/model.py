@@ -59,6 +59,15 @@ class ModelProfile:
     kinds: tuple[LayerKind, ...]
     seconds: float  # wall time the profile took
     activation_memory_bytes: tuple[int, ...] = ()  # sum over the layers of the graph a kept forward holds
+    # bytes of one sample's input to every layer (what the layered schedule stashes per sample and
+    # layer), and of one sample's output of the last layer (held from the forward pass to the loss)
+    input_bytes_per_sample: tuple[float, ...] = ()
+    output_bytes_per_sample: float = 0.0
+
+    @property
+    def kept_bytes_per_sample(self) -> float:
+        """What one sample keeps between the layered passes when the stash stays on the device."""
+        return float(sum(self.input_bytes_per_sample)) + self.output_bytes_per_sample
 
 
 def _dtype_size(dtype: torch.dtype) -> int:
@@ -204,6 +213,8 @@ def profile_model(
     if pacing.on_progress is not None and measure:
         pacing.on_progress(0, total)
     xs: dict[int, torch.Tensor] = {}
+    inputs: list[float] = []  # bytes per sample of every layer's input, measured on the largest size
+    output = 0.0
     kinds: dict[str, LayerKind] = {}
     of_layer: dict[int, LayerProfile] = {}
     gathered: list[int] = []
@@ -222,6 +233,8 @@ def profile_model(
                         return {m: x.to(device) for m, x in out.items()}
                 xs = step(first)
             last = index == len(layers) - 1
+            top = sizes[-1]
+            inputs.append(_tensor_bytes(xs[top]) / top)
             signature = _signature(layer, xs[1], batch_dim) + ("+loss" if last and loss_fn else "")
             if signature in kinds:
                 kinds[signature] = replace(kinds[signature], indices=kinds[signature].indices + (index,))
@@ -235,6 +248,15 @@ def profile_model(
                 name = type(_modules(layer)[0]).__name__
                 kinds[signature] = LayerKind(signature, name, (index,), profile)
             of_layer[index] = kinds[signature].profile
+            if last:  # the last layer's output, which the forward pass holds for the loss
+                run_last = layer if isinstance(layer, Layer) else Layer((layer,))
+
+                def last_output() -> float:
+                    with torch.no_grad(), torch.random.fork_rng(cuda_devices):
+                        work = run_last if in_place or isinstance(layer, Layer) else _copied(layer, device)
+                        out = _output(work(xs[top], sides[top]), f"layer {index} ({type(_modules(layer)[0]).__name__})")
+                        return _tensor_bytes(out) / top
+                output = step(last_output)
             if index + 1 < len(layers):
                 run = layer if isinstance(layer, Layer) else Layer((layer,))
 
@@ -246,8 +268,13 @@ def profile_model(
                 xs = step(advance)
     if not measure:
         return None
-    return _per_average_layer(layers, sizes, of_layer, gathered, tuple(kinds.values()), options,
-                              time.perf_counter() - started)
+    profile = _per_average_layer(layers, sizes, of_layer, gathered, tuple(kinds.values()), options,
+                                 time.perf_counter() - started)
+    return replace(profile, input_bytes_per_sample=tuple(inputs), output_bytes_per_sample=output)
+
+
+def _tensor_bytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()
 
 
 def _per_average_layer(layers: Sequence[nn.Module | Layer], sizes: tuple[int, ...], of_layer: dict[int, LayerProfile],

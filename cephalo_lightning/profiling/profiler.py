@@ -64,6 +64,7 @@ from cephalo_lightning.profiling.devices import (
     device_profiles,
     host_memory_gb,
     measured_settings,
+    shared_host_cores,
 )
 from cephalo_lightning.profiling.errors import ProfilingError
 from cephalo_lightning.profiling.model import ModelHooks, ModelProfile, Pacing, profile_model
@@ -392,8 +393,15 @@ class ClusterProfiler:
             hidden_size=self.hidden_size,
             seq_len=self.seq_len,
             compute_bytes_per_param=float(torch.empty((), dtype=self._compute_dtype()).element_size()),
+            # measured: what the layered schedule stashes per sample (mean over the layers' inputs) and
+            # keeps on the device between its passes when the stash is not offloaded
+            stash_bytes_per_sample=(sum(first.input_bytes_per_sample) / len(first.input_bytes_per_sample)
+                                    if first.input_bytes_per_sample else None),
+            kept_bytes_per_sample=first.kept_bytes_per_sample if first.input_bytes_per_sample else None,
         )
         settings = measured_settings(self.settings, comm, self.options.collective_modes[0], overlap, link_profile)
+        if settings.host_cores is None:  # ranks on one host's CPU cores compete for them
+            settings = replace(settings, host_cores=shared_host_cores(ids))
         return Cluster(model=model, devices=devices, settings=settings)
 
 def profile_cluster(layers: Sequence[nn.Module], sample_input: torch.Tensor, **kwargs: Any) -> Cluster:
