@@ -24,6 +24,8 @@ Every plan is measured once per round (``rounds``, the order rotated; the host's
 minutes and should reach every plan alike); a plan's measured step is the median over the windows of
 all its rounds (the first window of each run, whose steps count every tensor, is left out). The
 goal: AFTER within 10% of the measured step on the plans not fitted, and peak memory never under-predicted (calibration does not touch memory).
+Where the profile records the host's cores (CPU ranks on one host), the same windows are also fitted by
+the per-rank model without the shared-host bound, and its errors printed beside (a paired comparison).
 """
 
 from __future__ import annotations
@@ -198,12 +200,24 @@ def observations(plan: Any, history: list[dict[str, Any]]) -> list[Any]:
     return from_windows(plan, history)
 
 
+def _without_bound(cluster: Any) -> Any:
+    """The cluster without the shared-host bound (no host_cores): the per-rank model alone."""
+    from dataclasses import replace
+
+    return replace(cluster, settings=replace(cluster.settings, host_cores=None))
+
+
 def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any, calibrated: Any,
-              fitted: bool) -> dict[str, Any]:
+              fitted: bool, unbound: tuple[Any, Any] | None = None) -> dict[str, Any]:
     from cephalo_lightning.planner.fit import plan_label, predicted
 
     measured = statistics.median(w["step_s"] for w in history)  # windows of every round
     before, after = predicted(profiled, plan)[0], predicted(calibrated, plan)[0]
+    paired: dict[str, Any] = {}
+    if unbound is not None:  # the same measurements against the per-rank model alone, fitted again without the bound
+        before_u, after_u = predicted(unbound[0], plan)[0], predicted(unbound[1], plan)[0]
+        paired = {"error_before_unbound": measured / before_u - 1, "error_after_unbound": measured / after_u - 1,
+                  "bound_binds_after": after > predicted(_without_bound(calibrated), plan)[0] * (1 + 1e-9)}
     memory = []
     for i, r in enumerate(plan.ranks):
         peaks = [w["ranks"][i]["peak_memory_gb"] for w in history if w["ranks"][i]["peak_memory_gb"] is not None]
@@ -225,7 +239,7 @@ def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any
             "predicted_before_s": before, "predicted_after_s": after,
             "error_before": measured / before - 1, "error_after": measured / after - 1,
             "window_errors_after": [w["step_s"] / after - 1 for w in history],
-            "memory_ratio_max": max(memory) if memory else None}
+            "memory_ratio_max": max(memory) if memory else None, **paired}
 
 
 def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
@@ -239,8 +253,15 @@ def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
     r0 = per_rank[0]
     profiled, plan, history, calibration = r0["cluster"], r0["plan"], r0["history"], r0["calibration"]
     calibrated = with_calibration(profiled, calibration)
-    plans = [_plan_row("fitted on", plan, history, profiled, calibrated, True)]
-    plans += [_plan_row(o["name"], o["plan"], o["history"], profiled, calibrated, False) for o in r0["others"]]
+    unbound = None
+    if profiled.settings.host_cores:  # paired: the same windows fitted by the per-rank model alone
+        from cephalo_lightning.planner.fit import fit_calibration
+
+        alone = _without_bound(profiled)
+        fit = fit_calibration(alone, observations(plan, history[:r0["fit_windows"]]))
+        unbound = (alone, with_calibration(alone, fit))
+    plans = [_plan_row("fitted on", plan, history, profiled, calibrated, True, unbound)]
+    plans += [_plan_row(o["name"], o["plan"], o["history"], profiled, calibrated, False, unbound) for o in r0["others"]]
     measured_step = plans[0]["measured_step_s"]
     # the noise floor: the fitted plan itself, re-measured in the later rounds, against its calibrated prediction
     plans[0]["remeasured_errors"] = plans[0]["window_errors_after"][r0["fit_windows"]:]
@@ -372,6 +393,13 @@ def print_calibration(result: dict[str, Any]) -> None:
         print(f"plans not fitted: {len(after)}; median |error| BEFORE {100 * statistics.median(before):.0f}%, "
               f"AFTER {100 * statistics.median(after):.1f}%; within 10% after: {sum(e <= 0.10 for e in after)} of "
               f"{len(after)} (before: {sum(e <= 0.10 for e in before)})")
+    paired = [p for c in result["clusters"] if "failed" not in c for p in c["plans"]
+              if not p["fitted"] and "error_after_unbound" in p]
+    if paired:
+        print(f"the same plans against the per-rank model alone (no shared-host bound, fitted again on the same "
+              f"windows): median |error| BEFORE {100 * statistics.median(abs(p['error_before_unbound']) for p in paired):.0f}%, "
+              f"AFTER {100 * statistics.median(abs(p['error_after_unbound']) for p in paired):.1f}%; the bound sets "
+              f"the calibrated prediction of {sum(p['bound_binds_after'] for p in paired)} of {len(paired)} plans")
     again = [abs(e) for c in result["clusters"] if "failed" not in c for e in c["plans"][0].get("remeasured_errors", [])]
     if again:
         print(f"noise floor: the fitted plan itself re-measured in the later rounds, against its calibrated prediction: "
