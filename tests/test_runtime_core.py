@@ -134,6 +134,50 @@ def test_the_strategy_puts_nothing_inside_a_layer_that_would_break_a_compiled_gr
     assert explanation.graph_break_count == 0, explanation.break_reasons
 
 
+def _fill_grads(sharded: ShardedModel, value: float) -> list[torch.nn.Parameter]:
+    pieces = [p for p in sharded.parameters() if p.numel()]
+    for p in pieces:
+        p.grad = torch.full_like(p, value)
+    return pieces
+
+
+def test_grads_finite_flags_any_non_finite_element_and_only_those():
+    from cephalo_lightning.lightning.steps import finish_step
+
+    model = TinyLM(dim=16)
+    sharded = ShardedModel(model, [1.0], units=[model.embed, *model.blocks, model.norm, model.head])
+
+    def by_element() -> bool:  # the definition, element by element
+        return all(bool(torch.isfinite(p.grad).all()) for p in sharded.parameters() if p.grad is not None)
+
+    assert sharded.grads_finite() and by_element()  # no gradient yet: nothing non-finite
+    pieces = _fill_grads(sharded, 0.5)
+    assert len(pieces) > 3 and sharded.grads_finite() and by_element()
+    big = max(pieces, key=torch.numel)
+    cases = {  # name: (make it, every element finite)
+        "inf in one element of one piece": (lambda: big.grad.view(-1).__setitem__(7, float("inf")), False),
+        "-inf in the last piece": (lambda: pieces[-1].grad.view(-1).__setitem__(-1, float("-inf")), False),
+        "nan in one element": (lambda: pieces[1].grad.view(-1).__setitem__(0, float("nan")), False),
+        "finite values whose fp32 sum overflows": (lambda: big.grad.fill_(3e38), True),
+        "an overflowing piece and an inf in another": (
+            lambda: (big.grad.fill_(3e38), pieces[0].grad.view(-1).__setitem__(0, float("inf"))), False),
+        "an overflowing piece holding one nan": (
+            lambda: (big.grad.fill_(-3e38), big.grad.view(-1).__setitem__(3, float("nan"))), False),
+        "+max and -max alternating: partial sums overflow both ways": (
+            lambda: (big.grad.fill_(3e38), big.grad.view(-1)[::2].fill_(-3e38)), True),
+    }
+    for name, (make, finite) in cases.items():
+        _fill_grads(sharded, 0.5)
+        make()
+        assert by_element() is finite, name  # the case is what it says
+        if "overflow" in name:  # finite elements or not, the piece's fp32 sum is not finite: checked element-wise
+            assert not torch.isfinite(big.grad.sum()), name
+        assert sharded.grads_finite() is finite, name
+        report, _ = finish_step(torch.tensor(1.0), sharded, check_grads=True)
+        assert report.nonfinite == (() if finite else (0,)), name
+        assert finite or report.what == "gradient", name
+
+
 def test_the_package_uses_no_private_torch_distributed_api():
     offenders = []
     pattern = re.compile(r"(torch\.distributed|\bdist)\.(_\w+)|_init_from_local_shards|distributed\._shard|_get_default_store")

@@ -107,7 +107,7 @@ def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bo
     flags[2 * world + rank] = float(signal)
     flags[rank] = 0.0 if bool(torch.isfinite(loss).all()) else 1.0
     if check_grads:
-        flags[world + rank] = 0.0 if bool(torch.isfinite(sharded.grad_norm_sq())) else 1.0
+        flags[world + rank] = 0.0 if sharded.grads_finite() else 1.0
     values = [loss.nan_to_num(0.0, 0.0, 0.0)] + [e.detach().double().reshape(-1).to(device) for e in extra] + [flags]
     vector = all_reduce_(torch.cat(values), group=group)
     parts = list(vector.split([v.numel() for v in values]))

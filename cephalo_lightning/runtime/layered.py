@@ -17,8 +17,8 @@ on the host when offloading (on CUDA, copied on a side stream into pinned memory
 separately. The price is one extra forward.
 
 A rank with ONE micro-batch may skip that price (``recompute=False``): its forward keeps every
-layer's autograd graph, and its backward only backpropagates, layer by layer, with the same
-collectives in the same order. It then holds the activations of the whole forward, which the
+layer's autograd graph and the loss's (computed once), and its backward only backpropagates, layer
+by layer, with the same collectives in the same order. It then holds the activations of the whole forward, which the
 plan must allow for.
 
 A layer is a :class:`Layer`: the module(s) forming its unit and how to call them. Besides the one
@@ -151,6 +151,7 @@ class _Step:
     recompute: bool
     stash: list[list[_Stashed | None]] = field(default_factory=list)  # per layer, per micro-batch
     graphs: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = field(default_factory=list)  # no-recompute
+    losses: list[torch.Tensor | None] = field(default_factory=list)  # no-recompute: each loss with its graph
 
 
 class LayeredSchedule:
@@ -243,10 +244,18 @@ class LayeredSchedule:
         self.stats.stash_bytes = sum(s.tensor.numel() * s.tensor.element_size()
                                      for per_layer in step.stash for s in per_layer if s is not None)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        step.losses = [None] * len(xs)
         for k, (out, w) in enumerate(zip(xs, step.weights)):
-            if w:  # a micro-batch without items (all labels ignored) adds nothing, not 0 * nan
+            if not w:  # a micro-batch without items (all labels ignored) adds nothing, not 0 * nan
+                continue
+            if recompute:
                 with torch.no_grad():
-                    total += w * loss_fn(k, moves.to_device(out) if recompute else out, step.side[k]).float()
+                    total += w * loss_fn(k, moves.to_device(out), step.side[k]).float()
+            else:  # the loss keeps its graph: the backward starts from it instead of computing it again
+                last = step.graphs[-1][k] if self.layers else None
+                loss = loss_fn(k, last[1] if last is not None else out, step.side[k])
+                step.losses[k] = loss
+                total += w * loss.detach().float()
         return total
 
     def backward(self, loss_scale: float | torch.Tensor = 1.0) -> None:
@@ -273,7 +282,10 @@ class LayeredSchedule:
                       upstream: list[torch.Tensor | None], loss_scale: float | torch.Tensor) -> None:
         last = len(self.layers)
         if index == last:
-            objective = step.loss_fn(k, out, step.side[k]) * (step.weights[k] * loss_scale)
+            loss, step.losses[k] = step.losses[k], None  # the forward's, with its graph (no-recompute), or none yet
+            if loss is None:
+                loss = step.loss_fn(k, out, step.side[k])
+            objective = loss * (step.weights[k] * loss_scale)
             objective.backward()
         elif out.requires_grad:  # else a frozen layer whose input needs no gradient: nothing to do
             out.backward(self._moves.to_device(upstream[k]))

@@ -309,6 +309,24 @@ class ShardedModel:
         """This rank's share of the gradient norm: sum |g|^p over its pieces (max |g| for inf), fp64."""
         return local_grad_norm(self.parameters(), norm_type, self.device)
 
+    @torch.no_grad()
+    def grads_finite(self) -> bool:
+        """Whether every element of this rank's gradient pieces is finite.
+
+        One sum per piece, in fp32 or wider, and one host sync: a finite sum means every element
+        is finite (an inf or nan makes the sum inf or nan). A sum of finite values may overflow to
+        inf, so only the pieces whose sum is not finite are checked element by element, and those
+        decide.
+        """
+        grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel()]
+        if not grads:
+            return True
+        sums = torch.stack([g.sum(dtype=torch.promote_types(g.dtype, torch.float32)).double() for g in grads])
+        finite = torch.isfinite(sums)
+        if bool(finite.all()):
+            return True
+        return all(bool(torch.isfinite(g).all()) for g, ok in zip(grads, finite.tolist()) if not ok)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm of the WHOLE model's gradient, summed across the uneven shards (group 0's
         shards, summed over the world, so every replica scales by the same bits)."""
