@@ -253,7 +253,8 @@ class LayeredSchedule:
                     total += w * loss_fn(k, moves.to_device(out), step.side[k]).float()
             else:  # the loss keeps its graph: the backward starts from it instead of computing it again
                 last = step.graphs[-1][k] if self.layers else None
-                loss = loss_fn(k, last[1] if last is not None else out, step.side[k])
+                with observers.compute("layer_forward"):  # compute, as it was when the backward recomputed it
+                    loss = loss_fn(k, last[1] if last is not None else out, step.side[k])
                 step.losses[k] = loss
                 total += w * loss.detach().float()
         return total
