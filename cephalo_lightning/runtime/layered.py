@@ -16,6 +16,14 @@ same order, whatever its micro-batch count (even zero). Peak device memory is on
 on the host when offloading (on CUDA, copied on a side stream into pinned memory) and is reported
 separately. The price is one extra forward.
 
+[Note: the last layer's last micro-batch runs once] The backward begins where the forward ends:
+the last layer, whose forward for the last micro-batch is the most recent. That one call runs
+with autograd and keeps its graph, and the backward takes it first (then recomputes the other
+micro-batches of the layer in order), so it is not run twice; the peak is still one micro-batch's
+activations of one layer. Where the last layer is costly (a discovered model's loss pass re-enters
+the model's whole forward) this saves one such call per step. The others' forward calls stay:
+their loss is the step's value, returned before the backward.
+
 A rank with ONE micro-batch may skip that price (``recompute=False``): its forward keeps every
 layer's autograd graph, and its backward only backpropagates, layer by layer, with the same
 collectives in the same order. It then holds the activations of the whole forward, which the
@@ -227,11 +235,21 @@ class LayeredSchedule:
         xs = [x for x, _ in prepared]
         if recompute:
             xs = [moves.to_host(x) for x in xs]  # each layer's input doubles as its stash
+        last = len(self.layers)
         for index, layer in enumerate(self.layers, start=1):
             sharded.gather(index, prefetch=index + 1)
             with observers.compute("layer_forward"):
                 for k, x in enumerate(xs):
-                    if recompute:
+                    if recompute and index == last and k == len(xs) - 1 and step.weights[k]:
+                        # [Note: the last layer's last micro-batch runs once]: its graph is kept
+                        step.stash[index - 1].append(None)
+                        x_in = moves.to_device(x)
+                        x_in = x_in.detach().requires_grad_(index > 1 and x_in.is_floating_point())
+                        with torch.enable_grad():
+                            out = layer(x_in, step.side[k])
+                        step.graphs[index - 1] = [None] * k + [(x_in, out)]
+                        xs[k] = out.detach()
+                    elif recompute:
                         step.stash[index - 1].append(_Stashed(x, _rng_state(self._cuda_devices)))
                         xs[k] = moves.to_host(layer(moves.to_device(x), step.side[k]))
                     else:
@@ -243,10 +261,12 @@ class LayeredSchedule:
         self.stats.stash_bytes = sum(s.tensor.numel() * s.tensor.element_size()
                                      for per_layer in step.stash for s in per_layer if s is not None)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        kept = bool(step.graphs[-1]) if recompute and step.graphs else False
         for k, (out, w) in enumerate(zip(xs, step.weights)):
             if w:  # a micro-batch without items (all labels ignored) adds nothing, not 0 * nan
                 with torch.no_grad():
-                    total += w * loss_fn(k, moves.to_device(out) if recompute else out, step.side[k]).float()
+                    on_device = out if not recompute or (kept and k == len(xs) - 1) else moves.to_device(out)
+                    total += w * loss_fn(k, on_device, step.side[k]).float()
         return total
 
     def backward(self, loss_scale: float | torch.Tensor = 1.0) -> None:
@@ -289,9 +309,11 @@ class LayeredSchedule:
         for index in range(last, 0, -1):
             layer = self.layers[index - 1]
             sharded.gather(index, prefetch=index - 1)
+            kept = step.recompute and index == last and bool(step.graphs[index - 1])
+            order = [n - 1, *range(n - 1)] if kept else range(n)  # [Note: the last layer's last micro-batch runs once]
             with observers.compute("layer_backward"):
-                for k in range(n):
-                    if step.recompute:
+                for k in order:
+                    if step.recompute and not (kept and k == n - 1):
                         item = step.stash[index - 1][k]
                         step.stash[index - 1][k] = None  # free the stash as we go
                         if not live[k] or item is None:
