@@ -236,6 +236,7 @@ class LayeredSchedule:
         if recompute:
             xs = [moves.to_host(x) for x in xs]  # each layer's input doubles as its stash
         last = len(self.layers)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         for index, layer in enumerate(self.layers, start=1):
             sharded.gather(index, prefetch=index + 1)
             with observers.compute("layer_forward"):
@@ -248,25 +249,28 @@ class LayeredSchedule:
                         with torch.enable_grad():
                             out = layer(x_in, step.side[k])
                         step.graphs[index - 1] = [None] * k + [(x_in, out)]
-                        xs[k] = out.detach()
+                        y = out.detach()
                     elif recompute:
                         step.stash[index - 1].append(_Stashed(x, _rng_state(self._cuda_devices)))
-                        xs[k] = moves.to_host(layer(moves.to_device(x), step.side[k]))
+                        y = layer(moves.to_device(x), step.side[k])
                     else:
                         x_in = x.detach().requires_grad_(index > 1 and x.is_floating_point())
                         out = layer(x_in, step.side[k])
                         step.graphs[index - 1].append((x_in, out))
-                        xs[k] = out.detach()
+                        y = out.detach()
+                    if index < last:
+                        xs[k] = moves.to_host(y) if recompute else y
+                        continue
+                    # the last layer's output goes into its micro-batch's loss at once (one output held at a
+                    # time); a micro-batch without items (all labels ignored) adds nothing, not 0 * nan
+                    xs[k] = None
+                    if step.weights[k]:
+                        with torch.no_grad():
+                            total += step.weights[k] * loss_fn(k, y, step.side[k]).float()
+                    del y
             units[index].free()
         self.stats.stash_bytes = sum(s.tensor.numel() * s.tensor.element_size()
                                      for per_layer in step.stash for s in per_layer if s is not None)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        kept = bool(step.graphs[-1]) if recompute and step.graphs else False
-        for k, (out, w) in enumerate(zip(xs, step.weights)):
-            if w:  # a micro-batch without items (all labels ignored) adds nothing, not 0 * nan
-                with torch.no_grad():
-                    on_device = out if not recompute or (kept and k == len(xs) - 1) else moves.to_device(out)
-                    total += w * loss_fn(k, on_device, step.side[k]).float()
         return total
 
     def backward(self, loss_scale: float | torch.Tensor = 1.0) -> None:
@@ -333,7 +337,9 @@ class LayeredSchedule:
                         if not live[k] or graph is None:
                             continue
                         x, out = graph
+                        graph = None  # the inputs and outputs go with the iteration, not with the loop
                         self._run_backward(index, k, x, out, step, upstream, loss_scale)
+                        x = out = None
             units[index].free()
             self._reduce(units[index])
         # the root unit (parameters outside the layers, tied ones, ones inside the loss) goes last
