@@ -4,6 +4,7 @@
     python benchmarks/bench_discovery.py --quick    # fewer rounds
     python benchmarks/bench_discovery.py --json
     python benchmarks/bench_discovery.py --layers 12   # a deeper model: the discovery's cost is per micro-batch
+    python benchmarks/bench_discovery.py --rounds 60   # more paired rounds (default 30)
 
 One Llama model (built from a config, no download) on 2 gloo ranks (CPU processes, NOT GPUs; every
 figure is a CPU measurement), three ways, side by side in one run, rounds interleaved:
@@ -16,10 +17,14 @@ figure is a CPU measurement), three ways, side by side in one run, rounds interl
 * ``uniform``: micro-batch-major accumulation over the same block units (hooks).
 
 Printed: median step time (slowest rank, wall) and median step CPU time (the ranks' process CPU
-seconds, summed) after the first step, the discovery's overhead over the adapter by both (goal
-<= 5%; on a machine loaded beyond its cores the wall figure is mostly waiting, the CPU figure much
-less so), and the peak accounted memory of one step (MemoryTracker, activations and gathered units;
-the resident state is the same for all three).
+seconds, summed) after the first step; the discovery's overhead over the adapter by both (goal
+<= 5%) as the median of per-round ratios: each round runs the three variants back to back (the
+order rotated round by round), so a ratio compares two steps taken a fraction of a second apart
+and one disturbed round moves the median by one place at most; the quartiles of those ratios
+show the spread. On a machine loaded beyond its cores the wall figure is mostly waiting, the CPU
+figure much less so. The load average (as ``uptime`` prints it) is printed before and after.
+Also the peak accounted memory of one step (MemoryTracker, activations and gathered units; the
+resident state is the same for all three).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -54,7 +61,7 @@ class Config:
     micro_batches: int = 4
     micro_batch_size: int = 2
     shares: tuple[float, ...] = (0.5, 0.5)
-    repeats: int = 12
+    repeats: int = 30  # paired rounds
     warmup: int = 2
 
 
@@ -150,6 +157,21 @@ def _rank_main(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     return {"rank": rank, "times": times, "cpu": {how: c[cfg.warmup:] for how, c in cpu.items()}, "peaks": peaks}
 
 
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return (values[0],) * 3 if values else (float("nan"),) * 3
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def _uptime_load() -> str:
+    """The load averages as ``uptime`` prints them (1, 5 and 15 minutes)."""
+    try:
+        return "load average: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:  # pragma: no cover - not on every platform
+        return "load average: unknown"
+
+
 def run_benchmark(cfg: Config = Config()) -> dict[str, Any]:
     per_rank = common.run_ranks(_rank_main, WORLD, cfg)
     names = list(per_rank[0]["times"])
@@ -159,10 +181,14 @@ def run_benchmark(cfg: Config = Config()) -> dict[str, Any]:
     cpu = {how: [sum(r["cpu"][how][i] for r in per_rank) for i in range(cfg.repeats)] for how in names}
     rows = [{"variant": how, "median_step_s": common.median(slowest[how]), "median_cpu_s": common.median(cpu[how]),
              "peak_bytes": max(r["peaks"][how] for r in per_rank)} for how in names]
+    rounds = {"wall": [a / b for a, b in zip(slowest["discovered"], slowest["adapter"])],
+              "cpu": [a / b for a, b in zip(cpu["discovered"], cpu["adapter"])]}
     return {
         "config": asdict(cfg), "rows": rows,
         "discovery_over_adapter_cpu": common.paired_ratio(cpu["discovered"], cpu["adapter"]),
         "discovery_over_adapter": common.paired_ratio(slowest["discovered"], slowest["adapter"]),
+        "discovery_over_adapter_rounds": rounds,  # per round, discovered / adapter
+        "discovery_over_adapter_quartiles": {how: _quartiles(r) for how, r in rounds.items()},
         "adapter_over_uniform": common.paired_ratio(slowest["adapter"], slowest["uniform"]),
         "discovered_over_uniform": common.paired_ratio(slowest["discovered"], slowest["uniform"]),
         # the fastest round of each: the least disturbed by other processes on a shared machine
@@ -175,10 +201,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--layers", type=int, default=Config.layers, help="decoder blocks (the overhead is per micro-batch)")
+    parser.add_argument("--rounds", type=int, default=None, help=f"paired rounds (default {Config.repeats}; --quick 6)")
     args = parser.parse_args(argv)
     common.quiet_lightning()
-    cfg = Config(repeats=4, warmup=1, layers=args.layers) if args.quick else Config(layers=args.layers)
-    before = common.load_average()
+    rounds = args.rounds or (6 if args.quick else Config.repeats)
+    cfg = Config(repeats=rounds, warmup=1 if args.quick else Config.warmup, layers=args.layers)
+    before, uptime_before = common.load_average(), _uptime_load()
     result = run_benchmark(cfg)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -192,17 +220,21 @@ def main(argv: list[str] | None = None) -> None:
         title=f"Llama {cfg.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}: {cfg.micro_batches} micro-batches "
               f"of {cfg.micro_batch_size} per rank, {WORLD} gloo ranks (MEASURED on CPU)")
     overhead, cpu_overhead = result["discovery_over_adapter"] - 1.0, result["discovery_over_adapter_cpu"] - 1.0
-    print(f"discovered / adapter step time (paired median, measured, wall): {result['discovery_over_adapter']:.3f} "
-          f"-> discovery overhead after the first step {100 * overhead:+.1f}% (goal <= 5%: "
+    quartiles = result["discovery_over_adapter_quartiles"]
+    print(f"discovery overhead after the first step, {cfg.repeats} interleaved paired rounds (median of the per-round "
+          "ratios discovered / adapter; quartiles of those ratios in brackets; measured):")
+    print(f"  wall: {result['discovery_over_adapter']:.3f} -> {100 * overhead:+.1f}% "
+          f"[{quartiles['wall'][0]:.3f} .. {quartiles['wall'][2]:.3f}] (goal <= 5%: "
           f"{'met' if overhead <= 0.05 else 'NOT met'})")
-    print(f"discovered / adapter step CPU time (paired median, measured, all ranks): "
-          f"{result['discovery_over_adapter_cpu']:.3f} -> {100 * cpu_overhead:+.1f}% (goal <= 5%: "
+    print(f"  CPU, all ranks: {result['discovery_over_adapter_cpu']:.3f} -> {100 * cpu_overhead:+.1f}% "
+          f"[{quartiles['cpu'][0]:.3f} .. {quartiles['cpu'][2]:.3f}] (goal <= 5%: "
           f"{'met' if cpu_overhead <= 0.05 else 'NOT met'}; the figure to trust when the load below exceeds the cores)")
     print(f"fastest round discovered / fastest round adapter (measured; less sensitive to other load): "
           f"{result['fastest_discovery_over_adapter']:.3f}")
     print(f"adapter / uniform: {result['adapter_over_uniform']:.3f}; discovered / uniform: "
           f"{result['discovered_over_uniform']:.3f} (measured)")
     print(common.load_note(before, common.load_average()))
+    print(f"uptime before: {uptime_before}; after: {_uptime_load()}")
 
 
 if __name__ == "__main__":

@@ -147,8 +147,8 @@ def test_unit_wise_optimizer_steps_equal_the_full_step_and_hold_less_gradient():
     assert unit_peak < whole_peak
 
 
-def _one_micro_batch(kind: str) -> tuple[int, int, dict[str, torch.Tensor], float]:
-    """One step of one micro-batch: (peak accounted bytes, loss evaluations, local gradients, loss)."""
+def _one_micro_batch(kind: str, micro_batches: int = 1) -> tuple[int, int, dict[str, torch.Tensor], float]:
+    """One step (of one micro-batch unless told): (peak accounted bytes, loss evaluations, local gradients, loss)."""
     model = TinyLM(vocab=64, dim=64, depth=6)
     layers = layers_of(model)
     sharded = ShardedModel(model, [1.0], units=layers if kind != "plain" else None)
@@ -156,9 +156,11 @@ def _one_micro_batch(kind: str) -> tuple[int, int, dict[str, torch.Tensor], floa
     x, y = data[:, :-1], data[:, 1:]
     calls = []
 
+    xs, ys = x.chunk(micro_batches), y.chunk(micro_batches)
+
     def loss(k, out, side):
         calls.append(k)
-        return model.loss(out, y)
+        return model.loss(out, ys[k])
 
     tracker = MemoryTracker()
     with sharded.observers.attached(tracker), tracker:
@@ -167,7 +169,8 @@ def _one_micro_batch(kind: str) -> tuple[int, int, dict[str, torch.Tensor], floa
             sharded.backward(value)
         else:
             schedule = LayeredSchedule(sharded, layers, offload=False)
-            value = schedule.forward([x], plain_input, loss, [1.0], recompute=kind == "recompute")
+            value = schedule.forward(list(xs), plain_input, loss, [1.0 / micro_batches] * micro_batches,
+                                     recompute=kind == "recompute")
             schedule.backward()
     grads = {name: p.grad.clone() for name, p in sharded.named_parameters()}
     return tracker.peak_bytes, len(calls), grads, float(value.detach())
@@ -177,7 +180,8 @@ def test_a_kept_graph_computes_the_loss_once_with_the_same_gradients_and_no_more
     kept_peak, kept_calls, kept, kept_loss = _one_micro_batch("keep")
     _, recomputed_calls, recomputed, recomputed_loss = _one_micro_batch("recompute")
     plain_peak, _, plain, plain_loss = _one_micro_batch("plain")
-    assert kept_calls == 1 and recomputed_calls == 2  # the recomputing schedule evaluates it again in the backward
+    # the recomputing schedule keeps the last micro-batch's graph of the last layer too (the backward starts there)
+    assert kept_calls == recomputed_calls == 1
     assert kept_loss == recomputed_loss == plain_loss
     assert kept.keys() == recomputed.keys() == plain.keys()
     assert all(torch.equal(kept[n], recomputed[n]) for n in kept)
@@ -186,3 +190,13 @@ def test_a_kept_graph_computes_the_loss_once_with_the_same_gradients_and_no_more
     # the peak stays that of one plain autograd step of the whole model (measured 1.024x: the
     # detached copies of each layer's output the schedule hands on).
     assert kept_peak <= 1.05 * plain_peak, (kept_peak, plain_peak)
+
+
+def test_recomputing_evaluates_every_loss_once_in_the_forward_and_all_but_the_last_again():
+    _, calls, grads, loss = _one_micro_batch("recompute", micro_batches=4)
+    _, _, plain, plain_loss = _one_micro_batch("plain")
+    assert calls == 4 + 3  # the last micro-batch's loss keeps its graph from the forward
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    # four micro-batches of two samples against one batch of eight: the same gradient up to fp32 round-off
+    # (measured 1.5e-8 on gradients up to 0.037)
+    assert all(torch.allclose(grads[n], plain[n], rtol=0, atol=1e-7) for n in plain)

@@ -16,6 +16,14 @@ same order, whatever its micro-batch count (even zero). Peak device memory is on
 on the host when offloading (on CUDA, copied on a side stream into pinned memory) and is reported
 separately. The price is one extra forward.
 
+[Note: the last layer's last micro-batch runs once] The backward begins where the forward ends:
+the last layer, whose forward for the last micro-batch is the most recent. That one call runs
+with autograd and keeps its graph and its loss's, and the backward takes it first (then recomputes the other
+micro-batches of the layer in order), so it is not run twice; the peak is still one micro-batch's
+activations of one layer. Where the last layer is costly (a discovered model's loss pass re-enters
+the model's whole forward) this saves one such call per step. The others' forward calls stay:
+their loss is the step's value, returned before the backward.
+
 A rank with ONE micro-batch may skip that price (``recompute=False``): its forward keeps every
 layer's autograd graph and the loss's (computed once), and its backward only backpropagates, layer
 by layer, with the same collectives in the same order. It then holds the activations of the whole forward, which the
@@ -151,7 +159,7 @@ class _Step:
     recompute: bool
     stash: list[list[_Stashed | None]] = field(default_factory=list)  # per layer, per micro-batch
     graphs: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = field(default_factory=list)  # no-recompute
-    losses: list[torch.Tensor | None] = field(default_factory=list)  # no-recompute: each loss with its graph
+    losses: list[torch.Tensor | None] = field(default_factory=list)  # per micro-batch: its loss where the graph is kept
 
 
 class LayeredSchedule:
@@ -172,6 +180,8 @@ class LayeredSchedule:
         """``offload``: keep stashed inputs and boundary gradients on the host between uses
         (default: on CUDA yes, on CPU no; on CPU True emulates it for the memory accounting)."""
         self.layers = [Layer.of(layer) for layer in layers]
+        if not self.layers:
+            raise ValueError("a layered schedule needs at least one layer (its last computes the loss)")
         if [[id(m) for m in g] for g in sharded.unit_groups] != [[id(m) for m in layer.modules] for layer in self.layers]:
             raise ValueError("the sharded model's units must be exactly the layers' modules, in order")
         self.sharded = sharded
@@ -228,35 +238,50 @@ class LayeredSchedule:
         xs = [x for x, _ in prepared]
         if recompute:
             xs = [moves.to_host(x) for x in xs]  # each layer's input doubles as its stash
+        last = len(self.layers)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        step.losses = [None] * len(xs)
         for index, layer in enumerate(self.layers, start=1):
             sharded.gather(index, prefetch=index + 1)
             with observers.compute("layer_forward"):
                 for k, x in enumerate(xs):
-                    if recompute:
+                    if recompute and index == last and k == len(xs) - 1 and step.weights[k]:
+                        # [Note: the last layer's last micro-batch runs once]: its graph is kept
+                        step.stash[index - 1].append(None)
+                        x_in = moves.to_device(x)
+                        x_in = x_in.detach().requires_grad_(index > 1 and x_in.is_floating_point())
+                        with torch.enable_grad():
+                            out = layer(x_in, step.side[k])
+                        step.graphs[index - 1] = [None] * k + [(x_in, out)]
+                        y = out.detach()
+                    elif recompute:
                         step.stash[index - 1].append(_Stashed(x, _rng_state(self._cuda_devices)))
-                        xs[k] = moves.to_host(layer(moves.to_device(x), step.side[k]))
+                        y = layer(moves.to_device(x), step.side[k])
                     else:
                         x_in = x.detach().requires_grad_(index > 1 and x.is_floating_point())
                         out = layer(x_in, step.side[k])
                         step.graphs[index - 1].append((x_in, out))
-                        xs[k] = out.detach()
+                        y = out.detach()
+                    if index < last:
+                        xs[k] = moves.to_host(y) if recompute else y
+                        continue
+                    # the last layer's output goes into its micro-batch's loss at once (one output held at a
+                    # time); a micro-batch without items (all labels ignored) adds nothing, not 0 * nan
+                    xs[k] = None
+                    if not step.weights[k]:
+                        continue
+                    kept = step.graphs[index - 1][k] if len(step.graphs[index - 1]) > k else None
+                    if kept is None:
+                        with torch.no_grad():
+                            total += step.weights[k] * loss_fn(k, y, step.side[k]).float()
+                    else:  # the graph is kept: so is the loss's, and the backward starts from it (computed once)
+                        with torch.enable_grad():
+                            step.losses[k] = loss_fn(k, kept[1], step.side[k])
+                        total += step.weights[k] * step.losses[k].detach().float()
+                    del y
             units[index].free()
         self.stats.stash_bytes = sum(s.tensor.numel() * s.tensor.element_size()
                                      for per_layer in step.stash for s in per_layer if s is not None)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        step.losses = [None] * len(xs)
-        for k, (out, w) in enumerate(zip(xs, step.weights)):
-            if not w:  # a micro-batch without items (all labels ignored) adds nothing, not 0 * nan
-                continue
-            if recompute:
-                with torch.no_grad():
-                    total += w * loss_fn(k, moves.to_device(out), step.side[k]).float()
-            else:  # the loss keeps its graph: the backward starts from it instead of computing it again
-                last = step.graphs[-1][k] if self.layers else None
-                with observers.compute("layer_forward"):  # compute, as it was when the backward recomputed it
-                    loss = loss_fn(k, last[1] if last is not None else out, step.side[k])
-                step.losses[k] = loss
-                total += w * loss.detach().float()
         return total
 
     def backward(self, loss_scale: float | torch.Tensor = 1.0) -> None:
@@ -283,7 +308,7 @@ class LayeredSchedule:
                       upstream: list[torch.Tensor | None], loss_scale: float | torch.Tensor) -> None:
         last = len(self.layers)
         if index == last:
-            loss, step.losses[k] = step.losses[k], None  # the forward's, with its graph (no-recompute), or none yet
+            loss, step.losses[k] = step.losses[k], None  # the forward's, where it kept the graph, or none yet
             if loss is None:
                 loss = step.loss_fn(k, out, step.side[k])
             objective = loss * (step.weights[k] * loss_scale)
@@ -302,9 +327,11 @@ class LayeredSchedule:
         for index in range(last, 0, -1):
             layer = self.layers[index - 1]
             sharded.gather(index, prefetch=index - 1)
+            kept = step.recompute and index == last and bool(step.graphs[index - 1])
+            order = [n - 1, *range(n - 1)] if kept else range(n)  # [Note: the last layer's last micro-batch runs once]
             with observers.compute("layer_backward"):
-                for k in range(n):
-                    if step.recompute:
+                for k in order:
+                    if step.recompute and not (kept and k == n - 1):
                         item = step.stash[index - 1][k]
                         step.stash[index - 1][k] = None  # free the stash as we go
                         if not live[k] or item is None:
@@ -324,7 +351,9 @@ class LayeredSchedule:
                         if not live[k] or graph is None:
                             continue
                         x, out = graph
+                        graph = None  # the inputs and outputs go with the iteration, not with the loop
                         self._run_backward(index, k, x, out, step, upstream, loss_scale)
+                        x = out = None
             units[index].free()
             self._reduce(units[index])
         # the root unit (parameters outside the layers, tied ones, ones inside the loss) goes last
