@@ -181,3 +181,13 @@ def test_a_switch_slower_within_its_windows_noise_is_kept() -> None:
 def test_the_adapter_makes_no_switch_under_jitter_alone() -> None:
     switches, first, last = _windows(lambda w: (1.0, 1.0, 1.0), 0.2, 40, seed=1)
     assert switches == [] and last is first
+
+
+def test_a_switch_is_not_rolled_back_on_a_window_where_another_rank_slowed() -> None:
+    """Rank 1 slows at window 3 (the re-timed switch at 4); rank 2 slows x3 at window 6, the window
+    that measures the switch: the step is slower for rank 2's sake, not the plan's. The switch is kept
+    (its measured figure logged), and rank 2, drifting in windows 6 and 7, is re-timed at 7."""
+    switches, _, _ = _windows(lambda w: (1.0, 3.0, 3.0 if w >= 6 else 1.0) if w >= 3 else (1.0, 1.0, 1.0), 0.02, 9)
+    assert switches[0].window == 4 and switches[0].measured_gain < -0.05, switches  # measured slower ...
+    assert [(s.window, s.reason, s.rollback, s.rolled_back) for s in switches] == [
+        (4, "re-timed rank 1", False, False), (7, "re-timed rank 2", False, False)], switches  # ... and not undone

@@ -14,7 +14,9 @@
   full window after it took effect, the measured one. No files are written.
 * **Rollback**: a switch whose measured gain is negative beyond noise (slower by more than
   ``switch_gain`` plus both windows' own spread, :func:`noise`) is undone in place: the previous
-  plan is scheduled again and the rollback logged with the predicted and the measured figures. The
+  plan is scheduled again and the rollback logged with the predicted and the measured figures (not
+  when a rank drifts from its prediction in the measuring window: a rank that changed speed there,
+  not the plan, may have made the step slower, and the straggler path re-times it instead). The
   plan it left is then refused while the model's rank speeds stay those it was refused under (within
   ``drift_threshold``), so a mis-priced plan is not offered again and again; a rollback itself is
   never rolled back (it returns to a plan already measured).
@@ -195,11 +197,17 @@ class RunAdapter:
         measured, tolerance, now_s = strategy.broadcast(
             (last.measured_step_before_s / record["step_s"] - 1.0, self.config.switch_gain + last.noise_before
              + noise(record), record["step_s"]) if trainer.is_global_zero else None)
-        undo = measured < -tolerance and not last.rollback and last.previous is not None
+        # a rank drifting from its prediction in this window changed speed: the window measures that
+        # change with the switch, so it cannot undo the switch (the straggler path re-times the rank)
+        drifting = list(record.get("drifting", ()))
+        slower = measured < -tolerance and not last.rollback and last.previous is not None
+        undo = slower and not drifting
         self.switches[-1] = last = replace(last, measured_gain=measured, rolled_back=undo)
         if not undo:
+            confounded = (f"; not rolled back: {', '.join(f'rank {i}' for i in drifting)} drifted from the prediction "
+                          "in the same window, which the figure measures too") if slower else ""
             rank_zero_info(f"Cephalo: the switch at step {last.step} ({last.reason}) measured {measured:+.1%} "
-                           f"(predicted {last.predicted_gain:+.1%}).")
+                           f"(predicted {last.predicted_gain:+.1%}){confounded}.")
             return False
         assert last.previous is not None and last.target is not None
         self._refused[_key(last.target)] = (self._speeds(cluster), last)
