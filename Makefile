@@ -3,11 +3,12 @@
 #   make test   - set up, then run the test suite (its time at the end), one pytest worker per core
 #   make test-fast - the in-process tests only (no gloo ranks, no subprocesses): about 1.5 minutes
 #   make lint      - pyflakes and import order (ruff)
+#   make durations - run the suite and rewrite tests/durations.txt (the order the workers take the files in)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast lint bench report clean
+.PHONY: setup demo test test-fast durations lint bench report clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -24,8 +25,9 @@ demo: setup
 	$(BIN)/python -m cephalo_lightning demo
 
 # Workers: one per core up to 4 (xdist); a test file is never split between two (its module fixtures run once).
+# Files start longest first (tests/conftest.py, from tests/durations.txt): xdist keeps the collection order.
 WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
-XDIST := -n $(WORKERS) --dist loadfile
+XDIST := -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup
 	@start=$$(date +%s); $(BIN)/python -m pytest -q $(XDIST) --durations=15 tests; rc=$$?; \
@@ -34,6 +36,10 @@ test: setup
 test-fast: setup
 	@start=$$(date +%s); $(BIN)/python -m pytest -q $(XDIST) -m "not multiprocess" tests; rc=$$?; \
 	echo "make test-fast: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+durations: setup
+	$(BIN)/python -m pytest -q $(XDIST) --junitxml=.durations.xml tests; rc=$$?; \
+	$(BIN)/python -m tests.durations .durations.xml > tests/durations.txt && rm -f .durations.xml; exit $$rc
 
 lint: setup
 	$(BIN)/ruff check cephalo_lightning tests benchmarks examples

@@ -103,3 +103,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         report.longrepr = (f"{item.nodeid} started {len(started)} process(es) in its {report.when} ({shown}) but is "
                            "not marked: add @pytest.mark.multiprocess (make test-fast runs only unmarked tests, "
                            "in this process)")
+
+
+# ----------------------------------------------------------------------------- the order of the files
+
+# [Note: longest files first] ``make test`` hands whole files to the xdist workers in collection
+# order (``--dist loadfile --no-loadscope-reorder``), a new one to a worker as its current one runs
+# out. Started in the order of their measured times (tests/durations.txt), the long files run side by
+# side at the start and the short ones fill in at the end, so the workers finish together; in
+# alphabetical order a long file that starts last runs alone. A file the list does not know starts
+# first (it may be long). The order of the tests inside a file is kept.
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    from tests.durations import read
+
+    measured = read()
+    unknown = max(measured.values(), default=0.0) + 1.0
+
+    def file_time(item: pytest.Item) -> float:
+        return measured.get(item.nodeid.split("::", 1)[0], unknown)
+
+    items.sort(key=lambda item: -file_time(item))  # stable: a file's tests keep their order
