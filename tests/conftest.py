@@ -4,8 +4,10 @@ every test that starts a process (gloo ranks or a subprocess) is marked ``multip
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 
 pytest_plugins = ["tests.fake_clock"]  # the ``clock`` fixture
@@ -28,6 +30,17 @@ def _isolated_process_group():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread, as each CPU rank has: on a shared 2-core host, a second OpenMP thread
+    that gets descheduled makes the first spin, and timings become meaningless. A file opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -6,7 +6,6 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,14 +33,7 @@ from tests.distributed import run_distributed
 QUICK = ProfileOptions(max_micro_batch=3, warmup=0, repeats=1, min_region_ms=0.0)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """One intra-op thread, as each CPU rank has: on a shared 2-core host, a second OpenMP thread
-    that gets descheduled makes the first spin, and timings become meaningless."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread, as each CPU rank has
 
 
 def tiny_gpt(seed: int = 0) -> GPT:

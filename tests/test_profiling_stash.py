@@ -9,7 +9,6 @@ micro-batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -27,12 +26,7 @@ SEQ, MICRO = 32, 2
 OPTIONS = ProfileOptions(max_micro_batch=3, warmup=0, repeats=1, min_region_ms=0.0)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread, as each CPU rank has
 
 
 def tiny_gpt() -> GPT:
