@@ -245,23 +245,21 @@ class LayeredSchedule:
             sharded.gather(index, prefetch=index + 1)
             with observers.compute("layer_forward"):
                 for k, x in enumerate(xs):
-                    if recompute and index == last and k == len(xs) - 1 and step.weights[k]:
-                        # [Note: the last layer's last micro-batch runs once]: its graph is kept
-                        step.stash[index - 1].append(None)
-                        x_in = moves.to_device(x)
-                        x_in = x_in.detach().requires_grad_(index > 1 and x_in.is_floating_point())
+                    # every graph without recomputation; with it, [Note: the last layer's last micro-batch runs once]
+                    if not recompute or (index == last and k == len(xs) - 1 and step.weights[k]):
+                        if recompute:
+                            step.stash[index - 1].append(None)
+                        x_in = (moves.to_device(x) if recompute else x).detach()
+                        x_in.requires_grad_(index > 1 and x_in.is_floating_point())
                         with torch.enable_grad():
                             out = layer(x_in, step.side[k])
-                        step.graphs[index - 1] = [None] * k + [(x_in, out)]
+                        graphs = step.graphs[index - 1]
+                        graphs.extend([None] * (k - len(graphs)))  # the recomputed micro-batches keep none
+                        graphs.append((x_in, out))
                         y = out.detach()
-                    elif recompute:
+                    else:
                         step.stash[index - 1].append(_Stashed(x, _rng_state(self._cuda_devices)))
                         y = layer(moves.to_device(x), step.side[k])
-                    else:
-                        x_in = x.detach().requires_grad_(index > 1 and x.is_floating_point())
-                        out = layer(x_in, step.side[k])
-                        step.graphs[index - 1].append((x_in, out))
-                        y = out.detach()
                     if index < last:
                         xs[k] = moves.to_host(y) if recompute else y
                         continue
