@@ -31,10 +31,6 @@ from tests.test_runtime import assemble  # noqa: E402
 
 STEPS = 2
 GLOBAL = 8
-# a subset (the suite's time budget), one of each mechanism: soft-capping, sliding and full attention
-# mixed per layer, q/k norms, learned positions with an offset, ALiBi, expert routing, a masked LM,
-# images, a plain PyTorch encoder
-THREE_RANKS = ("gemma2", "gemma3_text", "olmo2", "opt", "bloom", "mixtral", "bert_mlm", "vit", "torch_encoder")
 PLANS = {  # different micro-batch counts and state shares on every rank
     2: Plan(GLOBAL, "layered", (RankPlan(0, "a", 5, 3, 2, 0.3), RankPlan(1, "b", 3, 1, 3, 0.7))),
     3: Plan(GLOBAL, "layered", (RankPlan(0, "a", 3, 2, 2, 0.5), RankPlan(1, "b", 4, 1, 4, 0.2),
@@ -74,7 +70,7 @@ def _fit_all(rank: int, world: int) -> dict:
     warnings.simplefilter("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     out = {}
-    for family in FAMILIES if world == 2 else THREE_RANKS:
+    for family in FAMILIES:
         t = trainer(CephaloStrategy(plan=PLANS[world], **_strategy_options(family)), world, STEPS)
         t.fit(Wrapped(family), loader(Samples(family, GLOBAL * STEPS), GLOBAL))
         out[family] = (t.strategy.fit_runtime.schedule, _pieces(t.strategy))
@@ -121,8 +117,8 @@ def runs() -> dict[int, list[dict]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("world", "family"), [(2, f) for f in FAMILIES] + [(3, f) for f in THREE_RANKS],
-                         ids=[f"2-ranks-{f}" for f in FAMILIES] + [f"3-ranks-{f}" for f in THREE_RANKS])
+@pytest.mark.parametrize(("world", "family"), [(w, f) for w in PLANS for f in FAMILIES],
+                         ids=[f"{w}-ranks-{f}" for w in PLANS for f in FAMILIES])
 def test_discovered_family_trains_layered_exactly_like_single_process(runs, world, family):
     if world not in runs:
         runs[world] = run_distributed(_fit_all, world)
