@@ -38,17 +38,16 @@ PLANS = {  # different micro-batch counts and state shares on every rank
 }
 # [Note: exactness bound] SGD in fp32: 1e-7, or where larger the measured noise floor: FLOOR_FACTOR x
 # the distance from the whole-batch run of single-process training cut as the plan cuts the batch
-# (rank by rank, micro-batch by micro-batch: the same training, its sums re-associated). One ulp of
-# a parameter in [1, 2) is 1.19e-7 in fp32: a norm weight initialised to 1 (OLMo2, Qwen2-MoE, BERT)
-# or an embedding drawn from N(0, 1) (the encoder) lands one ulp away as soon as any sum is
-# re-associated, so 1e-7 is below the floor of every family with such a parameter. Measured (two
-# steps): single-process training cut as the 2-rank plan cuts it is 1.49e-7 from the whole batch
-# for Gemma2, 1.23e-7 Gemma3, 5.36e-7 OLMo2 (18 ulps of an embedding weight), 1.19e-7 Qwen2-MoE and
-# the encoder; as the 3-rank plan, 1.19e-7, 1.79e-7, 6.26e-7, 1.19e-7, 1.19e-7 (BERT 1.19e-7), and the
-# Cephalo runs land at or under those figures. On one rank (micro-batches 3+3+2) the layered run
-# equals the same-cut single-process run bit for bit for OLMo2, Qwen2-MoE, ViT and the encoder; with
-# tied embeddings (Gemma2, Gemma3, BERT) the tied weight's two gradients are summed in another order
-# (the head's for every micro-batch in the last layer, then the embedding's): 2-3 ulps of it.
+# (rank by rank, micro-batch by micro-batch: the same training, its sums re-associated). A token
+# embedding's gradient sums every occurrence of its token, and one ulp of a parameter in [1, 2) (a
+# norm weight initialised to 1, the encoder's N(0, 1) embedding) is 1.19e-7 in fp32, so 1e-7 is below
+# the floor of several families. Measured (two steps, the 2- and 3-rank plans): single-process
+# training cut as the plan cuts it is 1.19e-7 / 1.03e-7 from the whole batch for Gemma2, 3.28e-7 /
+# 3.58e-7 Gemma3 and 2.09e-7 / 2.09e-7 OLMo2 (an embedding entry near 0.3: 11 of its ulps), 1.19e-7 the
+# encoder. On one rank (micro-batches 3+3+2) the layered run equals the same-cut single-process run
+# bit for bit for OLMo2, Qwen2-MoE, ViT and the encoder; with tied embeddings (Gemma2, Gemma3, BERT)
+# the tied weight's two gradients are summed in another order (the head's for every micro-batch in
+# the last layer, then the embedding's): 2-3 ulps of it.
 EXACT = 1e-7
 FLOOR_FACTOR = 2
 
