@@ -7,8 +7,9 @@ is the count-weighted mean of its parts' losses), and the causal LM's shifted co
 masked LM, T5 and BART. On 2 gloo ranks, with an uneven uniform plan (different per-rank batches),
 BERT masked-LM (labels at any position, 0 included), T5, BART and a per-sample mean of a model of
 its own train exactly like single-process training on the global batch, and the setup log names
-the weighting; a Mixtral with the router's auxiliary loss is warned about at setup, and with
-``router_aux_loss="exclude"`` trains exactly like single-process training of the token loss.
+the weighting; a Mixtral with the router's auxiliary loss is warned about at setup and trains like single-process
+training micro-batched as the plan cuts the batch (the term is a statistic of each micro-batch), and
+with ``router_aux_loss="exclude"`` exactly like single-process training of the token loss.
 
 After ``fit`` in either mode (an HF Llama, 2 ranks, uneven plans) every rank's module holds the
 whole trained parameters: equal to the consolidated checkpoint bit for bit and to single-process
@@ -154,8 +155,8 @@ def _all(rank: int, world: int, out_dir: str):
         trainer, _ = _fit(HFModule(kind), data(kind, GLOBAL * STEPS))
         out[kind] = (_whole(trainer.lightning_module), trainer.strategy.fit_runtime.describe())
     moe = [{k: v[i] for k, v in PaddedTokens(GLOBAL * STEPS).batch(0, GLOBAL * STEPS).items()} for i in range(GLOBAL * STEPS)]
-    trainer, caught = _fit(HFModule("mixtral"), moe[:GLOBAL], router_aux_loss="keep")
-    out["mixtral-keep"] = caught
+    trainer, caught = _fit(HFModule("mixtral"), moe, router_aux_loss="keep")
+    out["mixtral-keep"] = (_whole(trainer.lightning_module), caught)
     trainer, caught = _fit(HFModule("mixtral"), moe, router_aux_loss="exclude")
     out["mixtral"] = (_whole(trainer.lightning_module), trainer.strategy.fit_runtime.describe())
     out.update(_after_fit(rank, out_dir))
@@ -192,14 +193,37 @@ def test_auto_weighting_is_exact_under_an_uneven_plan(results, kind):
     _check(kind, [r[kind][0] for r in results], data(kind, GLOBAL * STEPS))
 
 
+def _moe_samples() -> list[dict[str, torch.Tensor]]:
+    padded = PaddedTokens(GLOBAL * STEPS)
+    return [{k: v[i] for k, v in padded.batch(0, GLOBAL * STEPS).items()} for i in range(GLOBAL * STEPS)]
+
+
 @pytest.mark.multiprocess
 def test_moe_router_aux_loss_warned_and_excluded_exactly(results):
-    assert any("router's auxiliary" in m and "router_aux_loss='exclude'" in m for m in results[0]["mixtral-keep"])
+    assert any("router's auxiliary" in m and "router_aux_loss='exclude'" in m for m in results[0]["mixtral-keep"][1])
     got, described = results[0]["mixtral"]
     assert WORDS["mixtral"] in described
-    padded = PaddedTokens(GLOBAL * STEPS)
-    samples = [{k: v[i] for k, v in padded.batch(0, GLOBAL * STEPS).items()} for i in range(GLOBAL * STEPS)]
-    _check("mixtral", [got], samples, output_router_logits=False)
+    _check("mixtral", [got], _moe_samples(), output_router_logits=False)
+
+
+@pytest.mark.multiprocess
+def test_moe_with_router_aux_kept_trains_like_single_process_training_cut_as_the_plan_cuts(results):
+    """The kept router term is a statistic of each micro-batch: the run equals single-process training
+    whose micro-batches are the plan's (each micro-batch's token loss plus its router term, weighted by
+    its label tokens), within the re-association floor of the token loss, and differs from the
+    whole-batch run by more than that (what the setup warning says)."""
+    samples = _moe_samples()
+    cut = reference("mixtral", STEPS, GLOBAL, samples, SPLIT, _count("mixtral"))
+    whole = reference("mixtral", STEPS, GLOBAL, samples)
+    tokens_whole = reference("mixtral", STEPS, GLOBAL, samples, output_router_logits=False)
+    tokens_cut = reference("mixtral", STEPS, GLOBAL, samples, SPLIT, _count("mixtral"), output_router_logits=False)
+    bound = FLOOR_FACTOR * max((tokens_whole[n] - tokens_cut[n]).abs().max().item() for n in tokens_whole) + FLOOR_EPS
+    for rank_result in results:
+        got = rank_result["mixtral-keep"][0]
+        err = max((got[n] - cut[n]).abs().max().item() for n in cut)
+        assert err <= bound, f"the kept router term: {err:.2e} from single-process training cut as the plan > {bound:.2e}"
+        off = max((got[n] - whole[n]).abs().max().item() for n in whole)
+        assert off > bound, f"the whole batch's router term would give the same weights ({off:.2e} <= {bound:.2e})"
 
 
 @pytest.fixture(scope="module")
