@@ -124,3 +124,15 @@ def test_cluster_file_carries_the_link_fields(tmp_path: Path) -> None:
     assert links_from_emulation([d.emulate for d in cluster.devices]) == EmulatedLinks((0, 1), 1.25)
     with pytest.raises(PlanningError, match=r"devices\[0\].emulate.node must be a whole number >= 0"):
         cluster_from_dict({"model": model, "devices": [{**device, "emulate": {"node": -1}}]})
+
+
+def test_a_device_whose_emulated_node_is_not_its_node_is_refused_by_name() -> None:
+    model = {"num_layers": 4, "parameters": 1_000_000}
+    entry = {"name": "cpu", "memory_gb": 1, "layer_fwd_ms": [1.0], "layer_bwd_ms": [2.0], "compute_memory_gb": [0.1]}
+    agree = {"model": model, "nodes": [{"devices": [{**entry, "emulate": {"node": 0, "inter_node_gbps": 1.0}}]},
+                                       {"devices": [{**entry, "emulate": {"node": 1}}]}]}
+    assert cluster_from_dict(agree).nodes == (0, 1)
+    crossed = {"model": model, "nodes": [{"devices": [{**entry, "emulate": {"node": 1, "inter_node_gbps": 1.0}}]},
+                                         {"devices": [{**entry, "emulate": {"node": 0}}]}]}
+    with pytest.raises(PlanningError, match=r"nodes\[0\]\.devices\[0\] \(cpu\) is in node 0 but its emulate\.node is 1"):
+        cluster_from_dict(crossed)

@@ -477,6 +477,10 @@ def parse_devices(data: Any, model: ModelSpec, settings: Settings, *, nodes: Any
             if "memory_gb" in entry:
                 device = replace(device, memory_gb=_number(entry["memory_gb"], f"{where}.memory_gb"))
             device = replace(device, emulate=emulate)
+        if node is not None and emulate is not None and emulate.node is not None and emulate.node != node:
+            raise PlanningError(f"{where} ({name}) is in node {node} but its emulate.node is {emulate.node}: the "
+                                "planner would price one topology while the emulation slows the links of another; "
+                                "make them equal (node: is what the planner prices, emulate.node the links the emulation slows)")
         device = replace(device, **_device_extras(entry, where), node=node)
         devices.extend([device] * count)
     return tuple(devices)
