@@ -183,3 +183,26 @@ def test_calibrated_plans_optimal_against_brute_force(seed: int) -> None:
         assert p.predicted_step_s / (1 + p.optimality_gap) <= best.step_s * (1 + 1e-9)  # the bound holds
         checked += 1
     assert checked >= 15
+
+
+def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_group() -> None:
+    """Groups of one rank gather nothing: the time inside their collectives is the gradient's
+    all-reduce across the replicas, 2 (G - 1) / G of a layer's gradient per rank and layer over the
+    world's link (here 2 x the reduce-scatter's per-layer time of the world as one group, whose ranks
+    each move 2/3 of a layer). Fitted from such steps, the collectives keep their injected size, so a
+    plan that shards (one group) is predicted as the truth prices it."""
+    cluster = cluster_from_dict(_cluster())
+    # the profile's overlap and micro-batch overhead: one plan of one micro-batch per rank cannot tell them
+    truth = with_calibration(cluster, replace(INJECTED, overlap=0.6, micro_batch_overhead_ms=1.0))
+    replicas = plan(cluster, 12, "layered", groupings=("per-rank",))
+    assert replicas.num_shard_groups == 3
+    layers, world = cluster.model.num_layers, cluster.world_size
+    all_reduce_ms = 2 * (world - 1) / world * INJECTED.reduce_scatter_ms / ((world - 1) / world)  # per layer, rho = 1
+    inside = INJECTED.host_contention * layers * all_reduce_ms / 1e3
+    assert predicted_collective_s(truth, replicas) == pytest.approx(inside, rel=1e-12)
+    observed = [replace(o, collective_s=inside) for o in _observe(truth, [replicas])] * 3
+    fitted = fit_calibration(cluster, observed)
+    assert fitted.reduce_scatter_ms == pytest.approx(INJECTED.reduce_scatter_ms, rel=FIT_TOL)
+    sharded = plan(cluster, 12, "layered", groupings=FULL)
+    assert predicted(with_calibration(cluster, fitted), sharded)[0] == pytest.approx(predicted(truth, sharded)[0],
+                                                                                      rel=FIT_TOL)

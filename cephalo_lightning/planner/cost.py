@@ -469,6 +469,20 @@ def kind_costs(cluster: Cluster, mode: str = "layered") -> tuple[list[DeviceCost
     return costs, of_rank
 
 
+def collective_ms(cluster: Cluster, shares: Sequence[float] | np.ndarray,
+                  shard_groups: Sequence[int] | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's per-layer (all-gather, reduce-scatter plus the cross-group reduction) in ms, under
+    ``shard_groups`` (None: one group of all; ``shares`` within each group)."""
+    cluster = calibrated(cluster)
+    r = np.asarray(shares, dtype=float)
+    if single_group(shard_groups):
+        comm = communication(cluster)
+        rho = float(r.max()) if len(r) else 0.0
+        return np.full(len(r), comm.allgather(rho)), np.full(len(r), comm.reduce_scatter(rho))
+    groups = np.unique(np.asarray(shard_groups, dtype=np.int64), return_inverse=True)[1]
+    return link_prices(cluster).ranks(groups, np.asarray(cluster.nodes, dtype=np.int64), r)
+
+
 def evaluate_arrays(
     cluster: Cluster,
     batch_sizes: Sequence[int] | np.ndarray,
@@ -489,13 +503,7 @@ def evaluate_arrays(
     n = np.maximum(np.asarray(num_micro_batches, dtype=np.int64), 1)
     r = np.asarray(shares, dtype=float)
     keep = np.zeros(len(b), bool) if recompute is None else ~np.asarray(recompute, dtype=bool)
-    if single_group(shard_groups):
-        comm = communication(cluster)
-        rho = float(r.max()) if len(r) else 0.0
-        ag, rs = np.full(len(b), comm.allgather(rho)), np.full(len(b), comm.reduce_scatter(rho))
-    else:
-        groups = np.unique(np.asarray(shard_groups, dtype=np.int64), return_inverse=True)[1]
-        ag, rs = link_prices(cluster).ranks(groups, np.asarray(cluster.nodes, dtype=np.int64), r)
+    ag, rs = collective_ms(cluster, r, shard_groups)
     costs, of_rank = kinds if kinds is not None else kind_costs(cluster, mode)
     step = np.empty(len(b))
     memory = np.empty(len(b))

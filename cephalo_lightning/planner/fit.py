@@ -34,7 +34,7 @@ import numpy as np
 
 from cephalo_lightning.planner.calibration import Calibration, calibrated, with_calibration
 from cephalo_lightning.planner.cluster import Cluster
-from cephalo_lightning.planner.cost import communication, evaluate_arrays, kind_costs, predicted_busy_s
+from cephalo_lightning.planner.cost import collective_ms, communication, evaluate_arrays, kind_costs, predicted_busy_s
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.plan import Plan
 
@@ -97,12 +97,11 @@ def predicted_collective_s(cluster: Cluster, plan: Plan) -> float:
     """Seconds per step the cost model spends in collectives (overlapped or not), on the rank that
     issues the fewest: what :attr:`StepObservation.collective_s` measures."""
     cluster = calibrated(cluster)
-    comm = communication(cluster)
-    rho = max(plan.state_shares) if plan.ranks else 0.0
+    ag, rs = collective_ms(cluster, plan.state_shares, [r.shard_group for r in plan.ranks])
     costs, of_rank = kind_costs(cluster, plan.mode)
     n = np.array([max(r.num_micro_batches, 1) for r in plan.ranks])
-    fewest = min(float(sum(costs[of_rank[i]].collectives(n[i:i + 1], comm.allgather(rho), comm.reduce_scatter(rho))[j][0]
-                           for j in (0, 1))) for i in range(len(plan.ranks)))
+    fewest = min(float(sum(costs[of_rank[i]].collectives(n[i:i + 1], ag[i], rs[i])[j][0] for j in (0, 1)))
+                 for i in range(len(plan.ranks)))
     return cluster.settings.host_contention * cluster.model.num_layers * fewest / 1e3
 
 
