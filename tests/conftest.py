@@ -4,6 +4,7 @@ every test that starts a process (gloo ranks or a subprocess) is marked ``multip
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -47,6 +48,26 @@ def clean_env(**extra: str) -> dict[str, str]:
     """The environment for a subprocess that launches its own ranks."""
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     return {**env, "WANDB_MODE": "disabled", **extra}
+
+
+def failure_report(result: subprocess.CompletedProcess, tail: int = 3000) -> str:
+    """Why a subprocess failed, for an assertion message: its exit status, the exception that ends
+    each traceback in its stderr (the first is usually the cause; Lightning's launcher then kills
+    rank 0 with SIGKILL, exit -9, when another rank fails) and the end of its stderr."""
+    stderr = result.stderr or ""
+    lines = stderr.splitlines()
+    raised = []
+    for i, line in enumerate(lines):
+        if "Traceback (most recent call last)" not in line:
+            continue
+        for later in lines[i + 1:]:
+            text = later.split("]: ", 1)[-1] if later.startswith("[rank") else later
+            if text and not text.startswith((" ", "Traceback", "^", "~")):
+                raised.append(later.strip())
+                break
+    status = f"exit {result.returncode}" + (" (killed by a signal)" if result.returncode < 0 else "")
+    causes = "\n".join(dict.fromkeys(raised)) or "(no traceback)"
+    return f"{status}\nexceptions, first first:\n{causes}\n--- stdout tail:\n{(result.stdout or '')[-1000:]}\n--- stderr tail:\n{stderr[-tail:]}"
 
 
 # ----------------------------------------------------------------------------- the multiprocess mark

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from cephalo_lightning import load_cluster, plan
-from tests.conftest import HANG_TIMEOUT_S, clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -62,7 +62,7 @@ def test_what_if_planning_prints_a_table_without_torch(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                             env=clean_env(), timeout=HANG_TIMEOUT_S)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure_report(result)
     out = result.stdout
     assert "PREDICTED" in out and "samples/s" in out and "vs even" in out
     for label in ("4x L4", "2x L4 + A6000", "2x A100-40GB + 2x V100-16GB"):
@@ -171,7 +171,7 @@ def test_gpu_config_instantiates_on_cpu(gpu, tmp_path, monkeypatch):
 def _run_example(script: str, *args: str, cwd: Path, stderr: list[str] | None = None) -> str:
     result = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
                             cwd=cwd, env=clean_env(), timeout=HANG_TIMEOUT_S)
-    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    assert result.returncode == 0, failure_report(result)
     if stderr is not None:
         stderr.append(result.stderr)
     return result.stdout

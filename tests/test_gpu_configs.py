@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HANG_TIMEOUT_S, clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_CONFIGS = sorted((ROOT / "configs" / "gpu").glob("*.yaml"))
@@ -46,7 +46,7 @@ def test_gpu_configs_on_a_cpu_machine_fail_with_lightnings_no_gpu_message_in_bou
     assert GPU_CONFIGS
     result = subprocess.run([sys.executable, "-c", CHILD, *map(str, GPU_CONFIGS)], capture_output=True, text=True,
                             cwd=tmp_path, env=clean_env(PYTHONPATH=str(ROOT)), timeout=HANG_TIMEOUT_S)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, failure_report(result, tail=4000)
     report = json.loads(result.stdout.strip().splitlines()[-1])
     for config, refusal in report["refusals"].items():
         assert refusal is not None and "No supported gpu backend found" in refusal, (config, refusal)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from cephalo_lightning import configs
-from tests.conftest import HANG_TIMEOUT_S, clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "cephalo_lightning")
@@ -78,7 +78,7 @@ def test_the_packaged_configs_are_the_top_level_ones():
 
 def _run(args: list[str | Path], cwd: Path, env: dict[str, str], timeout: int = HANG_TIMEOUT_S) -> str:
     result = subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
-    assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-5000:])
+    assert result.returncode == 0, failure_report(result, tail=5000)
     return result.stdout + result.stderr
 
 

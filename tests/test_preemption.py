@@ -20,7 +20,7 @@ from cephalo_lightning.lightning.preemption import CHECKPOINT_NAME, EXIT_REQUEUE
 from cephalo_lightning.lightning.steps import StepReport
 from cephalo_lightning.runtime import checkpoint
 from tests import helpers
-from tests.conftest import HANG_TIMEOUT_S, clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
 from tests.distributed import run_distributed
 from tests.helpers import max_error
 from tests.test_checkpoints import PLAN2, SEED, TOTAL, SGDModule, data_loader, reference, trainer
@@ -220,7 +220,7 @@ def test_a_second_signal_during_the_save_leaves_the_previous_checkpoint_loadable
     script.write_text(SECOND_SIGNAL_SCRIPT.format(root=str(ROOT), work=str(tmp_path)))
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
                           env=clean_env(), timeout=HANG_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure_report(done)
     statuses = json.loads(done.stdout.strip().splitlines()[-1])
     logs = {mode: (tmp_path / f"{mode}.log").read_text() for mode in statuses}
     path = tmp_path / "ckpt" / CHECKPOINT_NAME

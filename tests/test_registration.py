@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HANG_TIMEOUT_S, clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ FABRIC = ("import lightning.fabric as lf; f = lf.Fabric(strategy='cephalo', acce
 def _python(code: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd, env=clean_env(),
                             timeout=HANG_TIMEOUT_S)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure_report(result)
     return result
 
 
@@ -74,5 +74,5 @@ def test_strategy_name_on_the_lightning_cli_command_line(tmp_path):
          "--trainer.strategy=cephalo", "--vars.steps=1", "--trainer.default_root_dir", str(tmp_path)],
         capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=HANG_TIMEOUT_S,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure_report(result)
     assert "Cephalo: layered mode" in result.stdout + result.stderr

@@ -27,7 +27,7 @@ import yaml
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
 from cephalo_lightning.lightning.loggers import log_checkpoint_artifacts, rank_lines
 from cephalo_lightning.planner import RankPlan
-from tests.conftest import HANG_TIMEOUT_S, clean_env
+from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -201,7 +201,7 @@ log_rank_lines(trainer.strategy.plan)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
                             env=clean_env(), timeout=HANG_TIMEOUT_S)  # pipes: not a terminal, as under torchrun or SLURM
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure_report(result)
     log = result.stderr
     assert "Cephalo: profiling 1 device(s)" in log
     assert "Cephalo: profiled 1 rank(s) (1 measurement(s)) in" in log

@@ -275,12 +275,12 @@ def test_a_plan_switch_is_exact_with_a_prefetching_multi_worker_loader(switched)
 def test_the_gpu_check_runs_its_cpu_skeleton(tmp_path):
     import subprocess
 
-    from tests.conftest import HANG_TIMEOUT_S, clean_env
+    from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
 
     out = tmp_path / "gpu.md"
     result = subprocess.run([sys.executable, str(PACKAGE.parent / "benchmarks" / "gpu_check.py"), "--dry-run",
                              "--out", str(out)], capture_output=True, text=True, env=clean_env(), timeout=HANG_TIMEOUT_S)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.returncode == 0, failure_report(result)
     table = out.read_text()
     assert "CPU dry run" in table and "| layered fit (cephalo, 1 rank) | ok |" in table
     assert "two ranks, one GPU: gloo, CPU tensors (dry run) | ok |" in table

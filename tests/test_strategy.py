@@ -18,7 +18,7 @@ import cephalo_lightning
 from cephalo_lightning import CephaloStrategy, Plan, PlanningError
 from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime import checkpoint
-from tests.conftest import clean_env
+from tests.conftest import clean_env, failure_report
 from tests.distributed import run_distributed
 from tests.helpers import NUM_SAMPLES, max_error, reference, trainer
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
@@ -218,7 +218,7 @@ def test_lightning_cli_config_selects_the_strategy(config, tmp_path):
          "--trainer.default_root_dir", str(tmp_path)],
         capture_output=True, text=True, cwd=tmp_path, env=clean_env(),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure_report(result)
     assert "Cephalo: layered mode" in result.stdout + result.stderr
     assert "max_steps=3" in result.stdout + result.stderr
 
@@ -231,7 +231,7 @@ def test_profile_command_writes_a_cluster_file_and_a_plan(tmp_path):
          "-o", str(cluster_file), "--plan-output", str(plan_file), "--trainer.default_root_dir", str(tmp_path)],
         capture_output=True, text=True, cwd=tmp_path, env=clean_env(),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure_report(result)
     from cephalo_lightning.planner import load_cluster
 
     cluster = load_cluster(cluster_file)
