@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, load_cluster, plan, save_cluster
 from cephalo_lightning.planner.calibration import Calibration, with_calibration
@@ -186,11 +187,13 @@ def test_calibrated_plans_optimal_against_brute_force(seed: int) -> None:
 
 
 def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_group() -> None:
-    """Groups of one rank gather nothing: the time inside their collectives is the gradient's
-    all-reduce across the replicas, 2 (G - 1) / G of a layer's gradient per rank and layer over the
-    world's link (here 2 x the reduce-scatter's per-layer time of the world as one group, whose ranks
-    each move 2/3 of a layer). Fitted from such steps, the collectives keep their injected size, so a
-    plan that shards (one group) is predicted as the truth prices it."""
+    """Groups of one rank gather nothing: their collective is the gradient's all-reduce across the
+    replicas, 2 (G - 1) / G of a layer's gradient per rank and layer over the world's link (here 2 x
+    the reduce-scatter's per-layer time of the world as one group, whose ranks each move 2/3 of a
+    layer), started in the backward pass, which hides ``overlap`` of it (it is shorter than every
+    rank's backward compute here): the host is blocked for the rest. Fitted from such steps, the
+    collectives keep their injected size, so a plan that shards (one group) is predicted as the
+    truth prices it."""
     cluster = cluster_from_dict(_cluster())
     # the profile's overlap and micro-batch overhead: one plan of one micro-batch per rank cannot tell them
     truth = with_calibration(cluster, replace(INJECTED, overlap=0.6, micro_batch_overhead_ms=1.0))
@@ -198,7 +201,7 @@ def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_gro
     assert replicas.num_shard_groups == 3
     layers, world = cluster.model.num_layers, cluster.world_size
     all_reduce_ms = 2 * (world - 1) / world * INJECTED.reduce_scatter_ms / ((world - 1) / world)  # per layer, rho = 1
-    inside = INJECTED.host_contention * layers * all_reduce_ms / 1e3
+    inside = INJECTED.host_contention * layers * (1 - 0.6) * all_reduce_ms / 1e3
     assert predicted_collective_s(truth, replicas) == pytest.approx(inside, rel=1e-12)
     observed = [replace(o, collective_s=inside) for o in _observe(truth, [replicas])] * 3
     fitted = fit_calibration(cluster, observed)
@@ -206,3 +209,35 @@ def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_gro
     sharded = plan(cluster, 12, "layered", groupings=FULL)
     assert predicted(with_calibration(cluster, fitted), sharded)[0] == pytest.approx(predicted(truth, sharded)[0],
                                                                                       rel=FIT_TOL)
+
+
+def test_the_host_is_blocked_in_an_asynchronous_collective_at_its_issue_and_its_wait(clock) -> None:
+    """What the calibration fits the collectives to: the time a rank is blocked in them. An
+    asynchronous collective blocks it twice, when it is issued and when it is waited for (the part
+    compute did not hide, and an emulated link's remainder); the compute in between is not counted."""
+    from cephalo_lightning.lightning.callback import CollectiveTime
+    from cephalo_lightning.runtime.collectives import PendingGather, PendingWork, WaitReport
+    from cephalo_lightning.runtime.observers import Observers
+
+    class Work:  # a collective that completes ``left`` seconds after its wait begins
+        def __init__(self, left: float) -> None:
+            self.left = left
+
+        def wait(self) -> None:
+            clock.work(self.left)
+
+    observers, blocked = Observers(), CollectiveTime()
+    assert WaitReport.of(observers, "all_reduce", "u", 8) is None  # nobody listens: nothing is timed
+    observers.attach(blocked)
+    with observers.collective("all_reduce", "u", 8):  # the issue
+        clock.work(0.001)
+        pending = PendingWork(Work(0.020), report=WaitReport.of(observers, "all_reduce", "u", 8))
+    clock.work(0.500)  # compute the collective overlaps
+    pending.wait()
+    pending.wait()  # done: a second wait blocks for nothing
+    gather = PendingGather(torch.empty(0), Work(0.004), report=WaitReport.of(observers, "all_gather", "g", 8))
+    gather.wait()
+    assert blocked.seconds == pytest.approx(0.001 + 0.020 + 0.004, abs=1e-12)
+    # without a report (the collective was issued with no observers) the wait is not heard
+    PendingWork(Work(0.300)).wait()
+    assert blocked.seconds == pytest.approx(0.025, abs=1e-12)

@@ -55,11 +55,13 @@ from cephalo_lightning.runtime.timing import BusyTime, ContentionClock
 
 
 class CollectiveTime(Observer):
-    """Seconds this rank spends inside collectives (the contention-free clock, as :class:`BusyTime`).
+    """Seconds this rank is blocked in collectives (the contention-free clock, as :class:`BusyTime`):
+    synchronous calls whole, asynchronous ones at their issue and their wait, so what compute
+    hid of them does not count.
 
     A collective also waits for the ranks that reach it later, so the rank that waits least (the
     smallest figure of a step over the ranks) measures the collectives as run; the calibration
-    fits the cost model's collective terms to it.
+    fits the cost model's blocked collective time to it.
     """
 
     def __init__(self) -> None:

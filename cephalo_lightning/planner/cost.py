@@ -377,6 +377,13 @@ class DeviceCost:
         a1, a2 = self.collectives(n, ag, rs)
         return combine(a1, fwd, self.overlap) + combine(a2, bwd, self.overlap)
 
+    def blocked_ms(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float,
+                   keep: np.ndarray | bool = False) -> np.ndarray:
+        """Per-layer time spent in collectives beyond the compute they overlap (what a host
+        blocked in them measures)."""
+        fwd, bwd = self.compute_parts(b, n, keep)
+        return self.layer_ms(b, n, ag, rs, keep) - fwd - bwd
+
     def optimizer_ms(self, share: np.ndarray | float) -> np.ndarray:
         return self.optimizer_ms_per_share * np.asarray(share, dtype=float)
 

@@ -3,8 +3,9 @@
 What a run measures per step, on every rank, without extra instrumentation: the step's wall time
 (the same on every rank, as every step ends in collectives), the rank's busy time (its compute
 regions, emulated waits included; :class:`~cephalo_lightning.runtime.timing.BusyTime`) and, where
-the collectives block the host (CPU), the time inside them on the rank that waits least, which
-tells the collectives as run apart from a fixed per-step cost even on one plan's steps. The
+the collectives block the host (CPU), the time blocked in them on the rank blocked least (what
+compute did not hide of them), which tells the collectives as run apart from a fixed per-step
+cost even on one plan's steps. The
 unknowns are the calibration's terms, theta = (step overhead, micro-batch overhead, a multiplier
 k of the profiled collective times, the overlap, one compute scale per rank), and the model is the
 cost model itself on the calibrated cluster, so what is fitted is exactly what ``plan`` predicts::
@@ -52,7 +53,7 @@ class StepObservation:
     wall_s: float
     busy_s: tuple[float, ...]
     busy_wall_s: tuple[float, ...] | None = None  # the same regions on the wall clock (CPU: waits for a core)
-    collective_s: float | None = None  # seconds inside collectives, the rank that waits least (None: not measured)
+    collective_s: float | None = None  # seconds blocked in collectives, the rank blocked least (None: not measured)
 
 
 def _start(cluster: Cluster, observations: Sequence[StepObservation]) -> tuple[np.ndarray, np.ndarray]:
@@ -94,15 +95,17 @@ def predicted(cluster: Cluster, plan: Plan) -> tuple[float, list[float]]:
 
 
 def predicted_collective_s(cluster: Cluster, plan: Plan) -> float:
-    """Seconds per step the cost model spends in collectives (overlapped or not), on the rank that
-    issues the fewest: what :attr:`StepObservation.collective_s` measures."""
+    """Seconds per step the cost model spends blocked in collectives (beyond the compute they
+    overlap), on the rank blocked least: what :attr:`StepObservation.collective_s` measures."""
     cluster = calibrated(cluster)
     ag, rs = collective_ms(cluster, plan.state_shares, [r.shard_group for r in plan.ranks])
     costs, of_rank = kind_costs(cluster, plan.mode)
+    b = np.array(plan.batch_sizes)
     n = np.array([max(r.num_micro_batches, 1) for r in plan.ranks])
-    fewest = min(float(sum(costs[of_rank[i]].collectives(n[i:i + 1], ag[i], rs[i])[j][0] for j in (0, 1)))
-                 for i in range(len(plan.ranks)))
-    return cluster.settings.host_contention * cluster.model.num_layers * fewest / 1e3
+    keep = np.array([not r.recompute for r in plan.ranks])
+    least = min(float(costs[of_rank[i]].blocked_ms(b[i:i + 1], n[i:i + 1], ag[i], rs[i], keep[i:i + 1])[0])
+                for i in range(len(plan.ranks)))
+    return cluster.settings.host_contention * cluster.model.num_layers * least / 1e3
 
 
 def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], fitted_on: str = "") -> Calibration:

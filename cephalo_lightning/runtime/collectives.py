@@ -8,7 +8,8 @@ an equal-size reduce-scatter is an ``all_to_all_single`` plus a local sum (faste
 
 Every call is recorded in :attr:`Collectives.log` when ``record=True``, which is how the tests prove
 that every rank issues the same collectives in the same order, and reported to the runtime's
-observers (:mod:`.observers`), which also opens a ``cephalo::<op>`` profiler range.
+observers (:mod:`.observers`), which also opens a ``cephalo::<op>`` profiler range; an
+asynchronous collective is reported again for its ``wait()`` (:class:`WaitReport`).
 
 On CUDA (:class:`CudaStreams`) the copies around a collective run on side streams, so they overlap
 the compute stream: an all-gather's cast and padding on the all-gather stream, a reduce-scatter
@@ -103,6 +104,30 @@ def _sleep_until(deadline: float | None) -> None:
             time.sleep(left)
 
 
+@dataclass(frozen=True)
+class WaitReport:
+    """Whom an asynchronous collective's ``wait()`` reports to, and as which collective.
+
+    The observers hear an asynchronous collective twice, as two regions of the same ``op``: its
+    issue and its wait. Together they are the time the host is blocked in it, the part that
+    compute did not hide (the emulated link's remainder included)."""
+
+    observers: Observers
+    op: str
+    unit: str
+    numel: int
+
+    @staticmethod
+    def of(observers: Observers, op: str, unit: str, numel: int) -> WaitReport | None:
+        return WaitReport(observers, op, unit, numel) if observers else None
+
+
+def _blocked(report: WaitReport | None) -> contextlib.AbstractContextManager[None]:
+    if report is None:
+        return contextlib.nullcontext()
+    return report.observers.collective(report.op, report.unit, report.numel)
+
+
 @dataclass
 class PendingWork:
     """A collective in flight (or done): ``wait()`` returns once it is complete and its emulated
@@ -110,13 +135,17 @@ class PendingWork:
 
     work: dist.Work | None = None
     deadline: float | None = None  # perf_counter() time before which the links have not delivered
+    report: WaitReport | None = None
 
     def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        _sleep_until(self.deadline)
-        self.deadline = None
+        if self.work is None and self.deadline is None:
+            return
+        with _blocked(self.report):
+            if self.work is not None:
+                self.work.wait()
+                self.work = None
+            _sleep_until(self.deadline)
+            self.deadline = None
 
 
 @dataclass
@@ -130,13 +159,16 @@ class PendingGather:
     source: torch.Tensor | None = None  # the sent shard, kept alive until the collective is done
     stream: torch.cuda.Stream | None = None  # the side stream the copy-in ran on (CUDA)
     deadline: float | None = None  # see [Note: emulated links]
+    report: WaitReport | None = None
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        _sleep_until(self.deadline)
-        self.deadline = None
+        if self.work is not None or self.deadline is not None:
+            with _blocked(self.report):
+                if self.work is not None:
+                    self.work.wait()
+                    self.work = None
+                _sleep_until(self.deadline)
+                self.deadline = None
         if self.stream is not None:  # pragma: no cover - CUDA only
             torch.cuda.current_stream(self.out.device).wait_stream(self.stream)
             self.stream = None
@@ -207,6 +239,8 @@ class Collectives:
                     pending.stream = self.streams.all_gather
                 if not async_op:
                     pending.wait()
+        if async_op:
+            pending.report = WaitReport.of(self.observers, "all_gather", unit.name, unit.numel)
         return pending
 
     def _all_gather(self, shard: torch.Tensor, out: torch.Tensor, unit: UnitLayout, async_op: bool) -> PendingGather:
@@ -339,7 +373,7 @@ class Collectives:
             per_peer = 2 * tensor.numel() // self.world_size
             deadline = self._deadline(self._equal_sends(per_peer), tensor.element_size())
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        return PendingWork(work, deadline)
+        return PendingWork(work, deadline, WaitReport.of(self.observers, "all_reduce", name, tensor.numel()))
 
     def move(self, source: torch.Tensor, out: torch.Tensor, send_sizes: list[int], receive_sizes: list[int],
              name: str = "", recorded_numel: int | None = None) -> None:

@@ -23,7 +23,8 @@ class Observer:
 
     ``region`` names a compute region (``"layer_forward"``, ``"layer_backward"``,
     ``"optimizer_step"``, ...); ``op`` a collective (``"all_gather"``, ``"reduce_scatter"``,
-    ``"all_to_all"``). Regions may nest (an observer that measures should count the outermost).
+    ``"all_to_all"``); an asynchronous collective is heard twice, at its issue and at its wait.
+    Regions may nest (an observer that measures should count the outermost).
     """
 
     def compute_begin(self, region: str) -> None:
