@@ -144,6 +144,29 @@ def test_the_adapter_follows_a_slowed_rank_and_returns() -> None:
     assert last.batch_sizes == first.batch_sizes
 
 
+def test_a_rank_back_near_its_calibrated_speed_takes_that_speed_and_the_plan_moves_back_exactly() -> None:
+    """Rank 1 slows x3, then comes back 15% slower than calibrated (within the drift threshold): it
+    is re-timed to its calibrated speed, not to the window's figure, so the plan is the first again,
+    the one measured before the change (the window's own figure plans otherwise)."""
+    from dataclasses import replace as change
+
+    from cephalo_lightning.planner import cluster_from_dict, plan
+    from cephalo_lightning.planner.calibration import with_calibration
+    from tests.test_calibration import INJECTED, _cluster
+
+    def speeds(w: int) -> tuple[float, ...]:
+        return (1.0, 3.0, 1.0) if 3 <= w < 11 else (1.0, 1.15 if w >= 11 else 1.0, 1.0)
+
+    kept: list = []
+    switches, first, last = _windows(speeds, 0.0, 16, adapter_out=kept)
+    assert [s.reason for s in switches] == ["re-timed rank 1", "re-timed rank 1"], switches
+    assert last.ranks == first.ranks
+    cluster = kept[1]
+    assert cluster.calibration.compute_scale == INJECTED.compute_scale
+    noisy = change(INJECTED, compute_scale=tuple(s * k for s, k in zip(INJECTED.compute_scale, (1.0, 1.15, 1.0))))
+    assert plan(with_calibration(cluster_from_dict(_cluster()), noisy), 12).ranks != first.ranks
+
+
 def _slowed(window: int) -> tuple[float, ...]:
     return (1.0, 3.0, 1.0) if window >= 3 else (1.0, 1.0, 1.0)
 

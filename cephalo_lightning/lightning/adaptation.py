@@ -8,8 +8,9 @@
 * **Stragglers** (``adapt``, once calibrated): a rank drifting in two windows in a row (one
   window of noise moves nothing) is re-timed from its own measured busy time (its compute scale multiplied by measured / predicted; no re-profile), the plan is
   re-solved, and the state moves in place when the new optimum is predicted faster than the current
-  plan by more than ``switch_gain``. A rank that recovers drifts the other way and is re-timed back,
-  so the plan moves back. Hysteresis: no decision for ``min_dwell_windows`` windows after a switch
+  plan by more than ``switch_gain``. A rank that recovers drifts the other way and is re-timed back;
+  measured within ``drift_threshold`` of its calibrated speed it takes that speed again exactly, so
+  the plan moves back to the one measured before the change (not to one window's noisy figure). Hysteresis: no decision for ``min_dwell_windows`` windows after a switch
   (the first of them mixes the two plans); every switch is logged with its predicted gain and, one
   full window after it took effect, the measured one. No files are written.
 * **Rollback**: a switch whose measured gain is negative beyond noise (slower by more than
@@ -143,10 +144,19 @@ class RunAdapter:
         calibration = cluster.calibration
         assert calibration is not None
         scales = list(calibration.compute_scale)
+        calibrated = self._calibrated_speeds()
+        back = []
         for i in drifting:
             scales[i] *= ratios[i]  # type: ignore[operator]
+            # a rank measured within the drift threshold of its calibrated speed has recovered: it
+            # takes that speed again (not this window's noisy figure), so the plan returns to the one
+            # the run measured before the rank changed
+            if i < len(calibrated) and _same_speeds([scales[i]], [calibrated[i]], self.config.drift_threshold):
+                scales[i] = calibrated[i]
+                back.append(i)
         retimed = with_calibration(cluster, replace(calibration, compute_scale=tuple(scales)))
-        shown = ", ".join(f"rank {i} x{scales[i]:.2f}" for i in drifting)
+        shown = ", ".join(f"rank {i} x{scales[i]:.2f}" + (" (its calibrated speed again)" if i in back else "")
+                          for i in drifting)
         rank_zero_info(f"Cephalo: re-timed from measured busy time (compute scale against the profile: {shown}); "
                        "re-solving the plan")
         self._offer(trainer, strategy, retimed, index, record, "re-timed " + ", ".join(f"rank {i}" for i in drifting))
@@ -178,6 +188,10 @@ class RunAdapter:
                                     previous=current, target=best, noise_before=noise(record)))
         rank_zero_info(f"Cephalo: {reason}: switching in place to {plan_label(best)} from epoch {epoch} step {step}, "
                        f"predicted {faster:.1%} faster (no files written).")
+
+    def _calibrated_speeds(self) -> tuple[float, ...]:
+        """Every rank's compute scale as the run's calibration found it (before any re-timing)."""
+        return self._speeds(self.calibration.cluster) if self.calibration is not None else ()
 
     @staticmethod
     def _speeds(cluster: Cluster | None) -> tuple[float, ...]:
