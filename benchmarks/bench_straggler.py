@@ -94,7 +94,8 @@ def _fit(cfg: Config, root: str, adapt: bool, plan: Any = None) -> dict[str, Any
     pl.seed_everything(0, verbose=False)
     trainer.fit(GPTModule(preset="small", seq_len=cfg.seq_len, warmup_steps=2, lr_decay_steps=cfg.steps),
                 TextDataModule(seq_len=cfg.seq_len, batch_size=cfg.global_batch))
-    return {"history": [{"step": w["step"], "step_s": w["step_s"]} for w in watcher.history],
+    return {"history": [{"step": w["step"], "step_s": w["step_s"], "drifting": list(w["drifting"])}
+                        for w in watcher.history],
             "switches": [{k: v for k, v in asdict(s).items() if k not in ("previous", "target")} for s in watcher._adapter.switches],
             "calibration": watcher.calibration}
 
@@ -173,6 +174,7 @@ def run_benchmark(cfg: Config = Config()) -> dict[str, Any]:
     return {"config": asdict(cfg), "rows": rows, "phases": phases, "predicted": predicted,
             "slowed_plan": per_rank[0]["slowed_plan"].batch_sizes,
             "switches": [run["switches"] for run in runs["adaptive"]], "emulated": True,
+            "drifting": [{w["step"]: w["drifting"] for w in run["history"] if w["drifting"]} for run in runs["adaptive"]],
             "environment": common.environment_note(cfg.threads), "wall_s": time.perf_counter() - start,
             "load_average": (load, common.load_average())}
 
@@ -203,6 +205,9 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"  PREDICTED by the calibrated model: original optimum {result['predicted']['original']:.1f} samples/s, "
           f"slowed optimum {result['predicted']['slowed']:.1f} samples/s")
     for r, switches in enumerate(result["switches"]):
+        drifting = result["drifting"][r]
+        print(f"  round {r}: windows with drifting ranks (window end: ranks): "
+              + (", ".join(f"{step}: {ranks}" for step, ranks in drifting.items()) or "none"))
         for s in switches:
             measured = "-" if s["measured_gain"] is None else f"{s['measured_gain']:+.1%}"
             print(f"  round {r}: switch at step {s['step']} ({s['reason']}): predicted {s['predicted_gain']:+.1%}, "

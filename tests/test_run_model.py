@@ -144,27 +144,44 @@ def test_the_adapter_follows_a_slowed_rank_and_returns() -> None:
     assert last.batch_sizes == first.batch_sizes
 
 
-def test_a_rank_back_near_its_calibrated_speed_takes_that_speed_and_the_plan_moves_back_exactly() -> None:
-    """Rank 1 slows x3, then comes back 15% slower than calibrated (within the drift threshold): it
-    is re-timed to its calibrated speed, not to the window's figure, so the plan is the first again,
-    the one measured before the change (the window's own figure plans otherwise)."""
+def _recovering(back: float):
+    """Rank 1 slows x3 at window 3 and comes back at window 11 to ``back`` times its calibrated speed."""
+    return lambda w: (1.0, 3.0, 1.0) if 3 <= w < 11 else (1.0, back if w >= 11 else 1.0, 1.0)
+
+
+def _plan_at(back: float):
     from dataclasses import replace as change
 
     from cephalo_lightning.planner import cluster_from_dict, plan
     from cephalo_lightning.planner.calibration import with_calibration
     from tests.test_calibration import INJECTED, _cluster
 
-    def speeds(w: int) -> tuple[float, ...]:
-        return (1.0, 3.0, 1.0) if 3 <= w < 11 else (1.0, 1.15 if w >= 11 else 1.0, 1.0)
+    scales = tuple(s * k for s, k in zip(INJECTED.compute_scale, (1.0, back, 1.0)))
+    return plan(with_calibration(cluster_from_dict(_cluster()), change(INJECTED, compute_scale=scales)), 12)
+
+
+def test_a_rank_back_near_its_calibrated_speed_takes_that_speed_and_the_plan_moves_back_exactly() -> None:
+    """Rank 1 slows x3, then comes back 15% slower than calibrated (within the drift threshold): it
+    is re-timed to its calibrated speed, not to the window's figure, so the plan is the first again,
+    the one measured before the change (the window's own figure plans otherwise)."""
+    from tests.test_calibration import INJECTED
 
     kept: list = []
-    switches, first, last = _windows(speeds, 0.0, 16, adapter_out=kept)
+    switches, first, last = _windows(_recovering(1.15), 0.0, 16, adapter_out=kept)
     assert [s.reason for s in switches] == ["re-timed rank 1", "re-timed rank 1"], switches
     assert last.ranks == first.ranks
-    cluster = kept[1]
-    assert cluster.calibration.compute_scale == INJECTED.compute_scale
-    noisy = change(INJECTED, compute_scale=tuple(s * k for s, k in zip(INJECTED.compute_scale, (1.0, 1.15, 1.0))))
-    assert plan(with_calibration(cluster_from_dict(_cluster()), noisy), 12).ranks != first.ranks
+    assert kept[1].calibration.compute_scale == INJECTED.compute_scale
+    assert _plan_at(1.15).ranks != first.ranks
+
+
+def test_a_rank_back_only_partly_returns_to_the_first_plan_then_is_re_timed_to_what_it_measures() -> None:
+    """Back at 1.45x its calibrated speed (beyond the drift threshold, but nearer to it than to x3):
+    first re-timed to its calibrated speed (the first plan again), where it drifts, then to 1.45x:
+    the plan for what it measures, one switch later than re-timing it there at once."""
+    switches, first, last = _windows(_recovering(1.45), 0.0, 20)
+    assert [s.reason for s in switches] == ["re-timed rank 1"] * 3, switches
+    assert switches[1].target.ranks == first.ranks
+    assert last.ranks == _plan_at(1.45).ranks != first.ranks
 
 
 def _slowed(window: int) -> tuple[float, ...]:

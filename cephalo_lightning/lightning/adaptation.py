@@ -9,8 +9,9 @@
   window of noise moves nothing) is re-timed from its own measured busy time (its compute scale multiplied by measured / predicted; no re-profile), the plan is
   re-solved, and the state moves in place when the new optimum is predicted faster than the current
   plan by more than ``switch_gain``. A rank that recovers drifts the other way and is re-timed back;
-  measured within ``drift_threshold`` of its calibrated speed it takes that speed again exactly, so
-  the plan moves back to the one measured before the change (not to one window's noisy figure). Hysteresis: no decision for ``min_dwell_windows`` windows after a switch
+  measured back near its calibrated speed (within ``drift_threshold``, or nearer to it than to its
+  re-timed one) it takes that speed again exactly, so the plan moves back to the one measured
+  before the change (not to one window's noisy figure). Hysteresis: no decision for ``min_dwell_windows`` windows after a switch
   (the first of them mixes the two plans); every switch is logged with its predicted gain and, one
   full window after it took effect, the measured one. No files are written.
 * **Rollback**: a switch whose measured gain is negative beyond noise (slower by more than
@@ -25,6 +26,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -71,6 +73,14 @@ def _key(plan: Plan) -> tuple[Any, ...]:
 
 def _same_speeds(a: Sequence[float], b: Sequence[float], threshold: float) -> bool:
     return all(max(x, y) <= min(x, y) * (1 + threshold) for x, y in zip(a, b))
+
+
+def _recovered(measured: float, was: float, calibrated: float, threshold: float) -> bool:
+    """Whether a re-timed rank's measured speed is back at its calibrated one: within ``threshold``
+    of it, or nearer to it than to the speed it had (as ratios, so x3 slower and x3 faster are alike)."""
+    if _same_speeds([measured], [calibrated], threshold):
+        return True
+    return abs(math.log(measured / calibrated)) < abs(math.log(measured / was))
 
 
 class RunAdapter:
@@ -147,11 +157,12 @@ class RunAdapter:
         calibrated = self._calibrated_speeds()
         back = []
         for i in drifting:
-            scales[i] *= ratios[i]  # type: ignore[operator]
-            # a rank measured within the drift threshold of its calibrated speed has recovered: it
-            # takes that speed again (not this window's noisy figure), so the plan returns to the one
-            # the run measured before the rank changed
-            if i < len(calibrated) and _same_speeds([scales[i]], [calibrated[i]], self.config.drift_threshold):
+            was, scales[i] = scales[i], scales[i] * ratios[i]  # type: ignore[operator]
+            # a rank measured back near its calibrated speed (within the drift threshold, or nearer
+            # to it than to the speed it was re-timed to) has recovered: it takes that speed again,
+            # not this window's figure (one plan's steps, perhaps a small batch, measured on a noisy
+            # host), so the plan returns to the one the run measured before the rank changed
+            if i < len(calibrated) and _recovered(scales[i], was, calibrated[i], self.config.drift_threshold):
                 scales[i] = calibrated[i]
                 back.append(i)
         retimed = with_calibration(cluster, replace(calibration, compute_scale=tuple(scales)))
