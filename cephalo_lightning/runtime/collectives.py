@@ -122,10 +122,19 @@ class WaitReport:
         return WaitReport(observers, op, unit, numel) if observers else None
 
 
-def _blocked(report: WaitReport | None) -> contextlib.AbstractContextManager[None]:
-    if report is None:
-        return contextlib.nullcontext()
-    return report.observers.collective(report.op, report.unit, report.numel)
+def _complete(pending: PendingWork | PendingGather) -> None:
+    """Wait for ``pending``'s collective and its emulated link time; the observers hear it as a
+    region of its collective when it reports to them."""
+    if pending.work is None and pending.deadline is None:
+        return
+    report = pending.report
+    with (contextlib.nullcontext() if report is None else report.observers.collective(report.op, report.unit,
+                                                                                      report.numel)):
+        if pending.work is not None:
+            pending.work.wait()
+            pending.work = None
+        _sleep_until(pending.deadline)
+        pending.deadline = None
 
 
 @dataclass
@@ -138,14 +147,7 @@ class PendingWork:
     report: WaitReport | None = None
 
     def wait(self) -> None:
-        if self.work is None and self.deadline is None:
-            return
-        with _blocked(self.report):
-            if self.work is not None:
-                self.work.wait()
-                self.work = None
-            _sleep_until(self.deadline)
-            self.deadline = None
+        _complete(self)
 
 
 @dataclass
@@ -162,13 +164,7 @@ class PendingGather:
     report: WaitReport | None = None
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None or self.deadline is not None:
-            with _blocked(self.report):
-                if self.work is not None:
-                    self.work.wait()
-                    self.work = None
-                _sleep_until(self.deadline)
-                self.deadline = None
+        _complete(self)
         if self.stream is not None:  # pragma: no cover - CUDA only
             torch.cuda.current_stream(self.out.device).wait_stream(self.stream)
             self.stream = None
