@@ -258,12 +258,17 @@ class FlatUnit:
         """
         dtype = dtype or self.master_dtype
         if out is not None:
-            for span, param in zip(self.spans, self.full_params):
-                grad, view = param.grad, out.narrow(0, span.offset, span.numel)
-                if grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(grad.reshape(-1))
+            grads = [param.grad for param in self.full_params]
+            if grads and all(g is not None for g in grads):  # the usual case: one copy (and cast) of them all
+                torch.cat([g.reshape(-1) for g in grads], out=out)
+            else:
+                for span, grad in zip(self.spans, grads):
+                    view = out.narrow(0, span.offset, span.numel)
+                    if grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(grad.reshape(-1))
+            for param in self.full_params:
                 param.grad = None
             return out
         pieces = []
@@ -282,7 +287,9 @@ class FlatUnit:
         for (start, numel), param in zip(self._piece_runs, self.local_params):
             if not param.requires_grad:
                 continue
-            piece = shard_grad[start : start + numel].to(param.dtype).view(param.shape)
+            piece = shard_grad[start : start + numel].view(param.shape)
+            if piece.dtype != param.dtype:
+                piece = piece.to(param.dtype)
             if param.grad is None:
                 param.grad = piece
             else:
