@@ -18,7 +18,8 @@ real ``Trainer.fit`` runs with:
   module's ``configure_model`` applies ``fully_shard`` to every block and the root over the CPU mesh;
 * ``cephalo-ddp``: ``CephaloStrategy`` with the even plan's ranks each in a shard group of its own
   (``shard_group = rank``, share 1): data parallelism, what the planner chooses for a model that fits
-  every rank and no link penalty (no all-gathers; one all-reduce per unit, started in the backward);
+  every rank and no link penalty (no all-gathers; the gradients all-reduced in DDP-sized buckets, 1 MiB
+  then 25 MiB, each started in the backward once its units are reduced);
 * ``ddp``: ``strategy="ddp"``.
 
 One spawned pair of ranks runs every fit: R rounds, each round one short fit per strategy, the order

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
+from cephalo_lightning.runtime.layered import LayeredSchedule, UnitOptimizers, plain_input
 from cephalo_lightning.runtime.sharding.layout import (
     build_layout,
     check_shard_groups,
@@ -41,7 +41,14 @@ SCENARIOS = [
     ("mixed", [[0, 1], [2], [3]], [0.2, 0.8, 1.0, 1.0], [2, 5, 1, 4], [2, 2, 2, 2], "uniform"),
     ("nodes-layered", [[0, 1], [2, 3]], [0.35, 0.65, 0.9, 0.1], [2, 5, 4, 1], [1, 3, 2, 1], "layered"),
     ("ddp-layered", [[0], [1], [2], [3]], [1.0, 1.0, 1.0, 1.0], [3, 3, 6, 0], [2, 1, 3, 1], "layered"),
+    ("ddp-buckets", [[0], [1], [2], [3]], [1.0, 1.0, 1.0, 1.0], [5, 1, 4, 2], [1, 1, 1, 1], "uniform"),
+    ("ddp-layered-buckets", [[0], [1], [2], [3]], [1.0, 1.0, 1.0, 1.0], [3, 3, 6, 0], [2, 1, 3, 1], "layered"),
+    ("ddp-unit-wise", [[0], [1], [2], [3]], [1.0, 1.0, 1.0, 1.0], [3, 3, 6, 0], [1, 1, 3, 1], "layered"),
 ]
+# gradient buckets (first, others) small enough that TinyLM's fp32 units take several (the expected
+# cuts are in test_groups_of_one_rank_gather_nothing_and_all_reduce_every_gradient_once_per_step)
+BUCKET_BYTES = {"ddp-buckets": (1, 2400), "ddp-layered-buckets": (1, 1500)}
+UNIT_WISE = {"ddp-unit-wise"}  # one optimizer per unit, stepped as soon as its gradient is reduced
 OPTIMIZERS = {"sgd": (torch.float32, SGD_TOL), "adamw": (torch.float64, ADAMW_TOL)}
 
 
@@ -97,30 +104,34 @@ def _step(sharded: ShardedModel, model: TinyLM, schedule: LayeredSchedule | None
 
 
 def train(optimizer: str, groups, shares, batch_sizes, micro_batches, schedule_kind: str, clip: float | None = None,
-          links=None):
+          links=None, bucket_bytes: tuple[int, int] | None = None, unit_wise: bool = False):
     """Train STEPS steps; return every step's full parameters (as this rank's group sees them), the
     final Adam moments of this rank's pieces, and the collective logs."""
     dtype, _ = OPTIMIZERS[optimizer]
     model = tiny(dtype)
     layers = layers_of(model)
     sharded = ShardedModel(model, shares, units=layers if schedule_kind == "layered" else None,
-                           shard_groups=groups, record_collectives=True, links=links)
-    schedule = LayeredSchedule(sharded, layers) if schedule_kind == "layered" else None
-    opt = make(optimizer, model.parameters())
+                           shard_groups=groups, record_collectives=True, links=links, bucket_bytes=bucket_bytes)
+    unit_wise = UnitOptimizers(sharded, lambda params: make(optimizer, params)) if unit_wise else None
+    schedule = (LayeredSchedule(sharded, layers, on_unit_reduced=unit_wise.step_unit if unit_wise else None)
+                if schedule_kind == "layered" else None)
+    opt = make(optimizer, model.parameters()) if unit_wise is None else None
     per_step = []
     for x, y in batches(STEPS, GLOBAL_BATCH):
         _step(sharded, model, schedule, x, y, batch_sizes, micro_batches)
         if clip is not None:
             sharded.clip_grad_norm_(clip)
-        opt.step()
-        opt.zero_grad()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
         mark = len(sharded.comm.log)
         per_step.append(sharded.full_state_dict())
         del sharded.comm.log[mark:]  # the check's own gathers are not the training's
     moments = {}
     for unit in sharded.units:
         for span, p in zip(unit.spans, unit.local_params):
-            state = opt.state.get(p, {})
+            owner = opt if opt is not None else unit_wise.optimizers.get(id(unit))
+            state = owner.state.get(p, {}) if owner is not None else {}
             if "exp_avg" in state:
                 moments[span.name] = (unit.layout.param_piece(span, unit.rank)[0], state["exp_avg"].reshape(-1).clone())
     logs = {"group": list(sharded.comm.log), "world": list(sharded.world.log),
@@ -197,7 +208,8 @@ def _scenarios(rank: int, world: int):
     out = {"links": _links_checks(rank)}
     for name, groups, shares, bs, n, kind in SCENARIOS:
         for optimizer in OPTIMIZERS:
-            out[(name, optimizer)] = train(optimizer, groups, shares, bs, n, kind)
+            out[(name, optimizer)] = train(optimizer, groups, shares, bs, n, kind, bucket_bytes=BUCKET_BYTES.get(name),
+                                           unit_wise=name in UNIT_WISE)
     out[("nodes", "sgd-clip")] = train("sgd", *SCENARIOS[0][1:], clip=0.05)
     return out
 
@@ -283,13 +295,38 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order(runs, scenario
     assert any(logs[0][kind] for kind in ("world", "replica")), f"{scenario}: no cross-group reduction was logged"
 
 
+def _unit_numel(model: TinyLM, name: str) -> int:
+    """A unit's parameters by its name: a module's own, or the root's (what no block holds)."""
+    if name == "<root>":
+        return sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    return sum(p.numel() for p in model.get_submodule(name).parameters())
+
+
+# per scenario: each step's buckets, their units in the order the backward reduces them
+DDP_BUCKETS = {
+    "ddp": [["blocks.2", "blocks.1", "blocks.0", "<root>"]],  # under the default 1 MiB first bucket: one
+    "ddp-layered": [["head", "norm", "blocks.2", "blocks.1", "blocks.0", "embed"]],
+    "ddp-buckets": [["blocks.2"], ["blocks.1", "blocks.0", "<root>"]],
+    "ddp-layered-buckets": [["head"], ["norm", "blocks.2", "blocks.1"], ["blocks.0", "embed"]],
+    # an optimizer stepping each unit as soon as it is reduced closes every bucket at once
+    "ddp-unit-wise": [["head"], ["norm"], ["blocks.2"], ["blocks.1"], ["blocks.0"], ["embed"]],
+}
+
+
 @pytest.mark.multiprocess
-def test_groups_of_one_rank_gather_nothing_and_all_reduce_once_per_unit(runs):
-    logs = runs[0][("ddp", "sgd")]["logs"]
-    assert not [op for op in logs["group"] if op[0] == "all_gather"], "a group of one rank gathered"
-    reduces = [op for op in logs["replica"] if op[0] == "all_reduce"]
-    units = len(TinyLM().blocks) + 1  # the blocks and the root (uniform units)
-    assert len(reduces) == units * STEPS, f"{len(reduces)} all-reduces for {units} units x {STEPS} steps"
+@pytest.mark.parametrize("scenario", list(DDP_BUCKETS))
+def test_groups_of_one_rank_gather_nothing_and_all_reduce_every_gradient_once_per_step(runs, scenario):
+    """One all-reduce per bucket of consecutive units (the last unit first), each gradient element in
+    exactly one; nothing is gathered or scattered inside a group of one rank."""
+    model = TinyLM()
+    want = [(f"replicas:{b[0]}" if len(b) == 1 else f"replicas:{b[0]}..{b[-1]}", sum(_unit_numel(model, u) for u in b))
+            for b in DDP_BUCKETS[scenario]]
+    assert sum(n for _, n in want) == sum(p.numel() for p in model.parameters())
+    for rank, result in enumerate(runs):
+        logs = result[(scenario, "sgd")]["logs"]
+        assert not logs["group"], f"{scenario}: a group of one rank issued {logs['group'][:3]}"
+        assert [(name, n) for op, name, n in logs["replica"] if op == "all_reduce"] == want * STEPS, \
+            f"{scenario}, rank {rank}: all-reduces {logs['replica'][: len(want)]}, expected {want} every step"
 
 
 # ----------------------------------------------------------------------------- layouts (pure)
@@ -354,3 +391,18 @@ def test_the_model_reports_every_collective_to_the_links_and_only_the_replicas_c
         assert all(r == rank for r, _ in calls)
         assert crossing, f"rank {rank}: the cross-group reduction never reached the links"
         assert inside, f"rank {rank}: the in-group gathers never reached the links"
+
+
+def test_gradient_buckets_take_consecutive_units_from_the_last_and_skip_frozen_ones():
+    from cephalo_lightning.runtime.sharding.replicas import gradient_buckets
+
+    f32, f64 = torch.float32, torch.float64
+    names = ["root", "a", "b", "c", "d", "e"]
+    # bytes: root 40, a frozen, b 200, c 80 (fp64), d 200, e 8; first bucket >= 100 bytes, others >= 300
+    buckets = gradient_buckets([10, None, 50, 10, 50, 2], [f32, f32, f32, f64, f32, f32], names, 100, 300)
+    assert [(b.names, b.offsets, b.numel, b.dtype) for b in buckets] == [
+        (("e", "d"), (0, 2), 52, f32),  # 8 + 200 bytes close the first bucket
+        (("c",), (0,), 10, f64),  # another dtype: a bucket of its own
+        (("b", "root"), (0, 50), 60, f32),  # the frozen unit is skipped; the last bucket closes at the end
+    ]
+    assert gradient_buckets([None, None], [f32, f32], ["root", "a"]) == []

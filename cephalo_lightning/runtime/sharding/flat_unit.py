@@ -135,9 +135,11 @@ class FlatUnit:
         self.master = master
         lo, _ = layout.shard_range(self.rank)
         self.local_params: list[nn.Parameter] = []
+        self._piece_runs: list[tuple[int, int]] = []  # each local piece's (start, numel) in the master shard
         for span, requires_grad in zip(layout.params, self.requires_grad):
             a, b = layout.param_piece(span, self.rank)
             start = span.offset + a - lo
+            self._piece_runs.append((start, b - a))
             piece = nn.Parameter(master[start : start + b - a].view(piece_shape(span.shape, b - a)),
                                  requires_grad=requires_grad)
             piece._cephalo_full_shape = span.shape
@@ -248,12 +250,27 @@ class FlatUnit:
 
     # ------------------------------------------------------------------ gradients
 
-    def take_full_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def take_full_grad(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The unit's full flat gradient (zeros where a parameter got none); clears the grads.
 
         ``dtype`` defaults to the master's: gradients are reduced in fp32 (fp64 for fp64 models).
+        ``out`` (the unit's number of elements): written there instead of a new tensor (a bucket).
         """
         dtype = dtype or self.master_dtype
+        if out is not None:
+            grads = [param.grad for param in self.full_params]
+            if grads and all(g is not None for g in grads):  # the usual case: one copy (and cast) of them all
+                torch.cat([g.reshape(-1) for g in grads], out=out)
+            else:
+                for span, grad in zip(self.spans, grads):
+                    view = out.narrow(0, span.offset, span.numel)
+                    if grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(grad.reshape(-1))
+            for param in self.full_params:
+                param.grad = None
+            return out
         pieces = []
         for span, param in zip(self.spans, self.full_params):
             grad = param.grad
@@ -267,13 +284,12 @@ class FlatUnit:
         """Accumulate a reduced shard gradient into the local pieces' ``.grad``. ``shard_grad`` is
         the caller's to give (a fresh reduction result): a piece without a gradient takes a view of
         it, not a copy."""
-        lo, _ = self.layout.shard_range(self.rank)
-        for span, param in zip(self.spans, self.local_params):
+        for (start, numel), param in zip(self._piece_runs, self.local_params):
             if not param.requires_grad:
                 continue
-            a, b = self.layout.param_piece(span, self.rank)
-            start = span.offset + a - lo
-            piece = shard_grad[start : start + b - a].to(param.dtype).view(param.shape)
+            piece = shard_grad[start : start + numel].view(param.shape)
+            if piece.dtype != param.dtype:
+                piece = piece.to(param.dtype)
             if param.grad is None:
                 param.grad = piece
             else:

@@ -14,7 +14,18 @@ When every group cuts a unit at the same points (groups of one rank, or equal gr
 shares: HSDP), the replicas of a range are rank i of every group and one ``all_reduce`` over that
 *replica group* does the same (its result is the same on every rank of it). That all-reduce is
 started as soon as the in-group reduction is done and waited for in :meth:`ReplicaReducer.wait`,
-before the optimizer: with groups of one rank this is data parallelism's overlapped all-reduce.
+before the optimizer.
+
+[Note: gradient buckets] With groups of one rank (data parallelism) there is no in-group reduction:
+a unit's whole gradient is what every replica sums. Units then share all-reduces as DDP's buckets
+do: consecutive units in the reduction order (the last unit first) fill one flat buffer, the first
+bucket closing at :data:`FIRST_BUCKET_BYTES` (so the reduction starts early in the backward) and
+the others at :data:`BUCKET_BYTES`; a bucket's all-reduce starts as soon as its last unit's
+gradient is written into it, and each unit's reduced gradient is a view of the buffer (no copy
+back). The buckets are a pure function of the units' sizes, dtypes and trainability
+(:func:`gradient_buckets`), so every rank cuts them alike; a unit reduced out of that order (a
+caller waiting after every unit) closes the open bucket early, on every rank alike. An all-reduce
+hands every rank the same bits, so the replicas stay identical whatever the cut.
 
 Every rank issues the same collectives for the same units in the same order (the choice between the
 two ways is a pure function of the layouts), including ranks whose range of a unit is empty.
@@ -32,6 +43,10 @@ from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Link
 from cephalo_lightning.runtime.sharding.layout import ShardLayout, UnitLayout, replica_pieces, same_bounds
 
 Consume = Callable[[torch.Tensor], None]
+Fill = Callable[[torch.Tensor], None]
+
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket: the backward's last units start reducing early
+BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb
 
 
 Runs = tuple[tuple[int, int], ...]  # (offset, length) runs of a buffer, in the order they are used
@@ -102,6 +117,67 @@ def _exchange(units: Sequence[UnitLayout], shard_groups: Sequence[Sequence[int]]
         tuple(back))
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """Units reduced by one all-reduce: ``units`` in reduction order, each at ``offsets`` in the flat buffer."""
+
+    units: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+    names: tuple[str, ...]  # the units'
+
+
+def _label(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def gradient_buckets(numels: Sequence[int | None], dtypes: Sequence[torch.dtype], names: Sequence[str],
+                     first_bytes: int = FIRST_BUCKET_BYTES, bucket_bytes: int = BUCKET_BYTES) -> list[Bucket]:
+    """The buckets of [Note: gradient buckets]: unit ``i`` holds ``numels[i]`` gradient elements of
+    ``dtypes[i]`` (None: it is never reduced, a frozen unit). Units go in reduction order (the
+    highest index first); a bucket closes once it holds ``first_bytes`` (the first) or
+    ``bucket_bytes`` (the others), and before a unit of another dtype."""
+    buckets: list[Bucket] = []
+    units: list[int] = []
+    offsets: list[int] = []
+    numel = 0
+
+    def close() -> None:
+        nonlocal numel
+        if units:
+            buckets.append(Bucket(tuple(units), tuple(offsets), numel, dtypes[units[0]], tuple(names[u] for u in units)))
+        units.clear()
+        offsets.clear()
+        numel = 0
+
+    for index in range(len(numels) - 1, -1, -1):
+        if numels[index] is None:
+            continue
+        if units and dtypes[index] != dtypes[units[0]]:
+            close()
+        units.append(index)
+        offsets.append(numel)
+        numel += numels[index]
+        cap = bucket_bytes if buckets else first_bytes
+        if numel * dtypes[index].itemsize >= cap:
+            close()
+    close()
+    return buckets
+
+
+@dataclass
+class _OpenBucket:
+    """The bucket being filled: its buffer from ``start`` (the offset of the first unit written) on."""
+
+    bucket: int
+    start: int
+    buffer: torch.Tensor
+    filled: int  # the offset in the bucket up to which units are written
+    consumers: list[tuple[torch.Tensor, Consume]]
+    names: list[str]  # of the units written
+
+
 class ReplicaReducer:
     """The cross-group sum of every unit's reduced gradient for one rank (see the module notes).
 
@@ -126,13 +202,63 @@ class ReplicaReducer:
             else:
                 self._plans.append(_exchange(units, shard_groups, group_of, world.rank))
         self._pending: list[tuple[PendingWork, torch.Tensor, Consume]] = []
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, tuple[int, int, str]] = {}  # unit index -> (bucket, offset in it, name)
+        self._open: _OpenBucket | None = None
 
     @property
     def active(self) -> bool:
         return self.num_groups > 1
 
+    @property
+    def data_parallel(self) -> bool:
+        """Every group is one rank: units' gradients are all-reduced whole, in buckets."""
+        return self.active and self.replica is not None and self.replica.world_size == self.world.world_size
+
     def uses_all_reduce(self, index: int) -> bool:
         return self.active and self._plans[index] is None
+
+    def plan_buckets(self, numels: Sequence[int | None], dtypes: Sequence[torch.dtype], names: Sequence[str],
+                     first_bytes: int = FIRST_BUCKET_BYTES, bucket_bytes: int = BUCKET_BYTES) -> None:
+        """Cut the units into [Note: gradient buckets] (data parallelism only; see :func:`gradient_buckets`)."""
+        self.buckets = gradient_buckets(numels, dtypes, names, first_bytes, bucket_bytes) if self.data_parallel else []
+        self._bucket_of = {u: (b, o, name) for b, bucket in enumerate(self.buckets)
+                           for u, o, name in zip(bucket.units, bucket.offsets, bucket.names)}
+
+    def bucketed(self, index: int) -> bool:
+        return index in self._bucket_of
+
+    def reduce_bucketed(self, index: int, numel: int, device: torch.device, fill: Fill, consume: Consume) -> None:
+        """Unit ``index``'s gradient joins its bucket: ``fill(out)`` writes it into ``out`` (a view of
+        the bucket's buffer, ``numel`` elements); ``consume`` gets the summed view in :meth:`wait`."""
+        b, offset, name = self._bucket_of[index]
+        bucket = self.buckets[b]
+        run = self._open
+        if run is not None and (run.bucket != b or run.filled != offset):  # out of order: close the open one
+            self._start(run)
+            run = None
+        if run is None:
+            run = self._open = _OpenBucket(b, offset, torch.empty(bucket.numel - offset, dtype=bucket.dtype,
+                                                                  device=device), offset, [], [])
+        out = run.buffer.narrow(0, offset - run.start, numel)
+        fill(out)
+        run.consumers.append((out, consume))
+        run.names.append(name)
+        run.filled = offset + numel
+        if run.filled == bucket.numel:
+            self._start(run)
+
+    def _start(self, run: _OpenBucket) -> None:
+        self._open = None
+        flat = run.buffer.narrow(0, 0, run.filled - run.start)
+        work = self.replica.start_all_reduce(flat, name=f"replicas:{_label(run.names)}") if flat.numel() else PendingWork()
+        consumers = run.consumers
+
+        def consume_all(_: torch.Tensor) -> None:
+            for view, consume in consumers:
+                consume(view)
+
+        self._pending.append((work, flat, consume_all))
 
     def reduce(self, index: int, unit: UnitLayout, shard: torch.Tensor, consume: Consume) -> None:
         """Sum unit ``index``'s group-reduced ``shard`` over the groups and hand it to ``consume``:
@@ -166,7 +292,10 @@ class ReplicaReducer:
         return out
 
     def wait(self) -> None:
-        """Every started all-reduce is done and consumed (in the order they were started)."""
+        """Every started all-reduce is done and consumed (in the order they were started); a bucket
+        still open is started first."""
+        if self._open is not None:
+            self._start(self._open)
         pending, self._pending = self._pending, []
         for work, shard, consume in pending:
             work.wait()

@@ -77,7 +77,12 @@ from cephalo_lightning.runtime.sharding.grouping import (
 )
 from cephalo_lightning.runtime.sharding.layout import ShardLayout, check_shard_groups, group_layouts
 from cephalo_lightning.runtime.sharding.materialize import UnitMaterializer
-from cephalo_lightning.runtime.sharding.replicas import ReplicaReducer, group_collectives
+from cephalo_lightning.runtime.sharding.replicas import (
+    BUCKET_BYTES,
+    FIRST_BUCKET_BYTES,
+    ReplicaReducer,
+    group_collectives,
+)
 from cephalo_lightning.runtime.sharding.reshard import reshard
 from cephalo_lightning.runtime.sharding.units import WrapPolicy, check_units_disjoint
 
@@ -111,6 +116,8 @@ class ShardedModel:
     keyed by the original names: build the optimizer from them. ``units`` is a wrap policy
     (:func:`~.units.find_units`) or, for a schedule, the units themselves (a module or a group of
     modules each). Attach observers (timing, emulation, memory accounting) to :attr:`observers`.
+    ``bucket_bytes``: (the first, every other) gradient bucket's size with groups of one rank
+    (default DDP's 1 MiB and 25 MiB; see :mod:`.replicas`).
     """
 
     def __init__(
@@ -132,6 +139,7 @@ class ShardedModel:
         materializer: UnitMaterializer | None = None,
         overlap: bool = True,
         observers: Sequence[Observer] = (),
+        bucket_bytes: tuple[int, int] | None = None,
     ) -> None:
         handback.check_not_pieces(module)
         self.module = module
@@ -164,6 +172,7 @@ class ShardedModel:
         self.layout: ShardLayout = self.layouts[self.group_index]  # this rank's group's
         self.replicas = ReplicaReducer(self.layouts, self.shard_groups, self.world, replica)
         self.reduce_dtype = reduce_dtype
+        self.bucket_bytes = bucket_bytes or (FIRST_BUCKET_BYTES, BUCKET_BYTES)
         materializer = materializer or UnitMaterializer(self.device)
         buffers = buffers_by_unit(module, self.unit_groups)
         self.units: list[FlatUnit] = []
@@ -175,6 +184,7 @@ class ShardedModel:
             self.units.append(FlatUnit(unit, slots, self.comm.rank, master, [p.requires_grad for p in originals],
                                        compute_dtype or dtype, self.observers))
         self.materialized_units = materializer.materialized_units
+        self._plan_buckets()
         self.root = self.units[0]
         self.prefetch = prefetch
         self.mode = Mode.HOOKS
@@ -271,13 +281,27 @@ class ShardedModel:
         """Reduce-scatter one unit's full gradient onto the owners and accumulate it there.
 
         Units without trainable parameters are skipped (on every rank alike). On CUDA the
-        reduction overlaps the compute stream; :meth:`wait_reductions` joins it.
+        reduction overlaps the compute stream; :meth:`wait_reductions` joins it. With groups of one
+        rank there is nothing to scatter: the gradient joins its bucket's all-reduce
+        (:mod:`.replicas`, [Note: gradient buckets]).
         """
         if not unit.trainable:
             return
+        index = self._unit_index[id(unit)]
+        if self.replicas.bucketed(index):  # a group of one rank: the whole gradient goes into its bucket
+            self.replicas.reduce_bucketed(index, unit.layout.numel, unit.device,
+                                          fill=partial(unit.take_full_grad, self.reduce_dtype),
+                                          consume=unit.add_local_grad)
+            return
         full_grad = unit.take_full_grad(self.reduce_dtype)
-        summed = partial(self.replicas.reduce, self._unit_index[id(unit)], unit.layout, consume=unit.add_local_grad)
+        summed = partial(self.replicas.reduce, index, unit.layout, consume=unit.add_local_grad)
         self.comm.reduce_scatter_into(full_grad, unit.layout, summed)
+
+    def _plan_buckets(self) -> None:
+        """Data parallelism's gradient buckets over the trainable units (see :mod:`.replicas`)."""
+        self.replicas.plan_buckets([u.layout.numel if u.trainable else None for u in self.units],
+                                   [self.reduce_dtype or u.master_dtype for u in self.units],
+                                   [u.name for u in self.units], *self.bucket_bytes)
 
     def wait_reductions(self) -> None:
         """The gradients of every reduced unit are ready for the optimizer: the cross-group
@@ -420,6 +444,7 @@ class ShardedModel:
         if regrouped:
             self.comm, replica = group_collectives(self.world, shard_groups, *self._group_args)
         self.replicas = ReplicaReducer(layouts, shard_groups, self.world, replica)
+        self._plan_buckets()
 
 
 class _UniformHooks:
