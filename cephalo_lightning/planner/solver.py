@@ -37,7 +37,7 @@ from cephalo_lightning.planner.assignment import Assignment, assign
 from cephalo_lightning.planner.baselines import per_sample_ms, upper_bound_samples_per_s
 from cephalo_lightning.planner.calibration import calibrated
 from cephalo_lightning.planner.cluster import Cluster
-from cephalo_lightning.planner.cost import DeviceCost, communication, kind_costs, link_prices
+from cephalo_lightning.planner.cost import DeviceCost, communication, evaluate_arrays, kind_costs, link_prices
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import shown_number
 from cephalo_lightning.planner.grouped import GROUPINGS, GroupedProblem, candidate_groupings
@@ -494,6 +494,57 @@ def _baseline_plan(cluster: Cluster, B: int, mode: str, planner: str, upper: flo
                 model_summary(cluster), planner=planner, emulated=cluster.emulated)
 
 
+SHARED_HOST_REFINE_RANKS = 64  # ranks sharing one host's cores: a handful of CPU processes, never a GPU cluster
+
+
+def refine_on_shared_host(problem: Problem, cluster: Cluster, best: Assignment) -> Assignment:
+    """Lower the shared-host bound the solve leaves out (:func:`.cost.shared_host_floor_ms`): move one
+    sample at a time between two ranks (the same groups, shares and micro-batch counts) while the
+    step, priced exactly with the bound on ``cluster``, falls and every rank still fits. Where the
+    bound binds, giving samples to emulated slow ranks (whose sleeps need no core) can beat the
+    solved plan. ``problem`` is the solve's (priced without the bound)."""
+    mode, kinds, groups = problem.mode, (problem.costs, problem.of_rank), best.groups
+    b, n, keep = best.batch.copy(), best.micro.copy(), best.keep.copy()
+
+    def price(on: Cluster = cluster) -> float:
+        step, _, fits = evaluate_arrays(on, b, np.where(b > 0, n, 1), best.shares, ~keep | (b == 0), mode, kinds,
+                                        groups)
+        return float(step.max()) if fits.all() else math.inf
+
+    start = current = price()
+    if not math.isfinite(current):
+        return best
+    least = 1 if mode == "uniform" else 0
+    for _ in range(int(b.sum()) * len(b)):  # every accepted move lowers the step: this many is a bound
+        move, gain = None, current * 1e-9
+        for i in np.nonzero(b > least)[0]:
+            if b[i] - 1 < n[i] and not (mode == "layered" and b[i] == 1):  # its micro-batches would run empty
+                continue
+            for j in range(len(b)):
+                if j == i:
+                    continue
+                b[i] -= 1
+                b[j] += 1
+                was_keep = keep.copy()
+                keep[b == 0] = False
+                step = price()
+                b[i] += 1
+                b[j] -= 1
+                keep[:] = was_keep
+                if current - step > gain:
+                    move, gain = (i, j), current - step
+        if move is None:
+            break
+        i, j = move
+        b[i] -= 1
+        b[j] += 1
+        keep[b == 0] = False
+        current = price()
+    if current >= start:
+        return best
+    return replace(best, batch=b, micro=np.where(b > 0, n, 1), keep=keep, step_s=price(problem.cluster))
+
+
 def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planner: str = "cephalo",
          _group_kinds: bool = True, groupings: tuple[str, ...] | None = None) -> Plan:
     """Plan a cluster: shard groups, per-rank batch, micro-batches and state share minimising the step time.
@@ -522,6 +573,8 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
     problem = Problem(core, B, mode, group_kinds=_group_kinds)
     _check_memory(problem)
     best, lower_s, _ = solve_groupings(problem, names)
+    if cluster.settings.host_cores and problem.W <= SHARED_HOST_REFINE_RANKS:
+        best = refine_on_shared_host(problem, cluster, best)
     lower_s = max(contention * lower_s + fixed_s, shared_host_lower_ms(problem, cluster) / 1e3)
     ranks, step = rank_plans(cluster, best.batch, best.micro, best.shares, ~best.keep, mode,
                              kinds=(problem.costs, problem.of_rank), shard_groups=best.groups)
