@@ -104,6 +104,9 @@ def main(work: Path) -> None:
     state = trainer.strategy.sharded.full_state_dict()
     if trainer.is_global_zero:
         torch.save(state, work / "final.pt")
+    # as PyTorch asks on a normal exit: gloo's threads may otherwise abort the interpreter's
+    # teardown (exit -6), which torchrun answers by restarting the finished run
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ overrides one of them (only names the configs define: a typo is an error, not a 
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from collections.abc import Sequence
@@ -28,6 +29,8 @@ import cephalo_lightning  # noqa: F401  (registers strategy="cephalo" before arg
 from cephalo_lightning import configs
 from cephalo_lightning._common.errors import CephaloError, refused
 from cephalo_lightning.lightning.cli_loggers import replace_missing_wandb
+
+log = logging.getLogger(__name__)
 
 _CONFIG_FLAGS = ("--config", "-c")
 DESCRIPTION = (
@@ -182,7 +185,19 @@ def main(argv: list[str] | None = None) -> int:
         run_cli(list(sys.argv[1:] if argv is None else argv))
     except CephaloError as err:
         return refused(err)
+    release_process_group()
     return 0
+
+
+def release_process_group() -> None:
+    """Destroy the default process group after a run that succeeded, as PyTorch asks on a normal
+    exit: left to the interpreter's teardown, gloo's worker threads may abort the process (exit -6),
+    which torchrun counts as a failure and answers by restarting the finished run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        log.debug("Cephalo: destroying the default process group before exit")
+        dist.destroy_process_group()
 
 
 def profile_main(argv: list[str] | None = None) -> int:
