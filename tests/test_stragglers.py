@@ -29,11 +29,14 @@ def _fit(root: str, throttle: Callback) -> dict:
                               min_dwell_windows=1, settings={"usable_memory_fraction": 0.8}, print_plan=False,
                               quiet=True)
     seen: list[list[int]] = []
+    stale: list[int] = []  # steps at which the callback's plan was not the strategy's
 
     class Record(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if not seen or seen[-1] != trainer.strategy.plan.batch_sizes:
                 seen.append(list(trainer.strategy.plan.batch_sizes))
+            if watcher.plan is not trainer.strategy.plan:
+                stale.append(trainer.global_step)
 
     trainer = pl.Trainer(
         strategy=CephaloStrategy(emulate=EMULATE), accelerator="cpu", devices=2, max_steps=STEPS,
@@ -44,7 +47,8 @@ def _fit(root: str, throttle: Callback) -> dict:
     pl.seed_everything(0)
     trainer.fit(module(STEPS), datamodule(STEPS))
     return {"plans": seen, "switches": [(s.reason, s.predicted_gain, s.measured_gain) for s in watcher._adapter.switches],
-            "params": trainer.strategy.sharded.full_state_dict(), "calibrated": watcher.calibration is not None}
+            "params": trainer.strategy.sharded.full_state_dict(), "calibrated": watcher.calibration is not None,
+            "stale": stale}
 
 
 def _runs(rank: int, world: int, root: str) -> dict:
@@ -76,6 +80,7 @@ def test_a_slowed_rank_moves_the_plan_and_it_moves_back_with_exact_training(runs
     # (a loaded host can make the calibration's switch come first and the dwell hold the re-timing)
     assert run["switches"] and all(gain > 0 for _, gain, _ in run["switches"]), run["switches"]
     assert len(run["plans"]) >= 2, run["plans"]  # the plan did change in place during the fit
+    assert run["stale"] == [], f"CephaloCallback.plan was not the plan the run was on at steps {run['stale']}"
     written = [p for p in Path(root, "straggler").rglob("*") if p.is_file()]
     assert not written, f"the switches move state between ranks, not through files: {written}"
     # the same parameters as single-process training on the same global batches (fp64 on both sides)

@@ -118,7 +118,7 @@ class CephaloCallback(Callback):
         # the signature above is for LightningCLI / YAML (one argument each); the options are the config's
         self.config = CallbackConfig(**{name: value for name, value in locals().items() if name != "self"})
         self.cluster: Cluster | None = None
-        self.plan: Plan | None = None
+        self.plan: Plan | None = None  # the plan the run is on: set at setup, followed through in-place switches
         self.history: list[dict[str, Any]] = []  # one row per watch window, on every rank
         self._step_start = 0.0
         self._busy_start = (0.0, 0.0, 0.0)  # busy, its wall-clock twin and the collectives' time at the step's start
@@ -223,6 +223,7 @@ class CephaloCallback(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self.plan = self._strategy(trainer).plan  # a switch scheduled by a window takes effect at a step's start
         self._step_start = time.perf_counter()
         self._busy_start = ((self._busy.seconds, self._busy.wall_seconds) if self._busy is not None else (0.0, 0.0)) + (
             self._collectives.seconds if self._collectives is not None else 0.0,)
