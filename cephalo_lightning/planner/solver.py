@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -503,46 +504,40 @@ def refine_on_shared_host(problem: Problem, cluster: Cluster, best: Assignment) 
     step, priced exactly with the bound on ``cluster``, falls and every rank still fits. Where the
     bound binds, giving samples to emulated slow ranks (whose sleeps need no core) can beat the
     solved plan. ``problem`` is the solve's (priced without the bound)."""
-    mode, kinds, groups = problem.mode, (problem.costs, problem.of_rank), best.groups
-    b, n, keep = best.batch.copy(), best.micro.copy(), best.keep.copy()
+    mode, kinds, n = problem.mode, (problem.costs, problem.of_rank), best.micro
+    least = 1 if mode == "uniform" else 0
 
-    def price(on: Cluster = cluster) -> float:
-        step, _, fits = evaluate_arrays(on, b, np.where(b > 0, n, 1), best.shares, ~keep | (b == 0), mode, kinds,
-                                        groups)
+    def price(b: np.ndarray, keep: np.ndarray, on: Cluster = cluster) -> float:
+        step, _, fits = evaluate_arrays(on, b, np.where(b > 0, n, 1), best.shares, ~keep, mode, kinds, best.groups)
         return float(step.max()) if fits.all() else math.inf
 
-    start = current = price()
-    if not math.isfinite(current):
-        return best
-    least = 1 if mode == "uniform" else 0
-    for _ in range(int(b.sum()) * len(b)):  # every accepted move lowers the step: this many is a bound
-        move, gain = None, current * 1e-9
+    def moves(b: np.ndarray, keep: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every batch with one sample moved from a rank i to a rank j (an emptied rank keeps no graph)."""
         for i in np.nonzero(b > least)[0]:
             if b[i] - 1 < n[i] and not (mode == "layered" and b[i] == 1):  # its micro-batches would run empty
                 continue
             for j in range(len(b)):
-                if j == i:
-                    continue
-                b[i] -= 1
-                b[j] += 1
-                was_keep = keep.copy()
-                keep[b == 0] = False
-                step = price()
-                b[i] += 1
-                b[j] -= 1
-                keep[:] = was_keep
-                if current - step > gain:
-                    move, gain = (i, j), current - step
-        if move is None:
+                if j != i:
+                    moved = b.copy()
+                    moved[i] -= 1
+                    moved[j] += 1
+                    yield moved, keep & (moved > 0)
+
+    b, keep = best.batch, best.keep & (best.batch > 0)
+    start = current = price(b, keep)
+    if not math.isfinite(current):
+        return best
+    for _ in range(int(b.sum()) * len(b)):  # every accepted move lowers the step: this many is a bound
+        priced = [(price(m, k), m, k) for m, k in moves(b, keep)]
+        if not priced:
             break
-        i, j = move
-        b[i] -= 1
-        b[j] += 1
-        keep[b == 0] = False
-        current = price()
+        step, m, k = min(priced, key=lambda t: t[0])
+        if step >= current * (1 - 1e-9):
+            break
+        current, b, keep = step, m, k
     if current >= start:
         return best
-    return replace(best, batch=b, micro=np.where(b > 0, n, 1), keep=keep, step_s=price(problem.cluster))
+    return replace(best, batch=b, micro=np.where(b > 0, n, 1), keep=keep, step_s=price(b, keep, problem.cluster))
 
 
 def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planner: str = "cephalo",
