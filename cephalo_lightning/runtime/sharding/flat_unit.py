@@ -256,29 +256,21 @@ class FlatUnit:
         ``dtype`` defaults to the master's: gradients are reduced in fp32 (fp64 for fp64 models).
         ``out`` (the unit's number of elements): written there instead of a new tensor (a bucket).
         """
-        dtype = dtype or self.master_dtype
-        if out is not None:
-            grads = [param.grad for param in self.full_params]
-            if grads and all(g is not None for g in grads):  # the usual case: one copy (and cast) of them all
-                torch.cat([g.reshape(-1) for g in grads], out=out)
-            else:
-                for span, grad in zip(self.spans, grads):
-                    view = out.narrow(0, span.offset, span.numel)
-                    if grad is None:
-                        view.zero_()
-                    else:
-                        view.copy_(grad.reshape(-1))
-            for param in self.full_params:
-                param.grad = None
-            return out
-        pieces = []
-        for span, param in zip(self.spans, self.full_params):
-            grad = param.grad
-            pieces.append(grad.reshape(-1).to(dtype) if grad is not None else torch.zeros(span.numel, dtype=dtype, device=self.device))
+        if out is None:
+            out = torch.empty(self.layout.numel, dtype=dtype or self.master_dtype, device=self.device)
+        grads = [param.grad for param in self.full_params]
+        if grads and all(g is not None for g in grads):  # the usual case: one copy (and cast) of them all
+            torch.cat([g.reshape(-1) for g in grads], out=out)
+        else:
+            for span, grad in zip(self.spans, grads):
+                view = out.narrow(0, span.offset, span.numel)
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad.reshape(-1))
+        for param in self.full_params:
             param.grad = None
-        if not pieces:
-            return torch.zeros(0, dtype=dtype, device=self.device)
-        return torch.cat(pieces)
+        return out
 
     def add_local_grad(self, shard_grad: torch.Tensor) -> None:
         """Accumulate a reduced shard gradient into the local pieces' ``.grad``. ``shard_grad`` is
