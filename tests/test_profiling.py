@@ -25,7 +25,7 @@ from cephalo_lightning.profiling import (
     take_rows,
     time_collectives,
 )
-from cephalo_lightning.profiling.model import gathered_bytes
+from cephalo_lightning.profiling.model import ModelHooks, gathered_bytes
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, EmulationSpecError
 from tests.distributed import run_distributed
 
@@ -119,6 +119,36 @@ def test_model_profile_of_gpt_tiny() -> None:
     assert all(t > 0 for t in profile.layer_fwd_ms + profile.layer_bwd_ms)
     memory = profile.compute_memory_bytes
     assert all(b > a for a, b in zip(memory, memory[1:]))  # compute memory grows with m
+
+
+def test_a_sharded_model_is_counted_while_each_layer_is_gathered() -> None:
+    """A sharded layer's parameters outside its unit context are empty (or a rank's shard): the layer
+    sizes the collectives are timed on must be counted inside it, as the all-gather moves them."""
+    import contextlib
+
+    model = tiny_gpt()
+    layers = model.layers()
+    whole = [[p.data for p in layer.parameters()] for layer in layers]
+    expected = [sum(t.numel() for t in tensors) for tensors in whole]
+    assert sum(expected) == model.num_parameters()
+    for layer in layers:  # "sharded": nothing is held outside a unit context
+        for p in layer.parameters():
+            p.data = p.data.new_empty(0)
+
+    @contextlib.contextmanager
+    def gathered(index: int):
+        params = list(layers[index].parameters())
+        for p, full in zip(params, whole[index]):
+            p.data = full
+        try:
+            yield
+        finally:
+            for p in params:
+                p.data = p.data.new_empty(0)
+
+    profile = profile_model(layers, sample_tokens(), QUICK, hooks=ModelHooks(unit_context=gathered))
+    assert list(profile.layer_numels) == expected
+    assert profile.parameters == sum(expected)
 
 
 def test_model_memory_counts_the_prefetched_neighbour() -> None:

@@ -218,10 +218,12 @@ def profile_model(
     kinds: dict[str, LayerKind] = {}
     of_layer: dict[int, LayerProfile] = {}
     gathered: list[int] = []
+    numels: list[tuple[int, int]] = []  # every layer's (parameters, trainable ones), counted while gathered
     cuda_devices = [device.index or 0] if device.type == "cuda" else []
     for index, layer in enumerate(layers):
         with unit_context(index), layer_turns() as step:
             gathered.append(sum(gathered_bytes(module, options.compute_dtype) for module in _modules(layer)))
+            numels.append(_numels(layer))
             if not measure:
                 continue
             if index == 0:
@@ -268,7 +270,7 @@ def profile_model(
                 xs = step(advance)
     if not measure:
         return None
-    profile = _per_average_layer(layers, sizes, of_layer, gathered, tuple(kinds.values()), options,
+    profile = _per_average_layer(numels, sizes, of_layer, gathered, tuple(kinds.values()), options,
                                  time.perf_counter() - started)
     return replace(profile, input_bytes_per_sample=tuple(inputs), output_bytes_per_sample=output)
 
@@ -277,11 +279,18 @@ def _tensor_bytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-def _per_average_layer(layers: Sequence[nn.Module | Layer], sizes: tuple[int, ...], of_layer: dict[int, LayerProfile],
+def _numels(layer: nn.Module | Layer) -> tuple[int, int]:
+    """A layer's parameters and its trainable ones. Counted inside the layer's unit context: a sharded
+    layer's parameters outside it are the rank's shard or empty, not what its all-gather moves."""
+    params = [p for module in _modules(layer) for p in module.parameters()]
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def _per_average_layer(numels: Sequence[tuple[int, int]], sizes: tuple[int, ...], of_layer: dict[int, LayerProfile],
                        gathered: Sequence[int], kinds: tuple[LayerKind, ...], options: ProfileOptions,
                        seconds: float) -> ModelProfile:
     """Every layer's measurement as the planner's per-layer figures (see the module docstring)."""
-    num_layers = len(layers)
+    num_layers = len(numels)
     fwd = tuple(sum(of_layer[i].fwd_ms[j] for i in range(num_layers)) / num_layers for j in range(len(sizes)))
     bwd = tuple(sum(of_layer[i].bwd_ms[j] for i in range(num_layers)) / num_layers for j in range(len(sizes)))
     memory = []
@@ -299,9 +308,8 @@ def _per_average_layer(layers: Sequence[nn.Module | Layer], sizes: tuple[int, ..
         compute_memory_bytes=tuple(memory),
         activation_memory_bytes=tuple(sum(of_layer[i].graph_bytes[j] for i in range(num_layers))
                                       for j in range(len(sizes))) if all(of_layer[i].graph_bytes for i in of_layer) else (),
-        parameters=sum(p.numel() for layer in layers for module in _modules(layer) for p in module.parameters()
-                       if p.requires_grad),
-        layer_numels=tuple(sum(p.numel() for module in _modules(layer) for p in module.parameters()) for layer in layers),
+        parameters=sum(trainable for _, trainable in numels),
+        layer_numels=tuple(total for total, _ in numels),
         kinds=kinds,
         seconds=seconds,
     )
