@@ -388,9 +388,33 @@ def group_collectives(cluster: Cluster, groups, shares) -> list[tuple[float, flo
             ag = seconds_ms((k - 1) / k, model.compute_bytes_per_param, crosses, s.allgather_ms) * factor
             rs = seconds_ms((k - 1) / k, model.grad_bytes_per_param, crosses, s.reduce_scatter_ms) * factor
         if G > 1:
-            rs += seconds_ms(2 * (G - 1) / G * rho, model.grad_bytes_per_param, spans, s.reduce_scatter_ms)
+            sent = 2 * (G - 1) / G * rho  # of a layer's gradient, per rank
+            if spans and s.inter_node_bandwidth_gbps:  # the part sent to other nodes over the slow link, at once
+                far = far_part(groups, nodes)
+                across = sent * far * layer * model.grad_bytes_per_param / (inter * 1e9) * 1e3
+                across += s.inter_node_latency_ms if far > 0 else 0.0
+                within = sent * (1 - far) * layer * model.grad_bytes_per_param / (intra * 1e9) * 1e3 if intra else 0.0
+                rs += max(across, within)
+            else:
+                rs += seconds_ms(sent, model.grad_bytes_per_param, spans, s.reduce_scatter_ms)
         out.append((ag, rs))
     return out
+
+
+def far_part(groups, nodes) -> float:
+    """The most, over the ranks, of the mean over the other groups of the fraction of that group's
+    ranks on another node than the rank's."""
+    labels = sorted(set(groups))
+    worst = 0.0
+    for rank, g in enumerate(groups):
+        fractions = []
+        for other in labels:
+            if other == g:
+                continue
+            members = [i for i, h in enumerate(groups) if h == other]
+            fractions.append(sum(nodes[i] != nodes[rank] for i in members) / len(members))
+        worst = max(worst, sum(fractions) / len(fractions))
+    return worst
 
 
 def group_rank_times(cluster: Cluster, batch, micro, shares, groups, mode: str = "layered") -> list[float]:

@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, evaluate, load_cluster, plan, save_cluster
@@ -148,12 +149,41 @@ def test_per_node_groups_gather_inside_and_reduce_across() -> None:
 def test_groups_of_one_rank_are_data_parallel() -> None:
     cluster = two_nodes(latency=0.2)
     got = per_layer_comm(cluster, [0, 1, 2, 3], [1.0] * 4)
-    all_reduce = 2 * 3 / 4 * ms(LAYER, 4, 5.0) + 0.2  # no all-gathers: one all-reduce of the gradient
+    # no all-gathers: one all-reduce of the gradient M; each rank sends 2M/4 to each of its 3 peers, two
+    # of them on the other node (M over the slow link) while M/2 goes to its node's peer (at once)
+    all_reduce = max(ms(LAYER, 4, 5.0) + 0.2, ms(LAYER / 2, 4, 100.0))
     assert got == pytest.approx([all_reduce] * 4, rel=1e-9)
     one_node = cluster_from_dict({"model": MODEL, "settings": {"link_bandwidth_gbps": 100.0, "overlap": 0.0},
                                   "devices": [measured("a", count=4)]})
     got = per_layer_comm(one_node, [0, 1, 2, 3], [1.0] * 4)
     assert got == pytest.approx([2 * 3 / 4 * ms(LAYER, 4, 100.0)] * 4, rel=1e-9)
+
+
+@pytest.mark.parametrize("measured", [False, True])
+@pytest.mark.parametrize("groups", [[0, 0, 1, 1], [0, 1, 2, 3]])
+def test_the_cross_group_reduction_is_priced_as_the_emulated_links_charge_it(groups: list[int], measured: bool) -> None:
+    """Replicas cut alike sum a range with one all-reduce over the ranks holding it (rank i of every
+    group), 2M/k to each of its k - 1 peers; the emulated links charge what crosses nodes. With the
+    world's collectives measured on those links (as the profiler does: each rank sends a quarter of
+    the layer to each peer, half of it across), the price must not depend on how they were measured."""
+    from cephalo_lightning.planner.cost import link_prices
+    from cephalo_lightning.runtime.emulation.links import EmulatedLinks
+
+    links = EmulatedLinks((0, 0, 1, 1), inter_node_gbps=5.0)
+    quarter = int(LAYER / 4) * 4  # bytes of a quarter layer of fp32 gradients
+    world_ms = 1e3 * links.seconds(0, {1: quarter, 2: quarter, 3: quarter})
+    cluster = two_nodes(intra=1e6, inter=5.0,  # the intra-node link costs next to nothing
+                        **({"allgather_ms": world_ms / 2, "reduce_scatter_ms": world_ms} if measured else {}))
+    G = len(set(groups))
+    share = G / 4  # equal shares inside equal groups: every group cuts the layer alike
+    prices = link_prices(cluster)
+    _, with_sum = prices.ranks(np.array(groups), np.array(cluster.nodes), np.full(4, share))
+    in_group = prices.group(4 // G, False, share, 1)[1] if 4 // G > 1 else 0.0
+    M = int(share * LAYER * cluster.model.grad_bytes_per_param)
+    for rank in range(4):
+        replicas = [r for r in range(4) if r % (4 // G) == rank % (4 // G)]
+        sends = {peer: 2 * M // len(replicas) for peer in replicas if peer != rank}
+        assert with_sum[rank] - in_group == pytest.approx(1e3 * links.seconds(rank, sends), rel=1e-6)
 
 
 def test_a_smaller_group_holds_a_bigger_share() -> None:

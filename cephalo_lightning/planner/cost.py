@@ -169,9 +169,12 @@ class LinkPrices:
     figures (measured ``allgather_ms`` / ``reduce_scatter_ms``, else bytes over the bandwidth of the
     world's own link class) are scaled by the bytes and by the ratio of the two bandwidths (1 when
     either is unknown). With G > 1 groups the reduced gradient pieces are summed across the replicas:
-    2 (G - 1) / G of the rank's gradient shard (at most rho of a layer) per rank, over the inter-node
-    link whenever the cluster spans nodes. ``latency_ms`` is added to every collective that crosses
-    nodes when priced from a bandwidth (a measured time includes its own).
+    each rank sends 2 (G - 1) / G of its gradient shard (at most rho of a layer). When the cluster
+    spans nodes and the inter-node bandwidth is known, the fraction ``far`` of that which goes to
+    ranks on other nodes (:func:`far_fraction`) is priced over that bandwidth and the rest over the
+    intra-node link, the two at once (separate links); else all of it over the world's link.
+    ``latency_ms`` is added to every collective that crosses nodes when priced from a bandwidth (a
+    measured time includes its own).
     """
 
     allgather_ms: float  # the world as one group, even shares, without latency
@@ -182,8 +185,9 @@ class LinkPrices:
     inter_ratio: float
     latency_ms: float
     uneven_slope: float
+    inter_layer_ms: float | None = None  # a whole layer's gradient over the inter-node link (bandwidth known)
 
-    def _per_group(self, size: np.ndarray, crosses: np.ndarray, rho: np.ndarray, groups: int
+    def _per_group(self, size: np.ndarray, crosses: np.ndarray, rho: np.ndarray, groups: int, far: float
                    ) -> tuple[np.ndarray, np.ndarray]:
         size = np.asarray(size, dtype=float)
         crosses = np.asarray(crosses, dtype=bool)
@@ -200,15 +204,22 @@ class LinkPrices:
         ag = (self.allgather_ms * scale * ratio + latency) * factor
         rs = (self.reduce_scatter_ms * scale * ratio + latency) * factor
         if groups > 1:
-            cross_ratio = self.inter_ratio if self.world_crosses else self.intra_ratio
-            cross_latency = self.latency_ms if self.world_crosses else 0.0
+            sent = 2.0 * (groups - 1) / groups * rho  # of a layer's gradient, per rank
             per_layer = self.reduce_scatter_ms / world_fraction  # a whole layer's gradient over the world's link
-            rs = rs + 2.0 * (groups - 1) / groups * rho * per_layer * cross_ratio + cross_latency
+            if self.world_crosses and self.inter_layer_ms is not None:
+                across = sent * far * self.inter_layer_ms + (self.latency_ms if far > 0 else 0.0)
+                within = sent * (1.0 - far) * per_layer * self.intra_ratio
+                rs = rs + np.maximum(across, within)
+            else:
+                cross_ratio = self.inter_ratio if self.world_crosses else self.intra_ratio
+                cross_latency = self.latency_ms if self.world_crosses else 0.0
+                rs = rs + sent * per_layer * cross_ratio + cross_latency
         return ag, rs
 
-    def group(self, size: int, crosses: bool, rho: float, groups: int) -> tuple[float, float]:
-        """(all-gather, reduce-scatter plus the cross-group reduction) of one layer for one group (ms)."""
-        ag, rs = self._per_group(np.array(size), np.array(crosses), np.array(rho), groups)
+    def group(self, size: int, crosses: bool, rho: float, groups: int, far: float = 1.0) -> tuple[float, float]:
+        """(all-gather, reduce-scatter plus the cross-group reduction) of one layer for one group (ms);
+        ``far``: the grouping's :func:`far_fraction`."""
+        ag, rs = self._per_group(np.array(size), np.array(crosses), np.array(rho), groups, far)
         return float(ag), float(rs)
 
     def ranks(self, group_of: np.ndarray, nodes: np.ndarray, shares: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -221,8 +232,25 @@ class LinkPrices:
         high = np.full(G, -1)
         np.minimum.at(low, group_of, nodes)
         np.maximum.at(high, group_of, nodes)
-        ag, rs = self._per_group(size, low != high, rho, G)
+        ag, rs = self._per_group(size, low != high, rho, G, far_fraction(group_of, nodes))
         return ag[group_of], rs[group_of]
+
+
+def far_fraction(group_of: np.ndarray, nodes: np.ndarray) -> float:
+    """Of what a rank sends in the cross-group reduction, the part that goes to other nodes: the most
+    over the ranks (the busiest link decides). A rank exchanges its range with the ranks of every other
+    group that own it; each other group counts by the fraction of its ranks on another node."""
+    group_of = np.asarray(group_of, dtype=np.int64)
+    nodes = np.asarray(nodes, dtype=np.int64)
+    G = int(group_of.max()) + 1 if len(group_of) else 0
+    if G < 2:
+        return 0.0
+    _, node_index = np.unique(nodes, return_inverse=True)
+    on = np.zeros((G, int(node_index.max()) + 1))
+    np.add.at(on, (group_of, node_index.ravel()), 1.0)
+    away = 1.0 - on / on.sum(axis=1, keepdims=True)  # [g, node]: fraction of group g's ranks not on the node
+    per_rank = (away[:, node_index.ravel()].sum(axis=0) - away[group_of, node_index.ravel()]) / (G - 1)
+    return float(per_rank.max())
 
 
 def link_prices(cluster: Cluster) -> LinkPrices:
@@ -248,7 +276,9 @@ def link_prices(cluster: Cluster) -> LinkPrices:
 
     latency = 0.0 if measured_ag or measured_rs else s.inter_node_latency_ms
     slope = s.uneven_slope if s.uneven_slope is not None else UNEVEN_SLOPE[s.collective]
-    return LinkPrices(ag, rs, world, crosses, ratio(intra), ratio(inter), latency, slope)
+    inter_layer_ms = (model.layer_parameters * model.grad_bytes_per_param / (s.inter_node_bandwidth_gbps * 1e9) * 1e3
+                      if crosses and s.inter_node_bandwidth_gbps else None)
+    return LinkPrices(ag, rs, world, crosses, ratio(intra), ratio(inter), latency, slope, inter_layer_ms)
 
 
 def communication(cluster: Cluster) -> Communication:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cephalo_lightning.planner.assignment import Assignment, share_cap, split, trim
-from cephalo_lightning.planner.cost import LinkPrices, evaluate_arrays
+from cephalo_lightning.planner.cost import LinkPrices, evaluate_arrays, far_fraction
 from cephalo_lightning.planner.knapsack import SHARE_TOL, Group, hull_steps, upper_hull
 from cephalo_lightning.planner.options import Options, pareto
 
@@ -221,6 +221,7 @@ class GroupedProblem:
         self.holds = bool((np.bincount(groups, room[problem.of_rank], minlength=self.G) >= 1.0 - SHARE_TOL).all())
         self.types = group_types(groups, problem.of_rank, nodes, len(problem.kinds)) if self.holds else []
         self.prices = prices
+        far = far_fraction(groups, nodes)
         # per type: interval ends in rho and the collectives' price at each
         self.rho: list[np.ndarray] = []
         self.priced: list[list[tuple[float, float]]] = []
@@ -231,7 +232,7 @@ class GroupedProblem:
             fractions = FINE_FRACTIONS if exact else RHO_FRACTIONS
             ends = np.array([1.0]) if k == 1 else 1.0 / k + (1.0 - 1.0 / k) * np.array(fractions)
             self.rho.append(ends)
-            self.priced.append([prices.group(k, t.crosses, float(r), self.G) for r in ends])
+            self.priced.append([prices.group(k, t.crosses, float(r), self.G, far) for r in ends])
 
     def _priced_tables(self, t: int, S: float, price: int, n_fixed: int | None, cache: dict) -> tuple:
         """The type's kinds' (inner, outer) tables at price point ``price``, shares uncapped; types with the
