@@ -186,6 +186,32 @@ def test_calibrated_plans_optimal_against_brute_force(seed: int) -> None:
     assert checked >= 15
 
 
+@pytest.mark.parametrize("groups", [[0, 0, 1, 1], [0, 1, 2, 3], [0, 0, 0, 0]])
+def test_a_calibration_across_nodes_keeps_each_group_on_its_own_link(groups: list[int]) -> None:
+    """The fitted collectives are the world's figures. On a cluster of two nodes a group inside a node
+    still moves its bytes over the intra-node link: a calibration that fits the profile's own figures
+    prices every grouping as the profile does (a fitted 0 stays 0 and is not derived from a bandwidth)."""
+    from cephalo_lightning.planner.cost import collective_ms
+
+    data = _cluster()
+    data["devices"].append(_device("c", 3.0, 2.0))
+    for device, node in zip(data["devices"], (0, 0, 1, 1)):
+        device["node"] = node
+    data["settings"].update(link_bandwidth_gbps=100.0, inter_node_bandwidth_gbps=5.0)
+    cluster = cluster_from_dict(data)
+    shares = [1.0 / groups.count(g) for g in groups]
+    same = Calibration(step_overhead_ms=0.0, micro_batch_overhead_ms=1.0, allgather_ms=6.0, reduce_scatter_ms=6.0,
+                       overlap=0.6, compute_scale=(1.0,) * 4)
+    profile = collective_ms(cluster, shares, groups)
+    again = collective_ms(with_calibration(cluster, same), shares, groups)
+    for a, b in zip(profile, again):
+        assert a.tolist() == pytest.approx(b.tolist(), rel=1e-12)
+    nothing = collective_ms(with_calibration(cluster, replace(same, allgather_ms=0.0, reduce_scatter_ms=0.0)),
+                            shares, groups)
+    if len(set(groups)) == 1:
+        assert max(nothing[0].max(), nothing[1].max()) < 1e-5
+
+
 def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_group() -> None:
     """Groups of one rank gather nothing: their collective is the gradient's all-reduce across the
     replicas, 2 (G - 1) / G of a layer's gradient per rank and layer over the world's link (here 2 x

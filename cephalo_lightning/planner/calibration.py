@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from cephalo_lightning.planner.cluster import Cluster
 
 CALIBRATION_SOURCES = ("measured", "emulated")
+FITTED_ZERO_MS = 1e-6  # a fitted collective time of 0 on a cluster of several nodes (see calibrated)
 _TERMS = ("step_overhead_ms", "micro_batch_overhead_ms", "allgather_ms", "reduce_scatter_ms", "overlap")
 
 
@@ -106,9 +107,15 @@ def calibrated(cluster: Cluster) -> Cluster:
                 layer_bwd_ms=tuple(v * scale for v in device.layer_bwd_ms),
                 optimizer_ns_per_param=None if ns is None else ns * scale)
         devices.append(folded[key])
+    # The fitted AG / RS are the world's figures. On one node no bandwidth is wanted beside them (a
+    # fitted 0 would read as "derive from the bandwidth"). Across nodes the bandwidths stay, so a group
+    # inside a node is still priced on the faster link; a fitted 0 is kept as 1 ns, read as measured.
+    spans = cluster.num_nodes > 1
+    floor = FITTED_ZERO_MS if spans else 0.0
     settings = replace(s, step_overhead_ms=cal.step_overhead_ms, micro_batch_overhead_ms=cal.micro_batch_overhead_ms,
-                       allgather_ms=cal.allgather_ms, reduce_scatter_ms=cal.reduce_scatter_ms,
-                       link_bandwidth_gbps=None, overlap=cal.overlap, host_contention=cal.host_contention)
+                       allgather_ms=max(cal.allgather_ms, floor), reduce_scatter_ms=max(cal.reduce_scatter_ms, floor),
+                       link_bandwidth_gbps=s.link_bandwidth_gbps if spans else None, overlap=cal.overlap,
+                       host_contention=cal.host_contention)
     return replace(cluster, devices=tuple(devices), settings=settings, calibration=None)
 
 
