@@ -186,6 +186,23 @@ def test_the_cross_group_reduction_is_priced_as_the_emulated_links_charge_it(gro
         assert with_sum[rank] - in_group == pytest.approx(1e3 * links.seconds(rank, sends), rel=1e-6)
 
 
+def test_the_part_sent_to_other_nodes_against_a_loop_over_ranks_and_groups() -> None:
+    from cephalo_lightning.planner.cost import far_fraction
+    from tests.planner_reference import far_part
+
+    rng = np.random.default_rng(0)
+    checked = 0
+    for _ in range(200):
+        world = int(rng.integers(2, 9))
+        nodes, groups = rng.integers(0, 3, world), np.unique(rng.integers(0, world, world), return_inverse=True)[1]
+        if groups.max() > 0:
+            assert far_fraction(groups, nodes) == pytest.approx(far_part(list(groups), list(nodes)), abs=1e-12)
+            checked += 1
+    assert checked > 150
+    assert far_fraction(np.array([0, 0, 1, 1]), np.array([0, 0, 1, 1])) == 1.0  # a group per node: all crosses
+    assert far_fraction(np.arange(4), np.array([0, 0, 1, 1])) == pytest.approx(2 / 3)
+
+
 def test_a_smaller_group_holds_a_bigger_share() -> None:
     cluster = two_nodes()
     state = MODEL["parameters"] * 16 / 2**30

@@ -245,11 +245,13 @@ def far_fraction(group_of: np.ndarray, nodes: np.ndarray) -> float:
     G = int(group_of.max()) + 1 if len(group_of) else 0
     if G < 2:
         return 0.0
-    _, node_index = np.unique(nodes, return_inverse=True)
-    on = np.zeros((G, int(node_index.max()) + 1))
-    np.add.at(on, (group_of, node_index.ravel()), 1.0)
-    away = 1.0 - on / on.sum(axis=1, keepdims=True)  # [g, node]: fraction of group g's ranks not on the node
-    per_rank = (away[:, node_index.ravel()].sum(axis=0) - away[group_of, node_index.ravel()]) / (G - 1)
+    node = np.unique(nodes, return_inverse=True)[1].ravel()
+    size = np.bincount(group_of, minlength=G).astype(float)
+    # sum over every group g of the fraction of g's ranks on each node (O(W), no group x node table)
+    here = np.bincount(node, weights=1.0 / size[group_of])
+    pair = np.unique(group_of * (int(node.max()) + 1) + node, return_inverse=True, return_counts=True)
+    own_here = pair[2][pair[1].ravel()] / size[group_of]  # of the rank's own group, on its node
+    per_rank = ((G - here[node]) - (1.0 - own_here)) / (G - 1)
     return float(per_rank.max())
 
 
