@@ -404,17 +404,21 @@ class DeviceCost:
     def layer_ms(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float,
                  keep: np.ndarray | bool = False) -> np.ndarray:
         """Per-layer time of b samples in n micro-batches (b = 0: the collectives alone)."""
-        n = np.maximum(np.asarray(n, dtype=np.int64), 1)
-        fwd, bwd = self.compute_parts(b, n, keep)
-        a1, a2 = self.collectives(n, ag, rs)
+        fwd, bwd, a1, a2 = self._passes(b, n, ag, rs, keep)
         return combine(a1, fwd, self.overlap) + combine(a2, bwd, self.overlap)
+
+    def _passes(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float, keep: np.ndarray | bool
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per-layer (forward compute, backward compute, forward communication, backward communication)."""
+        n = np.maximum(np.asarray(n, dtype=np.int64), 1)
+        return (*self.compute_parts(b, n, keep), *self.collectives(n, ag, rs))
 
     def blocked_ms(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float,
                    keep: np.ndarray | bool = False) -> np.ndarray:
         """Per-layer time spent in collectives beyond the compute they overlap (what a host
         blocked in them measures)."""
-        fwd, bwd = self.compute_parts(b, n, keep)
-        return self.layer_ms(b, n, ag, rs, keep) - fwd - bwd
+        fwd, bwd, a1, a2 = self._passes(b, n, ag, rs, keep)
+        return combine(a1, fwd, self.overlap) - fwd + combine(a2, bwd, self.overlap) - bwd
 
     def optimizer_ms(self, share: np.ndarray | float) -> np.ndarray:
         return self.optimizer_ms_per_share * np.asarray(share, dtype=float)
