@@ -114,8 +114,10 @@ def layer_times(cluster: Cluster, batch, micro, rho: float, keep=None, mode: str
     keep = keep or [False] * len(batch)
     out = []
     for rank, (d, b, n, kept) in enumerate(zip(cluster.devices, batch, micro, keep)):
+        exposed = 0.0  # after the backward pass, not overlapped (data parallelism's last bucket)
         if collectives is not None:
-            ag, rs = collectives[rank]
+            ag, rs, *rest = collectives[rank]
+            exposed = rest[0] if rest else 0.0
         sizes = near_equal(b, n)
         f = sum(profile_value(d.layer_fwd_ms, x) for x in sizes)
         back = sum(profile_value(d.layer_bwd_ms, x) for x in sizes)
@@ -130,7 +132,7 @@ def layer_times(cluster: Cluster, batch, micro, rho: float, keep=None, mode: str
                 copy = b * stash / ((d.host_copy_gbps or s.host_copy_gbps) * 1e9) * 1e3
             fwd = _overlapped(ag, f + copy, overlap)
             bwd = _overlapped(ag + rs, f + back + copy + over, overlap)
-        out.append(cluster.model.num_layers * (fwd + bwd))
+        out.append(cluster.model.num_layers * (fwd + bwd + exposed))
     return out
 
 
@@ -397,8 +399,23 @@ def group_collectives(cluster: Cluster, groups, shares) -> list[tuple[float, flo
                 rs += max(across, within)
             else:
                 rs += seconds_ms(sent, model.grad_bytes_per_param, spans, s.reduce_scatter_ms)
-        out.append((ag, rs))
+        exposed = 0.0
+        if G == w and w > 1:  # groups of one rank: the last bucket's all-reduce follows the backward pass
+            # beyond the one layer every schedule reduces after the backward (which the model leaves out)
+            exposed = rs * (last_bucket_layers(model.num_layers, layer * model.grad_bytes_per_param) - 1) / model.num_layers
+        out.append((ag, rs - exposed, exposed))
     return out
+
+
+def last_bucket_layers(num_layers: int, layer_bytes: float) -> int:
+    """The layers in the last of DDP's buckets (1 MiB, then 25 MiB; the last layer first)."""
+    buckets, open_bytes, open_layers = 0, 0.0, 0
+    for _ in range(num_layers):
+        open_bytes += layer_bytes
+        open_layers += 1
+        if open_bytes >= (25 if buckets else 1) * 2**20:
+            buckets, last, open_bytes, open_layers = buckets + 1, open_layers, 0.0, 0
+    return open_layers if open_layers else last
 
 
 def far_part(groups, nodes) -> float:

@@ -95,7 +95,7 @@ def test_measured_collectives_tell_them_from_a_fixed_cost_on_one_plan(plans: lis
     cluster = cluster_from_dict(_cluster())
     # the profile's overlap and micro-batch overhead: one plan of one micro-batch per rank cannot tell them
     truth = with_calibration(cluster, replace(INJECTED, overlap=0.6, micro_batch_overhead_ms=1.0))
-    one, more = plans[0], plan(cluster, 24, "uniform")
+    one, more = plans[0], plan(cluster, 24, "uniform", groupings=FULL)
     assert more.mode == "uniform" and min(r.num_micro_batches for r in more.ranks) > 1  # it gathers more often
     observed = [replace(o, collective_s=predicted_collective_s(truth, one)) for o in _observe(truth, [one])] * 3
     fitted = fit_calibration(cluster, observed)
@@ -209,7 +209,7 @@ def test_a_calibration_across_nodes_keeps_each_group_on_its_own_link(groups: lis
     nothing = collective_ms(with_calibration(cluster, replace(same, allgather_ms=0.0, reduce_scatter_ms=0.0)),
                             shares, groups)
     if len(set(groups)) == 1:
-        assert max(nothing[0].max(), nothing[1].max()) < 1e-5
+        assert max(part.max() for part in nothing) < 1e-5
 
 
 def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_group() -> None:
@@ -217,7 +217,8 @@ def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_gro
     replicas, 2 (G - 1) / G of a layer's gradient per rank and layer over the world's link (here 2 x
     the reduce-scatter's per-layer time of the world as one group, whose ranks each move 2/3 of a
     layer), started in the backward pass, which hides ``overlap`` of it (it is shorter than every
-    rank's backward compute here): the host is blocked for the rest. Fitted from such steps, the
+    rank's backward compute here) except for the last bucket's, which follows the backward: the host
+    is blocked for the rest. Fitted from such steps, the
     collectives keep their injected size, so a plan that shards (one group) is predicted as the
     truth prices it."""
     cluster = cluster_from_dict(_cluster())
@@ -227,7 +228,10 @@ def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_gro
     assert replicas.num_shard_groups == 3
     layers, world = cluster.model.num_layers, cluster.world_size
     all_reduce_ms = 2 * (world - 1) / world * INJECTED.reduce_scatter_ms / ((world - 1) / world)  # per layer, rho = 1
-    inside = INJECTED.host_contention * layers * (1 - 0.6) * all_reduce_ms / 1e3
+    # buckets of 4 layers of 10 MB in reduction order: 1 (past 1 MiB), then 3 (past 25 MiB), the last
+    # closing with the backward: 2 layers' all-reduce beyond the one every schedule leaves is exposed
+    exposed = 2 / 4
+    inside = INJECTED.host_contention * layers * ((1 - 0.6) * (1 - exposed) + exposed) * all_reduce_ms / 1e3
     assert predicted_collective_s(truth, replicas) == pytest.approx(inside, rel=1e-12)
     observed = [replace(o, collective_s=inside) for o in _observe(truth, [replicas])] * 3
     fitted = fit_calibration(cluster, observed)

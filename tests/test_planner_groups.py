@@ -123,7 +123,7 @@ def test_one_group_prices_as_the_world_collective() -> None:
         comm, prices = communication(cluster), link_prices(cluster)
         for rho in (0.25, 0.4, 1.0):
             assert prices.group(cluster.world_size, cluster.num_nodes > 1, rho, 1) == (
-                comm.allgather(rho), comm.reduce_scatter(rho))
+                comm.allgather(rho), comm.reduce_scatter(rho), 0.0)
     # one group of four across the nodes: the slow link, three quarters of a layer, plus the latency
     cluster = two_nodes(latency=0.2)
     comm = communication(cluster)
@@ -177,7 +177,8 @@ def test_the_cross_group_reduction_is_priced_as_the_emulated_links_charge_it(gro
     G = len(set(groups))
     share = G / 4  # equal shares inside equal groups: every group cuts the layer alike
     prices = link_prices(cluster)
-    _, with_sum = prices.ranks(np.array(groups), np.array(cluster.nodes), np.full(4, share))
+    _, overlapped, exposed = prices.ranks(np.array(groups), np.array(cluster.nodes), np.full(4, share))
+    with_sum = overlapped + exposed
     in_group = prices.group(4 // G, False, share, 1)[1] if 4 // G > 1 else 0.0
     M = int(share * LAYER * cluster.model.grad_bytes_per_param)
     for rank in range(4):
@@ -201,6 +202,33 @@ def test_the_part_sent_to_other_nodes_against_a_loop_over_ranks_and_groups() -> 
     assert checked > 150
     assert far_fraction(np.array([0, 0, 1, 1]), np.array([0, 0, 1, 1])) == 1.0  # a group per node: all crosses
     assert far_fraction(np.arange(4), np.array([0, 0, 1, 1])) == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("layer_numel", [1_000, 144_512, 300_000, 7_000_000])
+def test_the_planner_cuts_the_gradient_buckets_as_the_runtime_does(layer_numel: int) -> None:
+    import torch
+
+    from cephalo_lightning.planner.cost import bucket_layers
+    from cephalo_lightning.runtime.sharding.replicas import gradient_buckets
+
+    layers = 12
+    runtime = gradient_buckets([layer_numel] * layers, [torch.float32] * layers, [f"u{i}" for i in range(layers)])
+    assert bucket_layers(layers, layer_numel * 4) == [len(b.units) for b in runtime]
+
+
+def test_data_parallel_leaves_its_last_bucket_after_the_backward() -> None:
+    """Six layers of 0.58 MB: buckets of 2 (past 1 MiB) and 4 layers, in reduction order. The last
+    bucket's all-reduce starts when the backward ends: beyond the one layer every schedule reduces
+    then, 3 of 6 layers' all-reduce is not hidden by compute, however much overlap there is."""
+    model = {"name": "small", "num_layers": 6, "parameters": 6 * 144_512}
+    cluster = cluster_from_dict({"model": model, "settings": {"link_bandwidth_gbps": 1.0, "overlap": 1.0},
+                                 "devices": [measured("a", fwd=5.0, count=4)]})
+    from cephalo_lightning.planner.cost import DeviceCost
+
+    all_reduce = 2 * 3 / 4 * ms(144_512, 4, 1.0)  # per layer; far below the layer's compute
+    for rank, rc in enumerate(evaluate(cluster, [2] * 4, [1] * 4, [1.0] * 4, shard_groups=[0, 1, 2, 3])):
+        fwd, bwd = DeviceCost(cluster.devices[rank], cluster).compute_ms(2, 1)
+        assert rc.step_s * 1e3 / 6 - fwd - bwd == pytest.approx(3 / 6 * all_reduce, rel=1e-9)
 
 
 def test_a_smaller_group_holds_a_bigger_share() -> None:

@@ -79,7 +79,7 @@ def trim(problem: Problem, rows: list[list], ag: float, rs: float, n_fixed: int 
     """Remove the surplus samples from the slowest ranks: every trimmed rank ends at one time level.
 
     Rows are [kind, count, b, m cap, n, keep]; a row of a shard group solve carries, beyond these,
-    its ranks (split with the row) and its own collective prices (ag, rs), which replace the given ones.
+    its ranks (split with the row) and its own collective prices (ag, rs, exposed), which replace the given ones.
     """
     excess = sum(row[1] * row[2] for row in rows) - problem.B
     if excess <= 0:
@@ -91,7 +91,8 @@ def trim(problem: Problem, rows: list[list], ag: float, rs: float, n_fixed: int 
         b = np.arange(low, row[2] + 1)
         n = np.maximum(1, np.minimum(row[4], b))
         lows.append(low)
-        row_ag, row_rs = row[7] if len(row) > 7 else (ag, rs)
+        row_ag, row_rs = row[7][:2] if len(row) > 7 else (ag, rs)  # a shard group's exposed part is the same for
+        # every group of its grouping (groups of one rank), so it shifts every row's time alike
         times.append(np.maximum.accumulate(problem.kinds[row[0]].layer_ms(b, n, row_ag, row_rs, row[5])))
 
     def cut(i: int, level: float) -> int:

@@ -81,6 +81,34 @@ if TYPE_CHECKING:
 # A cluster's own measurement (``settings.uneven_slope``, written by the profiler) replaces them.
 UNEVEN_SLOPE = {"padded": 0.97, "exact": 0.01}
 
+# Data parallelism's gradient buckets (runtime/sharding/replicas.py cuts them by these): DDP's first
+# bucket, closed early so the backward's last units start reducing, then bucket_cap_mb.
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
+
+
+def bucket_layers(num_layers: int, layer_bytes: float) -> list[int]:
+    """Layers per data-parallel gradient bucket, in reduction order (the last layer first): layers of
+    ``layer_bytes`` each, cut as the runtime cuts its buckets."""
+    sizes, held, count = [], 0.0, 0
+    for _ in range(num_layers):
+        held += layer_bytes
+        count += 1
+        if held >= (BUCKET_BYTES if sizes else FIRST_BUCKET_BYTES):
+            sizes.append(count)
+            held, count = 0.0, 0
+    return sizes + [count] if count else sizes
+
+
+def exposed_bucket_fraction(num_layers: int, layer_bytes: float) -> float:
+    """Of a data-parallel step's gradient all-reduce, the part its buckets leave after the backward
+    pass beyond one layer's: the last bucket closes with the backward's last layer, so its all-reduce
+    starts when no compute is left to hide it. One layer's reduction is left after the backward by
+    every schedule (a sharded group's last reduce-scatter too), and the cost model leaves it out
+    alike; the layers the last bucket holds beyond that one are exposed."""
+    sizes = bucket_layers(num_layers, layer_bytes)
+    return (sizes[-1] - 1) / num_layers if sizes else 0.0
+
 MODES = ("layered", "uniform")
 
 
@@ -186,16 +214,17 @@ class LinkPrices:
     latency_ms: float
     uneven_slope: float
     inter_layer_ms: float | None = None  # a whole layer's gradient over the inter-node link (bandwidth known)
+    exposed_fraction: float = 0.0  # groups of one rank: exposed_bucket_fraction
 
     def _per_group(self, size: np.ndarray, crosses: np.ndarray, rho: np.ndarray, groups: int, far: float
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         size = np.asarray(size, dtype=float)
         crosses = np.asarray(crosses, dtype=bool)
         rho = np.asarray(rho, dtype=float)
         W = self.world_size
         if W == 1:
             zero = np.zeros(np.broadcast(size, rho).shape)
-            return zero, zero
+            return zero, zero, zero
         world_fraction = (W - 1) / W
         scale = np.where(size > 1, (size - 1) / np.maximum(size, 1) / world_fraction, 0.0)
         ratio = np.where(crosses, self.inter_ratio, self.intra_ratio)
@@ -214,16 +243,23 @@ class LinkPrices:
                 cross_ratio = self.inter_ratio if self.world_crosses else self.intra_ratio
                 cross_latency = self.latency_ms if self.world_crosses else 0.0
                 rs = rs + sent * per_layer * cross_ratio + cross_latency
-        return ag, rs
+        exposed = np.zeros(np.broadcast(size, rho).shape)
+        if groups == W:  # groups of one rank: the all-reduce of the last bucket follows the backward
+            exposed = rs * self.exposed_fraction
+            rs = rs - exposed
+        return ag, rs, exposed
 
-    def group(self, size: int, crosses: bool, rho: float, groups: int, far: float = 1.0) -> tuple[float, float]:
-        """(all-gather, reduce-scatter plus the cross-group reduction) of one layer for one group (ms);
-        ``far``: the grouping's :func:`far_fraction`."""
-        ag, rs = self._per_group(np.array(size), np.array(crosses), np.array(rho), groups, far)
-        return float(ag), float(rs)
+    def group(self, size: int, crosses: bool, rho: float, groups: int, far: float = 1.0
+              ) -> tuple[float, float, float]:
+        """(all-gather, reduce-scatter plus the cross-group reduction, exposed) of one layer for one
+        group (ms); ``far``: the grouping's :func:`far_fraction`. The exposed part follows the
+        backward pass instead of overlapping it: :func:`collective_ms`."""
+        ag, rs, exposed = self._per_group(np.array(size), np.array(crosses), np.array(rho), groups, far)
+        return float(ag), float(rs), float(exposed)
 
-    def ranks(self, group_of: np.ndarray, nodes: np.ndarray, shares: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Every rank's (all-gather, reduce-scatter + cross-group) per layer under a grouping."""
+    def ranks(self, group_of: np.ndarray, nodes: np.ndarray, shares: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every rank's (all-gather, reduce-scatter + cross-group, exposed) per layer under a grouping."""
         G = int(group_of.max()) + 1 if len(group_of) else 0
         size = np.bincount(group_of, minlength=G)
         rho = np.zeros(G)
@@ -232,8 +268,8 @@ class LinkPrices:
         high = np.full(G, -1)
         np.minimum.at(low, group_of, nodes)
         np.maximum.at(high, group_of, nodes)
-        ag, rs = self._per_group(size, low != high, rho, G, far_fraction(group_of, nodes))
-        return ag[group_of], rs[group_of]
+        ag, rs, exposed = self._per_group(size, low != high, rho, G, far_fraction(group_of, nodes))
+        return ag[group_of], rs[group_of], exposed[group_of]
 
 
 def far_fraction(group_of: np.ndarray, nodes: np.ndarray) -> float:
@@ -280,7 +316,8 @@ def link_prices(cluster: Cluster) -> LinkPrices:
     slope = s.uneven_slope if s.uneven_slope is not None else UNEVEN_SLOPE[s.collective]
     inter_layer_ms = (model.layer_parameters * model.grad_bytes_per_param / (s.inter_node_bandwidth_gbps * 1e9) * 1e3
                       if crosses and s.inter_node_bandwidth_gbps else None)
-    return LinkPrices(ag, rs, world, crosses, ratio(intra), ratio(inter), latency, slope, inter_layer_ms)
+    exposed = exposed_bucket_fraction(model.num_layers, model.layer_parameters * model.grad_bytes_per_param)
+    return LinkPrices(ag, rs, world, crosses, ratio(intra), ratio(inter), latency, slope, inter_layer_ms, exposed)
 
 
 def communication(cluster: Cluster) -> Communication:
@@ -513,15 +550,19 @@ def kind_costs(cluster: Cluster, mode: str = "layered") -> tuple[list[DeviceCost
 
 
 def collective_ms(cluster: Cluster, shares: Sequence[float] | np.ndarray,
-                  shard_groups: Sequence[int] | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's per-layer (all-gather, reduce-scatter plus the cross-group reduction) in ms, under
-    ``shard_groups`` (None: one group of all; ``shares`` within each group)."""
+                  shard_groups: Sequence[int] | np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every rank's per-layer (all-gather, reduce-scatter plus the cross-group reduction, exposed) in
+    ms, under ``shard_groups`` (None: one group of all; ``shares`` within each group). The exposed part
+    (groups of one rank: the last gradient bucket's all-reduce, which starts when the backward ends)
+    adds to the layer's time instead of overlapping its compute (:meth:`DeviceCost.layer_ms`'s
+    ``exposed``)."""
     cluster = calibrated(cluster)
     r = np.asarray(shares, dtype=float)
     if single_group(shard_groups):
         comm = communication(cluster)
         rho = float(r.max()) if len(r) else 0.0
-        return np.full(len(r), comm.allgather(rho)), np.full(len(r), comm.reduce_scatter(rho))
+        return np.full(len(r), comm.allgather(rho)), np.full(len(r), comm.reduce_scatter(rho)), np.zeros(len(r))
     groups = np.unique(np.asarray(shard_groups, dtype=np.int64), return_inverse=True)[1]
     return link_prices(cluster).ranks(groups, np.asarray(cluster.nodes, dtype=np.int64), r)
 
@@ -546,7 +587,7 @@ def evaluate_arrays(
     n = np.maximum(np.asarray(num_micro_batches, dtype=np.int64), 1)
     r = np.asarray(shares, dtype=float)
     keep = np.zeros(len(b), bool) if recompute is None else ~np.asarray(recompute, dtype=bool)
-    ag, rs = collective_ms(cluster, r, shard_groups)
+    ag, rs, exposed = collective_ms(cluster, r, shard_groups)
     costs, of_rank = kinds if kinds is not None else kind_costs(cluster, mode)
     step = np.empty(len(b))
     memory = np.empty(len(b))
@@ -559,7 +600,7 @@ def evaluate_arrays(
         at = np.nonzero(of_rank == k)[0]
         if not len(at):
             continue
-        layer = cost.layer_ms(b[at], n[at], ag[at], rs[at], keep[at])
+        layer = cost.layer_ms(b[at], n[at], ag[at], rs[at], keep[at]) + exposed[at]
         step[at] = (contention * (cost.num_layers * layer + cost.optimizer_ms(r[at])) + fixed) / 1e3
         if cluster.settings.host_cores:
             fwd, bwd = cost.compute_parts(b[at], n[at], keep[at])

@@ -43,7 +43,7 @@ GROUPED_TOL = 5e-4  # relative width of the final step-time bracket (as the solv
 RHO_FRACTIONS = (0.0, 1 / 16, 1 / 4, 1.0)  # interval ends within [1/k, 1]
 FINE_FRACTIONS = (0.0, 1 / 64, 1 / 32, *(i / 16 for i in range(1, 17)))  # where the exact program is affordable
 EXACT_WORK = 200_000  # devices x options x samples of one group's exact program
-RANKS = 6  # rows: [kind, count, b, m cap, n, keep, ranks, (ag, rs), cap]
+RANKS = 6  # rows: [kind, count, b, m cap, n, keep, ranks, (ag, rs, exposed), cap]
 GROUPINGS = ("full", "per-node", "node-halves", "node-pairs", "per-rank")  # candidate_groupings' names
 
 
@@ -237,12 +237,12 @@ class GroupedProblem:
     def _priced_tables(self, t: int, S: float, price: int, n_fixed: int | None, cache: dict) -> tuple:
         """The type's kinds' (inner, outer) tables at price point ``price``, shares uncapped; types with the
         same kind and price share them (``cache`` lives for one step time)."""
-        ag, rs = self.priced[t][price]
+        ag, rs, exposed = self.priced[t][price]
         out = []
         for k in self.types[t].kinds:
-            key = (k, ag, rs)
-            if key not in cache:
-                cache[key] = self.problem.kinds[k].options(S, ag, rs, 1.0, n_fixed)
+            key = (k, ag, rs, exposed)
+            if key not in cache:  # the exposed part adds to every layer: a budget that much smaller
+                cache[key] = self.problem.kinds[k].options(S - self.problem.L * exposed, ag, rs, 1.0, n_fixed)
             out.append(cache[key])
         return out
 
@@ -324,7 +324,7 @@ class GroupedProblem:
         rows = []
         for t, (gt, (j, groups)) in enumerate(zip(self.types, picks)):
             rho = float(self.rho[t][j])
-            ag, rs = self.priced[t][j]
+            ag, rs, exposed = self.priced[t][j]
             tables = self._tables(t, S, j, rho, n_fixed, True)
             position = [0] * len(gt.kinds)
             for g in groups:
@@ -334,17 +334,17 @@ class GroupedProblem:
                 position[g.kind] += g.count
                 b, m, keep = int(table.b[g.option]), int(table.m[g.option]), bool(table.keep[g.option])
                 n = split(problem, kind, b, m, ag, rs, n_fixed, keep)
-                rows.append([kind, len(ranks), b, m, n, keep, ranks, (ag, rs), rho])
+                rows.append([kind, len(ranks), b, m, n, keep, ranks, (ag, rs, exposed), rho])
         trim(problem, rows, 0.0, 0.0, n_fixed)
         W = problem.W
         batch, micro = np.zeros(W, np.int64), np.ones(W, np.int64)
         keep, caps = np.zeros(W, bool), np.zeros(W)
         for row in rows:
-            ag, rs = row[7]
+            ag, rs, exposed = row[7]
             row[4] = split(problem, row[0], row[2], row[3], ag, rs, n_fixed, row[5])
             at = row[RANKS]
             batch[at], micro[at], keep[at] = row[2], row[4], row[5]
-            caps[at] = share_cap(problem, row, S, ag, rs, row[8])
+            caps[at] = share_cap(problem, row, S - problem.L * exposed, ag, rs, row[8])
         shares = water_fill_groups(caps, self.groups, self.G)
         step, _, _ = evaluate_arrays(problem.cluster, batch, micro, shares, ~keep, problem.mode,
                                      kinds=(problem.costs, problem.of_rank), shard_groups=self.groups)

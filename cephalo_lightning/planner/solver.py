@@ -453,6 +453,7 @@ def solve_groupings(problem: Problem, groupings: tuple[str, ...]) -> tuple[Assig
             continue
         ag_top = max(p[-1][0] for p in grouped.priced)
         rs_top = max(p[-1][1] for p in grouped.priced)
+        exposed_top = problem.L * max(p[-1][2] for p in grouped.priced)
         counts: list[int | None] = [None] if problem.mode == "layered" else list(range(1, top_count + 1))
         for i, n in enumerate(counts):
             ceiling = None if best is None else best.step_s / to_s * (1 + TIE_TOL)  # only as good a plan is of use
@@ -463,8 +464,8 @@ def solve_groupings(problem: Problem, groupings: tuple[str, ...]) -> tuple[Assig
             if n is not None and i >= UNIFORM_COUNTS:
                 lower_s = min(lower_s, floor * to_s)  # the rest: bounded, not solved
                 break
-            found, proven = grouped.solve(max(floor * (1 - 1e-9), 1e-12), problem.saturated(ag_top, rs_top, n),
-                                          ceiling, n)
+            found, proven = grouped.solve(max(floor * (1 - 1e-9), 1e-12),
+                                          problem.saturated(ag_top, rs_top, n) + exposed_top, ceiling, n)
             lower_s = min(lower_s, proven * to_s)
             # a tie goes to groups of one rank: data parallelism issues no all-gathers, one all-reduce per
             # layer, which the cost model prices like the gathers and reduce-scatters it replaces; any

@@ -45,8 +45,9 @@ from cephalo_lightning.runtime.sharding.layout import ShardLayout, UnitLayout, r
 Consume = Callable[[torch.Tensor], None]
 Fill = Callable[[torch.Tensor], None]
 
-FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket: the backward's last units start reducing early
-BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb
+# DDP's first bucket (the backward's last units start reducing early) and bucket_cap_mb; the cost
+# model prices data parallelism's last bucket by the same cut (planner.cost.bucket_layers)
+from cephalo_lightning.planner.cost import BUCKET_BYTES, FIRST_BUCKET_BYTES  # noqa: E402
 
 
 Runs = tuple[tuple[int, int], ...]  # (offset, length) runs of a buffer, in the order they are used
