@@ -209,6 +209,13 @@ class ShardedModel:
         """The process group spanning every replica: what agreements between all ranks use."""
         return self.world.group
 
+    @property
+    def replicated_grads(self) -> bool:
+        """Groups of one rank (data parallelism): after a synchronised backward every rank holds the
+        whole reduced gradient, the same bits (one all-reduce per bucket, :mod:`.replicas`), so a
+        check of it gives every rank the same answer without any exchange."""
+        return self.replicas.data_parallel
+
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's local pieces (what the optimizer should own)."""
         for unit in self.units:
