@@ -129,7 +129,7 @@ class StepSync:
         loss = self.local_loss.detach().double().reshape(1).to(device)
         flags = torch.zeros(3 * world, dtype=torch.float64, device=device)
         flags[2 * world + rank] = float(self.signal())
-        flags[rank] = 0.0 if bool(torch.isfinite(loss).all()) else 1.0
+        flags[rank] = (~torch.isfinite(loss).all()).to(flags.dtype)  # on the device: no host sync before a backward
         if gradient_flag is not None:
             flags[world + rank] = gradient_flag
         values = [loss.nan_to_num(0.0, 0.0, 0.0)] + [e.detach().double().reshape(-1).to(device) for e in self.extra]
