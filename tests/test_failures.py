@@ -3,6 +3,7 @@ every listed bad input a clear error before any training, a dead peer named."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import warnings
@@ -19,7 +20,7 @@ from cephalo_lightning.planner import PlanningError, RankPlan
 from tests.conftest import HANG_TIMEOUT_S, clean_env
 from tests.distributed import run_distributed
 from tests.helpers import fit, max_error
-from tests.lightning_models import TinyLayered, loader, token_data
+from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
 
 ROOT = Path(__file__).resolve().parents[1]
 POISON = 22  # sample 22: at step 1, in rank 1's slice of the plan below
@@ -60,8 +61,8 @@ def nan_run():
     return run_distributed(_nan, 2)
 
 
-@pytest.mark.multiprocess
-def test_a_nan_micro_batch_on_one_rank_skips_the_step_on_every_rank(nan_run):
+def _skipping_step_1() -> dict[str, torch.Tensor]:
+    """Single-process training on the same 3 global batches, step 1 skipped (no update at all)."""
     model = NaNOnPoison()
     optimizer = model.configure_optimizers()
     data = poisoned_data()
@@ -72,7 +73,12 @@ def test_a_nan_micro_batch_on_one_rank_skips_the_step_on_every_rank(nan_run):
         model.model.loss(model.model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
-    want = {f"model.{k}": v for k, v in model.model.state_dict().items()}
+    return {f"model.{k}": v for k, v in model.model.state_dict().items()}
+
+
+@pytest.mark.multiprocess
+def test_a_nan_micro_batch_on_one_rank_skips_the_step_on_every_rank(nan_run):
+    want = _skipping_step_1()
     for result in nan_run:
         assert result["skipped"] == 1
         assert max_error(result["params"], want) <= 1e-5
@@ -84,6 +90,75 @@ def test_a_nan_micro_batch_on_one_rank_skips_the_step_on_every_rank(nan_run):
 def test_too_many_non_finite_steps_in_a_row_stop_training_clearly(nan_run):
     message = nan_run[0]["stopped"]
     assert "3 optimizer steps in a row" in message and "resume from the last checkpoint" in message
+
+
+# Groups of one rank (data parallelism): every rank holds the whole reduced gradient, the step's
+# all-reduce is started before the backward and each rank checks the gradient itself (steps.StepSync).
+SINGLES = Plan(12, "layered", tuple(dataclasses.replace(r, state_share=1.0, shard_group=r.rank) for r in PLAN.ranks))
+SINGLES_UNIFORM = Plan(12, "uniform", (RankPlan(0, "a", 9, 2, 5, 1.0, shard_group=0),
+                                       RankPlan(1, "b", 3, 2, 2, 1.0, shard_group=1)))
+
+
+def _nan_gradient(output: torch.Tensor) -> torch.Tensor:
+    """0 * sqrt(0 * sum): adds 0 to the loss, and nan to every gradient (the sqrt's slope at 0 is inf)."""
+    return 0.0 * torch.sqrt(output.sum() * 0.0)
+
+
+class NaNGradientOnPoison(TinyLayered):
+    def cephalo_loss(self, output, batch):
+        loss = super().cephalo_loss(output, batch)
+        return loss + _nan_gradient(output) if (batch[0] == 16).any() else loss
+
+
+class NaNGradientOnPoisonUniform(TinyUniform):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        output = self(x)
+        loss = self.model.loss(output, y)
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=x.size(0))
+        return loss + _nan_gradient(output) if (x == 16).any() else loss
+
+
+def _nan_singles(rank: int, world: int):
+    warnings.simplefilter("ignore")
+    out = {}
+    for name, module, plan in (("loss", NaNOnPoison(), SINGLES),
+                               ("gradient", NaNGradientOnPoison(), SINGLES),
+                               ("uniform gradient", NaNGradientOnPoisonUniform(), SINGLES_UNIFORM)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = fit(module, plan, world, 3, poisoned_data())
+        assert trainer.strategy.sharded.replicated_grads
+        out[name] = {"params": trainer.strategy.sharded.full_state_dict(),
+                     "warnings": [str(w.message) for w in caught if "non-finite" in str(w.message)],
+                     "skipped": trainer.strategy.fit_runtime.guard.skipped,
+                     "loss": float(trainer.callback_metrics["train_loss_epoch" if "uniform" not in name else "train_loss"])}
+    return out
+
+
+@pytest.fixture(scope="module")
+def nan_singles():
+    return run_distributed(_nan_singles, 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name,origin", [("loss", "loss on rank(s) [1]"), ("gradient", "gradient on rank(s) [0, 1]"),
+                                         ("uniform gradient", "gradient on rank(s) [0, 1]")])
+def test_under_groups_of_one_rank_a_non_finite_loss_or_gradient_skips_the_step_on_every_rank(nan_singles, name, origin):
+    """A nan loss names its rank; a nan gradient behind a finite loss reaches every replica through
+    the all-reduce, and each rank's own check names every rank, as the exchanged flags did."""
+    want = _skipping_step_1()
+    for result in nan_singles:
+        got = result[name]
+        assert got["skipped"] == 1
+        assert max_error(got["params"], want) <= 1e-5
+        assert got["params"].keys() == nan_singles[0][name]["params"].keys()
+        for key, value in got["params"].items():
+            assert torch.equal(value, nan_singles[0][name]["params"][key]), key  # replicas identical
+    warning = nan_singles[0][name]["warnings"][0]
+    assert f"non-finite {origin}" in warning and "step 1" in warning, warning
+    assert len(nan_singles[0][name]["warnings"]) == 1
+    assert all(r[name]["loss"] == nan_singles[0][name]["loss"] for r in nan_singles)  # the same global loss
 
 
 # ----------------------------------------------------------------------------- devices
@@ -173,7 +248,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from cephalo_lightning import CephaloStrategy, Plan
 from cephalo_lightning.planner import RankPlan
-from tests.lightning_models import TinyLayered, loader, token_data
+from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
 
 class Die(pl.Callback):
     def on_train_batch_start(self, trainer, module, batch, batch_idx):

@@ -5,6 +5,7 @@ by a kill, leaves the previous checkpoint loadable."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -32,6 +33,9 @@ STOPS_AFTER = SIGNAL_AFTER + 1
 # noise is ~1e-15
 TOLERANCE = 1e-7
 ASYNC = "SIGTERM to rank 1, checkpoints written in the background"
+SINGLES = "SIGTERM to rank 1, groups of one rank"  # data parallelism: the step's all-reduce starts before the backward
+SINGLES_PLAN = dataclasses.replace(PLAN2, ranks=tuple(dataclasses.replace(r, state_share=1.0, shard_group=r.rank)
+                                                      for r in PLAN2.ranks))
 SLURM = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train",
          "SLURM_NODEID": "0", "SLURM_NODELIST": "127.0.0.1"}
 
@@ -56,7 +60,8 @@ def _scenarios(rank: int, world: int, root: str, fake_bin: str):
     for name, ranks, signum, env in (("SIGTERM to rank 1 only", {1}, signal.SIGTERM, {}),
                                      ("SIGTERM to every rank", {0, 1}, signal.SIGTERM, {}),
                                      ("SIGUSR1 under SLURM, rank 0 only", {0}, signal.SIGUSR1, SLURM),
-                                     (ASYNC, {1}, signal.SIGTERM, {})):
+                                     (ASYNC, {1}, signal.SIGTERM, {}),
+                                     (SINGLES, {1}, signal.SIGTERM, {})):
         background = name == ASYNC  # last.ckpt every step, written in the background while training goes on
         folder = Path(root) / name.replace(" ", "_").replace(",", "")
         os.environ.update({**env, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)} if env else {})
@@ -65,7 +70,8 @@ def _scenarios(rank: int, world: int, root: str, fake_bin: str):
         try:
             saver = ModelCheckpoint(dirpath=str(folder / "ckpt"), save_top_k=0, save_last=background,
                                     every_n_train_steps=1 if background else None)
-            t = helpers.trainer(CephaloStrategy(plan=PLAN2, seed=SEED, async_checkpoint=background), world, TOTAL,
+            plan = SINGLES_PLAN if name == SINGLES else PLAN2
+            t = helpers.trainer(CephaloStrategy(plan=plan, seed=SEED, async_checkpoint=background), world, TOTAL,
                                 precision="64-true", default_root_dir=str(folder), enable_checkpointing=True,
                                 callbacks=[saver, _signal_ranks(ranks, signum)])
             environment = type(t.strategy.cluster_environment).__name__
@@ -104,7 +110,7 @@ def stopped(tmp_path_factory):
     return results, root
 
 
-SCENARIOS = ["SIGTERM to rank 1 only", "SIGTERM to every rank", "SIGUSR1 under SLURM, rank 0 only", ASYNC]
+SCENARIOS = ["SIGTERM to rank 1 only", "SIGTERM to every rank", "SIGUSR1 under SLURM, rank 0 only", ASYNC, SINGLES]
 RESUMED = ["SIGTERM to rank 1 only", "SIGUSR1 under SLURM, rank 0 only", ASYNC]
 
 

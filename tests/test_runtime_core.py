@@ -141,8 +141,21 @@ def _fill_grads(sharded: ShardedModel, value: float) -> list[torch.nn.Parameter]
     return pieces
 
 
-def test_grads_finite_flags_any_non_finite_element_and_only_those():
+def _fill_grads_flat(sharded: ShardedModel, value: float) -> list[torch.nn.Parameter]:
+    """As a data-parallel step leaves them: views of one flat buffer, the last piece first."""
+    pieces = [p for p in sharded.parameters() if p.numel()]
+    flat = torch.full((sum(p.numel() for p in pieces),), value)
+    at = 0
+    for p in reversed(pieces):
+        p.grad = flat[at : at + p.numel()].view(p.shape)
+        at += p.numel()
+    return pieces
+
+
+@pytest.mark.parametrize("fill", [_fill_grads, _fill_grads_flat])
+def test_grads_finite_flags_any_non_finite_element_and_only_those(fill):
     from cephalo_lightning.lightning.steps import finish_step
+    from cephalo_lightning.runtime.sharding.sharded_model import adjacent_runs
 
     model = TinyLM(dim=16)
     sharded = ShardedModel(model, [1.0], units=[model.embed, *model.blocks, model.norm, model.head])
@@ -151,8 +164,17 @@ def test_grads_finite_flags_any_non_finite_element_and_only_those():
         return all(bool(torch.isfinite(p.grad).all()) for p in sharded.parameters() if p.grad is not None)
 
     assert sharded.grads_finite() and by_element()  # no gradient yet: nothing non-finite
-    pieces = _fill_grads(sharded, 0.5)
+    pieces = fill(sharded, 0.5)
     assert len(pieces) > 3 and sharded.grads_finite() and by_element()
+    runs = adjacent_runs([p.grad for p in pieces])  # one sum per run: per piece, or one over the flat buffer
+    assert len(runs) == (1 if fill is _fill_grads_flat else len(pieces))
+    assert sorted(id(g) for _, members in runs for g in members) == sorted(id(p.grad) for p in pieces)
+    assert sum(flat.numel() for flat, _ in runs) == sum(p.numel() for p in pieces)
+    gap = pieces[len(pieces) // 2]  # a piece without a gradient cuts the run where it lies
+    kept, gap.grad = gap.grad, None
+    assert len(adjacent_runs([p.grad for p in pieces if p.grad is not None])) == (2 if fill is _fill_grads_flat
+                                                                                 else len(pieces) - 1)
+    gap.grad = kept
     big = max(pieces, key=torch.numel)
     cases = {  # name: (make it, every element finite)
         "inf in one element of one piece": (lambda: big.grad.view(-1).__setitem__(7, float("inf")), False),
@@ -167,7 +189,7 @@ def test_grads_finite_flags_any_non_finite_element_and_only_those():
             lambda: (big.grad.fill_(3e38), big.grad.view(-1)[::2].fill_(-3e38)), True),
     }
     for name, (make, finite) in cases.items():
-        _fill_grads(sharded, 0.5)
+        fill(sharded, 0.5)
         make()
         assert by_element() is finite, name  # the case is what it says
         if "overflow" in name:  # finite elements or not, the piece's fp32 sum is not finite: checked element-wise

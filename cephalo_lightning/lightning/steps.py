@@ -6,11 +6,14 @@ samples for per-sample means, counted with no communication; tokens for per-toke
 with one small all-reduce before the forward), so that the gradients summed by the reduce-scatter
 equal the gradient of the mean loss over the global batch, whatever the plan.
 
-[Note: one all-reduce after the step] At the end of a step's backward every rank contributes, in
-ONE all-reduce, its weighted loss, the weighted values the user logged (uniform mode), and a flag
-per rank that says whether its loss or its gradient shard was not finite, and the stop signal (if any)
-each rank received. So every rank knows the step's global loss (logged once, exact), whether any rank
-went non-finite (:class:`NonFiniteGuard`) and whether any rank was told to stop (:mod:`.preemption`).
+[Note: one all-reduce per step] Every rank contributes, in ONE all-reduce, its weighted loss, the
+weighted values the user logged, and a flag per rank that says whether its loss or its gradient
+shard was not finite, and the stop signal (if any) each rank received. So every rank knows the step's
+global loss (logged once, exact), whether any rank went non-finite (:class:`NonFiniteGuard`) and
+whether any rank was told to stop (:mod:`.preemption`). It is made after the backward; under groups
+of one rank it is started before it, the gradient flags coming from each rank's own check of the
+replicated gradient (:class:`StepSync`), so data parallelism issues no collective the backward does
+not hide.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from cephalo_lightning.lightning.discovered import LossPassLogs, discovered_chec
 from cephalo_lightning.models.protocol import LayeredModel, LossWeighting, check_first_inputs
 from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime.batching import leading_size, micro_batches
-from cephalo_lightning.runtime.distributed import Group, all_reduce_, gather_objects, rank_and_size
+from cephalo_lightning.runtime.distributed import Group, all_reduce_, gather_objects, rank_and_size, start_all_reduce_
 from cephalo_lightning.runtime.layered import LayeredSchedule
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
@@ -90,32 +93,83 @@ def micro_batch_weights(parts: Sequence[Any], weighting: LossWeighting, global_b
     return [float(c) / total if total > 0 else 0.0 for c in counts[:-1].tolist()], total
 
 
-def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bool,
-                extra: Sequence[torch.Tensor] = (), signal: int = 0) -> tuple[StepReport, list[torch.Tensor]]:
-    """The step's one all-reduce: global loss, the ``extra`` weighted sums, the non-finite flags,
-    and each rank's stop signal (``signal``: see :mod:`.preemption`).
+class StepSync:
+    """The step's one all-reduce ([Note: one all-reduce per step]): made by :func:`start_step`, read by :meth:`finish`.
 
     Two flags per rank: its loss, and its gradient shard. A non-finite loss on one rank makes every
     rank's shard non-finite through the reduce-scatter, so the report names the ranks whose loss
     went non-finite (the origin), or, if none did, those whose gradients did.
+
+    Under groups of one rank (:attr:`ShardedModel.replicated_grads`) every rank ends the backward
+    holding the same reduced gradient, bit for bit, so its own check of the whole gradient is every
+    rank's answer (all ranks' gradients are non-finite or none are) and the vector need not wait for
+    it: :func:`start_step` sends the rest at once, before the backward, whose compute hides the
+    all-reduce (as DDP hides its buckets'), and :meth:`finish` checks the gradient while it lands.
+    Otherwise each rank's flag is known only after the backward, and the all-reduce is made then.
     """
-    group = sharded.world_group
-    rank, world = rank_and_size(group)
-    device = sharded.device
-    loss = local_loss.detach().double().reshape(1).to(device)
-    flags = torch.zeros(3 * world, dtype=torch.float64, device=device)
-    flags[2 * world + rank] = float(signal)
-    flags[rank] = 0.0 if bool(torch.isfinite(loss).all()) else 1.0
-    if check_grads:
-        flags[world + rank] = 0.0 if sharded.grads_finite() else 1.0
-    values = [loss.nan_to_num(0.0, 0.0, 0.0)] + [e.detach().double().reshape(-1).to(device) for e in extra] + [flags]
-    vector = all_reduce_(torch.cat(values), group=group)
-    parts = list(vector.split([v.numel() for v in values]))
-    flags_back = parts[-1].tolist()
-    losses = tuple(i for i in range(world) if flags_back[i] > 0)
-    grads = tuple(i for i in range(world) if flags_back[world + i] > 0)
-    signals = tuple((i, int(flags_back[2 * world + i])) for i in range(world) if flags_back[2 * world + i] > 0)
-    return StepReport(float(parts[0]), losses or grads, "loss" if losses else "gradient", signals), parts[1:-1]
+
+    def __init__(self, local_loss: torch.Tensor, sharded: ShardedModel, extra: Sequence[torch.Tensor],
+                 signal: Callable[[], int]) -> None:
+        self.sharded = sharded
+        self.group = sharded.world_group
+        self.rank, self.world = rank_and_size(self.group)
+        self.local_loss = local_loss
+        self.extra = tuple(extra)
+        self.signal = signal
+        self.replicated = sharded.replicated_grads
+        self.vector: torch.Tensor | None = None
+        self.sizes: list[int] = []
+        self.work: Any = None
+        if self.replicated:
+            self._send(gradient_flag=None)
+
+    def _send(self, gradient_flag: float | None) -> None:
+        """Build this rank's vector and start its all-reduce (the signal is read now)."""
+        world, rank, device = self.world, self.rank, self.sharded.device
+        loss = self.local_loss.detach().double().reshape(1).to(device)
+        flags = torch.zeros(3 * world, dtype=torch.float64, device=device)
+        flags[2 * world + rank] = float(self.signal())
+        flags[rank] = (~torch.isfinite(loss).all()).to(flags.dtype)  # on the device: no host sync before a backward
+        if gradient_flag is not None:
+            flags[world + rank] = gradient_flag
+        values = [loss.nan_to_num(0.0, 0.0, 0.0)] + [e.detach().double().reshape(-1).to(device) for e in self.extra]
+        values.append(flags)
+        self.sizes = [v.numel() for v in values]
+        self.vector = torch.cat(values)
+        self.work = start_all_reduce_(self.vector, group=self.group)
+
+    def finish(self, check_grads: bool) -> tuple[StepReport, list[torch.Tensor]]:
+        """After the backward: the report every rank agrees on, and the ``extra`` sums."""
+        replicated_bad = False
+        if self.vector is None:
+            self._send(gradient_flag=(0.0 if self.sharded.grads_finite() else 1.0) if check_grads else None)
+        elif check_grads:  # replicated gradients: this rank's check holds for every rank
+            replicated_bad = not self.sharded.grads_finite()
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        assert self.vector is not None
+        world = self.world
+        parts = list(self.vector.split(self.sizes))
+        flags_back = parts[-1].tolist()
+        losses = tuple(i for i in range(world) if flags_back[i] > 0)
+        grads = tuple(range(world)) if replicated_bad else tuple(i for i in range(world) if flags_back[world + i] > 0)
+        signals = tuple((i, int(flags_back[2 * world + i])) for i in range(world) if flags_back[2 * world + i] > 0)
+        return StepReport(float(parts[0]), losses or grads, "loss" if losses else "gradient", signals), parts[1:-1]
+
+
+def start_step(local_loss: torch.Tensor, sharded: ShardedModel, extra: Sequence[torch.Tensor] = (),
+               signal: Callable[[], int] = int) -> StepSync:
+    """The step's all-reduce of the global loss, the ``extra`` weighted sums, the non-finite flags
+    and each rank's stop signal (``signal()``: see :mod:`.preemption`); call it once the loss and the
+    logged values are known (before the backward where they are), then :meth:`StepSync.finish`."""
+    return StepSync(local_loss, sharded, extra, signal)
+
+
+def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bool,
+                extra: Sequence[torch.Tensor] = (), signal: int = 0) -> tuple[StepReport, list[torch.Tensor]]:
+    """:func:`start_step` and :meth:`StepSync.finish` at once, after the backward."""
+    return start_step(local_loss, sharded, extra, lambda: signal).finish(check_grads)
 
 
 @dataclass(frozen=True)
@@ -208,12 +262,12 @@ class LayeredSteps:
     def backward(self, closure_loss: torch.Tensor, step: TrainingStep) -> StepReport:
         if self.uniform is not None:
             return self.uniform.backward(closure_loss, step)
-        with self._model_code():
-            self.schedule.backward(step.loss_scale)
         sharded = self.schedule.sharded
         names, sums = self.logs.sums(step.weights, sharded.world_group) if self.logs is not None else ([], [])
-        report, values = finish_step(step.local_loss * step.accumulate, sharded, step.sync, sums,
-                                     signal=step.pending_signal())
+        sync = start_step(step.local_loss * step.accumulate, sharded, sums, signal=step.pending_signal)
+        with self._model_code():
+            self.schedule.backward(step.loss_scale)
+        report, values = sync.finish(step.sync)
         if "train_loss" not in {spec.name for spec in names}:  # the user's own train_loss is relayed instead
             log_scalar(self.module, "train_loss", report.loss, step.global_batch, prog_bar=True, on_step=True,
                        on_epoch=True)
@@ -331,21 +385,28 @@ class UniformSteps:
                                     signal=step.pending_signal())
             return report
         self.sharded.set_requires_gradient_sync(step.sync and n == 1)
+        started = self._start(step) if n == 1 else None  # the last micro-batch's loss and logs are known
         self.sharded.backward(closure_loss * weights[0])
         for k in range(1, n):
             loss = self._loss(self._run(step, k)) / step.accumulate
             self.sharded.set_requires_gradient_sync(step.sync and k == n - 1)
+            if k == n - 1:
+                started = self._start(step)
             self.sharded.backward(loss * (weights[k] * step.loss_scale))
         self.sharded.set_requires_gradient_sync(True)
-        return self._report(step)
+        assert started is not None
+        names, sync = started
+        report, values = sync.finish(step.sync)
+        self._relog(names, values, step)
+        return report
 
-    def _report(self, step: TrainingStep) -> StepReport:
+    def _start(self, step: TrainingStep) -> tuple[list[LoggedValue], StepSync]:
+        """The step's all-reduce, once every micro-batch's loss and logs are in ``step``: the names
+        of the logged sums it carries, and the all-reduce."""
         local = sum((w * loss.double() for w, loss in zip(step.weights, step.losses) if w),
                     torch.zeros((), dtype=torch.float64))
         names, sums = _weighted_logs(step.logged)
-        report, values = finish_step(local, self.sharded, step.sync, sums, signal=step.pending_signal())
-        self._relog(names, values, step)
-        return report
+        return names, start_step(local, self.sharded, sums, signal=step.pending_signal)
 
     def _relog(self, names: list[LoggedValue], values: list[torch.Tensor], step: TrainingStep) -> None:
         relog(self.module, names, values, step)

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
 
-__all__ = ["Group", "all_reduce_", "barrier", "broadcast_object", "gather_objects", "is_distributed", "rank_and_size"]
+__all__ = ["Group", "all_reduce_", "barrier", "broadcast_object", "gather_objects", "is_distributed", "rank_and_size",
+           "start_all_reduce_"]
 
 
 def is_distributed(group: Group = None) -> bool:
@@ -54,6 +55,12 @@ def broadcast_object(obj: Any, group: Group = None) -> Any:
 def barrier(group: Group = None) -> None:
     if is_distributed(group):
         dist.barrier(group)
+
+
+def start_all_reduce_(tensor: torch.Tensor, group: Group = None) -> dist.Work | None:
+    """Begin summing ``tensor`` in place over ``group``; it holds the sum once the returned work
+    is waited for (None in a single process: nothing to wait for)."""
+    return dist.all_reduce(tensor, group=group, async_op=True) if is_distributed(group) else None
 
 
 def all_reduce_(tensor: torch.Tensor, op: str = "sum", group: Group = None) -> torch.Tensor:

@@ -209,6 +209,13 @@ class ShardedModel:
         """The process group spanning every replica: what agreements between all ranks use."""
         return self.world.group
 
+    @property
+    def replicated_grads(self) -> bool:
+        """Groups of one rank (data parallelism): after a synchronised backward every rank holds the
+        whole reduced gradient, the same bits (one all-reduce per bucket, :mod:`.replicas`), so a
+        check of it gives every rank the same answer without any exchange."""
+        return self.replicas.data_parallel
+
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's local pieces (what the optimizer should own)."""
         for unit in self.units:
@@ -337,19 +344,22 @@ class ShardedModel:
     def grads_finite(self) -> bool:
         """Whether every element of this rank's gradient pieces is finite.
 
-        One sum per piece, in fp32 or wider, and one host sync: a finite sum means every element
-        is finite (an inf or nan makes the sum inf or nan). A sum of finite values may overflow to
-        inf, so only the pieces whose sum is not finite are checked element by element, and those
-        decide.
+        One sum per run of pieces lying end to end in memory (:func:`adjacent_runs`: under groups of
+        one rank, a bucket's reduced gradient), in fp32 or wider, and one host sync: a finite sum
+        means every element is finite (an inf or nan makes the sum inf or nan). A sum of finite
+        values may overflow to inf, so only the pieces of runs whose sum is not finite are checked
+        element by element, and those decide.
         """
         grads = [p.grad for p in self.parameters() if p.grad is not None and p.grad.numel()]
         if not grads:
             return True
-        sums = torch.stack([g.sum(dtype=torch.promote_types(g.dtype, torch.float32)).double() for g in grads])
+        runs = adjacent_runs(grads)
+        sums = torch.stack([flat.sum(dtype=torch.promote_types(flat.dtype, torch.float32)).double() for flat, _ in runs])
         finite = torch.isfinite(sums)
         if bool(finite.all()):
             return True
-        return all(bool(torch.isfinite(g).all()) for g, ok in zip(grads, finite.tolist()) if not ok)
+        return all(bool(torch.isfinite(g).all()) for (_, pieces), ok in zip(runs, finite.tolist()) if not ok
+                   for g in pieces)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm of the WHOLE model's gradient, summed across the uneven shards (group 0's
@@ -445,6 +455,27 @@ class ShardedModel:
             self.comm, replica = group_collectives(self.world, shard_groups, *self._group_args)
         self.replicas = ReplicaReducer(layouts, shard_groups, self.world, replica)
         self._plan_buckets()
+
+
+def adjacent_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """``tensors`` grouped into runs that lie end to end in one storage, each with one flat view
+    over the run (a tensor on its own where it is alone or not contiguous), so a pass over the
+    runs reads every element once with one operation per run, not per tensor."""
+    def place(t: torch.Tensor) -> tuple[int, int]:
+        return t.untyped_storage().data_ptr(), t.storage_offset()
+
+    groups: list[list[torch.Tensor]] = []
+    key: tuple[int, torch.dtype] | None = None
+    end = -1
+    for t in sorted(tensors, key=place):
+        here = (t.untyped_storage().data_ptr(), t.dtype) if t.is_contiguous() else None
+        if here is not None and here == key and t.storage_offset() == end:
+            groups[-1].append(t)
+        else:
+            groups.append([t])
+        key, end = here, t.storage_offset() + t.numel()
+    return [(g[0] if len(g) == 1 else g[0].as_strided((sum(t.numel() for t in g),), (1,), g[0].storage_offset()), g)
+            for g in groups]
 
 
 class _UniformHooks:
