@@ -101,6 +101,29 @@ def test_a_heartbeat_starts_when_a_rank_that_stopped_early_removed_the_empty_dir
     assert not directory.exists()
 
 
+def test_a_heartbeat_starts_when_the_directory_is_removed_inside_its_mkdir(tmp_path):
+    """The other rank's stop can fall inside ``mkdir(exist_ok=True)``: the directory is there (so
+    the call fails to create it), then gone before its own check, and it raises FileExistsError.
+    Rank 0 makes the directory again instead of failing the fit (seen once in the suite)."""
+    directory = tmp_path / "heartbeat-run"
+    late = Heartbeat(directory, 0, 2)
+    make = Path.mkdir
+    raced = []
+
+    def mkdir_racing_the_other_rank(path: Path, *args, **kwargs) -> None:
+        if path == directory and not raced:
+            raced.append(path)
+            raise FileExistsError(17, "File exists", str(path))  # there when tried, gone when checked
+        make(path, *args, **kwargs)
+
+    with mock.patch.object(Path, "mkdir", mkdir_racing_the_other_rank):
+        late.start()
+    try:
+        assert raced and json.loads((directory / "rank-0.json").read_text())["pid"] == os.getpid()
+    finally:
+        late.stop()
+
+
 @pytest.mark.multiprocess
 def test_stale_locks_and_heartbeats_of_dead_runs_are_removed_never_a_live_runs(tmp_path, pids, caplog):
     live, dead = pids

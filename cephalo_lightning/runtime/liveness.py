@@ -47,13 +47,14 @@ class Heartbeat:
 
     def start(self) -> Heartbeat:
         # a rank that stops early removes the directory while it is empty (stop), which can fall
-        # between another rank's mkdir and its write: make the directory again and write once more
+        # between another rank's mkdir and its write, or inside its mkdir (which then finds the
+        # directory there, then gone, and raises FileExistsError): make it again and write once more
         for attempt in range(3):
-            self.directory.mkdir(parents=True, exist_ok=True)
             try:
+                self.directory.mkdir(parents=True, exist_ok=True)
                 self._file(self.rank).write_text(json.dumps(process_identity()))
                 break
-            except FileNotFoundError:
+            except (FileNotFoundError, FileExistsError):
                 if attempt == 2:
                     raise
         self._thread = threading.Thread(target=self._beat, name=f"cephalo-heartbeat-{self.rank}", daemon=True)
