@@ -39,15 +39,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+# DDP's first bucket and bucket_cap_mb, where the cost model prices the last bucket by the same cut
+from cephalo_lightning.planner.cost import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Links, PendingWork
 from cephalo_lightning.runtime.sharding.layout import ShardLayout, UnitLayout, replica_pieces, same_bounds
 
 Consume = Callable[[torch.Tensor], None]
 Fill = Callable[[torch.Tensor], None]
 
-# DDP's first bucket (the backward's last units start reducing early) and bucket_cap_mb; the cost
-# model prices data parallelism's last bucket by the same cut (planner.cost.bucket_layers)
-from cephalo_lightning.planner.cost import BUCKET_BYTES, FIRST_BUCKET_BYTES  # noqa: E402
 
 
 Runs = tuple[tuple[int, int], ...]  # (offset, length) runs of a buffer, in the order they are used
