@@ -190,7 +190,8 @@ def test_calibrated_plans_optimal_against_brute_force(seed: int) -> None:
 def test_a_calibration_across_nodes_keeps_each_group_on_its_own_link(groups: list[int]) -> None:
     """The fitted collectives are the world's figures. On a cluster of two nodes a group inside a node
     still moves its bytes over the intra-node link: a calibration that fits the profile's own figures
-    prices every grouping as the profile does (a fitted 0 stays 0 and is not derived from a bandwidth)."""
+    prices every grouping as the profile does, one that fits them twice as slow every grouping at twice
+    the price (a fitted 0 stays 0 and is not derived from a bandwidth)."""
     from cephalo_lightning.planner.cost import collective_ms
 
     data = _cluster()
@@ -206,6 +207,12 @@ def test_a_calibration_across_nodes_keeps_each_group_on_its_own_link(groups: lis
     again = collective_ms(with_calibration(cluster, same), shares, groups)
     for a, b in zip(profile, again):
         assert a.tolist() == pytest.approx(b.tolist(), rel=1e-12)
+    # collectives that ran twice as slow as profiled: every grouping's collectives twice the price, the
+    # cross-group reduction over the inter-node link included
+    slower = collective_ms(with_calibration(cluster, replace(same, allgather_ms=12.0, reduce_scatter_ms=12.0)),
+                           shares, groups)
+    for a, b in zip(profile, slower):
+        assert (2 * a).tolist() == pytest.approx(b.tolist(), rel=1e-12)
     nothing = collective_ms(with_calibration(cluster, replace(same, allgather_ms=0.0, reduce_scatter_ms=0.0)),
                             shares, groups)
     if len(set(groups)) == 1:

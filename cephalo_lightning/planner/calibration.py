@@ -110,12 +110,23 @@ def calibrated(cluster: Cluster) -> Cluster:
     # The fitted AG / RS are the world's figures. On one node no bandwidth is wanted beside them (a
     # fitted 0 would read as "derive from the bandwidth"). Across nodes the bandwidths stay, so a group
     # inside a node is still priced on the faster link; a fitted 0 is kept as 1 ns, read as measured.
+    # Both bandwidths scale by how the world's reduce-scatter ran against its profile, so the
+    # cross-group reduction, priced on the inter-node bandwidth, follows the fit as the rest does.
     spans = cluster.num_nodes > 1
     floor = FITTED_ZERO_MS if spans else 0.0
+    rs = max(cal.reduce_scatter_ms, floor)
+    links = {"link_bandwidth_gbps": None}
+    if spans:
+        from cephalo_lightning.planner.cost import link_prices  # the cost model builds on this module
+
+        profiled = link_prices(replace(cluster, calibration=None)).reduce_scatter_ms
+        speed = profiled / rs if profiled > 0 else 1.0
+        links = {name: None if value is None else value * speed
+                 for name, value in (("link_bandwidth_gbps", s.link_bandwidth_gbps),
+                                     ("inter_node_bandwidth_gbps", s.inter_node_bandwidth_gbps))}
     settings = replace(s, step_overhead_ms=cal.step_overhead_ms, micro_batch_overhead_ms=cal.micro_batch_overhead_ms,
-                       allgather_ms=max(cal.allgather_ms, floor), reduce_scatter_ms=max(cal.reduce_scatter_ms, floor),
-                       link_bandwidth_gbps=s.link_bandwidth_gbps if spans else None, overlap=cal.overlap,
-                       host_contention=cal.host_contention)
+                       allgather_ms=max(cal.allgather_ms, floor), reduce_scatter_ms=rs, overlap=cal.overlap,
+                       host_contention=cal.host_contention, **links)
     return replace(cluster, devices=tuple(devices), settings=settings, calibration=None)
 
 
