@@ -91,8 +91,9 @@ def trim(problem: Problem, rows: list[list], ag: float, rs: float, n_fixed: int 
         b = np.arange(low, row[2] + 1)
         n = np.maximum(1, np.minimum(row[4], b))
         lows.append(low)
-        row_ag, row_rs = row[7][:2] if len(row) > 7 else (ag, rs)  # a shard group's exposed part is the same for
-        # every group of its grouping (groups of one rank), so it shifts every row's time alike
+        # a row's exposed part (row[7][2]) is the same for every group of its grouping (groups of one
+        # rank), so it shifts every row's time alike and leaves the trim as it is
+        row_ag, row_rs = row[7][:2] if len(row) > 7 else (ag, rs)
         times.append(np.maximum.accumulate(problem.kinds[row[0]].layer_ms(b, n, row_ag, row_rs, row[5])))
 
     def cut(i: int, level: float) -> int:

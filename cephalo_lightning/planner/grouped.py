@@ -224,7 +224,7 @@ class GroupedProblem:
         far = far_fraction(groups, nodes)
         # per type: interval ends in rho and the collectives' price at each
         self.rho: list[np.ndarray] = []
-        self.priced: list[list[tuple[float, float]]] = []
+        self.priced: list[list[tuple[float, float, float]]] = []  # (ag, rs, exposed): LinkPrices.group
         # small groups at a small batch: the exact program decides (else the hull walk and its rounding)
         self.exact = [t.size ** 2 * min(problem.B, 64) * problem.B <= EXACT_WORK for t in self.types]
         for t, exact in zip(self.types, self.exact):
