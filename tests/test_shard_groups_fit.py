@@ -101,6 +101,10 @@ def _fit_four(rank: int, world: int, ckpt_dir: str):
         t = trainer(CephaloStrategy(plan=NODES), world, HF_STEPS, precision=precision)
         t.fit(_hf_module(family, optimizer), _hf_loader(family))
         out[(family, optimizer)] = (_states(t), t.strategy.fit_runtime.schedule, t.strategy.sharded.shard_groups)
+    if importlib.util.find_spec("transformers"):  # and under groups of one rank (the replicated-gradient step)
+        t = trainer(CephaloStrategy(plan=SINGLES_LAYERED), world, HF_STEPS)
+        t.fit(_hf_module("llama", "sgd"), _hf_loader("llama"))
+        out[("llama", "sgd", "singles")] = (_states(t), t.strategy.fit_runtime.schedule, t.strategy.sharded.shard_groups)
     return out
 
 
@@ -212,15 +216,27 @@ FLOOR_FACTOR = 2
 @pytest.mark.parametrize(("family", "optimizer", "precision"), HF_CASES, ids=[f"{f}-{o}" for f, o, _ in HF_CASES])
 def test_a_library_model_under_a_group_per_node_fits_like_one_process(four, family, optimizer, precision):
     pytest.importorskip("transformers")
-    results, _ = four
     dtype = torch.float64 if precision == "64-true" else torch.float32
-    states, schedule, groups = results[0][(family, optimizer)]
-    assert schedule == "layered" and groups == ((0, 1), (2, 3))
-    _assert_replicas_identical(results, (family, optimizer))
+    _check_library_fit(four[0], (family, optimizer), NODES, ((0, 1), (2, 3)), family, optimizer, dtype)
+
+
+@pytest.mark.multiprocess
+def test_a_library_model_under_groups_of_one_rank_fits_like_one_process(four):
+    """Llama from its config on padded batches, data parallel: the step's all-reduce goes out before
+    the backward and every rank checks the replicated gradient itself."""
+    pytest.importorskip("transformers")
+    _check_library_fit(four[0], ("llama", "sgd", "singles"), SINGLES_LAYERED, ((0,), (1,), (2,), (3,)),
+                       "llama", "sgd", torch.float32)
+
+
+def _check_library_fit(results, key, plan: Plan, shard_groups, family: str, optimizer: str, dtype: torch.dtype) -> None:
+    states, schedule, groups = results[0][key]
+    assert schedule == "layered" and groups == shard_groups
+    _assert_replicas_identical(results, key)
     want = {n: v for n, v in _hf_reference(family, optimizer, dtype).items() if not n.endswith(("exp_avg", "exp_avg_sq"))}
     assert set(want) == set(states), "the fit's parameters are the reference's"
     err = max((states[name].to(dtype) - value).abs().max().item() for name, value in want.items())
-    cut = _hf_reference(family, optimizer, dtype, tuple(n for r in NODES.ranks for n in r.micro_batch_sizes))
+    cut = _hf_reference(family, optimizer, dtype, tuple(n for r in plan.ranks for n in r.micro_batch_sizes))
     floor = max((cut[name] - value).abs().max().item() for name, value in want.items())
     bound = max(HF_EXACT[dtype], FLOOR_FACTOR * floor)
     print(f"{family} {optimizer}: largest difference {err:.3e} (noise floor {floor:.3e}, bound {bound:.3e})")
