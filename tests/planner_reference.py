@@ -184,9 +184,10 @@ def rank_times(cluster: Cluster, batch, micro, shares, keep=None, mode: str = "l
             for t, d, r in zip(layers, cluster.devices, shares)]
 
 
-def calibrated_by_hand(data: dict, calibration: dict) -> Cluster:
+def calibrated_by_hand(data: dict, calibration: dict, mode: str | None = None) -> Cluster:
     """A cluster file with a calibration block written out as a plain cluster file: each rank its own
-    device entry, its times scaled, the measured terms as settings (the block's documented meaning)."""
+    device entry, its times scaled, the measured terms as settings (the block's documented meaning:
+    the collective terms only for plans of the block's ``mode``, when it names one)."""
     from cephalo_lightning.planner import cluster_from_dict
 
     entries = [dict(e, count=1) for e in data["devices"] for _ in range(e.get("count", 1))]
@@ -197,9 +198,10 @@ def calibrated_by_hand(data: dict, calibration: dict) -> Cluster:
         ns = entry.get("optimizer_ns_per_param", settings.get("optimizer_ns_per_param"))
         if ns is not None:
             entry["optimizer_ns_per_param"] = ns * scale
-    settings.pop("link_bandwidth_gbps", None)
-    settings.update({k: calibration[k] for k in ("step_overhead_ms", "micro_batch_overhead_ms", "allgather_ms",
-                                                  "reduce_scatter_ms", "overlap")})
+    settings.update({k: calibration[k] for k in ("step_overhead_ms", "micro_batch_overhead_ms")})
+    if calibration.get("mode") in (None, mode):
+        settings.pop("link_bandwidth_gbps", None)
+        settings.update({k: calibration[k] for k in ("allgather_ms", "reduce_scatter_ms", "overlap")})
     settings["host_contention"] = calibration.get("host_contention", 1.0)
     return cluster_from_dict({"model": data["model"], "settings": settings, "devices": entries})
 

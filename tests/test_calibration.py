@@ -90,12 +90,13 @@ def test_fit_on_one_plan_predicts_it_and_keeps_the_profile_where_it_cannot_tell(
 
 def test_measured_collectives_tell_them_from_a_fixed_cost_on_one_plan(plans: list[Any]) -> None:
     """One plan's steps fix the step overhead plus the exposed collectives, not the two apart; the
-    time inside the collectives (the rank that waits least) does, so a plan issuing more of them
-    (uniform, several micro-batches) is predicted too."""
+    time inside the collectives (the rank that waits least) does, so a plan of the same mode issuing
+    more of them (uniform, several micro-batches) is predicted too."""
     cluster = cluster_from_dict(_cluster())
     # the profile's overlap and micro-batch overhead: one plan of one micro-batch per rank cannot tell them
     truth = with_calibration(cluster, replace(INJECTED, overlap=0.6, micro_batch_overhead_ms=1.0))
-    one, more = plans[0], plan(cluster, 24, "uniform", groupings=FULL)
+    one, more = plans[2], plan(cluster, 24, "uniform", groupings=FULL)
+    assert one.mode == "uniform" and max(r.num_micro_batches for r in one.ranks) == 1
     assert more.mode == "uniform" and min(r.num_micro_batches for r in more.ranks) > 1  # it gathers more often
     observed = [replace(o, collective_s=predicted_collective_s(truth, one)) for o in _observe(truth, [one])] * 3
     fitted = fit_calibration(cluster, observed)
@@ -107,6 +108,29 @@ def test_measured_collectives_tell_them_from_a_fixed_cost_on_one_plan(plans: lis
     # with the collectives issued: the other plan is mispredicted
     blind = fit_calibration(cluster, [replace(o, collective_s=None) for o in observed])
     assert abs(predicted(with_calibration(cluster, blind), more)[0] / predicted(truth, more)[0] - 1) > 0.01
+
+
+def test_a_calibration_prices_its_own_modes_collectives_and_leaves_the_other_modes_as_profiled(
+        plans: list[Any]) -> None:
+    """A gather costs differently as each mode's schedule issues it: the collective terms fitted on
+    layered steps price layered plans; a uniform plan keeps the profile's collectives (and the
+    other fitted terms), and the other way round."""
+    cluster = cluster_from_dict(_cluster())
+    layered, uniform = plans[0], plans[3]
+    truth = with_calibration(cluster, replace(INJECTED, overlap=0.6, micro_batch_overhead_ms=1.0))
+    for fitted_on, same, other in ((layered, layered, uniform), (uniform, uniform, layered)):
+        observed = [replace(o, collective_s=predicted_collective_s(truth, fitted_on)) for o in _observe(truth, [fitted_on])]
+        fitted = fit_calibration(cluster, observed * 3)
+        assert fitted.mode == fitted_on.mode and fitted.allgather_ms == pytest.approx(9.0, rel=FIT_TOL)
+        calibrated = with_calibration(cluster, fitted)
+        assert predicted(calibrated, same)[0] == pytest.approx(predicted(truth, same)[0], rel=FIT_TOL)
+        # the other mode: the fitted terms but the profile's AG / RS / overlap
+        as_profiled = replace(fitted, allgather_ms=6.0, reduce_scatter_ms=6.0, overlap=0.6, mode=None)
+        expected = predicted(with_calibration(cluster, as_profiled), other)[0]
+        assert predicted(calibrated, other)[0] == pytest.approx(expected, rel=1e-12)
+        assert abs(predicted(with_calibration(cluster, replace(fitted, mode=None)), other)[0] / expected - 1) > 0.01
+    assert plan(calibrated, 12, "layered", groupings=FULL).predicted_step_s == pytest.approx(
+        plan(with_calibration(cluster, as_profiled), 12, "layered", groupings=FULL).predicted_step_s, rel=1e-12)
 
 
 def test_old_cluster_files_price_as_before(plans: list[Any]) -> None:
@@ -126,7 +150,8 @@ def test_old_cluster_files_price_as_before(plans: list[Any]) -> None:
 
 
 def test_calibration_block_round_trips_and_plans_the_same(tmp_path: Path) -> None:
-    cluster = with_calibration(cluster_from_dict(_cluster()), replace(INJECTED, steps=8, fitted_on="B=12 layered"))
+    cluster = with_calibration(cluster_from_dict(_cluster()),
+                               replace(INJECTED, steps=8, fitted_on="B=12 layered", mode="layered"))
     path = tmp_path / "calibrated.yaml"
     save_cluster(cluster, path)
     assert "calibration:" in path.read_text() and "source: measured" in path.read_text()
@@ -143,6 +168,7 @@ def test_calibration_block_round_trips_and_plans_the_same(tmp_path: Path) -> Non
     (lambda c: c.update(source="guessed"), r"calibration.source must be one of"),
     (lambda c: c.update(host_contention=0.5), r"calibration.host_contention must be >= 1"),
     (lambda c: c.update(scale=2), r"calibration: unknown key\(s\) \['scale'\]"),
+    (lambda c: c.update(mode="both"), r"calibration.mode must be one of \('layered', 'uniform'\)"),
 ])
 def test_bad_calibration_block_names_the_field(change, message: str) -> None:
     data = _cluster()
@@ -166,10 +192,13 @@ def test_calibrated_plans_optimal_against_brute_force(seed: int) -> None:
                  "allgather_ms": rng.uniform(0, 20), "reduce_scatter_ms": rng.uniform(0, 20),
                  "overlap": rng.choice([0.0, 0.5, 1.0]), "compute_scale": [rng.uniform(0.5, 3) for _ in range(world)],
                  "host_contention": rng.choice([1.0, 2.5])}
+        fitted_mode = rng.choice([None, "layered", "uniform"])  # the collectives' mode: another keeps the profile's
+        if fitted_mode is not None:
+            block["mode"] = fitted_mode
         mode = rng.choice(["layered", "layered", "uniform"])
         batch = rng.randint(world if mode == "uniform" else 1, 9 if world == 3 else 11)
         cluster = cluster_from_dict({**data, "calibration": block})
-        by_hand = calibrated_by_hand(data, block)
+        by_hand = calibrated_by_hand(data, block, mode)
         best = brute_force(by_hand, batch, mode)
         if best is None:
             with pytest.raises(PlanningError):

@@ -14,6 +14,11 @@ solver (and its certified gap) and ``python -m cephalo_lightning plan`` all pric
 ``host_contention`` (>= 1) is measured, not fitted: the wall time of the ranks' compute regions per
 second of their contention-free busy time (ranks of one host waiting for its cores); 1 on a GPU.
 
+The collective terms (AG, RS, overlap) are the collectives as one mode issues them: layered mode
+gathers a layer once per pass, uniform mode once per micro-batch, and what a gather costs as run
+differs between the two schedules. A calibration fitted on one mode's steps (``mode``) prices that
+mode's collectives; a plan of the other mode keeps the profile's, which no step of it has corrected.
+
 A cluster without the block is priced exactly as before.
 """
 
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from cephalo_lightning.planner.errors import PlanningError
 
 if TYPE_CHECKING:
-    from cephalo_lightning.planner.cluster import Cluster
+    from cephalo_lightning.planner.cluster import Cluster, Settings
 
 CALIBRATION_SOURCES = ("measured", "emulated")
 FITTED_ZERO_MS = 1e-6  # a fitted collective time of 0 on a cluster of several nodes (see calibrated)
@@ -46,23 +51,32 @@ class Calibration:
     steps: int = 0  # measured steps the fit used
     fitted_on: str = ""  # the plan(s) measured, e.g. "B=32 layered b=[20, 12]"
     source: str = "measured"
+    mode: str | None = None  # the measured steps' mode, whose collectives AG / RS / overlap are (None: every mode)
 
     def as_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {k: getattr(self, k) for k in _TERMS}
         data["compute_scale"] = list(self.compute_scale)
         data["host_contention"] = self.host_contention
         data.update(steps=self.steps, fitted_on=self.fitted_on, source=self.source)
+        if self.mode is not None:
+            data["mode"] = self.mode
         return data
+
+    def prices_collectives_of(self, mode: str | None) -> bool:
+        """Whether the fitted collective terms price plans of ``mode`` (None: the calibration's own mode)."""
+        return self.mode is None or mode is None or mode == self.mode
 
 
 def parse_calibration(data: Any, world_size: int) -> Calibration | None:
     """The block as written in a cluster file (None: absent)."""
     from cephalo_lightning.planner.cluster import _fraction, _integer, _mapping, _number, _reject_unknown, _series
+    from cephalo_lightning.planner.cost import MODES
 
     if data is None:
         return None
     data = _mapping(data, "calibration")
-    _reject_unknown(data, {*_TERMS, "compute_scale", "host_contention", "steps", "fitted_on", "source"}, "calibration")
+    _reject_unknown(data, {*_TERMS, "compute_scale", "host_contention", "steps", "fitted_on", "source", "mode"},
+                    "calibration")
     missing = [k for k in (*_TERMS, "compute_scale") if k not in data]
     if missing:
         raise PlanningError(f"calibration is missing {missing}; write the whole block as `fit_calibration` does, or "
@@ -79,14 +93,20 @@ def parse_calibration(data: Any, world_size: int) -> Calibration | None:
     source = str(data.get("source", "measured"))
     if source not in CALIBRATION_SOURCES:
         raise PlanningError(f"calibration.source must be one of {CALIBRATION_SOURCES}, got {source!r}; write one of those")
+    mode = data.get("mode")
+    if mode is not None and mode not in MODES:
+        raise PlanningError(f"calibration.mode must be one of {MODES} (the mode of the steps it was fitted on), got "
+                            f"{mode!r}; write one of those, or leave it out to price every mode's collectives with it")
     return Calibration(
         **values, overlap=_fraction(data["overlap"], "calibration.overlap", "the overlap achieved"),
         compute_scale=scale, host_contention=contention, steps=_integer(data.get("steps", 0), "calibration.steps", minimum=0),
-        fitted_on=str(data.get("fitted_on", "")), source=source)
+        fitted_on=str(data.get("fitted_on", "")), source=source, mode=mode)
 
 
-def calibrated(cluster: Cluster) -> Cluster:
-    """The cluster with its calibration folded into profiles and settings (itself when it has none).
+def calibrated(cluster: Cluster, mode: str | None = None) -> Cluster:
+    """The cluster with its calibration folded into profiles and settings (itself when it has none),
+    to price plans of ``mode`` (None: the calibration's own; another mode keeps the profile's
+    collective terms, see the module).
 
     Ranks with the same profile and the same scale keep one profile object, so the solver still
     groups them into one kind. The result carries no calibration: folding twice changes nothing.
@@ -107,6 +127,16 @@ def calibrated(cluster: Cluster) -> Cluster:
                 layer_bwd_ms=tuple(v * scale for v in device.layer_bwd_ms),
                 optimizer_ns_per_param=None if ns is None else ns * scale)
         devices.append(folded[key])
+    settings = replace(s, step_overhead_ms=cal.step_overhead_ms, micro_batch_overhead_ms=cal.micro_batch_overhead_ms,
+                       host_contention=cal.host_contention)
+    if cal.prices_collectives_of(mode):
+        settings = _fitted_collectives(cluster, settings, cal)
+    return replace(cluster, devices=tuple(devices), settings=settings, calibration=None)
+
+
+def _fitted_collectives(cluster: Cluster, settings: Settings, cal: Calibration) -> Settings:
+    """``settings`` with the calibration's collective terms in place of the profile's."""
+    s = cluster.settings
     # The fitted AG / RS are the world's figures. On one node no bandwidth is wanted beside them (a
     # fitted 0 would read as "derive from the bandwidth"). Across nodes the bandwidths stay, so a group
     # inside a node is still priced on the faster link; a fitted 0 is kept as 1 ns, read as measured.
@@ -124,10 +154,8 @@ def calibrated(cluster: Cluster) -> Cluster:
         links = {name: None if value is None else value * speed
                  for name, value in (("link_bandwidth_gbps", s.link_bandwidth_gbps),
                                      ("inter_node_bandwidth_gbps", s.inter_node_bandwidth_gbps))}
-    settings = replace(s, step_overhead_ms=cal.step_overhead_ms, micro_batch_overhead_ms=cal.micro_batch_overhead_ms,
-                       allgather_ms=max(cal.allgather_ms, floor), reduce_scatter_ms=rs, overlap=cal.overlap,
-                       host_contention=cal.host_contention, **links)
-    return replace(cluster, devices=tuple(devices), settings=settings, calibration=None)
+    return replace(settings, allgather_ms=max(cal.allgather_ms, floor), reduce_scatter_ms=rs, overlap=cal.overlap,
+                   **links)
 
 
 def with_calibration(cluster: Cluster, calibration: Calibration | None) -> Cluster:
@@ -141,7 +169,8 @@ def with_calibration(cluster: Cluster, calibration: Calibration | None) -> Clust
 def describe(calibration: Calibration, width: int = 3) -> str:
     """One line naming the fitted terms."""
     scales = ", ".join(f"{v:.{width - 1}f}" for v in calibration.compute_scale)
+    mode = f" ({calibration.mode} mode's collectives)" if calibration.mode else ""
     return (f"per step +{calibration.step_overhead_ms:.1f} ms, per extra micro-batch {calibration.micro_batch_overhead_ms:.2f} "
             f"ms/layer, AG {calibration.allgather_ms:.3f} / RS {calibration.reduce_scatter_ms:.3f} ms/layer, overlap "
-            f"{calibration.overlap:.2f}, compute x[{scales}], host contention x{calibration.host_contention:.2f} ({calibration.source}, {calibration.steps} steps)")
+            f"{calibration.overlap:.2f}{mode}, compute x[{scales}], host contention x{calibration.host_contention:.2f} ({calibration.source}, {calibration.steps} steps)")
 

@@ -359,7 +359,7 @@ def predicted_busy_s(cluster: Cluster, plan: Plan) -> list[float]:
     """Each rank's predicted compute seconds per step: its layers' forward and backward passes (with
     any recompute) and its optimizer step, which is what the runtime counts as busy (everything
     but collectives and waiting)."""
-    cluster = calibrated(cluster)
+    cluster = calibrated(cluster, plan.mode)
     out = []
     for device, rank in zip(cluster.devices, plan.ranks):
         cost = DeviceCost(device, cluster, plan.mode)
@@ -531,7 +531,7 @@ def _without_node(device: DeviceProfile) -> tuple:
 
 def kind_costs(cluster: Cluster, mode: str = "layered") -> tuple[list[DeviceCost], np.ndarray]:
     """One DeviceCost per distinct device profile, and each rank's index into them."""
-    cluster = calibrated(cluster)
+    cluster = calibrated(cluster, mode)
     index: dict[DeviceProfile, int] = {}
     costs: list[DeviceCost] = []
     of_rank = np.empty(cluster.world_size, dtype=np.int64)
@@ -581,7 +581,7 @@ def evaluate_arrays(
     ``shard_groups``: every rank's shard group (None: one group of all); ``shares`` are then within
     each group, and each group's collectives are priced by :class:`LinkPrices`.
     """
-    cluster = calibrated(cluster)
+    cluster = calibrated(cluster, mode)
     b = np.asarray(batch_sizes, dtype=np.int64)
     n = np.maximum(np.asarray(num_micro_batches, dtype=np.int64), 1)
     r = np.asarray(shares, dtype=float)

@@ -71,11 +71,12 @@ def host_contention(observations: Sequence[StepObservation]) -> float:
 
 
 def _calibration(cluster: Cluster, theta: np.ndarray, ag0: float, rs0: float, steps: int, fitted_on: str,
-                 contention: float = 1.0) -> Calibration:
+                 contention: float = 1.0, mode: str | None = None) -> Calibration:
     return Calibration(
         step_overhead_ms=float(theta[0]), micro_batch_overhead_ms=float(theta[1]), allgather_ms=float(theta[2] * ag0),
         reduce_scatter_ms=float(theta[2] * rs0), overlap=float(theta[3]),
-        compute_scale=tuple(float(v) for v in theta[4:]), host_contention=contention, steps=steps, fitted_on=fitted_on)
+        compute_scale=tuple(float(v) for v in theta[4:]), host_contention=contention, steps=steps, fitted_on=fitted_on,
+        mode=mode)
 
 
 def _clip(theta: np.ndarray) -> np.ndarray:
@@ -97,7 +98,7 @@ def predicted(cluster: Cluster, plan: Plan) -> tuple[float, list[float]]:
 def predicted_collective_s(cluster: Cluster, plan: Plan) -> float:
     """Seconds per step the cost model spends blocked in collectives (beyond the compute they
     overlap), on the rank blocked least: what :attr:`StepObservation.collective_s` measures."""
-    cluster = calibrated(cluster)
+    cluster = calibrated(cluster, plan.mode)
     ag, rs, exposed = collective_ms(cluster, plan.state_shares, [r.shard_group for r in plan.ranks])
     costs, of_rank = kind_costs(cluster, plan.mode)
     b = np.array(plan.batch_sizes)
@@ -122,6 +123,8 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
     ag0, rs0 = comm.allgather_ms, comm.reduce_scatter_ms
     theta0, scale = _start(base, observations)
     plans = list({id(o.plan): o.plan for o in observations}.values())
+    modes = {p.mode for p in plans}
+    mode = modes.pop() if len(modes) == 1 else None  # the collectives fitted are that mode's (None: both modes')
     index = {id(p): i for i, p in enumerate(plans)}
     walls = np.array([o.wall_s for o in observations])
     busys = np.array([o.busy_s for o in observations], dtype=float)
@@ -135,7 +138,7 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
     anchor = theta0  # and where it pulls to
 
     def residuals(theta: np.ndarray) -> np.ndarray:
-        model = with_calibration(base, _calibration(base, theta, ag0, rs0, 0, "", contention))
+        model = with_calibration(base, _calibration(base, theta, ag0, rs0, 0, "", contention, mode))
         priced = [predicted(model, p) for p in plans]
         step = np.array([priced[k][0] for k in which])
         busy = np.array([priced[k][1] for k in which])
@@ -158,7 +161,7 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
         weight = weights * base_weight
         anchor = theta.copy()  # stage 2 is pulled towards stage 1's terms: it moves what the data decide
         theta = _least_squares(residuals, theta, scale)
-    return _calibration(base, theta, ag0, rs0, steps, fitted_on, contention)
+    return _calibration(base, theta, ag0, rs0, steps, fitted_on, contention, mode)
 
 
 def _least_squares(residuals: Any, theta: np.ndarray, scale: np.ndarray) -> np.ndarray:

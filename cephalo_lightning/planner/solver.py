@@ -555,7 +555,7 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
 
     B = _check_inputs(cluster, global_batch_size, mode, planner)
     names = _check_groupings(groupings)
-    cluster = calibrated(cluster)
+    cluster = calibrated(cluster, mode)
     upper = upper_bound_samples_per_s(cluster, B, mode)
     if planner != "cephalo":
         return _baseline_plan(cluster, B, mode, planner, upper)
