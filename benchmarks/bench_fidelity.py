@@ -207,17 +207,28 @@ def _without_bound(cluster: Any) -> Any:
     return replace(cluster, settings=replace(cluster.settings, host_cores=None))
 
 
+def _everywhere(calibrated: Any) -> Any:
+    """The calibrated cluster with its fitted collectives applied to every mode and grouping."""
+    from dataclasses import replace
+
+    return replace(calibrated, calibration=replace(calibrated.calibration, mode=None, shard_groups=None))
+
+
 def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any, calibrated: Any,
               fitted: bool, unbound: tuple[Any, Any] | None = None) -> dict[str, Any]:
     from cephalo_lightning.planner.fit import plan_label, predicted
 
     measured = statistics.median(w["step_s"] for w in history)  # windows of every round
     before, after = predicted(profiled, plan)[0], predicted(calibrated, plan)[0]
-    paired: dict[str, Any] = {}
+    cal = calibrated.calibration
+    paired: dict[str, Any] = {  # paired: the same measurements, the fitted collectives priced on every schedule
+        "error_after_everywhere": measured / predicted(_everywhere(calibrated), plan)[0] - 1,
+        "other_schedule": not cal.prices_collectives_of(plan.mode, [r.shard_group for r in plan.ranks]),
+    }
     if unbound is not None:  # the same measurements against the per-rank model alone, fitted again without the bound
         before_u, after_u = predicted(unbound[0], plan)[0], predicted(unbound[1], plan)[0]
-        paired = {"error_before_unbound": measured / before_u - 1, "error_after_unbound": measured / after_u - 1,
-                  "bound_binds_after": after > predicted(_without_bound(calibrated), plan)[0] * (1 + 1e-9)}
+        paired.update({"error_before_unbound": measured / before_u - 1, "error_after_unbound": measured / after_u - 1,
+                       "bound_binds_after": after > predicted(_without_bound(calibrated), plan)[0] * (1 + 1e-9)})
     memory = []
     for i, r in enumerate(plan.ranks):
         peaks = [w["ranks"][i]["peak_memory_gb"] for w in history if w["ranks"][i]["peak_memory_gb"] is not None]
@@ -400,6 +411,14 @@ def print_calibration(result: dict[str, Any]) -> None:
               f"windows): median |error| BEFORE {100 * statistics.median(abs(p['error_before_unbound']) for p in paired):.0f}%, "
               f"AFTER {100 * statistics.median(abs(p['error_after_unbound']) for p in paired):.1f}%; the bound sets "
               f"the calibrated prediction of {sum(p['bound_binds_after'] for p in paired)} of {len(paired)} plans")
+    other = [p for c in result["clusters"] if "failed" not in c for p in c["plans"] if not p["fitted"]
+             and p.get("other_schedule")]
+    if other:
+        print(f"the {len(other)} plans of another schedule (mode or shard groups) than the fitted one: median |error| "
+              f"AFTER {100 * statistics.median(abs(p['error_after']) for p in other):.1f}% (the profile's collectives), "
+              f"{100 * statistics.median(abs(p['error_after_everywhere']) for p in other):.1f}% with the fitted plan's "
+              f"collectives (paired); within 10%: {sum(abs(p['error_after']) <= 0.10 for p in other)} against "
+              f"{sum(abs(p['error_after_everywhere']) <= 0.10 for p in other)}")
     again = [abs(e) for c in result["clusters"] if "failed" not in c for e in c["plans"][0].get("remeasured_errors", [])]
     if again:
         print(f"noise floor: the fitted plan itself re-measured in the later rounds, against its calibrated prediction: "

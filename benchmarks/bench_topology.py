@@ -3,6 +3,7 @@
     python benchmarks/bench_topology.py              # 2 rounds per cluster; several minutes on 2 cores
     python benchmarks/bench_topology.py --quick      # 1 round, fewer batches
     python benchmarks/bench_topology.py --profile-only  # measure the links, profile and plan; no fits
+    python benchmarks/bench_topology.py --calibrate  # plan on a calibration of the profile's plan
     python benchmarks/bench_topology.py --json       # the rows as data
 
 THE CLUSTER IS EMULATED ON CPU: 4 gloo ranks on this machine stand for 2 nodes x 2 GPUs. Node 0 has
@@ -19,11 +20,16 @@ In one spawned group of 4 ranks, for each of two clusters:
 
 1. profile once (a 1-step ``Trainer.fit`` with :class:`~cephalo_lightning.CephaloCallback`): the
    profiler finds the emulated nodes and measures both link classes;
-2. plan: the planner's choice (``planner.plan``, which chooses the shard groups), ``full-shard``
+2. with ``--calibrate``, calibrate as ``CephaloCallback`` does after warm-up: the profile's plan runs
+   ``calibration_windows`` watch windows (the first, which counts every tensor, left out) and the
+   cost model's run-time terms are fitted to them (:func:`~cephalo_lightning.lightning.run_model.calibrate`:
+   every rank's compute as run, the fitted grouping's collectives as run, the per-step overhead, the
+   host's contention), and every plan below is planned and predicted on the calibrated cluster;
+3. plan: the planner's choice (``planner.plan``, which chooses the shard groups), ``full-shard``
    (the planner restricted to one group of every rank, ``groupings=("full",)``: today's plan),
    ``hsdp-even`` and ``ddp-even`` (``planner="hsdp-even"`` / ``"ddp-even"``, even shares and batches,
    a group per node / per rank); a plan the planner finds infeasible is skipped, and why is printed;
-3. train the demo GPT with each plan through ``Trainer.fit`` (``CephaloStrategy(plan=..., emulate=...)``),
+4. train the demo GPT with each plan through ``Trainer.fit`` (``CephaloStrategy(plan=..., emulate=...)``),
    R rounds of one short fit per plan, the order rotated each round, same data and seed.
 
 The second cluster fits the model on every rank with no link penalty (one node, full speed,
@@ -31,7 +37,8 @@ unlimited memory): the planner's choice beside Lightning's ``strategy="ddp"`` (g
 
 Figures: MEASURED step = ``on_train_batch_start`` -> ``on_train_batch_end``, max over the ranks per
 batch, median over the measured batches (the first ``warmup`` of every fit skipped); PREDICTED =
-the planner's cost model on the profiled (emulated) cluster. Measured ratios are medians of
+the planner's cost model on the profiled (emulated) cluster (with ``--calibrate``: on the calibrated
+one, beside the profile's own figure). Measured ratios are medians of
 per-round ratios (fits run seconds apart).
 """
 
@@ -81,6 +88,8 @@ class Config:
     plans: tuple[str, ...] = PLANS
     fits_everywhere: bool = True  # also run the second cluster
     profile_only: bool = False
+    calibration_window: int = 3  # steps per watch window of the calibration run
+    calibration_windows: int = 0  # windows fitted, after a first one left out (0: plan on the profile alone)
 
 
 QUICK = Config(rounds=1, measured=4)
@@ -156,6 +165,29 @@ def profile(cfg: Config, specs: list[dict[str, Any]]):
     return callback.cluster
 
 
+def calibrate(cfg: Config, cluster, specs: list[dict[str, Any]]):
+    """The profile's plan measured for a few watch windows and the cost model fitted to them (rank 0
+    fits, every rank gets the result), as ``CephaloCallback`` calibrates after warm-up."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    from cephalo_lightning import CephaloCallback, CephaloStrategy
+    from cephalo_lightning.lightning.run_model import calibrate as fit_to_windows
+    from cephalo_lightning.planner import plan as make_plan
+
+    plan = make_plan(cluster, cfg.global_batch, mode="layered")
+    watcher = CephaloCallback(watch_every_n_steps=cfg.calibration_window, print_plan=False, quiet=True, cache_dir=None,
+                              calibrate_after_windows=0)
+    pl.seed_everything(0, verbose=False)
+    trainer = _trainer(CephaloStrategy(plan=plan, emulate=specs), cfg.calibration_window * (1 + cfg.calibration_windows),
+                       [watcher])
+    trainer.fit(_module(cfg), _datamodule(cfg))
+    # every rank's windows hold its own step wall: rank 0's fit, for every rank
+    shared = [fit_to_windows(cluster, plan, watcher.history[1:]) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
 def make_plans(cfg: Config, cluster, names: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, str]]:
     """Each requested plan of the profiled cluster, and why any was skipped."""
     from cephalo_lightning.planner import PlanningError
@@ -209,12 +241,20 @@ def interleaved_fits(cfg: Config, plans: dict[str, Any], specs, names: list[str]
 
 
 def _cluster_run(cfg: Config, specs: list[dict[str, Any]], names: tuple[str, ...]) -> dict[str, Any]:
+    from cephalo_lightning.planner.fit import predicted
+
     start = time.perf_counter()
-    cluster = profile(cfg, specs)
+    profiled = cluster = profile(cfg, specs)
     profile_s = time.perf_counter() - start
+    calibration = None
+    if cfg.calibration_windows and not cfg.profile_only:
+        calibration = calibrate(cfg, profiled, specs)
+        cluster = calibration.cluster
     plans, skipped = make_plans(cfg, cluster, names)
     out: dict[str, Any] = {"specs": specs, "cluster": cluster, "plans": plans, "skipped": skipped,
-                           "profile_s": profile_s, "fits": {}, "order": []}
+                           "profile_s": profile_s, "fits": {}, "order": [],
+                           "profile_predicted_s": {name: predicted(profiled, p)[0] for name, p in plans.items()},
+                           "calibration": None if calibration is None else calibration.message()}
     if not cfg.profile_only:
         runnable = [n for n in names if n in plans or n == "ddp"]
         out["fits"], out["order"] = interleaved_fits(cfg, plans, specs, runnable)
@@ -241,6 +281,7 @@ def summarize(cfg: Config, run: dict[str, Any], fits: dict[str, list[dict[str, A
     for name, per_fit in fits.items():
         plan = run["plans"].get(name)
         predicted = plan.predicted_step_s if plan is not None else None
+        profile_predicted = run["profile_predicted_s"].get(name)
         rows.append({
             "plan": name,
             "shard_groups": [list(g) for g in plan.shard_groups] if plan is not None else "per rank (Lightning DDP)",
@@ -248,6 +289,7 @@ def summarize(cfg: Config, run: dict[str, Any], fits: dict[str, list[dict[str, A
             "micro_batches": plan.num_micro_batches if plan is not None else [1] * WORLD,
             "state_shares": plan.state_shares if plan is not None else [1.0] * WORLD,
             "predicted_step_ms": None if predicted is None else 1e3 * predicted,
+            "profile_predicted_step_ms": None if profile_predicted is None else 1e3 * profile_predicted,
             "measured_step_ms": 1e3 * common.median([t for f in per_fit for t in f["step_s"]]),
             "per_round_step_ms": [1e3 * common.median(f["step_s"]) for f in per_fit],
             "final_loss": [f["loss"] for f in per_fit],
@@ -278,6 +320,7 @@ def _combine(cfg: Config, per_rank: list[dict[str, Any]], key: str) -> dict[str,
     fits = common.max_over_rank_results([r[key]["fits"] for r in per_rank], ("step_s", "iteration_s")) \
         if run["fits"] else {}
     return {"specs": run["specs"], "skipped": run["skipped"], "order": run["order"], "profile_s": run["profile_s"],
+            "calibration": run["calibration"],
             "settings": asdict(run["cluster"].settings),
             "devices": [{"rank": i, "device": d.name, "node": d.node, "memory_gb": d.memory_gb,
                          "emulate": asdict(d.emulate) if d.emulate else None} for i, d in enumerate(run["cluster"].devices)],
@@ -319,19 +362,25 @@ def _print_cluster(title: str, run: dict[str, Any]) -> None:
     print(f"  profiled ({run['profile_s']:.1f} s): link within a node {_fmt(s.get('link_bandwidth_gbps'), '.4g')} GB/s, "
           f"between nodes {_fmt(s.get('inter_node_bandwidth_gbps'), '.4g')} GB/s (MEASURED on the EMULATED cluster); "
           f"all-gather {s['allgather_ms']:.2f} ms, reduce-scatter {s['reduce_scatter_ms']:.2f} ms per layer (measured)")
+    if run["calibration"]:
+        print(f"  {run['calibration'].removeprefix('Cephalo: ')} (EMULATED)")
     for name, why in run["skipped"].items():
         print(f"  skipped {name}: {why}")
+    on = "calibrated" if run["calibration"] else "profiled"
     common.print_table(
         ["plan", "shard groups", "batch per rank", "micro-batches", "state shares", "predicted step ms"],
         [[name, p["shard_groups"], p["batch_sizes"], p["micro_batches"], "/".join(f"{v:.2f}" for v in p["state_shares"]),
           _fmt(p["predicted_step_ms"])] for name, p in run["plans"].items()],
-        title="  plans (predicted by the planner's cost model on the profiled EMULATED cluster)",
+        title=f"  plans (predicted by the planner's cost model on the {on} EMULATED cluster)",
     )
     if not run["rows"]:
         return
+    beside = ["by the profile alone"] if run["calibration"] else []
     common.print_table(
-        ["plan", "shard groups", "predicted step ms", "measured step ms", "measured / predicted", "per-round measured"],
-        [[r["plan"], r["shard_groups"], _fmt(r["predicted_step_ms"]), f"{r['measured_step_ms']:.1f}",
+        ["plan", "shard groups", "predicted step ms", *beside, "measured step ms", "measured / predicted",
+         "per-round measured"],
+        [[r["plan"], r["shard_groups"], _fmt(r["predicted_step_ms"]),
+          *([_fmt(r.get("profile_predicted_step_ms"))] if beside else []), f"{r['measured_step_ms']:.1f}",
           _fmt(r["measured_step_ms"] / r["predicted_step_ms"] if r["predicted_step_ms"] else None, ".2f"),
           " ".join(f"{v:.0f}" for v in r["per_round_step_ms"])] for r in run["rows"]],
         title="  step per plan, MEASURED through Trainer.fit on the EMULATED cluster (max over ranks, median over batches)",
@@ -387,10 +436,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
     parser.add_argument("--profile-only", action="store_true", help="measure the links, profile and plan; no fits")
     parser.add_argument("--no-second", action="store_true", help="skip the cluster that fits everywhere")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="calibrate on the profile's plan first (2 windows) and plan on the calibrated cluster")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else Config()
     overrides: dict[str, Any] = {"profile_only": args.profile_only, "fits_everywhere": not args.no_second}
+    if args.calibrate:
+        overrides["calibration_windows"] = 2
     if args.rounds:
         overrides["rounds"] = args.rounds
     return common.emit(run_benchmark(Config(**{**asdict(cfg), **overrides})), args.json, print_report)

@@ -184,10 +184,10 @@ def rank_times(cluster: Cluster, batch, micro, shares, keep=None, mode: str = "l
             for t, d, r in zip(layers, cluster.devices, shares)]
 
 
-def calibrated_by_hand(data: dict, calibration: dict, mode: str | None = None) -> Cluster:
+def calibrated_by_hand(data: dict, calibration: dict, mode: str | None = None, groups=None) -> Cluster:
     """A cluster file with a calibration block written out as a plain cluster file: each rank its own
     device entry, its times scaled, the measured terms as settings (the block's documented meaning:
-    the collective terms only for plans of the block's ``mode``, when it names one)."""
+    the collective terms only for plans of the block's ``mode`` and ``shard_groups``, where it names them)."""
     from cephalo_lightning.planner import cluster_from_dict
 
     entries = [dict(e, count=1) for e in data["devices"] for _ in range(e.get("count", 1))]
@@ -199,7 +199,9 @@ def calibrated_by_hand(data: dict, calibration: dict, mode: str | None = None) -
         if ns is not None:
             entry["optimizer_ns_per_param"] = ns * scale
     settings.update({k: calibration[k] for k in ("step_overhead_ms", "micro_batch_overhead_ms")})
-    if calibration.get("mode") in (None, mode):
+    fitted_groups = calibration.get("shard_groups")
+    if calibration.get("mode") in (None, mode) and (fitted_groups is None or groups is None
+                                                    or list(groups) == list(fitted_groups)):
         settings.pop("link_bandwidth_gbps", None)
         settings.update({k: calibration[k] for k in ("allgather_ms", "reduce_scatter_ms", "overlap")})
     settings["host_contention"] = calibration.get("host_contention", 1.0)

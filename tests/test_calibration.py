@@ -151,7 +151,8 @@ def test_old_cluster_files_price_as_before(plans: list[Any]) -> None:
 
 def test_calibration_block_round_trips_and_plans_the_same(tmp_path: Path) -> None:
     cluster = with_calibration(cluster_from_dict(_cluster()),
-                               replace(INJECTED, steps=8, fitted_on="B=12 layered", mode="layered"))
+                               replace(INJECTED, steps=8, fitted_on="B=12 layered", mode="layered",
+                                       shard_groups=(0, 0, 0)))
     path = tmp_path / "calibrated.yaml"
     save_cluster(cluster, path)
     assert "calibration:" in path.read_text() and "source: measured" in path.read_text()
@@ -169,6 +170,8 @@ def test_calibration_block_round_trips_and_plans_the_same(tmp_path: Path) -> Non
     (lambda c: c.update(host_contention=0.5), r"calibration.host_contention must be >= 1"),
     (lambda c: c.update(scale=2), r"calibration: unknown key\(s\) \['scale'\]"),
     (lambda c: c.update(mode="both"), r"calibration.mode must be one of \('layered', 'uniform'\)"),
+    (lambda c: c.update(shard_groups=[0, 1]), r"calibration.shard_groups must list every rank's group \(3 entries"),
+    (lambda c: c.update(shard_groups=[0, -1, 1]), r"calibration.shard_groups\[1\] must be"),
 ])
 def test_bad_calibration_block_names_the_field(change, message: str) -> None:
     data = _cluster()
@@ -215,6 +218,51 @@ def test_calibrated_plans_optimal_against_brute_force(seed: int) -> None:
     assert checked >= 15
 
 
+def test_a_calibration_of_one_grouping_plans_optimally_over_groupings_against_brute_force() -> None:
+    """A calibration fitted on one grouping's steps prices that grouping's collectives; the planner,
+    weighing every grouping, prices each as the calibration does (the others by the profile's
+    collectives) and finds the optimum of enumeration over the groupings, each written out by hand."""
+    from tests.planner_reference import brute_force_groups, candidate_groupings
+    from tests.test_planner_groups import random_grouped_cluster
+
+    rng = random.Random(7)
+    checked = distinct = 0
+    for _ in range(40):
+        world = rng.choice([2, 3, 4])
+        cluster = random_grouped_cluster(rng, world)
+        if cluster.num_nodes > 1:  # across nodes the fold also rescales both bandwidths (tested below)
+            continue
+        data = cluster_to_dict(cluster)
+        groupings = candidate_groupings(cluster)
+        fitted_groups = rng.choice(groupings)
+        block = {"step_overhead_ms": rng.choice([0.0, 20.0]), "micro_batch_overhead_ms": rng.choice([0.0, 3.0]),
+                 "allgather_ms": rng.uniform(0, 40), "reduce_scatter_ms": rng.uniform(0, 40),
+                 "overlap": rng.choice([0.0, 0.5, 1.0]), "compute_scale": [rng.uniform(0.5, 2) for _ in range(world)],
+                 "shard_groups": list(fitted_groups)}
+        mode = rng.choice(["layered", "uniform"])
+        block["mode"] = rng.choice([mode, mode, "uniform" if mode == "layered" else "layered"])
+        batch = rng.randint(world if mode == "uniform" else 1, 6 if world == 4 else 8)
+        calibrated = cluster_from_dict({**data, "calibration": block})
+        bests = []
+        for groups in groupings:
+            by_hand = calibrated_by_hand(data, block, mode, groups)
+            best = brute_force_groups(by_hand, batch, mode, groupings=[groups])
+            if best is not None:
+                bests.append(best)
+        if not bests:
+            with pytest.raises(PlanningError):
+                plan(calibrated, batch, mode)
+            continue
+        best = min(bests, key=lambda b: b.step_s)
+        p = plan(calibrated, batch, mode)
+        assert p.predicted_step_s == pytest.approx(predicted(calibrated, p)[0], rel=1e-12)
+        assert best.step_s * (1 - 1e-9) <= p.predicted_step_s <= best.step_s * 1.005, (block, batch, mode, best, p)
+        assert p.optimality_gap is not None and p.predicted_step_s / (1 + p.optimality_gap) <= best.step_s * (1 + 1e-9)
+        checked += 1
+        distinct += len({round(b.step_s, 12) for b in bests}) > 1
+    assert checked >= 10 and distinct >= 5
+
+
 @pytest.mark.parametrize("groups", [[0, 0, 1, 1], [0, 1, 2, 3], [0, 0, 0, 0]])
 def test_a_calibration_across_nodes_keeps_each_group_on_its_own_link(groups: list[int]) -> None:
     """The fitted collectives are the world's figures. On a cluster of two nodes a group inside a node
@@ -254,9 +302,9 @@ def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_gro
     the reduce-scatter's per-layer time of the world as one group, whose ranks each move 2/3 of a
     layer), started in the backward pass, which hides ``overlap`` of it (it is shorter than every
     rank's backward compute here) except for the last bucket's, which follows the backward: the host
-    is blocked for the rest. Fitted from such steps, the
-    collectives keep their injected size, so a plan that shards (one group) is predicted as the
-    truth prices it."""
+    is blocked for the rest. Fitted from such steps, the collectives keep their injected size, so
+    another data-parallel plan is predicted as the truth prices it; a plan that shards (one group)
+    issues other collectives, which no step measured: the profile's price them."""
     cluster = cluster_from_dict(_cluster())
     # the profile's overlap and micro-batch overhead: one plan of one micro-batch per rank cannot tell them
     truth = with_calibration(cluster, replace(INJECTED, overlap=0.6, micro_batch_overhead_ms=1.0))
@@ -272,9 +320,14 @@ def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_gro
     observed = [replace(o, collective_s=inside) for o in _observe(truth, [replicas])] * 3
     fitted = fit_calibration(cluster, observed)
     assert fitted.reduce_scatter_ms == pytest.approx(INJECTED.reduce_scatter_ms, rel=FIT_TOL)
+    assert fitted.shard_groups == (0, 1, 2)
+    calibrated = with_calibration(cluster, fitted)
+    more = plan(cluster, 24, "layered", groupings=("per-rank",))
+    assert predicted(calibrated, more)[0] == pytest.approx(predicted(truth, more)[0], rel=FIT_TOL)
     sharded = plan(cluster, 12, "layered", groupings=FULL)
-    assert predicted(with_calibration(cluster, fitted), sharded)[0] == pytest.approx(predicted(truth, sharded)[0],
-                                                                                      rel=FIT_TOL)
+    as_profiled = replace(fitted, allgather_ms=6.0, reduce_scatter_ms=6.0, overlap=0.6, shard_groups=None)
+    assert predicted(calibrated, sharded)[0] == pytest.approx(predicted(with_calibration(cluster, as_profiled), sharded)[0],
+                                                              rel=1e-12)
 
 
 def test_the_host_is_blocked_in_an_asynchronous_collective_at_its_issue_and_its_wait(clock) -> None:

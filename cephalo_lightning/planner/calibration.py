@@ -14,16 +14,19 @@ solver (and its certified gap) and ``python -m cephalo_lightning plan`` all pric
 ``host_contention`` (>= 1) is measured, not fitted: the wall time of the ranks' compute regions per
 second of their contention-free busy time (ranks of one host waiting for its cores); 1 on a GPU.
 
-The collective terms (AG, RS, overlap) are the collectives as one mode issues them: layered mode
-gathers a layer once per pass, uniform mode once per micro-batch, and what a gather costs as run
-differs between the two schedules. A calibration fitted on one mode's steps (``mode``) prices that
-mode's collectives; a plan of the other mode keeps the profile's, which no step of it has corrected.
+The collective terms (AG, RS, overlap) are the collectives as one schedule issues them: layered
+mode gathers a layer once per pass, uniform mode once per micro-batch; one group of every rank
+gathers and reduce-scatters, groups of one rank all-reduce, a group per node gathers inside the node
+and reduces across. What a collective costs as run differs between these schedules (and the links
+each uses), so a calibration fitted on one schedule's steps (``mode`` and ``shard_groups``) prices
+that schedule's collectives; a plan of another keeps the profile's, which no step of it corrected.
 
 A cluster without the block is priced exactly as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +55,7 @@ class Calibration:
     fitted_on: str = ""  # the plan(s) measured, e.g. "B=32 layered b=[20, 12]"
     source: str = "measured"
     mode: str | None = None  # the measured steps' mode, whose collectives AG / RS / overlap are (None: every mode)
+    shard_groups: tuple[int, ...] | None = None  # and their grouping, every rank's group (None: every grouping)
 
     def as_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {k: getattr(self, k) for k in _TERMS}
@@ -60,11 +64,24 @@ class Calibration:
         data.update(steps=self.steps, fitted_on=self.fitted_on, source=self.source)
         if self.mode is not None:
             data["mode"] = self.mode
+        if self.shard_groups is not None:
+            data["shard_groups"] = list(self.shard_groups)
         return data
 
-    def prices_collectives_of(self, mode: str | None) -> bool:
-        """Whether the fitted collective terms price plans of ``mode`` (None: the calibration's own mode)."""
-        return self.mode is None or mode is None or mode == self.mode
+    def prices_collectives_of(self, mode: str | None, shard_groups: Sequence[int] | None = None) -> bool:
+        """Whether the fitted collective terms price plans of ``mode`` under ``shard_groups`` (every
+        rank's group; None for either: the calibration's own)."""
+        if self.mode is not None and mode is not None and mode != self.mode:
+            return False
+        return self.shard_groups is None or shard_groups is None or same_grouping(shard_groups, self.shard_groups)
+
+
+def same_grouping(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Whether two lists of every rank's group put the same ranks together (whatever the numbers)."""
+    if len(a) != len(b):
+        return False
+    pairs = dict(zip(a, b))
+    return len(pairs) == len(set(pairs.values())) and all(pairs[x] == y for x, y in zip(a, b))
 
 
 def parse_calibration(data: Any, world_size: int) -> Calibration | None:
@@ -75,8 +92,8 @@ def parse_calibration(data: Any, world_size: int) -> Calibration | None:
     if data is None:
         return None
     data = _mapping(data, "calibration")
-    _reject_unknown(data, {*_TERMS, "compute_scale", "host_contention", "steps", "fitted_on", "source", "mode"},
-                    "calibration")
+    _reject_unknown(data, {*_TERMS, "compute_scale", "host_contention", "steps", "fitted_on", "source", "mode",
+                           "shard_groups"}, "calibration")
     missing = [k for k in (*_TERMS, "compute_scale") if k not in data]
     if missing:
         raise PlanningError(f"calibration is missing {missing}; write the whole block as `fit_calibration` does, or "
@@ -97,16 +114,23 @@ def parse_calibration(data: Any, world_size: int) -> Calibration | None:
     if mode is not None and mode not in MODES:
         raise PlanningError(f"calibration.mode must be one of {MODES} (the mode of the steps it was fitted on), got "
                             f"{mode!r}; write one of those, or leave it out to price every mode's collectives with it")
+    groups = data.get("shard_groups")
+    if groups is not None:
+        if not isinstance(groups, list) or len(groups) != world_size:
+            raise PlanningError(f"calibration.shard_groups must list every rank's group ({world_size} entries, e.g. "
+                                f"{[0] * world_size} for one group), got {groups!r}; write the fitted plan's groups, or "
+                                "leave it out to price every grouping's collectives with it")
+        groups = tuple(_integer(g, f"calibration.shard_groups[{i}]", minimum=0) for i, g in enumerate(groups))
     return Calibration(
         **values, overlap=_fraction(data["overlap"], "calibration.overlap", "the overlap achieved"),
         compute_scale=scale, host_contention=contention, steps=_integer(data.get("steps", 0), "calibration.steps", minimum=0),
-        fitted_on=str(data.get("fitted_on", "")), source=source, mode=mode)
+        fitted_on=str(data.get("fitted_on", "")), source=source, mode=mode, shard_groups=groups)
 
 
-def calibrated(cluster: Cluster, mode: str | None = None) -> Cluster:
+def calibrated(cluster: Cluster, mode: str | None = None, shard_groups: Sequence[int] | None = None) -> Cluster:
     """The cluster with its calibration folded into profiles and settings (itself when it has none),
-    to price plans of ``mode`` (None: the calibration's own; another mode keeps the profile's
-    collective terms, see the module).
+    to price plans of ``mode`` under ``shard_groups`` (None: the calibration's own; another schedule
+    keeps the profile's collective terms, see the module).
 
     Ranks with the same profile and the same scale keep one profile object, so the solver still
     groups them into one kind. The result carries no calibration: folding twice changes nothing.
@@ -129,7 +153,7 @@ def calibrated(cluster: Cluster, mode: str | None = None) -> Cluster:
         devices.append(folded[key])
     settings = replace(s, step_overhead_ms=cal.step_overhead_ms, micro_batch_overhead_ms=cal.micro_batch_overhead_ms,
                        host_contention=cal.host_contention)
-    if cal.prices_collectives_of(mode):
+    if cal.prices_collectives_of(mode, shard_groups):
         settings = _fitted_collectives(cluster, settings, cal)
     return replace(cluster, devices=tuple(devices), settings=settings, calibration=None)
 
@@ -169,7 +193,9 @@ def with_calibration(cluster: Cluster, calibration: Calibration | None) -> Clust
 def describe(calibration: Calibration, width: int = 3) -> str:
     """One line naming the fitted terms."""
     scales = ", ".join(f"{v:.{width - 1}f}" for v in calibration.compute_scale)
-    mode = f" ({calibration.mode} mode's collectives)" if calibration.mode else ""
+    schedule = [f"{calibration.mode} mode" if calibration.mode else "",
+                f"groups {list(calibration.shard_groups)}" if calibration.shard_groups is not None else ""]
+    mode = f" (the collectives of {', '.join(x for x in schedule if x)})" if any(schedule) else ""
     return (f"per step +{calibration.step_overhead_ms:.1f} ms, per extra micro-batch {calibration.micro_batch_overhead_ms:.2f} "
             f"ms/layer, AG {calibration.allgather_ms:.3f} / RS {calibration.reduce_scatter_ms:.3f} ms/layer, overlap "
             f"{calibration.overlap:.2f}{mode}, compute x[{scales}], host contention x{calibration.host_contention:.2f} ({calibration.source}, {calibration.steps} steps)")

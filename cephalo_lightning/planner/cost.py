@@ -581,7 +581,7 @@ def evaluate_arrays(
     ``shard_groups``: every rank's shard group (None: one group of all); ``shares`` are then within
     each group, and each group's collectives are priced by :class:`LinkPrices`.
     """
-    cluster = calibrated(cluster, mode)
+    cluster = calibrated(cluster, mode, np.zeros(len(batch_sizes), np.int64) if shard_groups is None else shard_groups)
     b = np.asarray(batch_sizes, dtype=np.int64)
     n = np.maximum(np.asarray(num_micro_batches, dtype=np.int64), 1)
     r = np.asarray(shares, dtype=float)

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from cephalo_lightning.planner.calibration import Calibration, calibrated, with_calibration
+from cephalo_lightning.planner.calibration import Calibration, calibrated, same_grouping, with_calibration
 from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.cost import collective_ms, communication, evaluate_arrays, kind_costs, predicted_busy_s
 from cephalo_lightning.planner.errors import PlanningError
@@ -71,12 +71,13 @@ def host_contention(observations: Sequence[StepObservation]) -> float:
 
 
 def _calibration(cluster: Cluster, theta: np.ndarray, ag0: float, rs0: float, steps: int, fitted_on: str,
-                 contention: float = 1.0, mode: str | None = None) -> Calibration:
+                 contention: float = 1.0, mode: str | None = None,
+                 shard_groups: tuple[int, ...] | None = None) -> Calibration:
     return Calibration(
         step_overhead_ms=float(theta[0]), micro_batch_overhead_ms=float(theta[1]), allgather_ms=float(theta[2] * ag0),
         reduce_scatter_ms=float(theta[2] * rs0), overlap=float(theta[3]),
         compute_scale=tuple(float(v) for v in theta[4:]), host_contention=contention, steps=steps, fitted_on=fitted_on,
-        mode=mode)
+        mode=mode, shard_groups=shard_groups)
 
 
 def _clip(theta: np.ndarray) -> np.ndarray:
@@ -98,8 +99,9 @@ def predicted(cluster: Cluster, plan: Plan) -> tuple[float, list[float]]:
 def predicted_collective_s(cluster: Cluster, plan: Plan) -> float:
     """Seconds per step the cost model spends blocked in collectives (beyond the compute they
     overlap), on the rank blocked least: what :attr:`StepObservation.collective_s` measures."""
-    cluster = calibrated(cluster, plan.mode)
-    ag, rs, exposed = collective_ms(cluster, plan.state_shares, [r.shard_group for r in plan.ranks])
+    groups = [r.shard_group for r in plan.ranks]
+    cluster = calibrated(cluster, plan.mode, groups)
+    ag, rs, exposed = collective_ms(cluster, plan.state_shares, groups)
     costs, of_rank = kind_costs(cluster, plan.mode)
     b = np.array(plan.batch_sizes)
     n = np.array([max(r.num_micro_batches, 1) for r in plan.ranks])
@@ -123,8 +125,11 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
     ag0, rs0 = comm.allgather_ms, comm.reduce_scatter_ms
     theta0, scale = _start(base, observations)
     plans = list({id(o.plan): o.plan for o in observations}.values())
+    # the collectives fitted are those of the plans' schedule: their mode and grouping (None: several)
     modes = {p.mode for p in plans}
-    mode = modes.pop() if len(modes) == 1 else None  # the collectives fitted are that mode's (None: both modes')
+    mode = modes.pop() if len(modes) == 1 else None
+    groups = [tuple(r.shard_group for r in p.ranks) for p in plans]
+    grouping = groups[0] if all(same_grouping(g, groups[0]) for g in groups) else None
     index = {id(p): i for i, p in enumerate(plans)}
     walls = np.array([o.wall_s for o in observations])
     busys = np.array([o.busy_s for o in observations], dtype=float)
@@ -138,7 +143,7 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
     anchor = theta0  # and where it pulls to
 
     def residuals(theta: np.ndarray) -> np.ndarray:
-        model = with_calibration(base, _calibration(base, theta, ag0, rs0, 0, "", contention, mode))
+        model = with_calibration(base, _calibration(base, theta, ag0, rs0, 0, "", contention, mode, grouping))
         priced = [predicted(model, p) for p in plans]
         step = np.array([priced[k][0] for k in which])
         busy = np.array([priced[k][1] for k in which])
@@ -161,7 +166,7 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
         weight = weights * base_weight
         anchor = theta.copy()  # stage 2 is pulled towards stage 1's terms: it moves what the data decide
         theta = _least_squares(residuals, theta, scale)
-    return _calibration(base, theta, ag0, rs0, steps, fitted_on, contention, mode)
+    return _calibration(base, theta, ag0, rs0, steps, fitted_on, contention, mode, grouping)
 
 
 def _least_squares(residuals: Any, theta: np.ndarray, scale: np.ndarray) -> np.ndarray:

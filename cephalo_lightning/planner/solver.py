@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -76,7 +76,13 @@ class _Solved:
 class Problem:
     """One planning problem: the cluster, the batch, the mode, and the per-kind device models."""
 
-    def __init__(self, cluster: Cluster, global_batch: int, mode: str, group_kinds: bool = True) -> None:
+    def __init__(self, cluster: Cluster, global_batch: int, mode: str, group_kinds: bool = True,
+                 shard_groups: Sequence[int] | np.ndarray | None = None) -> None:
+        # a calibration is folded in as it prices this mode under shard_groups (None: one group of all)
+        self.source, self.group_kinds = cluster, group_kinds
+        self._for_groups: dict[tuple[int, ...], Problem] = {}
+        cluster = calibrated(cluster, mode, np.zeros(cluster.world_size, np.int64) if shard_groups is None
+                             else shard_groups)
         self.cluster = cluster
         self.B = global_batch
         self.mode = mode
@@ -95,6 +101,20 @@ class Problem:
         rate = sum(c / ps for c, ps in zip(self.counts, (per_sample_ms(k) for k in self.kinds)) if ps < math.inf)
         self.compute_floor = self.L * global_batch / rate if rate > 0 else 0.0
         self.rate = rate
+
+    def for_groups(self, labels: np.ndarray | None) -> Problem:
+        """The problem with the collectives priced as under ``labels`` (every rank's group; None: one
+        group of all): itself, unless the cluster's calibration measured the collectives of one of the
+        two groupings and not of the other."""
+        cal = self.source.calibration
+        one = np.zeros(self.W, np.int64)
+        if labels is None or cal is None or (cal.prices_collectives_of(self.mode, labels)
+                                             == cal.prices_collectives_of(self.mode, one)):
+            return self
+        key = tuple(int(v) for v in labels)
+        if key not in self._for_groups:
+            self._for_groups[key] = Problem(self.source, self.B, self.mode, self.group_kinds, labels)
+        return self._for_groups[key]
 
     # ------------------------------------------------------------------ feasibility at S
 
@@ -440,7 +460,6 @@ def solve_groupings(problem: Problem, groupings: tuple[str, ...]) -> tuple[Assig
     if not candidates:
         raise PlanningError(f"none of the groupings {list(groupings)} applies to this cluster (node-halves and "
                             f"node-pairs need a node of 4, 6, 8, ... ranks); add 'full', 'per-node' or 'per-rank'")
-    prices = link_prices(problem.cluster)
     top_count = problem.B // problem.W
     for names, labels in candidates:
         name = next(n for n in names if n in groupings)
@@ -448,7 +467,8 @@ def solve_groupings(problem: Problem, groupings: tuple[str, ...]) -> tuple[Assig
             best, lower_s = problem.solve()
             chosen = name
             continue
-        grouped = GroupedProblem(problem, labels, prices)
+        priced = problem.for_groups(labels)  # compute alike; collectives as a calibration measured them, if it did
+        grouped = GroupedProblem(priced, labels, link_prices(priced.cluster))
         if not grouped.holds:  # some group cannot hold a replica: no plan of this grouping exists
             continue
         ag_top = max(p[-1][0] for p in grouped.priced)
@@ -465,7 +485,7 @@ def solve_groupings(problem: Problem, groupings: tuple[str, ...]) -> tuple[Assig
                 lower_s = min(lower_s, floor * to_s)  # the rest: bounded, not solved
                 break
             found, proven = grouped.solve(max(floor * (1 - 1e-9), 1e-12),
-                                          problem.saturated(ag_top, rs_top, n) + exposed_top, ceiling, n)
+                                          priced.saturated(ag_top, rs_top, n) + exposed_top, ceiling, n)
             lower_s = min(lower_s, proven * to_s)
             # a tie goes to groups of one rank: data parallelism issues no all-gathers, one all-reduce per
             # layer, which the cost model prices like the gathers and reduce-scatters it replaces; any
@@ -541,6 +561,14 @@ def refine_on_shared_host(problem: Problem, cluster: Cluster, best: Assignment) 
     return replace(best, batch=b, micro=np.where(b > 0, n, 1), keep=keep, step_s=price(b, keep, problem.cluster))
 
 
+def _without_fixed_terms(cluster: Cluster) -> Cluster:
+    """The cluster without a fixed per-step overhead, a host's contention factor or a shared host's
+    cores (its own or its calibration's), which the solve leaves out (see :func:`plan`)."""
+    cal = cluster.calibration
+    return replace(cluster, settings=replace(cluster.settings, step_overhead_ms=0.0, host_contention=1.0, host_cores=None),
+                   calibration=None if cal is None else replace(cal, step_overhead_ms=0.0, host_contention=1.0))
+
+
 def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planner: str = "cephalo",
          _group_kinds: bool = True, groupings: tuple[str, ...] | None = None) -> Plan:
     """Plan a cluster: shard groups, per-rank batch, micro-batches and state share minimising the step time.
@@ -555,25 +583,25 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
 
     B = _check_inputs(cluster, global_batch_size, mode, planner)
     names = _check_groupings(groupings)
-    cluster = calibrated(cluster, mode)
+    # ``source`` keeps any calibration: each plan is priced as the calibration prices its grouping
+    source, cluster = cluster, calibrated(cluster, mode)
     upper = upper_bound_samples_per_s(cluster, B, mode)
     if planner != "cephalo":
-        return _baseline_plan(cluster, B, mode, planner, upper)
+        return _baseline_plan(source, B, mode, planner, upper)
     # a fixed per-step overhead and a host's contention factor shift and scale every plan alike:
     # solve without them, then apply both to the plan's step and the proven lower bound (the
     # certified gap only shrinks); the shared-host bound, too, is left out of the solve and enters
     # the plan's price and the lower bound (shared_host_lower_ms)
     fixed_s, contention = cluster.settings.step_overhead_ms / 1e3, cluster.settings.host_contention
-    core = replace(cluster, settings=replace(cluster.settings, step_overhead_ms=0.0, host_contention=1.0,
-                                             host_cores=None))
-    problem = Problem(core, B, mode, group_kinds=_group_kinds)
+    problem = Problem(_without_fixed_terms(source), B, mode, group_kinds=_group_kinds)
     _check_memory(problem)
     best, lower_s, _ = solve_groupings(problem, names)
     if cluster.settings.host_cores and problem.W <= SHARED_HOST_REFINE_RANKS:
-        best = refine_on_shared_host(problem, cluster, best)
+        best = refine_on_shared_host(problem.for_groups(best.groups), source, best)
     lower_s = max(contention * lower_s + fixed_s, shared_host_lower_ms(problem, cluster) / 1e3)
-    ranks, step = rank_plans(cluster, best.batch, best.micro, best.shares, ~best.keep, mode,
-                             kinds=(problem.costs, problem.of_rank), shard_groups=best.groups)
+    chosen = problem.for_groups(best.groups)
+    ranks, step = rank_plans(source, best.batch, best.micro, best.shares, ~best.keep, mode,
+                             kinds=(chosen.costs, chosen.of_rank), shard_groups=best.groups)
     return Plan(
         global_batch_size=B,
         mode=mode,
@@ -582,7 +610,7 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
         predicted_samples_per_s=B / step,
         upper_bound_samples_per_s=upper,
         model=model_summary(cluster),
-        baselines=compute_baselines(cluster, B, mode, problem=problem if mode == "layered" and _group_kinds else None),
+        baselines=compute_baselines(source, B, mode, problem=problem if mode == "layered" and _group_kinds else None),
         planner="cephalo",
         emulated=cluster.emulated,
         optimality_gap=max(0.0, step / lower_s - 1.0) if lower_s > 0 else None,
