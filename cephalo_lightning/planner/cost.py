@@ -441,8 +441,14 @@ class DeviceCost:
     def layer_ms(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float,
                  keep: np.ndarray | bool = False) -> np.ndarray:
         """Per-layer time of b samples in n micro-batches (b = 0: the collectives alone)."""
+        fwd, bwd = self.pass_ms(b, n, ag, rs, keep)
+        return fwd + bwd
+
+    def pass_ms(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float,
+                keep: np.ndarray | bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Per-layer time of the forward and of the backward pass, each with its collectives."""
         fwd, bwd, a1, a2 = self._passes(b, n, ag, rs, keep)
-        return combine(a1, fwd, self.overlap) + combine(a2, bwd, self.overlap)
+        return combine(a1, fwd, self.overlap), combine(a2, bwd, self.overlap)
 
     def _passes(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float, keep: np.ndarray | bool
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
