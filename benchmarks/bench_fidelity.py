@@ -168,13 +168,11 @@ def _rank_main(rank: int, world: int, cfg: Config, cluster: ClusterSpec) -> dict
     assert profiled is not None
     plan = make_plan(profiled, cluster.global_batch, mode=cluster.mode)
     fitted = _measure_plan(cfg, cluster, plan)
-    import torch.distributed as dist
+    from cephalo_lightning.runtime.distributed import broadcast_object
 
     # each rank's windows hold its own step walls: rank 0's fit, for every rank (one plan everywhere)
-    shared = [fit_calibration(profiled, observations(plan, fitted["history"]), fitted_on=plan_label(plan))
-              if rank == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    calibration = shared[0]
+    calibration = broadcast_object(fit_calibration(profiled, observations(plan, fitted["history"]),
+                                                   fitted_on=plan_label(plan)) if rank == 0 else None)
     calibrated = with_calibration(profiled, calibration)
     others = _other_plans(profiled, calibrated, cluster, plan)
     # rounds: every plan (the fitted one too) once per round, the order rotated, so that the host's

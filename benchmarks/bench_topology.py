@@ -10,9 +10,10 @@ THE CLUSTER IS EMULATED ON CPU: 4 gloo ranks on this machine stand for 2 nodes x
 two fast ranks with little memory, node 1 two ranks twice as slow with plenty
 (:class:`~cephalo_lightning.runtime.emulation.emulator.DeviceEmulator`); what a rank sends to a rank
 of the other node is held to an emulated inter-node link (``node`` / ``inter_node_gbps``,
-:class:`~cephalo_lightning.runtime.emulation.links.EmulatedLinks`) set to 0.02 GB/s, about 10x
+:class:`~cephalo_lightning.runtime.emulation.links.EmulatedLinks`) set to 0.02 GB/s, several times
 slower than the host's own link between two ranks, which is MEASURED first (an all-gather between
-ranks, :func:`~cephalo_lightning.profiling.topology.time_links`) and printed with the ratio. The link
+ranks, :func:`~cephalo_lightning.profiling.topology.time_links`) and printed with the ratio (6-24x
+on one 2-core host, 4-9x on a slower one). The link
 is fixed rather than derived from that measurement, which the host's load moves 4x from run to run
 (``Config.inter_node_gbps=None`` derives it). No GPU is involved.
 
@@ -174,6 +175,7 @@ def calibrate(cfg: Config, cluster, specs: list[dict[str, Any]]):
     from cephalo_lightning import CephaloCallback, CephaloStrategy
     from cephalo_lightning.lightning.run_model import calibrate as fit_to_windows
     from cephalo_lightning.planner import plan as make_plan
+    from cephalo_lightning.runtime.distributed import broadcast_object
 
     plan = make_plan(cluster, cfg.global_batch, mode="layered")
     watcher = CephaloCallback(watch_every_n_steps=cfg.calibration_window, print_plan=False, quiet=True, cache_dir=None,
@@ -183,9 +185,7 @@ def calibrate(cfg: Config, cluster, specs: list[dict[str, Any]]):
                        [watcher])
     trainer.fit(_module(cfg), _datamodule(cfg))
     # every rank's windows hold its own step wall: rank 0's fit, for every rank
-    shared = [fit_to_windows(cluster, plan, watcher.history[1:]) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(shared, src=0)
-    return shared[0]
+    return broadcast_object(fit_to_windows(cluster, plan, watcher.history[1:]) if dist.get_rank() == 0 else None)
 
 
 def make_plans(cfg: Config, cluster, names: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, str]]:

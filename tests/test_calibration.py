@@ -328,6 +328,11 @@ def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_gro
     as_profiled = replace(fitted, allgather_ms=6.0, reduce_scatter_ms=6.0, overlap=0.6, shard_groups=None)
     assert predicted(calibrated, sharded)[0] == pytest.approx(predicted(with_calibration(cluster, as_profiled), sharded)[0],
                                                               rel=1e-12)
+    from cephalo_lightning.planner.cost import collective_ms
+
+    for got, want in zip(collective_ms(calibrated, sharded.state_shares),
+                         collective_ms(with_calibration(cluster, as_profiled), sharded.state_shares)):
+        assert got == pytest.approx(want, rel=1e-12)  # asked for one group's prices, a fit on another is not used
 
 
 def test_the_host_is_blocked_in_an_asynchronous_collective_at_its_issue_and_its_wait(clock) -> None:

@@ -561,8 +561,9 @@ def collective_ms(cluster: Cluster, shares: Sequence[float] | np.ndarray,
     """Every rank's per-layer (all-gather, reduce-scatter plus the cross-group reduction, exposed) in
     ms, under ``shard_groups`` (None: one group of all; ``shares`` within each group). The exposed part
     (groups of one rank: the last gradient bucket's all-reduce, which starts when the backward ends)
-    adds to the layer's time after :meth:`DeviceCost.layer_ms` instead of overlapping its compute."""
-    cluster = calibrated(cluster)
+    adds to the layer's time after :meth:`DeviceCost.layer_ms` instead of overlapping its compute. A
+    cluster that still carries its calibration is folded for these groups (in the calibration's mode)."""
+    cluster = calibrated(cluster, None, np.zeros(len(shares), np.int64) if shard_groups is None else shard_groups)
     r = np.asarray(shares, dtype=float)
     if single_group(shard_groups):
         comm = communication(cluster)

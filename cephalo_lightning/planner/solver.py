@@ -596,10 +596,10 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
     problem = Problem(_without_fixed_terms(source), B, mode, group_kinds=_group_kinds)
     _check_memory(problem)
     best, lower_s, _ = solve_groupings(problem, names)
+    chosen = problem.for_groups(best.groups)  # the chosen grouping's prices (a refinement keeps the groups)
     if cluster.settings.host_cores and problem.W <= SHARED_HOST_REFINE_RANKS:
-        best = refine_on_shared_host(problem.for_groups(best.groups), source, best)
+        best = refine_on_shared_host(chosen, source, best)
     lower_s = max(contention * lower_s + fixed_s, shared_host_lower_ms(problem, cluster) / 1e3)
-    chosen = problem.for_groups(best.groups)
     ranks, step = rank_plans(source, best.batch, best.micro, best.shares, ~best.keep, mode,
                              kinds=(chosen.costs, chosen.of_rank), shard_groups=best.groups)
     return Plan(

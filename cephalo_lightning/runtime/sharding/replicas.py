@@ -48,7 +48,6 @@ Consume = Callable[[torch.Tensor], None]
 Fill = Callable[[torch.Tensor], None]
 
 
-
 Runs = tuple[tuple[int, int], ...]  # (offset, length) runs of a buffer, in the order they are used
 
 
