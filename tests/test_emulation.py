@@ -162,6 +162,40 @@ def test_contention_clock_subtracts_the_run_queue_wait_of_one_thread() -> None:
     assert 0.0 <= ContentionClock.now().since(first)  # the real clock reads, and moves forward
 
 
+class _PreemptedHost(ContentionClock):
+    """A host where every read of either clock takes 1 us and, once, the thread is descheduled for
+    5 ms right after a given wall-clock read (a timer tick landing between the two reads)."""
+
+    t, waited, reads, preempt_after = 0.0, 0.0, 0, -1
+
+    @staticmethod
+    def _wall() -> float:
+        host = _PreemptedHost
+        host.t += 1e-6
+        reading, host.reads = host.t, host.reads + 1
+        if host.reads == host.preempt_after:
+            host.t += 5e-3
+            host.waited += 5e-3
+        return reading
+
+    @classmethod
+    def _runqueue_wait(cls) -> float:
+        _PreemptedHost.t += 1e-6
+        return _PreemptedHost.waited
+
+
+@pytest.mark.parametrize("preempted_at", ["start", "end"])
+def test_a_preemption_between_the_two_reads_neither_hides_nor_adds_a_regions_compute(preempted_at: str) -> None:
+    host = _PreemptedHost
+    host.t, host.waited, host.reads = 0.0, 0.0, 0
+    host.preempt_after = 1 if preempted_at == "start" else 2  # the first wall read of a reading, or the second's
+    start = host.now()
+    host.t += 40e-6  # the region's compute: a small matrix product
+    end = host.now()
+    # the region ran 40 us, plus the clock reads inside it; the 5 ms in the run queue is not its compute
+    assert 40e-6 <= end.since(start) <= 50e-6, (preempted_at, end.since(start))
+
+
 # ---------------------------------------------------------------------------------------------
 # memory
 

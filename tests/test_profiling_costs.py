@@ -13,7 +13,7 @@ import yaml
 from cephalo_lightning.demo.gpt import GPT, GPTConfig
 from cephalo_lightning.planner import Settings, plan
 from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions, profile_cluster
-from cephalo_lightning.profiling.collectives import CollectiveProfile, skewed_shares, uneven_slope
+from cephalo_lightning.profiling.collectives import CollectiveProfile, calls_lasting, skewed_shares, uneven_slope
 from cephalo_lightning.profiling.optimizer import time_optimizer_step
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from tests.distributed import run_distributed
@@ -62,6 +62,23 @@ def test_uneven_slope_from_even_and_skewed_timings() -> None:
     assert uneven_slope(even, "exact") is None
     faster = CollectiveProfile(1000, 4, 2.0, 2.0, tuple(skewed_shares(4)), {"padded": (1.0, 1.0)})
     assert uneven_slope(faster, "padded") == 0.0  # never negative
+
+
+def test_the_overlaps_compute_is_sized_from_a_timed_block_and_bounded_when_the_clock_reads_nothing() -> None:
+    timed: list[int] = []
+
+    def linear(n: int) -> float:  # 0.05 ms a call
+        timed.append(n)
+        return 0.05 * n
+
+    assert calls_lasting(linear, 10.0) == 200  # the block grew to 1 ms (20 calls), then was scaled
+    assert timed == [1, 2, 4, 8, 16, 32]
+    assert calls_lasting(linear, 0.2) == 4  # a short target: the block stops at the target itself
+    timed.clear()
+    # a clock that reads no time (a host that descheduled the thread at the wrong instant): bounded
+    assert calls_lasting(lambda n: timed.append(n) or 0.0, 10.0, max_calls=64) == 64
+    assert timed == [1, 2, 4, 8, 16, 32, 64]
+    assert calls_lasting(lambda n: 50.0 * n, 10.0) == 1  # one call already outlasts the target
 
 
 def test_cache_with_a_capacity_the_device_does_not_have_is_profiled_again(

@@ -154,6 +154,32 @@ def _busy(device: torch.device, size: int) -> Callable[[], object]:
     return lambda: a @ a
 
 
+def _repeat(step: Callable[[], object], calls: int) -> None:
+    for _ in range(calls):
+        step()  # nothing kept: a long region holds one result at a time
+
+
+MAX_OVERLAP_CALLS = 2**16  # a 128 x 128 product: some 4-6 s of one CPU core here, far past any probed all-gather
+
+
+def calls_lasting(block_ms: Callable[[int], float], target_ms: float, max_calls: int = MAX_OVERLAP_CALLS) -> int:
+    """How many back-to-back calls of a step last ``target_ms``, given ``block_ms(n)``: n calls' time.
+
+    The block doubles until it lasts the target or 1 ms, whichever is less (one call is too short
+    to time on its own), and the count is scaled from it; at least 1 and at most ``max_calls``,
+    even where the block reads as no time at all.
+    """
+    calls = 1
+    while True:
+        ms = block_ms(calls)
+        if ms >= min(target_ms, 1.0) or calls >= max_calls:
+            break
+        calls = min(2 * calls, max_calls)
+    if ms <= 0:
+        return max_calls
+    return int(min(max_calls, max(1, round(target_ms * calls / ms))))
+
+
 def time_overlap(
     numel: int,
     *,
@@ -186,11 +212,11 @@ def time_overlap(
     timer = RegionTimer(device, emulator)
     gather = _time_op(lambda: comm.all_gather(shard, full, unit).wait(), device, comm.group, 1, repeats)
     step = _busy(device, 128)
-    one = summarize([timer.time(step)[1] for _ in range(3)], statistic)
-    calls = max(1, round(gather / max(one, 1e-6)))
+    calls = calls_lasting(lambda n: summarize([timer.time(lambda: _repeat(step, n))[1] for _ in range(3)], statistic),
+                          gather)
 
     def compute() -> None:
-        timer.time(lambda: [step() for _ in range(calls)])
+        timer.time(lambda: _repeat(step, calls))
 
     alone = _time_op(compute, device, comm.group, 1, repeats)
 

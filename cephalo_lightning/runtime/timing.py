@@ -18,6 +18,8 @@ from cephalo_lightning.runtime.observers import Observer
 
 __all__ = ["BusyTime", "ContentionClock"]
 
+_PAIRING_TRIES = 4  # a thread descheduled at every one of them is on a host that no reading can help
+
 
 class ContentionClock:
     """Wall time minus the time this thread spent runnable but waiting for a CPU (Linux).
@@ -56,9 +58,27 @@ class ContentionClock:
             cls._available = False
             return None
 
+    @staticmethod
+    def _wall() -> float:
+        return time.perf_counter()
+
     @classmethod
     def now(cls) -> ContentionClock:
-        return cls(time.perf_counter(), cls._runqueue_wait(), threading.get_ident())
+        """This instant: the wall clock and the run-queue wait read with no wait between them.
+
+        A thread descheduled between the two reads would pair a wall time with a wait that came
+        after it, and a short region ending there would read as zero (a profiler sizing its work
+        by such a reading would then size it without bound). The wait is read on both sides of the
+        wall clock, again until the two agree.
+        """
+        waited = cls._runqueue_wait()
+        for _ in range(_PAIRING_TRIES):
+            wall = cls._wall()
+            after = cls._runqueue_wait()
+            if after == waited:
+                break
+            waited = after
+        return cls(wall, waited, threading.get_ident())
 
     def since(self, earlier: ContentionClock | None) -> float:
         """Seconds from ``earlier`` to this reading, less the run-queue wait in between."""
