@@ -4,6 +4,8 @@
     python benchmarks/bench_topology.py --quick      # 1 round, fewer batches
     python benchmarks/bench_topology.py --profile-only  # measure the links, profile and plan; no fits
     python benchmarks/bench_topology.py --calibrate  # plan on a calibration of the profile's plan
+    python benchmarks/bench_topology.py --link-ratio 10  # the inter-node link 10x slower than the host's, measured
+    python benchmarks/bench_topology.py --slowdown-scale 2  # cluster 1's ranks all twice as slow (see below)
     python benchmarks/bench_topology.py --json       # the rows as data
 
 THE CLUSTER IS EMULATED ON CPU: 4 gloo ranks on this machine stand for 2 nodes x 2 GPUs. Node 0 has
@@ -15,7 +17,14 @@ slower than the host's own link between two ranks, which is MEASURED first (an a
 ranks, :func:`~cephalo_lightning.profiling.topology.time_links`) and printed with the ratio (6-24x
 on one 2-core host, 4-9x on a slower one). The link
 is fixed rather than derived from that measurement, which the host's load moves 4x from run to run
-(``Config.inter_node_gbps=None`` derives it). No GPU is involved.
+(``--link-ratio R`` derives it, R times slower than the host's). No GPU is involved.
+
+Four ranks share the host's two cores. A rank at slowdown 1 computes on a core for its whole
+region, so ranks at 1, 1, 2, 2 ask for 3 cores between them and wait for one another's compute,
+which no GPU does; waiting less on the wire, the compute-bound plans (DDP, HSDP) lose more to it
+than full shard. ``--slowdown-scale 2`` doubles every slowdown of cluster 1 (2, 2, 4, 4: the same
+ratios, 1.5 cores asked for); cluster 2 stays at full speed, as Lightning's DDP beside it runs
+unemulated.
 
 In one spawned group of 4 ranks, for each of two clusters:
 
@@ -76,6 +85,9 @@ class Config:
     # host's link as measured at the start, divided by link_ratio
     inter_node_gbps: float | None = 0.02
     link_ratio: float = 10.0
+    # cluster 1's slowdowns times this, their ratios unchanged (cluster 2 stays at full speed: Lightning's
+    # DDP beside it runs unemulated)
+    slowdown_scale: float = 1.0
     probe_bytes: int = 2**20  # each rank's shard when the host's link is measured
     preset: str = "small"  # the demo GPT: 4 blocks x 128, ~0.9M parameters
     seq_len: int = 64
@@ -96,9 +108,6 @@ class Config:
 QUICK = Config(rounds=1, measured=4)
 
 
-# ----------------------------------------------------------------------------- what this checkout has
-
-
 # ----------------------------------------------------------------------------- the clusters
 
 
@@ -115,7 +124,7 @@ def host_link_gbps(cfg: Config) -> float:
 def topology_specs(cfg: Config, inter_node_gbps: float) -> list[dict[str, Any]]:
     specs = []
     for (slowdown, memory), node in zip(cfg.devices, NODES):
-        spec: dict[str, Any] = {"slowdown": slowdown, "node": node, "inter_node_gbps": inter_node_gbps}
+        spec: dict[str, Any] = {"slowdown": slowdown * cfg.slowdown_scale, "node": node, "inter_node_gbps": inter_node_gbps}
         if memory is not None:
             spec["memory_gb"] = memory
         specs.append(spec)
@@ -438,14 +447,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-second", action="store_true", help="skip the cluster that fits everywhere")
     parser.add_argument("--calibrate", action="store_true",
                         help="calibrate on the profile's plan first (2 windows) and plan on the calibrated cluster")
+    parser.add_argument("--link-ratio", type=float, metavar="R",
+                        help="derive the emulated inter-node link from the host's, R times slower (default: fixed "
+                             f"at {Config.inter_node_gbps} GB/s)")
+    parser.add_argument("--slowdown-scale", type=float, metavar="S",
+                        help="cluster 1's emulated slowdowns times S (>= 1), the ratios between ranks unchanged")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
+    if args.slowdown_scale is not None and not args.slowdown_scale >= 1:
+        parser.error(f"--slowdown-scale must be >= 1, got {args.slowdown_scale}")
+    if args.link_ratio is not None and not args.link_ratio > 1:
+        parser.error(f"--link-ratio must be > 1 (how many times slower than the host's link), got {args.link_ratio}")
     cfg = QUICK if args.quick else Config()
     overrides: dict[str, Any] = {"profile_only": args.profile_only, "fits_everywhere": not args.no_second}
     if args.calibrate:
         overrides["calibration_windows"] = 2
     if args.rounds:
         overrides["rounds"] = args.rounds
+    if args.slowdown_scale is not None:
+        overrides["slowdown_scale"] = args.slowdown_scale
+    if args.link_ratio is not None:
+        overrides.update(inter_node_gbps=None, link_ratio=args.link_ratio)
     return common.emit(run_benchmark(Config(**{**asdict(cfg), **overrides})), args.json, print_report)
 
 
