@@ -260,10 +260,17 @@ def _shares_with_optimizer(cluster: Cluster, batch, micro, keep, caps, mode) -> 
         def shares(t: float) -> list[float]:
             return [min(li, max(0.0, (t - bi) / k)) if k > 0 else li for li, bi, k in zip(lim, base, kappa)]
 
-        lo, hi = max(base), max(base) + max(kappa) + 1.0
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (lo, mid) if sum(shares(mid)) >= 1 - 1e-12 else (mid, hi)
+        # the least t whose shares sum to 1: their sum is linear in t between the points where a
+        # rank's share starts (t = b_i) or reaches its limit (t = b_i + l_i k_i); find the piece, solve it
+        points = sorted({max(base), *(b + li * k for li, b, k in zip(lim, base, kappa) if k > 0)})
+        points = [t for t in points if t >= max(base)]
+        below = max(base)
+        for t in points:
+            if sum(shares(t)) >= 1 - 1e-12:
+                low, high = sum(shares(below)), sum(shares(t))
+                hi = t if high == low else below + (t - below) * (1 - low) / (high - low)
+                break
+            below = t
         r = shares(hi)
         total = sum(r)
         r = [x / total for x in r]
