@@ -21,8 +21,7 @@ is fixed rather than derived from that measurement, which the host's load moves 
 
 Four ranks share the host's two cores. A rank at slowdown 1 computes on a core for its whole
 region, so ranks at 1, 1, 2, 2 ask for 3 cores between them and wait for one another's compute,
-which no GPU does; waiting less on the wire, the compute-bound plans (DDP, HSDP) lose more to it
-than full shard. ``--slowdown-scale 2`` doubles every slowdown of cluster 1 (2, 2, 4, 4: the same
+which no GPU does. ``--slowdown-scale 2`` doubles every slowdown of cluster 1 (2, 2, 4, 4: the same
 ratios, 1.5 cores asked for); cluster 2 stays at full speed, as Lightning's DDP beside it runs
 unemulated.
 
