@@ -91,10 +91,6 @@ def test_a_real_device_run_without_observers_reads_no_clock_and_keeps_no_state(m
     class Probe(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step in (400, 1000):  # after warm-up (optimizer state, log keys, caches)
-                if not tracemalloc.is_tracing():
-                    # traced from here: what the package allocates later and still holds is its growth
-                    # (tracing the warm-up too would only slow it down several times)
-                    tracemalloc.start()
                 gc.collect()  # count what is alive, not garbage awaiting collection
                 modules = [m for name, m in sys.modules.items() if name.startswith("cephalo_lightning")]
                 held.append(package_state([trainer.strategy, *modules]))
@@ -105,6 +101,7 @@ def test_a_real_device_run_without_observers_reads_no_clock_and_keeps_no_state(m
     trainer = pl.Trainer(strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=1, max_steps=1000,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[Probe()])
+    tracemalloc.start()
     try:
         trainer.fit(TinyLayered(), loader(token_data(4000), 4))
     finally:
