@@ -5,7 +5,7 @@
     python benchmarks/bench_topology.py --profile-only  # measure the links, profile and plan; no fits
     python benchmarks/bench_topology.py --calibrate  # plan on a calibration of the profile's plan
     python benchmarks/bench_topology.py --link-ratio 10  # the inter-node link 10x slower than the host's, measured
-    python benchmarks/bench_topology.py --slowdown-scale 2  # cluster 1's ranks all twice as slow (see below)
+    python benchmarks/bench_topology.py --slowdown-scale 1  # cluster 1 unscaled, 1, 1, 2, 2 (default 2: see below)
     python benchmarks/bench_topology.py --json       # the rows as data
 
 THE CLUSTER IS EMULATED ON CPU: 4 gloo ranks on this machine stand for 2 nodes x 2 GPUs. Node 0 has
@@ -20,10 +20,13 @@ is fixed rather than derived from that measurement, which the host's load moves 
 (``--link-ratio R`` derives it, R times slower than the host's). No GPU is involved.
 
 Four ranks share the host's two cores. A rank at slowdown 1 computes on a core for its whole
-region, so ranks at 1, 1, 2, 2 ask for 3 cores between them and wait for one another's compute,
-which no GPU does. ``--slowdown-scale 2`` doubles every slowdown of cluster 1 (2, 2, 4, 4: the same
-ratios, 1.5 cores asked for); cluster 2 stays at full speed, as Lightning's DDP beside it runs
-unemulated.
+region, so ranks at 1, 1, 2, 2 would ask for 3 cores between them and wait for one another's
+compute, which no GPU does. Cluster 1's slowdowns are therefore scaled by ``slowdown_scale`` = 2 by
+default (2, 2, 4, 4: the same ratios, 1.5 cores asked for), and every rank then has a wait after its
+compute that covers the time it queued for a core inside the region (the emulator's
+[Note: covered run-queue wait]), so the emulated compute does not stretch with the neighbours' load.
+``--slowdown-scale 1`` runs the unscaled 1, 1, 2, 2. Cluster 2 stays at full speed, as Lightning's
+DDP beside it runs unemulated.
 
 In one spawned group of 4 ranks, for each of two clusters:
 
@@ -84,9 +87,9 @@ class Config:
     # host's link as measured at the start, divided by link_ratio
     inter_node_gbps: float | None = 0.02
     link_ratio: float = 10.0
-    # cluster 1's slowdowns times this, their ratios unchanged (cluster 2 stays at full speed: Lightning's
-    # DDP beside it runs unemulated)
-    slowdown_scale: float = 1.0
+    # cluster 1's slowdowns times this, their ratios unchanged: 2, 2, 4, 4 ask the host for 1.5 of its 2
+    # cores (cluster 2 stays at full speed: Lightning's DDP beside it runs unemulated)
+    slowdown_scale: float = 2.0
     probe_bytes: int = 2**20  # each rank's shard when the host's link is measured
     preset: str = "small"  # the demo GPT: 4 blocks x 128, ~0.9M parameters
     seq_len: int = 64

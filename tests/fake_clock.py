@@ -19,13 +19,18 @@ from cephalo_lightning.runtime.timing import ContentionClock
 class FakeClock:
     def __init__(self, lateness: float = 0.0) -> None:
         self.t = 0.0
+        self.waited = 0.0  # run-queue wait so far
         self.lateness = lateness  # how late every sleep of the emulator wakes up
 
     def now(self) -> ContentionClock:
-        return ContentionClock(self.t, 0.0, threading.get_ident())
+        return ContentionClock(self.t, self.waited - ContentionClock.covered(), threading.get_ident())
 
     def work(self, seconds: float) -> None:  # compute inside a region
         self.t += seconds
+
+    def queue(self, seconds: float) -> None:  # runnable, waiting for a CPU another process holds
+        self.t += seconds
+        self.waited += seconds
 
     def sleep(self, seconds: float) -> None:  # the emulator's wait
         self.t += seconds + self.lateness

@@ -150,6 +150,34 @@ def test_busy_time_counts_regions_and_the_emulated_waits(clock: FakeClock) -> No
         assert busy.seconds - before == pytest.approx(0.03 * slowdown, rel=1e-9)
 
 
+@pytest.mark.parametrize(("slowdown", "queued", "wall"), [
+    (3.0, 0.005, 0.030),  # 5 ms waiting for a CPU, inside the 20 ms wait: the region lasts 3 x 10 ms
+    (3.0, 0.020, 0.030),  # exactly the wait: nothing left to sleep
+    (3.0, 0.025, 0.035),  # more than the wait covers: the region stretches by the 5 ms beyond it
+    (1.0, 0.005, 0.015),  # no wait to cover anything with: the host's load shows, as before
+])
+def test_a_slowed_region_lasts_its_slowdown_times_its_compute_whatever_the_run_queue_wait_inside_it(
+    clock: FakeClock, slowdown: float, queued: float, wall: float,
+) -> None:
+    """The emulated device computes 10 ms; its thread also waits ``queued`` for a CPU inside the region
+    (other ranks on the host's cores). The region's wall time is the emulated device's, slowdown x 10 ms,
+    as far as the wait after the compute covers the queueing, and the busy time read around it (what
+    the profile and the calibration read) is slowdown x 10 ms in every case."""
+    observers = Observers()
+    observers.attach(DeviceEmulator(slowdown))
+    busy = observers.attach(BusyTime(), outermost=True)
+    before, start = busy.seconds, clock.t
+    with observers.compute("layer_forward"):
+        clock.work(0.004)
+        clock.queue(queued)
+        clock.work(0.006)
+    assert clock.t - start == pytest.approx(wall, rel=1e-9)
+    assert busy.seconds - before == pytest.approx(0.010 * slowdown, rel=1e-9)
+    outside = ContentionClock.now()
+    clock.queue(0.003)  # waiting for a CPU outside any region: never covered
+    assert ContentionClock.now().since(outside) == pytest.approx(0.0, abs=1e-12)
+
+
 def test_contention_clock_subtracts_the_run_queue_wait_of_one_thread() -> None:
     me, other = threading.get_ident(), threading.get_ident() + 1
     earlier = ContentionClock(10.0, 2.0, me)

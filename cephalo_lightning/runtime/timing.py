@@ -30,6 +30,15 @@ class ContentionClock:
     (nor reports) a neighbour's load. The run-queue wait comes from ``/proc/thread-self/schedstat``
     (second field, nanoseconds); where it is unavailable (not Linux) this is the plain wall clock.
     Readings from different threads are not comparable: :meth:`since` then falls back to wall time.
+
+    [Note: covered run-queue wait] An emulated slow device waits after each compute region until
+    the region has lasted ``slowdown`` times its compute
+    (:class:`~cephalo_lightning.runtime.emulation.emulator.DeviceEmulator`), so time its thread spent
+    in the run queue inside the region is covered by that wait: the emulated device was still
+    computing then, as a GPU would be whatever its host's other processes do. The emulator reports
+    what it covered (:meth:`cover`, per thread) and every later reading leaves it out of the
+    run-queue wait, so a reader around the region still reads the device's ``slowdown`` x compute,
+    no more and no less, while the region's wall time no longer grows with the host's load.
     """
 
     _local = threading.local()
@@ -63,6 +72,17 @@ class ContentionClock:
         return time.perf_counter()
 
     @classmethod
+    def covered(cls) -> float:
+        """Seconds of this thread's run-queue wait an emulated device's waits have covered so far."""
+        return getattr(cls._local, "covered", 0.0)
+
+    @classmethod
+    def cover(cls, seconds: float) -> None:
+        """Count ``seconds`` of this thread's run-queue wait as the emulated device's time, not contention."""
+        if seconds > 0.0:
+            cls._local.covered = cls.covered() + seconds
+
+    @classmethod
     def now(cls) -> ContentionClock:
         """This instant: the wall clock and the run-queue wait read with no wait between them.
 
@@ -78,6 +98,8 @@ class ContentionClock:
             if after == waited:
                 break
             waited = after
+        if waited is not None:
+            waited -= cls.covered()
         return cls(wall, waited, threading.get_ident())
 
     def since(self, earlier: ContentionClock | None) -> float:

@@ -5,11 +5,15 @@ A rank's emulation is the planner's :class:`~cephalo_lightning.planner.cluster.E
 
 * ``slowdown`` >= 1: every compute region takes that many times longer. The emulator is a runtime
   observer (:mod:`.observers`): attached to a sharded model it hears each unit's forward and
-  backward and each optimizer step as a compute region, measures the region and then waits
-  ``(slowdown - 1)`` times as long. Waiting (not spinning) leaves the cores to the other ranks of a
-  CPU "cluster", so a slow emulated rank does not slow down the fast ones. Time the rank spends
-  waiting for a CPU (host contention) is left out of the measure on Linux (:class:`ContentionClock`),
-  so the emulator slows down the device's compute, not its neighbours' load.
+  backward and each optimizer step as a compute region, measures the region's compute and then
+  waits until the region has lasted ``slowdown`` times that. Waiting (not spinning) leaves the cores
+  to the other ranks of a CPU "cluster", so a slow emulated rank does not slow down the fast ones.
+  Time the rank spends waiting for a CPU (host contention) is left out of the measure on Linux
+  (:class:`ContentionClock`), so the emulator slows down the device's compute, not its neighbours'
+  load; and that wait counts towards the region's length, so where the wait after the compute is
+  long enough to cover it, the region lasts ``slowdown`` x its compute whatever the host's load
+  (a GPU's kernels do not wait for a neighbour's; see [Note: covered run-queue wait]). A rank at
+  slowdown 1 has no wait to cover anything with: its regions still stretch with the host's load.
 * ``memory_gb``: a capacity in GiB (2**30 bytes, as ``torch.cuda`` reports). On CPU it is enforced
   by a :class:`~cephalo_lightning.runtime.emulation.memory.MemoryTracker` (:meth:`DeviceEmulator.memory_tracker`),
   which raises :class:`~cephalo_lightning.runtime.emulation.memory.EmulatedOutOfMemoryError` (a
@@ -88,8 +92,9 @@ class DeviceEmulator(Observer):
     """Makes this rank's compute take ``slowdown`` times as long, and optionally caps its memory.
 
     Attached to a runtime's :class:`~.observers.Observers`, it hears every unit's compute region
-    (nested regions count once), measures it on the contention-free clock and then waits
-    ``(slowdown - 1)`` times as long. ``memory_gb`` is the emulated capacity (GiB); it is enforced
+    (nested regions count once), measures it on the contention-free clock and then waits until the
+    region has lasted ``slowdown`` times that (the run-queue wait inside the region counts towards
+    it, up to ``slowdown - 1`` times the compute). ``memory_gb`` is the emulated capacity (GiB); it is enforced
     where a tracker or a CUDA cap is set up from it (:meth:`memory_tracker`,
     :meth:`cap_cuda_memory`), not by the slowdown regions.
 
@@ -195,8 +200,12 @@ class DeviceEmulator(Observer):
             return
         if self._cuda_timing():  # pragma: no cover - CUDA only
             torch.cuda.synchronize()  # the wait must scale kernel time, not launch time
-        elapsed = ContentionClock.now().since(self._start_clock)
-        self._wait(elapsed * (self.slowdown - 1.0))
+        now = ContentionClock.now()
+        compute = now.since(self._start_clock)
+        queued = max(0.0, now.wall - self._start_clock.wall - compute)  # waiting for a CPU inside the region
+        covered = min(queued, compute * (self.slowdown - 1.0))
+        ContentionClock.cover(covered)
+        self._wait(compute * (self.slowdown - 1.0) - covered)
 
     # the names the profiler's timer uses
     begin_compute = compute_begin

@@ -1,0 +1,105 @@
+"""Emulated compute regions on a shared host: how long a slowed region lasts against its emulated length.
+
+    python benchmarks/bench_emulation.py                  # 4 processes at slowdowns 2, 2, 4, 4 on this host
+    python benchmarks/bench_emulation.py --slowdowns 1,1,2,2 --regions 300
+
+EMULATED ON CPU: each process stands for one GPU of a cluster. It runs compute regions (a few matrix
+products, one thread) inside a :class:`~cephalo_lightning.runtime.emulation.emulator.DeviceEmulator`
+and reads, per region, on this host:
+
+* the region's compute without the time the process waited for a core (``ContentionClock``),
+* the region's wall time, and
+* the run-queue wait inside it (wall before the emulator's wait minus compute).
+
+The emulated length of a region is ``slowdown x compute``. Printed per process: the regions' wall
+time over their emulated length, summed over the regions (MEASURED), and what it would have been had the run-queue wait come on
+top of the emulated length instead of counting towards the wait after the compute (the emulator's
+[Note: covered run-queue wait]; computed from the same regions' measured run-queue wait). A process at
+slowdown 1 has no wait to cover its queueing with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+from pathlib import Path
+
+try:
+    import cephalo_lightning  # noqa: F401
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cephalo_lightning.runtime.observers import Observer  # noqa: E402
+from cephalo_lightning.runtime.timing import ContentionClock  # noqa: E402
+
+
+class _Probe(Observer):
+    """Attached after the emulator (its region ends first): the region's compute and its run-queue wait,
+    read before the emulator waits."""
+
+    def __init__(self) -> None:
+        self.start: ContentionClock | None = None
+        self.compute_s = 0.0
+        self.queued_s = 0.0
+
+    def compute_begin(self, region: str) -> None:
+        self.start = ContentionClock.now()
+
+    def compute_end(self, region: str) -> None:
+        now = ContentionClock.now()
+        self.compute_s = now.since(self.start)
+        self.queued_s = max(0.0, now.wall - self.start.wall - self.compute_s)
+
+
+def _rank(rank: int, slowdown: float, regions: int, products: int, out: mp.Queue) -> None:
+    import torch
+
+    from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
+    from cephalo_lightning.runtime.observers import Observers
+
+    torch.set_num_threads(1)
+    probe = _Probe()
+    observers = Observers()
+    observers.attach(DeviceEmulator(slowdown))
+    observers.attach(probe)
+    a = torch.randn(256, 256)
+    walls, emulated, queued = 0.0, 0.0, 0.0
+    for i in range(regions):
+        start = ContentionClock.now()
+        with observers.compute("layer_forward"):
+            for _ in range(products):
+                a @ a
+        wall = ContentionClock.now().wall - start.wall
+        if i >= regions // 10:  # warm-up left out
+            walls += wall
+            emulated += slowdown * probe.compute_s
+            queued += probe.queued_s
+    out.put((rank, slowdown, walls / emulated, (emulated + queued) / emulated))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--slowdowns", default="2,2,4,4", help="one slowdown per process")
+    parser.add_argument("--regions", type=int, default=200)
+    parser.add_argument("--products", type=int, default=20, help="256 x 256 matrix products per region")
+    args = parser.parse_args(argv)
+    slowdowns = [float(s) for s in args.slowdowns.split(",")]
+    out: mp.Queue = mp.Queue()
+    procs = [mp.get_context("fork").Process(target=_rank, args=(r, s, args.regions, args.products, out))
+             for r, s in enumerate(slowdowns)]
+    for p in procs:
+        p.start()
+    results = sorted(out.get() for _ in procs)
+    for p in procs:
+        p.join()
+    print(f"EMULATED: {len(slowdowns)} processes on this host's {mp.cpu_count()} cores stand for GPUs at slowdowns "
+          f"{args.slowdowns} (they ask for {sum(1 / s for s in slowdowns):.2f} cores); totals over the regions")
+    print("rank  slowdown  region wall / emulated length (MEASURED)  with the run-queue wait on top (same regions)")
+    for rank, slowdown, ratio, uncovered in results:
+        print(f"{rank:>4}  {slowdown:>8g}  {ratio:>41.3f}  {uncovered:>38.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
