@@ -49,7 +49,7 @@ class _Probe(Observer):
     def compute_end(self, region: str) -> None:
         now = ContentionClock.now()
         self.compute_s = now.since(self.start)
-        self.queued_s = max(0.0, now.wall - self.start.wall - self.compute_s)
+        self.queued_s = now.queued_since(self.start)
 
 
 def _rank(rank: int, slowdown: float, regions: int, products: int, out: mp.Queue) -> None:

@@ -182,6 +182,8 @@ def test_contention_clock_subtracts_the_run_queue_wait_of_one_thread() -> None:
     me, other = threading.get_ident(), threading.get_ident() + 1
     earlier = ContentionClock(10.0, 2.0, me)
     assert ContentionClock(10.5, 2.1, me).since(earlier) == pytest.approx(0.4)  # 0.1 s waited for a CPU
+    assert ContentionClock(10.5, 2.1, me).queued_since(earlier) == pytest.approx(0.1)
+    assert ContentionClock(10.5, 2.1, other).queued_since(earlier) == 0.0  # not measured across threads
     assert ContentionClock(10.5, 2.1, other).since(earlier) == pytest.approx(0.5)  # another thread: wall time
     assert ContentionClock(10.5, None, me).since(earlier) == pytest.approx(0.5)  # no schedstat: wall time
     assert ContentionClock(10.5, 3.0, me).since(earlier) == 0.0  # never negative

@@ -111,6 +111,10 @@ class ContentionClock:
             return wall
         return max(0.0, wall - (self.waited - earlier.waited))
 
+    def queued_since(self, earlier: ContentionClock) -> float:
+        """Seconds from ``earlier`` to this reading spent waiting for a CPU (0 where not measured)."""
+        return max(0.0, self.wall - earlier.wall - self.since(earlier))
+
 
 class BusyTime(Observer):
     """Seconds this rank spends in compute regions, what the profile's figures predict.

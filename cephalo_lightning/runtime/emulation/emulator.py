@@ -201,11 +201,10 @@ class DeviceEmulator(Observer):
         if self._cuda_timing():  # pragma: no cover - CUDA only
             torch.cuda.synchronize()  # the wait must scale kernel time, not launch time
         now = ContentionClock.now()
-        compute = now.since(self._start_clock)
-        queued = max(0.0, now.wall - self._start_clock.wall - compute)  # waiting for a CPU inside the region
-        covered = min(queued, compute * (self.slowdown - 1.0))
+        wait = now.since(self._start_clock) * (self.slowdown - 1.0)
+        covered = min(now.queued_since(self._start_clock), wait)  # waiting for a CPU inside the region
         ContentionClock.cover(covered)
-        self._wait(compute * (self.slowdown - 1.0) - covered)
+        self._wait(wait - covered)
 
     # the names the profiler's timer uses
     begin_compute = compute_begin
