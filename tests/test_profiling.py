@@ -325,3 +325,40 @@ def test_identical_devices_share_a_measurement_and_failures_reach_every_rank() -
     assert devices[0] == devices[1] and results[1]["cluster"] == results[0]["cluster"]
     for r in results:
         assert r["error"] is not None and "profiling failed on rank 1" in r["error"]
+
+
+LATE_MS = 60.0  # how late rank 0 reaches every timed collective
+
+
+def _collectives_with_a_late_rank(rank: int, world_size: int) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    from cephalo_lightning.profiling import collectives
+
+    def late_barrier(group: object) -> None:  # rank 0 leaves every barrier LATE_MS after rank 1
+        dist.barrier(group)
+        if rank == 0:
+            time.sleep(LATE_MS / 1e3)
+
+    collectives.barrier = late_barrier  # this rank process only
+    torch.set_num_threads(1)
+    unit = collectives.build_layout([4096], [0.5, 0.5], ["unit"]).units[0]
+    comm = collectives.Collectives(None, "padded")
+    shard, full = torch.ones(2048), torch.empty(4096)
+    gather = lambda: comm.all_gather(shard, full, unit).wait()  # noqa: E731
+    device = torch.device("cpu")
+    return {"own": collectives._time_op(gather, device, None, 1, 3),
+            "last": collectives._time_op(gather, device, None, 1, 3, last_arrival=True),
+            "profile": collectives.time_collectives(4096, repeats=3)}
+
+
+@pytest.mark.multiprocess
+def test_a_collective_is_timed_from_the_last_ranks_arrival() -> None:
+    results = run_distributed(_collectives_with_a_late_rank, 2)
+    # rank 1 waited for rank 0 inside every all-gather: its own figure holds the lateness
+    assert results[1]["own"] >= LATE_MS
+    for r in results:  # the last arrival times the transfer alone, the same figure on every rank
+        assert r["last"] == results[0]["last"] < LATE_MS / 2
+        assert r["profile"].allgather_ms < LATE_MS / 2 and r["profile"].reduce_scatter_ms < LATE_MS / 2
