@@ -231,3 +231,14 @@ def test_a_switch_is_not_rolled_back_on_a_window_where_another_rank_slowed() -> 
     assert switches[0].window == 4 and switches[0].measured_gain < -0.05, switches  # measured slower ...
     assert [(s.window, s.reason, s.rollback, s.rolled_back) for s in switches] == [
         (4, "re-timed rank 1", False, False), (7, "re-timed rank 2", False, False)], switches  # ... and not undone
+
+
+def test_another_ranks_one_window_of_noise_does_not_delay_a_straggler() -> None:
+    """Rank 1 slows x3 at window 3, where rank 2 also measures 1.5x for that window only: windows 3
+    and 4 confirm rank 1 (drifting in both), which is re-timed at 4; rank 2 is not."""
+    blip = lambda w: (1.0, 3.0, 1.5 if w == 3 else 1.0) if w >= 3 else (1.0, 1.0, 1.0)  # noqa: E731
+    kept: list = []
+    switches, _, _ = _windows(blip, 0.02, 6, adapter_out=kept)
+    history = kept[3]
+    assert history[3]["drifting"] == [1, 2] and history[4]["drifting"] == [1], history
+    assert [(s.window, s.reason) for s in switches] == [(4, "re-timed rank 1")], switches
