@@ -5,9 +5,8 @@ reduce-scatter in the backward pass (``Settings.allgather_ms`` / ``reduce_scatte
 even shares). The figures come from the runtime's own :class:`~cephalo_lightning.runtime.collectives.Collectives`
 on a unit of the mean layer size (so ``num_layers x`` the figure is the whole model's traffic):
 parameters in the compute dtype for the all-gather, gradients in the reduce dtype (fp32) for the
-reduce-scatter, as the runtime moves them. A timed collective counts from the last rank's arrival
-(ranks leave a barrier at different times, and the early ones wait inside the collective), and
-every rank gets the same figures, so every rank plans from the same cluster.
+reduce-scatter, as the runtime moves them. Every rank gets the same (slowest rank's) figures, so
+every rank plans from the same cluster.
 
 Two figures describe the cluster's own collectives beyond the even times: the uneven-shard slope
 (:func:`uneven_slope`, from the same unit cut unevenly: a collective whose largest shard is rho of
@@ -52,16 +51,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _time_op(
-    op: Callable[[], object], device: torch.device, group: dist.ProcessGroup | None, warmup: int, repeats: int,
-    last_arrival: bool = False,
+    op: Callable[[], object], device: torch.device, group: dist.ProcessGroup | None, warmup: int, repeats: int
 ) -> float:
-    """Milliseconds of ``op`` (min on CPU, median on CUDA over the repeats), every repeat started together.
-
-    ``last_arrival``: ``op`` is a collective of ``group``, and each repeat's figure is its shortest
-    time over the ranks, the same on every rank. A barrier does not release every rank at once; a
-    rank released early waits inside the collective for the last one, which alone times the
-    transfer. Without it, each rank's own times (compute, or a collective of a subgroup).
-    """
+    """Milliseconds of ``op`` on this rank (min on CPU, median on CUDA), every repeat started together."""
     samples = []
     for i in range(warmup + repeats):
         _sync(device)
@@ -71,14 +63,7 @@ def _time_op(
         _sync(device)
         if i >= warmup:
             samples.append((time.perf_counter() - start) * 1e3)
-    if last_arrival and is_distributed(group):
-        negated = torch.tensor([-s for s in samples], dtype=torch.float64, device=_reduce_device(device, group))
-        samples = [-s for s in all_reduce_(negated, "max", group).tolist()]
     return summarize(samples, default_statistic(device))
-
-
-def _reduce_device(device: torch.device, group: dist.ProcessGroup | None) -> torch.device | str:
-    return device if dist.get_backend(group) == "nccl" else "cpu"
 
 
 def _time_unit(
@@ -89,8 +74,8 @@ def _time_unit(
     shard = torch.ones(hi - lo, dtype=compute_dtype, device=device)
     full = torch.empty(unit.numel, dtype=compute_dtype, device=device)
     grad = torch.ones(unit.numel, dtype=reduce_dtype, device=device)
-    ag = _time_op(lambda: comm.all_gather(shard, full, unit).wait(), device, comm.group, warmup, repeats, True)
-    rs = _time_op(lambda: comm.reduce_scatter(grad, unit), device, comm.group, warmup, repeats, True)
+    ag = _time_op(lambda: comm.all_gather(shard, full, unit).wait(), device, comm.group, warmup, repeats)
+    rs = _time_op(lambda: comm.reduce_scatter(grad, unit), device, comm.group, warmup, repeats)
     return ag, rs
 
 
@@ -109,9 +94,8 @@ def time_collectives(
 ) -> CollectiveProfile:
     """All-gather / reduce-scatter time of a ``numel``-element unit; every rank must call it.
 
-    Each repeat counts for the rank that reached it last (its shortest time over the ranks: the
-    others also waited for that rank), then the fastest repeat on CPU (a shared host only adds
-    delays) or the median on CUDA; the uneven figures likewise, then the slowest rank's.
+    Each figure is this rank's fastest repeat on CPU (a shared host only adds delays) or its median
+    on CUDA, then the slowest rank's figure.
 
     The even-share figures are what the planner's settings take. ``modes`` (``padded`` / ``exact``)
     are additionally timed on a layout cut by ``shares`` (default even, where both modes take the
@@ -139,7 +123,7 @@ def time_collectives(
     }
     # every rank must plan from the same figures: take the slowest rank's
     flat = [ag, rs] + [v for mode in modes for v in by_mode[mode]]
-    agreed = torch.tensor(flat, dtype=torch.float64, device=_reduce_device(device, group))
+    agreed = torch.tensor(flat, dtype=torch.float64, device=device if dist.get_backend(group) == "nccl" else "cpu")
     values = all_reduce_(agreed, "max", group).tolist()
     by_mode = {mode: (values[2 + 2 * i], values[3 + 2 * i]) for i, mode in enumerate(modes)}
     used = tuple(float(s) for s in shares) if shares is not None else tuple([1.0 / world] * world)
@@ -243,5 +227,6 @@ def time_overlap(
 
     together = _time_op(both, device, comm.group, 1, repeats)
     hidden = (gather + alone - together) / max(min(gather, alone), 1e-9)
-    serial = torch.tensor([1.0 - min(1.0, max(0.0, hidden))], dtype=torch.float64, device=_reduce_device(device, group))
+    serial = torch.tensor([1.0 - min(1.0, max(0.0, hidden))], dtype=torch.float64,
+                          device=device if dist.get_backend(group) == "nccl" else "cpu")
     return round(1.0 - float(all_reduce_(serial, "max", group).item()), 3)
