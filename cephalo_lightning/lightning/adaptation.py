@@ -6,7 +6,9 @@
   faster by more than ``switch_gain``.
 * **Drift** is reported once per episode (:class:`.run_model.DriftEpisodes`).
 * **Stragglers** (``adapt``, once calibrated): a rank drifting in two windows in a row (one
-  window of noise moves nothing, and another rank's one window of noise beside it delays nothing) is re-timed from its own measured busy time (its compute scale multiplied by measured / predicted; no re-profile), the plan is
+  window of noise moves nothing, and another rank's one window of noise beside it delays nothing),
+  or in one window beyond the drift threshold twice over (x1.69 or /1.69 at the default 0.3: the
+  median of a window's steps, which one slow step does not move), is re-timed from its own measured busy time (its compute scale multiplied by measured / predicted; no re-profile), the plan is
   re-solved, and the state moves in place when the new optimum is predicted faster than the current
   plan by more than ``switch_gain``. A rank that recovers drifts the other way and is re-timed back;
   measured back near its calibrated speed (within ``drift_threshold``, or nearer to it than to its
@@ -126,8 +128,11 @@ class RunAdapter:
                     self._calibrate_at = len(history) + 1 + self.config.calibrate_after_windows
         elif event == "end":
             rank_zero_info("Cephalo: every rank is within the drift threshold of its prediction again.")
-        # a rank drifting in two windows in a row is not noise, whichever other rank drifted beside it once
-        confirmed = [i for i in drifting if i in self._previous]
+        # not noise: a rank drifting in two windows in a row (whichever other rank drifted beside it
+        # once), or one window's median step beyond the drift threshold twice over
+        far = math.log(1 + self.config.drift_threshold) * 2
+        confirmed = [i for i in drifting if i in self._previous
+                     or (ratios[i] and reference and abs(math.log(ratios[i] / reference)) > far)]
         self._previous = tuple(drifting)
         if adapting and confirmed and cluster is not None:
             cluster = self._retime(trainer, strategy, cluster, ratios, confirmed, index, record)
