@@ -2,16 +2,22 @@
 
     python benchmarks/bench_straggler.py            # 3 EMULATED ranks, rank 1 slows x3 at step S, recovers at S2
     python benchmarks/bench_straggler.py --quick
+    python benchmarks/bench_straggler.py --emulate 1,1.5,2   # other slowdowns of ranks 0..2
 
 THE CLUSTER IS EMULATED ON CPU: three gloo processes on this machine, slowed by sleeping after each
 compute region (:class:`~cephalo_lightning.runtime.emulation.emulator.DeviceEmulator`); no GPU.
+The default slowdowns (2, 3, 4) keep the three ranks' real compute within about one core (1/2 + 1/3
++ 1/4 of their time) on a host of two: at 1, 1.5, 2 they ask for 2.17 cores, and a plan that leaves
+one rank without samples frees a core for the others, a gain that no GPU cluster has and that makes
+the slowed cluster's plan measure faster than the original optimum after the recovery.
 
 In one spawned group of ranks, every fit of the same model and data, with the same slowdown:
 
 * static: ``CephaloCallback(adapt=False)`` - calibrated after the first windows (it may take the
   calibrated optimum then), the plan stays whatever rank 1 does;
-* adaptive: ``adapt=True`` - rank 1 drifting two windows in a row is re-timed from its measured
-  busy time, the plan re-solved and the state moved in place; on recovery it moves back;
+* adaptive: ``adapt=True`` - rank 1, x3 off its prediction, is re-timed from its measured busy time
+  after the first window of the slowdown, the plan re-solved and the state moved in place; on
+  recovery it moves back;
 * optimum: the offline optimum of the slowed cluster (the static run's calibrated cluster, rank 1's
   compute scale x the factor), pinned for the whole fit: MEASURED, so "within 10% of the optimum"
   compares two measurements; outside the slowdown the static run (the calibrated plan) is the
@@ -46,7 +52,7 @@ import _common as common
 
 @dataclass(frozen=True)
 class Config:
-    emulate: tuple[float, ...] = (1.0, 1.5, 2.0)  # slowdowns of ranks 0..2
+    emulate: tuple[float, ...] = (2.0, 3.0, 4.0)  # slowdowns of ranks 0..2 (see the module)
     slowed_rank: int = 1
     factor: float = 3.0
     global_batch: int = 24
@@ -171,7 +177,7 @@ def run_benchmark(cfg: Config = Config()) -> dict[str, Any]:
                                                  zip(per_round[a], per_round[b]) if x and y])
         summary["windows"] = len(at)
         phases[phase] = summary
-    return {"config": asdict(cfg), "rows": rows, "phases": phases, "predicted": predicted,
+    return {"config": asdict(cfg), "rows": rows, "phases": phases, "predicted": predicted, "per_round": throughput,
             "slowed_plan": per_rank[0]["slowed_plan"].batch_sizes,
             "switches": [run["switches"] for run in runs["adaptive"]], "emulated": True,
             "drifting": [{w["step"]: w["drifting"] for w in run["history"] if w["drifting"]} for run in runs["adaptive"]],
@@ -219,9 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--emulate", help="slowdowns of ranks 0..2, e.g. 1,1.5,2 (default 2,3,4)")
     args = parser.parse_args(argv)
     os.environ.setdefault("WANDB_MODE", "disabled")
-    result = run_benchmark(QUICK if args.quick else Config())
+    cfg = QUICK if args.quick else Config()
+    if args.emulate:
+        cfg = replace(cfg, emulate=tuple(float(v) for v in args.emulate.split(",")))
+    result = run_benchmark(cfg)
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:

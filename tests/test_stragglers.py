@@ -19,8 +19,8 @@ from tests.test_callback import EMULATE, datamodule, module, reference_params
 
 STEPS = 22
 WATCH = 2
-# rank 0 runs x4 slower for global steps 5..12: the windows ending at steps 6 and 8 confirm it (a
-# switch), 10 mixes the plans, 12 measures the switch; it recovers at 13: 14 and 16 confirm (back)
+# rank 0 runs x4 slower for global steps 5..12 and recovers at 13: the watch windows (2 steps each)
+# see each change, and the plan moves in place and back
 SLOW_FROM, SLOW_UNTIL = 5, 13
 
 
@@ -75,7 +75,7 @@ def test_a_slowed_rank_moves_the_plan_and_it_moves_back_with_exact_training(runs
     run = results["straggler"]
     assert run["calibrated"]
     # How many windows confirm a change depends on measured spans (a loaded host blurs a window);
-    # that the adapter switches at the second window of each change, and back, is checked exactly on
+    # the windows at which the adapter switches, and back, are checked exactly on
     # injected measurements in tests/test_run_model.py. Here: a real switch in place, exact training.
     # (a loaded host can make the calibration's switch come first and the dwell hold the re-timing)
     assert run["switches"] and all(gain > 0 for _, gain, _ in run["switches"]), run["switches"]
