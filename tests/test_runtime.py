@@ -111,7 +111,29 @@ def _three_ranks(rank: int, world: int, ckpt_dir: str):
     optimizer = make_optimizer(model.parameters())
     train_uniform(sharded, model, optimizer, [6, 4, 2], 1, STEPS)
     checkpoint.save(ckpt_dir, sharded, [optimizer], {"step": STEPS}, {})
+    out["in_flight"] = {mode: _gather_in_flight(rank, mode) for mode in ("exact", "padded")}
     return out
+
+
+IN_FLIGHT_SHARES = [0.6, 0.3, 0.1]
+IN_FLIGHT_NUMEL = 3000
+
+
+def _gather_in_flight(rank: int, mode: str) -> tuple[int, bool]:
+    """Bytes an asynchronous all-gather of an uneven unit allocates while in flight (beyond the
+    unit's own buffer, allocated before), and whether every rank's shard arrived."""
+    from cephalo_lightning.runtime.collectives import Collectives
+    from cephalo_lightning.runtime.emulation.memory import MemoryTracker
+
+    unit = build_layout([IN_FLIGHT_NUMEL], IN_FLIGHT_SHARES, ["unit"]).units[0]
+    lo, hi = unit.shard_range(rank)
+    out = torch.zeros(IN_FLIGHT_NUMEL)
+    shard = torch.arange(lo, hi, dtype=torch.float32)
+    with MemoryTracker() as tracker:
+        pending = Collectives(None, mode).all_gather(shard, out, unit, async_op=True)
+        held = tracker.current_bytes
+        pending.wait()
+    return held, torch.equal(out, torch.arange(IN_FLIGHT_NUMEL, dtype=torch.float32))
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +158,18 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order(three_rank_run
     for i in range(len(SHARE_CASES)):
         logs = [r["logs"][i] for r in results]
         assert logs[0] and all(log == logs[0] for log in logs[1:])
+
+
+@pytest.mark.multiprocess
+def test_an_exact_all_gather_in_flight_holds_no_buffer_beside_the_unit(three_rank_run):
+    """A prefetched gather is in flight while the layer before it computes, beyond what the profile
+    counts: the exact one holds nothing (an all_to_all_single held W copies of the shard); the
+    padded one of an uneven unit holds its padded shard and W of them for staging, as priced nowhere yet."""
+    results, _ = three_rank_run
+    chunk = build_layout([IN_FLIGHT_NUMEL], IN_FLIGHT_SHARES, ["unit"]).units[0].max_shard
+    for r in results:
+        assert r["in_flight"]["exact"] == (0, True)
+        assert r["in_flight"]["padded"] == ((len(results) + 1) * chunk * 4, True)
 
 
 @pytest.mark.multiprocess

@@ -2,8 +2,18 @@
 
 ``padded``: pad every shard to the largest and use the equal-size all-gather / reduce-scatter
 (``all_gather_into_tensor`` / ``reduce_scatter_tensor``, renamed ``*_single`` in torch 2.13) (one fast collective on gloo and NCCL; wastes ``W*max/total - 1`` of the
-bandwidth on uneven units, nothing on even ones). ``exact``: ``all_to_all_single`` with per-rank
-split sizes (no padding, works on gloo and NCCL). Even units always take the direct path. On gloo
+bandwidth on uneven units, nothing on even ones). ``exact``: no padding, on gloo and NCCL: the
+all-gather sends this rank's shard to every peer and receives each peer's straight into its place
+in the unit's buffer (point-to-point), the reduce-scatter is an ``all_to_all_single`` with per-rank
+split sizes. Even units always take the direct path.
+
+[Note: an exact all-gather holds no send buffer] A prefetched all-gather is in flight while the
+layer before it computes, and whatever buffer it holds then adds to that layer's peak, which the
+profile (one layer's own memory plus the gathered neighbour) does not count. An
+``all_to_all_single`` would need this rank's shard repeated once per peer (W times the shard: up to
+W whole units for a rank that holds the last units alone), so the exact all-gather is made of
+point-to-point sends of the shard itself and receives into ``out``. The padded all-gather of an
+uneven unit still holds its padded shard and a staging buffer of W padded shards. On gloo
 an equal-size reduce-scatter is an ``all_to_all_single`` plus a local sum (faster there than gloo's own).
 
 Every call is recorded in :attr:`Collectives.log` when ``record=True``, which is how the tests prove
@@ -138,6 +148,19 @@ def _complete(pending: PendingWork | PendingGather) -> None:
 
 
 @dataclass
+class AllOf:
+    """Several works in flight as one: ``wait()`` waits for every one (the point-to-point sends and
+    receives of an exact all-gather)."""
+
+    works: list[dist.Work]
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
+@dataclass
 class PendingWork:
     """A collective in flight (or done): ``wait()`` returns once it is complete and its emulated
     link time, if any, has passed."""
@@ -259,14 +282,20 @@ class Collectives:
         if unit.is_even:
             work = _all_gather_equal(out, shard, group=self.group, async_op=async_op)
             return PendingGather(out, work, source=shard)
-        if self.mode == "exact":
-            sizes = list(unit.shard_sizes)
-            send = shard.repeat(self.world_size) if shard.numel() else shard.new_empty(0)
-            work = dist.all_to_all_single(
-                out, send, output_split_sizes=sizes, input_split_sizes=[hi - lo] * self.world_size,
-                group=self.group, async_op=async_op,
-            )
-            return PendingGather(out, work, source=send)
+        if self.mode == "exact":  # [Note: an exact all-gather holds no send buffer]
+            out[lo:hi].copy_(shard)
+            ops = []
+            for r, peer in enumerate(self.global_ranks):
+                a, b = unit.shard_range(r)
+                if r != self.rank and hi > lo:
+                    ops.append(dist.P2POp(dist.isend, shard, peer, self.group))
+                if r != self.rank and b > a:
+                    ops.append(dist.P2POp(dist.irecv, out[a:b], peer, self.group))
+            work = AllOf(dist.batch_isend_irecv(ops)) if ops else None
+            if work is not None and not async_op:
+                work.wait()
+                work = None
+            return PendingGather(out, work, source=shard)
         chunk = unit.max_shard
         padded = shard.new_zeros(chunk)
         padded[: hi - lo].copy_(shard)
