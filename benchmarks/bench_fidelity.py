@@ -269,6 +269,10 @@ def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any
                             for i in range(len(plan.ranks))],
         "predicted_busy_after_s": predicted(calibrated, plan)[1],
         "measured_collective_s": statistics.median(collectives) if collectives else None,
+        "measured_busy_wall_s": [statistics.median(w["ranks"][i]["measured_busy_wall_s"] for w in history)
+                                 for i in range(len(plan.ranks))],
+        "measured_collective_per_rank_s": [statistics.median(w["ranks"][i]["measured_collective_s"] or 0.0 for w in history)
+                                           for i in range(len(plan.ranks))],
         "predicted_collective_after_s": predicted_collective_s(calibrated, plan),
     }
     detail["phase_synced_before_s"] = phase_synced_s(profiled, plan)
