@@ -164,7 +164,8 @@ def test_every_rank_issues_the_same_collectives_in_the_same_order(three_rank_run
 def test_an_exact_all_gather_in_flight_holds_no_buffer_beside_the_unit(three_rank_run):
     """A prefetched gather is in flight while the layer before it computes, beyond what the profile
     counts: the exact one holds nothing (an all_to_all_single held W copies of the shard); the
-    padded one of an uneven unit holds its padded shard and W of them for staging, as priced nowhere yet."""
+    padded one of an uneven unit holds its padded shard and W of them for staging, which the memory
+    model does not price."""
     results, _ = three_rank_run
     chunk = build_layout([IN_FLIGHT_NUMEL], IN_FLIGHT_SHARES, ["unit"]).units[0].max_shard
     for r in results:

@@ -8,7 +8,8 @@
 * **Stragglers** (``adapt``, once calibrated): a rank drifting in two windows in a row (one
   window of noise moves nothing, and another rank's one window of noise beside it delays nothing),
   or in one window beyond the drift threshold twice over (x1.69 or /1.69 at the default 0.3: the
-  median of a window's steps, which one slow step does not move), is re-timed from its own measured busy time (its compute scale multiplied by measured / predicted; no re-profile), the plan is
+  median of a window's steps, which one slow step does not move), is re-timed from its own
+  measured busy time (its compute scale multiplied by measured / predicted; no re-profile), the plan is
   re-solved, and the state moves in place when the new optimum is predicted faster than the current
   plan by more than ``switch_gain``. A rank that recovers drifts the other way and is re-timed back;
   measured back near its calibrated speed (within ``drift_threshold``, or nearer to it than to its

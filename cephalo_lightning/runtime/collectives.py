@@ -5,7 +5,8 @@
 bandwidth on uneven units, nothing on even ones). ``exact``: no padding, on gloo and NCCL: the
 all-gather sends this rank's shard to every peer and receives each peer's straight into its place
 in the unit's buffer (point-to-point), the reduce-scatter is an ``all_to_all_single`` with per-rank
-split sizes. Even units always take the direct path.
+split sizes. Even units always take the direct path. On gloo an equal-size reduce-scatter is an
+``all_to_all_single`` plus a local sum (faster there than gloo's own).
 
 [Note: an exact all-gather holds no send buffer] A prefetched all-gather is in flight while the
 layer before it computes, and whatever buffer it holds then adds to that layer's peak, which the
@@ -13,8 +14,7 @@ profile (one layer's own memory plus the gathered neighbour) does not count. An
 ``all_to_all_single`` would need this rank's shard repeated once per peer (W times the shard: up to
 W whole units for a rank that holds the last units alone), so the exact all-gather is made of
 point-to-point sends of the shard itself and receives into ``out``. The padded all-gather of an
-uneven unit still holds its padded shard and a staging buffer of W padded shards. On gloo
-an equal-size reduce-scatter is an ``all_to_all_single`` plus a local sum (faster there than gloo's own).
+uneven unit still holds its padded shard and a staging buffer of W padded shards.
 
 Every call is recorded in :attr:`Collectives.log` when ``record=True``, which is how the tests prove
 that every rank issues the same collectives in the same order, and reported to the runtime's
