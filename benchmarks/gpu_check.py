@@ -277,7 +277,7 @@ def check_two_ranks(sizes: Sizes) -> list[Row]:
     tensors = "CUDA tensors" if device.type == "cuda" else "CPU tensors (dry run)"
     return rows + [Row(f"two ranks, one GPU: gloo, {tensors}", "ok" if error < 1e-5 else "failed",
                        f"max |param - single process| = {error:.1e}",
-                       "layered schedule, shares [0.3, 0.7], exact collectives (all_to_all_single)")]
+                       "layered schedule, shares [0.3, 0.7], exact collectives (point-to-point gathers)")]
 
 
 # ----------------------------------------------------------------------------- report
