@@ -112,6 +112,10 @@ def _three_ranks(rank: int, world: int, ckpt_dir: str):
     train_uniform(sharded, model, optimizer, [6, 4, 2], 1, STEPS)
     checkpoint.save(ckpt_dir, sharded, [optimizer], {"step": STEPS}, {})
     out["in_flight"] = {mode: _gather_in_flight(rank, mode) for mode in ("exact", "padded")}
+    out["unpriced"] = {mode: ShardedModel(TinyLM(), [0.6, 0.3, 0.1], collective=mode).in_flight_gather_bytes()
+                       for mode in ("exact", "padded")}
+    out["uneven"] = [(u.layout.max_shard, u.compute_dtype.itemsize)
+                     for u in ShardedModel(TinyLM(), [0.6, 0.3, 0.1]).units[1:] if u.layout.numel and not u.layout.is_even]
     return out
 
 
@@ -171,6 +175,11 @@ def test_an_exact_all_gather_in_flight_holds_no_buffer_beside_the_unit(three_ran
     for r in results:
         assert r["in_flight"]["exact"] == (0, True)
         assert r["in_flight"]["padded"] == ((len(results) + 1) * chunk * 4, True)
+    # what a sharded model reports for the check before a fit: the largest uneven unit's, padded only
+    uneven = results[0]["uneven"]
+    assert uneven, "the shares cut some unit unevenly"
+    for r in results:
+        assert r["unpriced"] == {"exact": 0, "padded": max((len(results) + 1) * m * size for m, size in uneven)}
 
 
 @pytest.mark.multiprocess
@@ -410,3 +419,13 @@ def test_meta_init_leaves_a_tied_weight_to_its_canonical_holder():
     for state in (apart, together):
         assert state["embed.weight"].std() > 0.8, state["embed.weight"].std()
         assert 0 < state["head.bias"].abs().max() <= 0.25  # the head's own init ran (bound 1/sqrt(16))
+
+
+def test_a_padded_gather_beyond_the_plans_room_is_named_before_the_fit():
+    from cephalo_lightning.lightning.fit import unpriced_gathers
+
+    assert unpriced_gathers([(0, 0, 1e6), (1, 2**20, 2**21), (2, 2**20, None)]) is None  # within room, or unknown
+    warning = unpriced_gathers([(0, 3 * 2**20, 2**20), (1, 2**20, 2**21), (2, 2**20, -5.0)])
+    assert warning is not None and "collective='exact'" in warning
+    assert "rank 0: 3.0 MiB against 1.0 MiB" in warning and "rank 2: 1.0 MiB against 0.0 MiB" in warning
+    assert "rank 1" not in warning

@@ -67,6 +67,9 @@ class FitRuntime:
         _say_weighting(self.loss, config.router_aux_loss, module)
         self.layered_model = resolution.layered if schedule == "layered" else None
         self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links)
+        warning = unpriced_gathers(gather_objects(_gather_room(self.sharded, plan, rank)))
+        if warning:
+            rank_zero_warn(warning)
         module.to(device)  # buffers; the local pieces are already there
         if emulator.is_emulated:  # a real device gets no observer at all (no clock, no state)
             self.sharded.observers.attach(emulator)
@@ -193,6 +196,28 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
             source.close()
             if unused:
                 rank_zero_info(f"Cephalo: {len(unused)} tensors of {config.pretrained} were not used, e.g. {unused[:3]}")
+
+
+def _gather_room(sharded: ShardedModel, plan: Plan, rank: int) -> tuple[int, int, float | None]:
+    """(rank, bytes its prefetched all-gathers hold unpriced, bytes the plan leaves below its memory limit)."""
+    r = plan.ranks[rank]
+    room = None if r.memory_limit_gb is None or r.predicted_memory_gb is None else (
+        (r.memory_limit_gb - r.predicted_memory_gb) * 2**30)
+    return rank, sharded.in_flight_gather_bytes(), room
+
+
+def unpriced_gathers(rows: Sequence[tuple[int, int, float | None]]) -> str | None:
+    """A warning naming the ranks whose in-flight all-gather buffers, which the cost model does not
+    price, exceed what their plan leaves below its memory limit (None: no rank)."""
+    short = [(rank, held, room) for rank, held, room in rows if held and room is not None and held > room]
+    if not short:
+        return None
+    ranks = "; ".join(f"rank {rank}: {held / 2**20:.1f} MiB against {max(room, 0.0) / 2**20:.1f} MiB"
+                      for rank, held, room in short)
+    return ("Cephalo: with collective='padded', a prefetched all-gather of a unit whose shards are uneven holds "
+            "its padded shard and a staging buffer of one padded shard per rank beside the layer computing, "
+            f"which the plan does not price and which exceeds the room the plan leaves below the memory limit ({ranks}); "
+            "the step may run out of memory. CephaloStrategy(collective='exact') holds no such buffer.")
 
 
 def stash_offloaded(offload: bool | None, device: torch.device, emulator: DeviceEmulator) -> bool:

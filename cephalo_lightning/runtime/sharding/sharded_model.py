@@ -241,6 +241,16 @@ class ShardedModel:
             self.units[prefetch].start_gather(self.comm)
         return unit
 
+    def in_flight_gather_bytes(self) -> int:
+        """The most a prefetched all-gather holds beside its unit's own buffer while the layer before
+        it computes, which no profile counts: for a padded gather of an uneven unit its padded shard
+        and W of them for staging; an exact or an even gather holds nothing
+        ([Note: an exact all-gather holds no send buffer])."""
+        if not self.prefetch or self.comm.mode != "padded" or self.comm.world_size < 2:
+            return 0
+        return max(((self.comm.world_size + 1) * u.layout.max_shard * u.compute_dtype.itemsize
+                    for u in self.units[1:] if u.layout.numel and not u.layout.is_even), default=0)
+
     def gather_root(self) -> None:
         self.root.gather(self.comm)
 
