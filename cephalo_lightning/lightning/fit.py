@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning._common.units import GIB
 from cephalo_lightning.lightning import loggers
 from cephalo_lightning.lightning.checkpoint_io import FitCheckpoints, globals_with_lightning
 from cephalo_lightning.lightning.config import Schedule, StrategyConfig
@@ -202,7 +203,7 @@ def _gather_room(sharded: ShardedModel, plan: Plan, rank: int) -> tuple[int, int
     """(rank, bytes its prefetched all-gathers hold unpriced, bytes the plan leaves below its memory limit)."""
     r = plan.ranks[rank]
     room = None if r.memory_limit_gb is None or r.predicted_memory_gb is None else (
-        (r.memory_limit_gb - r.predicted_memory_gb) * 2**30)
+        (r.memory_limit_gb - r.predicted_memory_gb) * GIB)
     return rank, sharded.in_flight_gather_bytes(), room
 
 
