@@ -251,3 +251,26 @@ def test_another_ranks_one_window_of_noise_does_not_delay_a_straggler() -> None:
     history = kept[3]
     assert history[3]["drifting"] == [1, 2] and history[4]["drifting"] == [1], history
     assert [(s.window, s.reason) for s in switches] == [(4, "re-timed rank 1")], switches
+
+
+def test_every_re_shard_is_reported_to_the_fit() -> None:
+    """The fit checks each plan the model is sharded by (the in-flight gather buffers against its
+    room): a switch in place tells it of the new plan after the re-shard."""
+    from cephalo_lightning.lightning.plan_switch import PlanSwitches
+    from cephalo_lightning.planner import cluster_from_dict, plan
+    from tests.test_calibration import _cluster
+
+    class Sharded:
+        def __init__(self) -> None:
+            self.shares: list[list[float]] = []
+
+        def reshard(self, shares, optimizers, shard_groups=None) -> None:  # noqa: ANN001
+            self.shares.append(list(shares))
+
+    cluster = cluster_from_dict(_cluster())
+    first, even = plan(cluster, 12), plan(cluster, 12, planner="even")
+    seen: list = []
+    switches = PlanSwitches(first, Sharded(), check=lambda p: None, resharded=seen.append)
+    switches.plan_state.schedule(even, switches.plan_state.first_uncut())
+    switches.switch_now([])
+    assert seen == [even] and switches.plan is even and switches.sharded.shares == [list(even.state_shares)]

@@ -68,17 +68,23 @@ class FitRuntime:
         _say_weighting(self.loss, config.router_aux_loss, module)
         self.layered_model = resolution.layered if schedule == "layered" else None
         self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links)
-        warning = unpriced_gathers(gather_objects(_gather_room(self.sharded, plan, rank)))
-        if warning:
-            rank_zero_warn(warning)
+        self._check_gathers(plan)
         module.to(device)  # buffers; the local pieces are already there
         if emulator.is_emulated:  # a real device gets no observer at all (no clock, no state)
             self.sharded.observers.attach(emulator)
         self.memory = _memory_tracking(self.sharded, emulator, device, config.memory_check_every_n_steps)
         self.steps = self._steps(device, emulator, training_step)
         self.guard = NonFiniteGuard(config.max_nonfinite_skips)
-        self.switches = PlanSwitches(plan, self.sharded, lambda p: check_plan(p, self.schedule, resolution, module))
+        self.switches = PlanSwitches(plan, self.sharded, lambda p: check_plan(p, self.schedule, resolution, module),
+                                     resharded=self._check_gathers)
         self.checkpoints = FitCheckpoints(self.sharded, config, rank, lambda: self.plan, hf.checkpoint_info(module))
+
+    def _check_gathers(self, plan: Plan) -> None:
+        """Collective: warn where the model, sharded by ``plan``, holds in-flight all-gather buffers
+        beyond the room the plan leaves below a rank's memory limit (:func:`unpriced_gathers`)."""
+        warning = unpriced_gathers(gather_objects(_gather_room(self.sharded, plan, self.rank)))
+        if warning:
+            rank_zero_warn(warning)
 
     def _steps(self, device: torch.device, emulator: DeviceEmulator,
                training_step: Callable[..., Any]) -> LayeredSteps | UniformSteps:

@@ -21,10 +21,12 @@ from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 class PlanSwitches:
     """The fit's plan versions and the one the model is sharded under."""
 
-    def __init__(self, plan: Plan, sharded: ShardedModel, check: Callable[[Plan], None]) -> None:
+    def __init__(self, plan: Plan, sharded: ShardedModel, check: Callable[[Plan], None],
+                 resharded: Callable[[Plan], None] | None = None) -> None:
         self.plan_state = PlanState(plan)
         self.sharded = sharded
         self.check = check  # refuses a plan the fit's schedule cannot run
+        self.resharded = resharded  # collective: told of every plan the model is re-sharded by
 
     @property
     def plan(self) -> Plan:
@@ -57,6 +59,8 @@ class PlanSwitches:
     def _reshard(self, version: PlanVersion, optimizers: Sequence[Optimizer]) -> None:
         self.sharded.reshard(version.plan.state_shares, optimizers, shard_groups=version.plan.shard_groups)
         self.plan_state.sharded_version = version.version
+        if self.resharded is not None:
+            self.resharded(version.plan)
 
     def next_batch(self) -> CutBatch:
         """The record of the batch this step trains on; it must have been cut under the plan the
