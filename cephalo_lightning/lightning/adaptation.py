@@ -38,7 +38,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from cephalo_lightning.lightning.callback_config import CallbackConfig
-from cephalo_lightning.lightning.run_model import CalibrationResult, DriftEpisodes, calibrate, gain
+from cephalo_lightning.lightning.run_model import CalibrationResult, DriftEpisodes, calibrate, drifting_ranks, gain
 from cephalo_lightning.lightning.strategy import CephaloStrategy
 from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.planner import plan as make_plan
@@ -131,9 +131,8 @@ class RunAdapter:
             rank_zero_info("Cephalo: every rank is within the drift threshold of its prediction again.")
         # not noise: a rank drifting in two windows in a row (whichever other rank drifted beside it
         # once), or one window's median step beyond the drift threshold twice over
-        far = math.log(1 + self.config.drift_threshold) * 2
-        confirmed = [i for i in drifting if i in self._previous
-                     or (ratios[i] and reference and abs(math.log(ratios[i] / reference)) > far)]
+        far, _ = drifting_ranks(ratios, (1 + self.config.drift_threshold) ** 2 - 1, self.calibration is not None)
+        confirmed = [i for i in drifting if i in self._previous or i in far]
         self._previous = tuple(drifting)
         if adapting and confirmed and cluster is not None:
             cluster = self._retime(trainer, strategy, cluster, ratios, confirmed, index, record)

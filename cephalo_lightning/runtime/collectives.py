@@ -287,9 +287,11 @@ class Collectives:
             ops = []
             for r, peer in enumerate(self.global_ranks):
                 a, b = unit.shard_range(r)
-                if r != self.rank and hi > lo:
+                if r == self.rank:
+                    continue
+                if hi > lo:
                     ops.append(dist.P2POp(dist.isend, shard, peer, self.group))
-                if r != self.rank and b > a:
+                if b > a:
                     ops.append(dist.P2POp(dist.irecv, out[a:b], peer, self.group))
             work = AllOf(dist.batch_isend_irecv(ops)) if ops else None
             if work is not None and not async_op:
