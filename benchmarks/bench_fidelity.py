@@ -48,6 +48,12 @@ except ImportError:  # run from a checkout without installing
 import _common as common
 
 from cephalo_lightning.planner.cost import predicted_busy_s  # noqa: E402 - torch-free
+from cephalo_lightning.planner.fit import (  # noqa: E402 - torch-free
+    fit_calibration,
+    plan_label,
+    predicted,
+    predicted_collective_s,
+)
 
 
 @dataclass(frozen=True)
@@ -153,7 +159,6 @@ def _rank_main(rank: int, world: int, cfg: Config, cluster: ClusterSpec) -> dict
     from cephalo_lightning import CephaloCallback, CephaloStrategy
     from cephalo_lightning.planner import plan as make_plan
     from cephalo_lightning.planner.calibration import with_calibration
-    from cephalo_lightning.planner.fit import fit_calibration, plan_label
 
     common.quiet_lightning()
     common.pin_threads(cfg.threads)
@@ -241,8 +246,6 @@ def _everywhere(calibrated: Any) -> Any:
 
 def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any, calibrated: Any,
               fitted: bool, unbound: tuple[Any, Any] | None = None) -> dict[str, Any]:
-    from cephalo_lightning.planner.fit import plan_label, predicted
-
     measured = statistics.median(w["step_s"] for w in history)  # windows of every round
     before, after = predicted(profiled, plan)[0], predicted(calibrated, plan)[0]
     cal = calibrated.calibration
@@ -259,8 +262,6 @@ def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any
         peaks = [w["ranks"][i]["peak_memory_gb"] for w in history if w["ranks"][i]["peak_memory_gb"] is not None]
         if peaks and r.predicted_memory_gb:
             memory.append(max(peaks) / r.predicted_memory_gb)
-    from cephalo_lightning.planner.fit import predicted_collective_s
-
     collectives = [min(r["measured_collective_s"] for r in w["ranks"]) for w in history
                    if len(w["ranks"]) > 1 and all(r.get("measured_collective_s") is not None for r in w["ranks"])]
     detail = {  # what tells the terms apart: every rank's compute, the collectives as run
@@ -271,8 +272,10 @@ def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any
         "measured_collective_s": statistics.median(collectives) if collectives else None,
         "measured_busy_wall_s": [statistics.median(w["ranks"][i]["measured_busy_wall_s"] for w in history)
                                  for i in range(len(plan.ranks))],
-        "measured_collective_per_rank_s": [statistics.median(w["ranks"][i]["measured_collective_s"] or 0.0 for w in history)
-                                           for i in range(len(plan.ranks))],
+        "measured_collective_per_rank_s": [  # None where not measured (CUDA: no host span says it)
+            None if any(w["ranks"][i]["measured_collective_s"] is None for w in history)
+            else statistics.median(w["ranks"][i]["measured_collective_s"] for w in history)
+            for i in range(len(plan.ranks))],
         "predicted_collective_after_s": predicted_collective_s(calibrated, plan),
     }
     detail["phase_synced_before_s"] = phase_synced_s(profiled, plan)
@@ -296,8 +299,6 @@ def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
     calibrated = with_calibration(profiled, calibration)
     unbound = None
     if profiled.settings.host_cores:  # paired: the same windows fitted by the per-rank model alone
-        from cephalo_lightning.planner.fit import fit_calibration
-
         alone = _without_bound(profiled)
         fit = fit_calibration(alone, observations(plan, history[:r0["fit_windows"]]))
         unbound = (alone, with_calibration(alone, fit))
@@ -305,8 +306,6 @@ def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
     plans += [_plan_row(o["name"], o["plan"], o["history"], profiled, calibrated, False, unbound) for o in r0["others"]]
     # paired: the same plans against a calibration fitted on the fitted plan's windows of every round (still
     # one plan's steps, but as many windows as each prediction is measured on): what the fit's own window costs
-    from cephalo_lightning.planner.fit import fit_calibration, predicted
-
     pooled = with_calibration(profiled, fit_calibration(profiled, observations(plan, history)))
     for row, p in zip(plans, [plan, *(o["plan"] for o in r0["others"])]):
         row["error_after_pooled"] = row["measured_step_s"] / predicted(pooled, p)[0] - 1
