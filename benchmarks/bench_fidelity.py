@@ -13,8 +13,9 @@ Only the public Lightning path is used. Per cluster, in one spawned group of ran
 1. profile: a 1-step ``Trainer.fit`` with ``CephaloCallback`` (which profiles every emulated rank at
    setup) gives the planner's cluster, and ``planner.plan`` plans it in the cluster's mode;
 2. calibrate: ``Trainer.fit(strategy=CephaloStrategy(plan=..., emulate=...))`` with a watching
-   ``CephaloCallback`` measures that plan; its windows (median step wall time, every rank's median
-   busy time) are the observations :func:`~cephalo_lightning.planner.fit.fit_calibration` fits;
+   ``CephaloCallback`` measures that plan as the callback's defaults calibrate (``calibrate_after_windows``
+   windows of ``watch_every_n_steps`` steps after the first); its windows (median step wall time, every
+   rank's median busy time) are the observations :func:`~cephalo_lightning.planner.fit.fit_calibration` fits;
 3. predict, then measure: other plans of the same profile (another global batch, the even baseline,
    the other mode, the calibrated optimum: other batches, micro-batch counts, shares and modes) are
    priced by the profile alone (BEFORE) and by the calibrated cluster (AFTER), then measured the
@@ -26,6 +27,8 @@ all its rounds (the first window of each run, whose steps count every tensor, is
 goal: AFTER within 10% of the measured step on the plans not fitted, and peak memory never under-predicted (calibration does not touch memory).
 Where the profile records the host's cores (CPU ranks on one host), the same windows are also fitted by
 the per-rank model without the shared-host bound, and its errors printed beside (a paired comparison).
+``--json`` also carries every cluster's profile (``profiled``, a cluster file's dict) and every plan with its
+watch windows, so another cost model can be fitted to the same measurements offline.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ except ImportError:  # run from a checkout without installing
 
 import _common as common
 
+from cephalo_lightning.lightning.callback_config import CallbackConfig  # noqa: E402
+
+from cephalo_lightning.planner.cluster import cluster_to_dict  # noqa: E402 - torch-free
 from cephalo_lightning.planner.cost import predicted_busy_s  # noqa: E402 - torch-free
 from cephalo_lightning.planner.fit import (  # noqa: E402 - torch-free
     fit_calibration,
@@ -84,8 +90,12 @@ class Config:
     seq_len: int = 64
     profile_k: int = 8
     usable_memory_fraction: float = 0.9
-    window: int = 3  # CephaloCallback(watch_every_n_steps=window)
+    window: int = 3  # CephaloCallback(watch_every_n_steps=window) of the plans measured to test the predictions
     windows: int = 2  # measured windows per run after the first (whose steps 0-2 count every tensor: slow)
+    # the calibration run sees what CephaloCallback's defaults fit: calibrate_after_windows windows of
+    # watch_every_n_steps steps after the first
+    calibration_window: int = CallbackConfig.watch_every_n_steps
+    calibration_windows: int = CallbackConfig.calibrate_after_windows
     rounds: int = 3  # every plan measured once per round, interleaved
     threads: int = 1
 
@@ -119,14 +129,16 @@ def _fit(cfg: Config, cluster: ClusterSpec, strategy: Any, steps: int, callback:
     _trainer(len(cluster.emulate), strategy, steps, [callback]).fit(module, data)
 
 
-def _measure_plan(cfg: Config, cluster: ClusterSpec, plan: Any) -> dict[str, Any]:
-    """Run ``plan`` for ``window * (1 + windows)`` steps; the watcher's windows, the first left out."""
+def _measure_plan(cfg: Config, cluster: ClusterSpec, plan: Any, calibration: bool = False) -> dict[str, Any]:
+    """Run ``plan`` for ``window * (1 + windows)`` steps (the calibration run: the callback's defaults'
+    ``calibration_window * (1 + calibration_windows)``); the watcher's windows, the first left out."""
     from cephalo_lightning import CephaloCallback, CephaloStrategy
 
-    watcher = CephaloCallback(watch_every_n_steps=cfg.window, print_plan=False, quiet=True, cache_dir=None,
+    window, windows = (cfg.calibration_window, cfg.calibration_windows) if calibration else (cfg.window, cfg.windows)
+    watcher = CephaloCallback(watch_every_n_steps=window, print_plan=False, quiet=True, cache_dir=None,
                               calibrate_after_windows=0)
     _fit(cfg, cluster, CephaloStrategy(plan=plan, emulate=_specs(cluster), mode=plan.mode),
-         cfg.window * (1 + cfg.windows), watcher, batch=plan.global_batch_size)
+         window * (1 + windows), watcher, batch=plan.global_batch_size)
     return {"plan": plan, "history": watcher.history[1:]}
 
 
@@ -172,7 +184,7 @@ def _rank_main(rank: int, world: int, cfg: Config, cluster: ClusterSpec) -> dict
     profiled = profiler.cluster
     assert profiled is not None
     plan = make_plan(profiled, cluster.global_batch, mode=cluster.mode)
-    fitted = _measure_plan(cfg, cluster, plan)
+    fitted = _measure_plan(cfg, cluster, plan, calibration=True)
     from cephalo_lightning.runtime.distributed import broadcast_object
 
     # each rank's windows hold its own step walls: rank 0's fit, for every rank (one plan everywhere)
@@ -279,7 +291,8 @@ def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any
         "predicted_collective_after_s": predicted_collective_s(calibrated, plan),
     }
     detail["phase_synced_before_s"] = phase_synced_s(profiled, plan)
-    return {"name": name, "label": plan_label(plan), "fitted": fitted, "measured_step_s": measured, **detail,
+    return {"name": name, "label": plan_label(plan), "plan": plan.to_dict(), "windows": history,
+            "fitted": fitted, "measured_step_s": measured, **detail,
             "predicted_before_s": before, "predicted_after_s": after,
             "error_before": measured / before - 1, "error_after": measured / after - 1,
             "window_errors_after": [w["step_s"] / after - 1 for w in history],
@@ -335,7 +348,8 @@ def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
         "predicted_s": rows[slowest]["predicted_step_s"] - rows[slowest]["predicted_compute_s"],
         "measured_s": measured_step - max(r["measured_busy_s"] for r in rows),
     }
-    return {"cluster": asdict(cluster), "mode": plan.mode, "predicted_step_s": plan.predicted_step_s, "outside": outside,
+    return {"cluster": asdict(cluster), "profiled": cluster_to_dict(profiled), "mode": plan.mode,
+            "predicted_step_s": plan.predicted_step_s, "outside": outside,
             "measured_step_s": measured_step, "ranks": rows, "plans": plans, "calibration": calibration.as_dict(),
             "profile_s": r0["profile_s"],
             "settings": {"allgather_ms": s.allgather_ms, "reduce_scatter_ms": s.reduce_scatter_ms,
