@@ -51,7 +51,6 @@ except ImportError:  # run from a checkout without installing
 import _common as common
 
 from cephalo_lightning.lightning.callback_config import CallbackConfig  # noqa: E402
-
 from cephalo_lightning.planner.cluster import cluster_to_dict  # noqa: E402 - torch-free
 from cephalo_lightning.planner.cost import predicted_busy_s  # noqa: E402 - torch-free
 from cephalo_lightning.planner.fit import (  # noqa: E402 - torch-free
@@ -222,31 +221,12 @@ def _without_bound(cluster: Any) -> Any:
     return replace(cluster, settings=replace(cluster.settings, host_cores=None))
 
 
-def phase_synced_s(cluster: Any, plan: Any) -> float:
-    """The plan's step (s) if every layer's forward and backward pass ended together on every rank,
-    as each pass's collectives wait for the slowest rank: L x (max_i fwd_i + max_i bwd_i) plus the
-    slowest optimizer step, where the cost model takes the slowest rank's sum L x (fwd_i + bwd_i).
-    The two differ where ranks split their time between the passes differently (one keeps its graph,
-    another recomputes). An experiment the benchmark prints, not the planner's model."""
-    import numpy as np
+def _passes_summed(cluster: Any) -> Any:
+    """The cluster priced by each rank's passes summed (``settings.sync_passes`` off): the model before
+    every pass of a shard group ended together."""
+    from dataclasses import replace
 
-    from cephalo_lightning.planner.calibration import calibrated
-    from cephalo_lightning.planner.cost import collective_ms, kind_costs
-
-    groups = [r.shard_group for r in plan.ranks]
-    cluster = calibrated(cluster, plan.mode, groups)
-    ag, rs, exposed = collective_ms(cluster, plan.state_shares, groups)
-    costs, of_rank = kind_costs(cluster, plan.mode)
-    fwd, bwd, opt = [], [], []
-    for i, r in enumerate(plan.ranks):
-        cost = costs[of_rank[i]]
-        f, b = cost.pass_ms(np.array([r.batch_size]), np.array([r.num_micro_batches]), ag[i], rs[i],
-                            np.array([not r.recompute]))
-        fwd.append(float(f[0]))
-        bwd.append(float(b[0]) + exposed[i])
-        opt.append(float(cost.optimizer_ms(r.state_share)))
-    s = cluster.settings
-    return (s.host_contention * (cluster.model.num_layers * (max(fwd) + max(bwd)) + max(opt)) + s.step_overhead_ms) / 1e3
+    return replace(cluster, settings=replace(cluster.settings, sync_passes=False))
 
 
 def _everywhere(calibrated: Any) -> Any:
@@ -257,7 +237,8 @@ def _everywhere(calibrated: Any) -> Any:
 
 
 def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any, calibrated: Any,
-              fitted: bool, unbound: tuple[Any, Any] | None = None) -> dict[str, Any]:
+              fitted: bool, unbound: tuple[Any, Any] | None = None,
+              summed: tuple[Any, Any] | None = None) -> dict[str, Any]:
     measured = statistics.median(w["step_s"] for w in history)  # windows of every round
     before, after = predicted(profiled, plan)[0], predicted(calibrated, plan)[0]
     cal = calibrated.calibration
@@ -269,6 +250,9 @@ def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any
         before_u, after_u = predicted(unbound[0], plan)[0], predicted(unbound[1], plan)[0]
         paired.update({"error_before_unbound": measured / before_u - 1, "error_after_unbound": measured / after_u - 1,
                        "bound_binds_after": after > predicted(_without_bound(calibrated), plan)[0] * (1 + 1e-9)})
+    if summed is not None:  # the same measurements against each rank's passes summed, fitted again
+        before_s, after_s = predicted(summed[0], plan)[0], predicted(summed[1], plan)[0]
+        paired.update({"predicted_before_summed_s": before_s, "error_after_summed": measured / after_s - 1})
     memory = []
     for i, r in enumerate(plan.ranks):
         peaks = [w["ranks"][i]["peak_memory_gb"] for w in history if w["ranks"][i]["peak_memory_gb"] is not None]
@@ -290,7 +274,6 @@ def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any
             for i in range(len(plan.ranks))],
         "predicted_collective_after_s": predicted_collective_s(calibrated, plan),
     }
-    detail["phase_synced_before_s"] = phase_synced_s(profiled, plan)
     return {"name": name, "label": plan_label(plan), "plan": plan.to_dict(), "windows": history,
             "fitted": fitted, "measured_step_s": measured, **detail,
             "predicted_before_s": before, "predicted_after_s": after,
@@ -315,8 +298,13 @@ def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
         alone = _without_bound(profiled)
         fit = fit_calibration(alone, observations(plan, history[:r0["fit_windows"]]))
         unbound = (alone, with_calibration(alone, fit))
-    plans = [_plan_row("fitted on", plan, history, profiled, calibrated, True, unbound)]
-    plans += [_plan_row(o["name"], o["plan"], o["history"], profiled, calibrated, False, unbound) for o in r0["others"]]
+    summed = None
+    if profiled.settings.sync_passes:  # paired: the same windows fitted with each rank's passes summed
+        alone = _passes_summed(profiled)
+        summed = (alone, with_calibration(alone, fit_calibration(alone, observations(plan, history[:r0["fit_windows"]]))))
+    plans = [_plan_row("fitted on", plan, history, profiled, calibrated, True, unbound, summed)]
+    plans += [_plan_row(o["name"], o["plan"], o["history"], profiled, calibrated, False, unbound, summed)
+              for o in r0["others"]]
     # paired: the same plans against a calibration fitted on the fitted plan's windows of every round (still
     # one plan's steps, but as many windows as each prediction is measured on): what the fit's own window costs
     pooled = with_calibration(profiled, fit_calibration(profiled, observations(plan, history)))
@@ -476,18 +464,28 @@ def print_calibration(result: dict[str, Any]) -> None:
               f"collectives (paired); within 10%: {sum(abs(p['error_after']) <= 0.10 for p in other)} against "
               f"{sum(abs(p['error_after_everywhere']) <= 0.10 for p in other)}")
     # plan-to-plan: each plan's measured step over the fitted plan's, against the profile's ratio (the
-    # common factors of one host cancel), priced per rank (the cost model) and synchronised per pass
+    # common factors of one host cancel), priced by the cost model (a group's passes end together) and
+    # by each rank's passes summed; and the calibrated errors of the summed model, fitted again
     ratios = [(p["measured_step_s"] / c["plans"][0]["measured_step_s"],
                p["predicted_before_s"] / c["plans"][0]["predicted_before_s"],
-               p["phase_synced_before_s"] / c["plans"][0]["phase_synced_before_s"])
-              for c in result["clusters"] if "failed" not in c for p in c["plans"][1:]]
+               p["predicted_before_summed_s"] / c["plans"][0]["predicted_before_summed_s"])
+              for c in result["clusters"] if "failed" not in c and "predicted_before_summed_s" in c["plans"][0]
+              for p in c["plans"][1:]]
     if ratios:
         model = [abs(m / r - 1) for m, r, _ in ratios]
-        synced = [abs(m / r - 1) for m, _, r in ratios]
+        summed = [abs(m / r - 1) for m, _, r in ratios]
         print(f"plan-to-plan (each plan's measured step / the fitted plan's, against the profile's ratio): median "
-              f"|error| {100 * statistics.median(model):.1f}% by the cost model (each rank's passes summed), "
-              f"{100 * statistics.median(synced):.1f}% with every pass ending together on every rank (paired); "
-              f"within 10%: {sum(e <= 0.10 for e in model)} against {sum(e <= 0.10 for e in synced)} of {len(ratios)}")
+              f"|error| {100 * statistics.median(model):.1f}% by the cost model (each pass ending together on a shard "
+              f"group), {100 * statistics.median(summed):.1f}% with each rank's passes summed (paired); within 10%: "
+              f"{sum(e <= 0.10 for e in model)} against {sum(e <= 0.10 for e in summed)} of {len(ratios)}")
+    summed_after = [(abs(p["error_after"]), abs(p["error_after_summed"])) for c in result["clusters"]
+                    if "failed" not in c for p in c["plans"] if not p["fitted"] and "error_after_summed" in p]
+    if summed_after:
+        print(f"the same plans against each rank's passes summed (settings.sync_passes off, fitted again on the same "
+              f"windows): median |error| AFTER {100 * statistics.median(s for _, s in summed_after):.1f}% against "
+              f"{100 * statistics.median(a for a, _ in summed_after):.1f}%; within 10%: "
+              f"{sum(s <= 0.10 for _, s in summed_after)} against {sum(a <= 0.10 for a, _ in summed_after)} of "
+              f"{len(summed_after)}")
     again = [abs(e) for c in result["clusters"] if "failed" not in c for e in c["plans"][0].get("remeasured_errors", [])]
     if again:
         print(f"noise floor: the fitted plan itself re-measured in the later rounds, against its calibrated prediction: "

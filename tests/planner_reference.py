@@ -97,9 +97,10 @@ def _optimizer_ms(cluster: Cluster, device) -> float:
 
 
 def layer_times(cluster: Cluster, batch, micro, rho: float, keep=None, mode: str = "layered",
-                collectives: list[tuple[float, float]] | None = None) -> list[float]:
+                collectives: list[tuple[float, float]] | None = None, per_pass: bool = False) -> list:
     """Each rank's step time (ms) without the optimizer, collectives priced at largest share rho (or
-    every rank's own (all-gather, reduce-scatter) per layer: ``collectives``)."""
+    every rank's own (all-gather, reduce-scatter) per layer: ``collectives``); ``per_pass``: each
+    rank's (forward passes, backward passes and what follows them) instead of their sum."""
     ag0, rs0 = collective_ms(cluster)
     s = cluster.settings
     w = cluster.world_size
@@ -132,7 +133,8 @@ def layer_times(cluster: Cluster, batch, micro, rho: float, keep=None, mode: str
                 copy = b * stash / ((d.host_copy_gbps or s.host_copy_gbps) * 1e9) * 1e3
             fwd = _overlapped(ag, f + copy, overlap)
             bwd = _overlapped(ag + rs, f + back + copy + over, overlap)
-        out.append(cluster.model.num_layers * (fwd + bwd + exposed))
+        layers = cluster.model.num_layers
+        out.append((layers * fwd, layers * (bwd + exposed)) if per_pass else layers * (fwd + bwd + exposed))
     return out
 
 
@@ -176,12 +178,17 @@ def shared_host_floor_s(cluster: Cluster, batch, micro, shares, keep=None, mode:
 
 def rank_times(cluster: Cluster, batch, micro, shares, keep=None, mode: str = "layered") -> list[float]:
     """Each rank's step time (s) by the brief's formulas, the optimizer step, the fixed per-step
-    overhead and the shared-host bound included."""
+    overhead, the shared-host bound and (``settings.sync_passes``, one shard group of every rank)
+    every pass ending together on every rank included."""
     layers = layer_times(cluster, batch, micro, max(shares), keep, mode)
     fixed, contention = cluster.settings.step_overhead_ms, cluster.settings.host_contention
     floor = shared_host_floor_s(cluster, batch, micro, shares, keep, mode)
-    return [max(floor, (contention * (t + _optimizer_ms(cluster, d) * r) + fixed) / 1e3)
-            for t, d, r in zip(layers, cluster.devices, shares)]
+    optimizer = [_optimizer_ms(cluster, d) * r for d, r in zip(cluster.devices, shares)]
+    if cluster.settings.sync_passes:  # the slowest forward, then the slowest backward, then the slowest optimizer
+        passes = layer_times(cluster, batch, micro, max(shares), keep, mode, per_pass=True)
+        synced = max(f for f, _ in passes) + max(b for _, b in passes) + max(optimizer)
+        floor = max(floor, (contention * synced + fixed) / 1e3)
+    return [max(floor, (contention * (t + o) + fixed) / 1e3) for t, o in zip(layers, optimizer)]
 
 
 def calibrated_by_hand(data: dict, calibration: dict, mode: str | None = None, groups=None) -> Cluster:

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, load_cluster, plan, save_cluster
+from cephalo_lightning.planner.assemble import rank_plans
 from cephalo_lightning.planner.calibration import Calibration, with_calibration
 from cephalo_lightning.planner.cluster import cluster_to_dict
 from cephalo_lightning.planner.fit import StepObservation, fit_calibration, predicted, predicted_collective_s
+from cephalo_lightning.planner.plan import Plan
 from tests.planner_reference import brute_force, calibrated_by_hand, rank_times
 from tests.test_planner import random_cluster
 
@@ -63,10 +65,20 @@ def _observe(truth, plans) -> list[StepObservation]:
     return out
 
 
-def test_fit_recovers_injected_terms_exactly(plans: list[Any]) -> None:
-    cluster = cluster_from_dict(_cluster())
+@pytest.mark.parametrize("sync_passes", [False, True])
+def test_fit_recovers_injected_terms_exactly(plans: list[Any], sync_passes: bool) -> None:
+    data = _cluster()
+    data["settings"]["sync_passes"] = sync_passes
+    cluster = cluster_from_dict(data)
     assert any(max(r.num_micro_batches for r in p.ranks) > 1 for p in plans)  # the overhead shows
-    fitted = fit_calibration(cluster, _observe(with_calibration(cluster, INJECTED), plans))
+    truth = with_calibration(cluster, INJECTED)
+    if sync_passes:  # with a plan whose passes the sync prices above its slowest rank's sum: the fastest
+        # device's forward is the slowest, and four micro-batches' overheads make another's backward the slowest
+        ranks, step = rank_plans(cluster, [11, 3, 5], [1, 1, 4], [0.34, 0.33, 0.33])
+        plans = [*plans, Plan(19, "layered", ranks, step, 19 / step)]
+        summed = with_calibration(cluster_from_dict(_cluster()), INJECTED)
+        assert predicted(truth, plans[-1])[0] > predicted(summed, plans[-1])[0] * 1.01
+    fitted = fit_calibration(cluster, _observe(truth, plans))
     for name in ("step_overhead_ms", "micro_batch_overhead_ms", "allgather_ms", "reduce_scatter_ms", "overlap",
                  "host_contention"):
         assert getattr(fitted, name) == pytest.approx(getattr(INJECTED, name), rel=FIT_TOL), name

@@ -24,6 +24,7 @@ from cephalo_lightning.planner import (
 )
 from cephalo_lightning.planner.catalog import known_names, lookup
 from cephalo_lightning.planner.cli import main as cli_main
+from cephalo_lightning.planner.cluster import cluster_to_dict
 from cephalo_lightning.planner.report import render_plan
 from tests.conftest import HANG_TIMEOUT_S
 from tests.planner_reference import brute_force, memory_ok, rank_times
@@ -217,6 +218,63 @@ def test_where_the_shared_host_bound_binds_no_single_sample_moved_gives_a_faster
                     assert _moved_step(cluster, p, mode, i, j) >= p.predicted_step_s * (1 - 1e-9), (cluster, p, i, j)
                     moved += 1
     assert moved >= 50
+
+
+def test_synced_passes_keep_the_certified_gap_true() -> None:
+    """Ranks of one group ending every pass together (settings.sync_passes): every plan is priced as
+    the reference prices it (slowest forward + slowest backward), nothing beats the exhaustive
+    optimum under that price, and the certified lower bound stays below it."""
+    rng = random.Random(300)
+    checked = binding = 0
+    for _ in range(160):
+        world = rng.choice([2, 2, 3, 3])
+        base = random_cluster(rng, world)
+        cluster = replace(base, settings=replace(base.settings, sync_passes=True))
+        mode = rng.choice(["layered", "layered", "uniform"])
+        batch = rng.randint(world if mode == "uniform" else 1, 9 if world == 3 else 12)
+        best = brute_force(cluster, batch, mode)
+        if best is None:
+            continue
+        p = plan(cluster, batch, mode, groupings=FULL)
+        check_plan(cluster, p, batch)
+        assert p.optimality_gap is not None
+        assert p.predicted_step_s / (1 + p.optimality_gap) <= best.step_s * (1 + 1e-9), (cluster, batch, mode, best, p)
+        assert p.predicted_step_s >= best.step_s * (1 - 1e-9)
+        summed = rank_times(base, p.batch_sizes, p.num_micro_batches, p.state_shares,
+                            [not r.recompute for r in p.ranks], p.mode)
+        binding += p.predicted_step_s > max(summed) * (1 + 1e-9)
+        checked += 1
+    assert checked >= 60 and binding >= 5  # where the sync binds, the solve's own price is below the plan's
+
+
+def test_synced_passes_price_a_group_by_its_slowest_forward_and_backward() -> None:
+    """Two ranks whose passes differ: one group pays the slowest forward plus the slowest backward
+    (every rank the group's step); data parallelism (a group each) and sync_passes off pay the sums."""
+    data = {"model": {"name": "m", "num_layers": 3, "parameters": 1000},
+            "settings": {"reserved_memory_gb": 0, "micro_batch_overhead_ms": 0, "sync_passes": True},
+            "devices": [{"name": "fwd-heavy", "memory_gb": 8, "layer_fwd_ms": [6.0], "layer_bwd_ms": [4.0],
+                         "compute_memory_gb": [0.1]},
+                        {"name": "bwd-heavy", "memory_gb": 8, "layer_fwd_ms": [2.0], "layer_bwd_ms": [8.0],
+                         "compute_memory_gb": [0.1]}]}
+    synced = cluster_from_dict(data)
+    summed = replace(synced, settings=replace(synced.settings, sync_passes=False))
+    # one sample each, recomputing: fwd = F, bwd = F + B -> (6, 10) and (2, 10) per layer
+    args = ([1, 1], [1, 1], [0.5, 0.5], [True, True], "layered")
+    assert [c.step_s for c in evaluate(summed, *args)] == pytest.approx([3 * 16 / 1e3, 3 * 12 / 1e3])
+    assert [c.step_s for c in evaluate(synced, *args)] == pytest.approx([3 * (6 + 10) / 1e3] * 2)
+    # keeping the graph on the second rank: fwd 2, bwd 8 -> its sum 10, the group's passes 6 + 10
+    kept = ([1, 1], [1, 1], [0.5, 0.5], [True, False], "layered")
+    assert [c.step_s for c in evaluate(summed, *kept)] == pytest.approx([3 * 16 / 1e3, 3 * 10 / 1e3])
+    assert [c.step_s for c in evaluate(synced, *kept)] == pytest.approx([3 * 16 / 1e3] * 2)
+    args_fwd_heavy_keeps = ([1, 1], [1, 1], [0.5, 0.5], [False, True], "layered")  # (6, 4) and (2, 10)
+    assert max(c.step_s for c in evaluate(summed, *args_fwd_heavy_keeps)) == pytest.approx(3 * 12 / 1e3)
+    assert max(c.step_s for c in evaluate(synced, *args_fwd_heavy_keeps)) == pytest.approx(3 * (6 + 10) / 1e3)
+    assert max(c.step_s for c in evaluate(synced, *args_fwd_heavy_keeps, shard_groups=[0, 1])) == pytest.approx(
+        3 * 12 / 1e3)  # data parallelism: no per-layer collective joins the two ranks' passes
+    assert cluster_to_dict(synced)["settings"]["sync_passes"] is True
+    assert "sync_passes" not in cluster_to_dict(summed)["settings"]  # files written before it read the same
+    with pytest.raises(PlanningError, match="sync_passes"):
+        cluster_from_dict({**data, "settings": {"sync_passes": "yes"}})
 
 
 def test_shared_host_bound_costs_nothing_without_a_core_count() -> None:

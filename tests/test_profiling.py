@@ -197,6 +197,7 @@ def test_single_process_cluster_and_cache(tmp_path: Path, caplog: pytest.LogCapt
     assert device.memory_gb > 0.1  # the host's RAM (one rank on this host)
     assert first.cluster.model.num_layers == 4 and first.cluster.model.name == "gpt-tiny"
     assert first.cluster.settings.reserved_memory_gb == 0.0  # CPU defaults
+    assert first.cluster.settings.sync_passes  # a shard group's ranks end every layer's pass together
 
     again = ClusterProfiler(layers, sample, **kwargs).run()
     assert again.from_cache and again.cluster == first.cluster and again.cache_file == first.cache_file

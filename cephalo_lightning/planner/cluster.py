@@ -102,6 +102,11 @@ class Settings:
     # None: every rank has a device of its own. With it the step is at least the ranks' real compute
     # (their compute without emulated waits) spread over these cores (cost.shared_host_floor_ms)
     host_cores: float | None = None
+    # ranks of one shard group end every layer's pass together (each pass's per-layer collectives wait
+    # for the group's slowest rank), so a group's step is L x (its slowest forward + its slowest
+    # backward), not its slowest rank's sum (cost.synced_group_ms); the profiler sets it. False: the
+    # per-rank sum alone (files written before it price as before)
+    sync_passes: bool = False
 
 
 @dataclass(frozen=True)
@@ -347,6 +352,8 @@ def parse_settings(data: Any) -> Settings:
         values["offload_stash"] = _flag(data["offload_stash"], "settings.offload_stash")
     if "stash_on_device" in data:
         values["stash_on_device"] = _flag(data["stash_on_device"], "settings.stash_on_device")
+    if "sync_passes" in data:
+        values["sync_passes"] = _flag(data["sync_passes"], "settings.sync_passes")
     if values.get("offload_stash") and values.get("stash_on_device"):
         raise PlanningError("settings.offload_stash and settings.stash_on_device are both true, but the stash is "
                             "either copied to the host or kept on the device; set one of them to false")
@@ -549,8 +556,9 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         settings.pop("host_contention", None)
     if not settings.get("inter_node_latency_ms"):
         settings.pop("inter_node_latency_ms", None)
-    if not settings.get("stash_on_device"):
-        settings.pop("stash_on_device", None)
+    for flag in ("stash_on_device", "sync_passes"):
+        if not settings.get(flag):
+            settings.pop(flag, None)
     data = {"model": model, "settings": settings, "devices": entries}
     if cluster.calibration is not None:
         data["calibration"] = cluster.calibration.as_dict()

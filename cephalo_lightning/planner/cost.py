@@ -18,6 +18,16 @@ compute, ``max``; overlap 0: serial, ``comm + compute``)::
     step_i = contention * (num_layers * (fwd_i + bwd_i) + optimizer_ns_per_param_i * r_i * parameters) + step_overhead
     step   = max_i step_i
 
+With ``settings.sync_passes`` (the profiler sets it) every layer's pass ends together on the ranks of
+one shard group, as its collectives wait for the group's slowest rank, so a rank's step is at least
+its group's::
+
+    step_g = contention * (num_layers * (max_{i in g} fwd_i + max_{i in g} bwd_i) + max_{i in g} opt_i) + step_overhead
+
+which exceeds the slowest rank's sum where ranks split their time between the passes differently
+(one recomputes, another keeps its graph; kinds whose forward and backward scale apart). The solve
+prices ranks alone (a lower bound of this), and the plan's price and certified gap include it.
+
 A cluster's ``calibration:`` block (terms measured on a run) is folded in first
 (:func:`cephalo_lightning.planner.calibration.calibrated`); ``step_overhead`` is zero and
 ``contention`` one without one.
@@ -355,6 +365,21 @@ def shared_host_floor_ms(cluster: Cluster, busy_ms: np.ndarray) -> float:
     return float(real.sum()) / cores + cluster.settings.step_overhead_ms
 
 
+def synced_group_ms(cluster: Cluster, fwd: np.ndarray, bwd: np.ndarray, optimizer: np.ndarray,
+                    shard_groups: Sequence[int] | np.ndarray | None) -> np.ndarray:
+    """Every rank's step (ms) if each layer's pass ended together on its shard group: the group's
+    slowest forward plus its slowest backward per layer (``fwd``, ``bwd``: per-layer pass times with
+    their collectives) and its slowest optimizer step (``settings.sync_passes``; see the module)."""
+    s = cluster.settings
+    groups = np.zeros(len(fwd), np.int64) if shard_groups is None else np.asarray(shard_groups, dtype=np.int64)
+    out = np.empty(len(fwd))
+    for g in np.unique(groups):
+        at = groups == g
+        out[at] = s.host_contention * (cluster.model.num_layers * (fwd[at].max() + bwd[at].max())
+                                       + optimizer[at].max()) + s.step_overhead_ms
+    return out
+
+
 def predicted_busy_s(cluster: Cluster, plan: Plan) -> list[float]:
     """Each rank's predicted compute seconds per step: its layers' forward and backward passes (with
     any recompute) and its optimizer step, which is what the runtime counts as busy (everything
@@ -602,18 +627,24 @@ def evaluate_arrays(
     reserved = cluster.settings.reserved_memory_gb
     fixed, contention = cluster.settings.step_overhead_ms, cluster.settings.host_contention
     busy = np.zeros(len(b))  # contention-free compute ms, for the shared-host bound
+    passes = np.empty((2, len(b)))  # per-layer forward and backward with collectives, for settings.sync_passes
+    optimizer = np.empty(len(b))
     for k, cost in enumerate(costs):
         at = np.nonzero(of_rank == k)[0]
         if not len(at):
             continue
-        layer = cost.layer_ms(b[at], n[at], ag[at], rs[at], keep[at]) + exposed[at]
-        step[at] = (contention * (cost.num_layers * layer + cost.optimizer_ms(r[at])) + fixed) / 1e3
+        passes[:, at] = cost.pass_ms(b[at], n[at], ag[at], rs[at], keep[at])
+        passes[1, at] += exposed[at]
+        optimizer[at] = cost.optimizer_ms(r[at])
+        step[at] = (contention * (cost.num_layers * (passes[0, at] + passes[1, at]) + optimizer[at]) + fixed) / 1e3
         if cluster.settings.host_cores:
             fwd, bwd = cost.compute_parts(b[at], n[at], keep[at])
             busy[at] = cost.num_layers * (fwd + bwd) + cost.optimizer_ms(r[at])
         used = cost.compute_memory(m[at]) + cost.extra_memory_gb(m[at], n[at], keep[at], b[at])
         memory[at] = used + reserved + cost.state_gb * r[at]
         limit[at] = cluster.settings.usable_memory_fraction * cost.device.memory_gb
+    if cluster.settings.sync_passes:
+        step = np.maximum(step, synced_group_ms(cluster, passes[0], passes[1], optimizer, shard_groups) / 1e3)
     if cluster.settings.host_cores:
         step = np.maximum(step, shared_host_floor_ms(cluster, busy) / 1e3)
     return step, memory, memory <= limit * (1 + 1e-9)

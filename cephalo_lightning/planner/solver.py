@@ -562,10 +562,12 @@ def refine_on_shared_host(problem: Problem, cluster: Cluster, best: Assignment) 
 
 
 def _without_fixed_terms(cluster: Cluster) -> Cluster:
-    """The cluster without a fixed per-step overhead, a host's contention factor or a shared host's
-    cores (its own or its calibration's), which the solve leaves out (see :func:`plan`)."""
+    """The cluster without a fixed per-step overhead, a host's contention factor, a shared host's
+    cores (its own or its calibration's) or passes synced across a group, which the solve leaves out
+    (see :func:`plan`)."""
     cal = cluster.calibration
-    return replace(cluster, settings=replace(cluster.settings, step_overhead_ms=0.0, host_contention=1.0, host_cores=None),
+    return replace(cluster, settings=replace(cluster.settings, step_overhead_ms=0.0, host_contention=1.0, host_cores=None,
+                                             sync_passes=False),
                    calibration=None if cal is None else replace(cal, step_overhead_ms=0.0, host_contention=1.0))
 
 
@@ -591,7 +593,8 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
     # a fixed per-step overhead and a host's contention factor shift and scale every plan alike:
     # solve without them, then apply both to the plan's step and the proven lower bound (the
     # certified gap only shrinks); the shared-host bound, too, is left out of the solve and enters
-    # the plan's price and the lower bound (shared_host_lower_ms)
+    # the plan's price and the lower bound (shared_host_lower_ms); so are passes synced across a group
+    # (settings.sync_passes), which only raise a plan's price: the solve's bound stays a bound
     fixed_s, contention = cluster.settings.step_overhead_ms / 1e3, cluster.settings.host_contention
     problem = Problem(_without_fixed_terms(source), B, mode, group_kinds=_group_kinds)
     _check_memory(problem)

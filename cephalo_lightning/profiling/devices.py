@@ -58,11 +58,12 @@ def default_settings(device: torch.device) -> Settings:
 
     :class:`Settings`' default 2 GB reserve (CUDA context, allocator slack) and 10 ms per extra
     micro-batch (kernel launches) are GPU figures; a CPU process has neither, and its per-call overheads are
-    already inside the measured layer times.
+    already inside the measured layer times. On both, the ranks of a shard group wait for each other
+    at every layer's collectives (``sync_passes``).
     """
     if device.type == "cuda":  # pragma: no cover - CUDA only
-        return Settings()
-    return Settings(reserved_memory_gb=0.0, micro_batch_overhead_ms=0.0)
+        return Settings(sync_passes=True)
+    return Settings(reserved_memory_gb=0.0, micro_batch_overhead_ms=0.0, sync_passes=True)
 
 
 @dataclass(frozen=True)
