@@ -23,7 +23,8 @@ Only the public Lightning path is used. Per cluster, in one spawned group of ran
 
 Every plan is measured once per round (``rounds``, the order rotated; the host's load drifts over
 minutes and should reach every plan alike); a plan's measured step is the median over the windows of
-all its rounds (the first window of each run, whose steps count every tensor, is left out). The
+all its rounds (the first ``warmup_windows`` windows of each run, about the calibration's first 10 steps, are
+left out: a run's first steps are slower). The
 goal: AFTER within 10% of the measured step on the plans not fitted, and peak memory never under-predicted (calibration does not touch memory).
 Where the profile records the host's cores (CPU ranks on one host), the same windows are also fitted by
 the per-rank model without the shared-host bound, and its errors printed beside (a paired comparison).
@@ -90,7 +91,11 @@ class Config:
     profile_k: int = 8
     usable_memory_fraction: float = 0.9
     window: int = 3  # CephaloCallback(watch_every_n_steps=window) of the plans measured to test the predictions
-    windows: int = 2  # measured windows per run after the first (whose steps 0-2 count every tensor: slow)
+    windows: int = 2  # measured windows per run after the warm-up
+    # windows left out of every measured run: its first steps run slower (the first counts every tensor;
+    # steps 3-8 measured ~4% slower than steps 10-29 of the same plan), and the calibration run leaves
+    # out its first window of 10 steps
+    warmup_windows: int = 3
     # the calibration run sees what CephaloCallback's defaults fit: calibrate_after_windows windows of
     # watch_every_n_steps steps after the first
     calibration_window: int = CallbackConfig.watch_every_n_steps
@@ -129,16 +134,17 @@ def _fit(cfg: Config, cluster: ClusterSpec, strategy: Any, steps: int, callback:
 
 
 def _measure_plan(cfg: Config, cluster: ClusterSpec, plan: Any, calibration: bool = False) -> dict[str, Any]:
-    """Run ``plan`` for ``window * (1 + windows)`` steps (the calibration run: the callback's defaults'
-    ``calibration_window * (1 + calibration_windows)``); the watcher's windows, the first left out."""
+    """Run ``plan`` for ``window * (warmup_windows + windows)`` steps (the calibration run: the callback's
+    defaults, ``calibration_window * (1 + calibration_windows)``); the watcher's windows after the warm-up."""
     from cephalo_lightning import CephaloCallback, CephaloStrategy
 
-    window, windows = (cfg.calibration_window, cfg.calibration_windows) if calibration else (cfg.window, cfg.windows)
+    window, warmup, windows = ((cfg.calibration_window, 1, cfg.calibration_windows) if calibration
+                               else (cfg.window, cfg.warmup_windows, cfg.windows))
     watcher = CephaloCallback(watch_every_n_steps=window, print_plan=False, quiet=True, cache_dir=None,
                               calibrate_after_windows=0)
     _fit(cfg, cluster, CephaloStrategy(plan=plan, emulate=_specs(cluster), mode=plan.mode),
-         window * (1 + windows), watcher, batch=plan.global_batch_size)
-    return {"plan": plan, "history": watcher.history[1:]}
+         window * (warmup + windows), watcher, batch=plan.global_batch_size)
+    return {"plan": plan, "history": watcher.history[warmup:]}
 
 
 def _other_plans(profiled: Any, calibrated: Any, cluster: ClusterSpec, fitted: Any) -> list[tuple[str, Any]]:
