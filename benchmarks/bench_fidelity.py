@@ -27,8 +27,9 @@ all its rounds (the first ``warmup_windows`` windows of each run, about the cali
 left out: a run's first steps are slower). The
 goal: AFTER within 10% of the measured step on the plans not fitted, and peak memory never under-predicted (calibration does not touch memory).
 Where the profile records the host's cores (CPU ranks on one host), the same windows are also fitted by
-the per-rank model without the shared-host bound, and its errors printed beside (a paired comparison).
-``--json`` also carries every cluster's profile (``profiled``, a cluster file's dict) and every plan with its
+the per-rank model without the shared-host bound, and its errors printed beside (a paired comparison);
+so are they by each rank's passes summed (``settings.sync_passes`` off, the model before a shard group's
+passes ended together). ``--json`` also carries every cluster's profile (``profiled``, a cluster file's dict) and every plan with its
 watch windows, so another cost model can be fitted to the same measurements offline.
 """
 
