@@ -300,15 +300,14 @@ def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
     r0 = per_rank[0]
     profiled, plan, history, calibration = r0["cluster"], r0["plan"], r0["history"], r0["calibration"]
     calibrated = with_calibration(profiled, calibration)
-    unbound = None
-    if profiled.settings.host_cores:  # paired: the same windows fitted by the per-rank model alone
-        alone = _without_bound(profiled)
-        fit = fit_calibration(alone, observations(plan, history[:r0["fit_windows"]]))
-        unbound = (alone, with_calibration(alone, fit))
-    summed = None
-    if profiled.settings.sync_passes:  # paired: the same windows fitted with each rank's passes summed
-        alone = _passes_summed(profiled)
-        summed = (alone, with_calibration(alone, fit_calibration(alone, observations(plan, history[:r0["fit_windows"]]))))
+    fit_on = observations(plan, history[:r0["fit_windows"]])  # the calibration run's windows
+
+    def refitted(model: Any) -> tuple[Any, Any]:  # paired: the same windows fitted by another model
+        return model, with_calibration(model, fit_calibration(model, fit_on))
+
+    # the per-rank model alone (no shared-host bound); each rank's passes summed (no synced passes)
+    unbound = refitted(_without_bound(profiled)) if profiled.settings.host_cores else None
+    summed = refitted(_passes_summed(profiled)) if profiled.settings.sync_passes else None
     plans = [_plan_row("fitted on", plan, history, profiled, calibrated, True, unbound, summed)]
     plans += [_plan_row(o["name"], o["plan"], o["history"], profiled, calibrated, False, unbound, summed)
               for o in r0["others"]]
