@@ -123,8 +123,9 @@ def layer_times(cluster: Cluster, batch, micro, rho: float, keep=None, mode: str
         f = sum(profile_value(d.layer_fwd_ms, x) for x in sizes)
         back = sum(profile_value(d.layer_bwd_ms, x) for x in sizes)
         over = max(0, len(sizes) - 1) * c
-        if mode == "uniform":
-            fwd, bwd = _overlapped(n * ag, f, overlap), _overlapped(n * ag + rs, back + over, overlap)
+        if mode == "uniform":  # the first gather of a layer's pass, then n - 1 repeats at their fraction
+            gathered = ag + (n - 1) * s.repeated_gather_fraction * ag
+            fwd, bwd = _overlapped(gathered, f, overlap), _overlapped(gathered + rs, back + over, overlap)
         elif kept:
             fwd, bwd = _overlapped(ag, f, overlap), _overlapped(ag + rs, back, overlap)
         else:
@@ -191,10 +192,11 @@ def rank_times(cluster: Cluster, batch, micro, shares, keep=None, mode: str = "l
     return [max(floor, (contention * (t + o) + fixed) / 1e3) for t, o in zip(layers, optimizer)]
 
 
-def calibrated_by_hand(data: dict, calibration: dict, mode: str | None = None, groups=None) -> Cluster:
+def calibrated_by_hand(data: dict, calibration: dict, groups=None) -> Cluster:
     """A cluster file with a calibration block written out as a plain cluster file: each rank its own
     device entry, its times scaled, the measured terms as settings (the block's documented meaning:
-    the collective terms only for plans of the block's ``mode`` and ``shard_groups``, where it names them)."""
+    the collective terms only for plans of the block's ``shard_groups``, where it names them, and a
+    uniform pass's gathers after a layer's first at the profiled gather, at most the fitted one)."""
     from cephalo_lightning.planner import cluster_from_dict
 
     entries = [dict(e, count=1) for e in data["devices"] for _ in range(e.get("count", 1))]
@@ -207,8 +209,15 @@ def calibrated_by_hand(data: dict, calibration: dict, mode: str | None = None, g
             entry["optimizer_ns_per_param"] = ns * scale
     settings.update({k: calibration[k] for k in ("step_overhead_ms", "micro_batch_overhead_ms")})
     fitted_groups = calibration.get("shard_groups")
-    if calibration.get("mode") in (None, mode) and (fitted_groups is None or groups is None
-                                                    or list(groups) == list(fitted_groups)):
+    if fitted_groups is None or groups is None or list(groups) == list(fitted_groups):
+        world = len(entries)
+        profiled = settings.get("allgather_ms") or 0.0
+        if not profiled and settings.get("link_bandwidth_gbps") and world > 1:  # one node: bytes over the link
+            model = data["model"]
+            moved = (world - 1) / world * model["parameters"] / model["num_layers"]
+            profiled = moved * model.get("compute_bytes_per_param", 2) / (settings["link_bandwidth_gbps"] * 1e9) * 1e3
+        fitted = calibration["allgather_ms"]
+        settings["repeated_gather_fraction"] = min(1.0, profiled / fitted) if fitted > 0 else 1.0
         settings.pop("link_bandwidth_gbps", None)
         settings.update({k: calibration[k] for k in ("allgather_ms", "reduce_scatter_ms", "overlap")})
     settings["host_contention"] = calibration.get("host_contention", 1.0)

@@ -112,6 +112,30 @@ def test_optimal_against_brute_force(seed: int) -> None:
     assert checked >= 30  # most random clusters are plannable
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_repeated_gathers_at_a_fraction_optimal_against_brute_force(seed: int) -> None:
+    """Uniform mode with a pass's later gathers of a layer at a fraction of the first (a calibrated
+    cluster's ``repeated_gather_fraction``): the solver's bounds on the micro-batch count and the
+    batch follow the fraction, so the plan is still the exhaustive optimum under the reference's price."""
+    rng = random.Random(300 + seed)
+    checked = 0
+    for _ in range(40):
+        world = rng.choice([2, 3])
+        base = random_cluster(rng, world)
+        settings = replace(base.settings, allgather_ms=rng.uniform(1, 30), reduce_scatter_ms=rng.uniform(0, 30),
+                           repeated_gather_fraction=rng.choice([0.0, rng.uniform(0, 1)]))
+        cluster = replace(base, settings=settings)
+        batch = rng.randint(world, 9 if world == 3 else 12)
+        best = brute_force(cluster, batch, "uniform")
+        if best is None:
+            continue
+        p = plan(cluster, batch, "uniform", groupings=FULL)
+        check_plan(cluster, p, batch)
+        assert best.step_s * (1 - 1e-9) <= p.predicted_step_s <= best.step_s * 1.005, (cluster, batch, best, p)
+        checked += 1
+    assert checked >= 20
+
+
 def with_extras(cluster: Cluster, rng: random.Random, stash: bool, cores: bool) -> Cluster:
     """The same cluster with a stash kept on the device (bytes per sample of the order of a sample's
     compute memory) and / or every rank on one host of a few cores, emulated slowdowns 1 to 4."""

@@ -14,12 +14,16 @@ solver (and its certified gap) and ``python -m cephalo_lightning plan`` all pric
 ``host_contention`` (>= 1) is measured, not fitted: the wall time of the ranks' compute regions per
 second of their contention-free busy time (ranks of one host waiting for its cores); 1 on a GPU.
 
-The collective terms (AG, RS, overlap) are the collectives as one schedule issues them: layered
-mode gathers a layer once per pass, uniform mode once per micro-batch; one group of every rank
-gathers and reduce-scatters, groups of one rank all-reduce, a group per node gathers inside the node
-and reduces across. What a collective costs as run differs between these schedules (and the links
-each uses), so a calibration fitted on one schedule's steps (``mode`` and ``shard_groups``) prices
-that schedule's collectives; a plan of another keeps the profile's, which no step of it corrected.
+The collective terms (AG, RS, overlap) are a layer's collectives as run in one pass, the ranks'
+wait for each other at the layer included: what a layer's first gather in a pass costs beyond the
+profiled transfer is that wait, which comes once per pass whatever the mode (layered mode gathers a
+layer once per pass, uniform mode once per micro-batch). A uniform micro-batch's later gathers of
+the layer cost the profiled transfer (``settings.repeated_gather_fraction``, the profiled gather
+over the fitted one, at most 1), so a calibration fitted on either mode's steps prices the other's.
+The groupings differ in what they move and over which links (one group of every rank gathers and
+reduce-scatters, groups of one rank all-reduce, a group per node gathers inside the node and reduces
+across), so a calibration fitted under one grouping (``shard_groups``) prices that grouping's
+collectives; a plan of another keeps the profile's, which no step of it corrected.
 
 A cluster without the block is priced exactly as before.
 """
@@ -54,7 +58,7 @@ class Calibration:
     steps: int = 0  # measured steps the fit used
     fitted_on: str = ""  # the plan(s) measured, e.g. "B=32 layered b=[20, 12]"
     source: str = "measured"
-    mode: str | None = None  # the measured steps' mode, whose collectives AG / RS / overlap are (None: every mode)
+    mode: str | None = None  # the measured steps' mode (None: steps of both modes)
     shard_groups: tuple[int, ...] | None = None  # and their grouping, every rank's group (None: every grouping)
 
     def as_dict(self) -> dict[str, Any]:
@@ -68,11 +72,9 @@ class Calibration:
             data["shard_groups"] = list(self.shard_groups)
         return data
 
-    def prices_collectives_of(self, mode: str | None, shard_groups: Sequence[int] | None = None) -> bool:
-        """Whether the fitted collective terms price plans of ``mode`` under ``shard_groups`` (every
-        rank's group; None for either: the calibration's own)."""
-        if self.mode is not None and mode is not None and mode != self.mode:
-            return False
+    def prices_collectives_of(self, shard_groups: Sequence[int] | None = None) -> bool:
+        """Whether the fitted collective terms price plans under ``shard_groups`` (every rank's group;
+        None for either: the calibration's own)."""
         return self.shard_groups is None or shard_groups is None or same_grouping(shard_groups, self.shard_groups)
 
 
@@ -113,7 +115,7 @@ def parse_calibration(data: Any, world_size: int) -> Calibration | None:
     mode = data.get("mode")
     if mode is not None and mode not in MODES:
         raise PlanningError(f"calibration.mode must be one of {MODES} (the mode of the steps it was fitted on), got "
-                            f"{mode!r}; write one of those, or leave it out to price every mode's collectives with it")
+                            f"{mode!r}; write one of those, or leave it out")
     groups = data.get("shard_groups")
     if groups is not None:
         if not isinstance(groups, list) or len(groups) != world_size:
@@ -127,10 +129,10 @@ def parse_calibration(data: Any, world_size: int) -> Calibration | None:
         fitted_on=str(data.get("fitted_on", "")), source=source, mode=mode, shard_groups=groups)
 
 
-def calibrated(cluster: Cluster, mode: str | None = None, shard_groups: Sequence[int] | None = None) -> Cluster:
+def calibrated(cluster: Cluster, shard_groups: Sequence[int] | None = None) -> Cluster:
     """The cluster with its calibration folded into profiles and settings (itself when it has none),
-    to price plans of ``mode`` under ``shard_groups`` (None: the calibration's own; another schedule
-    keeps the profile's collective terms, see the module).
+    to price plans under ``shard_groups`` (None: the calibration's own; another grouping keeps the
+    profile's collective terms, see the module).
 
     Ranks with the same profile and the same scale keep one profile object, so the solver still
     groups them into one kind. The result carries no calibration: folding twice changes nothing.
@@ -153,14 +155,18 @@ def calibrated(cluster: Cluster, mode: str | None = None, shard_groups: Sequence
         devices.append(folded[key])
     settings = replace(s, step_overhead_ms=cal.step_overhead_ms, micro_batch_overhead_ms=cal.micro_batch_overhead_ms,
                        host_contention=cal.host_contention)
-    if cal.prices_collectives_of(mode, shard_groups):
+    if cal.prices_collectives_of(shard_groups):
         settings = _fitted_collectives(cluster, settings, cal)
     return replace(cluster, devices=tuple(devices), settings=settings, calibration=None)
 
 
 def _fitted_collectives(cluster: Cluster, settings: Settings, cal: Calibration) -> Settings:
-    """``settings`` with the calibration's collective terms in place of the profile's."""
+    """``settings`` with the calibration's collective terms in place of the profile's (and a uniform
+    micro-batch's later gathers at the profiled transfer, see the module)."""
+    from cephalo_lightning.planner.cost import communication, link_prices  # the cost model builds on this module
+
     s = cluster.settings
+    profile = replace(cluster, calibration=None)
     # The fitted AG / RS are the world's figures. On one node no bandwidth is wanted beside them (a
     # fitted 0 would read as "derive from the bandwidth"). Across nodes the bandwidths stay, so a group
     # inside a node is still priced on the faster link; a fitted 0 is kept as 1 ns, read as measured.
@@ -171,15 +177,16 @@ def _fitted_collectives(cluster: Cluster, settings: Settings, cal: Calibration) 
     rs = max(cal.reduce_scatter_ms, floor)
     links = {"link_bandwidth_gbps": None}
     if spans:
-        from cephalo_lightning.planner.cost import link_prices  # the cost model builds on this module
-
-        profiled = link_prices(replace(cluster, calibration=None)).reduce_scatter_ms
+        profiled = link_prices(profile).reduce_scatter_ms
         speed = profiled / rs if profiled > 0 else 1.0
         links = {name: None if value is None else value * speed
                  for name, value in (("link_bandwidth_gbps", s.link_bandwidth_gbps),
                                      ("inter_node_bandwidth_gbps", s.inter_node_bandwidth_gbps))}
-    return replace(settings, allgather_ms=max(cal.allgather_ms, floor), reduce_scatter_ms=rs, overlap=cal.overlap,
-                   **links)
+    ag = max(cal.allgather_ms, floor)
+    # the fit scales the world's gather as the profile prices it (communication), so does this ratio
+    repeated = min(1.0, communication(profile).allgather_ms / ag) if ag > 0 else 1.0
+    return replace(settings, allgather_ms=ag, reduce_scatter_ms=rs, overlap=cal.overlap,
+                   repeated_gather_fraction=repeated, **links)
 
 
 def with_calibration(cluster: Cluster, calibration: Calibration | None) -> Cluster:
@@ -193,9 +200,7 @@ def with_calibration(cluster: Cluster, calibration: Calibration | None) -> Clust
 def describe(calibration: Calibration, width: int = 3) -> str:
     """One line naming the fitted terms."""
     scales = ", ".join(f"{v:.{width - 1}f}" for v in calibration.compute_scale)
-    schedule = [f"{calibration.mode} mode" if calibration.mode else "",
-                f"groups {list(calibration.shard_groups)}" if calibration.shard_groups is not None else ""]
-    mode = f" (the collectives of {', '.join(x for x in schedule if x)})" if any(schedule) else ""
+    mode = f" (the collectives of groups {list(calibration.shard_groups)})" if calibration.shard_groups is not None else ""
     return (f"per step +{calibration.step_overhead_ms:.1f} ms, per extra micro-batch {calibration.micro_batch_overhead_ms:.2f} "
             f"ms/layer, AG {calibration.allgather_ms:.3f} / RS {calibration.reduce_scatter_ms:.3f} ms/layer, overlap "
             f"{calibration.overlap:.2f}{mode}, compute x[{scales}], host contention x{calibration.host_contention:.2f} ({calibration.source}, {calibration.steps} steps)")

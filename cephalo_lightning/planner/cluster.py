@@ -107,6 +107,10 @@ class Settings:
     # backward), not its slowest rank's sum (cost.synced_group_ms); the profiler sets it. False: the
     # per-rank sum alone (files written before it price as before)
     sync_passes: bool = False
+    # uniform mode gathers every layer once per micro-batch; a gather after the first of a layer's pass
+    # costs this fraction of the first, which also holds the ranks' wait for each other at the layer
+    # (a calibration sets it: the profiled gather over the fitted one). 1: every gather as the first
+    repeated_gather_fraction: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -354,6 +358,10 @@ def parse_settings(data: Any) -> Settings:
         values["stash_on_device"] = _flag(data["stash_on_device"], "settings.stash_on_device")
     if "sync_passes" in data:
         values["sync_passes"] = _flag(data["sync_passes"], "settings.sync_passes")
+    if "repeated_gather_fraction" in data:
+        values["repeated_gather_fraction"] = _fraction(
+            data["repeated_gather_fraction"], "settings.repeated_gather_fraction",
+            "a uniform micro-batch's gather after the first, per the first's time (1: every gather alike)")
     if values.get("offload_stash") and values.get("stash_on_device"):
         raise PlanningError("settings.offload_stash and settings.stash_on_device are both true, but the stash is "
                             "either copied to the host or kept on the device; set one of them to false")
@@ -552,8 +560,9 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
     settings = {k: v for k, v in asdict(cluster.settings).items() if v is not None}
     if not settings.get("step_overhead_ms"):
         settings.pop("step_overhead_ms", None)  # files written before the terms existed read the same
-    if settings.get("host_contention") == 1.0:
-        settings.pop("host_contention", None)
+    for term in ("host_contention", "repeated_gather_fraction"):
+        if settings.get(term) == 1.0:
+            settings.pop(term, None)
     if not settings.get("inter_node_latency_ms"):
         settings.pop("inter_node_latency_ms", None)
     for flag in ("stash_on_device", "sync_passes"):

@@ -13,8 +13,11 @@ compute, ``max``; overlap 0: serial, ``comm + compute``)::
     layered, one micro-batch keeping its autograd graph (RankPlan.recompute = False):
         fwd_i = comb(AG, F(b)),   bwd_i = comb(AG + RS, B(b))
     uniform (micro-batch-major: every micro-batch gathers every layer, graph kept, one RS):
-        fwd_i = comb(n_i AG,      sum_k F(s_k))
-        bwd_i = comb(n_i AG + RS, sum_k B(s_k) + (n_i - 1) c)
+        fwd_i = comb(G_i AG,      sum_k F(s_k))
+        bwd_i = comb(G_i AG + RS, sum_k B(s_k) + (n_i - 1) c)
+        G_i = 1 + (n_i - 1) q    (q: settings.repeated_gather_fraction, 1 unless calibrated: a
+                                  layer's first gather in a pass also holds the ranks' wait for
+                                  each other, its repeats only the transfer)
     step_i = contention * (num_layers * (fwd_i + bwd_i) + optimizer_ns_per_param_i * r_i * parameters) + step_overhead
     step   = max_i step_i
 
@@ -384,7 +387,7 @@ def predicted_busy_s(cluster: Cluster, plan: Plan) -> list[float]:
     """Each rank's predicted compute seconds per step: its layers' forward and backward passes (with
     any recompute) and its optimizer step, which is what the runtime counts as busy (everything
     but collectives and waiting)."""
-    cluster = calibrated(cluster, plan.mode)
+    cluster = calibrated(cluster)
     out = []
     for device, rank in zip(cluster.devices, plan.ranks):
         cost = DeviceCost(device, cluster, plan.mode)
@@ -408,6 +411,7 @@ class DeviceCost:
                                   else PiecewiseLinear(device.activation_memory_gb))
         s, model = cluster.settings, cluster.model
         self.overhead_ms = s.micro_batch_overhead_ms
+        self.repeated_gather = s.repeated_gather_fraction
         self.step_overhead_ms = s.step_overhead_ms
         self.host_contention = s.host_contention
         self.overlap = 1.0 if s.overlap is None else s.overlap
@@ -458,9 +462,17 @@ class DeviceCost:
         empty = b == 0
         return np.where(empty, 0.0, fwd), np.where(empty, 0.0, bwd)
 
+    def gathers(self, n: np.ndarray | int) -> np.ndarray:
+        """Each layer's gathers per pass, in units of its first: uniform mode gathers once per
+        micro-batch, each repeat at ``settings.repeated_gather_fraction``; layered mode once."""
+        n = np.asarray(n, dtype=float)
+        if self.mode != "uniform":
+            return np.ones_like(n)
+        return 1.0 + (np.maximum(n, 1.0) - 1.0) * self.repeated_gather
+
     def collectives(self, n: np.ndarray, ag: float, rs: float) -> tuple[np.ndarray, np.ndarray]:
         """Per-layer communication of the forward and the backward pass."""
-        gathers = np.asarray(n, dtype=float) if self.mode == "uniform" else np.ones_like(n, dtype=float)
+        gathers = self.gathers(n)
         return gathers * ag, gathers * ag + rs
 
     def layer_ms(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float,
@@ -562,7 +574,7 @@ def _without_node(device: DeviceProfile) -> tuple:
 
 def kind_costs(cluster: Cluster, mode: str = "layered") -> tuple[list[DeviceCost], np.ndarray]:
     """One DeviceCost per distinct device profile, and each rank's index into them."""
-    cluster = calibrated(cluster, mode)
+    cluster = calibrated(cluster)
     index: dict[DeviceProfile, int] = {}
     costs: list[DeviceCost] = []
     of_rank = np.empty(cluster.world_size, dtype=np.int64)
@@ -588,7 +600,7 @@ def collective_ms(cluster: Cluster, shares: Sequence[float] | np.ndarray,
     (groups of one rank: the last gradient bucket's all-reduce, which starts when the backward ends)
     adds to the layer's time after :meth:`DeviceCost.layer_ms` instead of overlapping its compute. A
     cluster that still carries its calibration is folded for these groups (in the calibration's mode)."""
-    cluster = calibrated(cluster, None, np.zeros(len(shares), np.int64) if shard_groups is None else shard_groups)
+    cluster = calibrated(cluster, np.zeros(len(shares), np.int64) if shard_groups is None else shard_groups)
     r = np.asarray(shares, dtype=float)
     if single_group(shard_groups):
         comm = communication(cluster)
@@ -613,7 +625,7 @@ def evaluate_arrays(
     ``shard_groups``: every rank's shard group (None: one group of all); ``shares`` are then within
     each group, and each group's collectives are priced by :class:`LinkPrices`.
     """
-    cluster = calibrated(cluster, mode, np.zeros(len(batch_sizes), np.int64) if shard_groups is None else shard_groups)
+    cluster = calibrated(cluster, np.zeros(len(batch_sizes), np.int64) if shard_groups is None else shard_groups)
     b = np.asarray(batch_sizes, dtype=np.int64)
     n = np.maximum(np.asarray(num_micro_batches, dtype=np.int64), 1)
     r = np.asarray(shares, dtype=float)

@@ -100,7 +100,7 @@ def predicted_collective_s(cluster: Cluster, plan: Plan) -> float:
     """Seconds per step the cost model spends blocked in collectives (beyond the compute they
     overlap), on the rank blocked least: what :attr:`StepObservation.collective_s` measures."""
     groups = [r.shard_group for r in plan.ranks]
-    cluster = calibrated(cluster, plan.mode, groups)
+    cluster = calibrated(cluster, groups)
     ag, rs, exposed = collective_ms(cluster, plan.state_shares, groups)
     costs, of_rank = kind_costs(cluster, plan.mode)
     b = np.array(plan.batch_sizes)

@@ -160,8 +160,7 @@ class DeviceModel:
 
     def idle_ms(self, ag: float, rs: float, n: int = 1) -> float:
         """The per-layer time of the collectives alone (no samples; uniform: n gathers each way)."""
-        gathers = n if self.uniform else 1
-        return 2 * gathers * ag + rs
+        return 2 * float(self.cost.gathers(n)) * ag + rs
 
     def room_for(self, m: np.ndarray, n: np.ndarray | int, keep: np.ndarray | bool = False,
                  b: np.ndarray | int | None = None) -> np.ndarray:
@@ -178,8 +177,7 @@ class DeviceModel:
         """Largest b (<= B) that n micro-batches finish within t; 0 where n is infeasible."""
         n = np.asarray(n, dtype=np.int64)
         nf = n.astype(float)
-        gathers = nf if variant == "uniform" else np.ones_like(nf)
-        a1, a2 = gathers * ag, gathers * ag + rs
+        a1, a2 = self.cost.collectives(n, ag, rs)
         over = (nf - 1) * self.c
         x = np.full(len(n), np.inf)
         for form in self._forms[variant]:
@@ -206,8 +204,9 @@ class DeviceModel:
         """No more micro-batches than fit t even at size 1."""
         unit = self.unit_ms
         n = (t + self.c) / (unit + self.c) if unit + self.c > 0 else float(self.B)
-        if self.uniform and ag > 0:
-            n = min(n, (t - rs) / (2 * ag))
+        repeat = self.cost.repeated_gather
+        if self.uniform and ag > 0 and repeat > 0:  # 2 G(n) AG + RS <= t, G(n) = 1 + (n - 1) q
+            n = min(n, 1 + ((t - rs) / (2 * ag) - 1) / repeat)
         return int(min(self.B, max(0.0, n) * (1 + 1e-12)))
 
     # ------------------------------------------------------------------ options

@@ -78,10 +78,10 @@ class Problem:
 
     def __init__(self, cluster: Cluster, global_batch: int, mode: str, group_kinds: bool = True,
                  shard_groups: Sequence[int] | np.ndarray | None = None) -> None:
-        # a calibration is folded in as it prices this mode under shard_groups (None: one group of all)
+        # a calibration is folded in as it prices shard_groups (None: one group of all)
         self.source, self.group_kinds = cluster, group_kinds
         self._for_groups: dict[tuple[int, ...], Problem] = {}
-        cluster = calibrated(cluster, mode, np.zeros(cluster.world_size, np.int64) if shard_groups is None
+        cluster = calibrated(cluster, np.zeros(cluster.world_size, np.int64) if shard_groups is None
                              else shard_groups)
         self.cluster = cluster
         self.B = global_batch
@@ -108,8 +108,8 @@ class Problem:
         two groupings and not of the other."""
         cal = self.source.calibration
         one = np.zeros(self.W, np.int64)
-        if labels is None or cal is None or (cal.prices_collectives_of(self.mode, labels)
-                                             == cal.prices_collectives_of(self.mode, one)):
+        if labels is None or cal is None or (cal.prices_collectives_of(labels)
+                                             == cal.prices_collectives_of(one)):
             return self
         key = tuple(int(v) for v in labels)
         if key not in self._for_groups:
@@ -586,7 +586,7 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
     B = _check_inputs(cluster, global_batch_size, mode, planner)
     names = _check_groupings(groupings)
     # ``source`` keeps any calibration: each plan is priced as the calibration prices its grouping
-    source, cluster = cluster, calibrated(cluster, mode)
+    source, cluster = cluster, calibrated(cluster)
     upper = upper_bound_samples_per_s(cluster, B, mode)
     if planner != "cephalo":
         return _baseline_plan(source, B, mode, planner, upper)
