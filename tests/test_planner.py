@@ -136,6 +136,19 @@ def test_repeated_gathers_at_a_fraction_optimal_against_brute_force(seed: int) -
     assert checked >= 20
 
 
+def test_repeated_gather_fraction_round_trips_through_a_cluster_file_and_refuses_a_bad_value(tmp_path: Path) -> None:
+    data = cluster_to_dict(random_cluster(random.Random(5), 2))
+    assert "repeated_gather_fraction" not in data["settings"]  # the default (1) is not written
+    data["settings"]["repeated_gather_fraction"] = 0.25
+    cluster = cluster_from_dict(data)
+    assert cluster.settings.repeated_gather_fraction == 0.25
+    save_cluster(cluster, tmp_path / "c.yaml")
+    assert load_cluster(tmp_path / "c.yaml") == cluster
+    data["settings"]["repeated_gather_fraction"] = 1.5
+    with pytest.raises(PlanningError, match=r"settings.repeated_gather_fraction must be in \[0, 1\]"):
+        cluster_from_dict(data)
+
+
 def with_extras(cluster: Cluster, rng: random.Random, stash: bool, cores: bool) -> Cluster:
     """The same cluster with a stash kept on the device (bytes per sample of the order of a sample's
     compute memory) and / or every rank on one host of a few cores, emulated slowdowns 1 to 4."""

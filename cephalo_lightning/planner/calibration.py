@@ -200,8 +200,8 @@ def with_calibration(cluster: Cluster, calibration: Calibration | None) -> Clust
 def describe(calibration: Calibration, width: int = 3) -> str:
     """One line naming the fitted terms."""
     scales = ", ".join(f"{v:.{width - 1}f}" for v in calibration.compute_scale)
-    mode = f" (the collectives of groups {list(calibration.shard_groups)})" if calibration.shard_groups is not None else ""
+    groups = f" (the collectives of groups {list(calibration.shard_groups)})" if calibration.shard_groups is not None else ""
     return (f"per step +{calibration.step_overhead_ms:.1f} ms, per extra micro-batch {calibration.micro_batch_overhead_ms:.2f} "
             f"ms/layer, AG {calibration.allgather_ms:.3f} / RS {calibration.reduce_scatter_ms:.3f} ms/layer, overlap "
-            f"{calibration.overlap:.2f}{mode}, compute x[{scales}], host contention x{calibration.host_contention:.2f} ({calibration.source}, {calibration.steps} steps)")
+            f"{calibration.overlap:.2f}{groups}, compute x[{scales}], host contention x{calibration.host_contention:.2f} ({calibration.source}, {calibration.steps} steps)")
 

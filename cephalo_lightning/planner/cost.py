@@ -599,7 +599,7 @@ def collective_ms(cluster: Cluster, shares: Sequence[float] | np.ndarray,
     ms, under ``shard_groups`` (None: one group of all; ``shares`` within each group). The exposed part
     (groups of one rank: the last gradient bucket's all-reduce, which starts when the backward ends)
     adds to the layer's time after :meth:`DeviceCost.layer_ms` instead of overlapping its compute. A
-    cluster that still carries its calibration is folded for these groups (in the calibration's mode)."""
+    cluster that still carries its calibration is folded for these groups."""
     cluster = calibrated(cluster, np.zeros(len(shares), np.int64) if shard_groups is None else shard_groups)
     r = np.asarray(shares, dtype=float)
     if single_group(shard_groups):
