@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cephalo_lightning.runtime import checkpoint
+from cephalo_lightning.runtime.observers import Observer
 from cephalo_lightning.runtime.sharding.layout import build_layout, quotas
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 from cephalo_lightning.runtime.sharding.units import WrapPolicyError, find_units
@@ -350,6 +351,48 @@ def test_bf16_compute_keeps_fp32_master_and_tracks_fp32_training():
     got = sharded.full_state_dict()
     for name, want in ref_model.named_parameters():
         assert (got[name] - want).abs().max().item() < 2e-2, name
+
+
+class _RegionRecorder(Observer):
+    """Every compute region and collective, with how many regions are open."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.events: list[tuple[str, str, int]] = []
+
+    def compute_begin(self, region: str) -> None:
+        self.depth += 1
+        self.events.append(("begin", region, self.depth))
+
+    def compute_end(self, region: str) -> None:
+        self.depth -= 1
+        self.events.append(("end", region, self.depth))
+
+    def collective_begin(self, op: str, unit: str, numel: int) -> None:
+        self.events.append(("collective", op, self.depth))
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the embedding's input needs no gradient
+def test_the_uniform_roots_compute_is_a_region_and_no_collective_runs_inside_one():
+    """The root unit's own forward (embedding, head) and backward run inside a compute region (an
+    emulator slows them, busy time counts them), one region at a time, and every collective outside."""
+    model = TinyLM()
+    sharded = ShardedModel(model, [1.0])
+    recorder = sharded.observers.attach(_RegionRecorder())
+    seen: list[tuple[str, int]] = []
+    for name in ("embed", "head"):
+        getattr(model, name).register_forward_hook(lambda *_, name=name: seen.append((name, recorder.depth)))
+        getattr(model, name).register_full_backward_pre_hook(
+            lambda *_, name=name: seen.append((f"{name} backward", recorder.depth)))
+    (x, y), = batches(1, 4)
+    logits = model(x)
+    sharded.backward(model.loss(logits, y))
+    assert sorted(seen) == [("embed", 1), ("embed backward", 1), ("head", 1), ("head backward", 1)]
+    assert recorder.depth == 0 and max(depth for *_, depth in recorder.events) == 1  # never nested
+    assert [e for e in recorder.events if e[0] == "collective"] and all(
+        depth == 0 for kind, _, depth in recorder.events if kind == "collective")
+    assert {region for kind, region, _ in recorder.events if kind == "begin"} == {
+        "root_compute", "unit_forward", "unit_backward"}
 
 
 def test_layout_quotas_are_exact_and_even_units_come_first():

@@ -343,7 +343,14 @@ class ShardedModel:
             self.wait_reductions()
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        hooks = self._hooks
+        if hooks is not None:
+            hooks.root_backward(True)
+        try:
+            loss.backward()
+        finally:
+            if hooks is not None:
+                hooks.root_backward(False)
         self.finish_backward()
 
     def grad_norm_sq(self, norm_type: float = 2.0) -> torch.Tensor:
@@ -490,10 +497,20 @@ def adjacent_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, l
 
 class _UniformHooks:
     """The uniform mode's module and autograd hooks (see [Note: unit state]); each acts only while
-    the model's mode is ``HOOKS`` and returns at once when its unit is already where it leads."""
+    the model's mode is ``HOOKS`` and returns at once when its unit is already where it leads.
+
+    Besides the units' regions they report the root unit's own compute (embedding, head, a loss the
+    model's forward computes, and their backward) as the region ``root_compute``: open inside the
+    root's forward and inside :meth:`ShardedModel.backward` whenever no unit computes, and closed
+    around every gather and reduction, so an emulator slows it and a busy-time observer counts it
+    as the layered schedule's regions do, while no collective is ever inside it. The user's code
+    around the model (a loss computed in ``training_step``, a ``sync_dist`` log) stays outside.
+    """
 
     def __init__(self, model: ShardedModel) -> None:
         self.model = model
+        self._root_wanted = False  # inside the root's forward or the backward
+        self._root_open = False
         model.module.register_forward_pre_hook(self._pre_forward_root)
         model.module.register_forward_hook(self._post_forward_root)
         for index, group in enumerate(model.unit_groups, start=1):
@@ -507,18 +524,40 @@ class _UniformHooks:
                 if rg:
                     param.register_post_accumulate_grad_hook(partial(self._post_accumulate, index))
 
+    def _root_region(self, open_: bool) -> None:
+        """Open (where the root computes) or close the root's compute region; idempotent."""
+        if open_ == self._root_open or (open_ and not self._root_wanted):
+            return
+        self._root_open = open_
+        observers = self.model.observers
+        (observers.compute_begin if open_ else observers.compute_end)("root_compute")
+
+    def root_backward(self, inside: bool) -> None:
+        """The backward pass begins (``inside``) or has ended: the root's backward computes between the units'."""
+        if self.model.mode is Mode.HOOKS:
+            self._root_region(False)
+            self._root_wanted = inside
+            self._root_region(inside)
+
     def _pre_forward_root(self, module: nn.Module, args: Any) -> None:
         if self.model.mode is Mode.HOOKS:
             self.model.gather_root()
+            self._root_wanted = True
+            self._root_region(True)
 
     def _post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.model.mode is Mode.HOOKS and not torch.is_grad_enabled():  # evaluation: no backward will free it
+        if self.model.mode is not Mode.HOOKS:
+            return
+        self._root_region(False)
+        self._root_wanted = False
+        if not torch.is_grad_enabled():  # evaluation: no backward will free it
             self.model.root.free()
 
     def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
         model = self.model
         if model.mode is not Mode.HOOKS or model.units[index].state is UnitState.GATHERED:
             return
+        self._root_region(False)
         model.gather_root()
         model.gather(index, prefetch=index + 1)
         model.observers.compute_begin("unit_forward")
@@ -533,12 +572,14 @@ class _UniformHooks:
             for tensor in tensors_in(output):
                 if tensor.requires_grad:
                     tensor.register_hook(partial(self._pre_backward, index))
+        self._root_region(True)
         return output
 
     def _pre_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         model, unit = self.model, self.model.units[index]
         if model.mode is Mode.HOOKS and unit.grad_state is GradState.IDLE:
             unit.grad_state = GradState.COMPUTING
+            self._root_region(False)
             model.gather(index, prefetch=index - 1)
             model.observers.compute_begin("unit_backward")
         return grad
@@ -554,9 +595,11 @@ class _UniformHooks:
     def _post_backward(self, index: int) -> None:
         """Autograd accumulated the unit's last gradient: -> READY, and reduce what is due."""
         model, unit = self.model, self.model.units[index]
+        self._root_region(False)
         if index != 0:  # the root stays gathered for the whole step
             if unit.grad_state is GradState.COMPUTING:
                 model.observers.compute_end("unit_backward")
             unit.free()
         unit.grad_state = GradState.READY
         model.reduce_in_order(every=False)
+        self._root_region(True)
