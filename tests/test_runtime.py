@@ -375,7 +375,8 @@ class _RegionRecorder(Observer):
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the embedding's input needs no gradient
 def test_the_uniform_roots_compute_is_a_region_and_no_collective_runs_inside_one():
     """The root unit's own forward (embedding, head) and backward run inside a compute region (an
-    emulator slows them, busy time counts them), one region at a time, and every collective outside."""
+    emulator slows them, busy time counts them), one region at a time, and every collective outside;
+    between the units' backward (autograd's host work) no region is open."""
     model = TinyLM()
     sharded = ShardedModel(model, [1.0])
     recorder = sharded.observers.attach(_RegionRecorder())
@@ -391,8 +392,10 @@ def test_the_uniform_roots_compute_is_a_region_and_no_collective_runs_inside_one
     assert recorder.depth == 0 and max(depth for *_, depth in recorder.events) == 1  # never nested
     assert [e for e in recorder.events if e[0] == "collective"] and all(
         depth == 0 for kind, _, depth in recorder.events if kind == "collective")
-    assert {region for kind, region, _ in recorder.events if kind == "begin"} == {
-        "root_compute", "unit_forward", "unit_backward"}
+    begun = [region for kind, region, _ in recorder.events if kind == "begin"]
+    assert set(begun) == {"root_compute", "unit_forward", "unit_backward"}
+    backward = [i for i, region in enumerate(begun) if region == "unit_backward"]
+    assert len(backward) == len(model.blocks) and set(begun[backward[0]:backward[-1] + 1]) == {"unit_backward"}
 
 
 def test_layout_quotas_are_exact_and_even_units_come_first():

@@ -500,11 +500,15 @@ class _UniformHooks:
     the model's mode is ``HOOKS`` and returns at once when its unit is already where it leads.
 
     Besides the units' regions they report the root unit's own compute (embedding, head, a loss the
-    model's forward computes, and their backward) as the region ``root_compute``: open inside the
-    root's forward and inside :meth:`ShardedModel.backward` whenever no unit computes, and closed
-    around every gather and reduction, so an emulator slows it and a busy-time observer counts it
-    as the layered schedule's regions do, while no collective is ever inside it. The user's code
-    around the model (a loss computed in ``training_step``, a ``sync_dist`` log) stays outside.
+    model's forward computes, and their backward) as the region ``root_compute``, so an emulator
+    slows it and a busy-time observer counts it as the layered schedule's regions do: open inside
+    the root's forward whenever no unit computes, and in :meth:`ShardedModel.backward` before the
+    first unit's backward (the loss's and the head's) and after the first layer unit's (the
+    embedding's). Between the units' backward it stays closed: that is autograd's and the hooks'
+    host work, once per unit and micro-batch, which no profiled layer holds and a slower device
+    would not slow. It is closed around every gather and reduction, so no collective is ever inside
+    it. The user's code around the model (a loss computed in ``training_step``, a ``sync_dist``
+    log) stays outside.
     """
 
     def __init__(self, model: ShardedModel) -> None:
@@ -602,4 +606,4 @@ class _UniformHooks:
             unit.free()
         unit.grad_state = GradState.READY
         model.reduce_in_order(every=False)
-        self._root_region(True)
+        self._root_region(index <= 1)  # what follows the first layer unit's backward is the root's
