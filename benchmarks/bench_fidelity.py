@@ -258,7 +258,8 @@ def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any
     cal = calibrated.calibration
     paired: dict[str, Any] = {  # paired: the same measurements, the profile's collectives
         "error_after_profiled_collectives": measured / predicted(_profiled_collectives(calibrated), plan)[0] - 1,
-        "other_mode": plan.mode != cal.mode,
+        # a plan of the other mode under the fitted grouping (under another, both price the profile's collectives)
+        "other_mode": plan.mode != cal.mode and cal.prices_collectives_of([r.shard_group for r in plan.ranks]),
     }
     if unbound is not None:  # the same measurements against the per-rank model alone, fitted again without the bound
         before_u, after_u = predicted(unbound[0], plan)[0], predicted(unbound[1], plan)[0]
@@ -471,7 +472,7 @@ def print_calibration(result: dict[str, Any]) -> None:
     other = [p for c in result["clusters"] if "failed" not in c for p in c["plans"] if not p["fitted"]
              and p.get("other_mode")]
     if other:
-        print(f"the {len(other)} plans of the other mode than the fitted one: median |error| AFTER "
+        print(f"the {len(other)} plans of the other mode than the fitted one, under its grouping: median |error| AFTER "
               f"{100 * statistics.median(abs(p['error_after']) for p in other):.1f}% (the fitted collectives, a uniform "
               f"pass's later gathers at the profiled transfer), "
               f"{100 * statistics.median(abs(p['error_after_profiled_collectives']) for p in other):.1f}% with the "
