@@ -85,11 +85,14 @@ def litgpt_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class LibraryLM(pl.LightningModule):
     """What a user writes around a library causal LM; nothing here knows about Cephalo."""
 
-    def __init__(self, family: str, optimizer: str = "sgd", tie: bool | None = None) -> None:
+    def __init__(self, family: str, optimizer: str = "sgd", tie: bool | None = None,
+                 checkpointing: bool = False) -> None:
         super().__init__()
         self.family = family
         self.optimizer_name = optimizer
         self.model = build(family, tie)
+        if checkpointing:  # what HF users turn on to save memory: each layer recomputed in the backward
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def training_step(self, batch, batch_idx):
         if self.family == "litgpt":

@@ -61,6 +61,10 @@ PLANS = {
         Plan(GLOBAL, "layered", (RankPlan(0, "a", 1, 1, 1, 0.9), RankPlan(1, "b", 11, 3, 4, 0.1)))],
 }
 
+# HF activation checkpointing (each layer's forward recomputed inside its backward by the library)
+CHECKPOINTED = ("gpt2", "llama")
+UNIFORM = Plan(GLOBAL, "uniform", (RankPlan(0, "a", 7, 2, 4, 0.4), RankPlan(1, "b", 5, 2, 3, 0.6)))
+
 
 def _pieces(strategy: CephaloStrategy) -> dict[str, tuple[int, torch.Tensor]]:
     """This rank's pieces of every parameter and Adam moment: name -> (start, values)."""
@@ -76,15 +80,16 @@ def _pieces(strategy: CephaloStrategy) -> dict[str, tuple[int, torch.Tensor]]:
     return out
 
 
-def _fit(family: str, plan: Plan, world: int, optimizer: str, precision: str) -> dict[str, tuple[int, torch.Tensor]]:
+def _fit(family: str, plan: Plan, world: int, optimizer: str, precision: str,
+         checkpointing: bool = False) -> dict[str, tuple[int, torch.Tensor]]:
     data = PaddedTokens(GLOBAL * STEPS)
     trainer = pl.Trainer(
-        strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=world, max_steps=STEPS, logger=False,
+        strategy=CephaloStrategy(plan=plan, mode=plan.mode), accelerator="cpu", devices=world, max_steps=STEPS, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=precision,
         use_distributed_sampler=False,  # keep the DataLoader's order (Lightning shuffles training data otherwise)
     )
-    trainer.fit(LibraryLM(family, optimizer), loader(data, GLOBAL))
-    assert trainer.strategy.fit_runtime.schedule == "layered"
+    trainer.fit(LibraryLM(family, optimizer, checkpointing=checkpointing), loader(data, GLOBAL))
+    assert trainer.strategy.fit_runtime.schedule == plan.mode
     return _pieces(trainer.strategy)
 
 
@@ -95,6 +100,10 @@ def _all(rank: int, world: int):
         for index, plan in enumerate(PLANS[world]):
             out[(family, "sgd", index)] = _fit(family, plan, world, "sgd", "32-true")
         out[(family, "adamw", 0)] = _fit(family, PLANS[world][0], world, "adamw", "64-true")
+    if world == 2:
+        for family in CHECKPOINTED:
+            for plan in (PLANS[2][0], UNIFORM):
+                out[(family, "checkpointed", plan.mode)] = _fit(family, plan, world, "sgd", "32-true", checkpointing=True)
     return out
 
 
@@ -145,3 +154,29 @@ def test_library_lm_adamw_fp64_parameters_and_moments_match(runs, bounds, family
     for name, value in want.items():
         err = (got[name] - value.reshape(-1)).abs().max().item()
         assert err <= bound[name], f"{family}: {name} differs by {err:.2e} > {bound[name]:.2e}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["layered", "uniform"])
+@pytest.mark.parametrize("family", CHECKPOINTED)
+def test_hf_activation_checkpointing_trains_exactly_in_both_modes(runs, bounds, family, mode):
+    """``gradient_checkpointing_enable()`` re-runs each layer inside its backward, hooks and all;
+    the sharded run must still be single-process training (without checkpointing: the same maths)."""
+    world, results = runs
+    if world != 2:
+        pytest.skip("run on 2 ranks only")
+    want = reference(family, "sgd", STEPS, GLOBAL, PaddedTokens(GLOBAL * STEPS))
+    bound = bounds(family, "sgd", torch.float32)
+    got = assemble([r[(family, "checkpointed", mode)] for r in results], torch.float64)
+    for name, value in want.items():
+        err = (got[name].float() - value.reshape(-1)).abs().max().item()
+        assert err <= bound[name], f"{family} {mode}, checkpointed: {name} differs by {err:.2e} > {bound[name]:.2e}"
+
+
+def test_the_library_checkpoint_under_the_layered_schedule_is_named_once():
+    from cephalo_lightning.lightning.fit import recomputed_twice
+
+    module = LibraryLM("llama")
+    assert recomputed_twice(module) is None
+    note = recomputed_twice(LibraryLM("llama", checkpointing=True))
+    assert note is not None and "LlamaDecoderLayer" in note and "gradient_checkpointing_disable()" in note

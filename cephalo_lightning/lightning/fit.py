@@ -67,6 +67,8 @@ class FitRuntime:
         self.weighting = self.loss.weighting
         _say_weighting(self.loss, config.router_aux_loss, module)
         self.layered_model = resolution.layered if schedule == "layered" else None
+        if self.layered_model is not None and (note := recomputed_twice(module)):
+            rank_zero_info(note)
         self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links)
         self._check_gathers(plan)
         module.to(device)  # buffers; the local pieces are already there
@@ -179,6 +181,21 @@ def _say_weighting(loss: Decision, router_aux_loss: str, module: pl.LightningMod
         rank_zero_info(f"Cephalo: router_aux_loss='exclude': {weighting.exclude_router_aux(module)}")
     elif loss.router_aux:
         rank_zero_warn(weighting.router_aux_warning(loss.router_aux))
+
+
+def recomputed_twice(module: torch.nn.Module) -> str | None:
+    """A note when the model's own activation checkpointing is on (Hugging Face's
+    ``gradient_checkpointing_enable()`` marks each checkpointed layer): on a rank that recomputes
+    (the default) the layered schedule already runs every layer again inside its backward, so the
+    library's checkpoint recomputes it once more, a forward per layer and micro-batch that saves no
+    memory. Exact either way (tested)."""
+    names = sorted({type(m).__name__ for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True})
+    if not names:
+        return None
+    return (f"Cephalo: the model's activation checkpointing is on ({', '.join(names)}); the layered schedule already "
+            "recomputes each layer in its backward (ranks with recompute, the default), where the checkpoint adds one "
+            "more forward per layer and micro-batch and saves no memory: `model.gradient_checkpointing_disable()` "
+            "avoids it")
 
 
 def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resolution: Resolution,
