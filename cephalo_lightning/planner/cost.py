@@ -74,7 +74,7 @@ import numpy as np
 
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.planner.calibration import calibrated
-from cephalo_lightning.planner.cluster import Cluster, DeviceProfile
+from cephalo_lightning.planner.cluster import Cluster, DeviceProfile, Settings
 from cephalo_lightning.planner.errors import PlanningError
 
 if TYPE_CHECKING:
@@ -368,6 +368,12 @@ def shared_host_floor_ms(cluster: Cluster, busy_ms: np.ndarray) -> float:
     return float(real.sum()) / cores + cluster.settings.step_overhead_ms
 
 
+def step_ms(settings: Settings, work_ms: np.ndarray | float) -> np.ndarray | float:
+    """A step's time from its work (``work_ms``: the layers' passes and the optimizer step): stretched
+    by the host's contention, plus the fixed per-step overhead (the module's ``step_i``)."""
+    return settings.host_contention * work_ms + settings.step_overhead_ms
+
+
 def synced_group_ms(cluster: Cluster, fwd: np.ndarray, bwd: np.ndarray, optimizer: np.ndarray,
                     shard_groups: Sequence[int] | np.ndarray | None) -> np.ndarray:
     """Every rank's step (ms) if each layer's pass ended together on its shard group: the group's
@@ -378,8 +384,7 @@ def synced_group_ms(cluster: Cluster, fwd: np.ndarray, bwd: np.ndarray, optimize
     out = np.empty(len(fwd))
     for g in np.unique(groups):
         at = groups == g
-        out[at] = s.host_contention * (cluster.model.num_layers * (fwd[at].max() + bwd[at].max())
-                                       + optimizer[at].max()) + s.step_overhead_ms
+        out[at] = step_ms(s, cluster.model.num_layers * (fwd[at].max() + bwd[at].max()) + optimizer[at].max())
     return out
 
 
@@ -412,8 +417,7 @@ class DeviceCost:
         s, model = cluster.settings, cluster.model
         self.overhead_ms = s.micro_batch_overhead_ms
         self.repeated_gather = s.repeated_gather_fraction
-        self.step_overhead_ms = s.step_overhead_ms
-        self.host_contention = s.host_contention
+        self.settings = s
         self.overlap = 1.0 if s.overlap is None else s.overlap
         self.num_layers = model.num_layers
         self.budget_gb = s.usable_memory_fraction * device.memory_gb - s.reserved_memory_gb
@@ -512,8 +516,7 @@ class DeviceCost:
                share: float = 0.0, recompute: bool = True) -> float:
         layer = float(self.layer_ms(np.array([batch_size]), np.array([num_micro_batches]), ag_ms, rs_ms,
                                     not recompute)[0])
-        return (self.host_contention * (self.num_layers * layer + float(self.optimizer_ms(share)))
-                + self.step_overhead_ms) / 1e3
+        return step_ms(self.settings, self.num_layers * layer + float(self.optimizer_ms(share))) / 1e3
 
     # ------------------------------------------------------------------ memory
 
@@ -637,7 +640,6 @@ def evaluate_arrays(
     limit = np.empty(len(b))
     m = np.where(b > 0, -(-b // n), 0)
     reserved = cluster.settings.reserved_memory_gb
-    fixed, contention = cluster.settings.step_overhead_ms, cluster.settings.host_contention
     busy = np.zeros(len(b))  # contention-free compute ms, for the shared-host bound
     passes = np.empty((2, len(b)))  # per-layer forward and backward with collectives, for settings.sync_passes
     optimizer = np.empty(len(b))
@@ -648,7 +650,7 @@ def evaluate_arrays(
         passes[:, at] = cost.pass_ms(b[at], n[at], ag[at], rs[at], keep[at])
         passes[1, at] += exposed[at]
         optimizer[at] = cost.optimizer_ms(r[at])
-        step[at] = (contention * (cost.num_layers * (passes[0, at] + passes[1, at]) + optimizer[at]) + fixed) / 1e3
+        step[at] = step_ms(cluster.settings, cost.num_layers * (passes[0, at] + passes[1, at]) + optimizer[at]) / 1e3
         if cluster.settings.host_cores:
             fwd, bwd = cost.compute_parts(b[at], n[at], keep[at])
             busy[at] = cost.num_layers * (fwd + bwd) + cost.optimizer_ms(r[at])
