@@ -157,14 +157,13 @@ def test_library_lm_adamw_fp64_parameters_and_moments_match(runs, bounds, family
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("runs", [2], indirect=True, ids=["2-ranks"])  # the 2-rank spawn only (checkpointed there)
 @pytest.mark.parametrize("mode", ["layered", "uniform"])
 @pytest.mark.parametrize("family", CHECKPOINTED)
 def test_hf_activation_checkpointing_trains_exactly_in_both_modes(runs, bounds, family, mode):
     """``gradient_checkpointing_enable()`` re-runs each layer inside its backward, hooks and all;
     the sharded run must still be single-process training (without checkpointing: the same maths)."""
-    world, results = runs
-    if world != 2:
-        pytest.skip("run on 2 ranks only")
+    _, results = runs
     want = reference(family, "sgd", STEPS, GLOBAL, PaddedTokens(GLOBAL * STEPS))
     bound = bounds(family, "sgd", torch.float32)
     got = assemble([r[(family, "checkpointed", mode)] for r in results], torch.float64)
