@@ -161,7 +161,7 @@ def test_library_lm_adamw_fp64_parameters_and_moments_match(runs, bounds, family
 @pytest.mark.parametrize("mode", ["layered", "uniform"])
 @pytest.mark.parametrize("family", CHECKPOINTED)
 def test_hf_activation_checkpointing_trains_exactly_in_both_modes(runs, bounds, family, mode):
-    """``gradient_checkpointing_enable()`` re-runs each layer inside its backward, hooks and all;
+    """``gradient_checkpointing_enable()`` makes the library re-run each layer inside its backward;
     the sharded run must still be single-process training (without checkpointing: the same maths)."""
     _, results = runs
     want = reference(family, "sgd", STEPS, GLOBAL, PaddedTokens(GLOBAL * STEPS))
@@ -172,7 +172,7 @@ def test_hf_activation_checkpointing_trains_exactly_in_both_modes(runs, bounds, 
         assert err <= bound[name], f"{family} {mode}, checkpointed: {name} differs by {err:.2e} > {bound[name]:.2e}"
 
 
-def test_the_library_checkpoint_under_the_layered_schedule_is_named_once():
+def test_the_library_checkpoint_under_the_layered_schedule_is_named_at_setup():
     from cephalo_lightning.lightning.fit import recomputed_twice
 
     module = LibraryLM("llama")
