@@ -173,22 +173,28 @@ def _other_plans(profiled: Any, calibrated: Any, cluster: ClusterSpec, fitted: A
     return out
 
 
-def _rank_main(rank: int, world: int, cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
+def profile(cfg: Config, cluster: ClusterSpec) -> Any:
+    """Collective: every rank profiled by ``CephaloCallback`` (one step, no cache): the profiled cluster."""
     from cephalo_lightning import CephaloCallback, CephaloStrategy
+
+    # the layers are profiled through the layered protocol whichever mode the plan then runs in
+    profiler = CephaloCallback(max_micro_batch=cfg.profile_k, cache_dir=None, watch_every_n_steps=0, mode=cluster.mode,
+                               settings={"usable_memory_fraction": cfg.usable_memory_fraction},
+                               print_plan=False, quiet=True, calibrate_after_windows=0)
+    _fit(cfg, cluster, CephaloStrategy(emulate=_specs(cluster)), 1, profiler)
+    assert profiler.cluster is not None
+    return profiler.cluster
+
+
+def _rank_main(rank: int, world: int, cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
     from cephalo_lightning.planner import plan as make_plan
     from cephalo_lightning.planner.calibration import with_calibration
 
     common.quiet_lightning()
     common.pin_threads(cfg.threads)
-    # the layers are profiled through the layered protocol whichever mode the plan then runs in
-    profiler = CephaloCallback(max_micro_batch=cfg.profile_k, cache_dir=None, watch_every_n_steps=0, mode=cluster.mode,
-                               settings={"usable_memory_fraction": cfg.usable_memory_fraction},
-                               print_plan=False, quiet=True, calibrate_after_windows=0)
     start = time.perf_counter()
-    _fit(cfg, cluster, CephaloStrategy(emulate=_specs(cluster)), 1, profiler)
+    profiled = profile(cfg, cluster)
     profile_s = time.perf_counter() - start
-    profiled = profiler.cluster
-    assert profiled is not None
     plan = make_plan(profiled, cluster.global_batch, mode=cluster.mode)
     fitted = _measure_plan(cfg, cluster, plan, calibration=True)
     from cephalo_lightning.runtime.distributed import broadcast_object

@@ -114,17 +114,12 @@ def _plans(profiled: Any) -> dict[str, Any]:
 def _cluster_a(rank: int, world: int, rounds: int) -> dict[str, Any]:
     import bench_fidelity as fidelity
 
-    from cephalo_lightning import CephaloCallback, CephaloStrategy
     from cephalo_lightning.planner.cost import predicted_busy_s
 
     common.quiet_lightning()
     common.pin_threads(1)
     cfg, cluster = fidelity.Config(), fidelity.CLUSTERS[0]
-    profiler = CephaloCallback(max_micro_batch=cfg.profile_k, cache_dir=None, watch_every_n_steps=0, mode="layered",
-                               settings={"usable_memory_fraction": cfg.usable_memory_fraction},
-                               print_plan=False, quiet=True, calibrate_after_windows=0)
-    fidelity._fit(cfg, cluster, CephaloStrategy(emulate=fidelity._specs(cluster)), 1, profiler)
-    profiled = profiler.cluster
+    profiled = fidelity.profile(cfg, cluster)
     plans = _plans(profiled)
     windows: dict[str, list[dict[str, Any]]] = {name: [] for name in plans}
     for r in range(rounds):  # interleaved, the order rotated: the host's drift reaches every plan alike
