@@ -416,7 +416,6 @@ class DeviceCost:
                                   else PiecewiseLinear(device.activation_memory_gb))
         s, model = cluster.settings, cluster.model
         self.overhead_ms = s.micro_batch_overhead_ms
-        self.repeated_gather = s.repeated_gather_fraction
         self.settings = s
         self.overlap = 1.0 if s.overlap is None else s.overlap
         self.num_layers = model.num_layers
@@ -472,7 +471,7 @@ class DeviceCost:
         n = np.asarray(n, dtype=float)
         if self.mode != "uniform":
             return np.ones_like(n)
-        return 1.0 + (np.maximum(n, 1.0) - 1.0) * self.repeated_gather
+        return 1.0 + (np.maximum(n, 1.0) - 1.0) * self.settings.repeated_gather_fraction
 
     def collectives(self, n: np.ndarray, ag: float, rs: float) -> tuple[np.ndarray, np.ndarray]:
         """Per-layer communication of the forward and the backward pass."""
@@ -653,7 +652,7 @@ def evaluate_arrays(
         step[at] = step_ms(cluster.settings, cost.num_layers * (passes[0, at] + passes[1, at]) + optimizer[at]) / 1e3
         if cluster.settings.host_cores:
             fwd, bwd = cost.compute_parts(b[at], n[at], keep[at])
-            busy[at] = cost.num_layers * (fwd + bwd) + cost.optimizer_ms(r[at])
+            busy[at] = cost.num_layers * (fwd + bwd) + optimizer[at]
         used = cost.compute_memory(m[at]) + cost.extra_memory_gb(m[at], n[at], keep[at], b[at])
         memory[at] = used + reserved + cost.state_gb * r[at]
         limit[at] = cluster.settings.usable_memory_fraction * cost.device.memory_gb

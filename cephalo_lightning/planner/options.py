@@ -204,7 +204,7 @@ class DeviceModel:
         """No more micro-batches than fit t even at size 1."""
         unit = self.unit_ms
         n = (t + self.c) / (unit + self.c) if unit + self.c > 0 else float(self.B)
-        repeat = self.cost.repeated_gather
+        repeat = self.cost.settings.repeated_gather_fraction
         if self.uniform and ag > 0 and repeat > 0:  # 2 G(n) AG + RS <= t, G(n) = 1 + (n - 1) q
             n = min(n, 1 + ((t - rs) / (2 * ag) - 1) / repeat)
         return int(min(self.B, max(0.0, n) * (1 + 1e-12)))
