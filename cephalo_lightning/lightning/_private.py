@@ -25,9 +25,21 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 __all__ = [
     "BackwardSyncControl", "LoggedValue", "SubprocessScriptLauncher", "captured_logs", "checkpoint_callback_settings",
     "default_process_group_backend", "distributed_is_initialized", "init_dist_connection", "logged_values",
-    "logging_as", "stop_at_batch_end", "sync_ddp_if_available", "training_dataloader", "wandb_checkpoint_name", "wandb_log_model",
+    "logging_as", "module_hidden_from", "stop_at_batch_end", "sync_ddp_if_available", "training_dataloader", "wandb_checkpoint_name", "wandb_log_model",
     "wandb_logged_model_times",
 ]
+
+
+@contextmanager
+def module_hidden_from(strategy: pl.strategies.Strategy) -> Iterator[None]:
+    """``strategy.lightning_module`` is None inside: ``Strategy.teardown`` then skips moving it to the
+    host (``lightning_module`` reads ``Strategy._lightning_module``, which ``connect`` sets)."""
+    module = strategy._lightning_module
+    strategy._lightning_module = None
+    try:
+        yield
+    finally:
+        strategy._lightning_module = module
 
 
 @contextmanager

@@ -47,6 +47,7 @@ from cephalo_lightning.runtime.liveness import (
     probe_writable,
     remove_stale_heartbeats,
 )
+from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel, UnitMaterializer
 from cephalo_lightning.runtime.sharding.weights import open_weights
 
@@ -56,7 +57,8 @@ class FitRuntime:
 
     def __init__(self, module: pl.LightningModule, plan: Plan, config: StrategyConfig, *, schedule: Schedule,
                  resolution: Resolution, rank: int, device: torch.device, emulator: DeviceEmulator,
-                 collective: str, training_step: Callable[..., Any], links: Links | None = None) -> None:
+                 collective: str, training_step: Callable[..., Any], links: Links | None = None,
+                 construction: ConstructionRecord | None = None) -> None:
         check_plan(plan, schedule, resolution, module)  # before any shard is built
         self.module = module
         self.config = config
@@ -69,7 +71,7 @@ class FitRuntime:
         self.layered_model = resolution.layered if schedule == "layered" else None
         if self.layered_model is not None and (note := recomputed_twice(module)):
             rank_zero_info(note)
-        self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links)
+        self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links, construction)
         self._check_gathers(plan)
         module.to(device)  # buffers; the local pieces are already there
         if emulator.is_emulated:  # a real device gets no observer at all (no clock, no state)
@@ -199,10 +201,11 @@ def recomputed_twice(module: torch.nn.Module) -> str | None:
 
 
 def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resolution: Resolution,
-           device: torch.device, collective: str, layered: Any, links: Links | None) -> ShardedModel:
+           device: torch.device, collective: str, layered: Any, links: Links | None,
+           construction: ConstructionRecord | None) -> ShardedModel:
     """The module sharded by ``plan``'s shard groups and state shares (each group holds a replica),
-    a meta-device model materialised unit by unit; ``links`` slows the collectives crossing
-    emulated links."""
+    a meta-device model materialised unit by unit (its buffers from ``construction`` where nothing
+    else gives them); ``links`` slows the collectives crossing emulated links."""
     source = None
     if config.pretrained is not None:
         source = open_weights(config.pretrained, _prefix_of(module, resolution.model))
@@ -212,7 +215,8 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
             units=layered.units if layered is not None else config.units,
             collective=collective, compute_dtype=config.param_dtype, prefetch=config.prefetch, device=device,
             overlap=config.overlap,
-            materializer=UnitMaterializer(device, init=resolution.init, source=source, seed=config.seed or 0),
+            materializer=UnitMaterializer(device, init=resolution.init, source=source, seed=config.seed or 0,
+                                          construction=construction),
         )
     finally:
         if source is not None:

@@ -19,10 +19,19 @@ from typing_extensions import override
 
 from cephalo_lightning.lightning.process_group import ProcessGroupStrategy
 from cephalo_lightning.runtime import checkpoint
+from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
 
 
 class ShardedStrategy(ProcessGroupStrategy):
-    """A process-group strategy that owns its sharded tensors and their checkpoints."""
+    """A process-group strategy that owns its sharded tensors and their checkpoints.
+
+    ``construction`` records what a model built on meta under this strategy computed, so its
+    buffers get the constructor's values when it is materialised (:mod:`~cephalo_lightning.runtime.
+    sharding.construction`); the strategy starts a new record once a model is materialised."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.construction = ConstructionRecord()
 
     @property
     @override
@@ -46,13 +55,14 @@ class ShardedStrategy(ProcessGroupStrategy):
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        with (torch.device("meta") if empty_init else contextlib.nullcontext()), self.precision_plugin.tensor_init_context():
+        with (torch.device("meta") if empty_init else contextlib.nullcontext()), self.precision_plugin.tensor_init_context(), \
+                (self.construction if empty_init else contextlib.nullcontext()):
             yield  # on meta, materialised one unit at a time when the model is sharded
 
     @contextlib.contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        with torch.device("meta"):  # configure_model() builds on meta; setup() materialises per unit
+        with torch.device("meta"), self.construction:  # configure_model() builds on meta; setup() materialises per unit
             yield
 
     @override

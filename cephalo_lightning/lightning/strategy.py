@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning.lightning import loggers, plan_resolution
-from cephalo_lightning.lightning._private import logging_as, stop_at_batch_end, sync_ddp_if_available
+from cephalo_lightning.lightning._private import logging_as, module_hidden_from, stop_at_batch_end, sync_ddp_if_available
 from cephalo_lightning.lightning.callback_api import CallbackAPI
 from cephalo_lightning.lightning.config import (
     DEFAULTS,
@@ -61,6 +61,7 @@ from cephalo_lightning.runtime.collectives import resolve_mode
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, emulator_for_rank, parse_emulation_specs
 from cephalo_lightning.runtime.emulation.links import EmulatedLinks, links_from_emulation
 from cephalo_lightning.runtime.sampler import evaluation_loader, planned_loader, shuffles
+from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
 from cephalo_lightning.runtime.sharding.weights import check_readable
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self.fit_runtime is None or self.fit_runtime.module is not module:
-            self.model = self.precision_plugin.convert_module(self.model)
+            with self.construction:  # a true precision casts the meta buffers: their values follow the cast
+                self.model = self.precision_plugin.convert_module(self.model)
             resolution = resolve(module, self.config.router_aux_loss)
             schedule = decide_schedule(self.config.mode, resolution, module)
             plan = plan_resolution.resolve(
@@ -181,7 +183,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             self.fit_runtime = FitRuntime(
                 module, plan, self.config, schedule=schedule, resolution=resolution, rank=self.global_rank,
                 device=self.root_device, emulator=self.emulator, collective=self.collective,
-                training_step=self._user_training_step, links=self.links)
+                training_step=self._user_training_step, links=self.links, construction=self.construction)
+            self.construction = ConstructionRecord()  # the model is materialised: nothing left to replay
             self._adopted(self.fit_runtime.plan)
             if self._precision_plugin is not None:  # always one of ours (the setter converts it)
                 sharded = self.fit_runtime.sharded
@@ -406,7 +409,16 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             self._failures = None
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not _holds_meta_tensors(module):
+            super().teardown()
+            return
+        with module_hidden_from(self):  # setup failed before materialising: Lightning's move to the host would
+            super().teardown()  # raise over the failure's own error, and there is nothing to move
+
+
+def _holds_meta_tensors(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
 def _has_cephalo_callback(trainer: pl.Trainer) -> bool:

@@ -37,12 +37,15 @@ class Resolution:
 
 
 def _torch_init(module: nn.Module) -> None:
-    """A module's own ``reset_parameters()``; a module without one cannot be initialised from meta."""
+    """A module's own ``reset_parameters()``; a module without one cannot be initialised from meta,
+    unless all it holds is non-persistent buffers (its constructor's values are replayed:
+    :mod:`cephalo_lightning.runtime.sharding.construction`)."""
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
         reset()
         return
-    own = [n for n, p in module._parameters.items() if p is not None] + [n for n, b in module._buffers.items() if b is not None]
+    own = [n for n, p in module._parameters.items() if p is not None] + [
+        n for n, b in module._buffers.items() if b is not None and n not in module._non_persistent_buffers_set]
     if own:
         raise ConfigurationError(
             f"{type(module).__name__} was built on the meta device and has no reset_parameters() to initialise "
@@ -72,8 +75,10 @@ def resolve(module: nn.Module, router_aux_loss: str = "keep") -> Resolution:
     at setup, so it does not keep the model from the layered mode)."""
     lm, gpt = hf.find_causal_lm(module), litgpt.find_gpt(module)
     library = lm if lm is not None else gpt
-    library_init = hf.init_weights(lm) if lm is not None else litgpt.init_weights(gpt) if gpt is not None else None
-    init = _init_for(module, library, library_init)
+    pretrained = hf.find_pretrained(module) if lm is None else lm  # any HF model initialises as its own class does
+    initialised = pretrained if pretrained is not None else gpt
+    library_init = hf.init_weights(pretrained) if pretrained is not None else litgpt.init_weights(gpt) if gpt is not None else None
+    init = _init_for(module, initialised, library_init)
     if has_protocol(module):
         layered = from_protocol(module)
         return Resolution(layered, weighting.choose("auto", module, layered).weighting, "", init, library)

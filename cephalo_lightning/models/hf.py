@@ -60,6 +60,16 @@ def find_causal_lm(module: nn.Module) -> nn.Module | None:
     return None
 
 
+def find_pretrained(module: nn.Module) -> nn.Module | None:
+    """The outermost ``transformers.PreTrainedModel`` under ``module``, whatever its head: the one
+    whose ``_init_weights`` initialises the model as ``from_config`` would."""
+    if "transformers" not in sys.modules:
+        return None
+    from transformers import PreTrainedModel
+
+    return next((sub for sub in module.modules() if isinstance(sub, PreTrainedModel)), None)
+
+
 label_count = shifted_label_tokens  # what the causal-LM loss averages over (see :mod:`.weighting`)
 
 

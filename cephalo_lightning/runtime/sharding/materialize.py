@@ -6,17 +6,26 @@ the local shard before the next unit is touched, so the peak is the rank's share
 unit, never the whole model. A materialised model's units are cut to their shards as they are, unless
 weights are given: then every unit is read from them, whether the model was built on the meta device
 (``configure_model()``) or eagerly (in ``__init__``), so pretrained weights are never silently ignored.
+
+A meta buffer gets the value a model built normally would hold (:func:`_settle_buffers`): the files',
+else the initialisation's where it writes one, else what the module's constructor computed, replayed
+on the host (:mod:`.construction`); a non-persistent buffer that both the initialisation and the
+constructor give must get the same value from both, and a buffer nothing gives refuses the fit. No
+buffer is ever left holding the memory it was allocated with.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
 from cephalo_lightning.runtime.sharding.flat_unit import ParamSlot, full_shape
 from cephalo_lightning.runtime.sharding.grouping import Buffer
 from cephalo_lightning.runtime.sharding.layout import UnitLayout
@@ -56,15 +65,18 @@ class UnitMaterializer:
     ``source`` (this rank's slices only) or by allocating and running ``init`` on the unit alone.
 
     ``seed``: every unit is initialised under its own seed (``seed`` and the unit's index), so a
-    model initialised here is the same on every rank and under every layout.
+    model initialised here is the same on every rank and under every layout. ``construction``: what
+    the model's constructor computed while it was built on meta (its buffers' values come from it
+    where neither the files nor ``init`` give one).
     """
 
     def __init__(self, device: torch.device, init: InitFn | None = None, source: WeightSource | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, construction: ConstructionRecord | None = None) -> None:
         self.device = device
         self.init = init
         self.source = source
         self.seed = seed
+        self.construction = construction
         self.materialized_units = 0
 
     def master(self, index: int, unit: UnitLayout, slots: list[ParamSlot], rank: int, dtype: torch.dtype,
@@ -97,23 +109,23 @@ class UnitMaterializer:
             a, b = unit.param_piece(span, rank)
             if b > a:
                 pieces.append(self.source.read(span.name, span.shape, a, b).reshape(-1).to(device=self.device, dtype=dtype))
+        unread: list[Buffer] = []
         for name, mod, attr in buffers:
             value = self.source.buffer(name, tuple(mod._buffers[attr].shape))
             if value is None and not mod._buffers[attr].is_meta:  # not in the files, but built: keep it
                 mod._buffers[attr] = mod._buffers[attr].to(self.device)
-            elif value is None:  # not in the files (non-persistent, e.g. rotary frequencies): initialise it
-                if self.init is None:
-                    raise ValueError(f"buffer {name!r} is on the meta device and not in the weights; give an init")
-                mod._buffers[attr] = torch.empty_like(mod._buffers[attr], device=self.device)
-                with torch.no_grad(), _initialising_only([], [mod]):  # its parameters came from the files
-                    self._init_module_buffers(mod)
+            elif value is None:  # not in the files (non-persistent, e.g. rotary frequencies)
+                unread.append((name, mod, attr))
             else:
                 mod._buffers[attr] = value.to(device=self.device, dtype=mod._buffers[attr].dtype)
+        if unread:
+            pending = _allocate(unread, self.device)
+            if self.init is not None:
+                with torch.no_grad(), _initialising_only([], _owners(unread)):  # their parameters came from the files
+                    for mod in _owners(unread):
+                        self.init(mod)
+            _settle_buffers(pending, self.construction)
         return torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype, device=self.device)
-
-    def _init_module_buffers(self, mod: nn.Module) -> None:
-        assert self.init is not None
-        self.init(mod)
 
     def _initialise(self, index: int, unit: UnitLayout, slots: list[ParamSlot], dtype: torch.dtype,
                     buffers: list[Buffer], lo: int, hi: int) -> torch.Tensor:
@@ -129,16 +141,108 @@ class UnitMaterializer:
             slot.set(nn.Parameter(torch.empty_like(old, device=self.device), requires_grad=old.requires_grad))
             owners.add(id(slot.holders[0][0]))  # the canonical holder initialises a tied parameter
         tops: list[nn.Module] = [slot.holders[0][0] for slot in slots]
-        for _, mod, attr in buffers:
-            mod._buffers[attr] = torch.empty_like(mod._buffers[attr], device=self.device)
-            owners.add(id(mod))
-            tops.append(mod)
+        pending = _allocate(buffers, self.device)
+        owners.update(id(mod) for mod in _owners(buffers))
+        tops += _owners(buffers)
         modules = _post_order(tops, owners)
         with torch.random.fork_rng(devices=[]), torch.no_grad(), _initialising_only(slots, modules):
             torch.manual_seed((self.seed * 1_000_003 + index) % (2**63))
             for mod in modules:
                 self.init(mod)
+        _settle_buffers(pending, self.construction)
         return _flat_range([slot.current for slot in slots], lo, hi, dtype, self.device)
+
+
+class MetaBufferError(ConfigurationError):
+    """A buffer of a model built on the meta device cannot be given the value a model built normally holds."""
+
+
+@dataclass(frozen=True)
+class _Allocated:
+    """A meta buffer given memory: what it was on meta, what memory it got, that memory's version then."""
+
+    name: str
+    module: nn.Module
+    attr: str
+    meta: torch.Tensor
+    memory: torch.Tensor
+    version: int
+
+    def written(self) -> bool:
+        current = self.module._buffers[self.attr]
+        return current is not self.memory or current._version != self.version
+
+
+def _owners(buffers: Sequence[Buffer]) -> list[nn.Module]:
+    """The modules holding ``buffers``, once each, in order."""
+    return list({id(mod): mod for _, mod, _ in buffers}.values())
+
+
+def _allocate(buffers: Sequence[Buffer], device: torch.device) -> list[_Allocated]:
+    """Memory for every meta buffer in ``buffers``, floating-point ones filled with NaN (so a value
+    written only in part cannot pass for a number)."""
+    out = []
+    for name, mod, attr in buffers:
+        meta = mod._buffers[attr]
+        if not meta.is_meta:
+            continue
+        memory = torch.empty_like(meta, device=device)
+        if memory.is_floating_point() or memory.is_complex():
+            memory.fill_(float("nan"))
+        mod._buffers[attr] = memory
+        out.append(_Allocated(name, mod, attr, meta, memory, memory._version))
+    return out
+
+
+def _settle_buffers(pending: Sequence[_Allocated], construction: ConstructionRecord | None) -> None:
+    """[Note: the two values of a non-persistent buffer] (see :mod:`.construction`), applied to
+    ``pending``, whose initialisation has run: each keeps what the initialisation wrote, else takes
+    the constructor's replayed value; a non-persistent one given both must get the same from both."""
+    constructed = construction.replay([p.meta for p in pending]) if construction is not None and pending else {}
+    for p in pending:
+        current = p.module._buffers[p.attr]
+        replayed = constructed.get(id(p.meta))
+        if replayed is not None:
+            replayed = replayed.to(device=current.device, dtype=current.dtype)
+        kind = type(p.module).__name__
+        if p.written():
+            persistent = p.attr not in p.module._non_persistent_buffers_set
+            if replayed is not None and not persistent and not _same_values(current, replayed):
+                raise MetaBufferError(
+                    f"buffer {p.name!r} ({kind}, non-persistent) was built on the meta device: its initialisation "
+                    f"wrote values that differ from what {kind}'s constructor computes (largest difference "
+                    f"{_largest_difference(current, replayed):.3g}), so one of the two is not what the model means. "
+                    f"Make the initialisation ({kind}'s reset_parameters() or the LightningModule's "
+                    "cephalo_init_weights) compute it as the constructor does, or build the model outside the meta "
+                    "device (in __init__)"
+                )
+        elif replayed is not None:
+            p.module._buffers[p.attr] = replayed
+        else:
+            raise MetaBufferError(
+                f"buffer {p.name!r} ({kind}) was built on the meta device and nothing gives it a value: the weights do "
+                f"not hold it, the initialisation did not write it, and its constructor's computation was not "
+                "recorded (the model was built on meta outside the strategy's configure_model()/init_module). Build "
+                f"the model in configure_model(), compute the buffer in {kind}.reset_parameters() or in the "
+                "LightningModule's cephalo_init_weights(module), or build the model outside the meta device"
+            )
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, or for floating point within 4 units in the last place: the same formula evaluated
+    twice may round differently in each of its few operations, and a wrong value is far off."""
+    if a.shape != b.shape:
+        return False
+    if not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    eps = torch.finfo(a.dtype).eps
+    return bool(torch.allclose(a, b, rtol=4 * eps, atol=0.0, equal_nan=False))
+
+
+def _largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
 @contextlib.contextmanager
