@@ -181,3 +181,29 @@ def test_the_site_navigation_holds_every_page():
     pages = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")}
     assert pages - NOT_IN_NAV <= nav, f"pages missing from mkdocs.yml's nav: {sorted(pages - NOT_IN_NAV - nav)}"
     assert nav <= pages, f"nav names pages that do not exist: {sorted(nav - pages)}"
+
+
+def test_the_architecture_page_indexes_every_note_in_the_code():
+    notes = {m for path in (ROOT / "cephalo_lightning").rglob("*.py")
+             for m in re.findall(r"\[Note: ([^\]]+)\]", path.read_text())}
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    missing = sorted(n for n in notes if f"`[Note: {n}]`" not in page)
+    assert not missing, f"add these to the [Note: ...] index in docs/architecture.md: {missing}"
+
+
+def test_the_cluster_page_lists_every_catalog_gpu_and_every_cluster_file_key():
+    from dataclasses import fields
+
+    from cephalo_lightning.planner.bandwidth import SPELLED_KEYS
+    from cephalo_lightning.planner.catalog import CATALOG
+    from cephalo_lightning.planner.cluster import _DEVICE_KEYS, ModelSpec, Settings
+
+    page = (ROOT / "docs" / "cluster.md").read_text()
+    reference = (ROOT / "docs" / "reference" / "cluster-file.md").read_text()
+    missing = [f"{s.key} ({s.memory_gb:g} GiB)" for s in CATALOG if f"| `{s.key}` |" not in page
+               or f"| {s.memory_gb:g} |" not in page.split(f"| `{s.key}` |", 1)[1].split("\n", 1)[0]]
+    assert not missing, f"docs/cluster.md's GPU catalog lacks or misstates {missing}"
+    # every key a cluster file may hold is named on the task page or, by class, in the reference
+    keys = {f.name for f in fields(ModelSpec)} | {f.name for f in fields(Settings)} | set(_DEVICE_KEYS) | set(SPELLED_KEYS)
+    unnamed = sorted(k for k in keys if f"`{k}`" not in page and f"`{k}`" not in reference)
+    assert not unnamed, f"cluster file keys no page names: {unnamed}"
