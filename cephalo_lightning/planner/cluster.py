@@ -293,7 +293,7 @@ def _reject_unknown(data: Mapping[str, Any], allowed: set[str], where: str) -> N
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise PlanningError(f"{where} must be a mapping, got {type(value).__name__}; write it as key: value pairs, "
-                            "as the README's \"Cluster file\" shows")
+                            "as docs/cluster.md shows")
     return value
 
 
@@ -530,7 +530,7 @@ def cluster_from_dict(data: Any) -> Cluster:
 def load_cluster(path: str | Path) -> Cluster:
     """Read a cluster file (YAML or JSON)."""
     return cluster_from_dict(read_document(
-        path, "cluster file", "write one as the README's \"Cluster file\" shows, or with "
+        path, "cluster file", "write one as docs/cluster.md shows, or with "
         "`python -m cephalo_lightning profile` / `plan convert`"))
 
 
