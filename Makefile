@@ -4,11 +4,13 @@
 #   make test-fast - the in-process tests only (no gloo ranks, no subprocesses): about 1.5 minutes
 #   make lint      - pyflakes and import order (ruff)
 #   make durations - run the suite and rewrite tests/durations.txt (the order the workers take the files in)
+#   make docs      - build the user manual (MkDocs) into site/, warnings as errors; make docs-serve: live preview
+#   make dist      - build the wheel and sdist into dist/ and check them with twine
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast durations lint bench report clean
+.PHONY: setup demo test test-fast durations lint bench report docs docs-serve dist clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -16,7 +18,7 @@ $(BIN)/activate:
 $(VENV)/.installed: $(BIN)/activate pyproject.toml .ci/constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c .ci/constraints.txt torch
-	$(BIN)/pip install -q -c .ci/constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q -c .ci/constraints.txt -e ".[dev,docs]"
 	touch $@
 
 setup: $(VENV)/.installed
@@ -47,5 +49,18 @@ lint: setup
 bench: setup
 	$(BIN)/python benchmarks/report.py
 
+# The API reference is generated from the docstrings (mkdocstrings reads the source, imports nothing).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+# The release artefacts: wheel and sdist from a clean build, their metadata checked.
+dist: setup
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/twine check --strict dist/*
+
 clean:
-	rm -rf $(VENV) lightning_logs wandb runs benchmarks/out
+	rm -rf $(VENV) lightning_logs wandb runs benchmarks/out site dist build

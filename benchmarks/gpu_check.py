@@ -1,6 +1,6 @@
 """One-shot GPU check: the CUDA paths the CPU test suite cannot run, on one GPU, in a few minutes.
 
-    python benchmarks/gpu_check.py            # on a machine with one CUDA GPU; writes benchmarks/report/gpu.md
+    python benchmarks/gpu_check.py            # on a machine with one CUDA GPU; writes docs/benchmarks/gpu.md
     python benchmarks/gpu_check.py --dry-run  # the same skeleton on CPU (tiny sizes; CUDA-only rows say skipped)
 
 Rows (every figure MEASURED on the GPU it ran on; nothing emulated except where a row says so):
@@ -35,7 +35,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-REPORT = Path(__file__).resolve().parent / "report" / "gpu.md"
+REPORT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "gpu.md"
 
 
 @dataclass(frozen=True)

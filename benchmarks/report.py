@@ -1,8 +1,8 @@
-"""Run every benchmark and write ``benchmarks/report/REPORT.md`` with plots (``make bench``).
+"""Run every benchmark and write the docs' results page ``docs/benchmarks/report.md`` with plots (``make bench``).
 
     python benchmarks/report.py            # full runs (~10-15 min on 2 cores)
     python benchmarks/report.py --quick    # each benchmark's --quick configuration (~4 min)
-    python benchmarks/report.py --replot   # redraw the plots from report/results.json, run nothing
+    python benchmarks/report.py --replot   # redraw the plots from docs/benchmarks/results.json, run nothing
 
 Each section holds the benchmark's own printed tables (what it measured, emulated or predicted)
 and a plot of its headline figure; ``results.json`` keeps the raw rows.
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
-OUT = HERE / "report"
+OUT = HERE.parent / "docs" / "benchmarks"  # the docs site's results page, its plots and results.json
 
 
 def _modules() -> dict[str, Any]:
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="each benchmark's quick configuration")
     parser.add_argument("--replot", action="store_true",
-                        help="redraw the plots from report/results.json (REPORT.md and the results stay)")
+                        help="redraw the plots from docs/benchmarks/results.json (report.md and the results stay)")
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     m = _modules()
@@ -295,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         "memory capacity). Planner figures are predictions of the cost model. Each table says which "
         "figures are measured, emulated or predicted.\n"
     )
-    (OUT / "REPORT.md").write_text(header + "\n" + "\n".join(sections))
+    (OUT / "report.md").write_text(header + "\n" + "\n".join(sections))
     (OUT / "results.json").write_text(json.dumps(raw, indent=1, default=str))
-    print(f"wrote {OUT / 'REPORT.md'}")
+    print(f"wrote {OUT / 'report.md'}")
     return 0
 
 

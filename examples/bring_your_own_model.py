@@ -20,12 +20,13 @@ corpus (``TextDataModule``) on an emulated heterogeneous pair of CPU ranks, in t
 
 What Cephalo needs from an HF-style model:
 
-* no tied weights: GPT-2 ties ``lm_head.weight`` to ``wte.weight``; Cephalo shards every unit's
-  parameters separately and refuses (with an error) a tensor reachable under two names, so untie
-  them (``MyCausalLM`` has its own head matrix);
-* every parameter reached under ONE name: in (b) the adapters take the embedding and head modules
-  over (same weights, new names, see ``LayeredLM``); keeping the original tree registered as well
-  is refused like tied weights;
+* tied weights are fine: GPT-2 ties ``lm_head.weight`` to ``wte.weight``, and a parameter held by
+  modules of two units goes to the root unit (gathered for the whole step, one gradient, reduced
+  once). ``MyCausalLM`` has a head matrix of its own only so that (a) and (b) have the same
+  parameters by the same names; tying it (``self.lm_head.weight = self.transformer.wte.weight``)
+  is supported (models with tied embeddings train in ``tests/test_discovery.py``);
+* in (b), every module registered once: the adapters take the embedding and head modules over
+  (same weights, new names, see ``LayeredLM``) rather than keeping the original tree beside them;
 * in (b), no parameters in ``cephalo_input``: nothing flows back past the first layer's input, so
   they would get no gradient. This one is NOT checked: keep such parameters in a layer.
 
@@ -118,7 +119,7 @@ class MyBlock(nn.Module):
 
 
 class MyCausalLM(nn.Module):
-    """GPT-2's module tree with an UNTIED head (Cephalo refuses tied weights)."""
+    """GPT-2's module tree, with a head matrix of its own (tying it to ``wte`` is supported too)."""
 
     def __init__(self, config: MyConfig) -> None:
         super().__init__()
@@ -228,8 +229,7 @@ class LayeredLM(_LanguageModelSteps):
 
     The model is built as usual and taken apart: the adapters OWN the embedding and head modules
     and ``blocks`` is the model's own ``transformer.h``, so every parameter has exactly one name
-    (keeping ``self.model`` as well would reach each tensor under two names, which the strategy
-    refuses as tied weights). The weights are the model's; only the state-dict names move:
+    (keeping ``self.model`` as well would register every block twice). The weights are the model's; only the state-dict names move:
     ``transformer.wte/wpe`` -> ``embed.wte/wpe``, ``transformer.h`` -> ``blocks``,
     ``transformer.ln_f`` and ``lm_head`` -> ``head.ln_f`` and ``head.lm_head``.
     """

@@ -54,8 +54,8 @@ MODELS = (
     Model("llama-7b-shape", "llama-7b-shape", vocab_size=32000),  # Llama-7B depth, width, vocabulary
 )
 
-# (label, [(catalog name, count), ...] in rank order, link GB/s per direction between GPUs).
-# 16 GB/s: PCIe 4.0 x16 inside one host, about half achieved; 12.5 GB/s: 100 Gb/s Ethernet between hosts.
+# (label, [(catalog name, count), ...] in rank order, link GB/s per direction per rank).
+# 16 GB/s: PCIe 4.0 x16 inside one host, about half achieved; 12.5 GB/s: a 100 Gbit/s Ethernet port per GPU.
 CLUSTERS: tuple[tuple[str, list[tuple[str, int]], float], ...] = (
     ("4x L4", [("l4", 4)], 16.0),  # homogeneous: the plan should match plain FSDP
     ("2x L4 + A6000", [("l4", 2), ("a6000", 1)], 16.0),
@@ -68,10 +68,11 @@ GLOBAL_BATCHES = (16, 64, 256)
 
 
 def describe(model: Model, devices: Sequence[tuple[str, int]], link_gbps: float) -> Cluster:
-    """The cluster file's content, built in Python: catalog devices need only a name and a count."""
+    """The cluster file's content, built in Python: catalog devices need only a name and a count;
+    ``link_gbps`` is each rank's link in GB/s per direction."""
     return cluster_from_dict({
         "model": model.spec(),
-        "settings": {"link_bandwidth_gbps": link_gbps},
+        "settings": {"link_bandwidth": f"{link_gbps:g} GB/s per rank"},
         "devices": [{"name": name, "count": count} for name, count in devices],
     })
 

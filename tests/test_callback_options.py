@@ -1,4 +1,5 @@
-"""CephaloCallback's options: one declaration (CallbackConfig), which the README's table and the
+"""CephaloCallback's options: one declaration (CallbackConfig), which the API reference's table
+(docs/reference/callback.md) and the
 callback's signature repeat name for name and default for default."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from cephalo_lightning import CephaloCallback
 from cephalo_lightning._common.errors import CephaloError
 from cephalo_lightning.lightning.callback_config import CallbackConfig
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parent.parent / "docs" / "reference" / "callback.md"  # the options table
 
 
 def readme_table() -> dict[str, str]:

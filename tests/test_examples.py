@@ -205,10 +205,11 @@ def test_bring_your_own_model_trains_both_ways(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_slurm_script_asks_for_lightnings_requeue_signal():
+def test_slurm_script_asks_for_the_requeue_signal_and_resumes_from_last():
     script = (EXAMPLES / "slurm.sbatch").read_text()
     directives = [line.split("#", 2)[1].strip() for line in script.splitlines() if line.startswith("#SBATCH")]
     assert "SBATCH --signal=SIGUSR1@90" in directives and "SBATCH --requeue" in directives
-    # Lightning's SLURMEnvironment resumes from hpc_ckpt_* only when no ckpt_path is given
-    assert "--ckpt_path" not in script
+    # the strategy's stop saves last-preempted.ckpt, which only ckpt_path="last" resumes from
+    # (tests/test_slurm_example.py runs the script through the requeue)
+    assert "--ckpt_path=last" in script
     assert subprocess.run(["bash", "-n", str(EXAMPLES / "slurm.sbatch")]).returncode == 0

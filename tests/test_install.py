@@ -11,6 +11,7 @@ in the package are the top-level ``configs/`` files, byte for byte.
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import shutil
 import subprocess
 import sys
@@ -83,10 +84,10 @@ def _run(args: list[str | Path], cwd: Path, env: dict[str, str], timeout: int = 
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """A fresh venv holding only the freshly built wheel; returns (its bin dir, a cwd outside the repo, env)."""
+def wheel(tmp_path_factory) -> Path:
+    """The wheel, freshly built from a copy of the sources (so the build leaves no build/ or egg-info in the checkout)."""
     tmp = tmp_path_factory.mktemp("wheel")
-    src = tmp / "src"  # a copy, so the build leaves no build/ or egg-info in the checkout
+    src = tmp / "src"
     src.mkdir()
     for name in SOURCES:
         if (ROOT / name).is_dir():
@@ -98,8 +99,29 @@ def installed(tmp_path_factory):
                   tmp / "dist", src], cwd=tmp, env=env)
     license_warnings = [line for line in build.splitlines() if "license" in line.lower() and "deprecat" in line.lower()]
     assert not license_warnings, license_warnings  # the metadata is in the current (PEP 639) form
-    (wheel,) = (tmp / "dist").glob("cephalo_lightning-*.whl")
+    (built,) = (tmp / "dist").glob("cephalo_lightning-*.whl")
+    return built
 
+
+@pytest.mark.multiprocess
+def test_the_wheel_is_the_release_the_changelog_describes(wheel):
+    """Its version is pyproject's, the CHANGELOG has that version's section, and its long description is the
+    README as Markdown (what the package index shows)."""
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = Parser().parsestr(archive.read(name).decode())
+    assert metadata["Version"] == version and wheel.name.startswith(f"cephalo_lightning-{version}-")
+    assert f"## [{version}] - " in (ROOT / "CHANGELOG.md").read_text(), f"CHANGELOG.md has no [{version}] section"
+    assert metadata["Description-Content-Type"] == "text/markdown"
+    assert metadata.get_payload().strip() == (ROOT / "README.md").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory):
+    """A fresh venv holding only the freshly built wheel; returns (its bin dir, a cwd outside the repo, env)."""
+    tmp = tmp_path_factory.mktemp("venv")
+    env = {k: v for k, v in clean_env().items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp, env=env)
     python = venv / "bin" / "python"

@@ -1,5 +1,5 @@
-"""Every ``CephaloStrategy`` option is declared once (:class:`StrategyConfig`'s fields): the README's
-table, the strategy's signature and the checked config all agree with that declaration."""
+"""Every ``CephaloStrategy`` option is declared once (:class:`StrategyConfig`'s fields): the API
+reference's table (docs/reference/strategy.md), the strategy's signature and the checked config all agree with that declaration."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from cephalo_lightning import CephaloStrategy
 from cephalo_lightning.lightning.config import DEFAULTS, OPTION_NAMES, StrategyConfig
 from cephalo_lightning.lightning.process_group import ProcessGroupStrategy
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "reference" / "strategy.md"  # the options table
 HEADING = "### `CephaloStrategy(...)`"
 
 

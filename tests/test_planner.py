@@ -389,7 +389,7 @@ def test_upper_bound_above_every_plan() -> None:
 def test_collectives_priced_from_bandwidth_and_uneven_shares() -> None:
     """Slow links push toward even shares; the certified gap stays within the tolerance."""
     data = yaml_dict("l4-a6000-p40.yaml")
-    data["settings"]["link_bandwidth_gbps"] = 0.5
+    data["settings"]["link_bandwidth"] = "0.5 GB/s per rank"
     slow = cluster_from_dict(data)
     p = plan(slow, 32)
     check_plan(slow, p, 32)

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "examples").glob("*.md")),
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md")),
+        *sorted((ROOT / "examples").glob("*.md")),
         *sorted((ROOT / "examples").glob("*.py"))]  # the examples are documentation too
 TEXT = "\n".join(p.read_text() for p in DOCS if p.exists())
 

@@ -68,7 +68,7 @@ def _report(cli, even: dict | None) -> str:
                      f"at step {trainer.global_step} (ln 256 = 5.545 at the start)")
     for cb in trainer.callbacks:
         if type(cb).__name__ == "ModelCheckpoint" and cb.last_model_path:
-            lines.append(f"  checkpoint:   {cb.last_model_path} (sharded; see README 'Checkpoints')")
+            lines.append(f"  checkpoint:   {cb.last_model_path} (sharded; see docs/checkpoints.md)")
     for logger in trainer.loggers:
         if type(logger).__name__ == "WandbLogger":
             lines.append(f"  W&B run:      {logger.experiment.dir} (offline; `wandb sync` to upload)")

@@ -91,7 +91,7 @@ class CephaloCallback(Callback):
     """Profile, plan and watch for :class:`CephaloStrategy`.
 
     The arguments are :class:`~.callback_config.CallbackConfig`'s, each with its default and
-    meaning there (and in the README's table); they are checked here, at construction.
+    meaning there (and in the API reference's table); they are checked here, at construction.
     """
 
     def __init__(

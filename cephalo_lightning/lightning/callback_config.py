@@ -2,7 +2,7 @@
 
 :class:`~cephalo_lightning.lightning.callback.CephaloCallback` takes these as keyword arguments (so
 LightningCLI and YAML configs see them one by one) and builds a :class:`CallbackConfig` from them
-at construction, so a bad value is refused before any process is launched. The README's
+at construction, so a bad value is refused before any process is launched. The API reference's
 ``CephaloCallback(...)`` table lists the same names and defaults (a test compares them).
 """
 
@@ -26,7 +26,7 @@ MODES = (None, "layered", "uniform")
 
 def _option(default: Any, meaning: str, shown: str | None = None) -> Any:
     """A field with its default, its one-line meaning and, where the default is ``None``, what
-    ``None`` stands for (as the README's table shows it)."""
+    ``None`` stands for (as the API reference's table shows it)."""
     return field(default=default, metadata={"meaning": meaning, "shown": shown})
 
 

@@ -2,7 +2,7 @@
 
 :class:`StrategyConfig`'s fields are the options of ``CephaloStrategy(...)``: the strategy's
 signature takes its defaults from :data:`DEFAULTS`, :meth:`StrategyConfig.build` checks and
-converts what was given, and ``tests/test_options.py`` holds the README's table to the fields.
+converts what was given, and ``tests/test_options.py`` holds the API reference's table (docs/reference/strategy.md) to the fields.
 Every bad value is refused here, at ``CephaloStrategy(...)``, with a message that names the
 argument and the fix, before any process is launched or any data is read.
 
@@ -47,7 +47,7 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 
 def option(default: Any, meaning: str, *, unset: str | None = None) -> Any:
     """One option: its default, its meaning in one line and, for a ``None`` default that is
-    decided later, what is used then (``unset``, as the README's table words it)."""
+    decided later, what is used then (``unset``, as the API reference's table words it)."""
     return field(default=default, metadata={"meaning": meaning, "unset": unset})
 
 

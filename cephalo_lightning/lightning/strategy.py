@@ -73,7 +73,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     ``plan`` (a :class:`~cephalo_lightning.planner.Plan` or a JSON path), or ``cluster`` to plan from
     at setup (with ``global_batch_size``); neither: an even plan, or the :class:`CephaloCallback`'s.
     Every option, its default and its meaning is a field of :class:`~.config.StrategyConfig` (the
-    README's table); ``process_group_backend`` and ``timeout`` are the process group's.
+    API reference's table); ``process_group_backend`` and ``timeout`` are the process group's.
     """
 
     strategy_name = "cephalo"

@@ -1,6 +1,7 @@
 """The cluster file: what the planner knows about the model, the settings and every device.
 
-One format, YAML or JSON (see the README, "Cluster file"). Devices are listed in rank order and
+One format, YAML or JSON (docs/cluster.md). Bandwidths may be written with units
+(:mod:`cephalo_lightning.planner.bandwidth`). Devices are listed in rank order and
 ``count`` repeats an entry. A device entry either carries measured per-layer profiles or only a
 catalog ``name``, in which case it is estimated from public datasheet figures and the model shape
 (:mod:`cephalo_lightning.planner.catalog`).
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cephalo_lightning._common.atomic_io import write_text_atomic
+from cephalo_lightning.planner.bandwidth import per_rank_gbps, split_spelled
 from cephalo_lightning.planner.calibration import Calibration, parse_calibration
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import MAX_EXACT_INTEGER, read_document, shown_number
@@ -82,7 +84,8 @@ class Settings:
     host_contention: float = 1.0  # wall time per compute second, ranks sharing host cores (a calibration measures it)
     allgather_ms: float = 0.0  # one layer, even shares; or priced from link_bandwidth_gbps
     reduce_scatter_ms: float = 0.0
-    link_bandwidth_gbps: float | None = None  # GB/s per direction between ranks
+    # GB/s per direction per rank between ranks (a file may write link_bandwidth: "16 GB/s per rank" instead)
+    link_bandwidth_gbps: float | None = None
     collective: str = "padded"  # how the runtime moves uneven shards: padded | exact
     estimated_mfu: float = 0.4  # for catalog estimates only
     # None below: measured by the profiler when it writes the cluster, else the default in cost.py
@@ -94,8 +97,8 @@ class Settings:
     # capacity); memory then grows by batch x model.kept_bytes. False: on the host (CUDA, emulated memory)
     stash_on_device: bool = False
     host_copy_gbps: float = 12.0  # device <-> pinned host GB/s, for devices without their own figure
-    # the link between nodes (``DeviceProfile.node``), GB/s per direction per rank; None: as fast as
-    # link_bandwidth_gbps (then the intra-node figure)
+    # the link between nodes (``DeviceProfile.node``), GB/s per direction per rank (a file may write
+    # inter_node_bandwidth: "25 Gbit/s per link" instead); None: as fast as link_bandwidth_gbps
     inter_node_bandwidth_gbps: float | None = None
     inter_node_latency_ms: float = 0.0  # per collective that crosses nodes
     # cores of the one host every rank runs on (CPU ranks, emulated clusters; the profiler fills it);
@@ -290,7 +293,7 @@ def _reject_unknown(data: Mapping[str, Any], allowed: set[str], where: str) -> N
 def _mapping(value: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise PlanningError(f"{where} must be a mapping, got {type(value).__name__}; write it as key: value pairs, "
-                            "as the README's \"Cluster file\" shows")
+                            "as docs/cluster.md shows")
     return value
 
 
@@ -514,16 +517,20 @@ def cluster_from_dict(data: Any) -> Cluster:
         raise PlanningError("the cluster file needs a 'devices:' list; add one in rank order, e.g. "
                             "devices: [{name: a100, count: 2}] (or a nodes: list, one {devices: [...]} per node)")
     model = parse_model(data["model"])
-    settings = parse_settings(data.get("settings"))
+    settings_data, spelled = split_spelled(data.get("settings"))  # "25 Gbit/s per link" (planner/bandwidth.py)
+    settings = parse_settings(settings_data)
     devices = parse_devices(data.get("devices"), model, settings, nodes=data.get("nodes"))
-    return Cluster(model=model, devices=devices, settings=settings,
-                   calibration=parse_calibration(data.get("calibration"), len(devices)))
+    cluster = Cluster(model=model, devices=devices, settings=settings,
+                      calibration=parse_calibration(data.get("calibration"), len(devices)))
+    if spelled:
+        cluster = replace(cluster, settings=replace(settings, **per_rank_gbps(spelled, cluster.nodes)))
+    return cluster
 
 
 def load_cluster(path: str | Path) -> Cluster:
     """Read a cluster file (YAML or JSON)."""
     return cluster_from_dict(read_document(
-        path, "cluster file", "write one as the README's \"Cluster file\" shows, or with "
+        path, "cluster file", "write one as docs/cluster.md shows, or with "
         "`python -m cephalo_lightning profile` / `plan convert`"))
 
 

@@ -11,7 +11,7 @@ The release writes two files (as its optimizer reads them):
   {dtype: [GiB at micro-batch 1..k]}, ...}}}``: compute memory per micro-batch size, one series
   for every GPU of the cluster.
 
-Conversion (each series keeps its own length; see the README, "Cluster file"):
+Conversion (each series keeps its own length; see docs/cluster.md):
 
 * times: measured arrays where given; where the release would extrapolate with its line fit, the
   fit's values at the next two sizes are appended, so this planner's extrapolation (through the

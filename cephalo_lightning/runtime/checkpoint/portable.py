@@ -40,7 +40,7 @@ def set_aside_sampler_states(checkpoint: dict[str, Any]) -> str | None:
             "this file with the weights, optimizer state, step and epoch counters, LR schedulers and callbacks, but "
             "on its own sampler's order: an unshuffled DataLoader continues on the same global batches from an epoch "
             "boundary; mid-epoch, Lightning restarts that epoch's data from its first batch, and a shuffled one "
-            "draws its own permutation (README, 'Moving a run off Cephalo').")
+            "draws its own permutation (docs/checkpoints.md, 'Moving a run off Cephalo').")
 
 
 def restore_sampler_states(checkpoint: dict[str, Any]) -> None:
