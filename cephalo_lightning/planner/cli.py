@@ -12,7 +12,7 @@ import sys
 
 from cephalo_lightning.planner.cluster import cluster_from_dict, load_cluster, save_cluster
 from cephalo_lightning.planner.errors import PlanningError
-from cephalo_lightning.planner.files import check_output, write_error
+from cephalo_lightning.planner.files import check_writable, write_error
 from cephalo_lightning.planner.grouped import GROUPINGS
 from cephalo_lightning.planner.plan import PLAN_MODES
 from cephalo_lightning.planner.solver import PLANNERS, plan
@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         return args
     try:
         if args.output:
-            check_output(args.output, "-o")
+            check_writable(args.output, "-o")
         if converting:
-            check_output(args.cluster_output, "--cluster-output")
+            check_writable(args.cluster_output, "--cluster-output")
             from cephalo_lightning.planner.convert import convert_release, parse_gpus
 
             data = convert_release(args.latencies, args.memory, model=args.model, num_layers=args.num_layers,

@@ -265,6 +265,15 @@ def _finite(value: Any, where: str, minimum: float | None = None) -> float:
     return float(value)
 
 
+def _name(value: Any, where: str, example: str) -> str:
+    """A non-empty string (a device name such as "a100-40gb"): a number or a list here is a broken
+    or hand-edited file, which the plan would otherwise carry on as the text "123"."""
+    if not isinstance(value, str) or not value.strip():
+        raise PlanningError(f"{where} must be a non-empty JSON string (e.g. \"{example}\"), got {_shown(value)}; "
+                            f"quote it in the file or {REMAKE}")
+    return value
+
+
 _RANK_REQUIRED = ("rank", "device", "batch_size", "num_micro_batches", "micro_batch_size", "state_share")
 
 
@@ -278,7 +287,7 @@ def _rank_from_dict(data: Any, i: int, where: str) -> RankPlan:
         raise PlanningError(f"{at} (rank {data.get('rank', i)}) lacks {missing}; {REMAKE}")
     values: dict[str, Any] = {
         "rank": _whole(data["rank"], f"{at}.rank", 0),
-        "device": str(data["device"]),
+        "device": _name(data["device"], f"{at}.device (rank {i})", "a100-40gb"),
         "batch_size": _whole(data["batch_size"], f"{at}.batch_size (rank {i})", 0),
         "num_micro_batches": _whole(data["num_micro_batches"], f"{at}.num_micro_batches (rank {i})", 1),
         "micro_batch_size": _whole(data["micro_batch_size"], f"{at}.micro_batch_size (rank {i})", 0),
@@ -288,7 +297,7 @@ def _rank_from_dict(data: Any, i: int, where: str) -> RankPlan:
         if data.get(key) is not None:
             values[key] = _finite(data[key], f"{at}.{key} (rank {i})")
     if "source" in data:
-        values["source"] = str(data["source"])
+        values["source"] = _name(data["source"], f"{at}.source (rank {i})", "measured")
     if "shard_group" in data:
         values["shard_group"] = _whole(data["shard_group"], f"{at}.shard_group (rank {i})", 0)
     if "recompute" in data:
