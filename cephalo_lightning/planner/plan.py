@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ from cephalo_lightning.planner.files import MAX_EXACT_INTEGER, read_document, sh
 PLAN_MODES = ("layered", "uniform")
 # 2: RankPlan.recompute (files of version 1 load with recompute = True)
 # 3: RankPlan.shard_group (files of versions 1 and 2 load as one group of every rank)
-PLAN_FORMAT_VERSION = 3
+# 4: RankPlan.binding and RankPlan.why (older files load without them)
+PLAN_FORMAT_VERSION = 4
 REMAKE = "re-make the plan with `python -m cephalo_lightning plan`"
 LEGACY_PLANNER_KEY = "strategy"  # what files written before the 'planner' field call it
 
@@ -28,6 +30,15 @@ def _builtin_numbers(record: Any) -> None:
     for name, value in vars(record).items():
         if type(value).__module__ == "numpy" and hasattr(value, "item"):  # a numpy scalar (np.float64 is a float)
             object.__setattr__(record, name, value.item())
+
+
+class Binding(str, Enum):
+    """What keeps a rank from taking one sample more (:mod:`.why`)."""
+
+    COMPUTE = "compute"  # its compute sets the step
+    MEMORY = "memory"  # one sample more fits at no micro-batch count
+    LINK = "link"  # collectives set the step, whatever the batch split
+    GRANULARITY = "granularity"  # one sample more would reach or pass the step: samples are whole
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,8 @@ class RankPlan:
     # groups replicate each other. One group of every rank is a full shard; groups of one rank are
     # data parallelism.
     shard_group: int = 0
+    binding: Binding | None = None  # what keeps the rank from one sample more (planner/why.py)
+    why: str | None = None  # the same in one line, with the cost model's figures
 
     def __post_init__(self) -> None:
         _builtin_numbers(self)
@@ -135,7 +148,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ranks", "baselines")}
         data["model"] = dict(self.model)
-        data["ranks"] = [dict(vars(r)) for r in self.ranks]  # flat dataclasses: vars() is asdict(), fast
+        data["ranks"] = [_rank_dict(r) for r in self.ranks]
         data["baselines"] = {
             name: {f.name: getattr(b, f.name) for f in fields(b)
                    if f.name != "ranks" and getattr(b, f.name) is not None and (f.name != "skipped" or b.skipped)}
@@ -232,6 +245,14 @@ class Plan:
         return cls(global_batch_size, mode, tuple(ranks), planner="even")
 
 
+def _rank_dict(r: RankPlan) -> dict[str, Any]:
+    """A rank's JSON form: a flat dataclass (vars() is asdict(), fast), the binding as its name."""
+    data = dict(vars(r))
+    if r.binding is not None:
+        data["binding"] = r.binding.value
+    return data
+
+
 def _shown(value: Any) -> str:
     kind = {str: "a string", list: "a list", dict: "an object", bool: "a boolean", type(None): "null"}
     return f"{shown_number(value)} ({kind.get(type(value), type(value).__name__)})"
@@ -298,6 +319,13 @@ def _rank_from_dict(data: Any, i: int, where: str) -> RankPlan:
             values[key] = _finite(data[key], f"{at}.{key} (rank {i})")
     if "source" in data:
         values["source"] = _name(data["source"], f"{at}.source (rank {i})", "measured")
+    if data.get("binding") is not None:
+        names = [b.value for b in Binding]
+        if data["binding"] not in names:
+            raise PlanningError(f"{at}.binding (rank {i}) must be one of {names}, got {_shown(data['binding'])}; {REMAKE}")
+        values["binding"] = Binding(data["binding"])
+    if data.get("why") is not None:
+        values["why"] = _name(data["why"], f"{at}.why (rank {i})", "compute")
     if "shard_group" in data:
         values["shard_group"] = _whole(data["shard_group"], f"{at}.shard_group (rank {i})", 0)
     if "recompute" in data:

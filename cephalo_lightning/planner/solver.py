@@ -55,6 +55,7 @@ from cephalo_lightning.planner.knapsack import (
 from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH, MAX_RANKS
 from cephalo_lightning.planner.options import DeviceModel, Options
 from cephalo_lightning.planner.plan import PLAN_MODES, Plan
+from cephalo_lightning.planner.why import explain
 
 PLANNERS = ("cephalo", "even", "proportional", "poplar", "reference", "ddp-even", "hsdp-even")
 BISECTION_TOL = 5e-4  # relative width of the final step-time bracket
@@ -512,7 +513,7 @@ def _baseline_plan(cluster: Cluster, B: int, mode: str, planner: str, upper: flo
     if not result.feasible:
         raise PlanningError(f"the {planner} baseline is infeasible: {result.reason}; plan with --planner cephalo, "
                             f"which fits uneven memory, or change what the reason names")
-    return Plan(B, mode, result.ranks, result.predicted_step_s, result.predicted_samples_per_s, upper,
+    return Plan(B, mode, explain(cluster, result.ranks, mode), result.predicted_step_s, result.predicted_samples_per_s, upper,
                 model_summary(cluster), planner=planner, emulated=cluster.emulated)
 
 
@@ -605,6 +606,7 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
     lower_s = max(contention * lower_s + fixed_s, shared_host_lower_ms(problem, cluster) / 1e3)
     ranks, step = rank_plans(source, best.batch, best.micro, best.shares, ~best.keep, mode,
                              kinds=(chosen.costs, chosen.of_rank), shard_groups=best.groups)
+    ranks = explain(source, ranks, mode)
     return Plan(
         global_batch_size=B,
         mode=mode,
