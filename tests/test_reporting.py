@@ -79,7 +79,7 @@ def test_rank_lines_name_device_batch_micro_batches_share_time_and_memory():
         "Cephalo rank 1: cpu (emulated x3.0, 0.5 GiB): batch 3 in 1 micro-batch of 3, state share 50.0%, "
         "predicted 0.25 s/step and 0.2 GiB, emulated",
         "Cephalo rank 2: p40: no samples (stores state only), state share 25.0%, "
-        "predicted ? s/step and ? GiB",
+        "not priced (a plan given as it is, without a cluster file to predict it from)",
     ]
 
 

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from cephalo_lightning.planner.report import print_plan
 
-        print_plan(result)
+        print_plan(result, cluster, args.output)
         if cluster.calibration is not None:
             from cephalo_lightning.planner.calibration import describe
 

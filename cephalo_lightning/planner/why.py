@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from cephalo_lightning._common.units import memory_text
 from cephalo_lightning.planner.calibration import calibrated
 from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.cost import DeviceCost, collective_ms, kind_costs, step_ms
@@ -72,7 +73,7 @@ def _next_sample(cost: DeviceCost, r: RankPlan, reserved: float, ag: float, rs: 
 
 
 def _gib(value: float | None) -> str:
-    return "?" if value is None else f"{value:.3g} GiB"
+    return "?" if value is None else memory_text(value)
 
 
 def _s(value: float) -> str:
