@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
+from cephalo_lightning._common.help_text import PlainHelpFormatter
 from cephalo_lightning.planner.cluster import cluster_from_dict, load_cluster, save_cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import check_writable, write_error
@@ -18,12 +20,23 @@ from cephalo_lightning.planner.plan import PLAN_MODES
 from cephalo_lightning.planner.solver import PLANNERS, plan
 
 
+class _DeprecatedAlias(argparse.Action):
+    """``--strategy``, the old name of ``--planner`` (a strategy is Lightning's word for how a model is
+    distributed): still accepted, hidden from the help, and named as deprecated when used."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"warning: {option_string} is deprecated; write --planner {values}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def _add_plan_options(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("-b", "--global-batch-size", type=int, required=required, help="samples per optimizer step")
     parser.add_argument("--mode", choices=PLAN_MODES, default="layered",
                         help="layered: micro-batch count per rank (default); uniform: one count for all")
-    parser.add_argument("--planner", "--strategy", dest="planner", choices=PLANNERS, default="cephalo",
+    parser.add_argument("--planner", choices=PLANNERS, default="cephalo",
                         help="plan with cephalo (default) or output a baseline plan")
+    parser.add_argument("--strategy", dest="planner", choices=PLANNERS, action=_DeprecatedAlias, help=argparse.SUPPRESS)
     parser.add_argument("--groupings", default=None, metavar="NAMES",
                         help=f"comma-separated shard groupings to weigh, of {','.join(GROUPINGS)} (default: all)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
@@ -32,10 +45,10 @@ def _add_plan_options(parser: argparse.ArgumentParser, required: bool) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m cephalo_lightning plan",
+        prog="python -m cephalo_lightning plan", formatter_class=PlainHelpFormatter,
         description="Choose every GPU's batch, micro-batches and state share for a heterogeneous cluster "
                     "(torch-free; figures are predictions of the cost model). "
-                    "`plan convert --help`: a cluster file from the Cephalo release's profiles.",
+                    "To make a cluster file from the Cephalo release's profiles, see: plan convert --help.",
     )
     parser.add_argument("cluster_file", help="cluster file (YAML or JSON): model, settings, devices")
     _add_plan_options(parser, required=True)
@@ -44,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _convert_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m cephalo_lightning plan convert",
+        prog="python -m cephalo_lightning plan convert", formatter_class=PlainHelpFormatter,
         description="Write a cluster file from the Cephalo release's model_latencies.json and model_memory.json "
                     "(and plan it with --global-batch-size).",
     )
