@@ -4,13 +4,29 @@ texts, ``plan --plot`` and the blocks of docs/plan-reading.md."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cephalo_lightning.planner import Cluster, Plan, cluster_from_dict, plan
+from cephalo_lightning._common.units import memory_text
+from cephalo_lightning.planner import Cluster, Plan, RankPlan, cluster_from_dict, load_cluster, plan
+from cephalo_lightning.planner.cli import main as plan_main
 from cephalo_lightning.planner.cost import DeviceCost, collective_ms
+from cephalo_lightning.planner.peers import BASELINE_GROUPINGS, BASELINES
 from cephalo_lightning.planner.plan import Binding
+from cephalo_lightning.planner.report import (
+    CATALOG,
+    LEGEND,
+    baseline_lines,
+    next_line,
+    render_plan,
+    summary_lines,
+)
 
 LAYERS = 4
 
@@ -99,3 +115,126 @@ def test_a_binding_that_is_not_one_of_the_four_is_refused_in_a_plan_file() -> No
     with pytest.raises(Exception, match=r"ranks\[0\]\.binding \(rank 0\) must be one of \['compute', 'memory', 'link', "
                                         r"'granularity'\], got 'bandwidth'"):
         Plan.from_dict(data)
+
+
+# ----------------------------------------------------------------------------- the table
+
+ROOT = Path(__file__).resolve().parents[1]
+TWO_NODES = ROOT / "configs" / "clusters" / "two-nodes.yaml"
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+def test_no_line_ends_in_spaces_and_no_sentence_is_cut_by_a_wrap(width: int) -> None:
+    cluster = load_cluster(TWO_NODES)
+    p = plan(cluster, 64)
+    text = render_plan(p, width, cluster, next_step=True)
+    lines = text.splitlines()
+    assert lines and not [line for line in lines if line != line.rstrip()]
+    for line in summary_lines(p, cluster, next_step=True):  # each of them whole, on a line of its own
+        assert line in lines, line
+    assert sum(line.startswith("legend: ") for line in lines) == 1
+
+
+def test_the_legend_names_every_column_it_abbreviates() -> None:
+    assert LEGEND.count("\n") == 0
+    for term in ("n x m", "kept", "state share", "used/limit/cap", "binds"):
+        assert term in LEGEND
+
+
+def test_baselines_are_named_with_their_grouping_and_identical_ones_listed_once() -> None:
+    cluster = load_cluster(TWO_NODES)
+    p = plan(cluster, 64)
+    lines = baseline_lines(p)
+    by_rate: dict[float, list[str]] = {}
+    for name, base in p.baselines.items():
+        by_rate.setdefault(base.predicted_samples_per_s, []).append(name)
+    assert len(by_rate) < len(p.baselines)  # this cluster has baselines that predict the same throughput
+    for rate, names in by_rate.items():
+        line = next(line for line in lines if f": {rate:.3g} samples/s" in line)
+        assert line.startswith("  " + ", ".join(f"{n} ({BASELINE_GROUPINGS[n]})" for n in names) + ":"), line
+        assert f"this plan is {p.predicted_samples_per_s / rate:.2f}x faster" in line
+    for name in p.baselines:
+        assert sum(bool(re.search(rf"(?<![\w-]){re.escape(name)} \(", line)) for line in lines) == 1
+    assert set(BASELINE_GROUPINGS) == set(BASELINES)
+    assert "even (full shard), hsdp-even (a group per node: HSDP): 18.6 samples/s" in "\n".join(lines)
+
+
+def test_small_memory_figures_are_shown_in_a_unit_that_keeps_them_readable() -> None:
+    assert [memory_text(v) for v in (20.06, 0.02, 0.5, 2e-6)] == ["20.1 GiB", "20.5 MiB", "512 MiB", "2.1 KiB"]
+    tiny = cluster([device("cpu", 0.05, [0.004, 0.008], count=2)])  # 51 MiB devices: the state (14.9 GiB) fits nowhere
+    from cephalo_lightning.planner.baselines import even_baseline
+
+    reason = even_baseline(tiny, 2).reason
+    assert "0.0 " not in reason and "GiB of 51.2 MiB usable" in reason, reason
+    p = Plan(2, "layered", (RankPlan(0, "cpu", 1, 1, 1, 0.5, 0.1, 0.02, memory_limit_gb=0.04, memory_capacity_gb=0.05),
+                            RankPlan(1, "cpu", 1, 1, 1, 0.5, 0.1, 0.02, memory_limit_gb=0.04, memory_capacity_gb=0.05)))
+    text = render_plan(p)
+    assert "memory MiB" in text and "20.5/41/51.2" in text
+
+
+def test_catalog_is_explained_once_and_only_for_catalog_figures() -> None:
+    cluster_ = load_cluster(TWO_NODES)
+    text = render_plan(plan(cluster_, 64), cluster=cluster_)
+    assert text.count(CATALOG) == 1 and "catalog" in text.splitlines()[5]
+    assert CATALOG not in render_plan(plan(FAST, 4))
+
+
+def test_the_next_line_says_how_to_train_with_the_plan() -> None:
+    cluster_ = load_cluster(TWO_NODES)
+    p = plan(cluster_, 64)
+    assert next_line(p, cluster_) == (
+        'next: write the plan with -o plan.json, then train with Trainer(strategy=CephaloStrategy(plan="plan.json"), '
+        "devices=2, num_nodes=2) and a DataLoader of batch_size=64, the global batch, which the plan splits between "
+        "the ranks")
+    assert next_line(p, cluster_, "out/p.json").startswith(
+        'next: train with Trainer(strategy=CephaloStrategy(plan="out/p.json"), devices=2, num_nodes=2)')
+
+
+def test_the_plan_command_prints_the_table_with_its_next_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "plan.json"
+    assert plan_main([str(TWO_NODES), "-b", "64", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert LEGEND in printed and f'CephaloStrategy(plan="{out}")' in printed and "why:" in printed
+    assert Plan.load(out).ranks[0].binding is Binding.COMPUTE
+
+
+# ----------------------------------------------------------------------------- help texts
+
+COMMANDS = [[], ["plan"], ["plan", "convert"], ["demo"], ["profile"], ["consolidate"], ["export"], ["fit"],
+            ["validate"], ["test"], ["predict"]]
+MARKUP = re.compile(r"``|:[a-z]+:`|`|::(\s|$)")  # literals, roles, interpreted text, literal-block markers
+
+
+def _help(main: Any, argv: list[str]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):  # argparse exits after the help
+        main([*argv, "--help"])
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=lambda argv: " ".join(argv) or "commands")
+def test_no_help_text_carries_rest_markup(argv: list[str]) -> None:
+    from cephalo_lightning.__main__ import main
+
+    text = _help(main, argv)
+    assert len(text) > 300
+    assert not [line for line in text.splitlines() if MARKUP.search(line)]
+
+
+def test_cephalo_train_help_lists_every_other_command_without_markup() -> None:
+    from cephalo_lightning.__main__ import USAGE
+    from cephalo_lightning.lightning.cli import main
+
+    text = _help(main, ["--help"])
+    assert not MARKUP.search(text)
+    listed = re.search(r"The other commands \(([^)]*)\)", " ".join(text.split())).group(1)
+    commands = {m.group(1) for m in re.finditer(r"^  ([a-z]+)", USAGE, re.M)}
+    assert commands - {"fit"} <= set(listed.split(", ")), (commands, listed)
+
+
+def test_plan_strategy_is_a_hidden_deprecated_alias_of_planner(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--strategy" not in _help(plan_main, [])
+    assert plan_main([str(TWO_NODES), "-b", "64", "--strategy", "even", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["planner"] == "even"
+    assert captured.err == "warning: --strategy is deprecated; write --planner even\n"
