@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +239,40 @@ def test_plan_strategy_is_a_hidden_deprecated_alias_of_planner(capsys: pytest.Ca
     captured = capsys.readouterr()
     assert json.loads(captured.out)["planner"] == "even"
     assert captured.err == "warning: --strategy is deprecated; write --planner even\n"
+
+
+# ----------------------------------------------------------------------------- plan --plot
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_plot_draws_the_plan_beside_the_even_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    picture = tmp_path / "plan.png"
+    assert plan_main([str(TWO_NODES), "-b", "64", "--plot", str(picture)]) == 0
+    assert f"picture written to {picture}" in capsys.readouterr().out
+    width, height = _png_size(picture)
+    assert width >= 800 and height >= 1200
+    from cephalo_lightning.planner.picture import even_plan, plan_figure
+
+    p = plan(load_cluster(TWO_NODES), 64)
+    even, _ = even_plan(load_cluster(TWO_NODES), p)
+    figure = plan_figure(p, even)
+    speedup = p.predicted_samples_per_s / even.predicted_samples_per_s
+    assert f"{speedup:.2f}x faster than even" in figure._suptitle.get_text()
+    batches = figure.axes[0].patches  # the plan's bars, then the even plan's
+    assert [b.get_height() for b in batches] == [*p.batch_sizes, *even.batch_sizes]
+
+
+def test_plot_without_matplotlib_says_how_to_install_it_before_planning(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    out = tmp_path / "plan.json"
+    assert plan_main([str(TWO_NODES), "-b", "64", "-o", str(out), "--plot", str(tmp_path / "p.png")]) == 2
+    assert capsys.readouterr().err == (
+        "error: --plot draws with matplotlib, which is not installed; install it with pip install "
+        "'cephalo-lightning[plot]' (or pip install matplotlib), or leave --plot out\n")
+    assert not out.exists() and not (tmp_path / "p.png").exists()

@@ -225,3 +225,12 @@ def test_profiling_shows_a_bar_on_a_terminal_and_lines_elsewhere():
     plain = ProfileProgress(True, 2, console=Console(file=io.StringIO()))
     assert plain._progress is None and plain._plain
     assert not ProfileProgress(False, 2)._plain  # other ranks and quiet: nothing at all
+
+
+@pytest.mark.multiprocess
+def test_the_plan_picture_is_logged_to_the_run(wandb_run):
+    *_, records, _ = wandb_run
+    logged = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+              for r in records if r.WhichOneof("record_type") == "history" for item in r.history.item}
+    assert logged["cephalo/plan/picture/_type"] == "image-file" and logged["cephalo/plan/picture/format"] == "png"
+    assert logged["cephalo/plan/picture/width"] > 500 and logged["cephalo/plan/picture/height"] > 500

@@ -77,8 +77,25 @@ def log_plan(loggers: Sequence[Logger], plan: Plan, cluster: Cluster | None, pre
                 data=[[i, d.name, d.source, d.memory_gb, list(d.layer_fwd_ms), list(d.layer_bwd_ms), list(d.compute_memory_gb)]
                       for i, d in enumerate(cluster.devices)],
             )
+        picture = plan_picture(plan, cluster)
+        if picture is not None:
+            charts[f"cephalo/{prefix}/picture"] = wandb.Image(picture)
+            picture.clf()
         logger.experiment.log(charts)
         logger.experiment.summary.update({f"cephalo/{prefix}/json": plan.to_json()})
+
+
+def plan_picture(plan: Plan, cluster: Cluster | None) -> Any:
+    """The plan's picture beside the even plan (what ``plan --plot`` draws), or None without matplotlib."""
+    from cephalo_lightning.planner.picture import MissingPlotting, even_plan, plan_figure, require_matplotlib
+
+    try:
+        plt = require_matplotlib()
+    except MissingPlotting:
+        return None
+    figure = plan_figure(plan, *(even_plan(cluster, plan) if cluster is not None else (None, "no cluster given")))
+    plt.close(figure)  # wandb.Image renders it; pyplot need not keep it
+    return figure
 
 
 def rank_metrics(record: Mapping[str, Any]) -> dict[str, float]:

@@ -41,6 +41,9 @@ def _add_plan_options(parser: argparse.ArgumentParser, required: bool) -> None:
                         help=f"comma-separated shard groupings to weigh, of {','.join(GROUPINGS)} (default: all)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     parser.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="also draw the plan beside the even plan into this image: per-rank batch, micro-batches, "
+                             "state share, memory used against the limit and step (needs matplotlib: the plot extra)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -105,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.output:
             check_writable(args.output, "-o")
+        if args.plot:
+            from cephalo_lightning.planner.picture import require_matplotlib
+
+            check_writable(args.plot, "--plot")
+            require_matplotlib()  # before the planning, not after it
         if converting:
             check_writable(args.cluster_output, "--cluster-output")
             from cephalo_lightning.planner.convert import convert_release, parse_gpus
@@ -130,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
                 result.save(args.output)
             except OSError as err:
                 raise write_error(args.output, err, "-o") from None
+        if args.plot:
+            from cephalo_lightning.planner.picture import even_plan, save_plan_figure
+
+            try:
+                save_plan_figure(result, args.plot, *even_plan(cluster, result))
+            except OSError as err:
+                raise write_error(args.plot, err, "--plot") from None
     except PlanningError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -145,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"priced with the file's calibration: {describe(cluster.calibration)}")
         if args.output:
             print(f"plan written to {args.output}")
+        if args.plot:
+            print(f"picture written to {args.plot}")
     return 0
 
 
