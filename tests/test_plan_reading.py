@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from cephalo_lightning.planner.plan import Binding
 from cephalo_lightning.planner.report import (
     CATALOG,
     LEGEND,
+    LEGEND_BINDS,
     baseline_lines,
     next_line,
     render_plan,
@@ -137,9 +140,15 @@ def test_no_line_ends_in_spaces_and_no_sentence_is_cut_by_a_wrap(width: int) -> 
 
 
 def test_the_legend_names_every_column_it_abbreviates() -> None:
-    assert LEGEND.count("\n") == 0
+    explained = render_plan(plan(FAST, 4)).splitlines()
+    legend = next(line for line in explained if line.startswith("legend: "))
+    assert legend == LEGEND + LEGEND_BINDS
     for term in ("n x m", "kept", "state share", "used/limit/cap", "binds"):
-        assert term in LEGEND
+        assert term in legend
+    for header in ("micro-", "share", "used/limit/cap", "binds"):
+        assert header in "\n".join(explained[:4])
+    baseline = render_plan(plan(FAST, 4, planner="even"))  # a baseline's batches follow its rule: no binds column
+    assert LEGEND + "\n" in baseline and "binds" not in baseline
 
 
 def test_baselines_are_named_with_their_grouping_and_identical_ones_listed_once() -> None:
@@ -276,3 +285,49 @@ def test_plot_without_matplotlib_says_how_to_install_it_before_planning(
         "error: --plot draws with matplotlib, which is not installed; install it with pip install "
         "'cephalo-lightning[plot]' (or pip install matplotlib), or leave --plot out\n")
     assert not out.exists() and not (tmp_path / "p.png").exists()
+
+
+# ----------------------------------------------------------------------------- docs/plan-reading.md
+
+PAGE = ROOT / "docs" / "plan-reading.md"
+FENCE = re.compile(r"(?:^<!-- docs-test: ([a-z-]+)[^>]*-->\n)?^```(\w+)[^\n]*\n(.*?)^```", re.M | re.S)
+
+
+def page_blocks() -> list[tuple[str, str, str]]:
+    """(marker, language, body) of every fenced block of the page, in order."""
+    return [(m.group(1) or "", m.group(2), m.group(3)) for m in FENCE.finditer(PAGE.read_text())]
+
+
+def _run_block(language: str, body: str, tmp_path: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    if language == "python":
+        script = tmp_path / "block.py"
+        script.write_text(body)
+        command, cwd = [sys.executable, str(script)], tmp_path
+    else:
+        command, cwd = ["bash", "-euo", "pipefail", "-c", body], ROOT
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{language} block failed:\n{body}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def _figures_masked(text: str) -> list[str]:
+    """Lines with every number as #: the page shows the layout and wording, figures may move with the cost model."""
+    return [re.sub(r"\d+(\.\d+)?", "#", line.rstrip()) for line in text.strip("\n").splitlines()]
+
+
+@pytest.mark.multiprocess
+def test_every_block_of_the_page_runs_and_shows_what_it_prints(tmp_path: Path) -> None:
+    blocks = page_blocks()
+    assert [lang for _, lang, _ in blocks].count("python") >= 2 and len(blocks) >= 8
+    printed = None
+    for marker, language, body in blocks:
+        if marker == "output":  # the output of the block before it
+            assert printed is not None and _figures_masked(body) == _figures_masked(printed), body
+            printed = None
+        elif marker == "parse-only":
+            subprocess.run(["bash", "-n", "-c", body], check=True)
+        elif language in ("python", "bash"):
+            printed = _run_block(language, body, tmp_path)
+    assert _png_size(ROOT / "docs" / "img" / "plan-two-nodes.png")[0] >= 800  # the picture the page shows

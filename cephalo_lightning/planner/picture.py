@@ -121,6 +121,7 @@ def save_plan_figure(plan: Plan, path: str | Path, even: Plan | None = None, why
     plt = require_matplotlib()
     fig = plan_figure(plan, even, why_none)
     try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)

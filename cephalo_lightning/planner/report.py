@@ -21,8 +21,8 @@ from cephalo_lightning.planner.peers import BASELINE_GROUPINGS
 from cephalo_lightning.planner.plan import Plan, RankPlan
 
 LEGEND = ("legend: n x m = n micro-batches of m samples (kept: no recompute); state share = the rank's part of its "
-          "shard group's training state; memory used/limit/cap = predicted peak/usable/total; binds = what keeps the "
-          "rank from one sample more (why: below)")
+          "shard group's training state; memory used/limit/cap = predicted peak/usable/total")
+LEGEND_BINDS = "; binds = what keeps the rank from one sample more (why: below)"  # plans the planner explained
 CATALOG = ("catalog: figures estimated from the GPU's datasheet, not measured; profile the cluster before trusting "
            "them (python -m cephalo_lightning profile)")
 MAX_WHY_LINES = 8  # distinct reasons shown; the plan JSON has every rank's
@@ -48,12 +48,16 @@ def _micro(r: RankPlan) -> str:
     return f"{r.num_micro_batches} x " + "-".join(str(s) for s in sizes) + kept
 
 
-def _row(r: RankPlan, scale: float, groups: bool = False) -> tuple[str, ...]:
+def _explained(plan: Plan) -> bool:
+    return any(r.binding is not None for r in plan.ranks)
+
+
+def _row(r: RankPlan, scale: float, groups: bool = False, binds: bool = True) -> tuple[str, ...]:
     step = f"{r.predicted_step_s:.4g}" if r.predicted_step_s is not None else "-"
     group = (str(r.shard_group),) if groups else ()
-    binds = r.binding.value if r.binding is not None else "-"
+    binding = ((r.binding.value if r.binding is not None else "-"),) if binds else ()
     return (*group, r.device, str(r.batch_size), _micro(r), f"{100 * r.state_share:.1f}%", step,
-            _memory(r, scale), binds, r.source)
+            _memory(r, scale), *binding, r.source)
 
 
 def _span(ranks: Sequence[int]) -> str:
@@ -84,9 +88,9 @@ def groups_line(plan: Plan) -> str:
 def _runs(plan: Plan, scale: float) -> list[tuple[str, tuple[str, ...]]]:
     """Consecutive ranks with identical rows fold into one ("0-15")."""
     runs: list[tuple[int, int, tuple[str, ...]]] = []
-    groups = plan.num_shard_groups > 1
+    groups, binds = plan.num_shard_groups > 1, _explained(plan)
     for r in plan.ranks:
-        row = _row(r, scale, groups)
+        row = _row(r, scale, groups, binds)
         if runs and runs[-1][2] == row:
             runs[-1] = (runs[-1][0], r.rank, row)
         else:
@@ -103,9 +107,10 @@ def rank_table(plan: Plan) -> Table:
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   collapse_padding=True)
     group = (("group", True),) if plan.num_shard_groups > 1 else ()
+    binds = (("binds", False),) if _explained(plan) else ()
     for header, right in (("rank", True), *group, ("device", False), ("batch", True), ("micro-\nbatches", True),
                           ("state\nshare", True), ("step s", True), (f"memory {unit}\nused/limit/cap", True),
-                          ("binds", False), ("source", False)):
+                          *binds, ("source", False)):
         table.add_column(header, justify="right" if right else "left", no_wrap=True)
     for ranks, row in _runs(plan, scale):
         table.add_row(ranks, *row)
@@ -170,7 +175,7 @@ def summary_lines(plan: Plan, cluster: Cluster | None = None, output: str | None
     """The legend, why each rank binds, the shard groups, the throughput against the upper bound and
     the optimum, each baseline, where the figures come from and (``next_step``) what to do next."""
     emulated = " (emulated)" if plan.emulated else ""
-    lines = [LEGEND, *why_lines(plan)]
+    lines = [LEGEND + (LEGEND_BINDS if _explained(plan) else ""), *why_lines(plan)]
     if plan.num_shard_groups > 1:
         lines.append(groups_line(plan))
     if plan.predicted_samples_per_s is not None and plan.predicted_step_s is not None:

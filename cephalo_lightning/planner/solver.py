@@ -513,7 +513,7 @@ def _baseline_plan(cluster: Cluster, B: int, mode: str, planner: str, upper: flo
     if not result.feasible:
         raise PlanningError(f"the {planner} baseline is infeasible: {result.reason}; plan with --planner cephalo, "
                             f"which fits uneven memory, or change what the reason names")
-    return Plan(B, mode, explain(cluster, result.ranks, mode), result.predicted_step_s, result.predicted_samples_per_s, upper,
+    return Plan(B, mode, result.ranks, result.predicted_step_s, result.predicted_samples_per_s, upper,
                 model_summary(cluster), planner=planner, emulated=cluster.emulated)
 
 
@@ -606,7 +606,7 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
     lower_s = max(contention * lower_s + fixed_s, shared_host_lower_ms(problem, cluster) / 1e3)
     ranks, step = rank_plans(source, best.batch, best.micro, best.shares, ~best.keep, mode,
                              kinds=(chosen.costs, chosen.of_rank), shard_groups=best.groups)
-    ranks = explain(source, ranks, mode)
+    ranks = explain(source, ranks, mode)  # a baseline's batches follow its rule, not a binding: only the plan's
     return Plan(
         global_batch_size=B,
         mode=mode,
