@@ -312,7 +312,8 @@ def test_truncated_or_missing_files_are_clear_errors(tmp_path):
 
 @pytest.mark.parametrize(("name", "message"), [
     ("lats.ckpt", r"no checkpoint to load: .*lats\.ckpt: no such file or directory \(a typo in the path, or nothing "
-                  r"was saved there\); .* holds empty, last\.ckpt\. Check ckpt_path"),
+                  r"was saved there\); .* holds empty, last\.ckpt\. Check the path, e\.g\. "
+                  r"Trainer\.fit\(ckpt_path='checkpoints/last\.ckpt'\)"),
     ("empty", r"no checkpoint to load: .*empty is an empty directory: no checkpoint was ever saved in it"),
 ])
 def test_a_ckpt_path_with_nothing_there_says_so_not_that_a_save_broke(tmp_path, name, message):

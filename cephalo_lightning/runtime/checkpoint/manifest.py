@@ -73,10 +73,10 @@ def _nothing_there(path: Path) -> str | None:
         near = sorted(p.name for p in parent.iterdir())[:6] if parent.is_dir() else []
         holds = f"; {parent} holds {', '.join(near)}" if near else ""
         return (f"{path}: no such file or directory (a typo in the path, or nothing was saved there){holds}. Check "
-                "ckpt_path, e.g. ckpt_path='checkpoints/last.ckpt' or ckpt_path='last'")
+                f"the path, e.g. Trainer.fit(ckpt_path='checkpoints/last.ckpt'), or ckpt_path='last' for the last save")
     if path.is_dir() and not any(path.iterdir()):
         return (f"{path} is an empty directory: no checkpoint was ever saved in it (a save writes its files first and "
-                f"{MANIFEST_FILE} last). Check ckpt_path, e.g. ckpt_path='checkpoints/last.ckpt'")
+                f"{MANIFEST_FILE} last). Check the path, e.g. Trainer.fit(ckpt_path='checkpoints/last.ckpt')")
     return None
 
 
