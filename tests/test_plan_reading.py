@@ -331,3 +331,14 @@ def test_every_block_of_the_page_runs_and_shows_what_it_prints(tmp_path: Path) -
         elif language in ("python", "bash"):
             printed = _run_block(language, body, tmp_path)
     assert _png_size(ROOT / "docs" / "img" / "plan-two-nodes.png")[0] >= 800  # the picture the page shows
+
+
+def test_the_rank_lines_of_a_plan_nothing_priced_read_as_information_not_errors() -> None:
+    from cephalo_lightning.lightning.loggers import rank_lines
+
+    lines = rank_lines(Plan.even(2, 8, 2))
+    assert lines[0] == ("Cephalo rank 0: device not profiled: batch 4 in 2 micro-batches of 2, state share 50.0%, "
+                        "not priced (a plan given as it is, without a cluster file to predict it from)")
+    assert not [line for line in lines if "?" in line or "unprofiled:" in line]
+    explained = rank_lines(plan(FAST, 3))
+    assert explained[0].endswith(", bound by granularity") and explained[1].endswith(", bound by compute")

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from cephalo_lightning.lightning import _private as _lightning_private
 from cephalo_lightning.planner import Cluster, Plan, save_cluster
+from cephalo_lightning.planner.plan import UNPROFILED
 
 PLAN_COLUMNS = ["rank", "device", "batch", "micro_batches", "micro_batch_size", "state_share",
                 "predicted_step_s", "predicted_memory_gb", "memory_capacity_gb", "source"]
@@ -153,7 +154,8 @@ def rank_lines(plan: Plan) -> list[str]:
             if r.memory_limit_gb is not None:
                 memory += f" of {_gib(r.memory_limit_gb)} usable"
             predicted = f"predicted {step} and {memory}"
-        lines.append(f"Cephalo rank {r.rank}: {r.device}: {work}, "
+        device = "device not profiled" if r.device == UNPROFILED else r.device
+        lines.append(f"Cephalo rank {r.rank}: {device}: {work}, "
                      f"state share {100 * r.state_share:.1f}%, {predicted}{emulated}{bound}")
     return lines
 

@@ -21,6 +21,7 @@ PLAN_MODES = ("layered", "uniform")
 # 4: RankPlan.binding and RankPlan.why (older files load without them)
 PLAN_FORMAT_VERSION = 4
 REMAKE = "re-make the plan with `python -m cephalo_lightning plan`"
+UNPROFILED = "unprofiled"  # the device name of a plan made before anything was measured (Plan.even)
 LEGACY_PLANNER_KEY = "strategy"  # what files written before the 'planner' field call it
 
 
@@ -240,7 +241,7 @@ class Plan:
             b = q + (1 if rank < rem else 0)
             # one micro-batch keeps its graph, as plain FSDP would (nothing is known to say it does not fit)
             keep = mode == "layered" and num_micro_batches == 1 and b > 0
-            ranks.append(RankPlan(rank, "unprofiled", b, num_micro_batches, -(-b // num_micro_batches), 1 / world_size,
+            ranks.append(RankPlan(rank, UNPROFILED, b, num_micro_batches, -(-b // num_micro_batches), 1 / world_size,
                                   recompute=not keep))
         return cls(global_batch_size, mode, tuple(ranks), planner="even")
 
