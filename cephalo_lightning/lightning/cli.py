@@ -233,11 +233,11 @@ def profile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-output", default=None, help="also write the plan JSON here")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     rest = [arg for config in args.config for arg in ("--config", config)] + rest
-    from cephalo_lightning.planner.files import check_output
+    from cephalo_lightning.planner.files import check_writable
 
-    check_output(args.output, "-o")  # before the profile, not after it
+    check_writable(args.output, "-o")  # before the profile, not after it
     if args.plan_output:
-        check_output(args.plan_output, "--plan-output")
+        check_writable(args.plan_output, "--plan-output")
     # setup runs (and profiles); no step, no validation, no logger run
     cli = run_cli([*rest, "--trainer.max_steps=0", "--trainer.num_sanity_val_steps=0", "--trainer.logger=false"],
                   run=False)
