@@ -9,11 +9,13 @@ count for b_i + 1 samples, uniform: the plan's count)::
     compute      s_i = S (within TOLERANCE) and the rank's compute C_i >= its collectives A_i
     link         s_i = S and A_i > C_i; or s_i < S but the slowest rank is link-bound: taking
                  samples away from it would not shorten the step
-    granularity  s_i < S, but one sample more would take the rank to S or past it (samples are whole)
+    granularity  s_i < S, but one sample more would take the rank to S or past it (samples are whole);
+                 or several ranks set S, so one sample moved here from one of them would not shorten it
 
 where, per step, C_i = L (F + B) + optimizer and A_i = L (all-gather + reduce-scatter + the exposed
 all-reduce) for the rank's assignment. A rank with no samples gets a one-line reason with the
-figures ("stores 31% of the state; computing one sample would need 20.1 GiB of 18.0 usable").
+figures ("stores 12% of the state; computing one sample would need 19.5 GiB of 18 GiB usable").
+Only the planner's own plans are explained: a baseline's batches follow its rule, not a binding.
 The shared host's bound (``settings.host_cores``) binds as compute: the ranks' real compute over
 the host's cores.
 """
