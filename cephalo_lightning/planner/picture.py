@@ -97,22 +97,22 @@ def plan_figure(plan: Plan, even: Plan | None = None, why_none: str = "") -> Any
         limits = [(p, r.memory_limit_gb) for p, r in zip(positions, ranks) if r.memory_limit_gb is not None]
         if limits:
             memory_ax.scatter([p for p, _ in limits], [v for _, v in limits], marker="_", s=200, color="black",
-                              zorder=3, label="usable limit" if ranks is shown else None)
+                              zorder=3)
     if plan.predicted_step_s:
-        step_ax.axhline(plan.predicted_step_s, color="black", linestyle="--", linewidth=1, label="the plan's step")
+        step_ax.axhline(plan.predicted_step_s, color="black", linestyle="--", linewidth=1)
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[b]) for b in Binding]
     names = [f"binds: {b.value}" for b in Binding]
     if evens:
         handles.append(plt.Rectangle((0, 0), 1, 1, color=EVEN_COLOUR))
         names.append("even plan")
-    fig.legend(handles, names, fontsize=7, ncol=len(names), loc="lower center")
-    memory_ax.legend(fontsize=7, loc="upper right")
-    if plan.predicted_step_s:
-        step_ax.legend(fontsize=7, loc="upper right")
+    handles += [plt.Line2D([], [], color="black", marker="_", markersize=12, linestyle="None"),
+                plt.Line2D([], [], color="black", linestyle="--", linewidth=1)]
+    names += ["usable memory limit", "the plan's step"]
+    fig.legend(handles, names, fontsize=7, ncol=4, loc="lower center")
     step_ax.set_xticks(x, [f"{r.rank}\n{r.device}" for r in shown], fontsize=6, rotation=90 if len(x) > 16 else 0)
     step_ax.set_xlabel("rank" + (f" (the first {MAX_RANKS} of {plan.world_size})" if plan.world_size > MAX_RANKS else ""))
     fig.suptitle("\n".join(textwrap.fill(line, 100) for line in _title(plan, even, why_none).splitlines()), fontsize=9)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
 
 
