@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 
 from cephalo_lightning._common.errors import CephaloError, refused
+from cephalo_lightning._common.help_text import PlainHelpFormatter
 
 USAGE = """usage: python -m cephalo_lightning <command> [args]
 
 commands:
   plan CLUSTER_FILE --global-batch-size B   plan a cluster offline (torch-free)
   demo                                      train the small GPT on an emulated heterogeneous cluster
-  fit | validate | test | predict           LightningCLI (same as `cephalo-train`; --config quickstart
+  fit | validate | test | predict           LightningCLI (same as cephalo-train; --config quickstart
                                             is the packaged quickstart config)
   profile --config C.yaml [-o cluster.yaml] profile every rank of a configured run into a cluster file
   consolidate DIR [-o model.ckpt]           one ordinary Lightning checkpoint file from a sharded one
@@ -63,7 +64,8 @@ def consolidate_main(argv: list[str]) -> int:
     import argparse
     from pathlib import Path
 
-    parser = argparse.ArgumentParser(prog="python -m cephalo_lightning consolidate", description=consolidate_main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cephalo_lightning consolidate", description=consolidate_main.__doc__,
+                                     formatter_class=PlainHelpFormatter)
     parser.add_argument("checkpoint", help="a sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
     parser.add_argument("-o", "--output", default=None, help="the file to write (default: <checkpoint>.consolidated)")
     args = parser.parse_args(argv)
@@ -90,7 +92,8 @@ def export_main(argv: list[str]) -> int:
     ``from_pretrained(OUT)`` gives the trained weights."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m cephalo_lightning export", description=export_main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m cephalo_lightning export", description=export_main.__doc__,
+                                     formatter_class=PlainHelpFormatter)
     parser.add_argument("checkpoint", help="a sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
     parser.add_argument("--hf", required=True, metavar="OUT", help="the directory to write (must not exist or be empty)")
     parser.add_argument("--config", default=None,

@@ -304,8 +304,25 @@ def test_truncated_or_missing_files_are_clear_errors(tmp_path):
     with pytest.raises(CheckpointError, match=".metadata is missing"):
         checkpoint.load_full_state_dict(ckpt)
     (ckpt / "manifest.json").unlink()
-    with pytest.raises(CheckpointError, match="not a complete cephalo checkpoint"):
+    with pytest.raises(CheckpointError, match="not a complete cephalo checkpoint: manifest.json, which a save writes "
+                       "after every other file, is missing. The save was interrupted") as refused:
         checkpoint.load_full_state_dict(ckpt)
+    assert "< 0.2" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("lats.ckpt", r"no checkpoint to load: .*lats\.ckpt: no such file or directory \(a typo in the path, or nothing "
+                  r"was saved there\); .* holds empty, last\.ckpt\. Check the path, e\.g\. "
+                  r"Trainer\.fit\(ckpt_path='checkpoints/last\.ckpt'\)"),
+    ("empty", r"no checkpoint to load: .*empty is an empty directory: no checkpoint was ever saved in it"),
+])
+def test_a_ckpt_path_with_nothing_there_says_so_not_that_a_save_broke(tmp_path, name, message):
+    (tmp_path / "last.ckpt").mkdir()
+    (tmp_path / "last.ckpt" / "x").write_text("")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=message) as refused:
+        LOAD_PATHS["Trainer.fit(ckpt_path=dir)"](tmp_path / name)
+    assert "interrupted" not in str(refused.value) and "earlier checkpoint" not in str(refused.value)
 
 
 # ----------------------------------------------------------------------------- kills never leave a fake

@@ -109,6 +109,11 @@ def test_a_callback_bool_option_takes_only_true_or_false(name: str, given: objec
     ({"max_micro_batch": "4"}, r"max_micro_batch='4'\) must be an integer >= 1"),
     ({"cache_dir": 3}, r"cache_dir=3\) must be a path"),
     ({"plan_file": ""}, r"plan_file=''\) must be a path \(a non-empty str or Path\) or None"),
+    ({"cluster_file": "/proc/cephalo/cluster.yaml"},
+     r"cluster_file='/proc/cephalo/cluster\.yaml'\): cluster_file '/proc/cephalo/cluster\.yaml': cannot write in '/proc' "
+     r"\(.*\); choose another cluster_file"),
+    ({"cluster_file": __file__ + "/cluster.yaml"}, r"\.py' is a file, not a folder; choose another cluster_file"),
+    ({"plan_file": "."}, r"plan_file '\.' is a directory; give a file name, e\.g\. plan_file plan\.json"),
 ])
 def test_bad_callback_options_are_refused_at_construction(arguments: dict, message: str) -> None:
     with pytest.raises(ConfigurationError) as refused:
@@ -151,6 +156,19 @@ class Returns(TinyUniform):
 def test_a_training_step_that_does_not_return_the_loss_is_named_on_its_first_call(shape, message) -> None:
     with pytest.raises(ConfigurationError, match=message) as refused:
         fit(Returns(shape), ONE_RANK, 1, 1, token_data(8), mode="uniform")
+    assert "return {'loss': loss, ...}" in str(refused.value)
+
+
+@pytest.mark.parametrize("mode", ["uniform", "layered"])  # layered: the discovered blocks' first-step check runs it
+@pytest.mark.parametrize(("shape", "message"), [
+    (lambda loss, logits: None,
+     r"training_step returned None, which Lightning takes as 'skip this batch'; Lightning documents skipping a batch "
+     r"as unsupported on several devices, .*no rank can skip\. Return the loss"),
+    (lambda loss, logits: {"logits": logits}, r"returned a dict without a 'loss' key \(keys: \['logits'\]\)"),
+])
+def test_none_or_a_dict_without_loss_is_named_in_either_mode(mode: str, shape, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message) as refused:
+        fit(Returns(shape), ONE_RANK, 1, 1, token_data(8), mode=mode)
     assert "return {'loss': loss, ...}" in str(refused.value)
 
 

@@ -40,6 +40,10 @@ def write(tmp_path: Path, data: Any) -> Path:
      r"ranks\[2\]\.state_share \(rank 2\) must be a finite number >= 0, got inf"),
     (lambda d: d["ranks"][0].update(num_micro_batches=0), r"ranks\[0\]\.num_micro_batches \(rank 0\) must be a whole number >= 1"),
     (lambda d: d["ranks"][0].update(recompute="no"), r"ranks\[0\]\.recompute \(rank 0\) must be true or false"),
+    (lambda d: d["ranks"][1].update(device=123),
+     r"ranks\[1\]\.device \(rank 1\) must be a non-empty JSON string \(e\.g\. \"a100-40gb\"\), got 123 \(int\); "
+     r"quote it in the file"),
+    (lambda d: d["ranks"][0].update(source=["catalog"]), r"ranks\[0\]\.source \(rank 0\) must be a non-empty JSON string \(e\.g\. \"measured\"\), got \['catalog'\]"),
     (lambda d: d["ranks"][0].update(batchsize=3), r"ranks\[0\]: unknown field\(s\) \['batchsize'\]"),
     (lambda d: d.update(global_batch_size=None), r"global_batch_size must be a whole number >= 1, got None"),
     (lambda d: d.update(ranks={}), r"'ranks' must be a non-empty list"),

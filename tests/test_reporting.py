@@ -79,7 +79,7 @@ def test_rank_lines_name_device_batch_micro_batches_share_time_and_memory():
         "Cephalo rank 1: cpu (emulated x3.0, 0.5 GiB): batch 3 in 1 micro-batch of 3, state share 50.0%, "
         "predicted 0.25 s/step and 0.2 GiB, emulated",
         "Cephalo rank 2: p40: no samples (stores state only), state share 25.0%, "
-        "predicted ? s/step and ? GiB",
+        "not priced (a plan given as it is, without a cluster file to predict it from)",
     ]
 
 
@@ -225,3 +225,12 @@ def test_profiling_shows_a_bar_on_a_terminal_and_lines_elsewhere():
     plain = ProfileProgress(True, 2, console=Console(file=io.StringIO()))
     assert plain._progress is None and plain._plain
     assert not ProfileProgress(False, 2)._plain  # other ranks and quiet: nothing at all
+
+
+@pytest.mark.multiprocess
+def test_the_plan_picture_is_logged_to_the_run(wandb_run):
+    *_, records, _ = wandb_run
+    logged = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+              for r in records if r.WhichOneof("record_type") == "history" for item in r.history.item}
+    assert logged["cephalo/plan/picture/_type"] == "image-file" and logged["cephalo/plan/picture/format"] == "png"
+    assert logged["cephalo/plan/picture/width"] > 500 and logged["cephalo/plan/picture/height"] > 500

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from cephalo_lightning import configs
+from cephalo_lightning._common.help_text import PlainRawDescriptionHelpFormatter
 
 
 def _even_run(cli, steps: int) -> dict | None:
@@ -80,7 +81,7 @@ def _report(cli, even: dict | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cephalo_lightning demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=PlainRawDescriptionHelpFormatter)
     parser.add_argument("--config", default="quickstart",
                         help="LightningCLI config file or packaged config name (default: the quickstart)")
     parser.add_argument("--even-steps", type=int, default=20, help="steps of the even-plan comparison (0: skip)")

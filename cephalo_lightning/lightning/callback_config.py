@@ -20,6 +20,7 @@ from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning.config import check_flag
 from cephalo_lightning.planner import PlanningError, Settings
 from cephalo_lightning.planner.cluster import parse_settings
+from cephalo_lightning.planner.files import check_writable
 
 MODES = (None, "layered", "uniform")
 
@@ -101,6 +102,13 @@ class CallbackConfig:
             if value is not None and (not isinstance(value, (str, PathLike)) or str(value) == ""):
                 raise ConfigurationError(
                     f"CephaloCallback({name}={value!r}) must be a path (a non-empty str or Path) or None")
+        for name in ("cluster_file", "plan_file"):  # written after profiling: refuse a place that cannot take them now
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    check_writable(value, name)
+                except PlanningError as err:
+                    raise ConfigurationError(f"CephaloCallback({name}={str(value)!r}): {err}") from None
         object.__setattr__(self, "settings", checked_settings(self.settings))  # a private copy; {}: device defaults
 
 

@@ -20,14 +20,15 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
-from jsonargparse import Namespace
-from lightning.pytorch.cli import LightningCLI
+from jsonargparse import DefaultHelpFormatter, Namespace
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 from typing_extensions import override
 
 import cephalo_lightning  # noqa: F401  (registers strategy="cephalo" before arguments are parsed)
 from cephalo_lightning import configs
 from cephalo_lightning._common.errors import CephaloError, refused
+from cephalo_lightning._common.help_text import PlainHelp, PlainHelpFormatter
 from cephalo_lightning.lightning.cli_loggers import replace_missing_wandb
 
 log = logging.getLogger(__name__)
@@ -36,10 +37,14 @@ _CONFIG_FLAGS = ("--config", "-c")
 DESCRIPTION = (
     "cephalo-train (cephalo-lightning): LightningCLI with the Cephalo strategy, for training transformers with "
     "PyTorch Lightning on heterogeneous GPU clusters: per-GPU batch sizes, gradient accumulation and uneven "
-    "state sharding from a profiled plan. `cephalo-train fit --config quickstart` trains the packaged demo on an "
-    "emulated 2-rank CPU cluster; `python -m cephalo_lightning --help` lists the other commands (plan, profile, "
-    "demo, consolidate)."
+    "state sharding from a profiled plan. Try: cephalo-train fit --config quickstart (the packaged demo on an "
+    "emulated 2-rank CPU cluster). The other commands (plan, profile, demo, consolidate, export): "
+    "python -m cephalo_lightning --help."
 )
+
+
+class CLIHelpFormatter(PlainHelp, DefaultHelpFormatter):
+    """jsonargparse's help formatter, the reST markup of the docstrings it prints removed."""
 
 
 def _fail(message: str) -> NoReturn:
@@ -105,6 +110,11 @@ def interpolation_error(err: OmegaConfBaseException, args: Sequence[str]) -> str
 class CephaloCLI(LightningCLI):
     """LightningCLI with a ``--vars`` block, packaged configs by name, one-line interpolation errors and
     a CSV logger in place of a ``WandbLogger`` when wandb is not installed (:mod:`.cli_loggers`)."""
+
+    @override
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        kwargs.setdefault("formatter_class", CLIHelpFormatter)  # the main parser and every subcommand's
+        return super().init_parser(**kwargs)
 
     @override
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse's parser
@@ -215,6 +225,7 @@ def profile_main(argv: list[str] | None = None) -> int:
     from cephalo_lightning.lightning.callback import CephaloCallback
 
     parser = argparse.ArgumentParser(prog="python -m cephalo_lightning profile", description=profile_main.__doc__,
+                                     formatter_class=PlainHelpFormatter,
                                      epilog="Other arguments go to LightningCLI, e.g. --trainer.devices=4 or --vars.out=DIR.")
     parser.add_argument("-c", "--config", action="append", required=True, metavar="C.yaml",
                         help="the run's LightningCLI config file, or a packaged config name (quickstart); repeatable")
@@ -222,11 +233,11 @@ def profile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-output", default=None, help="also write the plan JSON here")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     rest = [arg for config in args.config for arg in ("--config", config)] + rest
-    from cephalo_lightning.planner.files import check_output
+    from cephalo_lightning.planner.files import check_writable
 
-    check_output(args.output, "-o")  # before the profile, not after it
+    check_writable(args.output, "-o")  # before the profile, not after it
     if args.plan_output:
-        check_output(args.plan_output, "--plan-output")
+        check_writable(args.plan_output, "--plan-output")
     # setup runs (and profiles); no step, no validation, no logger run
     cli = run_cli([*rest, "--trainer.max_steps=0", "--trainer.num_sanity_val_steps=0", "--trainer.logger=false"],
                   run=False)

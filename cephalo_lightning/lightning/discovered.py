@@ -18,7 +18,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning._private import LoggedValue, captured_logs, logged_values, logging_as
+from cephalo_lightning.lightning.step_output import user_loss
 from cephalo_lightning.models.discovery import routed_model, router_aux_reason
 from cephalo_lightning.runtime.distributed import Group, gather_objects
 from cephalo_lightning.runtime.layered import Layer
@@ -29,8 +31,7 @@ ROUND_OFF = {4: 1e-5, 8: 1e-10}  # relative, by the parameters' element size; 16
 
 
 def _loss_value(output: Any) -> float:
-    loss = output["loss"] if isinstance(output, dict) else output
-    return float(loss.detach()) if torch.is_tensor(loss) else math.nan
+    return float(user_loss(output).detach())
 
 
 def _layered_loss(steps: Any, micro_batch: Any, compute: bool) -> tuple[float, str]:
@@ -78,16 +79,23 @@ def discovered_check(steps: Any, micro_batch: Any, has_samples: bool, batch_idx:
         sharded.gather_root()  # every rank runs the forward: it gathers the units as a plain forward does
         try:
             with discovery.observe() as seen, torch.enable_grad():
-                ordinary = _loss_value(steps.module.training_step(micro_batch, batch_idx))
+                output = steps.module.training_step(micro_batch, batch_idx)
         finally:
             sharded.free_all()
-        if has_samples:  # an empty batch shows nothing reliable
+        try:
+            ordinary, refusal = _loss_value(output), ""
+        except ConfigurationError as err:  # every rank learns it at the gather below, and all refuse together
+            ordinary, refusal = math.nan, str(err)
+        if has_samples and not refusal:  # an empty batch shows nothing reliable
             structure, why = seen.structure()
-        seen_by_all = gather_objects((why, structure), group)
-        why = _first([w for w, _ in seen_by_all])
+        seen_by_all = gather_objects((why, structure, refusal), group)
+        refused = _first([r for _, _, r in seen_by_all])
+        if refused:
+            raise ConfigurationError(refused)
+        why = _first([w for w, _, _ in seen_by_all])
         if why:
             return why
-        discovery.structure = structure or next((s for _, s in seen_by_all if s is not None), None)
+        discovery.structure = structure or next((s for _, s, _ in seen_by_all if s is not None), None)
         layered, why = _layered_loss(steps, micro_batch, compute=has_samples)
     if not why and has_samples and not math.isclose(layered, ordinary, rel_tol=tolerance, abs_tol=tolerance * 1e-3):
         why = (f"the layered pass gives the loss {layered:.9g} where the model's forward gives {ordinary:.9g} on the "

@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import shutil
 from collections.abc import Mapping, Sequence
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from cephalo_lightning.lightning import _private as _lightning_private
 from cephalo_lightning.planner import Cluster, Plan, save_cluster
+from cephalo_lightning.planner.plan import UNPROFILED
 
 PLAN_COLUMNS = ["rank", "device", "batch", "micro_batches", "micro_batch_size", "state_share",
                 "predicted_step_s", "predicted_memory_gb", "memory_capacity_gb", "source"]
@@ -76,8 +78,25 @@ def log_plan(loggers: Sequence[Logger], plan: Plan, cluster: Cluster | None, pre
                 data=[[i, d.name, d.source, d.memory_gb, list(d.layer_fwd_ms), list(d.layer_bwd_ms), list(d.compute_memory_gb)]
                       for i, d in enumerate(cluster.devices)],
             )
+        picture = plan_picture(plan, cluster)
+        if picture is not None:
+            charts[f"cephalo/{prefix}/picture"] = wandb.Image(picture)
+            picture.clf()
         logger.experiment.log(charts)
         logger.experiment.summary.update({f"cephalo/{prefix}/json": plan.to_json()})
+
+
+def plan_picture(plan: Plan, cluster: Cluster | None) -> Any:
+    """The plan's picture beside the even plan (what ``plan --plot`` draws), or None without matplotlib."""
+    from cephalo_lightning.planner.picture import MissingPlotting, even_plan, plan_figure, require_matplotlib
+
+    try:
+        plt = require_matplotlib()
+    except MissingPlotting:
+        return None
+    figure = plan_figure(plan, *(even_plan(cluster, plan) if cluster is not None else (None, "no cluster given")))
+    plt.close(figure)  # wandb.Image renders it; pyplot need not keep it
+    return figure
 
 
 def rank_metrics(record: Mapping[str, Any]) -> dict[str, float]:
@@ -125,13 +144,19 @@ def rank_lines(plan: Plan) -> list[str]:
         count = f"{r.num_micro_batches} micro-batch" + ("es" if r.num_micro_batches > 1 else "")
         sizes = "-".join(map(str, sorted(set(r.micro_batch_sizes))))
         work = f"batch {r.batch_size} in {count} of {sizes}" if r.batch_size else "no samples (stores state only)"
-        step = f"{r.predicted_step_s:.4g} s/step" if r.predicted_step_s is not None else "? s/step"
-        memory = f"{_gib(r.predicted_memory_gb)} GiB"
-        if r.memory_limit_gb is not None:
-            memory += f" of {_gib(r.memory_limit_gb)} usable"
         emulated = ", emulated" if r.source == "emulated" else ""
-        lines.append(f"Cephalo rank {r.rank}: {r.device}: {work}, "
-                     f"state share {100 * r.state_share:.1f}%, predicted {step} and {memory}{emulated}")
+        bound = f", bound by {r.binding.value}" if r.binding is not None else ""
+        if r.predicted_step_s is None and r.predicted_memory_gb is None:
+            predicted = "not priced (a plan given as it is, without a cluster file to predict it from)"
+        else:
+            step = f"{r.predicted_step_s:.4g} s/step" if r.predicted_step_s is not None else "? s/step"
+            memory = f"{_gib(r.predicted_memory_gb)} GiB"
+            if r.memory_limit_gb is not None:
+                memory += f" of {_gib(r.memory_limit_gb)} usable"
+            predicted = f"predicted {step} and {memory}"
+        device = "device not profiled" if r.device == UNPROFILED else r.device
+        lines.append(f"Cephalo rank {r.rank}: {device}: {work}, "
+                     f"state share {100 * r.state_share:.1f}%, {predicted}{emulated}{bound}")
     return lines
 
 
@@ -148,11 +173,14 @@ TRAINER_FIELDS = ("num_devices", "num_nodes", "world_size", "precision", "max_ep
                   "check_val_every_n_epoch", "limit_train_batches", "limit_val_batches", "log_every_n_steps",
                   "num_sanity_val_steps", "default_root_dir")
 PLAN_RANK_FIELDS = ("device", "batch_size", "num_micro_batches", "micro_batch_size", "state_share",
-                    "predicted_step_s", "predicted_memory_gb", "memory_limit_gb", "memory_capacity_gb", "source")
+                    "predicted_step_s", "predicted_memory_gb", "memory_limit_gb", "memory_capacity_gb", "source",
+                    "binding", "why")
 
 
 def _plain(value: Any) -> Any:
     """A value a config file and W&B can hold: dataclasses, paths, classes and dtypes as text."""
+    if isinstance(value, Enum):
+        return value.value
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, Mapping):
@@ -191,7 +219,7 @@ def plan_config(plan: Plan) -> dict[str, Any]:
                                                  "upper_bound_samples_per_s", "optimality_gap")},
         "baselines": {name: b.predicted_samples_per_s if b.feasible else f"infeasible: {b.reason or 'no plan fits'}"
                       for name, b in plan.baselines.items()},
-        "ranks": {f"rank{r.rank}": {k: getattr(r, k) for k in PLAN_RANK_FIELDS} for r in plan.ranks},
+        "ranks": {f"rank{r.rank}": {k: _plain(getattr(r, k)) for k in PLAN_RANK_FIELDS} for r in plan.ranks},
     }
 
 

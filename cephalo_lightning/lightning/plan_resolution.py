@@ -26,6 +26,7 @@ from cephalo_lightning.lightning._private import training_dataloader
 from cephalo_lightning.lightning.config import MAX_SEED, Schedule, StrategyConfig
 from cephalo_lightning.planner import Cluster, Plan, PlanningError
 from cephalo_lightning.planner import plan as make_plan
+from cephalo_lightning.planner.plan import UNPROFILED
 from cephalo_lightning.runtime.distributed import gather_objects, is_distributed
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.sharding.flat_unit import full_shape
@@ -181,7 +182,7 @@ def _model_tokens(name: str) -> set[str]:
 
 
 def _mismatch(expected_name: str, expected_memory: float | None, actual: DeviceIdentity) -> str | None:
-    if expected_name in ("unprofiled", "") or expected_name == actual.name:
+    if expected_name in (UNPROFILED, "") or expected_name == actual.name:
         return None
     if "(emulated" in expected_name or actual.emulated:
         if "(emulated" in expected_name and expected_name.lower() != actual.name.lower():

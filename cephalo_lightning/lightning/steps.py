@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from cephalo_lightning._common.errors import CephaloError, ConfigurationError
 from cephalo_lightning.lightning._private import LoggedValue, captured_logs, logged_values, logging_as
 from cephalo_lightning.lightning.discovered import LossPassLogs, discovered_check, user_code
+from cephalo_lightning.lightning.step_output import check_training_step_output, user_loss
 from cephalo_lightning.models.protocol import LayeredModel, LossWeighting, check_first_inputs
 from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime.batching import leading_size, micro_batches
@@ -285,7 +286,10 @@ class LayeredSteps:
                 output = self.module.training_step(micro_batch, batch_idx)
             finally:
                 sharded.free_all()
-        user = output["loss"] if isinstance(output, dict) else output
+        try:
+            user, refusal = user_loss(output), ""
+        except ConfigurationError as err:  # every rank learns it at the gather below, and all refuse together
+            user, refusal = None, str(err)
         with sharded.scheduled():  # the layers run as the schedule's forward runs them
             sharded.gather_root()
             try:
@@ -304,10 +308,14 @@ class LayeredSteps:
             user_value, derived_value = float(user), float(derived)
             if not math.isclose(user_value, derived_value, rel_tol=self.tolerance, abs_tol=self.tolerance):
                 mismatch = 1.0
-        flag = [mismatch, float(user) if torch.is_tensor(user) else math.nan, float(derived)]
-        bad = [(r, f) for r, f in enumerate(gather_objects(flag, sharded.world_group)) if f[0] > 0]
+        flag = [mismatch, float(user) if torch.is_tensor(user) else math.nan, float(derived), refusal]
+        flags = gather_objects(flag, sharded.world_group)
+        refused = next(((r, f[3]) for r, f in enumerate(flags) if f[3]), None)
+        if refused is not None:
+            raise ConfigurationError(f"{refused[1]} (rank {refused[0]})")
+        bad = [(r, f) for r, f in enumerate(flags) if f[0] > 0]
         if bad:
-            rank, (_, got, want) = bad[0]
+            rank, (_, got, want, _) = bad[0]
             raise ConfigurationError(
                 f"Cephalo runs {self.model.name} layer by layer and computes the model's own loss, but on rank {rank} "
                 f"your training_step returned {got:.6g} where the model's own loss is {want:.6g} on the same micro-batch. "
@@ -350,13 +358,7 @@ class UniformSteps:
                 output = self.training_step(part, *step.args)
             finally:
                 step.capturing = False
-        if output is None:
-            raise ConfigurationError(
-                "training_step returned None (skip the batch). Under Cephalo every rank runs every micro-batch's "
-                "backward together, so a single rank cannot skip; the strategy skips a step with a non-finite loss "
-                "or gradient on every rank by itself (CephaloStrategy(max_nonfinite_skips=...))"
-            )
-        if not self.output_checked:
+        if output is None or not self.output_checked:
             check_training_step_output(output)
             self.output_checked = True
         step.logged.append((step.weights[k], logged_values(capture)))
@@ -429,31 +431,6 @@ def relog(module: pl.LightningModule, names: list[LoggedValue], values: list[tor
     for spec, value in zip(names, values):
         log_scalar(module, spec.name, float(value), step.global_batch, prog_bar=spec.prog_bar, logger=spec.logger,
                    on_step=spec.on_step, on_epoch=spec.on_epoch, reduce_fx=spec.reduction)
-
-
-def check_training_step_output(output: Any) -> None:
-    """Under automatic optimization ``training_step`` returns the loss: a one-element tensor, or a
-    dict holding one under ``'loss'`` (Lightning's contract), else the step fails deep inside."""
-    loss = output.get("loss") if isinstance(output, dict) else output
-    if torch.is_tensor(loss) and loss.numel() == 1:
-        return
-    if isinstance(output, dict):
-        got = (f"a dict without a 'loss' key (keys: {sorted(map(str, output))})" if "loss" not in output
-               else f"a dict whose 'loss' is {_described(loss)}")
-    else:
-        got = _described(output)
-    raise ConfigurationError(
-        f"training_step returned {got}; under automatic optimization it must return the loss as a one-element "
-        "tensor (return loss), or a dict with the loss tensor under 'loss' (return {'loss': loss, ...}). Return the "
-        "tensor itself, not loss.item() or float(loss): the backward pass needs its graph"
-    )
-
-
-def _described(value: Any) -> str:
-    if torch.is_tensor(value):
-        return f"a tensor of shape {tuple(value.shape)} (reduce it to one value, e.g. .mean())"
-    shown = repr(value)
-    return f"{shown if len(shown) <= 60 else shown[:57] + '...'} (a {type(value).__name__})"
 
 
 def _weighted_logs(logged: list[tuple[float, list[LoggedValue]]]) -> tuple[list[LoggedValue], list[torch.Tensor]]:

@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 
+from cephalo_lightning._common.units import memory_text
 from cephalo_lightning.planner.assemble import rank_plans
 from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.cost import DeviceCost, evaluate_arrays, kind_costs
@@ -87,7 +88,7 @@ def _too_small(cluster: Cluster, rank: int, share: float, samples: int = 1) -> s
     beside = "beside one sample" if samples else "even with no samples"
     part = "the whole state" if share >= 1 else f"1/{round(1 / share)} of the state"
     return (f"rank {rank} ({device.name}) cannot hold {part} "
-            f"({share * cost.state_gb:.1f} GiB) {beside}: needs {need:.1f} GiB of {limit:.1f} usable")
+            f"({memory_text(share * cost.state_gb)}) {beside}: needs {memory_text(need)} of {memory_text(limit)} usable")
 
 
 def keep_where_fits(cluster: Cluster, batch: np.ndarray, micro: np.ndarray, shares: np.ndarray,
@@ -114,8 +115,8 @@ def result(cluster: Cluster, batch: np.ndarray, micro: np.ndarray, shares: np.nd
     if not fits.all():
         r = int(np.nonzero(~fits)[0][0])
         limit = cluster.settings.usable_memory_fraction * cluster.devices[r].memory_gb
-        return BaselineResult(None, False, reason=f"rank {r} ({cluster.devices[r].name}) needs {memory[r]:.1f} "
-                                                  f"GiB of {limit:.1f} usable")
+        return BaselineResult(None, False, reason=f"rank {r} ({cluster.devices[r].name}) needs "
+                                                  f"{memory_text(memory[r])} of {memory_text(limit)} usable")
     ranks = rank_plans(cluster, batch, micro, shares, ~keep, mode, shard_groups=shard_groups)[0] if with_ranks else ()
     top = float(step.max())
     return BaselineResult(global_batch / top, True, top, None, ranks)

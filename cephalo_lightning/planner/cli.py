@@ -9,33 +9,49 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
+from cephalo_lightning._common.help_text import PlainHelpFormatter
 from cephalo_lightning.planner.cluster import cluster_from_dict, load_cluster, save_cluster
 from cephalo_lightning.planner.errors import PlanningError
-from cephalo_lightning.planner.files import check_output, write_error
+from cephalo_lightning.planner.files import check_writable, write_error
 from cephalo_lightning.planner.grouped import GROUPINGS
 from cephalo_lightning.planner.plan import PLAN_MODES
 from cephalo_lightning.planner.solver import PLANNERS, plan
+
+
+class _DeprecatedAlias(argparse.Action):
+    """``--strategy``, the old name of ``--planner`` (a strategy is Lightning's word for how a model is
+    distributed): still accepted, hidden from the help, and named as deprecated when used."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"warning: {option_string} is deprecated; write --planner {values}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _add_plan_options(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("-b", "--global-batch-size", type=int, required=required, help="samples per optimizer step")
     parser.add_argument("--mode", choices=PLAN_MODES, default="layered",
                         help="layered: micro-batch count per rank (default); uniform: one count for all")
-    parser.add_argument("--planner", "--strategy", dest="planner", choices=PLANNERS, default="cephalo",
+    parser.add_argument("--planner", choices=PLANNERS, default="cephalo",
                         help="plan with cephalo (default) or output a baseline plan")
+    parser.add_argument("--strategy", dest="planner", choices=PLANNERS, action=_DeprecatedAlias, help=argparse.SUPPRESS)
     parser.add_argument("--groupings", default=None, metavar="NAMES",
                         help=f"comma-separated shard groupings to weigh, of {','.join(GROUPINGS)} (default: all)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     parser.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="also draw the plan beside the even plan into this image: per-rank batch, micro-batches, "
+                             "state share, memory used against the limit and step (needs matplotlib: the plot extra)")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m cephalo_lightning plan",
+        prog="python -m cephalo_lightning plan", formatter_class=PlainHelpFormatter,
         description="Choose every GPU's batch, micro-batches and state share for a heterogeneous cluster "
                     "(torch-free; figures are predictions of the cost model). "
-                    "`plan convert --help`: a cluster file from the Cephalo release's profiles.",
+                    "To make a cluster file from the Cephalo release's profiles, see: plan convert --help.",
     )
     parser.add_argument("cluster_file", help="cluster file (YAML or JSON): model, settings, devices")
     _add_plan_options(parser, required=True)
@@ -44,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _convert_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m cephalo_lightning plan convert",
+        prog="python -m cephalo_lightning plan convert", formatter_class=PlainHelpFormatter,
         description="Write a cluster file from the Cephalo release's model_latencies.json and model_memory.json "
                     "(and plan it with --global-batch-size).",
     )
@@ -91,9 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         return args
     try:
         if args.output:
-            check_output(args.output, "-o")
+            check_writable(args.output, "-o")
+        if args.plot:
+            from cephalo_lightning.planner.picture import require_matplotlib
+
+            check_writable(args.plot, "--plot")
+            require_matplotlib()  # before the planning, not after it
         if converting:
-            check_output(args.cluster_output, "--cluster-output")
+            check_writable(args.cluster_output, "--cluster-output")
             from cephalo_lightning.planner.convert import convert_release, parse_gpus
 
             data = convert_release(args.latencies, args.memory, model=args.model, num_layers=args.num_layers,
@@ -117,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
                 result.save(args.output)
             except OSError as err:
                 raise write_error(args.output, err, "-o") from None
+        if args.plot:
+            from cephalo_lightning.planner.picture import even_plan, save_plan_figure
+
+            try:
+                save_plan_figure(result, args.plot, *even_plan(cluster, result))
+            except OSError as err:
+                raise write_error(args.plot, err, "--plot") from None
     except PlanningError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -125,13 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from cephalo_lightning.planner.report import print_plan
 
-        print_plan(result)
+        print_plan(result, cluster, args.output)
         if cluster.calibration is not None:
             from cephalo_lightning.planner.calibration import describe
 
             print(f"priced with the file's calibration: {describe(cluster.calibration)}")
         if args.output:
             print(f"plan written to {args.output}")
+        if args.plot:
+            print(f"picture written to {args.plot}")
     return 0
 
 

@@ -8,6 +8,8 @@ never a ``UnicodeDecodeError`` or ``RecursionError`` from deep inside a parser.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +55,33 @@ def check_output(path: str | Path, flag: str) -> Path:
     """``path`` as a file to write, or a PlanningError when it cannot be one (a directory, no name)."""
     path = Path(path)
     if path.is_dir() or not path.name or path.name in (".", ".."):
+        example = "cluster.yaml" if "cluster" in flag else "plan.json"
         raise PlanningError(f"{flag} {str(path)!r} is a directory; give a file name, e.g. {flag} "
-                            f"{path / 'plan.json'}")
+                            f"{path / example}")
+    return path
+
+
+def check_writable(path: str | Path, flag: str) -> Path:
+    """``path`` as a file this process can write later (its missing folders made then), checked
+    before any work: a PlanningError when it is a directory, when the nearest existing folder above
+    it is a file, or when that folder does not take a new file (tried with a temporary file)."""
+    path = check_output(path, flag)
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise PlanningError(f"{flag} {str(path)!r} exists and this process may not overwrite it; choose another "
+                                f"{flag}, or get permission to write it")
+        return path
+    folder = path.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise PlanningError(f"{flag} {str(path)!r}: {str(folder)!r} is a file, not a folder; choose another {flag}")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise PlanningError(f"{flag} {str(path)!r}: cannot write in {str(folder)!r} ({err.strerror or err}); choose "
+                            f"another {flag}, or get permission to write there") from None
     return path
 
 

@@ -34,6 +34,10 @@ from cephalo_lightning.planner.plan import BaselineResult
 from cephalo_lightning.planner.solver import BISECTION_TOL, Problem
 
 BASELINES = ("even", "proportional", "poplar", "reference", "ddp-even", "hsdp-even")
+# the shard grouping each baseline runs under (the plan table names it beside the baseline)
+BASELINE_GROUPINGS = {"even": "full shard", "proportional": "full shard", "poplar": "full shard",
+                      "reference": "full shard", "ddp-even": "a group per rank: data parallel",
+                      "hsdp-even": "a group per node: HSDP"}
 REFERENCE_LIMIT = 4096  # ranks x global batch for the reference's exact-sum dynamic program
 REFERENCE_UNEVEN = 1.25  # the release's surcharge on an uneven collective
 REFERENCE_BALANCE = 0.5  # the release's max_balance_util: below it shares stay even

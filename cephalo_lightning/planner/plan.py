@@ -6,6 +6,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,10 @@ from cephalo_lightning.planner.files import MAX_EXACT_INTEGER, read_document, sh
 PLAN_MODES = ("layered", "uniform")
 # 2: RankPlan.recompute (files of version 1 load with recompute = True)
 # 3: RankPlan.shard_group (files of versions 1 and 2 load as one group of every rank)
-PLAN_FORMAT_VERSION = 3
+# 4: RankPlan.binding and RankPlan.why (older files load without them)
+PLAN_FORMAT_VERSION = 4
 REMAKE = "re-make the plan with `python -m cephalo_lightning plan`"
+UNPROFILED = "unprofiled"  # the device name of a plan made before anything was measured (Plan.even)
 LEGACY_PLANNER_KEY = "strategy"  # what files written before the 'planner' field call it
 
 
@@ -28,6 +31,15 @@ def _builtin_numbers(record: Any) -> None:
     for name, value in vars(record).items():
         if type(value).__module__ == "numpy" and hasattr(value, "item"):  # a numpy scalar (np.float64 is a float)
             object.__setattr__(record, name, value.item())
+
+
+class Binding(str, Enum):
+    """What keeps a rank from taking one sample more (:mod:`.why`)."""
+
+    COMPUTE = "compute"  # its compute sets the step
+    MEMORY = "memory"  # one sample more fits at no micro-batch count
+    LINK = "link"  # collectives set the step, whatever the batch split
+    GRANULARITY = "granularity"  # one sample more would reach or pass the step: samples are whole
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,8 @@ class RankPlan:
     # groups replicate each other. One group of every rank is a full shard; groups of one rank are
     # data parallelism.
     shard_group: int = 0
+    binding: Binding | None = None  # what keeps the rank from one sample more (planner/why.py)
+    why: str | None = None  # the same in one line, with the cost model's figures
 
     def __post_init__(self) -> None:
         _builtin_numbers(self)
@@ -135,7 +149,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ranks", "baselines")}
         data["model"] = dict(self.model)
-        data["ranks"] = [dict(vars(r)) for r in self.ranks]  # flat dataclasses: vars() is asdict(), fast
+        data["ranks"] = [_rank_dict(r) for r in self.ranks]
         data["baselines"] = {
             name: {f.name: getattr(b, f.name) for f in fields(b)
                    if f.name != "ranks" and getattr(b, f.name) is not None and (f.name != "skipped" or b.skipped)}
@@ -227,9 +241,17 @@ class Plan:
             b = q + (1 if rank < rem else 0)
             # one micro-batch keeps its graph, as plain FSDP would (nothing is known to say it does not fit)
             keep = mode == "layered" and num_micro_batches == 1 and b > 0
-            ranks.append(RankPlan(rank, "unprofiled", b, num_micro_batches, -(-b // num_micro_batches), 1 / world_size,
+            ranks.append(RankPlan(rank, UNPROFILED, b, num_micro_batches, -(-b // num_micro_batches), 1 / world_size,
                                   recompute=not keep))
         return cls(global_batch_size, mode, tuple(ranks), planner="even")
+
+
+def _rank_dict(r: RankPlan) -> dict[str, Any]:
+    """A rank's JSON form: a flat dataclass (vars() is asdict(), fast), the binding as its name."""
+    data = dict(vars(r))
+    if r.binding is not None:
+        data["binding"] = r.binding.value
+    return data
 
 
 def _shown(value: Any) -> str:
@@ -265,6 +287,15 @@ def _finite(value: Any, where: str, minimum: float | None = None) -> float:
     return float(value)
 
 
+def _name(value: Any, where: str, example: str) -> str:
+    """A non-empty string (a device name such as "a100-40gb"): a number or a list here is a broken
+    or hand-edited file, which the plan would otherwise carry on as the text "123"."""
+    if not isinstance(value, str) or not value.strip():
+        raise PlanningError(f"{where} must be a non-empty JSON string (e.g. \"{example}\"), got {_shown(value)}; "
+                            f"quote it in the file or {REMAKE}")
+    return value
+
+
 _RANK_REQUIRED = ("rank", "device", "batch_size", "num_micro_batches", "micro_batch_size", "state_share")
 
 
@@ -278,7 +309,7 @@ def _rank_from_dict(data: Any, i: int, where: str) -> RankPlan:
         raise PlanningError(f"{at} (rank {data.get('rank', i)}) lacks {missing}; {REMAKE}")
     values: dict[str, Any] = {
         "rank": _whole(data["rank"], f"{at}.rank", 0),
-        "device": str(data["device"]),
+        "device": _name(data["device"], f"{at}.device (rank {i})", "a100-40gb"),
         "batch_size": _whole(data["batch_size"], f"{at}.batch_size (rank {i})", 0),
         "num_micro_batches": _whole(data["num_micro_batches"], f"{at}.num_micro_batches (rank {i})", 1),
         "micro_batch_size": _whole(data["micro_batch_size"], f"{at}.micro_batch_size (rank {i})", 0),
@@ -288,7 +319,14 @@ def _rank_from_dict(data: Any, i: int, where: str) -> RankPlan:
         if data.get(key) is not None:
             values[key] = _finite(data[key], f"{at}.{key} (rank {i})")
     if "source" in data:
-        values["source"] = str(data["source"])
+        values["source"] = _name(data["source"], f"{at}.source (rank {i})", "measured")
+    if data.get("binding") is not None:
+        names = [b.value for b in Binding]
+        if data["binding"] not in names:
+            raise PlanningError(f"{at}.binding (rank {i}) must be one of {names}, got {_shown(data['binding'])}; {REMAKE}")
+        values["binding"] = Binding(data["binding"])
+    if data.get("why") is not None:
+        values["why"] = _name(data["why"], f"{at}.why (rank {i})", "compute")
     if "shard_group" in data:
         values["shard_group"] = _whole(data["shard_group"], f"{at}.shard_group (rank {i})", 0)
     if "recompute" in data:

@@ -1,29 +1,43 @@
-"""Human-readable rendering of a plan: one table row per rank and a summary with the baselines.
+"""Human-readable rendering of a plan: a table of the ranks, its legend, why each rank gets what
+it gets, and a summary with the baselines and what to do next.
 
-Used by the ``plan`` command and, later, by the Lightning callback that logs the plan in use.
+Used by the ``plan`` command and by the Lightning callback that prints the plan in use. Every line
+is whole: the table is laid out for the width given and stripped of its padding; the lines after
+it are never wrapped by the renderer (a terminal may fold them, no sentence is cut here).
 """
 
 from __future__ import annotations
 
 import io
+from collections import Counter
+from collections.abc import Sequence
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from cephalo_lightning.planner.cluster import Cluster
+from cephalo_lightning.planner.peers import BASELINE_GROUPINGS
 from cephalo_lightning.planner.plan import Plan, RankPlan
 
+LEGEND = ("legend: n x m = n micro-batches of m samples (kept: no recompute); state share = the rank's part of its "
+          "shard group's training state; memory used/limit/cap = predicted peak/usable/total")
+LEGEND_BINDS = "; binds = what keeps the rank from one sample more (why: below)"  # plans the planner explained
+CATALOG = ("catalog: figures estimated from the GPU's datasheet, not measured; profile the cluster before trusting "
+           "them (python -m cephalo_lightning profile)")
+MAX_WHY_LINES = 8  # distinct reasons shown; the plan JSON has every rank's
 
-def _gib(value: float | None) -> str:
-    """Three significant digits: a 0.02 GiB emulated device must not print as 0.0."""
-    return "-" if value is None else f"{value:.3g}"
+
+def _memory_unit(plan: Plan) -> tuple[str, float]:
+    """GiB, or MiB when every figure is below 1 GiB (emulated devices), and the factor from GiB."""
+    figures = [v for r in plan.ranks for v in (r.predicted_memory_gb, r.memory_limit_gb, r.memory_capacity_gb)
+               if v is not None]
+    return ("MiB", 1024.0) if figures and max(figures) < 1 else ("GiB", 1.0)
 
 
-def _memory(predicted: float | None, limit: float | None, capacity: float | None) -> str:
-    parts = [_gib(predicted), _gib(limit)]
-    if capacity is not None:
-        parts.append(_gib(capacity))
-    return "/".join(parts)
+def _memory(r: RankPlan, scale: float) -> str:
+    parts = [r.predicted_memory_gb, r.memory_limit_gb] + ([r.memory_capacity_gb] if r.memory_capacity_gb else [])
+    return "/".join("-" if v is None else f"{v * scale:.3g}" for v in parts)
 
 
 def _micro(r: RankPlan) -> str:
@@ -34,17 +48,23 @@ def _micro(r: RankPlan) -> str:
     return f"{r.num_micro_batches} x " + "-".join(str(s) for s in sizes) + kept
 
 
-def _row(r: RankPlan, groups: bool = False) -> tuple[str, ...]:
+def _explained(plan: Plan) -> bool:
+    return any(r.binding is not None for r in plan.ranks)
+
+
+def _row(r: RankPlan, scale: float, groups: bool = False, binds: bool = True) -> tuple[str, ...]:
     step = f"{r.predicted_step_s:.4g}" if r.predicted_step_s is not None else "-"
     group = (str(r.shard_group),) if groups else ()
+    binding = ((r.binding.value if r.binding is not None else "-"),) if binds else ()
     return (*group, r.device, str(r.batch_size), _micro(r), f"{100 * r.state_share:.1f}%", step,
-            _memory(r.predicted_memory_gb, r.memory_limit_gb, r.memory_capacity_gb), r.source)
+            _memory(r, scale), *binding, r.source)
 
 
-def _span(ranks: tuple[int, ...]) -> str:
-    contiguous = ranks == tuple(range(ranks[0], ranks[-1] + 1))
+def _span(ranks: Sequence[int]) -> str:
+    ranks = tuple(ranks)
     if len(ranks) == 1:
         return str(ranks[0])
+    contiguous = ranks == tuple(range(ranks[0], ranks[-1] + 1))
     return f"{ranks[0]}-{ranks[-1]}" if contiguous else ",".join(map(str, ranks))
 
 
@@ -65,12 +85,12 @@ def groups_line(plan: Plan) -> str:
     return f"shard groups: {len(groups)} ({shown}; state sharded inside a group, replicated across groups)"
 
 
-def _runs(plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
+def _runs(plan: Plan, scale: float) -> list[tuple[str, tuple[str, ...]]]:
     """Consecutive ranks with identical rows fold into one ("0-15")."""
     runs: list[tuple[int, int, tuple[str, ...]]] = []
-    groups = plan.num_shard_groups > 1
+    groups, binds = plan.num_shard_groups > 1, _explained(plan)
     for r in plan.ranks:
-        row = _row(r, groups)
+        row = _row(r, scale, groups, binds)
         if runs and runs[-1][2] == row:
             runs[-1] = (runs[-1][0], r.rank, row)
         else:
@@ -83,65 +103,114 @@ def rank_table(plan: Plan) -> Table:
     emulated = " (emulated)" if plan.emulated else ""
     title = (f"{plan.planner} plan, {plan.mode} mode, global batch {plan.global_batch_size}, "
              f"{plan.world_size} ranks{emulated}")
+    unit, scale = _memory_unit(plan)
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   collapse_padding=True)
     group = (("group", True),) if plan.num_shard_groups > 1 else ()
+    binds = (("binds", False),) if _explained(plan) else ()
     for header, right in (("rank", True), *group, ("device", False), ("batch", True), ("micro-\nbatches", True),
-                          ("state\nshare", True), ("step s", True), ("memory GiB\nused/limit/cap", True),
-                          ("source", False)):
+                          ("state\nshare", True), ("step s", True), (f"memory {unit}\nused/limit/cap", True),
+                          *binds, ("source", False)):
         table.add_column(header, justify="right" if right else "left", no_wrap=True)
-    for ranks, row in _runs(plan):
+    for ranks, row in _runs(plan, scale):
         table.add_row(ranks, *row)
     return table
 
 
-def summary_lines(plan: Plan) -> list[str]:
-    """The shard groups, throughput, fraction of the upper bound, each baseline and the speedup over it."""
+def why_lines(plan: Plan) -> list[str]:
+    """Why each rank gets what it gets: one line per distinct reason, with the ranks it holds for."""
+    reasons: dict[tuple[str, str], list[int]] = {}
+    for r in plan.ranks:
+        if r.binding is not None and r.why:
+            reasons.setdefault((r.binding.value, r.why), []).append(r.rank)
+    if not reasons:
+        return []
+    lines = ["why:"]
+    for (binding, why), ranks in list(reasons.items())[:MAX_WHY_LINES]:
+        lines.append(f"  rank{'s' if len(ranks) > 1 else ''} {_span(ranks)}: {binding}: {why}")
+    if len(reasons) > MAX_WHY_LINES:
+        lines.append(f"  ... {len(reasons) - MAX_WHY_LINES} more reasons: --json gives every rank's binding and why")
+    return lines
+
+
+def baseline_lines(plan: Plan) -> list[str]:
+    """Each baseline with its shard grouping; baselines that predict the same throughput, listed once."""
+    if not plan.baselines:
+        return []
+    lines = ["baselines (the same cost model; other splits of the batch and the state):"]
+    same: dict[float, list[str]] = {}
+    others = []
+    for name, base in plan.baselines.items():
+        named = f"{name} ({BASELINE_GROUPINGS[name]})" if name in BASELINE_GROUPINGS else name
+        if base.skipped:
+            others.append(f"  {named}: {base.reason or 'not computed'}")
+        elif not base.feasible or not base.predicted_samples_per_s:
+            others.append(f"  {named}: infeasible: {base.reason or 'no plan fits'}")
+        else:
+            same.setdefault(base.predicted_samples_per_s, []).append(named)
+    for rate, names in sorted(same.items(), key=lambda item: -item[0]):
+        line = f"  {', '.join(names)}: {rate:.3g} samples/s"
+        if plan.predicted_samples_per_s:
+            line += f"; this plan is {plan.predicted_samples_per_s / rate:.2f}x faster"
+        lines.append(line)
+    return lines + others
+
+
+def next_line(plan: Plan, cluster: Cluster | None = None, output: str | None = None) -> str:
+    """What to do with the plan: write it (``-o``), then train with it on the cluster's layout."""
+    path = output or "plan.json"
+    first = "" if output else f"write the plan with -o {path}, then "
+    if cluster is None:
+        layout = f"devices= and num_nodes= for its {plan.world_size} ranks"
+    else:
+        per_node = list(Counter(cluster.nodes).values())
+        layout = (f"devices={per_node[0]}, num_nodes={len(per_node)}" if len(set(per_node)) == 1 else
+                  f"num_nodes={len(per_node)} with {'/'.join(map(str, per_node))} devices (uneven nodes)")
+    return (f"next: {first}train with Trainer(strategy=CephaloStrategy(plan=\"{path}\"), {layout}) and a DataLoader "
+            f"of batch_size={plan.global_batch_size}, the global batch, which the plan splits between the ranks")
+
+
+def summary_lines(plan: Plan, cluster: Cluster | None = None, output: str | None = None,
+                  next_step: bool = False) -> list[str]:
+    """The legend, why each rank binds, the shard groups, the throughput against the upper bound and
+    the optimum, each baseline, where the figures come from and (``next_step``) what to do next."""
     emulated = " (emulated)" if plan.emulated else ""
-    lines = [groups_line(plan)] if plan.num_shard_groups > 1 else []
+    lines = [LEGEND + (LEGEND_BINDS if _explained(plan) else ""), *why_lines(plan)]
+    if plan.num_shard_groups > 1:
+        lines.append(groups_line(plan))
     if plan.predicted_samples_per_s is not None and plan.predicted_step_s is not None:
         line = (f"predicted{emulated}: {plan.predicted_samples_per_s:.3g} samples/s "
                 f"(step {plan.predicted_step_s:.3g} s)")
         if plan.fraction_of_upper_bound is not None:
             line += (f", {100 * plan.fraction_of_upper_bound:.1f}% of the upper bound "
-                     f"{plan.upper_bound_samples_per_s:.3g} samples/s")
+                     f"{plan.upper_bound_samples_per_s:.3g} samples/s (every GPU computing alone, no collectives)")
+        lines.append(line)
         if plan.optimality_gap is not None:
-            line += f"; within {100 * plan.optimality_gap:.2f}% of optimal (over the groupings weighed)"
-        lines.append(line)
-    for name, base in plan.baselines.items():
-        if base.skipped:
-            lines.append(f"  {name}: {base.reason or 'not computed'}")
-            continue
-        if not base.feasible or not base.predicted_samples_per_s:
-            lines.append(f"  {name}: infeasible: {base.reason or 'no plan fits'}")
-            continue
-        line = f"  {name}: {base.predicted_samples_per_s:.3g} samples/s"
-        if plan.predicted_samples_per_s:
-            line += f" (this plan is {plan.predicted_samples_per_s / base.predicted_samples_per_s:.2f}x faster)"
-        lines.append(line)
+            lines.append(f"within {100 * plan.optimality_gap:.2f}% of optimal (certified, over the shard groupings weighed)")
+    lines += baseline_lines(plan)
     if any(not r.recompute for r in plan.ranks):
         lines.append("kept: that rank's one micro-batch keeps its autograd graph instead of recomputing")
+    if any(r.source == "catalog" for r in plan.ranks):
+        lines.append(CATALOG)
     lines.append("figures are predictions of the planner's cost model" + (
         ", from profiles measured under CPU emulation" if plan.emulated else ""))
+    if next_step:
+        lines.append(next_line(plan, cluster, output))
     return lines
 
 
-def render_plan(plan: Plan, width: int = 120) -> str:
-    """The table and summary as plain text (no colour codes), for logs and files."""
+def render_plan(plan: Plan, width: int = 120, cluster: Cluster | None = None, output: str | None = None,
+                next_step: bool = False) -> str:
+    """The table and the lines after it as plain text (no colour codes, no trailing spaces), for
+    terminals, logs and files; the table fits ``width``, the lines are whole."""
     buffer = io.StringIO()
-    console = Console(file=buffer, width=width, color_system=None, force_terminal=False)
-    console.print(rank_table(plan))
-    for line in summary_lines(plan):
-        console.print(line, highlight=False, markup=False)
-    return buffer.getvalue()
+    Console(file=buffer, width=width, color_system=None, force_terminal=False).print(rank_table(plan))
+    table = [line.rstrip() for line in buffer.getvalue().splitlines()]
+    return "\n".join([*table, *summary_lines(plan, cluster, output, next_step)]) + "\n"
 
 
-def print_plan(plan: Plan, console: Console | None = None) -> None:
-    """Print the table and summary to the terminal (or the given console)."""
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # a pipe or a log file: do not squeeze the table into 80 columns
-            console = Console(width=120)
-    console.print(rank_table(plan))
-    for line in summary_lines(plan):
-        console.print(line, highlight=False, markup=False)
+def print_plan(plan: Plan, cluster: Cluster | None = None, output: str | None = None, next_step: bool = True) -> None:
+    """Print :func:`render_plan` at the terminal's width (120 columns for a pipe or a log file)."""
+    console = Console()
+    width = console.width if console.is_terminal else 120
+    print(render_plan(plan, width, cluster, output, next_step), end="")

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from cephalo_lightning._common.units import memory_text
 from cephalo_lightning.planner.assemble import model_summary, rank_plans
 from cephalo_lightning.planner.assignment import Assignment, assign
 from cephalo_lightning.planner.baselines import per_sample_ms, upper_bound_samples_per_s
@@ -55,6 +56,7 @@ from cephalo_lightning.planner.knapsack import (
 from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH, MAX_RANKS
 from cephalo_lightning.planner.options import DeviceModel, Options
 from cephalo_lightning.planner.plan import PLAN_MODES, Plan
+from cephalo_lightning.planner.why import explain
 
 PLANNERS = ("cephalo", "even", "proportional", "poplar", "reference", "ddp-even", "hsdp-even")
 BISECTION_TOL = 5e-4  # relative width of the final step-time bracket
@@ -379,18 +381,18 @@ def _check_memory(problem: Problem) -> None:
         if m.m_cap < 0 or m.room[0] < 0:
             need = float(m.cost.compute_memory(0)) + s.reserved_memory_gb
             raise PlanningError(
-                f"rank {first[k]} ({m.device.name}) cannot run at all: it needs {need:.2f} GiB (compute memory "
-                f"of an empty batch plus the reserve) but has {s.usable_memory_fraction * m.device.memory_gb:.2f} "
-                f"GiB usable; remove it, lower reserved_memory_gb or raise usable_memory_fraction")
+                f"rank {first[k]} ({m.device.name}) cannot run at all: it needs {memory_text(need)} (compute memory "
+                f"of an empty batch plus the reserve) but has {memory_text(s.usable_memory_fraction * m.device.memory_gb)}"
+                f" usable; remove it, lower reserved_memory_gb or raise usable_memory_fraction")
     room0 = np.array([m.room[0] * state for m in kinds])
     room1 = np.array([float(m.room_for(np.array([1]), 1, b=1)[0]) * state if m.m_cap >= 1 else -math.inf
                       for m in kinds])
     total0 = float((room0 * counts).sum())
     if state > total0 * (1 + 1e-12):
         raise PlanningError(
-            f"the training state needs {state:.1f} GiB ({cluster.model.parameters:,} parameters x "
-            f"{cluster.model.state_bytes_per_param:g} bytes) but the {problem.W} GPUs have only {total0:.1f} GiB "
-            f"free {where}: short by {state - total0:.1f} GiB; add GPUs or memory, or shrink the model")
+            f"the training state needs {memory_text(state)} ({cluster.model.parameters:,} parameters x "
+            f"{cluster.model.state_bytes_per_param:g} bytes) but the {problem.W} GPUs have only {memory_text(total0)} "
+            f"free {where}: short by {memory_text(state - total0)}; add GPUs or memory, or shrink the model")
     if problem.mode == "uniform":
         small = [k for k, m in enumerate(kinds) if m.m_cap < 1 or room1[k] < 0]
         if small:
@@ -398,26 +400,26 @@ def _check_memory(problem: Problem) -> None:
             need = float(kinds[k].cost.memory_gb(1, 0.0, s.reserved_memory_gb))
             raise PlanningError(
                 f"rank {first[k]} ({kinds[k].device.name}) is too small for one sample even with no state: needs "
-                f"{need:.2f} GiB, has {s.usable_memory_fraction * kinds[k].device.memory_gb:.2f} GiB usable; "
+                f"{memory_text(need)}, has {memory_text(s.usable_memory_fraction * kinds[k].device.memory_gb)} usable; "
                 f"uniform mode gives every rank samples, so use --mode layered (it can hold state only) or remove it")
         total = float((room1 * counts).sum())
         if state > total * (1 + 1e-12):
             raise PlanningError(
-                f"with one sample on every rank (uniform mode) the state ({state:.1f} GiB) exceeds the "
-                f"{total:.1f} GiB free {where}: short by {state - total:.1f} GiB; use --mode layered or add memory")
+                f"with one sample on every rank (uniform mode) the state ({memory_text(state)}) exceeds the "
+                f"{memory_text(total)} free {where}: short by {memory_text(state - total)}; use --mode layered or add memory")
         return
     if all(m.m_cap < 1 for m in kinds):
         k = int(np.argmax(room0))
         need = float(kinds[k].cost.compute_memory(1)) + s.reserved_memory_gb
         raise PlanningError(
             f"no GPU fits one sample even with no state: the roomiest, rank {first[k]} ({kinds[k].device.name}), "
-            f"needs {need:.2f} GiB for one sample and has {s.usable_memory_fraction * kinds[k].device.memory_gb:.2f} "
-            f"GiB usable; shorten the sequence, shrink the model or add a larger GPU")
+            f"needs {memory_text(need)} for one sample and has {memory_text(s.usable_memory_fraction * kinds[k].device.memory_gb)}"
+            f" usable; shorten the sequence, shrink the model or add a larger GPU")
     best = total0 + max(float(room1[k] - room0[k]) for k in range(len(kinds)))
     if state > best * (1 + 1e-12):
         raise PlanningError(
-            f"the training state ({state:.1f} GiB) fits only while no GPU computes: with one sample on the "
-            f"roomiest GPU the {problem.W} GPUs have {best:.1f} GiB free {where}, short by {state - best:.1f} GiB; "
+            f"the training state ({memory_text(state)}) fits only while no GPU computes: with one sample on the "
+            f"roomiest GPU the {problem.W} GPUs have {memory_text(best)} free {where}, short by {memory_text(state - best)}; "
             f"add GPUs or memory, or shrink the model")
 
 
@@ -605,6 +607,7 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = "layered", planne
     lower_s = max(contention * lower_s + fixed_s, shared_host_lower_ms(problem, cluster) / 1e3)
     ranks, step = rank_plans(source, best.batch, best.micro, best.shares, ~best.keep, mode,
                              kinds=(chosen.costs, chosen.of_rank), shard_groups=best.groups)
+    ranks = explain(source, ranks, mode)  # a baseline's batches follow its rule, not a binding: only the plan's
     return Plan(
         global_batch_size=B,
         mode=mode,

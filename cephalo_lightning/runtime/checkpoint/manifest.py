@@ -66,12 +66,34 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     return read_manifest_document(path)["files"]
 
 
+def _nothing_there(path: Path) -> str | None:
+    """Why ``path`` holds no checkpoint at all (it does not exist, or is an empty directory), or None."""
+    if not path.exists():
+        parent = path.parent if str(path.parent) else Path(".")
+        near = sorted(p.name for p in parent.iterdir())[:6] if parent.is_dir() else []
+        holds = f"; {parent} holds {', '.join(near)}" if near else ""
+        return (f"{path}: no such file or directory (a typo in the path, or nothing was saved there){holds}. Check "
+                f"the path, e.g. Trainer.fit(ckpt_path='checkpoints/last.ckpt'), or ckpt_path='last' for the last save")
+    if path.is_dir() and not any(path.iterdir()):
+        return (f"{path} is an empty directory: no checkpoint was ever saved in it (a save writes its files first and "
+                f"{MANIFEST_FILE} last). Check the path, e.g. Trainer.fit(ckpt_path='checkpoints/last.ckpt')")
+    return None
+
+
+class NoCheckpointError(CheckpointError):
+    """The path holds no checkpoint at all: it does not exist, or is an empty directory."""
+
+
 def read_manifest_document(path: str | Path) -> dict[str, Any]:
+    nothing = _nothing_there(Path(path))
+    if nothing is not None:
+        raise NoCheckpointError(nothing)
     file = Path(path) / MANIFEST_FILE
     if not file.is_file():
         raise CheckpointError(
-            f"{path} is not a complete cephalo checkpoint: {MANIFEST_FILE} (written last) is missing. It was "
-            "interrupted while being written or deleted, or written by cephalo-lightning < 0.2"
+            f"{path} is not a complete cephalo checkpoint: {MANIFEST_FILE}, which a save writes after every other "
+            "file, is missing. The save was interrupted (its process stopped while writing), files were deleted from "
+            "it, or the directory is not a cephalo checkpoint"
         )
     try:
         manifest = json.loads(file.read_text())
@@ -164,6 +186,7 @@ def verify(path: str | Path, checksums: bool = True, collective: bool | None = N
     path = Path(path)
     collective = is_distributed(group) if collective is None else collective
     problem: str | None = None
+    absent = False  # nothing there at all: no earlier checkpoint to suggest
     try:
         manifest = read_manifest_document(path)
         files = manifest["files"]
@@ -176,8 +199,13 @@ def verify(path: str | Path, checksums: bool = True, collective: bool | None = N
                     break
         if problem is None:
             problem = _binding_problem(path, manifest)
+    except NoCheckpointError as err:
+        problem, absent = str(err), True
     except CheckpointError as err:
         problem = str(err)
-    problems = [p for p in (gather_objects(problem, group) if collective else [problem]) if p]
+    problems = [p for p in (gather_objects((problem, absent), group) if collective else [(problem, absent)]) if p[0]]
     if problems:
-        raise CheckpointError(f"refusing to load {path}: {problems[0]}. Resume from an earlier checkpoint")
+        problem, absent = problems[0]
+        if absent:
+            raise NoCheckpointError(f"no checkpoint to load: {problem}")
+        raise CheckpointError(f"refusing to load {path}: {problem}. Resume from an earlier checkpoint")
