@@ -95,10 +95,20 @@ def rank_table(plan: Plan) -> Table:
     return table
 
 
+def parameters_line(plan: Plan) -> str | None:
+    """"trainable N of M parameters" where the plan records a model with frozen parameters (LoRA)."""
+    total, trainable = plan.model.get("parameters"), plan.model.get("trainable_parameters")
+    if not total or trainable is None or trainable == total:
+        return None
+    return (f"trainable {trainable:,} of {total:,} parameters ({100 * trainable / total:.2g}%): the frozen ones "
+            "are charged their stored weights only")
+
+
 def summary_lines(plan: Plan) -> list[str]:
     """The shard groups, throughput, fraction of the upper bound, each baseline and the speedup over it."""
     emulated = " (emulated)" if plan.emulated else ""
     lines = [groups_line(plan)] if plan.num_shard_groups > 1 else []
+    lines += [line for line in (parameters_line(plan),) if line]
     if plan.predicted_samples_per_s is not None and plan.predicted_step_s is not None:
         line = (f"predicted{emulated}: {plan.predicted_samples_per_s:.3g} samples/s "
                 f"(step {plan.predicted_step_s:.3g} s)")

@@ -388,8 +388,7 @@ def _check_memory(problem: Problem) -> None:
     total0 = float((room0 * counts).sum())
     if state > total0 * (1 + 1e-12):
         raise PlanningError(
-            f"the training state needs {state:.1f} GiB ({cluster.model.parameters:,} parameters x "
-            f"{cluster.model.state_bytes_per_param:g} bytes) but the {problem.W} GPUs have only {total0:.1f} GiB "
+            f"the training state needs {state:.1f} GiB ({cluster.model.state_terms}) but the {problem.W} GPUs have only {total0:.1f} GiB "
             f"free {where}: short by {state - total0:.1f} GiB; add GPUs or memory, or shrink the model")
     if problem.mode == "uniform":
         small = [k for k, m in enumerate(kinds) if m.m_cap < 1 or room1[k] < 0]
