@@ -14,6 +14,14 @@ VOCAB = 48
 SEQ = 12
 
 
+def with_lora(model: torch.nn.Module, r: int = 4) -> torch.nn.Module:
+    """``model`` with peft LoRA adapters on the attention's query and value projections (the base frozen)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"],
+                                            lora_dropout=0.0))
+
+
 def build(family: str, tie: bool | None = None, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if family == "litgpt":
@@ -91,6 +99,8 @@ class LibraryLM(pl.LightningModule):
         self.family = family
         self.optimizer_name = optimizer
         self.model = build(family, tie)
+        if optimizer == "lora":  # peft LoRA adapters, AdamW over them alone
+            self.model = with_lora(self.model)
         if checkpointing:  # what HF users turn on to save memory: each layer recomputed in the backward
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -102,7 +112,7 @@ class LibraryLM(pl.LightningModule):
     def configure_optimizers(self):
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.5)
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
 
 
 def reference(family: str, optimizer: str, steps: int, global_batch: int, data: PaddedTokens,

@@ -100,7 +100,10 @@ def _all(rank: int, world: int):
         for index, plan in enumerate(PLANS[world]):
             out[(family, "sgd", index)] = _fit(family, plan, world, "sgd", "32-true")
         out[(family, "adamw", 0)] = _fit(family, PLANS[world][0], world, "adamw", "64-true")
+    for index, plan in enumerate(PLANS[world]):  # peft LoRA: adapters trained, the base frozen
+        out[("llama", "lora", index)] = _fit("llama", plan, world, "lora", "32-true")
     if world == 2:
+        out[("llama", "lora", "uniform")] = _fit("llama", UNIFORM, world, "lora", "32-true")
         for family in CHECKPOINTED:
             for plan in (PLANS[2][0], UNIFORM):
                 out[(family, "checkpointed", plan.mode)] = _fit(family, plan, world, "sgd", "32-true", checkpointing=True)
@@ -170,6 +173,32 @@ def test_hf_activation_checkpointing_trains_exactly_in_both_modes(runs, bounds, 
     for name, value in want.items():
         err = (got[name].float() - value.reshape(-1)).abs().max().item()
         assert err <= bound[name], f"{family} {mode}, checkpointed: {name} differs by {err:.2e} > {bound[name]:.2e}"
+
+
+@pytest.mark.multiprocess
+def test_lora_adapters_train_like_single_process_and_the_base_stays_bitwise_frozen(runs, bounds):
+    """peft LoRA (AdamW over the adapters) under two layered plans on 2 and 3 ranks, and a uniform
+    plan on 2: adapters and their moments within the noise floor of single-process training, and
+    every frozen parameter bitwise what it was built as."""
+    world, results = runs
+    data = PaddedTokens(GLOBAL * STEPS)
+    want = reference("llama", "lora", STEPS, GLOBAL, data)
+    start = {name: p.detach() for name, p in LibraryLM("llama", "lora").named_parameters()}
+    bound = bounds("llama", "lora", torch.float32)
+    keys = [k for k in results[0] if k[:2] == ("llama", "lora")]
+    assert len(keys) == len(PLANS[world]) + (world == 2)
+    adapters = [name for name, p in LibraryLM("llama", "lora").named_parameters() if p.requires_grad]
+    assert adapters and all(".lora_" in name for name in adapters)
+    for key in keys:
+        got = assemble([r[key] for r in results], torch.float64)
+        for name, value in want.items():
+            if name in start and name not in adapters:  # frozen: exactly as built, never moved
+                assert torch.equal(got[name].float(), start[name].reshape(-1)), f"{key}: frozen {name} changed"
+                continue
+            err = (got[name].float() - value.reshape(-1)).abs().max().item()
+            assert err <= bound[name], f"{key}: {name} differs by {err:.2e} > {bound[name]:.2e}"
+        moved = max((want[n] - start[n]).abs().max().item() for n in adapters)
+        assert moved > 100 * max(bound[n] for n in adapters), "the adapters barely moved: the check would be empty"
 
 
 def test_the_library_checkpoint_under_the_layered_schedule_is_named_at_setup():
