@@ -450,3 +450,57 @@ def test_the_finetune_recipe_runs_on_two_emulated_ranks_and_so_does_its_cli_conf
     _run(["-m", "cephalo_lightning", "fit", "--config", str(ROOT / "configs" / "finetune-lora.yaml"),
           f"--vars.base={out / 'base'}", f"--vars.text={out / 'text'}", f"--vars.out={cli}", "--vars.steps=2"], tmp_path)
     assert (cli / "checkpoints" / "last.ckpt").is_dir()
+
+
+# ----------------------------------------------------------------------------- docs/finetune.md
+
+PAGE = ROOT / "docs" / "finetune.md"
+PARSE_ONLY = "<!-- docs-test: parse-only"
+
+
+def page_blocks() -> list[tuple[str, str, bool]]:
+    """(language, code, parse only) of every fenced block of the page."""
+    import re
+
+    out = []
+    for match in re.finditer(r"(?P<before>[^\n]*)\n```(?P<lang>\w+)[^\n]*\n(?P<code>.*?)\n```", PAGE.read_text(), re.S):
+        out.append((match["lang"], match["code"], match["before"].startswith(PARSE_ONLY)))
+    return out
+
+
+def test_the_finetune_page_blocks_parse_and_its_parse_only_blocks_say_why():
+    import ast
+
+    blocks = page_blocks()
+    assert {lang for lang, _, _ in blocks} <= {"python", "bash"} and len(blocks) >= 6
+    for lang, code, _ in blocks:
+        if lang == "python":
+            ast.parse(code)
+        else:
+            done = subprocess.run(["bash", "-n"], input=code, text=True, capture_output=True)
+            assert done.returncode == 0, done.stderr
+    assert "(" in PAGE.read_text().split(PARSE_ONLY, 1)[1].split("-->", 1)[0]
+
+
+@pytest.mark.multiprocess
+def test_the_finetune_page_runnable_blocks_run(tmp_path):
+    """Every block not marked parse-only runs: python as a script in a fresh folder, bash from the
+    repository root with this interpreter first on PATH."""
+    import os
+
+    from tests.conftest import clean_env, failure_report
+
+    runnable = [(lang, code) for lang, code, parse_only in page_blocks() if not parse_only]
+    assert [lang for lang, _ in runnable].count("python") >= 2
+    env = clean_env(PYTHONPATH=str(ROOT), WANDB_MODE="offline",
+                    PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    for index, (lang, code) in enumerate(runnable):
+        folder = tmp_path / f"block-{index}"
+        folder.mkdir()
+        if lang == "python":
+            (folder / "block.py").write_text(code)
+            done = subprocess.run([sys.executable, "block.py"], cwd=folder, env=env, capture_output=True, text=True)
+        else:
+            done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=ROOT, env=env, capture_output=True,
+                                  text=True)
+        assert done.returncode == 0, f"block {index} ({lang}):\n{code}\n{failure_report(done)}"
