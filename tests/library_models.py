@@ -158,3 +158,20 @@ def noise_floor(family: str, optimizer: str, steps: int, global_batch: int, data
 
 def loader(data: PaddedTokens, batch_size: int) -> DataLoader:
     return DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
+def pieces(strategy, trainable_only: bool = False) -> dict[str, tuple[int, torch.Tensor]]:
+    """This rank's pieces of every parameter (``trainable_only``: of the trainable ones) and Adam
+    moment of a fit under the Cephalo strategy: name -> (start, values)."""
+    out = {}
+    optimizer = strategy.optimizers[0]
+    for unit in strategy.sharded.units:
+        for index, (span, p) in enumerate(zip(unit.spans, unit.local_params)):
+            if trainable_only and not p.requires_grad:
+                continue
+            start, _ = unit.local_range(index)
+            out[span.name] = (start, p.detach().reshape(-1).clone())
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in optimizer.state.get(p, {}):
+                    out[f"{span.name}.{key}"] = (start, optimizer.state[p][key].reshape(-1).clone())
+    return out

@@ -34,7 +34,7 @@ from cephalo_lightning.planner.cost import DeviceCost, evaluate  # noqa: E402
 from cephalo_lightning.planner.report import render_plan  # noqa: E402
 from cephalo_lightning.planner.solver import plan as make_plan  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from tests.library_models import PaddedTokens, loader, with_lora  # noqa: E402
+from tests.library_models import PaddedTokens, loader, pieces, with_lora  # noqa: E402
 
 STEPS = 3
 GLOBAL = 12
@@ -167,20 +167,6 @@ class Probe(pl.Callback):
                             sum(storages.values()), sum(p.numel() * 4 for p in trainable)))
 
 
-def _adapter_pieces(strategy) -> dict[str, tuple[int, torch.Tensor]]:
-    optimizer = strategy.optimizers[0]
-    out = {}
-    for unit in strategy.sharded.units:
-        for index, (span, p) in enumerate(zip(unit.spans, unit.local_params)):
-            if p.requires_grad:
-                start, _ = unit.local_range(index)
-                out[span.name] = (start, p.detach().reshape(-1).clone())
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if key in optimizer.state.get(p, {}):
-                        out[f"{span.name}.{key}"] = (start, optimizer.state[p][key].reshape(-1).clone())
-    return out
-
-
 def _trainer(plan: Plan, root: Path, steps: int, callbacks=(), **strategy) -> pl.Trainer:
     return pl.Trainer(strategy=CephaloStrategy(plan=plan, mode=plan.mode, **strategy), accelerator="cpu", devices=2,
                       max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -198,13 +184,13 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
         trainer = _trainer(plan, root_path, STEPS, [probe], pretrained=str(base))
         trainer.fit(module, loader(tokens(), GLOBAL))
         assert trainer.strategy.fit_runtime.schedule == plan.mode
-        pieces = _adapter_pieces(trainer.strategy)
+        adapters = pieces(trainer.strategy, trainable_only=True)
         if plan is LAYERED:
             trainer.save_checkpoint(str(root_path / "lora.ckpt"))
             if rank == 0:
                 module.model.save_pretrained(str(root_path / "adapters"))
         generated = module.model.generate(input_ids=torch.tensor(PROMPT), max_new_tokens=5, do_sample=False)
-        out[plan.mode] = {"start": probe.start, "frozen": probe.frozen, "pieces": pieces,
+        out[plan.mode] = {"start": probe.start, "frozen": probe.frozen, "pieces": adapters,
                           "generated": generated.tolist(),
                           "final": {k: v.clone() for k, v in module.state_dict().items()}}
     # each block compiled in configure_model(): "aot_eager" traces the blocks through dynamo and AOT
@@ -214,14 +200,14 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
         trainer = _trainer(plan, root_path, STEPS, pretrained=str(base))
         trainer.fit(module, loader(tokens(), GLOBAL))
         compiled = module.model.base_model.model.model.layers[0]
-        out[f"compiled {plan.mode}"] = {"pieces": _adapter_pieces(trainer.strategy),
+        out[f"compiled {plan.mode}"] = {"pieces": pieces(trainer.strategy, trainable_only=True),
                                         "compiled": compiled._compiled_call_impl is not None}
     # resume: the adapters and their moments come back exactly as saved
     seen: dict = {}
 
     class AtResume(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            seen.update(_adapter_pieces(trainer.strategy))
+            seen.update(pieces(trainer.strategy, trainable_only=True))
 
     trainer = _trainer(LAYERED, root_path, STEPS + 1, [AtResume()], pretrained=str(base))
     trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL),

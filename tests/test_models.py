@@ -20,7 +20,7 @@ pytest.importorskip("litgpt")
 from cephalo_lightning import CephaloStrategy, Plan  # noqa: E402
 from cephalo_lightning.planner import RankPlan  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from tests.library_models import LibraryLM, PaddedTokens, loader, noise_floor, reference  # noqa: E402
+from tests.library_models import LibraryLM, PaddedTokens, loader, noise_floor, pieces, reference  # noqa: E402
 from tests.test_runtime import assemble  # noqa: E402
 
 FAMILIES = ("gpt2", "llama", "qwen2", "gpt_neox", "litgpt")
@@ -66,20 +66,6 @@ CHECKPOINTED = ("gpt2", "llama")
 UNIFORM = Plan(GLOBAL, "uniform", (RankPlan(0, "a", 7, 2, 4, 0.4), RankPlan(1, "b", 5, 2, 3, 0.6)))
 
 
-def _pieces(strategy: CephaloStrategy) -> dict[str, tuple[int, torch.Tensor]]:
-    """This rank's pieces of every parameter and Adam moment: name -> (start, values)."""
-    out = {}
-    optimizer = strategy.optimizers[0]
-    for unit in strategy.sharded.units:
-        for index, (span, p) in enumerate(zip(unit.spans, unit.local_params)):
-            start, _ = unit.local_range(index)
-            out[span.name] = (start, p.detach().reshape(-1).clone())
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in optimizer.state.get(p, {}):
-                    out[f"{span.name}.{key}"] = (start, optimizer.state[p][key].reshape(-1).clone())
-    return out
-
-
 def _fit(family: str, plan: Plan, world: int, optimizer: str, precision: str,
          checkpointing: bool = False) -> dict[str, tuple[int, torch.Tensor]]:
     data = PaddedTokens(GLOBAL * STEPS)
@@ -90,7 +76,7 @@ def _fit(family: str, plan: Plan, world: int, optimizer: str, precision: str,
     )
     trainer.fit(LibraryLM(family, optimizer, checkpointing=checkpointing), loader(data, GLOBAL))
     assert trainer.strategy.fit_runtime.schedule == plan.mode
-    return _pieces(trainer.strategy)
+    return pieces(trainer.strategy)
 
 
 def _all(rank: int, world: int):
