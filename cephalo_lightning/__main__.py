@@ -102,13 +102,16 @@ def export_main(argv: list[str]) -> int:
                         help="the model's attribute path in the LightningModule with a trailing dot (e.g. 'model.'); "
                              "default: what the checkpoint records")
     parser.add_argument("--max-shard-size-mb", type=int, default=2048, help="the largest safetensors file (MiB)")
+    parser.add_argument("--no-merge", action="store_true",
+                        help="a peft LoRA fit: write the tensors as stored (peft's names, the adapters) instead of "
+                             "merging the adapters into the base weights")
     args = parser.parse_args(argv)
     from cephalo_lightning.runtime.checkpoint import CheckpointError
     from cephalo_lightning.runtime.checkpoint.export import export_hf
 
     try:
         done = export_hf(args.checkpoint, args.hf, config=args.config, prefix=args.prefix,
-                         max_shard_bytes=args.max_shard_size_mb * 2**20)
+                         max_shard_bytes=args.max_shard_size_mb * 2**20, merge_lora=not args.no_merge)
     except CheckpointError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -14,6 +14,14 @@ VOCAB = 48
 SEQ = 12
 
 
+def with_lora(model: torch.nn.Module, r: int = 4) -> torch.nn.Module:
+    """``model`` with peft LoRA adapters on the attention's query and value projections (the base frozen)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"],
+                                            lora_dropout=0.0))
+
+
 def build(family: str, tie: bool | None = None, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     if family == "litgpt":
@@ -91,6 +99,8 @@ class LibraryLM(pl.LightningModule):
         self.family = family
         self.optimizer_name = optimizer
         self.model = build(family, tie)
+        if optimizer == "lora":  # peft LoRA adapters, AdamW over them alone
+            self.model = with_lora(self.model)
         if checkpointing:  # what HF users turn on to save memory: each layer recomputed in the backward
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -102,7 +112,7 @@ class LibraryLM(pl.LightningModule):
     def configure_optimizers(self):
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.5)
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
 
 
 def reference(family: str, optimizer: str, steps: int, global_batch: int, data: PaddedTokens,
@@ -148,3 +158,20 @@ def noise_floor(family: str, optimizer: str, steps: int, global_batch: int, data
 
 def loader(data: PaddedTokens, batch_size: int) -> DataLoader:
     return DataLoader(data, batch_size=batch_size, shuffle=False)
+
+
+def pieces(strategy, trainable_only: bool = False) -> dict[str, tuple[int, torch.Tensor]]:
+    """This rank's pieces of every parameter (``trainable_only``: of the trainable ones) and Adam
+    moment of a fit under the Cephalo strategy: name -> (start, values)."""
+    out = {}
+    optimizer = strategy.optimizers[0]
+    for unit in strategy.sharded.units:
+        for index, (span, p) in enumerate(zip(unit.spans, unit.local_params)):
+            if trainable_only and not p.requires_grad:
+                continue
+            start, _ = unit.local_range(index)
+            out[span.name] = (start, p.detach().reshape(-1).clone())
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in optimizer.state.get(p, {}):
+                    out[f"{span.name}.{key}"] = (start, optimizer.state[p][key].reshape(-1).clone())
+    return out

@@ -29,15 +29,17 @@ SOURCES = ("pyproject.toml", "README.md", "LICENSE", "cephalo_lightning")
 EXTRAS_MODULES = ("wandb", "safetensors", "transformers", "litgpt", "matplotlib")
 
 
-def core_distributions(wheel: Path) -> list[importlib.metadata.Distribution]:
-    """The distributions a fresh venv and a plain ``pip install`` of ``wheel`` hold: pip, the wheel's
-    requirements without extras and, recursively, theirs (markers evaluated, requested extras followed), found in
-    this environment."""
+def core_distributions(wheel: Path, extras: tuple[str, ...] = ()) -> list[importlib.metadata.Distribution]:
+    """The distributions a fresh venv and a plain ``pip install`` of ``wheel`` (with ``extras``) hold: pip,
+    the wheel's requirements (those of ``extras`` too) and, recursively, theirs (markers evaluated,
+    requested extras followed), found in this environment."""
     from packaging.requirements import Requirement
 
     with zipfile.ZipFile(wheel) as archive:
         metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
-        wanted = [Requirement(r) for r in Parser().parsestr(archive.read(metadata).decode()).get_all("Requires-Dist", [])]
+        listed = [Requirement(r) for r in Parser().parsestr(archive.read(metadata).decode()).get_all("Requires-Dist", [])]
+    wanted = [Requirement(str(r).split(";")[0]) for r in listed
+              if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in ("", *extras))]
     found: dict[tuple[str, frozenset[str]], importlib.metadata.Distribution] = {}
     while wanted:
         req = wanted.pop()
@@ -53,11 +55,12 @@ def core_distributions(wheel: Path) -> list[importlib.metadata.Distribution]:
     return list({d.metadata["Name"]: d for d in found.values()}.values())
 
 
-def link_core_site(wheel: Path, target: Path) -> int:
-    """Link every top-level file and folder the wheel's core distributions installed into ``target``; their count."""
+def link_core_site(wheel: Path, target: Path, extras: tuple[str, ...] = ()) -> int:
+    """Link every top-level file and folder the wheel's core distributions (and those of ``extras``)
+    installed into ``target``; their count."""
     target.mkdir()
     count = 0
-    for dist in core_distributions(wheel):
+    for dist in core_distributions(wheel, extras):
         for top in {f.parts[0] for f in dist.files or [] if f.parts and f.parts[0] not in ("..", "__pycache__")}:
             source = Path(dist.locate_file(top))
             if source.exists() and not (target / top).exists():
@@ -117,9 +120,9 @@ def test_the_wheel_is_the_release_the_changelog_describes(wheel):
     assert metadata.get_payload().strip() == (ROOT / "README.md").read_text().strip()
 
 
-@pytest.fixture(scope="module")
-def installed(wheel, tmp_path_factory):
-    """A fresh venv holding only the freshly built wheel; returns (its bin dir, a cwd outside the repo, env)."""
+def install(wheel: Path, tmp_path_factory, extras: tuple[str, ...] = ()) -> tuple[Path, Path, dict[str, str]]:
+    """A fresh venv holding ``wheel`` and the closure of its dependencies (and of ``extras``');
+    returns (its bin dir, a cwd outside the repo, env)."""
     tmp = tmp_path_factory.mktemp("venv")
     env = {k: v for k, v in clean_env().items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     venv = tmp / "venv"
@@ -127,7 +130,7 @@ def installed(wheel, tmp_path_factory):
     python = venv / "bin" / "python"
     purelib = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp,
                         env=env).strip())
-    assert link_core_site(wheel, tmp / "core-site") > 0
+    assert link_core_site(wheel, tmp / "core-site", extras) > 0
     # appended after the venv's own site-packages: the wheel's copy wins
     (purelib / "_core_dependencies.pth").write_text(f"{tmp / 'core-site'}\n")
     _run([python, "-m", "pip", "install", "--no-deps", "--no-index", wheel], cwd=tmp, env=env)  # the wheel alone
@@ -135,10 +138,19 @@ def installed(wheel, tmp_path_factory):
     outside.mkdir()
     where = _run([python, "-c", "import cephalo_lightning; print(cephalo_lightning.__file__)"], cwd=outside, env=env)
     assert Path(where.strip()).is_relative_to(venv), where
+    return venv / "bin", outside, env
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory):
+    """A fresh venv holding only the freshly built wheel (no extras); returns (its bin dir, a cwd
+    outside the repo, env)."""
+    bin_dir, outside, env = install(wheel, tmp_path_factory)
+    python = bin_dir / "python"
     missing = _run([python, "-c", f"import importlib.util as u; print([m for m in {EXTRAS_MODULES!r} if u.find_spec(m)])"],
                    cwd=outside, env=env)
     assert missing.strip() == "[]", f"the venv has extras: {missing}"
-    return venv / "bin", outside, env
+    return bin_dir, outside, env
 
 
 @pytest.mark.multiprocess
@@ -170,3 +182,17 @@ def test_installed_demo_runs_to_the_end_without_extras(installed):
     assert 'wandb is not installed' in out and 'pip install "cephalo-lightning[wandb]"' in out, out[-3000:]
     assert (outside / "demo" / "checkpoints" / "last.ckpt").is_dir()
     assert list((outside / "demo").glob("*/version_*/metrics.csv")), sorted(p.name for p in (outside / "demo").iterdir())
+
+
+@pytest.mark.multiprocess
+def test_installed_hf_extra_runs_the_finetune_recipe(wheel, tmp_path_factory):
+    """``pip install "cephalo-lightning[hf,wandb]"`` in a fresh venv: examples/finetune_hf.py (peft LoRA
+    on a local pretrained model, bf16-mixed, W&B offline) runs on 2 emulated ranks outside the repository."""
+    bin_dir, outside, env = install(wheel, tmp_path_factory, ("hf", "wandb"))
+    script = outside / "examples" / "finetune_hf.py"
+    script.parent.mkdir()
+    shutil.copy2(ROOT / "examples" / "finetune_hf.py", script)
+    out = _run([bin_dir / "python", script, "--out", "ft", "--steps", "2"], cwd=outside,
+               env={**env, "WANDB_MODE": "offline"})
+    assert "same tokens" in out, out[-3000:]
+    assert (outside / "ft" / "merged" / "config.json").is_file()

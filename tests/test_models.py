@@ -20,7 +20,7 @@ pytest.importorskip("litgpt")
 from cephalo_lightning import CephaloStrategy, Plan  # noqa: E402
 from cephalo_lightning.planner import RankPlan  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from tests.library_models import LibraryLM, PaddedTokens, loader, noise_floor, reference  # noqa: E402
+from tests.library_models import LibraryLM, PaddedTokens, loader, noise_floor, pieces, reference  # noqa: E402
 from tests.test_runtime import assemble  # noqa: E402
 
 FAMILIES = ("gpt2", "llama", "qwen2", "gpt_neox", "litgpt")
@@ -66,20 +66,6 @@ CHECKPOINTED = ("gpt2", "llama")
 UNIFORM = Plan(GLOBAL, "uniform", (RankPlan(0, "a", 7, 2, 4, 0.4), RankPlan(1, "b", 5, 2, 3, 0.6)))
 
 
-def _pieces(strategy: CephaloStrategy) -> dict[str, tuple[int, torch.Tensor]]:
-    """This rank's pieces of every parameter and Adam moment: name -> (start, values)."""
-    out = {}
-    optimizer = strategy.optimizers[0]
-    for unit in strategy.sharded.units:
-        for index, (span, p) in enumerate(zip(unit.spans, unit.local_params)):
-            start, _ = unit.local_range(index)
-            out[span.name] = (start, p.detach().reshape(-1).clone())
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in optimizer.state.get(p, {}):
-                    out[f"{span.name}.{key}"] = (start, optimizer.state[p][key].reshape(-1).clone())
-    return out
-
-
 def _fit(family: str, plan: Plan, world: int, optimizer: str, precision: str,
          checkpointing: bool = False) -> dict[str, tuple[int, torch.Tensor]]:
     data = PaddedTokens(GLOBAL * STEPS)
@@ -90,7 +76,7 @@ def _fit(family: str, plan: Plan, world: int, optimizer: str, precision: str,
     )
     trainer.fit(LibraryLM(family, optimizer, checkpointing=checkpointing), loader(data, GLOBAL))
     assert trainer.strategy.fit_runtime.schedule == plan.mode
-    return _pieces(trainer.strategy)
+    return pieces(trainer.strategy)
 
 
 def _all(rank: int, world: int):
@@ -100,7 +86,10 @@ def _all(rank: int, world: int):
         for index, plan in enumerate(PLANS[world]):
             out[(family, "sgd", index)] = _fit(family, plan, world, "sgd", "32-true")
         out[(family, "adamw", 0)] = _fit(family, PLANS[world][0], world, "adamw", "64-true")
+    for index, plan in enumerate(PLANS[world]):  # peft LoRA: adapters trained, the base frozen
+        out[("llama", "lora", index)] = _fit("llama", plan, world, "lora", "32-true")
     if world == 2:
+        out[("llama", "lora", "uniform")] = _fit("llama", UNIFORM, world, "lora", "32-true")
         for family in CHECKPOINTED:
             for plan in (PLANS[2][0], UNIFORM):
                 out[(family, "checkpointed", plan.mode)] = _fit(family, plan, world, "sgd", "32-true", checkpointing=True)
@@ -170,6 +159,32 @@ def test_hf_activation_checkpointing_trains_exactly_in_both_modes(runs, bounds, 
     for name, value in want.items():
         err = (got[name].float() - value.reshape(-1)).abs().max().item()
         assert err <= bound[name], f"{family} {mode}, checkpointed: {name} differs by {err:.2e} > {bound[name]:.2e}"
+
+
+@pytest.mark.multiprocess
+def test_lora_adapters_train_like_single_process_and_the_base_stays_bitwise_frozen(runs, bounds):
+    """peft LoRA (AdamW over the adapters) under two layered plans on 2 and 3 ranks, and a uniform
+    plan on 2: adapters and their moments within the noise floor of single-process training, and
+    every frozen parameter bitwise what it was built as."""
+    world, results = runs
+    data = PaddedTokens(GLOBAL * STEPS)
+    want = reference("llama", "lora", STEPS, GLOBAL, data)
+    start = {name: p.detach() for name, p in LibraryLM("llama", "lora").named_parameters()}
+    bound = bounds("llama", "lora", torch.float32)
+    keys = [k for k in results[0] if k[:2] == ("llama", "lora")]
+    assert len(keys) == len(PLANS[world]) + (world == 2)
+    adapters = [name for name, p in LibraryLM("llama", "lora").named_parameters() if p.requires_grad]
+    assert adapters and all(".lora_" in name for name in adapters)
+    for key in keys:
+        got = assemble([r[key] for r in results], torch.float64)
+        for name, value in want.items():
+            if name in start and name not in adapters:  # frozen: exactly as built, never moved
+                assert torch.equal(got[name].float(), start[name].reshape(-1)), f"{key}: frozen {name} changed"
+                continue
+            err = (got[name].float() - value.reshape(-1)).abs().max().item()
+            assert err <= bound[name], f"{key}: {name} differs by {err:.2e} > {bound[name]:.2e}"
+        moved = max((want[n] - start[n]).abs().max().item() for n in adapters)
+        assert moved > 100 * max(bound[n] for n in adapters), "the adapters barely moved: the check would be empty"
 
 
 def test_the_library_checkpoint_under_the_layered_schedule_is_named_at_setup():

@@ -175,8 +175,10 @@ class CephaloCallback(Callback):
         settings = replace(default_settings(strategy.root_device), **self.config.settings)
         if "stash_on_device" not in self.config.settings and not settings.offload_stash:
             settings = replace(settings, stash_on_device=not strategy.offloads_stash)
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        parameters = sum(math.prod(full_shape(p)) for p in trainable)  # the pieces are shards: count the whole
+        every = list(module.parameters())
+        trainable = [p for p in every if p.requires_grad]
+        parameters = sum(math.prod(full_shape(p)) for p in every)  # the pieces are shards: count the whole
+        trainable_parameters = sum(math.prod(full_shape(p)) for p in trainable)
         precision = trainer.precision_plugin
         compute_dtype = strategy.param_dtype or _TRUE_PRECISION_DTYPES.get(getattr(precision, "precision", ""))
         master = torch.promote_types(compute_dtype or (trainable[0].dtype if trainable else torch.float32), torch.float32)
@@ -186,7 +188,8 @@ class CephaloCallback(Callback):
                 layers, sample_input, emulator=strategy.emulator,  # its current state: a throttle shows
                 options=ProfileOptions(max_micro_batch=self.config.max_micro_batch, compute_dtype=compute_dtype,
                                        collective_modes=(strategy.collective,)),
-                model_name=type(module).__name__, parameters=parameters, state_bytes_per_param=state_bytes,
+                model_name=type(module).__name__, parameters=parameters, trainable_parameters=trainable_parameters,
+                state_bytes_per_param=state_bytes, weight_bytes_per_param=float(master.itemsize),
                 settings=settings, device=strategy.root_device, cache_dir=self.config.cache_dir, force=force,
                 quiet=self.config.quiet, **kwargs,
             )

@@ -28,7 +28,7 @@ from cephalo_lightning.lightning.discovered import LossPassLogs
 from cephalo_lightning.lightning.plan_switch import PlanSwitches
 from cephalo_lightning.lightning.schedules import check_plan, loss_weighting
 from cephalo_lightning.lightning.steps import LayeredSteps, NonFiniteGuard, TrainingStep, UniformSteps
-from cephalo_lightning.models import Resolution, hf, weighting
+from cephalo_lightning.models import Resolution, hf, lora, weighting
 from cephalo_lightning.models.weighting import Decision
 from cephalo_lightning.planner import Plan
 from cephalo_lightning.runtime import checkpoint
@@ -208,7 +208,7 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
     else gives them); ``links`` slows the collectives crossing emulated links."""
     source = None
     if config.pretrained is not None:
-        source = open_weights(config.pretrained, _prefix_of(module, resolution.model))
+        source = open_weights(config.pretrained, _prefix_of(module, resolution.model), lora.WRAPPED_SEGMENTS)
     try:
         return ShardedModel(
             module, plan.state_shares, shard_groups=plan.shard_groups, links=links,
@@ -216,7 +216,7 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
             collective=collective, compute_dtype=config.param_dtype, prefetch=config.prefetch, device=device,
             overlap=config.overlap,
             materializer=UnitMaterializer(device, init=resolution.init, source=source, seed=config.seed or 0,
-                                          construction=construction),
+                                          fresh=frozenset(lora.adapter_parameters(module)), construction=construction),
         )
     finally:
         if source is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.models import discovery, hf, litgpt, weighting
+from cephalo_lightning.models import discovery, hf, litgpt, lora, weighting
 from cephalo_lightning.models.protocol import PROTOCOL, LayeredModel, LossWeighting, from_protocol, has_protocol
 
 InitFn = Callable[[nn.Module], None]
@@ -59,9 +59,12 @@ def _init_for(lightning_module: nn.Module, library_model: nn.Module | None, libr
     if callable(user):
         return user
     inside = {id(m) for m in library_model.modules()} if library_model is not None else set()
+    adapters = lora.adapter_inits(lightning_module)  # peft's own init for LoRA adapters, not the library's
 
     def init(module: nn.Module) -> None:
-        if library_init is not None and id(module) in inside:
+        if id(module) in adapters:
+            adapters[id(module)](module)
+        elif library_init is not None and id(module) in inside:
             library_init(module)
         else:
             _torch_init(module)

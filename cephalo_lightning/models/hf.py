@@ -26,6 +26,7 @@ from torch import nn
 
 from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning.models.capture import BlockCall, first_block_call
+from cephalo_lightning.models.lora import lora_layers
 from cephalo_lightning.models.protocol import LayeredModel, LossWeighting
 from cephalo_lightning.models.weighting import IGNORE_INDEX, hf_model, shifted_label_tokens  # noqa: F401 - litgpt uses IGNORE_INDEX
 from cephalo_lightning.runtime.layered import Layer
@@ -140,7 +141,8 @@ def init_weights(lm: nn.Module):  # noqa: ANN201 - returns an InitFn
 def checkpoint_info(module: nn.Module) -> dict[str, Any]:
     """What a checkpoint records so an export can write a ``save_pretrained`` directory from it
     (:mod:`cephalo_lightning.runtime.checkpoint.export`): the Hugging Face model's config, class,
-    generation config and attribute path in ``module``; nothing for a module without one."""
+    generation config and attribute path in ``module``, and its peft LoRA layers (merged on export);
+    nothing for a module without one."""
     model = hf_model(module)
     if model is None:
         return {}
@@ -151,4 +153,5 @@ def checkpoint_info(module: nn.Module) -> dict[str, Any]:
         "class": type(model).__name__,
         "config": json.loads(model.config.to_json_string(use_diff=False)),
         "generation_config": json.loads(generation.to_json_string(use_diff=True)) if generation is not None else None,
+        "lora": lora_layers(model),
     }}

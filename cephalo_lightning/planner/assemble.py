@@ -54,5 +54,6 @@ def rank_plans(
 def model_summary(cluster: Cluster) -> dict[str, object]:
     """What the plan records about the model and settings it was made for."""
     m = cluster.model
-    return {"name": m.name, "parameters": m.parameters, "num_layers": m.num_layers,
-            "state_bytes_per_param": m.state_bytes_per_param}
+    return {"name": m.name, "parameters": m.parameters, "trainable_parameters": m.trainable,
+            "num_layers": m.num_layers, "state_bytes_per_param": m.state_bytes_per_param,
+            "weight_bytes_per_param": m.weight_bytes_per_param}

@@ -30,7 +30,18 @@ PROFILE_SOURCES = ("measured", "catalog", "emulated")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The model as the cost model sees it: a stack of identical layers and a parameter count."""
+    """The model as the cost model sees it: a stack of identical layers and a parameter count.
+
+    ``parameters`` counts every parameter (what the all-gathers move and the shards store);
+    ``trainable_parameters`` (None: all of them) the ones with gradients and optimizer state. The
+    sharded training state is::
+
+        state_bytes = state_bytes_per_param * trainable + weight_bytes_per_param * (parameters - trainable)
+
+    a trainable parameter holds its weight, gradient and optimizer moments (``state_bytes_per_param``,
+    16 for fp32 AdamW), a frozen one (LoRA's base model, frozen embeddings) only its stored weight
+    (``weight_bytes_per_param``: the shard's dtype, 4 for an fp32 master).
+    """
 
     name: str
     num_layers: int
@@ -45,10 +56,34 @@ class ModelSpec:
     # stays on the device (settings.stash_on_device): every layer's input and the last layer's output
     # (measured by the profiler; absent: estimated, see kept_bytes)
     kept_bytes_per_sample: float | None = None
+    trainable_parameters: int | None = None  # None: every parameter trains
+    weight_bytes_per_param: float = 4.0  # bytes of a frozen parameter's stored shard (the master dtype)
+
+    def __post_init__(self) -> None:
+        if self.trainable_parameters is not None and not 0 <= self.trainable_parameters <= self.parameters:
+            raise PlanningError(f"model.trainable_parameters ({self.trainable_parameters:,}) must be between 0 and "
+                                f"model.parameters ({self.parameters:,}, every parameter, frozen ones included); "
+                                "fix it in the cluster file")
+
+    @property
+    def trainable(self) -> int:
+        """The parameters with gradients and optimizer state."""
+        return self.parameters if self.trainable_parameters is None else self.trainable_parameters
+
+    @property
+    def frozen(self) -> int:
+        return self.parameters - self.trainable
 
     @property
     def state_bytes(self) -> float:
-        return self.state_bytes_per_param * self.parameters
+        """The whole sharded state: trainable parameters' full state, frozen ones' stored weights."""
+        return self.state_bytes_per_param * self.trainable + self.weight_bytes_per_param * self.frozen
+
+    @property
+    def state_terms(self) -> str:
+        """``state_bytes`` spelled out, for messages."""
+        full = f"{self.trainable:,} parameters x {self.state_bytes_per_param:g} bytes"
+        return full if not self.frozen else f"{full} + {self.frozen:,} frozen x {self.weight_bytes_per_param:g} bytes"
 
     @property
     def layer_parameters(self) -> float:
@@ -317,6 +352,9 @@ def parse_model(data: Any) -> ModelSpec:
         _number(data["stash_bytes_per_sample"], "model.stash_bytes_per_sample"),
         kept_bytes_per_sample=None if data.get("kept_bytes_per_sample") is None else
         _number(data["kept_bytes_per_sample"], "model.kept_bytes_per_sample", strict=False),
+        trainable_parameters=None if data.get("trainable_parameters") is None else
+        _integer(data["trainable_parameters"], "model.trainable_parameters", minimum=0),
+        weight_bytes_per_param=_number(data.get("weight_bytes_per_param", 4), "model.weight_bytes_per_param"),
         **optional_ints,
     )
 

@@ -18,7 +18,7 @@ compute, ``max``; overlap 0: serial, ``comm + compute``)::
         G_i = 1 + (n_i - 1) q    (q: settings.repeated_gather_fraction, 1 unless calibrated: a
                                   layer's first gather in a pass also holds the ranks' wait for
                                   each other, its repeats only the transfer)
-    step_i = contention * (num_layers * (fwd_i + bwd_i) + optimizer_ns_per_param_i * r_i * parameters) + step_overhead
+    step_i = contention * (num_layers * (fwd_i + bwd_i) + optimizer_ns_per_param_i * r_i * trainable) + step_overhead
     step   = max_i step_i
 
 With ``settings.sync_passes`` (the profiler sets it) every layer's pass ends together on the ranks of
@@ -41,12 +41,19 @@ updates only the rank's own share). AG and RS grow with the largest share rho by
 Memory of rank i::
 
     compute_memory_i(m_i) [+ activation_memory_i(m_i) when the graph is kept]
-        [+ compute_bytes_per_param * parameters in uniform mode with n_i > 1: the whole model's
+        [+ compute_bytes_per_param * trainable in uniform mode with n_i > 1: the whole model's
            unsharded gradient accumulates, in the compute dtype, until the last micro-batch]
         [+ b_i * model.kept_bytes in layered mode, recomputing, with ``settings.stash_on_device``:
            the stash (every layer's input of every sample, and the last layer's outputs until the
            loss) held between the two passes; measured by the profiler]
-        + reserved + state_bytes_per_param * parameters * r_i  <=  usable_memory_fraction * memory_i
+        + reserved + state_bytes * r_i  <=  usable_memory_fraction * memory_i
+
+    state_bytes = state_bytes_per_param * trainable + weight_bytes_per_param * frozen
+
+(:class:`~cephalo_lightning.planner.cluster.ModelSpec`): every parameter's stored weight, and the
+gradient and optimizer moments of the trainable ones only (LoRA: the frozen base costs its weights).
+The all-gathers and reduce-scatters move every parameter of a layer (frozen ones included: the
+runtime reduces a unit's flat gradient whole).
 
 Ranks sharing one host (``settings.host_cores`` = K, CPU ranks and emulated clusters) compete for
 its cores: an emulated slow rank sleeps through (1 - 1/slowdown) of its compute, and only its real
@@ -421,11 +428,11 @@ class DeviceCost:
         self.num_layers = model.num_layers
         self.budget_gb = s.usable_memory_fraction * device.memory_gb - s.reserved_memory_gb
         self.state_gb = model.state_bytes / GIB
-        self.grad_gb = model.compute_bytes_per_param * model.parameters / GIB  # uniform accumulation
+        self.grad_gb = model.compute_bytes_per_param * model.trainable / GIB  # uniform accumulation
         ns = device.optimizer_ns_per_param
         if ns is None:
             ns = s.optimizer_ns_per_param or 0.0
-        self.optimizer_ms_per_share = ns * model.parameters / 1e6  # the whole state's step, ms
+        self.optimizer_ms_per_share = ns * model.trainable / 1e6  # the whole state's step (trainable only), ms
         stash = model.stash_bytes
         gbps = device.host_copy_gbps or s.host_copy_gbps
         copies = s.offload_stash and mode == "layered" and stash is not None

@@ -170,6 +170,15 @@ def next_line(plan: Plan, cluster: Cluster | None = None, output: str | None = N
             f"of batch_size={plan.global_batch_size}, the global batch, which the plan splits between the ranks")
 
 
+def parameters_line(plan: Plan) -> str | None:
+    """"trainable N of M parameters" where the plan records a model with frozen parameters (LoRA)."""
+    total, trainable = plan.model.get("parameters"), plan.model.get("trainable_parameters")
+    if not total or trainable is None or trainable == total:
+        return None
+    return (f"trainable {trainable:,} of {total:,} parameters ({100 * trainable / total:.2g}%): the frozen ones "
+            "are charged their stored weights only")
+
+
 def summary_lines(plan: Plan, cluster: Cluster | None = None, output: str | None = None,
                   next_step: bool = False) -> list[str]:
     """The legend, why each rank binds, the shard groups, the throughput against the upper bound and
@@ -178,6 +187,7 @@ def summary_lines(plan: Plan, cluster: Cluster | None = None, output: str | None
     lines = [LEGEND + (LEGEND_BINDS if _explained(plan) else ""), *why_lines(plan)]
     if plan.num_shard_groups > 1:
         lines.append(groups_line(plan))
+    lines += [line for line in (parameters_line(plan),) if line]
     if plan.predicted_samples_per_s is not None and plan.predicted_step_s is not None:
         line = (f"predicted{emulated}: {plan.predicted_samples_per_s:.3g} samples/s "
                 f"(step {plan.predicted_step_s:.3g} s)")

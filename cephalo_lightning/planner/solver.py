@@ -390,9 +390,9 @@ def _check_memory(problem: Problem) -> None:
     total0 = float((room0 * counts).sum())
     if state > total0 * (1 + 1e-12):
         raise PlanningError(
-            f"the training state needs {memory_text(state)} ({cluster.model.parameters:,} parameters x "
-            f"{cluster.model.state_bytes_per_param:g} bytes) but the {problem.W} GPUs have only {memory_text(total0)} "
-            f"free {where}: short by {memory_text(state - total0)}; add GPUs or memory, or shrink the model")
+            f"the training state needs {memory_text(state)} ({cluster.model.state_terms}) but the {problem.W} GPUs have "
+            f"only {memory_text(total0)} free {where}: short by {memory_text(state - total0)}; add GPUs or memory, or "
+            "shrink the model")
     if problem.mode == "uniform":
         small = [k for k, m in enumerate(kinds) if m.m_cap < 1 or room1[k] < 0]
         if small:

@@ -130,8 +130,10 @@ class ClusterProfiler:
             per rank, all validated), from which this rank's emulator is built when none is given
             (when both are given they must agree).
         options: :class:`ProfileOptions`.
-        model_name, parameters, state_bytes_per_param, hidden_size, seq_len: the :class:`ModelSpec`
-            (``parameters`` defaults to the layers' trainable parameters).
+        model_name, parameters, trainable_parameters, state_bytes_per_param, weight_bytes_per_param,
+            hidden_size, seq_len: the :class:`ModelSpec` (``parameters`` defaults to the layers' parameters,
+            ``trainable_parameters`` to their trainable ones; a frozen parameter is priced at
+            ``weight_bytes_per_param``, a trainable one at ``state_bytes_per_param``).
         settings: the cost model's settings (default :func:`default_settings`); the measured
             collective times replace ``allgather_ms`` / ``reduce_scatter_ms``.
         group: the process group (default: the world); single process works without one.
@@ -158,6 +160,8 @@ class ClusterProfiler:
         model_name: str = "model",
         parameters: int | None = None,
         state_bytes_per_param: float = 16.0,
+        trainable_parameters: int | None = None,
+        weight_bytes_per_param: float = 4.0,
         hidden_size: int | None = None,
         seq_len: int | None = None,
         settings: Settings | None = None,
@@ -195,6 +199,8 @@ class ClusterProfiler:
         self.model_name = model_name
         self.parameters = parameters
         self.state_bytes_per_param = float(state_bytes_per_param)
+        self.trainable_parameters = trainable_parameters
+        self.weight_bytes_per_param = float(weight_bytes_per_param)
         self.hidden_size = hidden_size
         self.seq_len = seq_len
         self.settings = settings if settings is not None else default_settings(self.device)
@@ -238,7 +244,8 @@ class ClusterProfiler:
                 "batch_dim": opts.batch_dim, "collectives": opts.collectives, "modes": list(opts.collective_modes),
                 "with_loss": self.hooks.loss_fn is not None,
             },
-            "spec": [self.model_name, self.parameters, self.state_bytes_per_param, self.hidden_size, self.seq_len],
+            "spec": [self.model_name, self.parameters, self.state_bytes_per_param, self.hidden_size, self.seq_len,
+                     self.trainable_parameters, self.weight_bytes_per_param],
             "settings": asdict(self.settings),
         })
 
@@ -388,8 +395,11 @@ class ClusterProfiler:
         model = ModelSpec(
             name=self.model_name,
             num_layers=first.num_layers,
-            parameters=self.parameters if self.parameters is not None else first.parameters,
+            parameters=self.parameters if self.parameters is not None else sum(first.layer_numels),
+            trainable_parameters=(self.trainable_parameters if self.trainable_parameters is not None
+                                  else None if self.parameters is not None else first.parameters),
             state_bytes_per_param=self.state_bytes_per_param,
+            weight_bytes_per_param=self.weight_bytes_per_param,
             hidden_size=self.hidden_size,
             seq_len=self.seq_len,
             compute_bytes_per_param=float(torch.empty((), dtype=self._compute_dtype()).element_size()),

@@ -13,6 +13,11 @@ executing code (:mod:`.safe_load`); tensors are read unit by unit, as the fit sh
 each file is written and released before the next is read, so the peak memory is about one
 output file (``max_shard_bytes``), not the model. The output appears whole or not at all
 (written beside it, then renamed).
+
+A fit of a peft LoRA model records its LoRA layers (key ``hf.lora``): their adapters are merged
+into the base weights unit by unit (:mod:`.lora_merge`), so the output is the plain model under
+its original names, what ``merge_and_unload()`` then ``save_pretrained`` would write
+(``merge_lora=False``, ``--no-merge``: the tensors as stored, peft's names and the adapters).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from cephalo_lightning._common.atomic_io import publish_directory, remove_tree
 from cephalo_lightning.runtime.checkpoint.dcp_planners import Request, ShardLoadPlanner, dcp_call
 from cephalo_lightning.runtime.checkpoint.format import MODEL_PREFIX, CheckpointError
+from cephalo_lightning.runtime.checkpoint.lora_merge import merge
 from cephalo_lightning.runtime.checkpoint.manifest import read_info, verify
 from cephalo_lightning.runtime.checkpoint.safe_load import SafeFileSystemReader, read_dcp_metadata
 
@@ -107,7 +113,7 @@ def _batches(groups: list[list[str]], sizes: dict[str, int], budget: int) -> Ite
 
 def export_hf(checkpoint: str | Path, output: str | Path, *, config: str | Path | None = None,
               prefix: str | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-              verify_checksums: bool = True) -> Exported:
+              verify_checksums: bool = True, merge_lora: bool = True) -> Exported:
     """Write the checkpoint's Hugging Face model as a ``save_pretrained`` directory (see the module docstring)."""
     from safetensors.torch import save_file
 
@@ -129,25 +135,29 @@ def export_hf(checkpoint: str | Path, output: str | Path, *, config: str | Path 
     sizes = {n: metadata[MODEL_PREFIX + n].properties.dtype.itemsize * _numel(metadata[MODEL_PREFIX + n].size)
              for n in inside}
     batches = list(_batches(_groups(info, inside), sizes, max_shard_bytes))
+    lora = (info.get("hf") or {}).get("lora") or {} if merge_lora else {}
     staging = output.with_name(output.name + ".exporting")
     if staging.exists():  # what an interrupted export left
         remove_tree(staging)
     staging.mkdir(parents=True)
     try:
-        files, weight_map, count = [], {}, 0
+        files, weight_map, count, total = [], {}, 0, 0
         for index, names in enumerate(batches, start=1):
             file = "model.safetensors" if len(batches) == 1 else f"model-{index:05d}-of-{len(batches):05d}.safetensors"
             tensors = {}
             for name, tensor in _read(source, metadata, names).items():
                 for key in (name, *(a for a in aliases[name] if a.startswith(chosen))):
                     tensors[key[len(chosen):]] = tensor if key == name else tensor.clone()
+            if lora:
+                tensors = merge(tensors, lora)
             save_file(tensors, str(staging / file), metadata={"format": "pt"})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
             weight_map.update({key: file for key in tensors})
             files.append(file)
             count += len(tensors)
             del tensors
         if len(files) > 1:
-            index_doc = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
+            index_doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (staging / INDEX_FILE).write_text(json.dumps(index_doc, indent=2))
         (staging / "config.json").write_text(json.dumps(document, indent=2, sort_keys=True))
         generation = (info.get("hf") or {}).get("generation_config")

@@ -275,13 +275,18 @@ class FlatUnit:
     def add_local_grad(self, shard_grad: torch.Tensor) -> None:
         """Accumulate a reduced shard gradient into the local pieces' ``.grad``. ``shard_grad`` is
         the caller's to give (a fresh reduction result): a piece without a gradient takes a view of
-        it, not a copy."""
+        it, not a copy, unless the unit has frozen parameters: a view would keep the whole shard's
+        gradient alive (frozen parameters' zeros included) until ``zero_grad``, so a frozen parameter
+        would cost gradient memory after all; their trainable pieces are copied out instead."""
+        copy = self.num_trainable < len(self.requires_grad)
         for (start, numel), param in zip(self._piece_runs, self.local_params):
             if not param.requires_grad:
                 continue
             piece = shard_grad[start : start + numel].view(param.shape)
             if piece.dtype != param.dtype:
                 piece = piece.to(param.dtype)
+            elif copy and param.grad is None:
+                piece = piece.clone()
             if param.grad is None:
                 param.grad = piece
             else:

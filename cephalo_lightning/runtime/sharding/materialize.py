@@ -6,6 +6,9 @@ the local shard before the next unit is touched, so the peak is the rank's share
 unit, never the whole model. A materialised model's units are cut to their shards as they are, unless
 weights are given: then every unit is read from them, whether the model was built on the meta device
 (``configure_model()``) or eagerly (in ``__init__``), so pretrained weights are never silently ignored.
+The parameters named ``fresh`` (adapters added to a pretrained model, e.g. peft LoRA's) are the
+exception: no pretrained file holds them, so they keep the values the model was built with, or on
+the meta device are initialised like any meta parameter.
 
 A meta buffer gets the value a model built normally would hold (:func:`_settle_buffers`): the files',
 else the initialisation's where it writes one, else what the module's constructor computed, replayed
@@ -35,6 +38,7 @@ class WeightSource(Protocol):
     """Where a meta-built model's weights come from (see :mod:`.weights`)."""
 
     def read(self, name: str, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor: ...
+    def holds(self, name: str) -> bool: ...
     def buffer(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None: ...
 
 
@@ -71,11 +75,13 @@ class UnitMaterializer:
     """
 
     def __init__(self, device: torch.device, init: InitFn | None = None, source: WeightSource | None = None,
-                 seed: int = 0, construction: ConstructionRecord | None = None) -> None:
+                 seed: int = 0, fresh: frozenset[str] = frozenset(),
+                 construction: ConstructionRecord | None = None) -> None:
         self.device = device
         self.init = init
         self.source = source
         self.seed = seed
+        self.fresh = fresh
         self.construction = construction
         self.materialized_units = 0
 
@@ -87,7 +93,7 @@ class UnitMaterializer:
         if meta:
             self.materialized_units += 1
         if self.source is not None:  # the files win over whatever the model was built with, meta or not
-            return self._read(unit, slots, rank, dtype, buffers)
+            return self._read(index, unit, slots, rank, dtype, buffers)
         if not meta:
             self._buffers_to_device(buffers)
             if not params:
@@ -101,13 +107,16 @@ class UnitMaterializer:
             if buf.device != self.device:
                 mod._buffers[attr] = buf.to(self.device)
 
-    def _read(self, unit: UnitLayout, slots: list[ParamSlot], rank: int, dtype: torch.dtype,
+    def _read(self, index: int, unit: UnitLayout, slots: list[ParamSlot], rank: int, dtype: torch.dtype,
               buffers: list[Buffer]) -> torch.Tensor:
         assert self.source is not None
         pieces = []
+        built = self._fresh_values(index, unit, slots)
         for span in unit.params:
             a, b = unit.param_piece(span, rank)
-            if b > a:
+            if b > a and span.name in built:
+                pieces.append(built[span.name].detach().reshape(-1)[a:b].to(device=self.device, dtype=dtype))
+            elif b > a:
                 pieces.append(self.source.read(span.name, span.shape, a, b).reshape(-1).to(device=self.device, dtype=dtype))
         unread: list[Buffer] = []
         for name, mod, attr in buffers:
@@ -126,6 +135,26 @@ class UnitMaterializer:
                         self.init(mod)
             _settle_buffers(pending, self.construction)
         return torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype, device=self.device)
+
+    def _fresh_values(self, index: int, unit: UnitLayout, slots: list[ParamSlot]) -> dict[str, torch.Tensor]:
+        """The unit's ``fresh`` parameters the files lack, whole: as built, or (meta) initialised
+        under the unit's seed by their own modules."""
+        assert self.source is not None
+        wanted = [(span, slot) for span, slot in zip(unit.params, slots)
+                  if span.name in self.fresh and not self.source.holds(span.name)]
+        meta = [slot for _, slot in wanted if slot.current.is_meta]
+        if meta:
+            if self.init is None:
+                raise ValueError(f"unit {unit.name}: adapter parameters on the meta device and no initialisation known")
+            for slot in meta:
+                old = slot.current
+                slot.set(nn.Parameter(torch.empty_like(old, device=self.device), requires_grad=old.requires_grad))
+            modules = _post_order([slot.holders[0][0] for slot in meta], {id(slot.holders[0][0]) for slot in meta})
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), _initialising_only(meta, modules):
+                torch.manual_seed((self.seed * 1_000_003 + index) % (2**63))
+                for mod in modules:
+                    self.init(mod)
+        return {span.name: slot.current for span, slot in wanted}
 
     def _initialise(self, index: int, unit: UnitLayout, slots: list[ParamSlot], dtype: torch.dtype,
                     buffers: list[Buffer], lo: int, hi: int) -> torch.Tensor:

@@ -584,9 +584,20 @@ class _UniformHooks:
         if model.mode is Mode.HOOKS and unit.grad_state is GradState.IDLE:
             unit.grad_state = GradState.COMPUTING
             self._root_region(False)
+            self._free_finished(index)
             model.gather(index, prefetch=index - 1)
             model.observers.compute_begin("unit_backward")
         return grad
+
+    def _free_finished(self, index: int) -> None:
+        """[Note: frozen parameters outlive the last gradient] A unit with frozen parameters (LoRA's
+        base weights) has not finished its backward when its last trainable gradient arrives: the
+        input's gradient still flows through the frozen weights (``dx = dy W``), so it stays gathered
+        until a unit before it starts its backward (its output's gradient, this unit's input's, is
+        then complete) or the backward ends (:meth:`ShardedModel.finish_backward`)."""
+        for later in self.model.units[index + 1:]:
+            if later.grad_state in (GradState.READY, GradState.REDUCED) and later.state is not UnitState.SHARDED:
+                later.free()
 
     def _post_accumulate(self, index: int, param: torch.Tensor) -> None:
         unit = self.model.units[index]
@@ -603,7 +614,8 @@ class _UniformHooks:
         if index != 0:  # the root stays gathered for the whole step
             if unit.grad_state is GradState.COMPUTING:
                 model.observers.compute_end("unit_backward")
-            unit.free()
+            if unit.num_trainable == len(unit.requires_grad):
+                unit.free()
         unit.grad_state = GradState.READY
         model.reduce_in_order(every=False)
         self._root_region(index <= 1)  # what follows the first layer unit's backward is the root's

@@ -8,7 +8,9 @@ loaded). Files are opened without running code (safetensors; ``torch.load(weight
 
 Names: parameters are looked up by their name in the model being trained and, failing that, with
 ``prefix`` removed (a LightningModule that holds the library model as ``self.model`` has names
-``model.<hf name>``, a ``save_pretrained`` directory the bare ``<hf name>``).
+``model.<hf name>``, a ``save_pretrained`` directory the bare ``<hf name>``), each also with the
+name segments in ``wrapped`` removed (a peft LoRA layer holds the original linear as
+``base_layer``: ``q_proj.base_layer.weight`` is the file's ``q_proj.weight``).
 """
 
 from __future__ import annotations
@@ -37,18 +39,32 @@ def _row_range(shape: tuple[int, ...], start: int, stop: int) -> tuple[int, int,
 class WeightSource:
     """Base: maps model names to stored keys and checks shapes; subclasses read the bytes."""
 
-    def __init__(self, keys: dict[str, tuple[int, ...]], prefix: str = "", where: str = "") -> None:
+    def __init__(self, keys: dict[str, tuple[int, ...]], prefix: str = "", where: str = "",
+                 wrapped: tuple[str, ...] = ()) -> None:
         self.keys = keys  # stored key -> shape
         self.prefix = prefix
         self.where = where
+        self.wrapped = wrapped
         self.used: set[str] = set()
 
     def _key(self, name: str) -> str | None:
-        if name in self.keys:
-            return name
-        if self.prefix and name.startswith(self.prefix) and name[len(self.prefix):] in self.keys:
-            return name[len(self.prefix):]
+        names = [name]
+        if self.prefix and name.startswith(self.prefix):
+            names.append(name[len(self.prefix):])
+        for candidate in names:
+            for form in (candidate, self._unwrapped(candidate)):
+                if form in self.keys:
+                    return form
         return None
+
+    def _unwrapped(self, name: str) -> str:
+        for segment in self.wrapped:
+            name = name.replace(segment + ".", ".")
+        return name
+
+    def holds(self, name: str) -> bool:
+        """Whether the files hold a tensor for parameter (or buffer) ``name``."""
+        return self._key(name) is not None
 
     def read(self, name: str, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
         key = self._key(name)
@@ -112,7 +128,7 @@ def check_readable(path: str | Path) -> None:
 class SafetensorsSource(WeightSource):
     """A ``save_pretrained`` directory (``model.safetensors`` or an index of shards), or one file."""
 
-    def __init__(self, path: str | Path, prefix: str = "") -> None:
+    def __init__(self, path: str | Path, prefix: str = "", wrapped: tuple[str, ...] = ()) -> None:
         check_readable(path)
         from safetensors import safe_open
 
@@ -137,7 +153,7 @@ class SafetensorsSource(WeightSource):
             for key in handle.keys():
                 self._handles[key] = handle
                 keys[key] = tuple(handle.get_slice(key).get_shape())
-        super().__init__(keys, prefix, str(path))
+        super().__init__(keys, prefix, str(path), wrapped)
 
     def _read(self, key: str, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
         piece = self._handles[key].get_slice(key)
@@ -154,7 +170,7 @@ class SafetensorsSource(WeightSource):
 class StateDictSource(WeightSource):
     """A file holding a ``state_dict`` (or a Lightning checkpoint with one), memory-mapped."""
 
-    def __init__(self, path: str | Path, prefix: str = "") -> None:
+    def __init__(self, path: str | Path, prefix: str = "", wrapped: tuple[str, ...] = ()) -> None:
         path = Path(path)
         try:
             loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -164,17 +180,17 @@ class StateDictSource(WeightSource):
         if not isinstance(state, dict):
             raise WeightsError(f"{path} does not hold a state_dict (found {type(loaded).__name__})")
         self._tensors = {k: v for k, v in state.items() if torch.is_tensor(v)}
-        super().__init__({k: tuple(v.shape) for k, v in self._tensors.items()}, prefix, str(path))
+        super().__init__({k: tuple(v.shape) for k, v in self._tensors.items()}, prefix, str(path), wrapped)
 
     def _read(self, key: str, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:
         return self._tensors[key].reshape(-1)[start:stop].clone()
 
 
-def open_weights(path: str | Path, prefix: str = "") -> WeightSource:
+def open_weights(path: str | Path, prefix: str = "", wrapped: tuple[str, ...] = ()) -> WeightSource:
     """The source for ``path``: safetensors (a directory or ``*.safetensors``) or a state_dict file."""
     path = Path(path)
     if not path.exists():
         raise WeightsError(f"pretrained weights {path} do not exist")
     if _is_safetensors(path):
-        return SafetensorsSource(path, prefix)
-    return StateDictSource(path, prefix)
+        return SafetensorsSource(path, prefix, wrapped)
+    return StateDictSource(path, prefix, wrapped)
