@@ -41,6 +41,17 @@ def test_a_device_the_plan_does_not_know_takes_the_plans_mean_and_more_ranks_spl
     assert single.batch_sizes == [24] and single.ranks[0].state_share == 1.0
 
 
+def test_the_samples_left_over_go_to_the_largest_remainders():
+    plan = Plan(10, "layered", (RankPlan(0, "a", 7, 1, 7, 0.7), RankPlan(1, "b", 2, 1, 2, 0.2),
+                                RankPlan(2, "c", 1, 1, 1, 0.1)))
+    # 10 x 7/9 = 7.78 and 10 x 2/9 = 2.22: floors 7 + 2, the sample left goes to the remainder 0.78
+    assert replan_for_world(plan, ["a", "b"]).batch_sizes == [8, 2]
+    # 10 x 7/9 = 7.78, 10 x 1/9 = 1.11 twice: floors 7 + 1 + 1, the sample left goes to 0.78
+    assert replan_for_world(plan, ["a", "c", "c"]).batch_sizes == [8, 1, 1]
+    # 10 x 2/5 = 4 twice, 10 x 1/5 = 2: no remainder, nothing moves
+    assert replan_for_world(plan, ["b", "b", "c"]).batch_sizes == [4, 4, 2]
+
+
 # ----------------------------------------------------------------------------- re-planned from the cluster file
 
 BIG, MID, SMALL = "cpu (emulated x1.0, 3 GiB)", "cpu (emulated x1.0, 2 GiB)", "cpu (emulated x1.0, 1 GiB)"
