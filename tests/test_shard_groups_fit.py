@@ -18,6 +18,7 @@ from cephalo_lightning.planner import RankPlan
 from tests.distributed import run_distributed
 from tests.helpers import NUM_SAMPLES, max_error, reference, trainer
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
+from tests.plans import plan_of
 
 TOL = 1e-5  # AdamW in fp32 through Lightning, as tests/test_strategy.py (the runtime's tests hold the tighter bounds)
 
@@ -31,7 +32,7 @@ def _plan(mode: str, rows: list[tuple[int, int, float, int]]) -> Plan:
 NODES = _plan("layered", [(2, 1, 0.7, 0), (5, 3, 0.3, 0), (4, 2, 0.45, 1), (1, 1, 0.55, 1)])
 SINGLES = _plan("uniform", [(3, 1, 1.0, 0), (5, 1, 1.0, 1), (1, 1, 1.0, 2), (3, 1, 1.0, 3)])
 SINGLES_LAYERED = _plan("layered", [(6, 2, 1.0, 0), (2, 1, 1.0, 1), (3, 3, 1.0, 2), (1, 1, 1.0, 3)])
-TWO_RANKS = Plan(12, "layered", (RankPlan(0, "a", 9, 3, 3, 0.25), RankPlan(1, "b", 3, 1, 3, 0.75)))
+TWO_RANKS = plan_of(batches=[9, 3], micro=[3, 1], shares=[0.25, 0.75])
 
 
 # A Hugging Face family a named adapter knows (Llama: rotary tables, grouped-query attention, RMSNorm)

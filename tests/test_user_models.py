@@ -34,19 +34,19 @@ from cephalo_lightning import CephaloStrategy, Plan  # noqa: E402
 from cephalo_lightning.__main__ import main as cli  # noqa: E402
 from cephalo_lightning._common.errors import UnsupportedError  # noqa: E402
 from cephalo_lightning.models import resolve, weighting  # noqa: E402
-from cephalo_lightning.planner import RankPlan  # noqa: E402
 from cephalo_lightning.runtime.checkpoint import load_full_state_dict  # noqa: E402
 from cephalo_lightning.runtime.checkpoint.export import export_hf  # noqa: E402
 from tests import library_models  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.library_models import LibraryLM, PaddedTokens  # noqa: E402
 from tests.loss_models import KINDS, HFModule, collate, data, reference  # noqa: E402
+from tests.plans import plan_of  # noqa: E402
 
 STEPS = 2
 GLOBAL = 12
 # uniform mode: one micro-batch count on every rank, but different batches, micro-batch sizes and shares
-PLAN = Plan(GLOBAL, "uniform", (RankPlan(0, "a", 7, 2, 4, 0.3), RankPlan(1, "b", 5, 2, 3, 0.7)))
-LAYERED = Plan(GLOBAL, "layered", (RankPlan(0, "a", 9, 4, 3, 0.25), RankPlan(1, "b", 3, 1, 3, 0.75)))
+PLAN = plan_of(batches=[7, 5], micro=[2, 2], shares=[0.3, 0.7], mode="uniform")
+LAYERED = plan_of(batches=[9, 3], micro=[4, 1], shares=[0.25, 0.75])
 PROMPT = torch.tensor([[5, 7, 9, 11]])
 SPLIT = (4, 3, 3, 2)  # the plan's micro-batches, in order: the reference's summation order
 FLOOR_FACTOR, FLOOR_EPS = 10, 1e-12  # as tests/test_models.py: x the measured noise floor
