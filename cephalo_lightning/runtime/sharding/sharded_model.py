@@ -353,10 +353,6 @@ class ShardedModel:
                 hooks.root_backward(False)
         self.finish_backward()
 
-    def grad_norm_sq(self, norm_type: float = 2.0) -> torch.Tensor:
-        """This rank's share of the gradient norm: sum |g|^p over its pieces (max |g| for inf), fp64."""
-        return local_grad_norm(self.parameters(), norm_type, self.device)
-
     @torch.no_grad()
     def grads_finite(self) -> bool:
         """Whether every element of this rank's gradient pieces is finite.
