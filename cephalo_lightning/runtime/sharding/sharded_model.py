@@ -60,6 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Links
@@ -143,7 +144,7 @@ class ShardedModel:
     ) -> None:
         handback.check_not_pieces(module)
         self.module = module
-        self.refusals: list[Any] = []  # hooks refusing use of the pieces after a fit (handback, PARKED)
+        self.refusals: list[RemovableHandle] = []  # hooks refusing use of the pieces after a fit (handback, PARKED)
         self.observers = Observers()
         for observer in observers:  # attached first, they also see the buffers sharding creates
             self.observers.attach(observer)
@@ -434,18 +435,20 @@ class ShardedModel:
             return
         self.free_all()
         if whole:
-            handback.put_whole(self)
+            handback.put_whole(self.units, self.comm, self.device)
             self.mode = Mode.HANDED_BACK
         else:
-            handback.refuse_use(self)
+            self.refusals = handback.refuse_use(self.units, self.module)
             self.mode = Mode.PARKED
 
     @torch.no_grad()
     def take_back(self) -> None:
         """Before the next fit or evaluation of the same module: the whole parameters into the shards."""
         if self.mode is Mode.HANDED_BACK:
-            handback.copy_into_shards(self)
-        handback.stop_refusing(self)
+            handback.copy_into_shards(self.units)
+        for handle in self.refusals:
+            handle.remove()
+        self.refusals = []
         if self.mode in (Mode.HANDED_BACK, Mode.PARKED):
             self.mode = Mode.HOOKS
 
