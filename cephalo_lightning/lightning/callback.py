@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning._common.units import GIB
+from cephalo_lightning._common.vocabulary import Planner
 from cephalo_lightning.lightning.adaptation import RunAdapter
 from cephalo_lightning.lightning.callback_api import CallbackAPI
 from cephalo_lightning.lightning.callback_config import CallbackConfig
@@ -325,8 +326,8 @@ class CephaloCallback(Callback):
             "measured_step_s": step_s,
             "predicted_samples_per_s": strategy.plan.predicted_samples_per_s,
             "predicted_step_s": strategy.plan.predicted_step_s,
-            "even_predicted_samples_per_s": strategy.plan.baselines.get("even").predicted_samples_per_s
-            if "even" in strategy.plan.baselines else None,
+            "even_predicted_samples_per_s": strategy.plan.baselines[Planner.EVEN].predicted_samples_per_s
+            if Planner.EVEN in strategy.plan.baselines else None,
             "calibrated_predicted_step_s": self.calibration.predicted_after_s if self.calibration is not None else None,
             "steps": len(self._all_walls),
             "emulated": bool(strategy.emulator.is_emulated or strategy.plan.emulated),

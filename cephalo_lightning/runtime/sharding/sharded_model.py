@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from cephalo_lightning._common.vocabulary import Collective
 from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Links
 from cephalo_lightning.runtime.observers import Observer, Observers
@@ -247,7 +248,7 @@ class ShardedModel:
         it computes, which no profile counts: for a padded gather of an uneven unit its padded shard
         and W of them for staging; an exact or an even gather holds nothing
         ([Note: an exact all-gather holds no send buffer])."""
-        if not self.prefetch or self.comm.mode != "padded" or self.comm.world_size < 2:
+        if not self.prefetch or self.comm.mode != Collective.PADDED or self.comm.world_size < 2:
             return 0
         return max(((self.comm.world_size + 1) * u.layout.max_shard * u.compute_dtype.itemsize
                     for u in self.units[1:] if u.layout.numel and not u.layout.is_even), default=0)
