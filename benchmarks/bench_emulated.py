@@ -33,7 +33,6 @@ of per-round ratios (fits run seconds apart); predicted ratios come from the sam
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -351,11 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides["rounds"] = args.rounds
     cfg = Config(**{**asdict(cfg), **overrides})
     result = run_benchmark(cfg)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print_report(result)
-    return 0
+    return common.emit(result, args.json, print_report)
 
 
 if __name__ == "__main__":

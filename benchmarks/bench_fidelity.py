@@ -36,7 +36,6 @@ watch windows, so another cost model can be fitted to the same measurements offl
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -523,11 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     chosen = tuple(c for c in CLUSTERS if c.name in args.clusters.split(","))
     result = run_benchmark(QUICK if args.quick else Config(), chosen)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print_report(result)
-    return 0
+    return common.emit(result, args.json, print_report)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -649,11 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown part(s) {sorted(unknown)}")
     result = run_benchmark(QUICK if args.quick else Config(), parts)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print_report(result)
-    return 0
+    return common.emit(result, args.json, print_report)
 
 
 if __name__ == "__main__":

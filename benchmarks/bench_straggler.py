@@ -33,7 +33,6 @@ the ratios are medians of per-round ratios (each compares fits minutes apart at 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -232,11 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.emulate:
         cfg = replace(cfg, emulate=tuple(float(v) for v in args.emulate.split(",")))
     result = run_benchmark(cfg)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print_report(result)
-    return 0
+    return common.emit(result, args.json, print_report)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import pstats
 import sys
 import time
@@ -328,11 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown strategies {sorted(set(names) - set(STRATEGIES))}")
         cfg = Config(**{**asdict(cfg), "strategies": names})
     result = run_benchmark(cfg, args.profile)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print_report(result)
-    return 0
+    return common.emit(result, args.json, print_report)
 
 
 if __name__ == "__main__":

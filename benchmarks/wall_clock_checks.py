@@ -3,6 +3,7 @@
     python benchmarks/wall_clock_checks.py            # every check; exit 1 if one fails
     python benchmarks/wall_clock_checks.py planner    # only the planner's (a few seconds)
     python benchmarks/wall_clock_checks.py emulated   # only the emulated speed-up (about a minute)
+    python benchmarks/wall_clock_checks.py profiled   # only the profiled slowdown (about 20 s)
 
 The test suite asserts what is deterministic (valid plans, clear refusals, the plan's shape, the
 planner's predicted speed-up); how long something takes on this machine is measured here, on a
@@ -25,6 +26,11 @@ machine quiet enough to mean it. Each check prints its figure and its bound.
    slows the fast rank's real compute, never the slow rank's emulated wait, so load pulls the
    ratio towards 1; 1.2 leaves that margin and still fails if the plan stopped helping: with both
    ranks at x1 (the two plans then coincide) the same check measured 0.93 and 0.95.
+
+3. ``profiled``: on 2 gloo ranks, rank 1 EMULATED 3x slower (with a 0.05 GiB cap), the profiler
+   recovers the slowdown: the slow device's summed layer times over the fast one's within 15% of 3.
+   The two ranks are measured at different moments, so one burst of foreign load on a shared host
+   can inflate a whole turn; run it on a quiet machine.
 
    Exits: the ranks return their raw per-batch times and the parent combines them, so a rank's
    last collective is not an all-reduce of its own (gloo's worker thread may still be releasing
@@ -206,18 +212,55 @@ def check_emulated() -> bool:
     return _check("cephalo / even measured", ratio, MIN_SPEEDUP, "x", below=False)
 
 
+# ----------------------------------------------------------------------------- profiled slowdown
+
+PROFILED_SLOWDOWN = 3.0
+PROFILED_TOLERANCE = 0.15
+
+
+def _profile_slow_pair(rank: int, world_size: int) -> float:
+    """The slow device's summed layer times over the fast one's, as the profiler measured them."""
+    import torch
+
+    from cephalo_lightning.demo.gpt import GPT, GPTConfig
+    from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions
+
+    torch.manual_seed(0)
+    layers = GPT(GPTConfig.preset("small", seq_len=64)).layers()
+    sample = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    emulate = [{"slowdown": 1}, {"slowdown": PROFILED_SLOWDOWN, "memory_gb": 0.05}]
+    options = ProfileOptions(max_micro_batch=4, collective_modes=("padded", "exact"))
+    fast, slow = ClusterProfiler(layers, sample, emulate=emulate, options=options, model_name="gpt-small",
+                                 quiet=True).run().cluster.devices
+    return (sum(slow.layer_fwd_ms) + sum(slow.layer_bwd_ms)) / (sum(fast.layer_fwd_ms) + sum(fast.layer_bwd_ms))
+
+
+def check_profiled() -> bool:
+    from cephalo_lightning.testing.local_ranks import run_local_ranks
+
+    ratio = run_local_ranks(_profile_slow_pair, 2)[0]
+    error = abs(ratio / PROFILED_SLOWDOWN - 1)
+    print(f"EMULATED x{PROFILED_SLOWDOWN:g} device profiled at x{ratio:.2f}")
+    return _check("profiled slowdown, relative error", error, PROFILED_TOLERANCE, "")
+
+
+CHECKS = ("planner", "emulated", "profiled")
+
+
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checks", nargs="*", choices=("planner", "emulated"), help="default: all")
-    checks = parser.parse_args(argv).checks or ["planner", "emulated"]
+    parser.add_argument("checks", nargs="*", choices=CHECKS, help="default: all")
+    checks = parser.parse_args(argv).checks or list(CHECKS)
     ok = True
     with tempfile.TemporaryDirectory() as workdir:
         if "planner" in checks:
             ok &= check_planner(Path(workdir))
         if "emulated" in checks:
             ok &= check_emulated()
+        if "profiled" in checks:
+            ok &= check_profiled()
     return 0 if ok else 1
 
 

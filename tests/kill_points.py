@@ -34,10 +34,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from cephalo_lightning import CephaloStrategy, Plan
+from cephalo_lightning import CephaloStrategy
 from cephalo_lightning._common import atomic_io
-from cephalo_lightning.planner import RankPlan
 from tests.lightning_models import TinyLayered, token_data
+from tests.plans import plan_of
 
 Call = tuple[str, tuple[str, ...]]  # (what is called, the names of the paths it is called on)
 
@@ -154,7 +154,7 @@ def train(request: dict) -> None:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             module.log("step", float(trainer.global_step))
 
-    plan = Plan(8, "layered", (RankPlan(0, "a", 8, 2, 4, 1.0),))
+    plan = plan_of(batches=[8], micro=[2], shares=[1.0])
     strategy = CephaloStrategy(plan=plan, async_checkpoint=request.get("async", False))
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1,
                          max_steps=request["max_steps"], logger=False, enable_progress_bar=False,

@@ -117,12 +117,15 @@ class LibraryLM(pl.LightningModule):
 
 def reference(family: str, optimizer: str, steps: int, global_batch: int, data: PaddedTokens,
               dtype: torch.dtype = torch.float32, tie: bool | None = None,
-              micro_batches: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+              micro_batches: tuple[int, ...] | None = None, items_in_batch: bool = False) -> dict[str, torch.Tensor]:
     """Single-process training on the same global batches: parameters (and Adam moments).
 
     ``micro_batches``: sizes that split each global batch, the gradients accumulated with each
     micro-batch's loss weighted by its share of the batch's target tokens, which is the same
-    maths in another summation order (what :func:`noise_floor` compares)."""
+    maths in another summation order (what :func:`noise_floor` compares). ``items_in_batch``: a
+    Hugging Face model divides each micro-batch's summed loss by the batch's target tokens itself
+    (``num_items_in_batch``) instead; its loss runs in fp32 whatever the model's precision, so in
+    fp64 only this cut keeps every per-token gradient the whole batch's."""
     module = LibraryLM(family, optimizer, tie).to(dtype)
     opt = module.configure_optimizers()
     for step in range(steps):
@@ -134,8 +137,11 @@ def reference(family: str, optimizer: str, steps: int, global_batch: int, data: 
             tokens = (batch["labels"][:, 1:] != -100).sum()
             for size in micro_batches:
                 micro = data.batch(start, start + size)
-                weight = (micro["labels"][:, 1:] != -100).sum() / tokens
-                (module.training_step(micro, step) * weight).backward()
+                if items_in_batch:
+                    module.model(**micro, num_items_in_batch=tokens).loss.backward()
+                else:
+                    weight = (micro["labels"][:, 1:] != -100).sum() / tokens
+                    (module.training_step(micro, step) * weight).backward()
                 start += size
         opt.step()
         opt.zero_grad()

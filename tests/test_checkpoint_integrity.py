@@ -19,18 +19,18 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from cephalo_lightning import CephaloStrategy, Plan, consolidated
+from cephalo_lightning import CephaloStrategy, consolidated
 from cephalo_lightning._common import atomic_io
-from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.checkpoint import CheckpointError, NoSpaceError
 from tests import helpers
 from tests.distributed import run_distributed
 from tests.helpers import max_error
 from tests.lightning_models import TinyLayered, loader, token_data
+from tests.plans import plan_of
 
 GLOBAL = 12
-PLAN = Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),))
+PLAN = plan_of(batches=[GLOBAL], micro=[2], shares=[1.0])
 
 
 def _trainer(steps: int, callbacks=(), **strategy):
@@ -287,7 +287,7 @@ def test_clean_stale_removes_a_leaked_single_file_staging_directory(saved, tmp_p
     checkpoint.verify(kept)
 
 
-PLAN2 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 8, 2, 4, 0.3), RankPlan(1, "b", 4, 1, 4, 0.7)))
+PLAN2 = plan_of(batches=[8, 4], micro=[2, 1], shares=[0.3, 0.7])
 
 
 def _full_disk_on_one_rank(rank: int, world: int, root: str):

@@ -23,6 +23,7 @@ from cephalo_lightning.demo import (
     load_corpus,
     no_weight_decay,
 )
+from tests.plans import plan_of
 
 
 @pytest.fixture(autouse=True)
@@ -309,12 +310,11 @@ def test_trainer_fit_and_checkpoint_round_trip(tmp_path) -> None:
 def test_the_gpt_is_built_in_configure_model_and_initialised_unit_by_unit_from_meta() -> None:
     """Under Cephalo, configure_model() runs on the meta device and every unit is initialised on its own
     through cephalo_init_weights: the same distributions as the eager GPT.reset_parameters."""
-    from cephalo_lightning import CephaloStrategy, Plan
-    from cephalo_lightning.planner import RankPlan
+    from cephalo_lightning import CephaloStrategy
 
     assert GPTModule(preset="tiny", seq_len=16).model is None  # nothing model-sized in __init__
     module = GPTModule(preset="small", seq_len=16)
-    plan = Plan(8, "layered", (RankPlan(0, "a", 8, 1, 8, 1.0),))
+    plan = plan_of(batches=[8], micro=[1], shares=[1.0])
     trainer = pl.Trainer(strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=1, max_steps=0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, TextDataModule(seq_len=16, batch_size=8, max_train_samples=16, max_val_samples=8))

@@ -20,21 +20,20 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from cephalo_lightning import CephaloStrategy, Plan  # noqa: E402
+from cephalo_lightning import CephaloStrategy  # noqa: E402
 from cephalo_lightning.models import resolve  # noqa: E402
 from cephalo_lightning.models.discovery import Discovery, block_list  # noqa: E402
-from cephalo_lightning.planner import RankPlan  # noqa: E402
 from tests.discovered_models import FAMILIES, Samples, Wrapped, loader, reference, token_weighted  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.helpers import trainer  # noqa: E402
+from tests.plans import plan_of  # noqa: E402
 from tests.test_runtime import assemble  # noqa: E402
 
 STEPS = 2
 GLOBAL = 8
 PLANS = {  # different micro-batch counts and state shares on every rank
-    2: Plan(GLOBAL, "layered", (RankPlan(0, "a", 5, 3, 2, 0.3), RankPlan(1, "b", 3, 1, 3, 0.7))),
-    3: Plan(GLOBAL, "layered", (RankPlan(0, "a", 3, 2, 2, 0.5), RankPlan(1, "b", 4, 1, 4, 0.2),
-                                RankPlan(2, "c", 1, 1, 1, 0.3))),
+    2: plan_of(batches=[5, 3], micro=[3, 1], shares=[0.3, 0.7]),
+    3: plan_of(batches=[3, 4, 1], micro=[2, 1, 1], shares=[0.5, 0.2, 0.3]),
 }
 # [Note: exactness bound] SGD in fp32: 1e-7, or where larger the measured noise floor: FLOOR_FACTOR x
 # the distance from the whole-batch run of single-process training cut as the plan cuts the batch
@@ -234,7 +233,7 @@ def _toy_reference(wiring: str, steps: int, batch: int) -> tuple[dict[str, torch
     ("unet", "uniform", "a skip between blocks"), ("outside", "uniform", "the layered pass gives the loss"),
 ])
 def test_discovered_toy_trains_exactly_or_falls_back_with_one_line(wiring, mode, reason, caplog):
-    plan = Plan(4, "layered", (RankPlan(0, "a", 4, 2, 2, 1.0),))
+    plan = plan_of(batches=[4], micro=[2], shares=[1.0])
     module = Toy(wiring)
     with caplog.at_level(logging.INFO):
         t = trainer(CephaloStrategy(plan=plan), 1, 2)
@@ -291,7 +290,7 @@ def test_moe_with_router_aux_excluded_trains_layered_exactly(caplog):
     module = Wrapped("mixtral")
     module.model.config.output_router_logits = True
     data = Samples("mixtral", GLOBAL * STEPS)
-    plan = Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 3, 3, 1.0),))
+    plan = plan_of(batches=[GLOBAL], micro=[3], shares=[1.0])
     with caplog.at_level(logging.INFO):
         t = trainer(CephaloStrategy(plan=plan, router_aux_loss="exclude"), 1, STEPS)
         t.fit(module, loader(data, GLOBAL))

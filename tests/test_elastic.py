@@ -17,6 +17,7 @@ from cephalo_lightning.planner import PlanningError, RankPlan, cluster_from_dict
 from tests import helpers
 from tests.distributed import run_distributed
 from tests.lightning_models import TinyLayered, token_data
+from tests.plans import plan_of
 from tests.test_checkpoints import SEED
 
 PLAN3 = Plan(24, "layered", (RankPlan(0, "big", 12, 2, 6, 0.5), RankPlan(1, "mid", 8, 2, 4, 0.3),
@@ -39,6 +40,16 @@ def test_a_device_the_plan_does_not_know_takes_the_plans_mean_and_more_ranks_spl
     assert abs(sum(r.state_share for r in plan.ranks) - 1.0) < 1e-12
     single = replan_for_world(PLAN3, ["cpu"])
     assert single.batch_sizes == [24] and single.ranks[0].state_share == 1.0
+
+
+def test_the_samples_left_over_go_to_the_largest_remainders():
+    plan = plan_of(batches=[7, 2, 1], micro=[1, 1, 1], shares=[0.7, 0.2, 0.1])
+    # 10 x 7/9 = 7.78 and 10 x 2/9 = 2.22: floors 7 + 2, the sample left goes to the remainder 0.78
+    assert replan_for_world(plan, ["a", "b"]).batch_sizes == [8, 2]
+    # 10 x 7/9 = 7.78, 10 x 1/9 = 1.11 twice: floors 7 + 1 + 1, the sample left goes to 0.78
+    assert replan_for_world(plan, ["a", "c", "c"]).batch_sizes == [8, 1, 1]
+    # 10 x 2/5 = 4 twice, 10 x 1/5 = 2: no remainder, nothing moves
+    assert replan_for_world(plan, ["b", "b", "c"]).batch_sizes == [4, 4, 2]
 
 
 # ----------------------------------------------------------------------------- re-planned from the cluster file

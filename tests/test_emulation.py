@@ -253,9 +253,9 @@ def test_memory_tracker_without_capacity_only_counts() -> None:
     del x, y
 
 
-def test_cuda_cap() -> None:
+def test_cuda_cap_without_cuda_is_refused() -> None:
     assert DeviceEmulator().cap_cuda_memory() is None  # nothing to cap
     if torch.cuda.is_available():  # pragma: no cover - needs a GPU
-        pytest.skip("the CUDA cap is checked on GPU machines only")
+        pytest.skip("this test covers the refusal without CUDA; no test sets the cap on a GPU")
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         DeviceEmulator(memory_gb=1.0).cap_cuda_memory()

@@ -26,13 +26,14 @@ from tests.distributed import run_distributed
 from tests.helpers import NUM_SAMPLES
 from tests.lightning_models import TinyLayered, loader, token_data
 from tests.models import TinyLM
+from tests.plans import plan_of
 
 GLOBAL = 12
 STEPS = 3
-TRAINER_PLAN = Plan(GLOBAL, "layered", (RankPlan(0, "a", 9, 3, 3, 0.25), RankPlan(1, "b", 3, 1, 3, 0.75)))
+TRAINER_PLAN = plan_of(batches=[9, 3], micro=[3, 1], shares=[0.25, 0.75])
 ACCUMULATED_STEPS, CLIP = 2, 0.05  # two global batches per step: the 48 samples; a clip that binds
 # rank 0: 4 samples and 70% of the state; rank 1: 8 samples and 30%
-PLAN = Plan(GLOBAL, "uniform", (RankPlan(0, "a", 4, 1, 4, 0.7), RankPlan(1, "b", 8, 1, 8, 0.3)))
+PLAN = plan_of(batches=[4, 8], micro=[1, 1], shares=[0.7, 0.3], mode="uniform")
 # as in tests/test_models.py: 10x the spread of two single-process runs that only sum in another order
 FLOOR_FACTOR = 10
 FLOOR_EPS = 1e-12
@@ -165,7 +166,7 @@ def test_a_two_rank_trainer_fit_prints_progress_lines_once_and_warns_nothing_abo
 
 
 def test_a_layered_plan_is_refused_with_the_reason():
-    layered = Plan(GLOBAL, "layered", (RankPlan(0, "a", 4, 1, 4, 0.7), RankPlan(1, "b", 8, 2, 4, 0.3)))
+    layered = plan_of(batches=[4, 8], micro=[1, 2], shares=[0.7, 0.3])
     with pytest.raises(UnsupportedError, match="owns the forward and backward loop"):
         CephaloFabricStrategy(plan=layered)
 

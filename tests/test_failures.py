@@ -21,10 +21,11 @@ from tests.conftest import HANG_TIMEOUT_S, clean_env
 from tests.distributed import run_distributed
 from tests.helpers import fit, max_error
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
+from tests.plans import plan_of
 
 ROOT = Path(__file__).resolve().parents[1]
 POISON = 22  # sample 22: at step 1, in rank 1's slice of the plan below
-PLAN = Plan(12, "layered", (RankPlan(0, "a", 9, 3, 3, 0.4), RankPlan(1, "b", 3, 2, 2, 0.6)))
+PLAN = plan_of(batches=[9, 3], micro=[3, 2], shares=[0.4, 0.6])
 
 
 def poisoned_data(n: int = 48) -> TensorDataset:
@@ -216,7 +217,7 @@ def test_an_iterable_dataset_is_refused_with_the_fix():
 
 def test_the_dropped_partial_last_batch_is_announced():
     with pytest.warns(UserWarning, match="partial last batch is dropped"):
-        fit(TinyLayered(), Plan(12, "layered", (RankPlan(0, "a", 12, 1, 12, 1.0),)), 1, 1, token_data(50))
+        fit(TinyLayered(), plan_of(batches=[12], micro=[1], shares=[1.0]), 1, 1, token_data(50))
 
 
 def _tiny_global_batch(rank: int, world: int):

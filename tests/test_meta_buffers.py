@@ -24,9 +24,8 @@ import pytest
 import torch
 from torch import nn
 
-from cephalo_lightning import CephaloStrategy, Plan
+from cephalo_lightning import CephaloStrategy
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
 from cephalo_lightning.runtime.sharding.materialize import MetaBufferError
 from tests.distributed import run_distributed
@@ -35,6 +34,7 @@ from tests.helpers import trainer
 transformers = pytest.importorskip("transformers")
 
 from tests.discovered_models import Samples, build, loader  # noqa: E402
+from tests.plans import plan_of  # noqa: E402
 
 NAMED = ("llama", "qwen3", "gpt_neox")  # the named adapters' families
 BY_STRUCTURE = ("gemma", "phi3", "gptj")  # layered by the structure (no adapter knows them)
@@ -42,8 +42,8 @@ FAMILIES = NAMED + BY_STRUCTURE
 STEPS = 3
 GLOBAL = 8
 PLANS = {  # different micro-batch counts and shares in the layered plan; one count in the uniform one
-    "layered": Plan(GLOBAL, "layered", (RankPlan(0, "a", 5, 3, 2, 0.3), RankPlan(1, "b", 3, 1, 3, 0.7))),
-    "uniform": Plan(GLOBAL, "uniform", (RankPlan(0, "a", 6, 2, 3, 0.4), RankPlan(1, "b", 2, 2, 1, 0.6))),
+    "layered": plan_of(batches=[5, 3], micro=[3, 1], shares=[0.3, 0.7]),
+    "uniform": plan_of(batches=[6, 2], micro=[2, 2], shares=[0.4, 0.6], mode="uniform"),
 }
 # [Note: exactness bound] as tests/test_discovery.py: SGD in fp32, 1e-7 or FLOOR_FACTOR x the distance
 # between single-process training on the whole batch and summed as the plan sums it (each rank's
@@ -199,7 +199,7 @@ def test_a_meta_built_model_trains_as_single_process_training_from_its_materiali
 
 
 def _one_rank(module: pl.LightningModule, family: str = "llama") -> pl.Trainer:
-    plan = Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 1, GLOBAL, 1.0),))
+    plan = plan_of(batches=[GLOBAL], micro=[1], shares=[1.0])
     t = trainer(CephaloStrategy(plan=plan), 1, 0)
     t.fit(module, loader(Samples(family, GLOBAL), GLOBAL))
     return t
@@ -285,7 +285,7 @@ class UserModel(pl.LightningModule):
 
 
 def _user_fit(module: UserModel) -> pl.Trainer:
-    plan = Plan(4, "layered", (RankPlan(0, "a", 4, 1, 4, 1.0),))
+    plan = plan_of(batches=[4], micro=[1], shares=[1.0])
     data = torch.utils.data.TensorDataset(torch.randint(0, 11, (4, 6)))
     t = trainer(CephaloStrategy(plan=plan), 1, 0)
     t.fit(module, torch.utils.data.DataLoader(data, batch_size=4))

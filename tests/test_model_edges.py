@@ -17,11 +17,12 @@ from tests.distributed import run_distributed
 from tests.helpers import NUM_SAMPLES, fit, max_error, reference
 from tests.helpers import trainer as quiet_trainer
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
+from tests.plans import plan_of
 
 transformers = pytest.importorskip("transformers")
 
-TWO = Plan(12, "layered", (RankPlan(0, "a", 9, 3, 3, 0.3), RankPlan(1, "b", 3, 1, 3, 0.7)))
-UNIFORM_TWO = Plan(12, "uniform", (RankPlan(0, "a", 8, 2, 4, 0.4), RankPlan(1, "b", 4, 2, 2, 0.6)))
+TWO = plan_of(batches=[9, 3], micro=[3, 1], shares=[0.3, 0.7])
+UNIFORM_TWO = plan_of(batches=[8, 4], micro=[2, 2], shares=[0.4, 0.6], mode="uniform")
 
 
 def llama_config(**extra) -> transformers.LlamaConfig:
@@ -133,7 +134,7 @@ def test_safetensors_weights_without_safetensors_are_refused_at_setup_naming_the
         def setup(self, trainer, pl_module, stage):  # a CephaloCallback profiles here: after the refusal
             profiled.append(stage)
 
-    plan = Plan(12, "uniform", (RankPlan(0, "a", 12, 1, 12, 1.0),))
+    plan = plan_of(batches=[12], micro=[1], shares=[1.0], mode="uniform")
     t = quiet_trainer(CephaloStrategy(plan=plan, pretrained=tmp_path), 1, 1, callbacks=[Recorder()])
     with pytest.raises(WeightsError, match=r"cephalo-lightning\[hf\]"):
         t.fit(MetaLlama(), loader(token_data(NUM_SAMPLES), 12))
@@ -203,7 +204,7 @@ def _edges(rank: int, world: int):
     out["logged"] = float(trainer.callback_metrics["step_loss"])
     trainer = fit(FrozenEmbedding(), TWO, world, steps=2)
     out["frozen"] = trainer.strategy.sharded.full_state_dict()
-    one_each = Plan(12, "uniform", (RankPlan(0, "a", 7, 1, 7, 0.5), RankPlan(1, "b", 5, 1, 5, 0.5)))
+    one_each = plan_of(batches=[7, 5], micro=[1, 1], shares=[0.5, 0.5], mode="uniform")
     trainer = fit(Manual(), one_each, world, steps=2)
     out["manual"] = trainer.strategy.sharded.full_state_dict()
     try:
@@ -284,7 +285,7 @@ class Adapted(TinyLayered):
 
 def test_keeping_the_model_beside_adapters_checkpoints_and_loads_back(tmp_path):
     warnings.simplefilter("ignore")
-    trainer = fit(Adapted(), Plan(12, "layered", (RankPlan(0, "a", 12, 2, 6, 1.0),)), 1, steps=1)
+    trainer = fit(Adapted(), plan_of(batches=[12], micro=[2], shares=[1.0]), 1, steps=1)
     trainer.save_checkpoint(tmp_path / "ckpt")
     restored = Adapted.load_from_checkpoint(consolidated(tmp_path / "ckpt"))  # strict: every state_dict key
     full = trainer.strategy.sharded.full_state_dict()

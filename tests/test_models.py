@@ -18,9 +18,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("litgpt")
 
 from cephalo_lightning import CephaloStrategy, Plan  # noqa: E402
-from cephalo_lightning.planner import RankPlan  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.library_models import LibraryLM, PaddedTokens, loader, noise_floor, pieces, reference  # noqa: E402
+from tests.plans import plan_of  # noqa: E402
 from tests.test_runtime import assemble  # noqa: E402
 
 FAMILIES = ("gpt2", "llama", "qwen2", "gpt_neox", "litgpt")
@@ -55,15 +55,15 @@ def tolerances(family: str, optimizer: str, dtype: torch.dtype) -> dict[str, flo
     return {name: FLOOR_FACTOR * by_kind[_kind(name)] + FLOOR_EPS for name in floor}
 
 PLANS = {
-    3: [Plan(GLOBAL, "layered", (RankPlan(0, "a", 2, 1, 2, 0.6), RankPlan(1, "b", 6, 3, 2, 0.3), RankPlan(2, "c", 4, 4, 1, 0.1))),
-        Plan(GLOBAL, "layered", (RankPlan(0, "a", 7, 2, 4, 0.1), RankPlan(1, "b", 0, 1, 0, 0.5), RankPlan(2, "c", 5, 5, 1, 0.4)))],
-    2: [Plan(GLOBAL, "layered", (RankPlan(0, "a", 9, 4, 3, 0.25), RankPlan(1, "b", 3, 1, 3, 0.75))),
-        Plan(GLOBAL, "layered", (RankPlan(0, "a", 1, 1, 1, 0.9), RankPlan(1, "b", 11, 3, 4, 0.1)))],
+    3: [plan_of(batches=[2, 6, 4], micro=[1, 3, 4], shares=[0.6, 0.3, 0.1]),
+        plan_of(batches=[7, 0, 5], micro=[2, 1, 5], shares=[0.1, 0.5, 0.4])],
+    2: [plan_of(batches=[9, 3], micro=[4, 1], shares=[0.25, 0.75]),
+        plan_of(batches=[1, 11], micro=[1, 3], shares=[0.9, 0.1])],
 }
 
 # HF activation checkpointing (each layer's forward recomputed inside its backward by the library)
 CHECKPOINTED = ("gpt2", "llama")
-UNIFORM = Plan(GLOBAL, "uniform", (RankPlan(0, "a", 7, 2, 4, 0.4), RankPlan(1, "b", 5, 2, 3, 0.6)))
+UNIFORM = plan_of(batches=[7, 5], micro=[2, 2], shares=[0.4, 0.6], mode="uniform")
 
 
 def _fit(family: str, plan: Plan, world: int, optimizer: str, precision: str,

@@ -22,6 +22,7 @@ from cephalo_lightning.planner import RankPlan, Settings
 from tests.helpers import fit
 from tests.helpers import trainer as make_trainer
 from tests.lightning_models import TinyUniform, loader, token_data
+from tests.plans import plan_of
 
 # ----------------------------------------------------------------------------- the strategy's options
 
@@ -70,7 +71,7 @@ def test_bad_strategy_options_are_refused_with_the_fix(arguments: dict, message:
 
 
 def test_good_strategy_options_are_still_taken(tmp_path: Path) -> None:
-    plan = Plan(4, "uniform", (RankPlan(0, "a", 4, 1, 4, 1.0),))
+    plan = plan_of(batches=[4], micro=[1], shares=[1.0], mode="uniform")
     plan.save(tmp_path / "plan.json")
     config = CephaloStrategy(plan=tmp_path / "plan.json", units=["torch.nn.Linear", torch.nn.GRU],
                              safe_globals={Path}, seed=MAX_SEED, offload=None, prefetch=False).config
@@ -131,7 +132,7 @@ def test_good_callback_settings_are_kept_as_the_cost_model_takes_them() -> None:
 
 # ----------------------------------------------------------------------------- training_step's output
 
-ONE_RANK = Plan(4, "uniform", (RankPlan(0, "a", 4, 2, 2, 1.0),))
+ONE_RANK = plan_of(batches=[4], micro=[2], shares=[1.0], mode="uniform")
 
 
 class Returns(TinyUniform):

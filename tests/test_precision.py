@@ -9,13 +9,13 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from cephalo_lightning import CephaloStrategy, Plan
-from cephalo_lightning.planner import RankPlan
+from cephalo_lightning import CephaloStrategy
 from tests.distributed import run_distributed
 from tests.lightning_models import TinyLayered, loader, token_data
 from tests.models import TinyLM
+from tests.plans import plan_of
 
-PLAN = Plan(12, "layered", (RankPlan(0, "a", 8, 2, 4, 0.7), RankPlan(1, "b", 4, 1, 4, 0.3)))
+PLAN = plan_of(batches=[8, 4], micro=[2, 1], shares=[0.7, 0.3])
 STEPS = 3
 LR = 0.1
 FLOOR = 10  # x the measured noise floor, as tests/test_models.py ([Note: tolerances from the noise floor])

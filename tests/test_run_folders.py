@@ -21,17 +21,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from cephalo_lightning import CephaloStrategy, Plan
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime.checkpoint import load_full_state_dict
 from cephalo_lightning.runtime.liveness import LOCK_NAME, FolderInUseError, Heartbeat
 from tests.conftest import HANG_TIMEOUT_S, clean_env
 from tests.distributed import run_distributed
 from tests.helpers import trainer
 from tests.lightning_models import TinyLayered, loader, token_data
+from tests.plans import plan_of
 
 ROOT = Path(__file__).resolve().parents[1]
-ONE_RANK = Plan(12, "layered", (RankPlan(0, "a", 12, 2, 6, 1.0),))
-TWO_RANKS = Plan(12, "layered", (RankPlan(0, "a", 6, 1, 6, 0.5), RankPlan(1, "b", 6, 2, 3, 0.5)))
+ONE_RANK = plan_of(batches=[12], micro=[2], shares=[1.0])
+TWO_RANKS = plan_of(batches=[6, 6], micro=[1, 2], shares=[0.5, 0.5])
 
 
 def _fit(plan: Plan, world: int, root: Path, ckpt: Path, steps: int = 2):

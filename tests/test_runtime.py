@@ -18,6 +18,14 @@ from tests.reference import make_optimizer, reference_state, split, train_refere
 
 GLOBAL_BATCH = 12
 TOL = 1e-5
+# Adam moments are compared relative to the tensor's largest entry: every second moment here is
+# below 1.6e-5, so an absolute bound of TOL would let a moment half its true value pass. The noise
+# floor, single-process training on the same batches cut rank by rank and micro-batch by
+# micro-batch (the same training, its sums re-associated), lands at most 6.4e-7 of the largest
+# entry from the whole-batch run, for every cut SHARE_CASES uses; the
+# runtime measured at most 8.6e-7. The bound is three times the floor.
+MOMENT_RTOL = 2e-6
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 # ----------------------------------------------------------------------------- helpers run on ranks
@@ -31,7 +39,7 @@ def local_pieces(sharded: ShardedModel, optimizer: torch.optim.Optimizer) -> dic
             start, _ = unit.layout.param_piece(span, sharded.rank)
             out[span.name] = (start, p.detach().reshape(-1).clone())
             state = optimizer.state.get(p, {})
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in MOMENTS:
                 if key in state:
                     out[f"{span.name}.{key}"] = (start, state[key].detach().reshape(-1).clone())
     return out
@@ -77,7 +85,12 @@ def assert_matches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
     for name in want:
         assert not torch.isnan(got[name]).any(), f"{name}: an element is owned by nobody"
         err = (got[name] - want[name]).abs().max().item()
-        assert err <= TOL, f"{name}: max abs difference {err:.2e} > {TOL}"
+        if name.rsplit(".", 1)[-1] in MOMENTS:
+            scale = want[name].abs().max().item()
+            assert err <= MOMENT_RTOL * scale, (
+                f"{name}: max abs difference {err:.2e} > {MOMENT_RTOL} x the largest entry {scale:.2e}")
+        else:
+            assert err <= TOL, f"{name}: max abs difference {err:.2e} > {TOL}"
 
 
 # ----------------------------------------------------------------------------- 3 ranks, one spawn

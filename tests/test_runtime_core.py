@@ -27,6 +27,7 @@ from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 from tests.distributed import run_distributed
 from tests.lightning_models import TinyLayered, loader, token_data
 from tests.models import TinyLM, batches
+from tests.plans import plan_of
 from tests.reference import make_optimizer, reference_state, train_reference
 from tests.test_runtime import assemble, assert_matches, local_pieces
 
@@ -247,8 +248,8 @@ def _reshard_and_switch(rank: int, world: int):
         step(x, y)
     out["pieces"] = local_pieces(sharded, optimizer)
     # 2. through Trainer.fit: a switch with a prefetching multi-worker DataLoader
-    first = Plan(12, "layered", (RankPlan(0, "a", 9, 3, 3, 0.7), RankPlan(1, "b", 3, 1, 3, 0.3)))
-    second = Plan(12, "layered", (RankPlan(0, "a", 2, 2, 1, 0.1), RankPlan(1, "b", 10, 4, 3, 0.9)))
+    first = plan_of(batches=[9, 3], micro=[3, 1], shares=[0.7, 0.3])
+    second = plan_of(batches=[2, 10], micro=[2, 4], shares=[0.1, 0.9])
     switches = []
 
     class Switch(pl.Callback):

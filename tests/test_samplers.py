@@ -11,16 +11,16 @@ import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, WeightedRandomSampler
 
-from cephalo_lightning import CephaloStrategy, Plan
+from cephalo_lightning import CephaloStrategy
 from cephalo_lightning._common.errors import UnsupportedError
-from cephalo_lightning.planner.plan import RankPlan
 from cephalo_lightning.runtime.plan_state import PlanState
 from cephalo_lightning.runtime.sampler import planned_loader
 from tests.helpers import trainer
 from tests.lightning_models import TinyLayered, token_data
+from tests.plans import plan_of
 
 DATA = token_data(24)
-PLAN = Plan(8, "layered", (RankPlan(0, "a", 3, 1, 3, 0.5), RankPlan(1, "b", 5, 1, 5, 0.5)))
+PLAN = plan_of(batches=[3, 5], micro=[1, 1], shares=[0.5, 0.5])
 
 
 class LengthBuckets(Sampler[list[int]]):
@@ -70,7 +70,7 @@ def test_the_default_samplers_are_still_cut_by_the_plan(make):
 
 
 def test_a_fit_with_a_weighted_sampler_stops_at_setup_before_any_step():
-    one_rank = Plan(8, "layered", (RankPlan(0, "a", 8, 1, 8, 1.0),))
+    one_rank = plan_of(batches=[8], micro=[1], shares=[1.0])
     t = trainer(CephaloStrategy(plan=one_rank), 1, 2)
     with pytest.raises(UnsupportedError, match="WeightedRandomSampler"):
         t.fit(TinyLayered(), DataLoader(DATA, batch_size=8, sampler=_weighted()))

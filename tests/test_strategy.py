@@ -22,13 +22,14 @@ from tests.conftest import clean_env, failure_report
 from tests.distributed import run_distributed
 from tests.helpers import NUM_SAMPLES, max_error, reference, trainer
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
+from tests.plans import plan_of
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
 
-LAYERED_PLAN = Plan(12, "layered", (RankPlan(0, "a", 2, 1, 2, 0.6), RankPlan(1, "b", 6, 3, 2, 0.3), RankPlan(2, "c", 4, 4, 1, 0.1)))
-UNIFORM_PLAN = Plan(12, "uniform", (RankPlan(0, "a", 2, 2, 1, 0.5), RankPlan(1, "b", 6, 2, 3, 0.2), RankPlan(2, "c", 4, 2, 2, 0.3)))
-RESUME_PLAN = Plan(12, "layered", (RankPlan(0, "a", 9, 3, 3, 0.25), RankPlan(1, "b", 3, 1, 3, 0.75)))
+LAYERED_PLAN = plan_of(batches=[2, 6, 4], micro=[1, 3, 4], shares=[0.6, 0.3, 0.1])
+UNIFORM_PLAN = plan_of(batches=[2, 6, 4], micro=[2, 2, 2], shares=[0.5, 0.2, 0.3], mode="uniform")
+RESUME_PLAN = plan_of(batches=[9, 3], micro=[3, 1], shares=[0.25, 0.75])
 
 
 # ----------------------------------------------------------------------------- 3 ranks
@@ -171,7 +172,7 @@ def test_plan_for_another_model_is_refused():
 
 
 def test_batch_that_does_not_match_the_plan_is_refused():
-    plan = Plan(12, "layered", (RankPlan(0, "a", 12, 1, 12, 1.0),))
+    plan = plan_of(batches=[12], micro=[1], shares=[1.0])
     with pytest.raises(PlanningError, match="batch_size=8 but the plan is for a global batch of 12"):
         _fit_one(CephaloStrategy(plan=plan), batch=8)
 
@@ -192,7 +193,7 @@ def test_layered_plan_on_a_model_without_the_protocol_is_refused():
             super().__init__()
             self.model.blocks = torch.nn.Sequential(*self.model.blocks)
 
-    plan = Plan(12, "layered", (RankPlan(0, "a", 12, 3, 4, 1.0),))
+    plan = plan_of(batches=[12], micro=[3], shares=[1.0])
     with pytest.raises(TypeError, match="cephalo_layers"):
         _fit_one(CephaloStrategy(plan=plan, mode="layered"), NoBlockList())
 

@@ -34,19 +34,19 @@ from cephalo_lightning import CephaloStrategy, Plan  # noqa: E402
 from cephalo_lightning.__main__ import main as cli  # noqa: E402
 from cephalo_lightning._common.errors import UnsupportedError  # noqa: E402
 from cephalo_lightning.models import resolve, weighting  # noqa: E402
-from cephalo_lightning.planner import RankPlan  # noqa: E402
 from cephalo_lightning.runtime.checkpoint import load_full_state_dict  # noqa: E402
 from cephalo_lightning.runtime.checkpoint.export import export_hf  # noqa: E402
 from tests import library_models  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.library_models import LibraryLM, PaddedTokens  # noqa: E402
 from tests.loss_models import KINDS, HFModule, collate, data, reference  # noqa: E402
+from tests.plans import plan_of  # noqa: E402
 
 STEPS = 2
 GLOBAL = 12
 # uniform mode: one micro-batch count on every rank, but different batches, micro-batch sizes and shares
-PLAN = Plan(GLOBAL, "uniform", (RankPlan(0, "a", 7, 2, 4, 0.3), RankPlan(1, "b", 5, 2, 3, 0.7)))
-LAYERED = Plan(GLOBAL, "layered", (RankPlan(0, "a", 9, 4, 3, 0.25), RankPlan(1, "b", 3, 1, 3, 0.75)))
+PLAN = plan_of(batches=[7, 5], micro=[2, 2], shares=[0.3, 0.7], mode="uniform")
+LAYERED = plan_of(batches=[9, 3], micro=[4, 1], shares=[0.25, 0.75])
 PROMPT = torch.tensor([[5, 7, 9, 11]])
 SPLIT = (4, 3, 3, 2)  # the plan's micro-batches, in order: the reference's summation order
 FLOOR_FACTOR, FLOOR_EPS = 10, 1e-12  # as tests/test_models.py: x the measured noise floor
@@ -54,7 +54,16 @@ WORDS = {"bert": "every non-ignored label", "t5": "every non-ignored label", "ba
          "per_sample": "samples", "mixtral": "after each row's first"}
 
 
+# What each model's loss averages over, written out here: the reference cuts the batch by these, so
+# the exactness bound (the cut's noise floor) does not move with the count the package picks.
+_LABELS = lambda micro_batch: int((micro_batch["labels"] != -100).sum())  # noqa: E731
+AVERAGED_OVER = {"bert": _LABELS, "t5": _LABELS, "bart": _LABELS,
+                 "per_sample": lambda micro_batch: len(micro_batch["input_ids"]),
+                 "mixtral": lambda micro_batch: int((micro_batch["labels"][:, 1:] != -100).sum())}
+
+
 def _count(kind: str):
+    """The count ``loss_weighting="auto"`` picks for ``kind`` (the package's choice, under test)."""
     module = HFModule(kind)
     chosen = weighting.choose("auto", module, resolve(module).layered).weighting
     return chosen.count or (lambda micro_batch: len(micro_batch["input_ids"]))
@@ -70,6 +79,7 @@ def test_auto_counts_what_the_loss_averages_over(kind):
         combined = sum(loss(p) * count(p) for p in parts) / sum(count(p) for p in parts)
         error = abs(combined - loss(whole))
         assert (error < 1e-12) == exact, f"{kind}: {count.__name__} error {error:.2e}"
+    assert [_count(kind)(p) for p in parts] == [AVERAGED_OVER[kind](p) for p in parts]
 
 
 def test_weighting_choices_for_heads_and_unknown_models():
@@ -175,7 +185,7 @@ def results(out_dir):
 
 def _check(kind: str, runs: list[dict[str, torch.Tensor]], samples, **overrides) -> None:
     want = reference(kind, STEPS, GLOBAL, samples, **overrides)
-    split = reference(kind, STEPS, GLOBAL, samples, SPLIT, _count(kind), **overrides)
+    split = reference(kind, STEPS, GLOBAL, samples, SPLIT, AVERAGED_OVER[kind], **overrides)
     floor = max((want[n] - split[n]).abs().max().item() for n in want)
     bound = FLOOR_FACTOR * floor + FLOOR_EPS
     for got in runs:
@@ -213,10 +223,10 @@ def test_moe_with_router_aux_kept_trains_like_single_process_training_cut_as_the
     its label tokens), within the re-association floor of the token loss, and differs from the
     whole-batch run by more than that (what the setup warning says)."""
     samples = _moe_samples()
-    cut = reference("mixtral", STEPS, GLOBAL, samples, SPLIT, _count("mixtral"))
+    cut = reference("mixtral", STEPS, GLOBAL, samples, SPLIT, AVERAGED_OVER["mixtral"])
     whole = reference("mixtral", STEPS, GLOBAL, samples)
     tokens_whole = reference("mixtral", STEPS, GLOBAL, samples, output_router_logits=False)
-    tokens_cut = reference("mixtral", STEPS, GLOBAL, samples, SPLIT, _count("mixtral"), output_router_logits=False)
+    tokens_cut = reference("mixtral", STEPS, GLOBAL, samples, SPLIT, AVERAGED_OVER["mixtral"], output_router_logits=False)
     bound = FLOOR_FACTOR * max((tokens_whole[n] - tokens_cut[n]).abs().max().item() for n in tokens_whole) + FLOOR_EPS
     for rank_result in results:
         got = rank_result["mixtral-keep"][0]

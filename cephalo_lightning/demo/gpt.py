@@ -173,10 +173,6 @@ class GPT(nn.Module):
         """Training FLOPs per token; see :meth:`GPTConfig.estimate_flops_per_token`."""
         return self.config.estimate_flops_per_token()
 
-    def estimate_mfu(self, tokens_per_second: float, peak_flops: float) -> float:
-        """Model FLOPs utilisation: achieved training FLOP/s over the device's peak FLOP/s."""
-        return self.estimate_flops_per_token() * tokens_per_second / peak_flops
-
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None) -> Tensor:
         """Sample ``max_new_tokens`` continuations of ``idx`` ``(B, T)``, cropping context to ``seq_len``."""

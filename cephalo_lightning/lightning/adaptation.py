@@ -37,9 +37,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from cephalo_lightning.lightning.callback_api import CallbackAPI
 from cephalo_lightning.lightning.callback_config import CallbackConfig
 from cephalo_lightning.lightning.run_model import CalibrationResult, DriftEpisodes, calibrate, drifting_ranks, gain
-from cephalo_lightning.lightning.strategy import CephaloStrategy
 from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.planner import plan as make_plan
 from cephalo_lightning.planner.calibration import with_calibration
@@ -102,7 +102,7 @@ class RunAdapter:
         last = self.switches[-1].window if self.switches else None
         return last is not None and window - last <= self.config.min_dwell_windows
 
-    def after_window(self, trainer: pl.Trainer, strategy: CephaloStrategy, cluster: Cluster | None,
+    def after_window(self, trainer: pl.Trainer, strategy: CallbackAPI, cluster: Cluster | None,
                      history: list[dict[str, Any]], ratios: Sequence[float | None], reference: float | None,
                      replan: Callable[[], Cluster | None]) -> Cluster | None:
         """Collective. Returns the cluster the next windows are predicted by."""
@@ -142,7 +142,7 @@ class RunAdapter:
             cluster = self._calibrate(trainer, strategy, cluster, history[-windows:], index, record)
         return cluster
 
-    def _calibrate(self, trainer: pl.Trainer, strategy: CephaloStrategy, cluster: Cluster,
+    def _calibrate(self, trainer: pl.Trainer, strategy: CallbackAPI, cluster: Cluster,
                    windows: list[dict[str, Any]], index: int, record: dict[str, Any]) -> Cluster:
         assert strategy.plan is not None
         # each rank's windows hold its own step walls: rank 0's fit, for every rank
@@ -155,7 +155,7 @@ class RunAdapter:
         self._offer(trainer, strategy, result.cluster, index, record, "calibrated optimum")
         return result.cluster
 
-    def _retime(self, trainer: pl.Trainer, strategy: CephaloStrategy, cluster: Cluster, ratios: Sequence[float | None],
+    def _retime(self, trainer: pl.Trainer, strategy: CallbackAPI, cluster: Cluster, ratios: Sequence[float | None],
                 drifting: Sequence[int], index: int, record: dict[str, Any]) -> Cluster:
         calibration = cluster.calibration
         assert calibration is not None
@@ -179,7 +179,7 @@ class RunAdapter:
         self._offer(trainer, strategy, retimed, index, record, "re-timed " + ", ".join(f"rank {i}" for i in drifting))
         return retimed
 
-    def _offer(self, trainer: pl.Trainer, strategy: CephaloStrategy, cluster: Cluster, index: int,
+    def _offer(self, trainer: pl.Trainer, strategy: CallbackAPI, cluster: Cluster, index: int,
                record: dict[str, Any], reason: str) -> None:
         """Switch in place to ``cluster``'s optimum when it beats the current plan by more than ``switch_gain``."""
         current = strategy.plan
@@ -215,7 +215,7 @@ class RunAdapter:
         calibration = cluster.calibration if cluster is not None else None
         return calibration.compute_scale if calibration is not None else ()
 
-    def _measured_gain(self, trainer: pl.Trainer, strategy: CephaloStrategy, cluster: Cluster | None, index: int,
+    def _measured_gain(self, trainer: pl.Trainer, strategy: CallbackAPI, cluster: Cluster | None, index: int,
                        record: dict[str, Any]) -> bool:
         """One full window after a switch took effect: what it measured against the window before it;
         a switch slower beyond noise is rolled back (see the module). True when it rolled back."""

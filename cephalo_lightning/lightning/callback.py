@@ -30,7 +30,9 @@ from typing_extensions import override
 
 from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning._common.units import GIB
+from cephalo_lightning._common.vocabulary import Planner
 from cephalo_lightning.lightning.adaptation import RunAdapter
+from cephalo_lightning.lightning.callback_api import CallbackAPI
 from cephalo_lightning.lightning.callback_config import CallbackConfig
 from cephalo_lightning.lightning.loggers import (
     log_plan,
@@ -42,7 +44,6 @@ from cephalo_lightning.lightning.loggers import (
 )
 from cephalo_lightning.lightning.profiled_input import planning_sample, profiled_form
 from cephalo_lightning.lightning.run_model import CalibrationResult, drifting_ranks
-from cephalo_lightning.lightning.strategy import CephaloStrategy
 from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.planner import plan as make_plan
 from cephalo_lightning.planner.cost import predicted_busy_s
@@ -135,8 +136,8 @@ class CephaloCallback(Callback):
     # ------------------------------------------------------------------ setup: profile and plan
 
     @staticmethod
-    def _strategy(trainer: pl.Trainer) -> CephaloStrategy:
-        if not isinstance(trainer.strategy, CephaloStrategy):
+    def _strategy(trainer: pl.Trainer) -> CallbackAPI:
+        if not isinstance(trainer.strategy, CallbackAPI):  # only CephaloStrategy mixes it in
             raise UnsupportedError(f"CephaloCallback needs Trainer(strategy='cephalo'), got {type(trainer.strategy).__name__}")
         return trainer.strategy
 
@@ -167,7 +168,7 @@ class CephaloCallback(Callback):
             log_plan(trainer.loggers, self.plan, self.cluster)
             log_run(trainer, self.plan, self.cluster or strategy.cluster, callback=self)
 
-    def _profile_and_plan(self, trainer: pl.Trainer, module: pl.LightningModule, strategy: CephaloStrategy,
+    def _profile_and_plan(self, trainer: pl.Trainer, module: pl.LightningModule, strategy: CallbackAPI,
                           force: bool) -> tuple[Cluster, Plan]:
         """Collective: profile every rank on the sharded model, one unit at a time, and plan."""
         sample, global_batch = planning_sample(trainer, strategy, self.config)
@@ -249,20 +250,20 @@ class CephaloCallback(Callback):
             self._watch(trainer, strategy)
             self._window = []
 
-    def _predicted_busy(self, strategy: CephaloStrategy) -> list[float | None]:
+    def _predicted_busy(self, strategy: CallbackAPI) -> list[float | None]:
         """Each rank's predicted compute seconds per step (the cost model without collectives)."""
         if self.cluster is None or strategy.plan is None:
             return [None] * strategy.world_size
         return list(predicted_busy_s(self.cluster, strategy.plan))
 
-    def _peak_memory_gb(self, strategy: CephaloStrategy) -> float | None:
+    def _peak_memory_gb(self, strategy: CallbackAPI) -> float | None:
         if strategy.memory is not None:
             return strategy.memory.peak_bytes / GIB
         if strategy.root_device.type == "cuda":  # pragma: no cover - CUDA only
             return torch.cuda.max_memory_allocated(strategy.root_device) / GIB
         return None
 
-    def _watch(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
+    def _watch(self, trainer: pl.Trainer, strategy: CallbackAPI) -> None:
         """Collective: every rank shares its window, every rank takes the same decision."""
         walls = sorted(w for w, *_ in self._window)
         busy, busy_wall = (statistics.median(x[k] for x in self._window) for k in (1, 2))
@@ -301,7 +302,7 @@ class CephaloCallback(Callback):
         """The run's calibration, once made (``calibrate_after_windows``)."""
         return self._adapter.calibration
 
-    def _replan(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
+    def _replan(self, trainer: pl.Trainer, strategy: CallbackAPI) -> None:
         module = trainer.lightning_module
         cluster, plan = self._profile_and_plan(trainer, module, strategy, force=True)
         if plan.batch_sizes == strategy.plan.batch_sizes and plan.state_shares == strategy.plan.state_shares:  # type: ignore[union-attr]
@@ -317,7 +318,7 @@ class CephaloCallback(Callback):
 
     # ------------------------------------------------------------------ summary
 
-    def _summarize(self, trainer: pl.Trainer, strategy: CephaloStrategy) -> None:
+    def _summarize(self, trainer: pl.Trainer, strategy: CallbackAPI) -> None:
         if not self._all_walls or strategy.plan is None:
             return
         steady = self._all_walls[1:] or self._all_walls  # the first step pays for warm-up
@@ -328,8 +329,8 @@ class CephaloCallback(Callback):
             "measured_step_s": step_s,
             "predicted_samples_per_s": strategy.plan.predicted_samples_per_s,
             "predicted_step_s": strategy.plan.predicted_step_s,
-            "even_predicted_samples_per_s": strategy.plan.baselines.get("even").predicted_samples_per_s
-            if "even" in strategy.plan.baselines else None,
+            "even_predicted_samples_per_s": strategy.plan.baselines[Planner.EVEN].predicted_samples_per_s
+            if Planner.EVEN in strategy.plan.baselines else None,
             "calibrated_predicted_step_s": self.calibration.predicted_after_s if self.calibration is not None else None,
             "steps": len(self._all_walls),
             "emulated": bool(strategy.emulator.is_emulated or strategy.plan.emulated),

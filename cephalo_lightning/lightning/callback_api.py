@@ -3,28 +3,45 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 from cephalo_lightning.planner import Cluster, Plan
 
 if TYPE_CHECKING:
+    import torch
+
     from cephalo_lightning.lightning.fit import FitRuntime
+    from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
+    from cephalo_lightning.runtime.emulation.memory import MemoryTracker
 
 
 class CallbackAPI:
-    """Mixed into :class:`~.strategy.CephaloStrategy`.
+    """Mixed into :class:`~.strategy.CephaloStrategy`; the callback side is typed against this class,
+    never the strategy (which imports the callback).
 
     [Note: what a callback may ask of the strategy] Everything CephaloCallback reads or changes
-    goes through the methods below and the strategy's public attributes (``plan``, ``cluster``,
-    ``emulator``, ``global_batch_size``, ``param_dtype``, ``collective``, ``memory``, ``root_device``,
-    ``world_size``, ``broadcast``, ``adopt_plan``, ``schedule_plan``). These methods alone reach the
-    fit's runtime, through :meth:`_fit_runtime`.
+    goes through the methods below and the strategy's public attributes declared here (``plan``,
+    ``cluster``, ``emulator``, ``global_batch_size``, ``param_dtype``, ``collective``, ``memory``,
+    ``offloads_stash``, ``root_device``, ``world_size``, ``broadcast``, ``adopt_plan``,
+    ``schedule_plan``). These methods alone reach the fit's runtime, through :meth:`_fit_runtime`.
+    The attributes are declared only (no values): the strategy and its Lightning bases define them.
     """
 
     fit_runtime: FitRuntime | None
     provisional_layout: str | None
     cluster: Cluster | None
+    plan: Plan | None
+    emulator: DeviceEmulator
+    global_batch_size: int | None
+    param_dtype: str | None
+    collective: str
+    memory: MemoryTracker | None
+    offloads_stash: bool
+    root_device: torch.device
+    world_size: int
+    broadcast: Callable[..., Any]
+    schedule_plan: Callable[[Plan], tuple[int, int]]
 
     def adopt_plan(self, plan: Plan) -> None:  # the strategy's own; declared for the reader and type checkers
         raise NotImplementedError

@@ -24,6 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+from cephalo_lightning._common.vocabulary import Planner
 from cephalo_lightning.planner import Cluster, Plan, PlanningError, RankPlan
 from cephalo_lightning.planner import plan as make_plan
 
@@ -100,7 +101,7 @@ def replan_for_world(plan: Plan, devices: Sequence[str]) -> Plan:
         count = max(1, math.ceil(batch / micro)) if batch else 1
         ranks.append(RankPlan(rank, name, batch, count, math.ceil(batch / count) if batch else 0,
                               share / total_share if total_share > 0 else 1 / len(devices)))
-    return Plan(plan.global_batch_size, plan.mode, tuple(ranks), model=dict(plan.model), planner="elastic",
+    return Plan(plan.global_batch_size, plan.mode, tuple(ranks), model=dict(plan.model), planner=Planner.ELASTIC.value,
                 emulated=plan.emulated)
 
 

@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
+from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.lightning._private import BackwardSyncControl
 from cephalo_lightning.lightning.config import COLLECTIVES, check_flag
 from cephalo_lightning.lightning.plan_resolution import check_loader_batch, data_seed
@@ -305,7 +306,7 @@ class _ShardedBackwardSync(BackwardSyncControl):
 
 
 def _check_plan(plan: Plan, global_batch_size: int | None) -> None:
-    if plan.mode != "uniform":
+    if plan.mode != Schedule.UNIFORM:
         raise UnsupportedError(
             "CephaloFabricStrategy runs uniform plans: the layered schedule runs the model's layers itself and owns "
             "the forward and backward loop, which under Fabric is yours. Plan with mode='uniform' "

@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.lightning import loggers
@@ -68,7 +69,7 @@ class FitRuntime:
         self.loss = loss_weighting(config.loss_weighting, resolution, module)
         self.weighting = self.loss.weighting
         _say_weighting(self.loss, config.router_aux_loss, module)
-        self.layered_model = resolution.layered if schedule == "layered" else None
+        self.layered_model = resolution.layered if schedule == vocabulary.Schedule.LAYERED else None
         if self.layered_model is not None and (note := recomputed_twice(module)):
             rank_zero_info(note)
         self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links, construction)

@@ -19,6 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
+from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.lightning import elastic
@@ -118,7 +119,7 @@ def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: Schedule, c
     def batch() -> int:
         return global_batch(config.global_batch_size, trainer, world_size)
 
-    planner_mode = "uniform" if schedule == "uniform" else "layered"
+    planner_mode = (vocabulary.Schedule.UNIFORM if schedule == vocabulary.Schedule.UNIFORM else vocabulary.Schedule.LAYERED).value
     if config.elastic and cluster is not None and (plan if plan is not None else cluster).world_size != world_size:
         return replanned(plan, cluster, plan.global_batch_size if plan is not None else batch(),
                          plan.mode if plan is not None else planner_mode, identities)
@@ -160,7 +161,7 @@ def memory_proportional(plan: Plan, identities: list[DeviceIdentity]) -> Plan:
         return plan
     total = sum(memories)
     ranks = tuple(replace(r, state_share=m / total) for r, m in zip(plan.ranks, memories))
-    return replace(plan, ranks=ranks, planner="provisional")
+    return replace(plan, ranks=ranks, planner=vocabulary.Planner.PROVISIONAL.value)
 
 
 def check_model(plan: Plan, module: nn.Module) -> None:

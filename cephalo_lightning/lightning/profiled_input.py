@@ -8,12 +8,12 @@ import lightning.pytorch as pl
 
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning._private import training_dataloader
+from cephalo_lightning.lightning.callback_api import CallbackAPI
 from cephalo_lightning.lightning.callback_config import CallbackConfig
-from cephalo_lightning.lightning.strategy import CephaloStrategy
 from cephalo_lightning.runtime.batching import leading_size, slice_batch
 
 
-def planning_sample(trainer: pl.Trainer, strategy: CephaloStrategy, config: CallbackConfig) -> tuple[Any, int]:
+def planning_sample(trainer: pl.Trainer, strategy: CallbackAPI, config: CallbackConfig) -> tuple[Any, int]:
     """A batch of at most ``max_micro_batch`` rows to profile with, and the global batch to plan for."""
     loader = training_dataloader(trainer)
     batch_size = config.global_batch_size or strategy.global_batch_size or getattr(loader, "batch_size", None)
@@ -32,7 +32,7 @@ def planning_sample(trainer: pl.Trainer, strategy: CephaloStrategy, config: Call
     return slice_batch(batch, 0, min(rows, config.max_micro_batch)), int(batch_size)
 
 
-def profiled_form(module: pl.LightningModule, strategy: CephaloStrategy,
+def profiled_form(module: pl.LightningModule, strategy: CallbackAPI,
                   sample: Any) -> tuple[list[Any], Any, dict[str, Any]]:
     """What is measured: the layered form's layers on a sample batch, each gathered in place;
     else the whole module as one "layer" on its ``example_input_array``, every unit gathered."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning.lightning.config import Schedule
 from cephalo_lightning.models import SUPPORTED, Resolution, weighting
@@ -22,12 +23,13 @@ def decide_schedule(requested: str, resolution: Resolution, module: pl.Lightning
     """``layered`` when the model has a layered form (or was asked for), else ``uniform``."""
     layered_ok = resolution.layered is not None
     manual = not module.automatic_optimization
-    if requested == "layered" and (not layered_ok or manual):
+    if requested == vocabulary.Schedule.LAYERED and (not layered_ok or manual):
         why = "manual optimization runs your training_step itself" if manual else resolution.reason
         raise UnsupportedError(
             f"mode='layered' is not possible: {why}. Supported: {'; '.join(SUPPORTED)}. Or use mode='uniform'")
-    schedule = requested if requested != "auto" else ("layered" if layered_ok and not manual else "uniform")
-    if requested == "auto" and schedule == "uniform":
+    layered, uniform = vocabulary.Schedule.LAYERED.value, vocabulary.Schedule.UNIFORM.value
+    schedule = requested if requested != "auto" else (layered if layered_ok and not manual else uniform)
+    if requested == "auto" and schedule == vocabulary.Schedule.UNIFORM:
         why = "manual optimization (automatic_optimization=False)" if manual else resolution.reason
         rank_zero_info(f"Cephalo: {why}; using the uniform mode (your training_step per micro-batch, one micro-batch "
                        f"count on every rank). The layered mode supports {'; '.join(SUPPORTED)}.")
@@ -38,7 +40,7 @@ def check_plan(plan: Plan, schedule: Schedule, resolution: Resolution, module: p
     """What the schedule can run: every plan a fit adopts (given, planned at setup, or re-planned)
     passes here, so none can train on part of its batches."""
     manual = not module.automatic_optimization
-    if schedule == "uniform" and len(set(plan.num_micro_batches)) > 1:
+    if schedule == vocabulary.Schedule.UNIFORM and len(set(plan.num_micro_batches)) > 1:
         raise PlanningError(
             f"the plan gives ranks different micro-batch counts {plan.num_micro_batches}, which needs the layered mode "
             f"(here: {resolution.reason or 'manual optimization'}); re-plan with --mode uniform"

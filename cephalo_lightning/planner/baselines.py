@@ -22,6 +22,7 @@ import math
 import numpy as np
 
 from cephalo_lightning._common.units import memory_text
+from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.planner.assemble import rank_plans
 from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.cost import DeviceCost, evaluate_arrays, kind_costs
@@ -95,7 +96,7 @@ def keep_where_fits(cluster: Cluster, batch: np.ndarray, micro: np.ndarray, shar
                     mode: str) -> np.ndarray:
     """One-micro-batch ranks keep their graph where its memory is known and fits (as plans do)."""
     keep = np.zeros(len(batch), bool)
-    if mode != "layered":
+    if mode != Schedule.LAYERED:
         return keep
     costs, of_rank = kind_costs(cluster, mode)
     for k, cost in enumerate(costs):

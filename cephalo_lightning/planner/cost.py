@@ -91,11 +91,9 @@ if TYPE_CHECKING:
 # Extra time of an uneven collective per unit of imbalance: a collective whose largest shard is
 # rho of the unit costs 1 + slope * (W * rho - 1) times the even one. The bottleneck rank moves
 # W * rho times the even bytes in both implementations; these slopes are what
-# ``benchmarks/bench_runtime.py`` measured for the two runtime implementations on gloo.
-# Measured 2026-11-30 with `python benchmarks/bench_runtime.py` (twice, and `--parts collectives`
-# twice): 4 MiB fp32 unit, W = 2, 3, 4 gloo ranks on one 2-core CPU host, rho from 1/W to 1,
-# all-gather and reduce-scatter fitted together through the even point; mean of the 4 runs (padded
-# 0.87 / 0.94 / 1.01 / 1.05, exact -0.02 / 0.02 / 0.04 / -0.01). CPU loopback figures: on one host,
+# ``benchmarks/bench_runtime.py`` measured for the two runtime implementations on gloo
+# (a 4 MiB fp32 unit, W = 2, 3, 4 ranks on one CPU host, rho from 1/W to 1, all-gather and
+# reduce-scatter fitted together through the even point). CPU loopback figures: on one host,
 # exact (all_to_all_single) moves the same total bytes at any imbalance, so its slope is ~0 there;
 # across a real network the busiest rank's link is the bottleneck and both should approach 1.
 # A cluster's own measurement (``settings.uneven_slope``, written by the profiler) replaces them.

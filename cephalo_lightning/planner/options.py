@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.planner.cost import DeviceCost
 
 _EPS = 1e-9  # relative slack on time comparisons against floating-point noise
@@ -115,7 +116,7 @@ class DeviceModel:
     def __init__(self, cost: DeviceCost, global_batch: int) -> None:
         self.cost = cost
         self.device = cost.device
-        self.uniform = cost.mode == "uniform"
+        self.uniform = cost.mode == Schedule.UNIFORM
         self.B = global_batch
         self.c = cost.overhead_ms
         self.L = cost.num_layers

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from cephalo_lightning._common.units import GIB
+from cephalo_lightning._common.vocabulary import Planner, Schedule
 from cephalo_lightning.planner.assignment import expand, finish, split, trim
 from cephalo_lightning.planner.baselines import even_baseline, proportional_baseline, result
 from cephalo_lightning.planner.cluster import Cluster
@@ -33,11 +34,13 @@ from cephalo_lightning.planner.grouped import canonical
 from cephalo_lightning.planner.plan import BaselineResult
 from cephalo_lightning.planner.solver import BISECTION_TOL, Problem
 
-BASELINES = ("even", "proportional", "poplar", "reference", "ddp-even", "hsdp-even")
+BASELINES = tuple(p.value for p in (Planner.EVEN, Planner.PROPORTIONAL, Planner.POPLAR, Planner.REFERENCE,
+                                    Planner.DDP_EVEN, Planner.HSDP_EVEN))
 # the shard grouping each baseline runs under (the plan table names it beside the baseline)
-BASELINE_GROUPINGS = {"even": "full shard", "proportional": "full shard", "poplar": "full shard",
-                      "reference": "full shard", "ddp-even": "a group per rank: data parallel",
-                      "hsdp-even": "a group per node: HSDP"}
+BASELINE_GROUPINGS = {Planner.EVEN.value: "full shard", Planner.PROPORTIONAL.value: "full shard",
+                      Planner.POPLAR.value: "full shard", Planner.REFERENCE.value: "full shard",
+                      Planner.DDP_EVEN.value: "a group per rank: data parallel",
+                      Planner.HSDP_EVEN.value: "a group per node: HSDP"}
 REFERENCE_LIMIT = 4096  # ranks x global batch for the reference's exact-sum dynamic program
 REFERENCE_UNEVEN = 1.25  # the release's surcharge on an uneven collective
 REFERENCE_BALANCE = 0.5  # the release's max_balance_util: below it shares stay even
@@ -211,20 +214,20 @@ def compute_baselines(cluster: Cluster, global_batch: int, mode: str = "layered"
     """The named baselines (``with_ranks``: with their per-rank plans) for a plan in ``mode``."""
     out: dict[str, BaselineResult] = {}
     for name in names:
-        if name == "even":
+        if name == Planner.EVEN:
             out[name] = even_baseline(cluster, global_batch, mode, with_ranks)
-        elif name == "ddp-even":
+        elif name == Planner.DDP_EVEN:
             out[name] = even_baseline(cluster, global_batch, mode, with_ranks, np.arange(cluster.world_size))
-        elif name == "hsdp-even":
+        elif name == Planner.HSDP_EVEN:
             out[name] = even_baseline(cluster, global_batch, mode, with_ranks, canonical(np.asarray(cluster.nodes)))
-        elif mode == "uniform":
+        elif mode == Schedule.UNIFORM:
             out[name] = BaselineResult(None, False, skipped=True, reason=(
                 f"not computed: {name} picks each rank's micro-batch count, which the uniform mode does not"))
-        elif name == "proportional":
+        elif name == Planner.PROPORTIONAL:
             out[name] = proportional_baseline(cluster, global_batch, with_ranks)
-        elif name == "poplar":
+        elif name == Planner.POPLAR:
             out[name] = poplar_baseline(cluster, global_batch, with_ranks, problem)
-        elif name == "reference":
+        elif name == Planner.REFERENCE:
             out[name] = reference_baseline(cluster, global_batch, with_ranks, problem)
         else:
             raise PlanningError(f"unknown baseline {name!r}; choose from {BASELINES}")

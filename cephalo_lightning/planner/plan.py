@@ -16,13 +16,9 @@ from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import MAX_EXACT_INTEGER, read_document, shown_number
 
 PLAN_MODES = ("layered", "uniform")
-# 2: RankPlan.recompute (files of version 1 load with recompute = True)
-# 3: RankPlan.shard_group (files of versions 1 and 2 load as one group of every rank)
-# 4: RankPlan.binding and RankPlan.why (older files load without them)
-PLAN_FORMAT_VERSION = 4
+PLAN_FORMAT_VERSION = 4  # the one version a plan file is read in (4: every rank's binding and why)
 REMAKE = "re-make the plan with `python -m cephalo_lightning plan`"
 UNPROFILED = "unprofiled"  # the device name of a plan made before anything was measured (Plan.even)
-LEGACY_PLANNER_KEY = "strategy"  # what files written before the 'planner' field call it
 
 
 def _builtin_numbers(record: Any) -> None:
@@ -171,18 +167,13 @@ class Plan:
             raise PlanningError(
                 f"{where}: a plan must be a JSON object with 'global_batch_size' and 'ranks', got a "
                 f"{type(data).__name__}; {REMAKE}")
-        version = data.get("format_version", 1)
-        if not isinstance(version, int) or isinstance(version, bool) or version > PLAN_FORMAT_VERSION:
+        version = data.get("format_version")
+        if type(version) is not int or version != PLAN_FORMAT_VERSION:
+            newer = type(version) is int and version > PLAN_FORMAT_VERSION
             raise PlanningError(
-                f"{where}: format_version {version!r} is not one this version reads (1..{PLAN_FORMAT_VERSION}); "
-                f"upgrade cephalo-lightning or {REMAKE}")
-        allowed = {f.name for f in fields(cls)} | {"format_version", LEGACY_PLANNER_KEY}
-        _unknown(data, allowed, where)
-        if LEGACY_PLANNER_KEY in data:  # plans written before the field was named for what it is
-            if "planner" in data:
-                raise PlanningError(f"{where}: both 'planner' and its old name '{LEGACY_PLANNER_KEY}' are given; "
-                                    f"keep 'planner'")
-            data = {("planner" if k == LEGACY_PLANNER_KEY else k): v for k, v in data.items()}
+                f"{where}: format_version {version!r} is not one this version reads ({PLAN_FORMAT_VERSION}); "
+                f"{'upgrade cephalo-lightning or ' if newer else ''}{REMAKE}")
+        _unknown(data, {f.name for f in fields(cls)} | {"format_version"}, where)
         for key in ("global_batch_size", "ranks"):
             if key not in data:
                 raise PlanningError(f"{where}: the field '{key}' is missing; {REMAKE}")

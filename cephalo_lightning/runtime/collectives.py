@@ -54,11 +54,12 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from cephalo_lightning._common.vocabulary import Collective
 from cephalo_lightning.runtime.distributed import rank_and_size
 from cephalo_lightning.runtime.observers import Observers
 from cephalo_lightning.runtime.sharding.layout import UnitLayout
 
-COLLECTIVE_MODES = ("padded", "exact")
+COLLECTIVE_MODES = tuple(c.value for c in Collective)
 
 
 def resolve_mode(mode: str, group: dist.ProcessGroup | None = None) -> str:
@@ -69,7 +70,7 @@ def resolve_mode(mode: str, group: dist.ProcessGroup | None = None) -> str:
     if mode != "auto":
         raise ValueError(f"collective mode must be 'auto' or one of {COLLECTIVE_MODES}, got {mode!r}")
     distributed = dist.is_available() and dist.is_initialized()
-    return "exact" if distributed and dist.get_backend(group) == "gloo" else "padded"
+    return (Collective.EXACT if distributed and dist.get_backend(group) == "gloo" else Collective.PADDED).value
 
 # torch 2.13 renamed the equal-size collectives (the old names warn); keep older torch working.
 _all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -267,7 +268,7 @@ class Collectives:
             out.copy_(shard)
             return PendingGather(out, source=shard)
         lo, hi = unit.shard_range(self.rank)
-        per_peer = hi - lo if unit.is_even or self.mode == "exact" else unit.max_shard
+        per_peer = hi - lo if unit.is_even or self.mode == Collective.EXACT else unit.max_shard
         deadline = self._deadline(self._equal_sends(per_peer), shard.element_size())
         pending = self._all_gather_issue(shard, out, unit, async_op)
         if async_op:
@@ -282,7 +283,7 @@ class Collectives:
         if unit.is_even:
             work = _all_gather_equal(out, shard, group=self.group, async_op=async_op)
             return PendingGather(out, work, source=shard)
-        if self.mode == "exact":  # [Note: an exact all-gather holds no send buffer]
+        if self.mode == Collective.EXACT:  # [Note: an exact all-gather holds no send buffer]
             out[lo:hi].copy_(shard)
             ops = []
             for r, peer in enumerate(self.global_ranks):
@@ -322,7 +323,7 @@ class Collectives:
         """Elements this rank sends to each group rank in the reduce-scatter of ``unit``."""
         if unit.is_even:
             return self._equal_sends(unit.numel // max(self.world_size, 1))
-        if self.mode == "exact":
+        if self.mode == Collective.EXACT:
             return list(unit.shard_sizes)
         return self._equal_sends(unit.max_shard)
 
@@ -356,7 +357,7 @@ class Collectives:
             return full if (lo, hi) == (0, full.numel()) else full[lo:hi].clone()
         if unit.is_even:
             return self._reduce_scatter_equal(full)
-        if self.mode == "exact":
+        if self.mode == Collective.EXACT:
             sizes = list(unit.shard_sizes)
             received = full.new_empty((hi - lo) * self.world_size)
             dist.all_to_all_single(

@@ -169,13 +169,16 @@ class FlatUnit:
         if not resident:
             self._resize(0)
 
-    def relayout(self, layout: UnitLayout, master: torch.Tensor) -> list[nn.Parameter]:
-        """Adopt a new layout of the same unit with this rank's new master shard; returns the old
-        local pieces (new ones replace them; the full parameters and their hooks stay)."""
+    def relayout(self, layout: UnitLayout, master: torch.Tensor, rank: int | None = None) -> list[nn.Parameter]:
+        """Adopt a new layout of the same unit with this rank's new master shard (and its new place
+        ``rank`` in the unit's group, if it moved); returns the old local pieces (new ones replace
+        them; the full parameters and their hooks stay)."""
         if [s.name for s in layout.params] != [s.name for s in self.layout.params] or layout.numel != self.layout.numel:
             raise ValueError(f"unit {layout.name}: a new layout must describe the same parameters")
         if self.state is not UnitState.SHARDED:
             raise RuntimeError(f"unit {layout.name}: cannot change the layout while it is gathered")
+        if rank is not None:
+            self.rank = rank
         old = self.local_params
         self._install(layout, master)
         return old

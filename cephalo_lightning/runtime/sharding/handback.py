@@ -16,20 +16,22 @@ it trained, so ``ShardedModel.hand_back`` either
 :func:`copy_into_shards` undoes it when the same module is set up again (``trainer.test`` after
 ``trainer.fit``): the whole parameters, edited or not, are copied into the master shards, which the
 optimizer's pieces view, and the modules hold the pieces again. The modes themselves are
-:class:`~.sharded_model.ShardedModel`'s (``hand_back``, ``take_back``).
+:class:`~.sharded_model.ShardedModel`'s (``hand_back``, ``take_back``), which passes its units
+here and keeps the refusing hooks these functions return.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from cephalo_lightning._common.errors import UnsupportedError
-
-if TYPE_CHECKING:
-    from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+from cephalo_lightning.runtime.collectives import Collectives
+from cephalo_lightning.runtime.sharding.flat_unit import FlatUnit
 
 PIECE_ATTRIBUTE = "_cephalo_full_shape"  # set on every local piece (see flat_unit)
 
@@ -39,24 +41,24 @@ REFUSAL = ("{what}: the module's parameters are this rank's shard pieces of a Ce
            "parameters after the fit, or export a checkpoint: python -m cephalo_lightning export CHECKPOINT_DIR --hf OUT")
 
 
-def put_whole(sharded: ShardedModel) -> None:
+def put_whole(units: Sequence[FlatUnit], comm: Collectives, device: torch.device) -> None:
     """Collective: whole copies of the trained parameters into the modules, one unit at a time on
     the device; after a GPU fit they go to host memory, where Lightning's teardown moves the module
     anyway, so the device never holds more than one unit."""
-    home = torch.device("cpu") if sharded.device.type == "cuda" else sharded.device
-    for unit in sharded.units:
+    home = torch.device("cpu") if device.type == "cuda" else device
+    for unit in units:
         flat = torch.empty(unit.layout.numel, dtype=unit.master.dtype, device=unit.device)
-        sharded.comm.all_gather(unit.master, flat, unit.layout).wait()
+        comm.all_gather(unit.master, flat, unit.layout).wait()
         flat = flat.to(home)
         for slot, span, requires_grad in zip(unit.slots, unit.spans, unit.requires_grad):
             whole = flat[span.offset : span.offset + span.numel].view(span.shape).clone()
             slot.set(nn.Parameter(whole, requires_grad=requires_grad))
 
 
-def copy_into_shards(sharded: ShardedModel) -> None:
+def copy_into_shards(units: Sequence[FlatUnit]) -> None:
     """The modules' whole parameters (edited or not) into this rank's master shards; the modules
     hold the local pieces again."""
-    for unit in sharded.units:
+    for unit in units:
         lo, _ = unit.layout.shard_range(unit.rank)
         for index, (slot, span) in enumerate(zip(unit.slots, unit.spans)):
             current = slot.current
@@ -70,10 +72,11 @@ def copy_into_shards(sharded: ShardedModel) -> None:
         unit.use_local()
 
 
-def refuse_use(sharded: ShardedModel) -> None:
-    """Every forward through a module holding pieces, and every ``state_dict()``, raises."""
-    holders = {id(m): m for unit in sharded.units for slot in unit.slots for m, _ in slot.holders}
-    holders[id(sharded.module)] = sharded.module
+def refuse_use(units: Sequence[FlatUnit], model: nn.Module) -> list[RemovableHandle]:
+    """Every forward through a module holding pieces, and every ``state_dict()`` of ``model`` or a
+    submodule, raises until the returned hooks are removed."""
+    holders = {id(m): m for unit in units for slot in unit.slots for m, _ in slot.holders}
+    holders[id(model)] = model
 
     def refuse_forward(module: nn.Module, args: Any) -> None:
         raise UnsupportedError(REFUSAL.format(what=f"{type(module).__name__}.forward() after the fit"))
@@ -81,16 +84,9 @@ def refuse_use(sharded: ShardedModel) -> None:
     def refuse_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         raise UnsupportedError(REFUSAL.format(what=f"{type(module).__name__}.state_dict() after the fit"))
 
-    for module in holders.values():
-        sharded.refusals.append(module.register_forward_pre_hook(refuse_forward))
-    for module in sharded.module.modules():  # save_pretrained() asks a submodule for its state_dict
-        sharded.refusals.append(module.register_state_dict_pre_hook(refuse_state_dict))
-
-
-def stop_refusing(sharded: ShardedModel) -> None:
-    for handle in sharded.refusals:
-        handle.remove()
-    sharded.refusals.clear()
+    handles = [module.register_forward_pre_hook(refuse_forward) for module in holders.values()]
+    # save_pretrained() asks a submodule for its state_dict
+    return handles + [module.register_state_dict_pre_hook(refuse_state_dict) for module in model.modules()]
 
 
 def check_not_pieces(module: nn.Module) -> None:
@@ -100,4 +96,4 @@ def check_not_pieces(module: nn.Module) -> None:
         raise UnsupportedError(REFUSAL.format(what=f"cannot shard {type(module).__name__} again ({pieces[0]}, ...)"))
 
 
-__all__ = ["check_not_pieces", "copy_into_shards", "put_whole", "refuse_use", "stop_refusing"]
+__all__ = ["check_not_pieces", "copy_into_shards", "put_whole", "refuse_use"]

@@ -214,9 +214,6 @@ class ReplicaReducer:
         """Every group is one rank: units' gradients are all-reduced whole, in buckets."""
         return self.active and self.replica is not None and self.replica.world_size == self.world.world_size
 
-    def uses_all_reduce(self, index: int) -> bool:
-        return self.active and self._plans[index] is None
-
     def plan_buckets(self, numels: Sequence[int | None], dtypes: Sequence[torch.dtype], names: Sequence[str],
                      first_bytes: int = FIRST_BUCKET_BYTES, bucket_bytes: int = BUCKET_BYTES) -> None:
         """Cut the units into [Note: gradient buckets] (data parallelism only; see :func:`gradient_buckets`)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -22,8 +22,24 @@ from cephalo_lightning.runtime.distributed import gather_objects
 from cephalo_lightning.runtime.sharding.flat_unit import FlatUnit, UnitState, piece_shape
 from cephalo_lightning.runtime.sharding.layout import ShardLayout, UnitLayout, check_shard_groups, group_layouts
 
-if TYPE_CHECKING:
-    from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+
+class Resharded(Protocol):
+    """What :func:`reshard` reads of the sharded model (:class:`~.sharded_model.ShardedModel`), and
+    the one method through which the model takes the new layouts: :meth:`adopt_layouts`."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    world: Collectives
+    units: list[FlatUnit]
+    shard_groups: tuple[tuple[int, ...], ...]
+    layouts: tuple[ShardLayout, ...]
+    layout: ShardLayout
+
+    def wait_reductions(self) -> None: ...
+    def adopt_layouts(self, shard_groups: tuple[tuple[int, ...], ...], layouts: tuple[ShardLayout, ...]) -> None: ...
+
 
 PieceState = dict[torch.optim.Optimizer, dict[str, Any]]  # one piece's state in every optimizer
 
@@ -53,7 +69,7 @@ class _Moves:
 
 
 @torch.no_grad()
-def reshard(model: ShardedModel, shares: Sequence[float], optimizers: Sequence[torch.optim.Optimizer] = (),
+def reshard(model: Resharded, shares: Sequence[float], optimizers: Sequence[torch.optim.Optimizer] = (),
             shard_groups: Sequence[Sequence[int]] | None = None) -> ShardLayout:
     """Collective: move every rank's state onto the layout of new ``shares`` and ``shard_groups``
     (None: the current groups; see :meth:`ShardedModel.reshard`). Peak memory: old share + new share
@@ -82,8 +98,7 @@ def reshard(model: ShardedModel, shares: Sequence[float], optimizers: Sequence[t
         world.move(moves.outgoing(unit.master), master, moves.send_sizes, list(moves.receive_sizes), name=unit.name)
         old_pieces = list(unit.local_params)
         moved_state = _move_optimizer_state(unit, old_pieces, new_unit, new_place, moves, optimizers, world)
-        unit.rank = new_place
-        unit.relayout(new_unit, master)
+        unit.relayout(new_unit, master, rank=new_place)
         for old, new, state in zip(old_pieces, unit.local_params, moved_state):
             for opt, key_state in state.items():
                 opt.state.pop(old, None)

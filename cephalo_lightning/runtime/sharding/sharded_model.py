@@ -60,7 +60,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from cephalo_lightning._common.vocabulary import Collective
 from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Links
 from cephalo_lightning.runtime.observers import Observer, Observers
@@ -143,7 +145,7 @@ class ShardedModel:
     ) -> None:
         handback.check_not_pieces(module)
         self.module = module
-        self.refusals: list[Any] = []  # hooks refusing use of the pieces after a fit (handback, PARKED)
+        self.refusals: list[RemovableHandle] = []  # hooks refusing use of the pieces after a fit (handback, PARKED)
         self.observers = Observers()
         for observer in observers:  # attached first, they also see the buffers sharding creates
             self.observers.attach(observer)
@@ -246,7 +248,7 @@ class ShardedModel:
         it computes, which no profile counts: for a padded gather of an uneven unit its padded shard
         and W of them for staging; an exact or an even gather holds nothing
         ([Note: an exact all-gather holds no send buffer])."""
-        if not self.prefetch or self.comm.mode != "padded" or self.comm.world_size < 2:
+        if not self.prefetch or self.comm.mode != Collective.PADDED or self.comm.world_size < 2:
             return 0
         return max(((self.comm.world_size + 1) * u.layout.max_shard * u.compute_dtype.itemsize
                     for u in self.units[1:] if u.layout.numel and not u.layout.is_even), default=0)
@@ -353,10 +355,6 @@ class ShardedModel:
                 hooks.root_backward(False)
         self.finish_backward()
 
-    def grad_norm_sq(self, norm_type: float = 2.0) -> torch.Tensor:
-        """This rank's share of the gradient norm: sum |g|^p over its pieces (max |g| for inf), fp64."""
-        return local_grad_norm(self.parameters(), norm_type, self.device)
-
     @torch.no_grad()
     def grads_finite(self) -> bool:
         """Whether every element of this rank's gradient pieces is finite.
@@ -438,18 +436,20 @@ class ShardedModel:
             return
         self.free_all()
         if whole:
-            handback.put_whole(self)
+            handback.put_whole(self.units, self.comm, self.device)
             self.mode = Mode.HANDED_BACK
         else:
-            handback.refuse_use(self)
+            self.refusals = handback.refuse_use(self.units, self.module)
             self.mode = Mode.PARKED
 
     @torch.no_grad()
     def take_back(self) -> None:
         """Before the next fit or evaluation of the same module: the whole parameters into the shards."""
         if self.mode is Mode.HANDED_BACK:
-            handback.copy_into_shards(self)
-        handback.stop_refusing(self)
+            handback.copy_into_shards(self.units)
+        for handle in self.refusals:
+            handle.remove()
+        self.refusals = []
         if self.mode in (Mode.HANDED_BACK, Mode.PARKED):
             self.mode = Mode.HOOKS
 
