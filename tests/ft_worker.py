@@ -1,7 +1,8 @@
 """One life of one shard group (one rank) under fault tolerance (tests/test_fault_tolerance.py,
 benchmarks/bench_fault_tolerance.py).
 
-``python tests/ft_worker.py WORKDIR GROUP LIGHTHOUSE``: trains TinyLM in fp64 (sharded by the
+:func:`run_scenario` runs the whole scenario (a lighthouse on 127.0.0.1, both groups, the kill,
+the return) and reads what the lives wrote. One life: ``python tests/ft_worker.py WORKDIR GROUP LIGHTHOUSE`` trains TinyLM in fp64 (sharded by the
 package in its group of one rank) for :data:`TOTAL` steps of :data:`GLOBAL` samples, each group on
 its part of every global batch (:class:`~cephalo_lightning.lightning.fault_tolerance.ReplicaGroup`).
 Instrumented points, each a file in WORKDIR as well:
@@ -23,8 +24,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,6 +47,11 @@ WAIT_S = 120  # the longest any instrumented wait lasts; past it the life fails
 # two groups of one rank each: a big device (8 of 12 samples) and a small one (4 of 12)
 PLAN = Plan(GLOBAL, "layered", (RankPlan(0, "cpu (emulated big)", 8, 1, 8, 1.0, shard_group=0),
                                 RankPlan(1, "cpu (emulated small)", 4, 1, 4, 1.0, shard_group=1)))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+HEARTBEAT_TIMEOUT_MS = 1000  # the lighthouse drops a group this long after its last heartbeat
+JOIN_TIMEOUT_MS = 10_000  # how long a quorum waits for a heartbeating group that has not asked yet
 
 
 def _wait_for(condition, what: str) -> None:
@@ -91,6 +99,69 @@ def main(work: Path, group: int, lighthouse: str) -> None:
             _wait_for(lambda: len(list(work.glob("ready-1-*"))) > 1, "return of group 1")
     torch.save({name: p.detach().clone() for name, p in sharded.full_state_dict().items()}, work / f"final-{group}-{pid}.pt")
     ft.shutdown()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What the lives wrote: every life's events (by pid), the kill's record and the final parameters."""
+
+    events: dict[tuple[int, int], list[dict]]  # (group, pid) -> its steps, in order
+    killed: dict
+    finals: dict[tuple[int, int], dict[str, torch.Tensor]]
+    exit_codes: dict[tuple[int, int], int]
+    logs: str
+
+    def lives(self, group: int) -> list[int]:
+        """The pids of ``group``'s lives, in start order."""
+        return sorted((pid for g, pid in self.events if g == group), key=lambda pid: self.events[group, pid][0]["time"])
+
+
+def _life(work: Path, group: int, lighthouse: str, index: int) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+    log = open(work / f"life-{group}-{index}.log", "w")  # noqa: SIM115 (the child writes it)
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(work), str(group), lighthouse],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def run_scenario(work: Path, deadline_s: float) -> Scenario:
+    """A lighthouse on loopback, group 0 and group 1 started together, group 1 killed mid-step
+    :data:`KILL_AT` and started again at once; every process is ended before this returns."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
+                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    address = lighthouse.address()
+    deadline = time.monotonic() + deadline_s
+    lives = [_life(work, 0, address, 0), _life(work, 1, address, 0)]
+
+    def logs() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(work.glob("life-*.log")))
+
+    def wait(what: str, done) -> None:
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}\n{logs()}")
+            time.sleep(0.05)
+
+    try:
+        wait("the kill", lambda: (work / "killed").exists() or lives[0].poll() is not None)
+        wait("group 1's first life to end", lambda: lives[1].poll() is not None)
+        lives.append(_life(work, 1, address, 1))  # the node is back: the group starts again
+        wait("both groups to finish", lambda: lives[0].poll() is not None and lives[2].poll() is not None)
+    finally:
+        for life in lives:
+            if life.poll() is None:
+                life.kill()
+            life.wait()
+        lighthouse.shutdown()
+    events = {}
+    for path in work.glob("events-*.jsonl"):
+        _, group, pid = path.stem.split("-")
+        events[int(group), int(pid)] = [json.loads(line) for line in path.read_text().splitlines()]
+    finals = {(int(p.stem.split("-")[1]), int(p.stem.split("-")[2])): torch.load(p) for p in work.glob("final-*.pt")}
+    codes = {(g, life.pid): life.returncode for g, life in zip((0, 1, 1), lives)}
+    killed = json.loads((work / "killed").read_text()) if (work / "killed").exists() else {}
+    return Scenario(events, killed, finals, codes, logs())
 
 
 if __name__ == "__main__":

@@ -81,6 +81,20 @@ def check_groups_cut_alike(plan: Plan) -> None:
             "shard group per node of identical devices (equal groups, equal shares), or run without fault tolerance")
 
 
+def refuse_fit(plan: Plan) -> None:
+    """``Trainer.fit`` under ``CephaloStrategy(fault_tolerance=True)``, at setup: the plan's groups are
+    checked, then the fit is refused, since the Lightning loop does not drive :class:`ReplicaGroup` yet."""
+    try:
+        check_groups_cut_alike(plan)
+    except ConfigurationError as err:
+        raise ConfigurationError(f"CephaloStrategy(fault_tolerance=True): {err}") from err
+    raise UnsupportedError(
+        "CephaloStrategy(fault_tolerance=True): Trainer.fit does not run under fault tolerance yet (its data loader "
+        "cuts each rank's batch before the step's quorum says which groups take part); drive "
+        "cephalo_lightning.lightning.fault_tolerance.ReplicaGroup from your own loop (docs/fault-tolerance.md), "
+        "or use elastic=True with torchrun's restarts")
+
+
 def group_plan(plan: Plan) -> Plan:
     """The plan seen one shard group at a time: one rank per group, named by the group's first rank's
     device, with the group's batch; what the re-plan over the surviving groups starts from."""

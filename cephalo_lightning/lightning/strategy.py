@@ -48,6 +48,7 @@ from cephalo_lightning.lightning.config import (
     StateDictType,
     StrategyConfig,
 )
+from cephalo_lightning.lightning.fault_tolerance import refuse_fit
 from cephalo_lightning.lightning.fit import FailureReport, FitRuntime, stash_offloaded
 from cephalo_lightning.lightning.precision import sharded_precision
 from cephalo_lightning.lightning.preemption import Preemption
@@ -93,6 +94,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  safe_globals: Sequence[Any] = DEFAULTS.safe_globals, seed: int | None = DEFAULTS.seed,
                  verify_checksums: bool = DEFAULTS.verify_checksums, progress_every: int | None = DEFAULTS.progress_every,
                  async_checkpoint: bool = DEFAULTS.async_checkpoint, elastic: bool = DEFAULTS.elastic,
+                 fault_tolerance: bool = DEFAULTS.fault_tolerance,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **kwargs: Any) -> None:
         options = {name: value for name, value in locals().items() if name in OPTION_NAMES}  # all, by name
@@ -178,6 +180,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                 world_size=self.world_size, identities=self._identities,
                 provisional=self.provisional_layout == "memory")
             plan_resolution.check_model(plan, module)
+            if self.config.fault_tolerance:
+                refuse_fit(plan)
             self.fit_runtime = FitRuntime(
                 module, plan, self.config, schedule=schedule, resolution=resolution, rank=self.global_rank,
                 device=self.root_device, emulator=self.emulator, collective=self.collective,

@@ -1,0 +1,154 @@
+"""Fault tolerance across shard groups with torchft (``cephalo_lightning.lightning.fault_tolerance``).
+
+The scenario (one run for the module, tests/ft_worker.py): two shard groups of one gloo rank each
+(8 and 4 of the 12 samples of every global batch), a torchft lighthouse on 127.0.0.1; group 1 is
+SIGKILLed in step 3 between its backward and the cross-group sum; group 0 goes on in the same
+process; group 1 is started again and recovers the live state from group 0. The final parameters
+of both groups are compared with single-process AdamW on the same 10 global batches in fp64.
+The refusals need no processes.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+import torch
+
+from cephalo_lightning import CephaloStrategy
+from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
+from cephalo_lightning.lightning.fault_tolerance import (
+    check_groups_cut_alike,
+    group_plan,
+    refuse_fit,
+    require_torchft,
+    torchft_available,
+)
+from cephalo_lightning.planner import Plan, RankPlan
+from tests.models import TinyLM, batches
+from tests.reference import make_optimizer
+
+needs_torchft = pytest.mark.skipif(not torchft_available(),
+                                   reason="torchft is not installed (pip install 'cephalo-lightning[ft]'); "
+                                          "the fault-tolerance scenario runs on it")
+# measured: max |param - replay| = 2.2e-16 (the groups' partial sums add in another order than the
+# single-process batch); a step skipped, repeated or applied with part of its batch is off by ~1e-3
+TOLERANCE = 1e-12
+DEADLINE_S = 600  # the whole scenario, on a loaded 2-core machine (about 15 s idle)
+
+
+def replay(steps: int, global_batch: int) -> dict[str, torch.Tensor]:
+    model = TinyLM().double()
+    optimizer = make_optimizer(model.parameters())
+    for x, y in batches(steps, global_batch):
+        model.loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    from tests.ft_worker import run_scenario
+
+    return run_scenario(tmp_path_factory.mktemp("ft"), DEADLINE_S)
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_the_surviving_group_redoes_the_interrupted_step_alone_in_the_same_process(scenario):
+    from tests.ft_worker import GLOBAL, KILL_AT, TOTAL
+
+    assert len(scenario.lives(0)) == 1, scenario.logs  # never restarted: one pid for group 0
+    (pid,) = scenario.lives(0)
+    assert scenario.exit_codes[0, pid] == 0, scenario.logs
+    steps = [(e["step"], e["participants"], e["batches"], e["committed"]) for e in scenario.events[0, pid]]
+    both, alone = ([0, 1], [8, 4]), ([0], [GLOBAL])
+    assert steps[:KILL_AT] == [(s, *both, True) for s in range(KILL_AT)]
+    assert steps[KILL_AT] == (KILL_AT, *both, False), steps  # the kill mid-step: nobody commits it
+    assert steps[KILL_AT + 1] == (KILL_AT, *alone, True), steps  # redone, the whole global batch on group 0
+    committed = [s for s, _, _, ok in steps if ok]
+    assert committed == list(range(TOTAL)), steps  # every step once: none skipped, none repeated
+    assert all(sum(b) == GLOBAL for _, _, b, _ in steps)
+    assert scenario.killed["step"] == KILL_AT
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_the_killed_group_comes_back_with_the_live_state_and_takes_its_part_again(scenario):
+    from tests.ft_worker import KILL_AT, TOTAL, WAIT_AT
+
+    first, again = scenario.lives(1)
+    assert scenario.exit_codes[1, first] == -signal.SIGKILL and scenario.exit_codes[1, again] == 0, scenario.logs
+    assert [e["step"] for e in scenario.events[1, first]] == list(range(KILL_AT))  # the killed step never logged
+    back = scenario.events[1, again]
+    # it joined at a step boundary past its own last step: the step and weights came from group 0
+    assert back[0]["step"] > WAIT_AT and back[0]["participants"] == [0, 1] and back[0]["batches"] == [8, 4], back
+    assert [e["step"] for e in back] == list(range(back[0]["step"], TOTAL)) and all(e["committed"] for e in back)
+    (pid,) = scenario.lives(0)
+    after = [e for e in scenario.events[0, pid] if e["step"] >= back[0]["step"]]
+    assert all(e["participants"] == [0, 1] for e in after)  # the plan grew back for group 0 too
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_both_groups_end_on_the_single_process_replay_of_the_same_global_batches(scenario):
+    from tests.ft_worker import GLOBAL, TOTAL
+
+    want = replay(TOTAL, GLOBAL)
+    assert len(scenario.finals) == 2, scenario.logs  # group 0 and group 1's second life
+    for life, got in scenario.finals.items():
+        assert set(got) == set(want)
+        error = max((got[k] - want[k]).abs().max().item() for k in want)
+        assert error <= TOLERANCE, (life, error)
+
+
+# ----------------------------------------------------------------------------- refusals (no processes)
+
+HSDP = Plan(16, "layered", (RankPlan(0, "a100", 4, 1, 4, 0.5, shard_group=0), RankPlan(1, "a100", 4, 1, 4, 0.5, shard_group=0),
+                            RankPlan(2, "a100", 4, 1, 4, 0.5, shard_group=1), RankPlan(3, "a100", 4, 1, 4, 0.5, shard_group=1)))
+UNEVEN = Plan(16, "layered", (RankPlan(0, "a100", 6, 1, 6, 0.6, shard_group=0), RankPlan(1, "v100", 2, 1, 2, 0.4, shard_group=0),
+                              RankPlan(2, "a100", 4, 1, 4, 0.5, shard_group=1), RankPlan(3, "a100", 4, 1, 4, 0.5, shard_group=1)))
+
+
+def test_groups_that_cut_the_units_differently_are_refused_with_their_shares():
+    check_groups_cut_alike(HSDP)
+    with pytest.raises(ConfigurationError, match=r"cut the units alike.*\[\[0, 1\], \[2, 3\]\].*\(0\.6, 0\.4\)"):
+        check_groups_cut_alike(UNEVEN)
+    sizes = Plan(12, "layered", (RankPlan(0, "a100", 6, 1, 6, 1.0, shard_group=0), RankPlan(1, "a100", 3, 1, 3, 0.5, shard_group=1),
+                                 RankPlan(2, "a100", 3, 1, 3, 0.5, shard_group=1)))
+    with pytest.raises(ConfigurationError, match=r"equal groups"):
+        check_groups_cut_alike(sizes)
+    assert group_plan(UNEVEN).batch_sizes == [8, 8] and group_plan(UNEVEN).shard_groups == ((0,), (1,))
+
+
+def test_the_strategy_refuses_fault_tolerance_where_it_cannot_run():
+    with pytest.raises(ConfigurationError, match=r"fault_tolerance=True.*mode='uniform'"):
+        CephaloStrategy(fault_tolerance=True, mode="uniform")
+    with pytest.raises(ConfigurationError, match=r"fault_tolerance=True.*cut the units alike"):
+        CephaloStrategy(fault_tolerance=True, plan=UNEVEN)
+    with pytest.raises(ConfigurationError, match=r"fault_tolerance.*True or False"):
+        CephaloStrategy(fault_tolerance="yes")
+
+
+def test_without_torchft_the_refusal_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # an import of torchft now raises ImportError
+    assert not torchft_available()
+    with pytest.raises(UnsupportedError, match=r"pip install 'cephalo-lightning\[ft\]'.*torchft==0\.2\.0"):
+        require_torchft()
+    with pytest.raises(UnsupportedError, match=r"fault_tolerance=True.*pip install 'cephalo-lightning\[ft\]'"):
+        CephaloStrategy(fault_tolerance=True, plan=HSDP)
+
+
+def test_trainer_fit_under_fault_tolerance_is_refused_at_setup_before_any_step():
+    from tests import helpers
+    from tests.lightning_models import TinyLayered, token_data
+
+    with pytest.raises(ConfigurationError, match=r"cut the units alike"):
+        refuse_fit(UNEVEN)
+    strategy = CephaloStrategy(fault_tolerance=True, mode="layered")
+    trainer = helpers.trainer(strategy, 1, 2)
+    with pytest.raises(UnsupportedError, match=r"Trainer.fit does not run under fault tolerance yet.*ReplicaGroup"):
+        trainer.fit(TinyLayered(), torch.utils.data.DataLoader(token_data(8), batch_size=4))
+    assert trainer.global_step == 0
