@@ -128,11 +128,12 @@ def run_scenario(work: Path, deadline_s: float) -> Scenario:
     :data:`KILL_AT` and started again at once; every process is ended before this returns."""
     from torchft._torchft import LighthouseServer
 
+    work.mkdir(parents=True, exist_ok=True)
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
                                   heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
     address = lighthouse.address()
     deadline = time.monotonic() + deadline_s
-    lives = [_life(work, 0, address, 0), _life(work, 1, address, 0)]
+    lives: list[subprocess.Popen] = []
 
     def logs() -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(work.glob("life-*.log")))
@@ -144,6 +145,7 @@ def run_scenario(work: Path, deadline_s: float) -> Scenario:
             time.sleep(0.05)
 
     try:
+        lives += [_life(work, 0, address, 0), _life(work, 1, address, 0)]
         wait("the kill", lambda: (work / "killed").exists() or lives[0].poll() is not None)
         wait("group 1's first life to end", lambda: lives[1].poll() is not None)
         lives.append(_life(work, 1, address, 1))  # the node is back: the group starts again
