@@ -10,8 +10,12 @@ The refusals need no processes.
 
 from __future__ import annotations
 
+import ast
+import os
 import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +30,7 @@ from cephalo_lightning.lightning.fault_tolerance import (
     torchft_available,
 )
 from cephalo_lightning.planner import Plan, RankPlan
+from tests.conftest import HANG_TIMEOUT_S
 from tests.models import TinyLM, batches
 from tests.reference import make_optimizer
 
@@ -152,3 +157,50 @@ def test_trainer_fit_under_fault_tolerance_is_refused_at_setup_before_any_step()
     with pytest.raises(UnsupportedError, match=r"Trainer.fit does not run under fault tolerance yet.*ReplicaGroup"):
         trainer.fit(TinyLayered(), torch.utils.data.DataLoader(token_data(8), batch_size=4))
     assert trainer.global_step == 0
+
+
+# ----------------------------------------------------------------------------- docs/fault-tolerance.md's blocks
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "fault-tolerance.md"
+
+
+def page_blocks() -> list[tuple[str, str, str]]:
+    """(language, marker, code) of every fenced block; the marker is the docs-test comment on the
+    line before the fence ("" when none)."""
+    blocks, lines = [], PAGE.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("```") and len(lines[i]) > 3:
+            language = lines[i][3:].split()[0]
+            marker = lines[i - 1] if i and lines[i - 1].startswith("<!-- docs-test:") else ""
+            end = lines.index("```", i + 1)
+            blocks.append((language, marker, "\n".join(lines[i + 1:end]) + "\n"))
+            i = end
+        i += 1
+    return blocks
+
+
+def test_the_pages_parse_only_and_output_blocks_are_marked_and_parse():
+    blocks = page_blocks()
+    assert [language for language, _, _ in blocks] == ["python", "bash", "bash", "console"]
+    for language, marker, code in blocks:
+        if "parse-only" in marker:
+            assert language == "bash"
+            subprocess.run(["bash", "-n"], input=code, text=True, check=True)
+        elif language == "python":
+            ast.parse(code)
+        else:
+            assert "docs-test: output" in marker, (language, marker)
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_the_pages_python_block_runs(tmp_path):
+    (code,) = [code for language, _, code in page_blocks() if language == "python"]
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(PAGE.parents[1]), "WANDB_MODE": "offline", "RUST_LOG": "warn"}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=HANG_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "committed steps: 3 participants: (0,)" in done.stdout

@@ -26,7 +26,7 @@ from tests.lightning_models import TinyUniform, loader, token_data
 # ----------------------------------------------------------------------------- the strategy's options
 
 STRATEGY_BOOLS = ("prefetch", "overlap", "verify_loss", "check_devices", "verify_checksums", "async_checkpoint",
-                  "elastic", "gather_on_teardown")
+                  "elastic", "gather_on_teardown", "fault_tolerance")
 CALLBACK_BOOLS = ("force_profile", "replan", "adapt", "print_plan", "quiet")
 
 
