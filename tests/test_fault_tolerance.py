@@ -36,7 +36,7 @@ from tests.reference import make_optimizer
 
 needs_torchft = pytest.mark.skipif(not torchft_available(),
                                    reason="torchft is not installed (pip install 'cephalo-lightning[ft]'); "
-                                          "the fault-tolerance scenario runs on it")
+                                          "these tests run on it")
 # measured: max |param - replay| = 2.2e-16 (the groups' partial sums add in another order than the
 # single-process batch); a step skipped, repeated or applied with part of its batch is off by ~1e-3
 TOLERANCE = 1e-12
@@ -146,6 +146,7 @@ def test_without_torchft_the_refusal_says_how_to_install_it(monkeypatch):
         CephaloStrategy(fault_tolerance=True, plan=HSDP)
 
 
+@needs_torchft
 def test_trainer_fit_under_fault_tolerance_is_refused_at_setup_before_any_step():
     from tests import helpers
     from tests.lightning_models import TinyLayered, token_data

@@ -184,9 +184,9 @@ def _fault_tolerance(mode: str, plan: Plan | None) -> None:
             "some ranks than on others; the uniform mode runs one micro-batch count on every rank. Use mode='layered' "
             "(or 'auto' with the layered protocol), or fault_tolerance=False")
     try:
-        require_torchft()
         if plan is not None:
             check_groups_cut_alike(plan)
+        require_torchft()
     except (ConfigurationError, UnsupportedError) as err:
         raise type(err)(f"CephaloStrategy(fault_tolerance=True): {err}") from err
 

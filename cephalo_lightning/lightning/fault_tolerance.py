@@ -176,6 +176,7 @@ class ReplicaGroup:
         self.manager.register_state_dict_fn("optimizer", self.optimizer.load_state_dict, self.optimizer.state_dict)
         self.manager.register_state_dict_fn("sampler", self._load_sampler_state, self._sampler_state)
         self.managed = ManagedProcessGroup(self.manager)  # the cross-group reduction: quorum-sized, errors reported
+        self._participants: tuple[int, ...] = ()  # the last quorum's groups (a change is logged)
         self.redone = 0  # steps this group started and did not commit (redone at the next quorum)
 
     @property
@@ -208,6 +209,11 @@ class ReplicaGroup:
             # the quorum already broke: this step will not commit; train on the whole batch, dropped later
             return StepSlice(self.step, 0, self.plan.global_batch_size, (self.group,), (self.plan.global_batch_size,))
         batches = tuple(self.survivors_plan(participants).batch_sizes)
+        if participants != self._participants:
+            log.warning("Cephalo fault tolerance: from step %d the groups %s train the global batch of %d as %s "
+                        "(the re-plan over the groups present)", self.step, list(participants),
+                        self.plan.global_batch_size, list(batches))
+            self._participants = participants
         start = sum(batches[:k])
         return StepSlice(self.step, start, batches[k], participants, batches)
 
