@@ -31,6 +31,7 @@ from cephalo_lightning.lightning.fault_tolerance import (
 )
 from cephalo_lightning.planner import Plan, RankPlan
 from tests.conftest import HANG_TIMEOUT_S
+from tests.distributed import run_distributed
 from tests.models import TinyLM, batches
 from tests.reference import make_optimizer
 
@@ -107,6 +108,67 @@ def test_both_groups_end_on_the_single_process_replay_of_the_same_global_batches
         assert set(got) == set(want)
         error = max((got[k] - want[k]).abs().max().item() for k in want)
         assert error <= TOLERANCE, (life, error)
+
+
+# ----------------------------------------------------------------------------- groups of two ranks (HSDP)
+
+# two groups of two ranks, each sharding the state 0.7 / 0.3 inside and taking 5 + 3 of the group's 8 samples
+PLAN4 = Plan(16, "layered", tuple(RankPlan(r, "cpu", (5, 3)[r % 2], 1, (5, 3)[r % 2], (0.7, 0.3)[r % 2],
+                                           shard_group=r // 2) for r in range(4)))
+HSDP_STEPS = 4
+
+
+def _two_groups_of_two(rank: int, world: int, lighthouse: str):
+    import torch.distributed as dist
+    from torch.distributed import TCPStore
+
+    from cephalo_lightning.lightning.fault_tolerance import ReplicaGroup, Settings, rank_slice
+    from cephalo_lightning.runtime.distributed import broadcast_object
+    from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+
+    group, local = divmod(rank, 2)
+    subgroups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # each group's own ranks: its in-group collectives
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if local == 0 else None
+    port = broadcast_object(store.port if store is not None else None, group=subgroups[group])
+    model = TinyLM().double()
+    sharded = ShardedModel(model, [0.7, 0.3], group=subgroups[group])
+    parameters = list(sharded.parameters())
+    ft = ReplicaGroup(parameters, make_optimizer(parameters), group_plan(PLAN4), group,
+                      Settings(lighthouse=lighthouse, store_addr="127.0.0.1", store_port=port, hostname="127.0.0.1"),
+                      rank=local, world_size=2)
+    dist.barrier()  # both groups heartbeat before the first quorum
+    data, seen = batches(HSDP_STEPS, PLAN4.global_batch_size), []
+    while ft.step < HSDP_STEPS:
+        part = ft.start_step()
+        start, size = rank_slice(part, [5, 3], local)
+        x, y = data[part.step]
+        loss = model.loss(model(x[start:start + size]), y[start:start + size]) * (size / PLAN4.global_batch_size)
+        sharded.backward(loss)
+        ft.reduce_gradients()
+        assert ft.commit()
+        seen.append((part.participants, start, size))
+    state = {k: v.clone() for k, v in sharded.full_state_dict().items()}
+    ft.shutdown()
+    return {"state": state, "seen": seen, "local_numel": sum(p.numel() for p in parameters)}
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_groups_of_two_ranks_shard_inside_and_sum_rank_by_rank_across_to_the_replay():
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+    try:
+        results = run_distributed(_two_groups_of_two, 4, lighthouse.address())
+    finally:
+        lighthouse.shutdown()
+    want = replay(HSDP_STEPS, PLAN4.global_batch_size)
+    total = sum(v.numel() for v in want.values())
+    for rank, result in enumerate(results):
+        assert result["seen"] == [((0, 1), *((0, 5), (5, 3), (8, 5), (13, 3))[rank])] * HSDP_STEPS
+        assert 0 < result["local_numel"] < total  # the state is sharded inside the group
+        error = max((result["state"][k] - want[k]).abs().max().item() for k in want)
+        assert error <= TOLERANCE, (rank, error)
 
 
 # ----------------------------------------------------------------------------- refusals (no processes)

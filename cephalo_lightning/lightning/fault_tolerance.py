@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning.lightning.elastic import replan_for_world
+from cephalo_lightning.lightning.elastic import apportion, replan_for_world
 from cephalo_lightning.planner import Plan
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,13 @@ class StepSlice:
     size: int
     participants: tuple[int, ...]  # the groups in the quorum, in its order
     batches: tuple[int, ...]  # each participant's samples, the re-plan over them
+
+
+def rank_slice(part: StepSlice, weights: Sequence[float], rank: int) -> tuple[int, int]:
+    """This rank's samples of its group's ``part``: ``(start, size)`` in the global batch, the group's
+    samples apportioned over its ranks in proportion to ``weights`` (the in-group plan's batches)."""
+    sizes = apportion(part.size, weights)
+    return part.start + sum(sizes[:rank]), sizes[rank]
 
 
 @dataclass(frozen=True)
