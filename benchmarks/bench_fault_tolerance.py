@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import sys
 import tempfile
@@ -58,7 +57,7 @@ def torchft_way(work: Path) -> dict:
 
 def elastic_way(work: Path) -> dict:
     from tests.distributed import free_port
-    from tests.test_elastic_torchrun import start_agent
+    from tests.test_elastic_torchrun import start_agent, stop_agents
 
     port = free_port()
     agents = [start_agent(work, port, "A", 2, host=True), start_agent(work, port, "B", 1, host=False)]
@@ -69,14 +68,7 @@ def elastic_way(work: Path) -> dict:
                 raise RuntimeError(f"the elastic run did not recover (agent A: {agents[0].poll()}); logs in {work}")
             time.sleep(0.2)
     finally:
-        for agent in agents:  # SIGTERM: the agent stops its own ranks first
-            if agent.poll() is None:
-                agent.send_signal(signal.SIGTERM)
-                try:
-                    agent.wait(timeout=60)
-                except Exception:
-                    agent.kill()
-                    agent.wait()
+        stop_agents(agents)
     killed, recovered = (json.loads((work / n).read_text()) for n in ("killed", "recovered"))
     # the kill came after step killed["step"]'s optimizer step, before its checkpoint; the restart
     # resumed from the checkpoint before it: the first step after the restart is the one trained again

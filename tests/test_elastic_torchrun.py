@@ -65,6 +65,18 @@ def start_agent(work: Path, port: int, node: str, ranks: int, host: bool) -> sub
     return subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
+def stop_agents(agents: list[subprocess.Popen]) -> None:
+    """SIGTERM to every agent still running (it stops its own ranks first); SIGKILL after 60 s."""
+    for agent in agents:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+            try:
+                agent.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
+
+
 def _logs(work: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(work.glob("agent-*.log")))
 
@@ -95,14 +107,7 @@ def test_a_lost_node_is_replaced_by_torchrun_replanned_and_regrown_to_the_uninte
               deadline)
         assert (a.returncode, b_again.returncode) == (0, 0), _logs(work)
     finally:
-        for agent in agents:  # SIGTERM: the agent stops its own ranks first
-            if agent.poll() is None:
-                agent.send_signal(signal.SIGTERM)
-                try:
-                    agent.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    agent.kill()
-                    agent.wait()
+        stop_agents(agents)
 
     lives = [json.loads(line) for line in (work / "lives.jsonl").read_text().splitlines()]
     def ranks(keep) -> list[dict]:
