@@ -245,10 +245,9 @@ def page_blocks() -> list[tuple[str, str, str]]:
 
 def test_the_pages_parse_only_and_output_blocks_are_marked_and_parse():
     blocks = page_blocks()
-    assert [language for language, _, _ in blocks] == ["python", "bash", "bash", "console"]
+    assert [language for language, _, _ in blocks] == ["python", "python", "bash", "bash", "console"]
     for language, marker, code in blocks:
-        if "parse-only" in marker:
-            assert language == "bash"
+        if "parse-only" in marker and language == "bash":
             subprocess.run(["bash", "-n"], input=code, text=True, check=True)
         elif language == "python":
             ast.parse(code)
@@ -259,7 +258,7 @@ def test_the_pages_parse_only_and_output_blocks_are_marked_and_parse():
 @needs_torchft
 @pytest.mark.multiprocess
 def test_the_pages_python_block_runs(tmp_path):
-    (code,) = [code for language, _, code in page_blocks() if language == "python"]
+    (code,) = [code for language, marker, code in page_blocks() if language == "python" and not marker]
     script = tmp_path / "block.py"
     script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(PAGE.parents[1]), "WANDB_MODE": "offline", "RUST_LOG": "warn"}
@@ -267,3 +266,5 @@ def test_the_pages_python_block_runs(tmp_path):
                           timeout=HANG_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "committed steps: 3 participants: (0,)" in done.stdout
+    lighthouse = Path(sys.executable).parent / "torchft_lighthouse"  # the coordinator the page starts
+    assert subprocess.run([str(lighthouse), "--help"], capture_output=True, timeout=60).returncode == 0
