@@ -7,7 +7,7 @@ Both ways run on an emulated 2-node cluster of CPU processes on this machine, ov
 loopback, with the suite's instrumented scenarios (run from a checkout):
 
 * **torchft** (``tests/ft_worker.py``): two shard groups of one rank each, a ``torchft`` lighthouse
-  on 127.0.0.1 (heartbeat timeout 1 s); group 1 is SIGKILLed in step 3 between its backward and the
+  on 127.0.0.1 (heartbeat timeout 2 s); group 1 is SIGKILLed in step 3 between its backward and the
   cross-group sum; group 0 goes on in its own process; group 1 is started again and recovers the
   live state from group 0.
 * **torchrun elastic** (``tests/elastic_worker.py``, ``tests/test_elastic_torchrun.py``'s agents):

@@ -11,8 +11,9 @@ Instrumented points, each a file in WORKDIR as well:
   waits for both groups' (so the first quorum holds both);
 * **the kill**: group 1's first life, in step :data:`KILL_AT` after its backward and before the
   cross-group all-reduce, writes ``killed`` (the time) and SIGKILLs itself: the group is lost mid-step;
-* **the return**: group 0, after committing step :data:`WAIT_AT`, waits (at most :data:`WAIT_S`)
-  for the ``ready`` of a later life of group 1, so that the return happens mid-run.
+* **the return**: group 0, after committing step :data:`WAIT_AT`, writes ``waiting`` and waits (at
+  most :data:`WAIT_S`) for the ``ready`` of a later life of group 1, which starts its manager only
+  once ``waiting`` is there: the return lands at step ``WAIT_AT + 1`` whatever the machine's load.
 
 Every step appends a line to ``events-G-PID.jsonl`` (the step, the quorum's participants, the
 batches, whether it committed, the time); a life that trains to the end writes ``final-G-PID.pt``
@@ -50,8 +51,8 @@ PLAN = Plan(GLOBAL, "layered", (RankPlan(0, "cpu (emulated big)", 8, 1, 8, 1.0, 
 
 
 ROOT = Path(__file__).resolve().parents[1]
-HEARTBEAT_TIMEOUT_MS = 1000  # the lighthouse drops a group this long after its last heartbeat
-JOIN_TIMEOUT_MS = 10_000  # how long a quorum waits for a heartbeating group that has not asked yet
+HEARTBEAT_TIMEOUT_MS = 2000  # the lighthouse drops a group this long after its last heartbeat (beats: 0.1 s)
+JOIN_TIMEOUT_MS = 60_000  # how long a quorum waits for a heartbeating group that has not asked yet
 
 
 def _wait_for(condition, what: str) -> None:
@@ -67,6 +68,8 @@ def main(work: Path, group: int, lighthouse: str) -> None:
     pid = os.getpid()
     first_life = not any(work.glob(f"ready-{group}-*"))
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the group's own store (one rank)
+    if not first_life:
+        _wait_for(lambda: (work / "waiting").exists(), "group 0 at the return point")
     model = TinyLM().double()
     sharded = ShardedModel(model, [1.0])  # the group's in-group sharding (one rank here)
     parameters = list(sharded.parameters())
@@ -96,6 +99,7 @@ def main(work: Path, group: int, lighthouse: str) -> None:
         events.flush()
         if group == 0 and committed and part.step == WAIT_AT and not waited:
             waited = True
+            (work / "waiting").write_text(str(time.time()))
             _wait_for(lambda: len(list(work.glob("ready-1-*"))) > 1, "return of group 1")
     torch.save({name: p.detach().clone() for name, p in sharded.full_state_dict().items()}, work / f"final-{group}-{pid}.pt")
     ft.shutdown()
