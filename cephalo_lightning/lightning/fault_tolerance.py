@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.lightning.elastic import apportion, replan_for_world
-from cephalo_lightning.planner import Plan
+from cephalo_lightning.planner import Plan, RankPlan
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,7 @@ def check_groups_cut_alike(plan: Plan) -> None:
     reduce rank ``i`` of every group with rank ``i`` of the others, so rank ``i`` must hold the same
     range of every unit in every group (equal group sizes, equal shares in group order)."""
     groups = plan.shard_groups
-    shares = [tuple(round(plan.ranks[r].state_share / sum(plan.ranks[q].state_share for q in g), 12) for r in g)
-              for g in groups]
+    shares = [tuple(plan.ranks[r].state_share for r in g) for g in groups]  # a layout is a function of these
     if len({len(g) for g in groups}) > 1 or len(set(shares)) > 1:
         raise ConfigurationError(
             f"fault tolerance needs every shard group to cut the units alike (rank i of every group holds the same "
@@ -98,8 +97,6 @@ def refuse_fit(plan: Plan) -> None:
 def group_plan(plan: Plan) -> Plan:
     """The plan seen one shard group at a time: one rank per group, named by the group's first rank's
     device, with the group's batch; what the re-plan over the surviving groups starts from."""
-    from cephalo_lightning.planner import RankPlan
-
     ranks = []
     for g, members in enumerate(plan.shard_groups):
         first = plan.ranks[members[0]]
