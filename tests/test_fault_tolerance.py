@@ -199,6 +199,14 @@ def test_the_strategy_refuses_fault_tolerance_where_it_cannot_run():
         CephaloStrategy(fault_tolerance="yes")
 
 
+def test_fabric_refuses_fault_tolerance_by_name():
+    from cephalo_lightning.lightning.fabric import CephaloFabricStrategy
+
+    with pytest.raises(UnsupportedError, match=r"CephaloFabricStrategy\(fault_tolerance=True\).*one process group per shard"):
+        CephaloFabricStrategy(fault_tolerance=True)
+    assert CephaloFabricStrategy(fault_tolerance=False).plan is None
+
+
 def test_without_torchft_the_refusal_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)  # an import of torchft now raises ImportError
     assert not torchft_available()
