@@ -27,6 +27,7 @@ from cephalo_lightning.lightning.fault_tolerance import (
     group_plan,
     refuse_fit,
     require_torchft,
+    survivors_batches,
     torchft_available,
 )
 from cephalo_lightning.planner import Plan, RankPlan
@@ -133,7 +134,7 @@ def _two_groups_of_two(rank: int, world: int, lighthouse: str):
     model = TinyLM().double()
     sharded = ShardedModel(model, [0.7, 0.3], group=subgroups[group])
     parameters = list(sharded.parameters())
-    ft = ReplicaGroup(parameters, make_optimizer(parameters), group_plan(PLAN4), group,
+    ft = ReplicaGroup(parameters, make_optimizer(parameters), PLAN4, group,
                       Settings(lighthouse=lighthouse, store_addr="127.0.0.1", store_port=port, hostname="127.0.0.1"),
                       rank=local, world_size=2)
     dist.barrier()  # both groups heartbeat before the first quorum
@@ -169,6 +170,26 @@ def test_groups_of_two_ranks_shard_inside_and_sum_rank_by_rank_across_to_the_rep
         assert 0 < result["local_numel"] < total  # the state is sharded inside the group
         error = max((result["state"][k] - want[k]).abs().max().item() for k in want)
         assert error <= TOLERANCE, (rank, error)
+
+
+# ----------------------------------------------------------------------------- the survivors' re-plan (no processes)
+
+def test_the_survivors_take_the_global_batch_by_the_cluster_files_profiles_or_the_plans_figures():
+    from cephalo_lightning.planner import cluster_from_dict, plan
+    from tests.test_elastic import BIG, CLUSTER3, MID, SMALL, _cluster, _device
+
+    three = Plan(12, "layered", (RankPlan(0, BIG, 6, 1, 6, 1.0, shard_group=0), RankPlan(1, MID, 4, 1, 4, 1.0, shard_group=1),
+                                 RankPlan(2, SMALL, 2, 1, 2, 1.0, shard_group=2)))
+    batches, how = survivors_batches(three, (0, 2), cluster_from_dict(CLUSTER3))
+    # independently: the planner on a file that lists only the two devices left
+    want = plan(cluster_from_dict(_cluster([_device(BIG, 3.0, 1.0), _device(SMALL, 1.0, 6.0)])), 12, "layered")
+    assert batches == tuple(want.batch_sizes) and sum(batches) == 12
+    assert how == f"from the cluster file's profiles, predicted step {want.predicted_step_s:.3f} s"
+    assert batches != survivors_batches(three, (0, 2))[0]  # the profiles decided, not the plan's 6 : 2
+    assert survivors_batches(three, (0, 2)) == ((9, 3), "from the plan's own per-group figures")
+    assert survivors_batches(three, (2,), cluster_from_dict(CLUSTER3))[0] == (12,)
+    # groups of two ranks: each group takes the sum of its ranks' batches
+    assert survivors_batches(HSDP, (1, 0)) == ((8, 8), "from the plan's own per-group figures")
 
 
 # ----------------------------------------------------------------------------- refusals (no processes)

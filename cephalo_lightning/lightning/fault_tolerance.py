@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning.lightning.elastic import apportion, replan_for_world
-from cephalo_lightning.planner import Plan, RankPlan
+from cephalo_lightning.lightning.elastic import apportion, replan, replan_for_world
+from cephalo_lightning.planner import Cluster, Plan, RankPlan
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,30 @@ def _sum() -> dist.AllreduceOptions:
     return opts
 
 
+def survivors_batches(plan: Plan, participants: Sequence[int], cluster: Cluster | None = None) -> tuple[tuple[int, ...], str]:
+    """Each participating group's samples of the global batch (``participants``: group indices, in the
+    quorum's order; the sum is the global batch), and how they were planned, for the log.
+
+    With ``cluster`` profiling every device of the participants' ranks: the planner's plan for those
+    ranks (:func:`~.elastic.replan`, as an elastic restart re-plans), each group taking its ranks'
+    batches, with the planner's predicted step time (for its own sharding of those devices; the
+    groups keep theirs). Otherwise the plan's own per-group figures (:func:`~.elastic.replan_for_world`
+    on :func:`group_plan`)."""
+    members = [plan.shard_groups[g] for g in participants]
+    devices = [plan.ranks[r].device for ranks in members for r in ranks]
+    if cluster is not None and set(devices) <= {d.name for d in cluster.devices}:
+        new, _ = replan(None, cluster, devices, plan.global_batch_size, plan.mode)
+        batches, at = [], 0
+        for ranks in members:
+            batches.append(sum(r.batch_size for r in new.ranks[at:at + len(ranks)]))
+            at += len(ranks)
+        predicted = f", predicted step {new.predicted_step_s:.3f} s" if new.predicted_step_s is not None else ""
+        return tuple(batches), f"from the cluster file's profiles{predicted}"
+    groups = group_plan(plan)
+    new = replan_for_world(groups, [groups.ranks[g].device for g in participants])
+    return tuple(new.batch_sizes), "from the plan's own per-group figures"
+
+
 @dataclass(frozen=True)
 class StepSlice:
     """This group's part of step ``step``'s global batch: samples ``[start, start + size)`` of it."""
@@ -149,23 +173,28 @@ class ReplicaGroup:
     """One shard group (this rank's part of it) as a torchft replica group; see the module notes.
 
     ``parameters``: this rank's local pieces (what its optimizer steps), the same ranges as rank
-    ``i`` of every other group; ``plan``: the group plan (:func:`group_plan`); ``group``: this
-    group's index in it; ``sampler_state``/``load_sampler_state``: the data order's position beyond
-    the step (an epoch, a seed), sent to a group that comes back with the weights.
+    ``i`` of every other group; ``plan``: every group's ranks (its shard groups are the replica
+    groups, cut alike: :func:`check_groups_cut_alike`); ``group``: this group's index among them;
+    ``cluster``: re-plan the survivors from its profiles (:func:`survivors_batches`);
+    ``sampler_state``/``load_sampler_state``: the data order's position beyond the step (an epoch, a
+    seed), sent to a group that comes back with the weights.
     """
 
     def __init__(self, parameters: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer, plan: Plan,
-                 group: int, settings: Settings, *, rank: int = 0, world_size: int = 1,
+                 group: int, settings: Settings, *, cluster: Cluster | None = None, rank: int = 0, world_size: int = 1,
                  sampler_state: Callable[[], dict[str, Any]] = dict,
                  load_sampler_state: Callable[[dict[str, Any]], None] = lambda state: None) -> None:
         torchft = require_torchft()
         from torchft.process_group import ManagedProcessGroup, ProcessGroupGloo
 
-        if not 0 <= group < plan.world_size:
-            raise ConfigurationError(f"group {group} is not in the group plan of {plan.world_size} groups")
+        if not 0 <= group < len(plan.shard_groups):
+            raise ConfigurationError(f"group={group}: the plan has {len(plan.shard_groups)} shard groups (0 to "
+                                     f"{len(plan.shard_groups) - 1}); give this node's group index")
+        check_groups_cut_alike(plan)
         self.parameters = list(parameters)
         self.optimizer = optimizer
         self.plan = plan
+        self.cluster = cluster
         self.group = group
         self._sampler_state, self._load_sampler_state = sampler_state, load_sampler_state
         self.manager = torchft.Manager(
@@ -180,7 +209,8 @@ class ReplicaGroup:
         self.manager.register_state_dict_fn("optimizer", self.optimizer.load_state_dict, self.optimizer.state_dict)
         self.manager.register_state_dict_fn("sampler", self._load_sampler_state, self._sampler_state)
         self.managed = ManagedProcessGroup(self.manager)  # the cross-group reduction: quorum-sized, errors reported
-        self._participants: tuple[int, ...] = ()  # the last quorum's groups (a change is logged)
+        self._participants: tuple[int, ...] = ()  # the last quorum's groups (a change is re-planned and logged)
+        self._batches: tuple[int, ...] = ()  # their samples of every global batch
         self.redone = 0  # steps this group started and did not commit (redone at the next quorum)
 
     @property
@@ -212,18 +242,15 @@ class ReplicaGroup:
         if self.manager.errored() is not None or k is None or min(participants) < 0:
             # the quorum already broke: this step will not commit; train on the whole batch, dropped later
             return StepSlice(self.step, 0, self.plan.global_batch_size, (self.group,), (self.plan.global_batch_size,))
-        batches = tuple(self.survivors_plan(participants).batch_sizes)
         if participants != self._participants:
+            self._batches, how = survivors_batches(self.plan, participants, self.cluster)
             log.warning("Cephalo fault tolerance: from step %d the groups %s train the global batch of %d as %s "
-                        "(the re-plan over the groups present)", self.step, list(participants),
-                        self.plan.global_batch_size, list(batches))
+                        "(re-planned over the groups present %s)", self.step, list(participants),
+                        self.plan.global_batch_size, list(self._batches), how)
             self._participants = participants
+        batches = self._batches
         start = sum(batches[:k])
         return StepSlice(self.step, start, batches[k], participants, batches)
-
-    def survivors_plan(self, participants: Sequence[int]) -> Plan:
-        """The group plan re-planned over ``participants`` (group indices): same global batch."""
-        return replan_for_world(self.plan, [self.plan.ranks[g].device for g in participants])
 
     def reduce_gradients(self) -> None:
         """Sum every local piece's gradient over the participating groups (the managed process group)."""
