@@ -195,7 +195,7 @@ class ReplicaGroup:
         self.optimizer = optimizer
         self.plan = plan
         self.cluster = cluster
-        self.group = group
+        self.group, self.rank = group, rank
         self._sampler_state, self._load_sampler_state = sampler_state, load_sampler_state
         self.manager = torchft.Manager(
             pg=ProcessGroupGloo(timeout=settings.timeout), load_state_dict=None, state_dict=None, min_replica_size=1,
@@ -244,9 +244,10 @@ class ReplicaGroup:
             return StepSlice(self.step, 0, self.plan.global_batch_size, (self.group,), (self.plan.global_batch_size,))
         if participants != self._participants:
             self._batches, how = survivors_batches(self.plan, participants, self.cluster)
-            log.warning("Cephalo fault tolerance: from step %d the groups %s train the global batch of %d as %s "
-                        "(re-planned over the groups present %s)", self.step, list(participants),
-                        self.plan.global_batch_size, list(self._batches), how)
+            if self.rank == 0:  # once per group
+                log.warning("Cephalo fault tolerance: from step %d the groups %s train the global batch of %d as %s "
+                            "(re-planned over the groups present %s)", self.step, list(participants),
+                            self.plan.global_batch_size, list(self._batches), how)
             self._participants = participants
         batches = self._batches
         start = sum(batches[:k])
@@ -270,8 +271,9 @@ class ReplicaGroup:
             self.optimizer.step()
         else:
             self.redone += 1
-            log.warning("Cephalo fault tolerance: step %d did not commit on group %d (a group was lost mid-step); "
-                        "it is redone over the groups of the next quorum", self.step, self.group)
+            if self.rank == 0:
+                log.warning("Cephalo fault tolerance: step %d did not commit on group %d (a group was lost mid-step); "
+                            "it is redone over the groups of the next quorum", self.step, self.group)
         self.optimizer.zero_grad(set_to_none=False)
         return committed
 
