@@ -105,6 +105,63 @@ def main(work: Path, group: int, lighthouse: str) -> None:
     ft.shutdown()
 
 
+# Trainer.fit under CephaloStrategy(fault_tolerance=True): the same two groups, the same global batches
+# (the planned loader's order over token_data(TOTAL * GLOBAL), unshuffled), TinyLayered in fp64
+FIT_PLAN = PLAN  # its device names are the emulated ones (check_devices=False)
+RETURN_GRACE_S = 2.0  # fit: group 0 waits this long after the return's `ready` (its quorum request follows the hook)
+
+
+def fit_main(work: Path, group: int) -> None:
+    """One life of one group under ``Trainer.fit``, with the instrumented points of :func:`main`
+    as a callback (the kill in ``on_after_backward``: after the backward, before the cross-group sum)."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from cephalo_lightning import CephaloStrategy
+    from tests import helpers
+    from tests.lightning_models import TinyLayered, token_data
+
+    torch.set_num_threads(1)
+    pid = os.getpid()
+    first_life = not any(work.glob(f"ready-{group}-*"))
+    if not first_life:
+        _wait_for(lambda: (work / "waiting").exists(), "group 0 at the return point")
+    events = open(work / f"events-{group}-{pid}.jsonl", "a")
+
+    class Instrumented(pl.Callback):
+        written = 0
+
+        def on_train_start(self, trainer, module):  # the manager heartbeats; the first quorum is next
+            (work / f"ready-{group}-{pid}").write_text(str(time.time()))
+            if first_life:
+                _wait_for(lambda: all(any(work.glob(f"ready-{g}-*")) for g in (0, 1)), "start of both groups")
+
+        def on_after_backward(self, trainer, module):
+            if group == 1 and first_life and trainer.global_step == KILL_AT:
+                (work / "killed").write_text(json.dumps({"time": time.time(), "step": trainer.global_step}))
+                os.kill(pid, signal.SIGKILL)
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            history = trainer.strategy.replica.history
+            for part, committed in history[self.written:]:
+                events.write(json.dumps({"step": part.step, "participants": list(part.participants),
+                                         "batches": list(part.batches), "committed": committed,
+                                         "time": time.time()}) + "\n")
+            events.flush()
+            self.written = len(history)
+            if group == 0 and trainer.global_step == WAIT_AT + 1 and not (work / "waiting").exists():
+                (work / "waiting").write_text(str(time.time()))
+                _wait_for(lambda: len(list(work.glob("ready-1-*"))) > 1, "return of group 1")
+                time.sleep(RETURN_GRACE_S)
+
+    module = TinyLayered()
+    strategy = CephaloStrategy(plan=FIT_PLAN, fault_tolerance=True, replica_group=group, check_devices=False)
+    trainer = helpers.trainer(strategy, 1, TOTAL,
+                              precision="64-true", callbacks=[Instrumented()])
+    trainer.fit(module, DataLoader(token_data(TOTAL * GLOBAL), batch_size=GLOBAL))
+    torch.save({name: p.detach().clone() for name, p in module.named_parameters()}, work / f"final-{group}-{pid}.pt")
+
+
 @dataclass(frozen=True)
 class Scenario:
     """What the lives wrote: every life's events (by pid), the kill's record and the final parameters."""
@@ -120,16 +177,19 @@ class Scenario:
         return sorted((pid for g, pid in self.events if g == group), key=lambda pid: self.events[group, pid][0]["time"])
 
 
-def _life(work: Path, group: int, lighthouse: str, index: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+def _life(work: Path, group: int, lighthouse: str, index: int, fit: bool) -> subprocess.Popen:
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}  # each group its own
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RUST_LOG="warn", TORCHFT_LIGHTHOUSE=lighthouse)
     log = open(work / f"life-{group}-{index}.log", "w")  # noqa: SIM115 (the child writes it)
-    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(work), str(group), lighthouse],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(work), str(group), lighthouse,
+                             "fit" if fit else "loop"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def run_scenario(work: Path, deadline_s: float) -> Scenario:
+def run_scenario(work: Path, deadline_s: float, *, fit: bool = False) -> Scenario:
     """A lighthouse on loopback, group 0 and group 1 started together, group 1 killed mid-step
-    :data:`KILL_AT` and started again at once; every process is ended before this returns."""
+    :data:`KILL_AT` and started again at once; every process is ended before this returns.
+    ``fit``: each life runs ``Trainer.fit`` (:func:`fit_main`) instead of the plain loop (:func:`main`)."""
     from torchft._torchft import LighthouseServer
 
     work.mkdir(parents=True, exist_ok=True)
@@ -149,10 +209,10 @@ def run_scenario(work: Path, deadline_s: float) -> Scenario:
             time.sleep(0.05)
 
     try:
-        lives += [_life(work, 0, address, 0), _life(work, 1, address, 0)]
+        lives += [_life(work, 0, address, 0, fit), _life(work, 1, address, 0, fit)]
         wait("the kill", lambda: (work / "killed").exists() or lives[0].poll() is not None)
         wait("group 1's first life to end", lambda: lives[1].poll() is not None)
-        lives.append(_life(work, 1, address, 1))  # the node is back: the group starts again
+        lives.append(_life(work, 1, address, 1, fit))  # the node is back: the group starts again
         wait("both groups to finish", lambda: lives[0].poll() is not None and lives[2].poll() is not None)
     finally:
         for life in lives:
@@ -171,4 +231,7 @@ def run_scenario(work: Path, deadline_s: float) -> Scenario:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    if sys.argv[4:] == ["fit"]:
+        fit_main(Path(sys.argv[1]), int(sys.argv[2]))
+    else:
+        main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

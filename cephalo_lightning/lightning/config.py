@@ -99,6 +99,9 @@ class StrategyConfig:
     fault_tolerance: bool = option(
         False, "each shard group a torchft replica group: a lost group drops out of the cross-group sum at the next "
         "step and rejoins with the live state (docs/fault-tolerance.md; needs the `ft` extra)")
+    replica_group: int | None = option(
+        None, "under `fault_tolerance`: this node's shard group in the plan (its torchft replica group)",
+        unset="the `REPLICA_GROUP_ID` environment variable")
 
     @classmethod
     def build(cls, **given: Any) -> StrategyConfig:
@@ -154,6 +157,7 @@ class StrategyConfig:
             async_checkpoint=o["async_checkpoint"],
             elastic=o["elastic"],
             fault_tolerance=o["fault_tolerance"],
+            replica_group=_integer("replica_group", o["replica_group"], 0) if o["replica_group"] is not None else None,
         )
         if checked.async_checkpoint and checked.state_dict_type != "sharded":
             raise ConfigurationError(

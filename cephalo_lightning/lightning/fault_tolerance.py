@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -80,18 +80,34 @@ def check_groups_cut_alike(plan: Plan) -> None:
             "shard group per node of identical devices (equal groups, equal shares), or run without fault tolerance")
 
 
-def refuse_fit(plan: Plan) -> None:
-    """``Trainer.fit`` under ``CephaloStrategy(fault_tolerance=True)``, at setup: the plan's groups are
-    checked, then the fit is refused, since the Lightning loop does not drive :class:`ReplicaGroup` yet."""
+def check_fit(plan: Plan, group: int | None) -> None:
+    """``Trainer.fit`` under ``CephaloStrategy(fault_tolerance=True)``, at setup: the plan names every
+    group (its shard groups, cut alike) and ``group`` is one of them."""
     try:
         check_groups_cut_alike(plan)
     except ConfigurationError as err:
         raise ConfigurationError(f"CephaloStrategy(fault_tolerance=True): {err}") from err
-    raise UnsupportedError(
-        "CephaloStrategy(fault_tolerance=True): Trainer.fit does not run under fault tolerance yet (its data loader "
-        "cuts each rank's batch before the step's quorum says which groups take part); drive "
-        "cephalo_lightning.lightning.fault_tolerance.ReplicaGroup from your own loop (docs/fault-tolerance.md), "
-        "or use elastic=True with torchrun's restarts")
+    if group is None or not 0 <= group < len(plan.shard_groups):
+        raise ConfigurationError(
+            f"CephaloStrategy(fault_tolerance=True, replica_group={group!r}): give this node's shard group, 0 to "
+            f"{len(plan.shard_groups) - 1} of the plan's {len(plan.shard_groups)} (replica_group=, or the "
+            "REPLICA_GROUP_ID environment variable)")
+
+
+def local_plan(plan: Plan, group: int) -> Plan:
+    """What one group's ``Trainer`` shards by: the group's ranks, numbered from 0 as one shard group,
+    their batches the global batch apportioned by the group's own (the loader gives every rank the
+    whole global batch; :func:`step_rank_plan` sizes each step's part once the quorum is known)."""
+    members = [plan.ranks[r] for r in plan.shard_groups[group]]
+    sizes = apportion(plan.global_batch_size, [r.batch_size for r in members])
+    ranks = tuple(step_rank_plan(replace(r, rank=i, shard_group=0), size) for i, (r, size) in enumerate(zip(members, sizes)))
+    return replace(plan, ranks=ranks)
+
+
+def step_rank_plan(rank: RankPlan, size: int) -> RankPlan:
+    """``rank`` training ``size`` samples this step: its micro-batch count kept where the samples allow it."""
+    count = min(max(rank.num_micro_batches, 1), size)
+    return replace(rank, batch_size=size, num_micro_batches=count, micro_batch_size=-(-size // count) if count else 0)
 
 
 def group_plan(plan: Plan) -> Plan:
@@ -212,6 +228,8 @@ class ReplicaGroup:
         self._participants: tuple[int, ...] = ()  # the last quorum's groups (a change is re-planned and logged)
         self._batches: tuple[int, ...] = ()  # their samples of every global batch
         self.redone = 0  # steps this group started and did not commit (redone at the next quorum)
+        self._part: StepSlice | None = None  # the step in progress
+        self.history: list[tuple[StepSlice, bool]] = []  # every step this group trained: its part, committed
 
     @property
     def step(self) -> int:
@@ -241,7 +259,8 @@ class ReplicaGroup:
         participants = tuple(int(v) - 1 for v in who.tolist())
         if self.manager.errored() is not None or k is None or min(participants) < 0:
             # the quorum already broke: this step will not commit; train on the whole batch, dropped later
-            return StepSlice(self.step, 0, self.plan.global_batch_size, (self.group,), (self.plan.global_batch_size,))
+            self._part = StepSlice(self.step, 0, self.plan.global_batch_size, (self.group,), (self.plan.global_batch_size,))
+            return self._part
         if participants != self._participants:
             self._batches, how = survivors_batches(self.plan, participants, self.cluster)
             if self.rank == 0:  # once per group
@@ -250,8 +269,8 @@ class ReplicaGroup:
                             self.plan.global_batch_size, list(self._batches), how)
             self._participants = participants
         batches = self._batches
-        start = sum(batches[:k])
-        return StepSlice(self.step, start, batches[k], participants, batches)
+        self._part = StepSlice(self.step, sum(batches[:k]), batches[k], participants, batches)
+        return self._part
 
     def reduce_gradients(self) -> None:
         """Sum every local piece's gradient over the participating groups (the managed process group)."""
@@ -263,17 +282,25 @@ class ReplicaGroup:
         for work in works:
             work.wait()
 
-    def commit(self) -> bool:
-        """Step the optimizer if every participating group finished this step (torchft's
-        ``should_commit``); otherwise drop the gradients, and the step is redone. Returns whether it committed."""
+    def agree(self) -> bool:
+        """Whether every participating group finished this step (torchft's ``should_commit``, which
+        advances :attr:`step` when it does); when not, the step is redone at the next quorum."""
         committed = self.manager.should_commit()
-        if committed:
-            self.optimizer.step()
-        else:
+        if self._part is not None:
+            self.history.append((self._part, committed))
+        if not committed:
             self.redone += 1
             if self.rank == 0:
                 log.warning("Cephalo fault tolerance: step %d did not commit on group %d (a group was lost mid-step); "
                             "it is redone over the groups of the next quorum", self.step, self.group)
+        return committed
+
+    def commit(self) -> bool:
+        """Step the optimizer if every participating group finished this step (:meth:`agree`);
+        otherwise drop the gradients, and the step is redone. Returns whether it committed."""
+        committed = self.agree()
+        if committed:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=False)
         return committed
 
