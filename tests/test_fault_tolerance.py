@@ -5,7 +5,9 @@ The scenario (one run for the module, tests/ft_worker.py): two shard groups of o
 SIGKILLed in step 3 between its backward and the cross-group sum; group 0 goes on in the same
 process; group 1 is started again and recovers the live state from group 0. The final parameters
 of both groups are compared with single-process AdamW on the same 10 global batches in fp64.
-The refusals need no processes.
+The same scenario runs twice: each life a plain loop driving ``ReplicaGroup``, then each life a
+``Trainer.fit`` under ``CephaloStrategy(fault_tolerance=True)`` (TinyLayered, the instrumented points
+as a callback). The refusals need no processes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from cephalo_lightning._common.errors import ConfigurationError, UnsupportedErro
 from cephalo_lightning.lightning.fault_tolerance import (
     check_groups_cut_alike,
     group_plan,
-    refuse_fit,
+    check_fit,
     require_torchft,
     survivors_batches,
     torchft_available,
@@ -237,18 +239,92 @@ def test_without_torchft_the_refusal_says_how_to_install_it(monkeypatch):
         CephaloStrategy(fault_tolerance=True, plan=HSDP)
 
 
-@needs_torchft
-def test_trainer_fit_under_fault_tolerance_is_refused_at_setup_before_any_step():
+def test_trainer_fit_under_fault_tolerance_is_refused_at_setup_without_the_whole_plan_or_the_group(monkeypatch):
+    from cephalo_lightning.lightning.fault_tolerant_fit import FitReplica
     from tests import helpers
+    from tests.ft_worker import FIT_PLAN
     from tests.lightning_models import TinyLayered, token_data
 
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
     with pytest.raises(ConfigurationError, match=r"cut the units alike"):
-        refuse_fit(UNEVEN)
-    strategy = CephaloStrategy(fault_tolerance=True, mode="layered")
-    trainer = helpers.trainer(strategy, 1, 2)
-    with pytest.raises(UnsupportedError, match=r"Trainer.fit does not run under fault tolerance yet.*ReplicaGroup"):
-        trainer.fit(TinyLayered(), torch.utils.data.DataLoader(token_data(8), batch_size=4))
-    assert trainer.global_step == 0
+        check_fit(UNEVEN, 0)
+    with pytest.raises(ConfigurationError, match=r"replica_group=2\).*0 to 1 of the plan's 2"):
+        check_fit(FIT_PLAN, 2)
+    with pytest.raises(ConfigurationError, match=r"REPLICA_GROUP_ID='x' is not a group index"):
+        FitReplica.for_plan(FIT_PLAN, None, {"REPLICA_GROUP_ID": "x"})
+    assert FitReplica.for_plan(FIT_PLAN, None, {"REPLICA_GROUP_ID": "1"}).group == 1
+    with pytest.raises(ConfigurationError, match=r"shuffles, but no data seed.*seed="):
+        FitReplica.check_data_seed(None, shuffle=True)
+    FitReplica.check_data_seed(None, shuffle=False)
+    for strategy, match in ((CephaloStrategy(fault_tolerance=True, mode="layered"), r"needs plan= naming every group"),
+                            (CephaloStrategy(fault_tolerance=True, plan=FIT_PLAN, check_devices=False),
+                             r"replica_group=None\).*REPLICA_GROUP_ID")):
+        trainer = helpers.trainer(strategy, 1, 2)
+        with pytest.raises(ConfigurationError, match=match):
+            trainer.fit(TinyLayered(), torch.utils.data.DataLoader(token_data(24), batch_size=12))
+        assert trainer.global_step == 0
+
+
+# ----------------------------------------------------------------------------- Trainer.fit (the same scenario)
+
+@pytest.fixture(scope="module")
+def fit_scenario(tmp_path_factory):
+    from tests.ft_worker import run_scenario
+
+    return run_scenario(tmp_path_factory.mktemp("ft-fit"), DEADLINE_S, fit=True)
+
+
+def fit_replay(steps: int, global_batch: int) -> dict[str, torch.Tensor]:
+    """TinyLayered's model trained alone in fp64 on the planned loader's global batches (unshuffled)."""
+    from tests.lightning_models import token_data
+
+    model = TinyLM().double()
+    optimizer = make_optimizer(model.parameters())
+    data = token_data(steps * global_batch)
+    for step in range(steps):
+        x, y = data[step * global_batch:(step + 1) * global_batch]
+        model.loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {f"model.{name}": p.detach() for name, p in model.named_parameters()}
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_under_trainer_fit_the_survivor_redoes_the_step_in_its_process_and_the_killed_group_rejoins(fit_scenario):
+    from tests.ft_worker import GLOBAL, KILL_AT, TOTAL, WAIT_AT
+
+    scenario = fit_scenario
+    (pid,) = scenario.lives(0)  # group 0 never restarted
+    first, again = scenario.lives(1)
+    assert scenario.exit_codes[0, pid] == 0 and scenario.exit_codes[1, again] == 0, scenario.logs
+    assert scenario.exit_codes[1, first] == -signal.SIGKILL and scenario.killed["step"] == KILL_AT
+    steps = [(e["step"], e["participants"], e["batches"], e["committed"]) for e in scenario.events[0, pid]]
+    both, alone = ([0, 1], [8, 4]), ([0], [GLOBAL])
+    assert steps[:KILL_AT + 2] == [*((s, *both, True) for s in range(KILL_AT)), (KILL_AT, *both, False),
+                                   (KILL_AT, *alone, True)], steps  # redone on the same global batch, alone
+    committed = [s for s, _, _, ok in steps if ok]
+    assert committed == list(range(TOTAL)), steps  # every global batch trained once: none skipped or repeated
+    assert all(sum(b) == GLOBAL for _, _, b, _ in steps)
+    assert [e["step"] for e in scenario.events[1, first]] == list(range(KILL_AT))
+    back = scenario.events[1, again]  # the return: the step, weights and optimizer state from group 0
+    assert WAIT_AT < back[0]["step"] < TOTAL, back
+    assert [(e["step"], e["participants"], e["batches"], e["committed"]) for e in back] == [
+        (s, *both, True) for s in range(back[0]["step"], TOTAL)]
+    assert steps[-(TOTAL - back[0]["step"]):] == [(s, *both, True) for s in range(back[0]["step"], TOTAL)]
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_under_trainer_fit_both_groups_end_on_the_single_process_replay(fit_scenario):
+    from tests.ft_worker import GLOBAL, TOTAL
+
+    want = fit_replay(TOTAL, GLOBAL)
+    assert len(fit_scenario.finals) == 2, fit_scenario.logs
+    for life, got in fit_scenario.finals.items():
+        assert set(got) == set(want)
+        error = max((got[k] - want[k]).abs().max().item() for k in want)
+        assert error <= TOLERANCE, (life, error)
 
 
 # ----------------------------------------------------------------------------- docs/fault-tolerance.md's blocks
