@@ -25,9 +25,9 @@ import torch
 from cephalo_lightning import CephaloStrategy
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.lightning.fault_tolerance import (
+    check_fit,
     check_groups_cut_alike,
     group_plan,
-    check_fit,
     require_torchft,
     survivors_batches,
     torchft_available,
@@ -350,7 +350,7 @@ def page_blocks() -> list[tuple[str, str, str]]:
 
 def test_the_pages_parse_only_and_output_blocks_are_marked_and_parse():
     blocks = page_blocks()
-    assert [language for language, _, _ in blocks] == ["python", "python", "bash", "bash", "console"]
+    assert [language for language, _, _ in blocks] == ["python", "python", "python", "bash", "bash", "console"]
     for language, marker, code in blocks:
         if "parse-only" in marker and language == "bash":
             subprocess.run(["bash", "-n"], input=code, text=True, check=True)
@@ -362,14 +362,17 @@ def test_the_pages_parse_only_and_output_blocks_are_marked_and_parse():
 
 @needs_torchft
 @pytest.mark.multiprocess
-def test_the_pages_python_block_runs(tmp_path):
-    (code,) = [code for language, marker, code in page_blocks() if language == "python" and not marker]
-    script = tmp_path / "block.py"
-    script.write_text(code)
+def test_the_pages_python_blocks_run(tmp_path):
+    loop, fit = [code for language, marker, code in page_blocks() if language == "python" and not marker]
     env = {**os.environ, "PYTHONPATH": str(PAGE.parents[1]), "WANDB_MODE": "offline", "RUST_LOG": "warn"}
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=HANG_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "committed steps: 3 participants: (0,)" in done.stdout
+    for name, code, printed in (("loop", loop, "committed steps: 3 participants: (0,)"),
+                                ("fit", fit, "committed steps: 3")):  # the ReplicaGroup loop; Trainer.fit
+        (tmp_path / name).mkdir()
+        script = tmp_path / name / "block.py"
+        script.write_text(code)
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path / name, env=env, capture_output=True,
+                              text=True, timeout=HANG_TIMEOUT_S)
+        assert done.returncode == 0, (name, done.stderr[-3000:])
+        assert printed in done.stdout, (name, done.stdout[-2000:])
     lighthouse = Path(sys.executable).parent / "torchft_lighthouse"  # the coordinator the page starts
     assert subprocess.run([str(lighthouse), "--help"], capture_output=True, timeout=60).returncode == 0

@@ -91,6 +91,16 @@ class FitReplica:
                                     world_size=world_size)
 
     @staticmethod
+    def check_schedule(schedule: str) -> None:
+        """The module runs layer by layer: the uniform mode (one micro-batch count on every rank) is refused."""
+        if schedule != "layered":
+            raise ConfigurationError(
+                f"CephaloStrategy(fault_tolerance=True): the module runs in the {schedule} mode (it has no layered form, "
+                "or mode= asked for it), which fault tolerance refuses (the survivors' parts change the ranks' "
+                "micro-batch counts); give the module the layered protocol (cephalo_layers, cephalo_input, "
+                "cephalo_loss) or a model the package adapts")
+
+    @staticmethod
     def check_data_seed(seed: int | None, shuffle: bool) -> None:
         """Every group must draw the same global batches: a shuffled order needs a seed every group is given."""
         if shuffle and seed is None:

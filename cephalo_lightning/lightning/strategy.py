@@ -176,14 +176,16 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         module = self.lightning_module
         if self.fit_runtime is None or self.fit_runtime.module is not module:
             self.model = self.precision_plugin.convert_module(self.model)
-            resolution = resolve(module, self.config.router_aux_loss)
-            schedule = decide_schedule(self.config.mode, resolution, module)
             if self.config.fault_tolerance:  # this group's Trainer shards by the group's part of the plan
                 self._replica = FitReplica.for_plan(self.plan, self.config.replica_group, os.environ)
+            resolution = resolve(module, self.config.router_aux_loss)
+            schedule = decide_schedule(self.config.mode, resolution, module)
+            if self._replica is not None:
+                self._replica.check_schedule(schedule)
             plan = plan_resolution.resolve(
-                plan=self._replica.local if self._replica is not None else self.plan, cluster=self.cluster, schedule=schedule, config=self.config, trainer=trainer,
-                world_size=self.world_size, identities=self._identities,
-                provisional=self.provisional_layout == "memory")
+                plan=self._replica.local if self._replica is not None else self.plan, cluster=self.cluster,
+                schedule=schedule, config=self.config, trainer=trainer, world_size=self.world_size,
+                identities=self._identities, provisional=self.provisional_layout == "memory")
             plan_resolution.check_model(plan, module)
             self.fit_runtime = FitRuntime(
                 module, plan, self.config, schedule=schedule, resolution=resolution, rank=self.global_rank,
