@@ -105,9 +105,11 @@ def main(work: Path, group: int, lighthouse: str) -> None:
     ft.shutdown()
 
 
-# Trainer.fit under CephaloStrategy(fault_tolerance=True): the same two groups, the same global batches
-# (the planned loader's order over token_data(TOTAL * GLOBAL), unshuffled), TinyLayered in fp64
+# Trainer.fit under CephaloStrategy(fault_tolerance=True): the same two groups, a tiny Hugging Face Llama
+# built from its config (tests/library_models.LibraryLM, AdamW) in fp64 on right-padded dict batches (the
+# planned loader's order over PaddedTokens(TOTAL * GLOBAL), unshuffled; a per-token mean loss)
 FIT_PLAN = PLAN  # its device names are the emulated ones (check_devices=False)
+FIT_MODEL = ("llama", "adamw")
 RETURN_GRACE_S = 2.0  # fit: group 0 waits this long after the return's `ready` (its quorum request follows the hook)
 
 
@@ -115,11 +117,9 @@ def fit_main(work: Path, group: int) -> None:
     """One life of one group under ``Trainer.fit``, with the instrumented points of :func:`main`
     as a callback (the kill in ``on_after_backward``: after the backward, before the cross-group sum)."""
     import lightning.pytorch as pl
-    from torch.utils.data import DataLoader
-
     from cephalo_lightning import CephaloStrategy
     from tests import helpers
-    from tests.lightning_models import TinyLayered, token_data
+    from tests.library_models import LibraryLM, PaddedTokens, loader
 
     torch.set_num_threads(1)
     pid = os.getpid()
@@ -154,11 +154,11 @@ def fit_main(work: Path, group: int) -> None:
                 _wait_for(lambda: len(list(work.glob("ready-1-*"))) > 1, "return of group 1")
                 time.sleep(RETURN_GRACE_S)
 
-    module = TinyLayered()
+    module = LibraryLM(*FIT_MODEL)
     strategy = CephaloStrategy(plan=FIT_PLAN, fault_tolerance=True, replica_group=group, check_devices=False)
     trainer = helpers.trainer(strategy, 1, TOTAL,
                               precision="64-true", callbacks=[Instrumented()])
-    trainer.fit(module, DataLoader(token_data(TOTAL * GLOBAL), batch_size=GLOBAL))
+    trainer.fit(module, loader(PaddedTokens(TOTAL * GLOBAL), GLOBAL))
     torch.save({name: p.detach().clone() for name, p in module.named_parameters()}, work / f"final-{group}-{pid}.pt")
 
 

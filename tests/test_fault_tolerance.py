@@ -6,8 +6,8 @@ SIGKILLed in step 3 between its backward and the cross-group sum; group 0 goes o
 process; group 1 is started again and recovers the live state from group 0. The final parameters
 of both groups are compared with single-process AdamW on the same 10 global batches in fp64.
 The same scenario runs twice: each life a plain loop driving ``ReplicaGroup``, then each life a
-``Trainer.fit`` under ``CephaloStrategy(fault_tolerance=True)`` (TinyLayered, the instrumented points
-as a callback). The refusals need no processes.
+``Trainer.fit`` under ``CephaloStrategy(fault_tolerance=True)`` (a tiny Hugging Face Llama with AdamW
+on padded dict batches, the instrumented points as a callback). The refusals need no processes.
 """
 
 from __future__ import annotations
@@ -275,18 +275,12 @@ def fit_scenario(tmp_path_factory):
 
 
 def fit_replay(steps: int, global_batch: int) -> dict[str, torch.Tensor]:
-    """TinyLayered's model trained alone in fp64 on the planned loader's global batches (unshuffled)."""
-    from tests.lightning_models import token_data
+    """The same Llama trained alone in fp64 on the planned loader's global batches (unshuffled)."""
+    from tests.ft_worker import FIT_MODEL
+    from tests.library_models import PaddedTokens, reference
 
-    model = TinyLM().double()
-    optimizer = make_optimizer(model.parameters())
-    data = token_data(steps * global_batch)
-    for step in range(steps):
-        x, y = data[step * global_batch:(step + 1) * global_batch]
-        model.loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {f"model.{name}": p.detach() for name, p in model.named_parameters()}
+    state = reference(*FIT_MODEL, steps, global_batch, PaddedTokens(steps * global_batch), dtype=torch.float64)
+    return {name: value for name, value in state.items() if not name.endswith(("exp_avg", "exp_avg_sq"))}
 
 
 @needs_torchft

@@ -72,15 +72,8 @@ class FitReplica:
         check_fit(plan, group)
         return cls(plan, group)
 
-    def join(self, optimizers: Sequence[torch.optim.Optimizer], weighting: LossWeighting, *, rank: int,
-             world_size: int) -> None:
+    def join(self, optimizers: Sequence[torch.optim.Optimizer], *, rank: int, world_size: int) -> None:
         """Start this rank's torchft manager (it heartbeats to the lighthouse from now)."""
-        if weighting.kind != "samples":
-            raise UnsupportedError(
-                f"CephaloStrategy(fault_tolerance=True): the loss is weighted by {weighting.kind} (the global batch's "
-                "count of them is summed inside a group only, not over the groups of the step's quorum); use "
-                "loss_weighting='samples' where the model's loss is a per-sample mean, or drive ReplicaGroup from "
-                "your own loop")
         if len(optimizers) != 1:
             raise UnsupportedError(
                 f"CephaloStrategy(fault_tolerance=True): configure_optimizers returned {len(optimizers)} optimizers; "
@@ -126,8 +119,9 @@ class FitReplica:
         """The loader's batch for the step that starts: global batch ``epoch * steps_per_epoch + step``."""
         self._index = cut.epoch * steps_per_epoch + cut.step
 
-    def this_ranks_part(self, batch: Any, rank_plan: RankPlan) -> tuple[Any, RankPlan]:
-        """The step's quorum, then this rank's samples of the global ``batch`` and its rank plan for them."""
+    def this_ranks_part(self, batch: Any, rank_plan: RankPlan, weighting: LossWeighting) -> tuple[Any, RankPlan, float]:
+        """The step's quorum, then this rank's samples of the global ``batch``, its rank plan for them,
+        and the global batch's items (tokens for a per-token mean: counted here, on the whole batch)."""
         assert self.replica is not None
         part, self._first = self._first or self.replica.start_step(), None
         if part.step != self._index:
@@ -136,7 +130,8 @@ class FitReplica:
                 f"{self._index}; the groups' data orders differ (the same training data, global batch and seed on "
                 "every group)")
         start, size = rank_slice(part, self.weights, self.replica.rank)
-        return slice_batch(batch, start, start + size), step_rank_plan(rank_plan, size)
+        items = float(weighting.items(batch, self.plan.global_batch_size))
+        return slice_batch(batch, start, start + size), step_rank_plan(rank_plan, size), items
 
     def until_committed(self, closure: Callable[[], Any], optimizer: Any) -> Any:
         """Run the step's closure and sum its gradients over the participants until torchft commits the

@@ -207,8 +207,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             self._failures = self.fit_runtime.start_fit(trainer, self.broadcast(os.urandom(6).hex()), self.cluster,
                                                         reported_elsewhere=_has_cephalo_callback(trainer))
             if self._replica is not None:  # heartbeats from now; the first quorum is at on_train_start
-                self._replica.join(self.optimizers, self.fit_runtime.weighting, rank=self.global_rank,
-                                   world_size=self.world_size)
+                self._replica.join(self.optimizers, rank=self.global_rank, world_size=self.world_size)
         self.setup_precision_plugin()
 
     def _identities(self) -> list[plan_resolution.DeviceIdentity]:
@@ -288,7 +287,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                 self._replica.batch_cut(cut, len(self._loader.batch_sampler))
         self._step = step = runtime.start_step(trainer, self._sync, self._scaler, args[1:])
         if self._replica is not None:  # the step's quorum, then this rank's part of the global batch
-            batch, step.rank_plan = self._replica.this_ranks_part(batch, step.rank_plan)
+            batch, step.rank_plan, step.global_items = self._replica.this_ranks_part(batch, step.rank_plan,
+                                                                                    runtime.weighting)
         if self._preemption is not None:
             step.pending_signal = self._preemption.pending
         try:
