@@ -117,6 +117,7 @@ def fit_main(work: Path, group: int) -> None:
     """One life of one group under ``Trainer.fit``, with the instrumented points of :func:`main`
     as a callback (the kill in ``on_after_backward``: after the backward, before the cross-group sum)."""
     import lightning.pytorch as pl
+
     from cephalo_lightning import CephaloStrategy
     from tests import helpers
     from tests.library_models import LibraryLM, PaddedTokens, loader

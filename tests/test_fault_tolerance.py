@@ -257,6 +257,12 @@ def test_trainer_fit_under_fault_tolerance_is_refused_at_setup_without_the_whole
     with pytest.raises(ConfigurationError, match=r"shuffles, but no data seed.*seed="):
         FitReplica.check_data_seed(None, shuffle=True)
     FitReplica.check_data_seed(None, shuffle=False)
+    with pytest.raises(UnsupportedError, match=r"accumulate_grad_batches=2\).*raise the global batch"):
+        FitReplica(FIT_PLAN, 0).join([], accumulate=2, rank=0, world_size=1)
+    with pytest.raises(UnsupportedError, match=r"returned 2 optimizers.*return one"):
+        FitReplica(FIT_PLAN, 0).join([None, None], accumulate=1, rank=0, world_size=1)
+    with pytest.raises(ConfigurationError, match=r"uniform mode.*layered protocol"):
+        FitReplica.check_schedule("uniform")
     for strategy, match in ((CephaloStrategy(fault_tolerance=True, mode="layered"), r"needs plan= naming every group"),
                             (CephaloStrategy(fault_tolerance=True, plan=FIT_PLAN, check_devices=False),
                              r"replica_group=None\).*REPLICA_GROUP_ID")):

@@ -72,8 +72,12 @@ class FitReplica:
         check_fit(plan, group)
         return cls(plan, group)
 
-    def join(self, optimizers: Sequence[torch.optim.Optimizer], *, rank: int, world_size: int) -> None:
+    def join(self, optimizers: Sequence[torch.optim.Optimizer], *, accumulate: int, rank: int, world_size: int) -> None:
         """Start this rank's torchft manager (it heartbeats to the lighthouse from now)."""
+        if accumulate != 1:
+            raise UnsupportedError(
+                f"CephaloStrategy(fault_tolerance=True): Trainer(accumulate_grad_batches={accumulate}) is not supported "
+                "(a step redone after a lost group would rerun only its last batch); raise the global batch instead")
         if len(optimizers) != 1:
             raise UnsupportedError(
                 f"CephaloStrategy(fault_tolerance=True): configure_optimizers returned {len(optimizers)} optimizers; "

@@ -207,7 +207,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             self._failures = self.fit_runtime.start_fit(trainer, self.broadcast(os.urandom(6).hex()), self.cluster,
                                                         reported_elsewhere=_has_cephalo_callback(trainer))
             if self._replica is not None:  # heartbeats from now; the first quorum is at on_train_start
-                self._replica.join(self.optimizers, rank=self.global_rank, world_size=self.world_size)
+                self._replica.join(self.optimizers, accumulate=trainer.accumulate_grad_batches, rank=self.global_rank,
+                                   world_size=self.world_size)
         self.setup_precision_plugin()
 
     def _identities(self) -> list[plan_resolution.DeviceIdentity]:
