@@ -272,6 +272,27 @@ def test_trainer_fit_under_fault_tolerance_is_refused_at_setup_without_the_whole
         assert trainer.global_step == 0
 
 
+def test_a_non_finite_sum_over_the_groups_is_skipped_by_every_groups_guard():
+    from types import SimpleNamespace
+
+    from cephalo_lightning.lightning.fault_tolerant_fit import FitReplica
+    from cephalo_lightning.lightning.steps import NonFiniteGuard
+    from tests.ft_worker import FIT_PLAN
+
+    fit = FitReplica(FIT_PLAN, 1)
+    weight = torch.nn.Parameter(torch.zeros(3))
+    fit.replica = SimpleNamespace(parameters=[weight, torch.nn.Parameter(torch.zeros(2))])  # one without a gradient
+    weight.grad = torch.ones(3)
+    assert fit.summed_gradient_report(rank=0) is None
+    weight.grad[1] = float("nan")  # another group's loss went bad: the sum every group holds is NaN
+    report = fit.summed_gradient_report(rank=0)
+    assert report.nonfinite == (0,) and report.what == "gradient summed over the replica groups"
+    guard = NonFiniteGuard(5)
+    guard.record(report)  # what the strategy does before its optimizer step
+    with pytest.warns(UserWarning, match=r"non-finite gradient summed over the replica groups on rank\(s\) \[0\]"):
+        assert guard.should_skip(4)
+
+
 # ----------------------------------------------------------------------------- Trainer.fit (the same scenario)
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.lightning.fault_tolerance import (
@@ -35,6 +36,7 @@ from cephalo_lightning.lightning.fault_tolerance import (
     rank_slice,
     step_rank_plan,
 )
+from cephalo_lightning.lightning.steps import StepReport
 from cephalo_lightning.models.protocol import LossWeighting
 from cephalo_lightning.planner import Plan, RankPlan
 from cephalo_lightning.runtime.batching import slice_batch
@@ -151,6 +153,20 @@ class FitReplica:
                 return result
             self.redoing = True
             inner.zero_grad(set_to_none=True)
+
+    def summed_gradient_report(self, rank: int) -> StepReport | None:
+        """After the cross-group sum: a report naming ``rank`` when the summed gradient is not finite on
+        some rank of this group (an in-group all-reduce), else None. Every group holds the same sum, so
+        every group's non-finite guard skips the step alike, not only the group whose loss went bad."""
+        assert self.replica is not None
+        parameters = self.replica.parameters
+        bad = torch.zeros((), dtype=torch.float64, device=parameters[0].device if parameters else None)
+        for p in parameters:
+            if p.grad is not None:
+                bad += (~torch.isfinite(p.grad)).any().to(bad.dtype)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(bad)
+        return StepReport(float("nan"), (rank,), "gradient summed over the replica groups") if bad.item() else None
 
     def shutdown(self) -> None:
         if self.replica is not None:

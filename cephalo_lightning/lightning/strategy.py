@@ -323,7 +323,13 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         """The step's closure runs on every rank; the update is skipped on every rank if any went non-finite."""
         step = self.lightning_module.trainer.global_step
         with self.fit_runtime.step_scope(step):
-            result = closure() if self._replica is None else self._replica.until_committed(closure, optimizer)
+            if self._replica is None:
+                result = closure()
+            else:  # the step's closure until torchft commits it; a non-finite sum is skipped by every group
+                result = self._replica.until_committed(closure, optimizer)
+                report = self._replica.summed_gradient_report(self.global_rank)
+                if report is not None:
+                    self.fit_runtime.guard.record(report)
             if self._scaler is None and self.fit_runtime.guard.should_skip(step):  # a scaler skips inf steps itself
                 (optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer).zero_grad(set_to_none=True)
                 return result
