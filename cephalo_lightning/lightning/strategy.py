@@ -196,6 +196,11 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                 sharded = self.fit_runtime.sharded
                 self._precision_plugin.shard_over(sharded.world, contributes=sharded.group_index == 0)
         else:  # the same module again (e.g. trainer.test after trainer.fit): its whole parameters into the shards
+            if self.config.fault_tolerance and trainer.state.fn == TrainerFn.FITTING:
+                raise UnsupportedError(
+                    "CephaloStrategy(fault_tolerance=True): a second fit of the same module with the same strategy is not "
+                    "supported (its replica group ended with the first); start a new process, or a new "
+                    "CephaloStrategy and Trainer")
             self.fit_runtime.sharded.take_back()
         self._failed = False
         self.model = module
