@@ -1,6 +1,6 @@
 """Losing a node: torchft fault tolerance against today's torchrun elastic restart, in one run.
 
-    python benchmarks/bench_fault_tolerance.py             # both ways (about 15 s + 1 to 4 minutes)
+    python benchmarks/bench_fault_tolerance.py             # all three (about 15 s + 40 s + 1 to 4 minutes)
     python benchmarks/bench_fault_tolerance.py --ft-only   # the torchft way only
 
 Both ways run on an emulated 2-node cluster of CPU processes on this machine, over gloo and
@@ -10,6 +10,8 @@ loopback, with the suite's instrumented scenarios (run from a checkout):
   on 127.0.0.1 (heartbeat timeout 2 s); group 1 is SIGKILLed in step 3 between its backward and the
   cross-group sum; group 0 goes on in its own process; group 1 is started again and recovers the
   live state from group 0.
+* **torchft under Trainer.fit** (the same scenario, each life a ``Trainer.fit`` of a tiny Hugging
+  Face Llama under ``CephaloStrategy(fault_tolerance=True)``; the kill in ``on_after_backward``).
 * **torchrun elastic** (``tests/elastic_worker.py``, ``tests/test_elastic_torchrun.py``'s agents):
   node A (2 ranks) and node B (1 rank) under ``--nnodes 1:2``, ``CephaloStrategy(elastic=True)``, a
   checkpoint every step; B's rank SIGKILLs its agent and itself after step 3's optimizer step,
@@ -38,10 +40,10 @@ sys.path.insert(0, str(ROOT))  # the suite's scenarios (tests/) and, when not in
 import _common as common  # noqa: E402
 
 
-def torchft_way(work: Path) -> dict:
+def torchft_way(work: Path, fit: bool = False) -> dict:
     from tests.ft_worker import KILL_AT, run_scenario
 
-    scenario = run_scenario(work, deadline_s=600)
+    scenario = run_scenario(work, deadline_s=600, fit=fit)
     (pid,) = scenario.lives(0)
     events = scenario.events[0, pid]
     killed = scenario.killed["time"]
@@ -85,6 +87,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ft = torchft_way(Path(tmp) / "ft")
         rows.append(("torchft (this package's ReplicaGroup)", ft))
+        rows.append(("torchft under Trainer.fit", torchft_way(Path(tmp) / "ft-fit", fit=True)))
         if not args.ft_only:
             (Path(tmp) / "elastic").mkdir()
             rows.append(("torchrun elastic restart", elastic_way(Path(tmp) / "elastic")))

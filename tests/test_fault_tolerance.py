@@ -372,7 +372,7 @@ def page_blocks() -> list[tuple[str, str, str]]:
 
 def test_the_pages_parse_only_and_output_blocks_are_marked_and_parse():
     blocks = page_blocks()
-    assert [language for language, _, _ in blocks] == ["python", "python", "python", "bash", "bash", "console"]
+    assert [language for language, _, _ in blocks] == ["python", "python", "python", "bash", "bash", "console", "console"]
     for language, marker, code in blocks:
         if "parse-only" in marker and language == "bash":
             subprocess.run(["bash", "-n"], input=code, text=True, check=True)
