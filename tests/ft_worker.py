@@ -178,6 +178,73 @@ class Scenario:
         return sorted((pid for g, pid in self.events if g == group), key=lambda pid: self.events[group, pid][0]["time"])
 
 
+# Trainer.fit with groups of two ranks (no kill): each group shards TinyLayered 0.7 / 0.3 inside and takes
+# 5 + 3 of its samples; every rank's Trainer is started as a launcher would (LOCAL_RANK, MASTER_PORT)
+HSDP_PLAN = Plan(16, "layered", tuple(RankPlan(r, "cpu", (5, 3)[r % 2], 1, (5, 3)[r % 2], (0.7, 0.3)[r % 2],
+                                               shard_group=r // 2) for r in range(4)))
+HSDP_STEPS = 3
+
+
+def fit_ranks_main(work: Path, group: int) -> None:
+    """One rank of a group of two under ``Trainer.fit``; writes its parameters after the fit."""
+    import lightning.pytorch as pl
+
+    from cephalo_lightning import CephaloStrategy
+    from tests import helpers
+    from tests.lightning_models import TinyLayered, loader, token_data
+
+    torch.set_num_threads(1)
+    parts: list = []
+
+    class Record(pl.Callback):
+        def on_train_end(self, trainer, module):  # before the strategy's teardown ends the replica group
+            parts.extend((p.participants, p.start, p.size, ok) for p, ok in trainer.strategy.replica.history)
+
+    module = TinyLayered()
+    strategy = CephaloStrategy(plan=HSDP_PLAN, fault_tolerance=True, replica_group=group, check_devices=False)
+    trainer = helpers.trainer(strategy, 2, HSDP_STEPS, precision="64-true", callbacks=[Record()])
+    trainer.fit(module, loader(token_data(HSDP_STEPS * HSDP_PLAN.global_batch_size), HSDP_PLAN.global_batch_size))
+    torch.save({"state": {name: p.detach().clone() for name, p in module.named_parameters()}, "parts": parts},
+               work / f"final-{group}-{os.environ['LOCAL_RANK']}.pt")
+
+
+def run_ranks(work: Path, deadline_s: float) -> dict[tuple[int, int], dict]:
+    """A lighthouse for two groups (both in every quorum), two groups of two ranks under ``Trainer.fit``;
+    every process is ended before this returns. Returns each rank's final parameters, by (group, rank)."""
+    from torchft._torchft import LighthouseServer
+
+    from cephalo_lightning.testing.local_ranks import free_port
+
+    work.mkdir(parents=True, exist_ok=True)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=JOIN_TIMEOUT_MS,
+                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    ranks: list[subprocess.Popen] = []
+    try:
+        for group in (0, 1):
+            port = free_port()
+            for local in (0, 1):
+                env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
+                env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RUST_LOG="warn",
+                           TORCHFT_LIGHTHOUSE=lighthouse.address(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           LOCAL_RANK=str(local), NODE_RANK="0")
+                log = open(work / f"rank-{group}-{local}.log", "w")  # noqa: SIM115 (the child writes it)
+                ranks.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(work), str(group),
+                                               lighthouse.address(), "fit-ranks"], cwd=ROOT, env=env, stdout=log,
+                                              stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + deadline_s
+        while any(r.poll() is None for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        for r in ranks:
+            if r.poll() is None:
+                r.kill()
+            r.wait()
+        lighthouse.shutdown()
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(work.glob("rank-*.log")))
+    assert all(r.returncode == 0 for r in ranks), ([r.returncode for r in ranks], logs)
+    return {(g, r): torch.load(work / f"final-{g}-{r}.pt") for g in (0, 1) for r in (0, 1)}
+
+
 def _life(work: Path, group: int, lighthouse: str, index: int, fit: bool) -> subprocess.Popen:
     env = {key: value for key, value in os.environ.items()
            if key not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}  # each group its own
@@ -234,5 +301,7 @@ def run_scenario(work: Path, deadline_s: float, *, fit: bool = False) -> Scenari
 if __name__ == "__main__":
     if sys.argv[4:] == ["fit"]:
         fit_main(Path(sys.argv[1]), int(sys.argv[2]))
+    elif sys.argv[4:] == ["fit-ranks"]:
+        fit_ranks_main(Path(sys.argv[1]), int(sys.argv[2]))
     else:
         main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -349,6 +349,35 @@ def test_under_trainer_fit_both_groups_end_on_the_single_process_replay(fit_scen
         assert error <= TOLERANCE, (life, error)
 
 
+def tiny_replay(steps: int, global_batch: int) -> dict[str, torch.Tensor]:
+    """TinyLayered's model trained alone in fp64 on the planned loader's global batches (unshuffled)."""
+    from tests.lightning_models import token_data
+
+    model = TinyLM().double()
+    optimizer = make_optimizer(model.parameters())
+    data = token_data(steps * global_batch)
+    for step in range(steps):
+        x, y = data[step * global_batch:(step + 1) * global_batch]
+        model.loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {f"model.{name}": p.detach() for name, p in model.named_parameters()}
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_under_trainer_fit_groups_of_two_ranks_shard_inside_and_end_on_the_replay(tmp_path):
+    from tests.ft_worker import HSDP_PLAN, HSDP_STEPS, run_ranks
+
+    finals = run_ranks(tmp_path, DEADLINE_S)
+    want = tiny_replay(HSDP_STEPS, HSDP_PLAN.global_batch_size)
+    for (group, rank), final in finals.items():
+        # the groups split the 16 samples 8 + 8 (same devices); rank_slice cuts a group's 8 as 5 + 3 inside
+        assert final["parts"] == [((0, 1), 8 * group, 8, True)] * HSDP_STEPS, final["parts"]
+        error = max((final["state"][k] - want[k]).abs().max().item() for k in want)
+        assert error <= TOLERANCE, (group, rank, error)
+
+
 # ----------------------------------------------------------------------------- docs/fault-tolerance.md's blocks
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "fault-tolerance.md"
