@@ -7,7 +7,8 @@ process; group 1 is started again and recovers the live state from group 0. The 
 of both groups are compared with single-process AdamW on the same 10 global batches in fp64.
 The same scenario runs twice: each life a plain loop driving ``ReplicaGroup``, then each life a
 ``Trainer.fit`` under ``CephaloStrategy(fault_tolerance=True)`` (a tiny Hugging Face Llama with AdamW
-on padded dict batches, the instrumented points as a callback). The refusals need no processes.
+on padded dict batches, the instrumented points as a callback). Groups of two ranks run once in
+each way (no kill). The refusals need no processes.
 """
 
 from __future__ import annotations
