@@ -223,35 +223,41 @@ def run_ranks(work: Path, deadline_s: float) -> dict[tuple[int, int], dict]:
         for group in (0, 1):
             port = free_port()
             for local in (0, 1):
-                env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
-                env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RUST_LOG="warn",
-                           TORCHFT_LIGHTHOUSE=lighthouse.address(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                           LOCAL_RANK=str(local), NODE_RANK="0")
-                log = open(work / f"rank-{group}-{local}.log", "w")  # noqa: SIM115 (the child writes it)
-                ranks.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(work), str(group),
-                                               lighthouse.address(), "fit-ranks"], cwd=ROOT, env=env, stdout=log,
-                                              stderr=subprocess.STDOUT))
+                ranks.append(_start(work, group, lighthouse.address(), "fit-ranks", f"rank-{group}-{local}.log",
+                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(local),
+                                    NODE_RANK="0"))
         deadline = time.monotonic() + deadline_s
         while any(r.poll() is None for r in ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
-        for r in ranks:
-            if r.poll() is None:
-                r.kill()
-            r.wait()
-        lighthouse.shutdown()
+        _end(ranks, lighthouse)
     logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(work.glob("rank-*.log")))
     assert all(r.returncode == 0 for r in ranks), ([r.returncode for r in ranks], logs)
     return {(g, r): torch.load(work / f"final-{g}-{r}.pt") for g in (0, 1) for r in (0, 1)}
 
 
+def _start(work: Path, group: int, lighthouse: str, mode: str, log_name: str, **env: str) -> subprocess.Popen:
+    """One process of ``group`` running this file in ``mode`` (its output in ``log_name``); ``env``: its
+    launcher's variables (each group its own store and ranks, none inherited)."""
+    environment = {key: value for key, value in os.environ.items()
+                   if key not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    environment.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RUST_LOG="warn", TORCHFT_LIGHTHOUSE=lighthouse, **env)
+    log = open(work / log_name, "w")  # noqa: SIM115 (the child writes it)
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(work), str(group), lighthouse, mode],
+                            cwd=ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _end(processes: list[subprocess.Popen], lighthouse) -> None:
+    """Kill whatever of ``processes`` still runs, wait for all, and stop the lighthouse."""
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    lighthouse.shutdown()
+
+
 def _life(work: Path, group: int, lighthouse: str, index: int, fit: bool) -> subprocess.Popen:
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}  # each group its own
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RUST_LOG="warn", TORCHFT_LIGHTHOUSE=lighthouse)
-    log = open(work / f"life-{group}-{index}.log", "w")  # noqa: SIM115 (the child writes it)
-    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(work), str(group), lighthouse,
-                             "fit" if fit else "loop"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return _start(work, group, lighthouse, "fit" if fit else "loop", f"life-{group}-{index}.log")
 
 
 def run_scenario(work: Path, deadline_s: float, *, fit: bool = False) -> Scenario:
@@ -283,11 +289,7 @@ def run_scenario(work: Path, deadline_s: float, *, fit: bool = False) -> Scenari
         lives.append(_life(work, 1, address, 1, fit))  # the node is back: the group starts again
         wait("both groups to finish", lambda: lives[0].poll() is not None and lives[2].poll() is not None)
     finally:
-        for life in lives:
-            if life.poll() is None:
-                life.kill()
-            life.wait()
-        lighthouse.shutdown()
+        _end(lives, lighthouse)
     events = {}
     for path in work.glob("events-*.jsonl"):
         _, group, pid = path.stem.split("-")
