@@ -222,6 +222,10 @@ def test_the_strategy_refuses_fault_tolerance_where_it_cannot_run():
         CephaloStrategy(fault_tolerance=True, plan=UNEVEN)
     with pytest.raises(ConfigurationError, match=r"fault_tolerance.*True or False"):
         CephaloStrategy(fault_tolerance="yes")
+    with pytest.raises(ConfigurationError, match=r"replica_group=1\).*add fault_tolerance=True"):
+        CephaloStrategy(replica_group=1)
+    with pytest.raises(ConfigurationError, match=r"replica_group=-1\) must be an integer >= 0"):
+        CephaloStrategy(fault_tolerance=True, replica_group=-1)
 
 
 def test_fabric_refuses_fault_tolerance_by_name():

@@ -167,6 +167,10 @@ class StrategyConfig:
         plan, cluster = _plan_source(o["plan"], o["cluster"], o["global_batch_size"], checked.elastic)
         if checked.fault_tolerance:
             _fault_tolerance(checked.mode, plan)
+        elif checked.replica_group is not None:
+            raise ConfigurationError(
+                f"CephaloStrategy(replica_group={checked.replica_group}) names a torchft replica group, which only "
+                "fault_tolerance=True uses; add fault_tolerance=True or drop replica_group")
         return replace(checked, plan=plan, cluster=cluster)
 
 
