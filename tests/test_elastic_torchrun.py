@@ -54,7 +54,7 @@ RDZV_CONF = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5
 DEADLINE_S = 1500  # the whole run, on a loaded 2-core machine (about 4 minutes there)
 
 
-def _agent(work: Path, port: int, node: str, ranks: int, host: bool) -> subprocess.Popen:
+def start_agent(work: Path, port: int, node: str, ranks: int, host: bool) -> subprocess.Popen:
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", str(ranks),
                "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", "elastic-test", "--rdzv-conf", f"is_host={int(host)},{RDZV_CONF}",
@@ -63,6 +63,18 @@ def _agent(work: Path, port: int, node: str, ranks: int, host: bool) -> subproce
                     TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     log = open(work / f"agent-{node}-{len(list(work.glob(f'agent-{node}-*')))}.log", "w")  # noqa: SIM115
     return subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop_agents(agents: list[subprocess.Popen]) -> None:
+    """SIGTERM to every agent still running (it stops its own ranks first); SIGKILL after 60 s."""
+    for agent in agents:
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+            try:
+                agent.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
 
 
 def _logs(work: Path) -> str:
@@ -80,8 +92,8 @@ def _wait(what: str, done, agents: list[subprocess.Popen], work: Path, deadline:
 def test_a_lost_node_is_replaced_by_torchrun_replanned_and_regrown_to_the_uninterrupted_parameters(tmp_path):
     work, port = tmp_path, free_port()
     deadline = time.monotonic() + DEADLINE_S
-    a = _agent(work, port, "A", 2, host=True)  # started first: the lower pid, so node rank 0 in every round
-    b = _agent(work, port, "B", 1, host=False)
+    a = start_agent(work, port, "A", 2, host=True)  # started first: the lower pid, so node rank 0 in every round
+    b = start_agent(work, port, "B", 1, host=False)
     agents = [a, b]
     try:
         _wait("the kill and the grow point", lambda: (work / "grow").exists() or a.poll() is not None, agents, work,
@@ -89,20 +101,13 @@ def test_a_lost_node_is_replaced_by_torchrun_replanned_and_regrown_to_the_uninte
         assert a.poll() is None, f"agent A ended with {a.returncode} before the grow point\n{_logs(work)}"
         assert b.wait(timeout=60) == -signal.SIGKILL, _logs(work)
         grow_at = time.time()
-        b_again = _agent(work, port, "B", 1, host=False)
+        b_again = start_agent(work, port, "B", 1, host=False)
         agents.append(b_again)
         _wait("both agents to finish", lambda: a.poll() is not None and b_again.poll() is not None, agents, work,
               deadline)
         assert (a.returncode, b_again.returncode) == (0, 0), _logs(work)
     finally:
-        for agent in agents:  # SIGTERM: the agent stops its own ranks first
-            if agent.poll() is None:
-                agent.send_signal(signal.SIGTERM)
-                try:
-                    agent.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    agent.kill()
-                    agent.wait()
+        stop_agents(agents)
 
     lives = [json.loads(line) for line in (work / "lives.jsonl").read_text().splitlines()]
     def ranks(keep) -> list[dict]:

@@ -27,7 +27,7 @@ from tests.plans import plan_of
 # ----------------------------------------------------------------------------- the strategy's options
 
 STRATEGY_BOOLS = ("prefetch", "overlap", "verify_loss", "check_devices", "verify_checksums", "async_checkpoint",
-                  "elastic", "gather_on_teardown")
+                  "elastic", "gather_on_teardown", "fault_tolerance")
 CALLBACK_BOOLS = ("force_profile", "replan", "adapt", "print_plan", "quiet")
 
 

@@ -14,12 +14,23 @@ from cephalo_lightning.lightning.config import DEFAULTS, OPTION_NAMES, StrategyC
 from cephalo_lightning.lightning.process_group import ProcessGroupStrategy
 
 README = Path(__file__).resolve().parents[1] / "docs" / "reference" / "strategy.md"  # the options table
+# pages that document their own options in a table under the same heading
+OPTION_PAGES = (Path(__file__).resolve().parents[1] / "docs" / "fault-tolerance.md",)
 HEADING = "### `CephaloStrategy(...)`"
 
 
 def readme_table() -> dict[str, str]:
-    """``name -> default`` as the README's table states them (a row may name several options)."""
-    lines = README.read_text().splitlines()
+    """``name -> default`` as the README's table and the option pages' tables state them (a row may
+    name several options)."""
+    rows: dict[str, str] = {}
+    for page in (README, *OPTION_PAGES):
+        rows.update(_table(page))
+    assert rows, f"no option rows under {HEADING!r} in {README}"
+    return rows
+
+
+def _table(page: Path) -> dict[str, str]:
+    lines = page.read_text().splitlines()
     start = lines.index(HEADING)
     rows: dict[str, str] = {}
     for line in lines[start + 1:]:
@@ -30,7 +41,6 @@ def readme_table() -> dict[str, str]:
             continue
         for name in re.findall(r"`([a-z_]+)`", cells[0]):
             rows[name] = cells[1]
-    assert rows, f"no option rows under {HEADING!r} in {README}"
     return rows
 
 

@@ -25,7 +25,8 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 __all__ = [
     "BackwardSyncControl", "LoggedValue", "SubprocessScriptLauncher", "captured_logs", "checkpoint_callback_settings",
     "default_process_group_backend", "distributed_is_initialized", "init_dist_connection", "logged_values",
-    "logging_as", "module_hidden_from", "stop_at_batch_end", "sync_ddp_if_available", "training_dataloader", "wandb_checkpoint_name", "wandb_log_model",
+    "logging_as", "module_hidden_from", "set_steps_done", "stop_at_batch_end", "sync_ddp_if_available",
+    "training_dataloader", "wandb_checkpoint_name", "wandb_log_model",
     "wandb_logged_model_times",
 ]
 
@@ -65,6 +66,20 @@ def stop_at_batch_end(trainer: pl.Trainer) -> None:
     rank at the same step, once the ranks agreed to stop.
     """
     trainer._signal_connector.received_sigterm = True
+
+
+def set_steps_done(trainer: pl.Trainer, steps: int) -> None:
+    """Count ``steps`` optimizer steps as done before the fit's first batch (what a ``ckpt_path``
+    resume restores into the fit loop's progress): ``trainer.global_step`` reads ``steps``, the run
+    stops at ``max_steps`` counting them, and the loggers' step goes on from there. Called once the
+    fit loop has reset its progress (``on_train_start``), before the first batch."""
+    loop = trainer.fit_loop.epoch_loop
+    optimizer = loop.automatic_optimization.optim_progress.optimizer
+    for progress in (optimizer.step.total, optimizer.zero_grad.total):
+        for name in ("ready", "started", "completed"):  # the trackers' fields (zero_grad's has `started`)
+            if hasattr(progress, name):
+                setattr(progress, name, steps)
+    loop._batches_that_stepped = steps
 
 
 def training_dataloader(trainer: pl.Trainer) -> Any:

@@ -96,6 +96,12 @@ class StrategyConfig:
     elastic: bool = option(
         False, "a plan for another world size (an elastic restart) is re-planned for the ranks present (from the cluster "
         "file when given beside it), with a warning")
+    fault_tolerance: bool = option(
+        False, "each shard group a torchft replica group: a lost group drops out of the cross-group sum at the next "
+        "step and rejoins with the live state (docs/fault-tolerance.md; needs the `ft` extra)")
+    replica_group: int | None = option(
+        None, "under `fault_tolerance`: this node's shard group in the plan (its torchft replica group)",
+        unset="the `REPLICA_GROUP_ID` environment variable")
 
     @classmethod
     def build(cls, **given: Any) -> StrategyConfig:
@@ -150,6 +156,8 @@ class StrategyConfig:
             progress_every=_integer("progress_every", o["progress_every"], 0) if o["progress_every"] is not None else None,
             async_checkpoint=o["async_checkpoint"],
             elastic=o["elastic"],
+            fault_tolerance=o["fault_tolerance"],
+            replica_group=_integer("replica_group", o["replica_group"], 0) if o["replica_group"] is not None else None,
         )
         if checked.async_checkpoint and checked.state_dict_type != "sharded":
             raise ConfigurationError(
@@ -157,6 +165,12 @@ class StrategyConfig:
                 "consolidated on rank 0 after the save; use state_dict_type='sharded' (consolidate offline with "
                 "`python -m cephalo_lightning consolidate`) or async_checkpoint=False")
         plan, cluster = _plan_source(o["plan"], o["cluster"], o["global_batch_size"], checked.elastic)
+        if checked.fault_tolerance:
+            _fault_tolerance(checked.mode, plan)
+        elif checked.replica_group is not None:
+            raise ConfigurationError(
+                f"CephaloStrategy(replica_group={checked.replica_group}) names a torchft replica group, which only "
+                "fault_tolerance=True uses; add fault_tolerance=True or drop replica_group")
         return replace(checked, plan=plan, cluster=cluster)
 
 
@@ -164,6 +178,25 @@ OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(StrategyConfig))
 DEFAULTS = StrategyConfig()  # the strategy's signature takes every default from here
 # torch's seed range (a uint64), less room for the data epoch the sampler adds to the seed
 MAX_SEED = 2**63 - 1
+
+
+def _fault_tolerance(mode: str, plan: Plan | None) -> None:
+    """What ``fault_tolerance=True`` can be refused for before any process starts: the uniform mode, a
+    pinned plan whose groups cut the units differently, torchft missing."""
+    from cephalo_lightning.lightning.fault_tolerance import check_groups_cut_alike, require_torchft
+
+    if mode == "uniform":
+        raise ConfigurationError(
+            "CephaloStrategy(fault_tolerance=True, mode='uniform'): when a group is lost, the survivors take its samples "
+            "by the re-plan over them, which gives each rank its device's micro-batch size and so more micro-batches on "
+            "some ranks than on others; the uniform mode runs one micro-batch count on every rank. Use mode='layered' "
+            "(or 'auto' with the layered protocol), or fault_tolerance=False")
+    try:
+        if plan is not None:
+            check_groups_cut_alike(plan)
+        require_torchft()
+    except (ConfigurationError, UnsupportedError) as err:
+        raise type(err)(f"CephaloStrategy(fault_tolerance=True): {err}") from err
 
 
 def _choice(name: str, value: Any, choices: Sequence[str]) -> str:

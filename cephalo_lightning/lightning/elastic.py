@@ -93,7 +93,7 @@ def replan_for_world(plan: Plan, devices: Sequence[str]) -> Plan:
                             max(1, max(r.micro_batch_size for r in same))))
         else:
             figures.append(mean)
-    batches = _apportion(plan.global_batch_size, [f[0] for f in figures])
+    batches = apportion(plan.global_batch_size, [f[0] for f in figures])
     shares = [f[1] for f in figures]
     total_share = sum(shares)
     ranks = []
@@ -105,7 +105,7 @@ def replan_for_world(plan: Plan, devices: Sequence[str]) -> Plan:
                 emulated=plan.emulated)
 
 
-def _apportion(total: int, weights: Sequence[float]) -> list[int]:
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
     """``total`` split in proportion to ``weights`` (largest remainders; equal weights when all are 0)."""
     weights = list(weights) if any(w > 0 for w in weights) else [1.0] * len(weights)
     scale = total / sum(weights)

@@ -70,8 +70,14 @@ class CephaloFabricStrategy(DDPStrategy):
     def __init__(self, plan: Plan | str | Path | None = None, global_batch_size: int | None = None, *,
                  units: Sequence[type[nn.Module]] | None = None, collective: str = "auto", prefetch: bool = True,
                  scale_loss: bool = True, seed: int | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
         owner = "CephaloFabricStrategy"
+        if kwargs.pop("fault_tolerance", False):  # CephaloStrategy's option, refused here by name
+            raise UnsupportedError(
+                f"{owner}(fault_tolerance=True): Fabric runs every rank in one process group and the uniform mode, so a "
+                "lost rank ends the whole job; fault tolerance needs one process group per shard group, each its own "
+                "job: drive cephalo_lightning.lightning.fault_tolerance.ReplicaGroup from a plain loop "
+                "(docs/fault-tolerance.md)")
+        super().__init__(**kwargs)
         for name, flag in (("prefetch", prefetch), ("scale_loss", scale_loss)):
             check_flag(name, flag, owner=owner)
         if collective not in COLLECTIVES:

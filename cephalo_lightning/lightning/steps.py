@@ -66,6 +66,7 @@ class TrainingStep:
     local_loss: torch.Tensor | None = None  # layered: this rank's weighted loss, for the backward
     capturing: bool = False  # inside the user's training_step: the strategy's reduce() leaves logs alone
     pending_signal: Callable[[], int] = int  # the signal this rank received (0: none), read at the all-reduce
+    global_items: float | None = None  # the global batch's items where this rank holds all of it (fault tolerance)
 
     @property
     def batch_idx(self) -> int:
@@ -83,14 +84,15 @@ class StepReport:
 
 
 def micro_batch_weights(parts: Sequence[Any], weighting: LossWeighting, global_batch: int,
-                        device: torch.device, group: Group = None) -> tuple[list[float], float]:
+                        device: torch.device, group: Group = None,
+                        global_items: float | None = None) -> tuple[list[float], float]:
     """Each micro-batch's share of the global mean loss, and the global batch's items (see the
-    module docstring)."""
+    module docstring; ``global_items``: already known, counted without the all-reduce)."""
     samples = [leading_size(p) or 0 for p in parts]
     if weighting.kind == "samples":
         return [s / global_batch for s in samples], float(global_batch)
     counts = torch.tensor([float(weighting.items(p, s)) for p, s in zip(parts, samples)] + [0.0], dtype=torch.float64)
-    total = float(all_reduce_(counts.sum().to(device), group=group))
+    total = float(all_reduce_(counts.sum().to(device), group=group)) if global_items is None else global_items
     return [float(c) / total if total > 0 else 0.0 for c in counts[:-1].tolist()], total
 
 
@@ -235,7 +237,7 @@ class LayeredSteps:
             self.verify_loss = False
             self._verify(parts[0] if parts else batch, has_samples=bool(parts), batch_idx=step.batch_idx)
         shares, total = micro_batch_weights(parts, self.weighting, step.global_batch, self.schedule.device,
-                                           self.schedule.sharded.world_group)
+                                           self.schedule.sharded.world_group, step.global_items)
         share = self.weighting.share
         if share is not None:  # the model's loss divides by the global items itself: weight 1
             weights = [(1.0 if w else 0.0) / step.accumulate for w in shares]
@@ -368,7 +370,7 @@ class UniformSteps:
     def forward(self, batch: Any, step: TrainingStep) -> Any:
         step.micro_batches = micro_batches(batch, step.rank_plan.micro_batch_sizes)
         step.weights, _ = micro_batch_weights(step.micro_batches, self.weighting, step.global_batch,
-                                              self.sharded.device, self.sharded.world_group)
+                                              self.sharded.device, self.sharded.world_group, step.global_items)
         self.sharded.gather_root()
         return self._run(step, 0)
 

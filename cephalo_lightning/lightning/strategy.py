@@ -36,7 +36,13 @@ from typing_extensions import override
 
 from cephalo_lightning._common.errors import UnsupportedError
 from cephalo_lightning.lightning import loggers, plan_resolution
-from cephalo_lightning.lightning._private import logging_as, module_hidden_from, stop_at_batch_end, sync_ddp_if_available
+from cephalo_lightning.lightning._private import (
+    logging_as,
+    module_hidden_from,
+    set_steps_done,
+    stop_at_batch_end,
+    sync_ddp_if_available,
+)
 from cephalo_lightning.lightning.callback_api import CallbackAPI
 from cephalo_lightning.lightning.config import (
     DEFAULTS,
@@ -48,6 +54,7 @@ from cephalo_lightning.lightning.config import (
     StateDictType,
     StrategyConfig,
 )
+from cephalo_lightning.lightning.fault_tolerant_fit import FitReplica
 from cephalo_lightning.lightning.fit import FailureReport, FitRuntime, stash_offloaded
 from cephalo_lightning.lightning.precision import sharded_precision
 from cephalo_lightning.lightning.preemption import Preemption
@@ -94,6 +101,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  safe_globals: Sequence[Any] = DEFAULTS.safe_globals, seed: int | None = DEFAULTS.seed,
                  verify_checksums: bool = DEFAULTS.verify_checksums, progress_every: int | None = DEFAULTS.progress_every,
                  async_checkpoint: bool = DEFAULTS.async_checkpoint, elastic: bool = DEFAULTS.elastic,
+                 fault_tolerance: bool = DEFAULTS.fault_tolerance, replica_group: int | None = DEFAULTS.replica_group,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **kwargs: Any) -> None:
         options = {name: value for name, value in locals().items() if name in OPTION_NAMES}  # all, by name
@@ -110,6 +118,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         self._sync = True  # False while Lightning accumulates gradients over batches
         self._step: TrainingStep | None = None  # the training step in progress (see the module note)
         self._failed = False  # the current fit/evaluation raised (on_exception)
+        self._replica: FitReplica | None = None  # fault_tolerance: this group's torchft replica group, while fitting
 
     global_batch_size = property(lambda self: self.config.global_batch_size)
     collective = property(lambda self: resolve_mode(self.config.collective))  # once the backend is known
@@ -119,6 +128,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     memory = property(lambda self: self.fit_runtime.memory.tracker
                       if self.fit_runtime is not None and self.fit_runtime.memory else None)
     emulate = property(lambda self: plan_resolution.emulation_specs(self.config.emulate, self.cluster))
+    # fault_tolerance: this group's torchft replica group while it fits (None otherwise)
+    replica = property(lambda self: self._replica.replica if self._replica is not None else None)
     # where the layered stash lives (the cost model's settings.stash_on_device is its negation)
     offloads_stash = property(lambda self: stash_offloaded(self.config.offload, self.root_device, self.emulator))
 
@@ -173,12 +184,16 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         if self.fit_runtime is None or self.fit_runtime.module is not module:
             with self.construction:  # a true precision casts the meta buffers: their values follow the cast
                 self.model = self.precision_plugin.convert_module(self.model)
+            if self.config.fault_tolerance:  # this group's Trainer shards by the group's part of the plan
+                self._replica = FitReplica.for_plan(self.plan, self.config.replica_group, os.environ)
             resolution = resolve(module, self.config.router_aux_loss)
             schedule = decide_schedule(self.config.mode, resolution, module)
+            if self._replica is not None:
+                self._replica.check_schedule(schedule)
             plan = plan_resolution.resolve(
-                plan=self.plan, cluster=self.cluster, schedule=schedule, config=self.config, trainer=trainer,
-                world_size=self.world_size, identities=self._identities,
-                provisional=self.provisional_layout == "memory")
+                plan=self._replica.local if self._replica is not None else self.plan, cluster=self.cluster,
+                schedule=schedule, config=self.config, trainer=trainer, world_size=self.world_size,
+                identities=self._identities, provisional=self.provisional_layout == "memory")
             plan_resolution.check_model(plan, module)
             self.fit_runtime = FitRuntime(
                 module, plan, self.config, schedule=schedule, resolution=resolution, rank=self.global_rank,
@@ -190,6 +205,11 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                 sharded = self.fit_runtime.sharded
                 self._precision_plugin.shard_over(sharded.world, contributes=sharded.group_index == 0)
         else:  # the same module again (e.g. trainer.test after trainer.fit): its whole parameters into the shards
+            if self.config.fault_tolerance and trainer.state.fn == TrainerFn.FITTING:
+                raise UnsupportedError(
+                    "CephaloStrategy(fault_tolerance=True): a second fit of the same module with the same strategy is not "
+                    "supported (its replica group ended with the first); start a new process, or a new "
+                    "CephaloStrategy and Trainer")
             self.fit_runtime.sharded.take_back()
         self._failed = False
         self.model = module
@@ -200,6 +220,9 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             self.setup_optimizers(trainer)
             self._failures = self.fit_runtime.start_fit(trainer, self.broadcast(os.urandom(6).hex()), self.cluster,
                                                         reported_elsewhere=_has_cephalo_callback(trainer))
+            if self._replica is not None:  # heartbeats from now; the first quorum is at on_train_start
+                self._replica.join(self.optimizers, accumulate=trainer.accumulate_grad_batches, rank=self.global_rank,
+                                   world_size=self.world_size)
         self.setup_precision_plugin()
 
     def _identities(self) -> list[plan_resolution.DeviceIdentity]:
@@ -243,8 +266,10 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         seed = plan_resolution.data_seed(self.config.seed, os.environ)
         if self.config.seed is None:  # one order on every rank: rank 0's
             seed = int(self.broadcast(torch.initial_seed() % 2**31 if seed is None else seed))
+        if self._replica is not None:
+            self._replica.check_data_seed(seed, shuffles(dataloader))
         self._loader = planned_loader(dataloader, self.fit_runtime.switches.plan_state, self.global_rank,
-                                      shuffle=shuffles(dataloader), seed=seed)
+                                      shuffle=shuffles(dataloader), seed=seed, whole=self._replica is not None)
         return self._loader
 
     @override
@@ -252,6 +277,9 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         # after Lightning registered its own signal handlers (which ours replace while training)
         self._preemption = Preemption.for_trainer(self.lightning_module.trainer, self.cluster_environment)
         self._preemption.install()
+        if self._replica is not None:  # the first quorum: a group behind the others recovers the live state here
+            step = self._replica.first_quorum(self._loader.batch_sampler)
+            set_steps_done(self.lightning_module.trainer, step)  # Lightning's counters where the data order is
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -266,13 +294,21 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
         runtime = self.fit_runtime
-        self._loader.batch_sampler.mark_consumed(runtime.switches.next_batch().step)
+        batch = args[0]
+        if self._replica is None or not self._replica.redoing:
+            cut = runtime.switches.next_batch()
+            self._loader.batch_sampler.mark_consumed(cut.step)
+            if self._replica is not None:
+                self._replica.batch_cut(cut, len(self._loader.batch_sampler))
         self._step = step = runtime.start_step(trainer, self._sync, self._scaler, args[1:])
+        if self._replica is not None:  # the step's quorum, then this rank's part of the global batch
+            batch, step.rank_plan, step.global_items = self._replica.this_ranks_part(batch, step.rank_plan,
+                                                                                    runtime.weighting)
         if self._preemption is not None:
             step.pending_signal = self._preemption.pending
         try:
             with runtime.step_scope(trainer.global_step), self.precision_plugin.train_step_context():
-                return runtime.steps.forward(args[0], step)
+                return runtime.steps.forward(batch, step)
         finally:
             if not self.lightning_module.automatic_optimization:
                 self._step = None  # its backward and optimizer step ran inside (see the module note)
@@ -301,7 +337,13 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         """The step's closure runs on every rank; the update is skipped on every rank if any went non-finite."""
         step = self.lightning_module.trainer.global_step
         with self.fit_runtime.step_scope(step):
-            result = closure()
+            if self._replica is None:
+                result = closure()
+            else:  # the step's closure until torchft commits it; a non-finite sum is skipped by every group
+                result = self._replica.until_committed(closure, optimizer)
+                report = self._replica.summed_gradient_report(self.global_rank)
+                if report is not None:
+                    self.fit_runtime.guard.record(report)
             if self._scaler is None and self.fit_runtime.guard.should_skip(step):  # a scaler skips inf steps itself
                 (optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer).zero_grad(set_to_none=True)
                 return result
@@ -401,6 +443,9 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     def _teardown_run(self) -> None:
         self._abandon_background_save = False
+        if self._replica is not None:
+            self._replica.shutdown()
+            self._replica = None
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None

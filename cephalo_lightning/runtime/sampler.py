@@ -37,7 +37,8 @@ from cephalo_lightning.runtime.plan_state import PlanState
 class PlannedBatchSampler(Sampler[list[int]]):
     """Yields this rank's slice of every global batch; resumable mid-epoch."""
 
-    def __init__(self, num_samples: int, plan_state: PlanState, rank: int, *, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(self, num_samples: int, plan_state: PlanState, rank: int, *, shuffle: bool = True, seed: int = 0,
+                 whole: bool = False) -> None:
         plan = plan_state.latest.plan
         self.num_samples = num_samples
         self.plan_state = plan_state
@@ -52,6 +53,7 @@ class PlannedBatchSampler(Sampler[list[int]]):
         self.rank = rank
         self.shuffle = shuffle
         self.seed = seed
+        self.whole = whole  # every rank the whole global batch (fault tolerance: cut after the step's quorum)
         self.epoch = 0  # the data epoch
         self.consumed = 0  # steps of the data epoch the training loop has taken
         self._resume_at: int | None = None  # where the next iteration starts (a resumed position)
@@ -94,6 +96,8 @@ class PlannedBatchSampler(Sampler[list[int]]):
         for step in range(start, len(self)):
             sizes = self.plan_state.cut(self.epoch, step).plan.batch_sizes
             size, offset = sizes[self.rank], sum(sizes[: self.rank])
+            if self.whole:
+                size, offset = self.global_batch_size, 0
             first = step * self.global_batch_size
             if size:
                 yield order[first + offset : first + offset + size].tolist()
@@ -193,8 +197,10 @@ def check_sampling(dataloader: DataLoader) -> None:
             "argument")
 
 
-def planned_loader(dataloader: DataLoader, plan_state: PlanState, rank: int, *, shuffle: bool, seed: int) -> PlannedDataLoader:
-    """``dataloader`` re-cut so this rank takes its slice of every global batch of ``plan_state``."""
+def planned_loader(dataloader: DataLoader, plan_state: PlanState, rank: int, *, shuffle: bool, seed: int,
+                   whole: bool = False) -> PlannedDataLoader:
+    """``dataloader`` re-cut so this rank takes its slice of every global batch of ``plan_state``
+    (``whole``: the whole global batch, which the strategy cuts once the step's quorum is known)."""
     dataset = dataloader.dataset
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise UnsupportedError(
@@ -203,7 +209,7 @@ def planned_loader(dataloader: DataLoader, plan_state: PlanState, rank: int, *, 
             "map-style Dataset (with __len__ and __getitem__), e.g. by materialising or indexing the stream"
         )
     check_sampling(dataloader)
-    sampler = PlannedBatchSampler(len(dataset), plan_state, rank, shuffle=shuffle, seed=seed)
+    sampler = PlannedBatchSampler(len(dataset), plan_state, rank, shuffle=shuffle, seed=seed, whole=whole)
     if sampler.dropped_per_epoch and rank == 0:
         which = "different samples each epoch (reshuffled)" if shuffle else "the SAME last samples every epoch (no shuffling)"
         warnings.warn(
