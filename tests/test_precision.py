@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from cephalo_lightning import CephaloStrategy
+from cephalo_lightning import CephaloStrategy, Plan
 from tests.distributed import run_distributed
 from tests.lightning_models import TinyLayered, loader, token_data
 from tests.models import TinyLM
