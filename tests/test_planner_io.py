@@ -73,7 +73,7 @@ def test_nan_share_built_in_python_is_refused() -> None:
         Plan.from_dict(data)
 
 
-@pytest.mark.parametrize("version", [1, 2, None, "3", True])
+@pytest.mark.parametrize("version", [1, 2, 3, None, "4", True])
 def test_a_plan_file_of_another_format_version_is_refused_with_the_fix(tmp_path: Path, version) -> None:
     data = plan_data()
     if version is None:
@@ -81,7 +81,7 @@ def test_a_plan_file_of_another_format_version_is_refused_with_the_fix(tmp_path:
     else:
         data["format_version"] = version
     with pytest.raises(PlanningError, match=rf"format_version {re.escape(repr(version))} is not one this version "
-                                            r"reads \(3\); re-make the plan"):
+                                            r"reads \(4\); re-make the plan"):
         Plan.load(write(tmp_path, data))
 
 
