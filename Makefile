@@ -10,7 +10,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast durations lint bench report docs docs-serve dist clean
+.PHONY: setup demo test test-fast durations lint bench report docs docs-picture docs-serve dist clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -49,11 +49,15 @@ lint: setup
 bench: setup
 	$(BIN)/python benchmarks/report.py
 
-# The API reference is generated from the docstrings (mkdocstrings reads the source, imports nothing).
-docs: setup
+# The API reference is generated from the docstrings (mkdocstrings reads the source, imports nothing);
+# the plan picture of docs/plan-reading.md is drawn from the shipped cluster file (not committed).
+docs-picture: setup
+	$(BIN)/python -m cephalo_lightning plan configs/clusters/two-nodes.yaml -b 64 --plot docs/img/plan-two-nodes.png > /dev/null
+
+docs: docs-picture
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
-docs-serve: setup
+docs-serve: docs-picture
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 # The release artefacts: wheel and sdist from a clean build, their metadata checked.
