@@ -35,7 +35,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-_META = torch.device("meta")
 _REPLAY_SEED = 0x5EED
 
 
@@ -59,10 +58,14 @@ def _is_meta_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_meta
 
 
+_IN_PLACE_OPERATORS = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "lshift", "rshift", "and", "or", "xor"))
+
+
 def _writes_in_place(func: Any) -> bool:
     """``x.mul_(2)``, ``x[i] = v``, ``x += 1``: calls that write their first argument."""
     name = getattr(func, "__name__", "")
-    if name == "__setitem__" or (name.startswith("__i") and name.endswith("__") and name not in ("__index__", "__int__", "__invert__")):
+    if name == "__setitem__" or name in _IN_PLACE_OPERATORS:
         return True
     return name.endswith("_") and not name.startswith("__")
 
@@ -87,9 +90,6 @@ class ConstructionRecord(TorchFunctionMode):
         if returned or mutated:
             self.calls.append(_Call(func, tuple(args), dict(kwargs), returned, mutated, torch.get_default_dtype()))
         return out
-
-    def __len__(self) -> int:
-        return len(self.calls)
 
     def replay(self, tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
         """Host values for those of ``tensors`` (meta) the record can recompute, by ``id``; a tensor

@@ -146,14 +146,7 @@ class UnitMaterializer:
         if meta:
             if self.init is None:
                 raise ValueError(f"unit {unit.name}: adapter parameters on the meta device and no initialisation known")
-            for slot in meta:
-                old = slot.current
-                slot.set(nn.Parameter(torch.empty_like(old, device=self.device), requires_grad=old.requires_grad))
-            modules = _post_order([slot.holders[0][0] for slot in meta], {id(slot.holders[0][0]) for slot in meta})
-            with torch.random.fork_rng(devices=[]), torch.no_grad(), _initialising_only(meta, modules):
-                torch.manual_seed((self.seed * 1_000_003 + index) % (2**63))
-                for mod in modules:
-                    self.init(mod)
+            self._initialise_seeded(index, meta, [])
         return {span.name: slot.current for span, slot in wanted}
 
     def _initialise(self, index: int, unit: UnitLayout, slots: list[ParamSlot], dtype: torch.dtype,
@@ -164,22 +157,25 @@ class UnitMaterializer:
                 "reset_parameters() on its modules or cephalo_init_weights(module) on the LightningModule, "
                 "or load weights (CephaloStrategy(pretrained=...))"
             )
-        owners: set[int] = set()
+        pending = _allocate(buffers, self.device)
+        self._initialise_seeded(index, slots, _owners(buffers))
+        _settle_buffers(pending, self.construction)
+        return _flat_range([slot.current for slot in slots], lo, hi, dtype, self.device)
+
+    def _initialise_seeded(self, index: int, slots: Sequence[ParamSlot], buffer_owners: Sequence[nn.Module]) -> None:
+        """Allocate ``slots``' meta parameters and run ``init`` under unit ``index``'s seed on the
+        modules that own them (a tied parameter's canonical holder) and on ``buffer_owners``,
+        children before parents."""
+        assert self.init is not None
         for slot in slots:
             old = slot.current
             slot.set(nn.Parameter(torch.empty_like(old, device=self.device), requires_grad=old.requires_grad))
-            owners.add(id(slot.holders[0][0]))  # the canonical holder initialises a tied parameter
-        tops: list[nn.Module] = [slot.holders[0][0] for slot in slots]
-        pending = _allocate(buffers, self.device)
-        owners.update(id(mod) for mod in _owners(buffers))
-        tops += _owners(buffers)
-        modules = _post_order(tops, owners)
+        tops = [slot.holders[0][0] for slot in slots] + list(buffer_owners)
+        modules = _post_order(tops, {id(mod) for mod in tops})
         with torch.random.fork_rng(devices=[]), torch.no_grad(), _initialising_only(slots, modules):
             torch.manual_seed((self.seed * 1_000_003 + index) % (2**63))
             for mod in modules:
                 self.init(mod)
-        _settle_buffers(pending, self.construction)
-        return _flat_range([slot.current for slot in slots], lo, hi, dtype, self.device)
 
 
 class MetaBufferError(ConfigurationError):
