@@ -47,7 +47,7 @@ except ImportError:  # run from a checkout without installing
 
 import _common as common
 
-from cephalo_lightning.planner.cost import predicted_busy_s  # noqa: E402 - torch-free
+from cephalo_lightning.planner.cluster_cost import predicted_busy_s  # noqa: E402 - torch-free
 
 PLANS = ("cephalo", "even", "proportional")
 # per world size: (slowdown, memory_gb) per rank; W=2 is configs/quickstart.yaml's cluster

@@ -53,7 +53,7 @@ import _common as common
 
 from cephalo_lightning.lightning.callback_config import CallbackConfig  # noqa: E402
 from cephalo_lightning.planner.cluster import cluster_to_dict  # noqa: E402 - torch-free
-from cephalo_lightning.planner.cost import predicted_busy_s  # noqa: E402 - torch-free
+from cephalo_lightning.planner.cluster_cost import predicted_busy_s  # noqa: E402 - torch-free
 from cephalo_lightning.planner.fit import (  # noqa: E402 - torch-free
     fit_calibration,
     plan_label,
@@ -246,7 +246,7 @@ def _profiled_collectives(calibrated: Any) -> Any:
     the other mode than the fitted plan's was priced before a pass's later gathers were told apart)."""
     from dataclasses import replace
 
-    from cephalo_lightning.planner.cost import communication
+    from cephalo_lightning.planner.collective_prices import communication
 
     profile = replace(calibrated, calibration=None)
     comm, overlap = communication(profile), profile.settings.overlap
@@ -452,7 +452,8 @@ def print_calibration(result: dict[str, Any]) -> None:
               "the rest are predicted)")
     for c in result["clusters"]:
         if "failed" not in c:
-            from cephalo_lightning.planner.calibration import Calibration, describe
+            from cephalo_lightning.planner.calibration import describe
+            from cephalo_lightning.planner.calibration_terms import Calibration
 
             cal = dict(c["calibration"])
             cal["compute_scale"] = tuple(cal["compute_scale"])

@@ -11,7 +11,7 @@ ratios of variants measured side by side in ONE run, in alternating rounds:
    vs FSDP2 (``fully_shard`` on every block and the root) on the same GPT, same data, AdamW, 2 ranks;
 2. collectives: one unit's all-gather and reduce-scatter, ``padded`` vs ``exact``, at max shares rho
    from 1/W (even) to 1, relative to the even case; the fitted slope s of
-   time(rho) / time(even) ~= 1 + s * (W * rho - 1) is what ``planner/cost.py:UNEVEN_SLOPE`` holds;
+   time(rho) / time(even) ~= 1 + s * (W * rho - 1) is what ``planner/collective_prices.py:UNEVEN_SLOPE`` holds;
 3. memory: peak accounted bytes per rank (``MemoryTracker``) at uneven shares vs the planner's
    predicted state bytes (state_bytes_per_param x parameters x share).
 
@@ -255,7 +255,7 @@ def fit_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def fitted_uneven_slope(fits: list[dict[str, Any]]) -> dict[str, float]:
-    """What planner/cost.py:UNEVEN_SLOPE should hold: the through-even slope per mode, >= 0, 2 digits.
+    """What planner/collective_prices.py:UNEVEN_SLOPE should hold: the through-even slope per mode, >= 0, 2 digits.
 
     A negative fit (uneven faster than even: the even path uses a slower algorithm on this backend)
     is clamped to 0: the planner's rho search needs a non-negative slope.
@@ -355,7 +355,7 @@ def run_benchmark(cfg: Config = Config(), parts: tuple[str, ...] = ("step", "col
 
 
 def print_report(result: dict[str, Any]) -> None:
-    from cephalo_lightning.planner.cost import UNEVEN_SLOPE
+    from cephalo_lightning.planner.collective_prices import UNEVEN_SLOPE
 
     print(result["environment"])
     print("Ratios compare variants measured in the same run, in alternating rounds (median of per-round ratios).\n")
@@ -395,7 +395,7 @@ def print_report(result: dict[str, Any]) -> None:
               f"{f['free_intercept'] - 1:+.2f}", f"{f['free_slope']:.2f}"] for f in result["collective_fits"]],
             title="   Fitted slopes: time(rho)/time(even) ~= 1 + s*(W*rho - 1)",
         )
-        print(f"   -> UNEVEN_SLOPE fitted here: {slope}  (planner/cost.py now holds {UNEVEN_SLOPE})")
+        print(f"   -> UNEVEN_SLOPE fitted here: {slope}  (planner/collective_prices.py now holds {UNEVEN_SLOPE})")
         for world in sorted({r["world_size"] for r in result["collectives"]}):
             per = [r for r in result["collectives"] if r["world_size"] == world and r["imbalance"] > 0]
             for op in ("all_gather", "reduce_scatter"):

@@ -12,7 +12,8 @@ import torch
 
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, load_cluster, plan, save_cluster
 from cephalo_lightning.planner.assemble import rank_plans
-from cephalo_lightning.planner.calibration import Calibration, with_calibration
+from cephalo_lightning.planner.calibration import with_calibration
+from cephalo_lightning.planner.calibration_terms import Calibration
 from cephalo_lightning.planner.cluster import cluster_to_dict
 from cephalo_lightning.planner.fit import StepObservation, fit_calibration, predicted, predicted_collective_s
 from cephalo_lightning.planner.plan import Plan
@@ -286,7 +287,7 @@ def test_a_calibration_across_nodes_keeps_each_group_on_its_own_link(groups: lis
     still moves its bytes over the intra-node link: a calibration that fits the profile's own figures
     prices every grouping as the profile does, one that fits them twice as slow every grouping at twice
     the price (a fitted 0 stays 0 and is not derived from a bandwidth)."""
-    from cephalo_lightning.planner.cost import collective_ms
+    from cephalo_lightning.planner.cluster_cost import collective_ms
 
     data = _cluster()
     data["devices"].append(_device("c", 3.0, 2.0))
@@ -345,7 +346,7 @@ def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_gro
     as_profiled = replace(fitted, allgather_ms=6.0, reduce_scatter_ms=6.0, overlap=0.6, shard_groups=None)
     assert predicted(calibrated, sharded)[0] == pytest.approx(predicted(with_calibration(cluster, as_profiled), sharded)[0],
                                                               rel=1e-12)
-    from cephalo_lightning.planner.cost import collective_ms
+    from cephalo_lightning.planner.cluster_cost import collective_ms
 
     for got, want in zip(collective_ms(calibrated, sharded.state_shares),
                          collective_ms(with_calibration(cluster, as_profiled), sharded.state_shares)):

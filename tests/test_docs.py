@@ -196,7 +196,8 @@ def test_the_cluster_page_lists_every_catalog_gpu_and_every_cluster_file_key():
 
     from cephalo_lightning.planner.bandwidth import SPELLED_KEYS
     from cephalo_lightning.planner.catalog import CATALOG
-    from cephalo_lightning.planner.cluster import _DEVICE_KEYS, ModelSpec, Settings
+    from cephalo_lightning.planner.cluster import _DEVICE_KEYS
+    from cephalo_lightning.planner.cluster_spec import ModelSpec, Settings
 
     page = (ROOT / "docs" / "cluster.md").read_text()
     reference = (ROOT / "docs" / "reference" / "cluster-file.md").read_text()

@@ -19,7 +19,8 @@ import pytest
 from cephalo_lightning._common.units import memory_text
 from cephalo_lightning.planner import Cluster, Plan, RankPlan, cluster_from_dict, load_cluster, plan
 from cephalo_lightning.planner.cli import main as plan_main
-from cephalo_lightning.planner.cost import DeviceCost, collective_ms
+from cephalo_lightning.planner.cluster_cost import collective_ms
+from cephalo_lightning.planner.device_cost import DeviceCost
 from cephalo_lightning.planner.peers import BASELINE_GROUPINGS, BASELINES
 from cephalo_lightning.planner.plan import Binding
 from cephalo_lightning.planner.report import (

@@ -152,7 +152,7 @@ def test_repeated_gather_fraction_round_trips_through_a_cluster_file_and_refuses
 def with_extras(cluster: Cluster, rng: random.Random, stash: bool, cores: bool) -> Cluster:
     """The same cluster with a stash kept on the device (bytes per sample of the order of a sample's
     compute memory) and / or every rank on one host of a few cores, emulated slowdowns 1 to 4."""
-    from cephalo_lightning.planner.cluster import Emulation
+    from cephalo_lightning.planner.cluster_spec import Emulation
 
     settings, model, devices = cluster.settings, cluster.model, cluster.devices
     if stash:

@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cephalo_lightning.planner.cluster import Emulation, Settings, cluster_to_dict
+from cephalo_lightning.planner.cluster import cluster_to_dict
+from cephalo_lightning.planner.cluster_spec import Emulation, Settings
 from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions
 from cephalo_lightning.profiling.collectives import CollectiveProfile
 from cephalo_lightning.profiling.devices import measured_settings

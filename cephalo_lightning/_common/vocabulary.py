@@ -59,4 +59,18 @@ class Verdict(StrEnum):
     UNKNOWN = "unknown"
 
 
-__all__ = ["Collective", "Planner", "Schedule", "StrEnum", "Verdict"]
+class ProfileSource(StrEnum):
+    """Where a device's figures came from: measured by the profiler, estimated from the GPU catalog,
+    or measured on a CPU process emulating the device."""
+
+    MEASURED = "measured"
+    CATALOG = "catalog"
+    EMULATED = "emulated"
+
+
+def values_of(vocabulary: type[StrEnum]) -> tuple[str, ...]:
+    """The members' strings in their order, as plain ``str`` (for messages, choices and files)."""
+    return tuple(member.value for member in vocabulary)
+
+
+__all__ = ["Collective", "Planner", "ProfileSource", "Schedule", "StrEnum", "Verdict", "values_of"]

@@ -46,7 +46,7 @@ from cephalo_lightning.lightning.profiled_input import planning_sample, profiled
 from cephalo_lightning.lightning.run_model import CalibrationResult, drifting_ranks
 from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.planner import plan as make_plan
-from cephalo_lightning.planner.cost import predicted_busy_s
+from cephalo_lightning.planner.cluster_cost import predicted_busy_s
 from cephalo_lightning.planner.report import render_plan
 from cephalo_lightning.profiling import ProfileOptions, default_settings, profile_cluster
 from cephalo_lightning.runtime.distributed import gather_objects

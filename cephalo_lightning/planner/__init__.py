@@ -1,19 +1,10 @@
 """The assignment planner (torch-free): per-GPU batch, micro-batches and state share."""
 
-from cephalo_lightning.planner.cluster import (
-    Cluster,
-    DeviceProfile,
-    Emulation,
-    ModelSpec,
-    Settings,
-    cluster_from_dict,
-    cluster_to_dict,
-    load_cluster,
-    save_cluster,
-)
-from cephalo_lightning.planner.cost import evaluate, split_sizes
+from cephalo_lightning.planner.cluster import cluster_from_dict, cluster_to_dict, load_cluster, save_cluster
+from cephalo_lightning.planner.cluster_cost import evaluate
+from cephalo_lightning.planner.cluster_spec import Cluster, DeviceProfile, Emulation, ModelSpec, Settings
 from cephalo_lightning.planner.errors import PlanningError
-from cephalo_lightning.planner.plan import BaselineResult, Plan, RankPlan
+from cephalo_lightning.planner.plan import BaselineResult, Plan, RankPlan, split_sizes
 from cephalo_lightning.planner.solver import plan
 
 __all__ = [

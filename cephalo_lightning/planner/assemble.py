@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from cephalo_lightning.planner.cluster import Cluster
-from cephalo_lightning.planner.cost import DeviceCost, evaluate_arrays
+from cephalo_lightning.planner.cluster_cost import evaluate_arrays
+from cephalo_lightning.planner.cluster_spec import Cluster
+from cephalo_lightning.planner.device_cost import DeviceCost
 from cephalo_lightning.planner.plan import RankPlan
 
 

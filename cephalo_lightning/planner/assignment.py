@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from cephalo_lightning.planner.cost import evaluate_arrays, water_fill
+from cephalo_lightning.planner.cluster_cost import evaluate_arrays
+from cephalo_lightning.planner.device_cost import water_fill
 from cephalo_lightning.planner.knapsack import Group
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ class Assignment:
     micro: np.ndarray
     shares: np.ndarray
     keep: np.ndarray  # one micro-batch keeping its graph (RankPlan.recompute = False)
-    step_s: float  # priced exactly by cost.evaluate_arrays
+    step_s: float  # priced exactly by cluster_cost.evaluate_arrays
     groups: np.ndarray | None = None  # every rank's shard group (None: one group of all)
 
 

@@ -24,8 +24,9 @@ import numpy as np
 from cephalo_lightning._common.units import memory_text
 from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.planner.assemble import rank_plans
-from cephalo_lightning.planner.cluster import Cluster
-from cephalo_lightning.planner.cost import DeviceCost, evaluate_arrays, kind_costs
+from cephalo_lightning.planner.cluster_cost import evaluate_arrays
+from cephalo_lightning.planner.cluster_spec import Cluster
+from cephalo_lightning.planner.device_cost import DeviceCost, kind_costs
 from cephalo_lightning.planner.options import DeviceModel
 from cephalo_lightning.planner.plan import BaselineResult
 

@@ -12,11 +12,11 @@ import sys
 from typing import Any
 
 from cephalo_lightning._common.help_text import PlainHelpFormatter
+from cephalo_lightning._common.vocabulary import Schedule, values_of
 from cephalo_lightning.planner.cluster import cluster_from_dict, load_cluster, save_cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import check_writable, write_error
 from cephalo_lightning.planner.grouped import GROUPINGS
-from cephalo_lightning.planner.plan import PLAN_MODES
 from cephalo_lightning.planner.solver import PLANNERS, plan
 
 
@@ -32,7 +32,7 @@ class _DeprecatedAlias(argparse.Action):
 
 def _add_plan_options(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("-b", "--global-batch-size", type=int, required=required, help="samples per optimizer step")
-    parser.add_argument("--mode", choices=PLAN_MODES, default="layered",
+    parser.add_argument("--mode", choices=values_of(Schedule), default=Schedule.LAYERED.value,
                         help="layered: micro-batch count per rank (default); uniform: one count for all")
     parser.add_argument("--planner", choices=PLANNERS, default="cephalo",
                         help="plan with cephalo (default) or output a baseline plan")

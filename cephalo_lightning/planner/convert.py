@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from cephalo_lightning.planner.catalog import lookup
-from cephalo_lightning.planner.cluster import Cluster, cluster_from_dict
+from cephalo_lightning.planner.cluster import cluster_from_dict
+from cephalo_lightning.planner.cluster_spec import Cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import read_document
 

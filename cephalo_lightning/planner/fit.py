@@ -1,4 +1,4 @@
-"""Fit a :class:`~cephalo_lightning.planner.calibration.Calibration` to measured steps (torch-free).
+"""Fit a :class:`~cephalo_lightning.planner.calibration_terms.Calibration` to measured steps (torch-free).
 
 What a run measures per step, on every rank, without extra instrumentation: the step's wall time
 (the same on every rank, as every step ends in collectives), the rank's busy time (its compute
@@ -33,9 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from cephalo_lightning.planner.calibration import Calibration, calibrated, same_grouping, with_calibration
-from cephalo_lightning.planner.cluster import Cluster
-from cephalo_lightning.planner.cost import collective_ms, communication, evaluate_arrays, kind_costs, predicted_busy_s
+from cephalo_lightning.planner.calibration import calibrated, with_calibration
+from cephalo_lightning.planner.calibration_terms import Calibration, same_grouping
+from cephalo_lightning.planner.cluster_cost import collective_ms, evaluate_arrays, predicted_busy_s
+from cephalo_lightning.planner.cluster_spec import Cluster
+from cephalo_lightning.planner.collective_prices import communication
+from cephalo_lightning.planner.device_cost import kind_costs
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.plan import Plan
 

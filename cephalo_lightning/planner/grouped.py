@@ -10,7 +10,7 @@ For one grouping of G > 1 groups at a step time S the groups are independent but
 they take: group g can take at most beta_g(S) samples while its shares still sum to 1, and S is
 feasible iff sum_g beta_g(S) >= B. Groups with the same kinds, counts and link class (a *type*)
 have the same beta, so the work grows with the types, not the groups (identical nodes repeat).
-A group's collectives depend on its largest share rho (:class:`.cost.LinkPrices`), so rho's range
+A group's collectives depend on its largest share rho (:class:`.collective_prices.LinkPrices`), so rho's range
 [1/k, 1] is cut into intervals: an interval [rho_a, rho_b] priced at rho_a with shares capped at
 rho_b bounds every plan whose largest share lies in it. Per type and interval:
 
@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from cephalo_lightning.planner.assignment import Assignment, share_cap, split, trim
-from cephalo_lightning.planner.cost import LinkPrices, evaluate_arrays, far_fraction
+from cephalo_lightning.planner.cluster_cost import evaluate_arrays
+from cephalo_lightning.planner.collective_prices import LinkPrices, far_fraction
 from cephalo_lightning.planner.knapsack import SHARE_TOL, Group, hull_steps, upper_hull
 from cephalo_lightning.planner.options import Options, pareto
 
@@ -360,7 +361,7 @@ def capped(table: Options, cap: float) -> Options:
 
 def water_fill_groups(caps: np.ndarray, groups: np.ndarray, G: int) -> np.ndarray:
     """Within every group, shares <= caps summing to 1 with the smallest largest share (as
-    :func:`.cost.water_fill`, vectorised over the groups)."""
+    :func:`.device_cost.water_fill`, vectorised over the groups)."""
     caps = np.maximum(caps, 0.0)
     if (np.bincount(groups, caps, minlength=G) < 1.0 - 1e-9).any():  # pragma: no cover - the choice holds 1
         raise RuntimeError("a shard group's shares do not fit after trimming")

@@ -30,7 +30,7 @@ import numpy as np
 from cephalo_lightning.planner.options import Options
 
 _NEG = -np.inf
-SHARE_TOL = 1e-12  # as cost.water_fill: a feasible choice must water-fill
+SHARE_TOL = 1e-12  # as device_cost.water_fill: a feasible choice must water-fill
 FREE_PER_KIND = 8  # devices per kind the repair may re-choose
 NEIGHBOURS = 6  # options either side of a device's hull vertices the repair may use
 SPARSE_LIMIT = 60_000  # Pareto points kept by the repair's sparse program

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cephalo_lightning._common.vocabulary import Schedule
-from cephalo_lightning.planner.cost import DeviceCost
+from cephalo_lightning.planner.device_cost import DeviceCost
 
 _EPS = 1e-9  # relative slack on time comparisons against floating-point noise
 PAIR_LIMIT = 200_000  # (b, n) pairs enumerated exactly with an optimizer cost; beyond, share levels

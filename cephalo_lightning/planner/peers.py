@@ -28,7 +28,7 @@ from cephalo_lightning._common.units import GIB
 from cephalo_lightning._common.vocabulary import Planner, Schedule
 from cephalo_lightning.planner.assignment import expand, finish, split, trim
 from cephalo_lightning.planner.baselines import even_baseline, proportional_baseline, result
-from cephalo_lightning.planner.cluster import Cluster
+from cephalo_lightning.planner.cluster_spec import Cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.grouped import canonical
 from cephalo_lightning.planner.plan import BaselineResult

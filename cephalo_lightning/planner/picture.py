@@ -17,7 +17,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from cephalo_lightning.planner.cluster import Cluster
+from cephalo_lightning.planner.cluster_spec import Cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.plan import Binding, Plan
 

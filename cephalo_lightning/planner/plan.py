@@ -11,14 +11,24 @@ from pathlib import Path
 from typing import Any
 
 from cephalo_lightning._common.atomic_io import write_text_atomic
-from cephalo_lightning.planner.cost import split_sizes
+from cephalo_lightning._common.vocabulary import Planner, ProfileSource, Schedule, values_of
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import MAX_EXACT_INTEGER, read_document, shown_number
 
-PLAN_MODES = ("layered", "uniform")
 PLAN_FORMAT_VERSION = 4  # the one version a plan file is read in (4: every rank's binding and why)
 REMAKE = "re-make the plan with `python -m cephalo_lightning plan`"
 UNPROFILED = "unprofiled"  # the device name of a plan made before anything was measured (Plan.even)
+
+
+def split_sizes(batch_size: int, num_micro_batches: int) -> list[int]:
+    """Near-equal micro-batch sizes, largest first; an empty batch has no micro-batches."""
+    if batch_size == 0:
+        return []
+    if num_micro_batches < 1 or num_micro_batches > batch_size:
+        raise PlanningError(f"cannot split {batch_size} samples into {num_micro_batches} micro-batches; use 1 to "
+                            f"{max(batch_size, 1)} micro-batches")
+    q, rem = divmod(batch_size, num_micro_batches)
+    return [q + 1] * rem + [q] * (num_micro_batches - rem)
 
 
 def _builtin_numbers(record: Any) -> None:
@@ -48,7 +58,7 @@ class RankPlan:
     state_share: float
     predicted_step_s: float | None = None
     predicted_memory_gb: float | None = None
-    source: str = "measured"  # where the device's figures came from: measured | catalog | emulated
+    source: str = ProfileSource.MEASURED.value  # where the device's figures came from: measured | catalog | emulated
     memory_limit_gb: float | None = None  # usable_memory_fraction * capacity: what memory must stay under
     memory_capacity_gb: float | None = None  # the device's total memory
     # False: the rank's one micro-batch keeps its autograd graph instead of recomputing each layer
@@ -93,7 +103,7 @@ class Plan:
     upper_bound_samples_per_s: float | None = None
     model: dict[str, Any] = field(default_factory=dict)  # name, parameters, num_layers
     baselines: dict[str, BaselineResult] = field(default_factory=dict)
-    planner: str = "cephalo"  # which planner made it: cephalo or a baseline (even, proportional, ...)
+    planner: str = Planner.CEPHALO.value  # which planner made it: cephalo or a baseline (even, proportional, ...)
     emulated: bool = False
     optimality_gap: float | None = None  # certified: predicted step / proven lower bound - 1
 
@@ -200,9 +210,9 @@ class Plan:
                 if not isinstance(data[key], kind):
                     raise PlanningError(f"{where}: '{key}' must be a {kind.__name__}, got {_shown(data[key])}; {REMAKE}")
                 extra[key] = data[key]
-        mode = data.get("mode", "layered")
+        mode = data.get("mode", Schedule.LAYERED.value)
         if not isinstance(mode, str):
-            raise PlanningError(f"{where}: 'mode' must be one of {PLAN_MODES}, got {_shown(mode)}; {REMAKE}")
+            raise PlanningError(f"{where}: 'mode' must be one of {values_of(Schedule)}, got {_shown(mode)}; {REMAKE}")
         return cls(_whole(data["global_batch_size"], f"{where}: global_batch_size", 1), mode, ranks,
                    baselines=baselines, **extra)
 
@@ -217,7 +227,7 @@ class Plan:
 
     @classmethod
     def even(cls, world_size: int, global_batch_size: int, num_micro_batches: int = 1,
-             mode: str = "layered") -> Plan:
+             mode: str = Schedule.LAYERED.value) -> Plan:
         """Equal batches and shares, as plain FSDP would run: the default before anything is measured."""
         if world_size < 1:
             raise PlanningError(f"world size must be >= 1, got {world_size}; run on at least one device")
@@ -231,10 +241,10 @@ class Plan:
         for rank in range(world_size):
             b = q + (1 if rank < rem else 0)
             # one micro-batch keeps its graph, as plain FSDP would (nothing is known to say it does not fit)
-            keep = mode == "layered" and num_micro_batches == 1 and b > 0
+            keep = mode == Schedule.LAYERED and num_micro_batches == 1 and b > 0
             ranks.append(RankPlan(rank, UNPROFILED, b, num_micro_batches, -(-b // num_micro_batches), 1 / world_size,
                                   recompute=not keep))
-        return cls(global_batch_size, mode, tuple(ranks), planner="even")
+        return cls(global_batch_size, mode, tuple(ranks), planner=Planner.EVEN.value)
 
 
 def _rank_dict(r: RankPlan) -> dict[str, Any]:
@@ -310,7 +320,7 @@ def _rank_from_dict(data: Any, i: int, where: str) -> RankPlan:
         if data.get(key) is not None:
             values[key] = _finite(data[key], f"{at}.{key} (rank {i})")
     if "source" in data:
-        values["source"] = _name(data["source"], f"{at}.source (rank {i})", "measured")
+        values["source"] = _name(data["source"], f"{at}.source (rank {i})", ProfileSource.MEASURED.value)
     if data.get("binding") is not None:
         names = [b.value for b in Binding]
         if data["binding"] not in names:
@@ -330,8 +340,8 @@ def _rank_from_dict(data: Any, i: int, where: str) -> RankPlan:
 
 def validate_plan(plan: Plan) -> None:
     """Structural checks every plan must pass, whoever made it."""
-    if plan.mode not in PLAN_MODES:
-        raise PlanningError(f"plan mode must be one of {PLAN_MODES}, got {plan.mode!r}; {REMAKE}")
+    if plan.mode not in values_of(Schedule):
+        raise PlanningError(f"plan mode must be one of {values_of(Schedule)}, got {plan.mode!r}; {REMAKE}")
     if not plan.ranks:
         raise PlanningError(f"a plan needs at least one rank; {REMAKE}")
     if [r.rank for r in plan.ranks] != list(range(len(plan.ranks))):
@@ -346,7 +356,7 @@ def validate_plan(plan: Plan) -> None:
         if r.batch_size < 0 or r.num_micro_batches < 1 or r.state_share < 0:
             raise PlanningError(f"rank {r.rank}: batch_size >= 0, num_micro_batches >= 1 and state_share >= 0 required; "
                                 f"{REMAKE}")
-        if not r.recompute and (plan.mode != "layered" or r.num_micro_batches != 1 or r.batch_size == 0):
+        if not r.recompute and (plan.mode != Schedule.LAYERED or r.num_micro_batches != 1 or r.batch_size == 0):
             raise PlanningError(f"rank {r.rank}: recompute = false needs the layered mode and exactly one "
                                 f"micro-batch of at least one sample (it keeps that micro-batch's graph); {REMAKE}")
         if r.batch_size and r.num_micro_batches > r.batch_size:
@@ -359,7 +369,7 @@ def validate_plan(plan: Plan) -> None:
                 f"ceil({r.batch_size} / {r.num_micro_batches}) = {expected}; set it to {expected} or {REMAKE}"
             )
     _validate_shard_groups(plan)
-    if plan.mode == "uniform":
+    if plan.mode == Schedule.UNIFORM:
         if len({r.num_micro_batches for r in plan.ranks}) > 1:
             raise PlanningError(f"a uniform plan must give every rank the same number of micro-batches; use the "
                                 f"layered mode for per-rank counts or {REMAKE}")

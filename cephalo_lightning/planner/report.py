@@ -16,7 +16,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from cephalo_lightning.planner.cluster import Cluster
+from cephalo_lightning.planner.cluster_spec import Cluster
 from cephalo_lightning.planner.peers import BASELINE_GROUPINGS
 from cephalo_lightning.planner.plan import Plan, RankPlan
 

@@ -1,6 +1,6 @@
 """The assignment planner: per-rank batch, micro-batches, state share (and recompute) minimising the step.
 
-Exact algorithm (for the cost model of :mod:`cephalo_lightning.planner.cost`), over device *kinds*
+Exact algorithm (for the cost model of :mod:`cephalo_lightning.planner.cluster_cost`), over device *kinds*
 (ranks with the same profile and memory share one option table and a count):
 
 1. For a fixed price of the collectives, the smallest feasible step time S is found by bisection.
@@ -34,12 +34,15 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cephalo_lightning._common.units import memory_text
+from cephalo_lightning._common.vocabulary import Schedule, values_of
 from cephalo_lightning.planner.assemble import model_summary, rank_plans
 from cephalo_lightning.planner.assignment import Assignment, assign
 from cephalo_lightning.planner.baselines import per_sample_ms, upper_bound_samples_per_s
 from cephalo_lightning.planner.calibration import calibrated
-from cephalo_lightning.planner.cluster import Cluster
-from cephalo_lightning.planner.cost import DeviceCost, communication, evaluate_arrays, kind_costs, link_prices
+from cephalo_lightning.planner.cluster_cost import evaluate_arrays
+from cephalo_lightning.planner.cluster_spec import Cluster
+from cephalo_lightning.planner.collective_prices import communication, link_prices
+from cephalo_lightning.planner.device_cost import DeviceCost, kind_costs
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import shown_number
 from cephalo_lightning.planner.grouped import GROUPINGS, GroupedProblem, candidate_groupings
@@ -55,7 +58,7 @@ from cephalo_lightning.planner.knapsack import (
 )
 from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH, MAX_RANKS
 from cephalo_lightning.planner.options import DeviceModel, Options
-from cephalo_lightning.planner.plan import PLAN_MODES, Plan
+from cephalo_lightning.planner.plan import Plan
 from cephalo_lightning.planner.why import explain
 
 PLANNERS = ("cephalo", "even", "proportional", "poplar", "reference", "ddp-even", "hsdp-even")
@@ -340,8 +343,8 @@ class Problem:
 
 
 def _check_inputs(cluster: Cluster, global_batch: object, mode: str, planner: str) -> int:
-    if mode not in PLAN_MODES:
-        raise PlanningError(f"mode must be one of {PLAN_MODES}, got {mode!r}; choose one of those (--mode)")
+    if mode not in values_of(Schedule):
+        raise PlanningError(f"mode must be one of {values_of(Schedule)}, got {mode!r}; choose one of those (--mode)")
     if planner not in PLANNERS:
         raise PlanningError(f"planner must be one of {PLANNERS}, got {planner!r}; choose one of those (--planner)")
     if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1:
@@ -424,7 +427,7 @@ def _check_memory(problem: Problem) -> None:
 
 
 def shared_host_lower_ms(problem: Problem, cluster: Cluster) -> float:
-    """A lower bound on any plan's shared-host bound (:func:`.cost.shared_host_floor_ms`; 0 without
+    """A lower bound on any plan's shared-host bound (:func:`.cluster_cost.shared_host_floor_ms`; 0 without
     ``settings.host_cores``): the B samples cost at least the best real per-sample compute of any kind
     (its best per-sample time over its emulated slowdown), and the state's optimizer step at least the
     cheapest kind's real rate (the shares sum to one)."""
@@ -522,7 +525,7 @@ SHARED_HOST_REFINE_RANKS = 64  # ranks sharing one host's cores: a handful of CP
 
 
 def refine_on_shared_host(problem: Problem, cluster: Cluster, best: Assignment) -> Assignment:
-    """Lower the shared-host bound the solve leaves out (:func:`.cost.shared_host_floor_ms`): move one
+    """Lower the shared-host bound the solve leaves out (:func:`.cluster_cost.shared_host_floor_ms`): move one
     sample at a time between two ranks (the same groups, shares and micro-batch counts) while the
     step, priced exactly with the bound on ``cluster``, falls and every rank still fits. Where the
     bound binds, giving samples to emulated slow ranks (whose sleeps need no core) can beat the

@@ -1,7 +1,7 @@
 """Why each rank gets what it gets: what binds it, in the cost model's own figures.
 
 With S the plan's step, s_i rank i's step, and the rank's next sample priced by the cost model
-(:class:`~.cost.DeviceCost`, its share and collectives unchanged; layered: the best micro-batch
+(:class:`~.device_cost.DeviceCost`, its share and collectives unchanged; layered: the best micro-batch
 count for b_i + 1 samples, uniform: the plan's count)::
 
     memory       b_i + 1 samples fit at no micro-batch count:
@@ -29,8 +29,9 @@ import numpy as np
 
 from cephalo_lightning._common.units import memory_text
 from cephalo_lightning.planner.calibration import calibrated
-from cephalo_lightning.planner.cluster import Cluster
-from cephalo_lightning.planner.cost import DeviceCost, collective_ms, kind_costs, step_ms
+from cephalo_lightning.planner.cluster_cost import collective_ms
+from cephalo_lightning.planner.cluster_spec import Cluster
+from cephalo_lightning.planner.device_cost import DeviceCost, kind_costs, step_ms
 from cephalo_lightning.planner.plan import Binding, RankPlan
 
 TOLERANCE = 1e-3  # a rank within this fraction of the plan's step sets it

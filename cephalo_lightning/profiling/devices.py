@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cephalo_lightning._common.units import GIB
-from cephalo_lightning.planner.cluster import DeviceProfile, Emulation, Settings
+from cephalo_lightning.planner.cluster_spec import DeviceProfile, Emulation, Settings
 from cephalo_lightning.profiling.collectives import CollectiveProfile, uneven_slope
 from cephalo_lightning.profiling.errors import ProfilingError
 from cephalo_lightning.profiling.model import ModelProfile

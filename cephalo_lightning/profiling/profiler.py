@@ -40,13 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning.planner.cluster import (
-    Cluster,
-    ModelSpec,
-    Settings,
-    cluster_from_dict,
-    cluster_to_dict,
-)
+from cephalo_lightning.planner.cluster import cluster_from_dict, cluster_to_dict
+from cephalo_lightning.planner.cluster_spec import Cluster, ModelSpec, Settings
 from cephalo_lightning.profiling.cache import cache_path, fingerprint, read_cached, structure, write_cached
 from cephalo_lightning.profiling.collectives import (
     CollectiveProfile,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cephalo_lightning.planner.cluster import Emulation
+from cephalo_lightning.planner.cluster_spec import Emulation
 from cephalo_lightning.profiling.collectives import _time_op
 from cephalo_lightning.profiling.options import ProfileOptions
 from cephalo_lightning.runtime.collectives import Collectives
