@@ -167,6 +167,21 @@ def test_old_cluster_files_price_as_before(plans: list[Any]) -> None:
     assert plan(with_calibration(cluster, same), 12, groupings=FULL).to_dict() == plans[0].to_dict()
 
 
+def test_collective_prices_refuse_a_cluster_still_carrying_its_calibration() -> None:
+    """Collective prices read a cluster's settings as they stand: a cluster whose calibration is not
+    folded in yet is refused (the profile's figures would price it silently), the folded one is priced
+    with the fitted terms."""
+    from cephalo_lightning.planner.calibration import calibrated
+    from cephalo_lightning.planner.collective_prices import communication, link_prices
+
+    cluster = with_calibration(cluster_from_dict(_cluster()), INJECTED)
+    for price in (communication, link_prices):
+        with pytest.raises(PlanningError, match="still carries its calibration"):
+            price(cluster)
+    folded = communication(calibrated(cluster))  # one node: the fitted figures as they are
+    assert (folded.allgather_ms, folded.reduce_scatter_ms, folded.overlap) == (9.0, 9.0, 0.3)
+
+
 def test_calibration_block_round_trips_and_plans_the_same(tmp_path: Path) -> None:
     cluster = with_calibration(cluster_from_dict(_cluster()),
                                replace(INJECTED, steps=8, fitted_on="B=12 layered", mode="layered",

@@ -31,7 +31,7 @@ from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan  # noqa: E4
 from cephalo_lightning._common.units import GIB  # noqa: E402
 from cephalo_lightning.planner import RankPlan, cluster_from_dict  # noqa: E402
 from cephalo_lightning.planner.cluster_cost import evaluate  # noqa: E402
-from cephalo_lightning.planner.device_cost import DeviceCost
+from cephalo_lightning.planner.device_cost import DeviceCost  # noqa: E402
 from cephalo_lightning.planner.report import render_plan  # noqa: E402
 from cephalo_lightning.planner.solver import plan as make_plan  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402

@@ -7,9 +7,9 @@ costs less time or memory, which keeps noisy profiles from producing absurd plan
 
     f(m) = p_m                      for 1 <= m <= k   (p: the running maximum of the series)
     f(m) = p_k + slope (m - k)      for m > k         (slope = p_k - p_(k-1); one point: p_1)
-    f(0) = 0                        for times ("zero")
-    f(0) = max(0, min(p_1, 2 p_1 - p_2))   for memory ("intercept": the gathered layer, the
-                                           workspace; one point: p_1)
+    f(0) = 0                        for times
+    f(0) = max(0, min(p_1, 2 p_1 - p_2))   for memory (``intercept_at_zero``: the gathered layer,
+                                           the workspace; one point: p_1)
 
 Used for every device's forward, backward, compute-memory and activation-memory series
 (:class:`cephalo_lightning.planner.device_cost.DeviceCost`).
@@ -29,11 +29,11 @@ def _monotone(series: Sequence[float]) -> np.ndarray:
 class PiecewiseLinear:
     """f(m) for integer m >= 0 from measured f(1..k): linear between points, linear beyond."""
 
-    def __init__(self, measured: Sequence[float], at_zero: str = "zero") -> None:
+    def __init__(self, measured: Sequence[float], *, intercept_at_zero: bool = False) -> None:
         self.points = _monotone(measured)
         k = len(self.points)
         self.slope = float(self.points[-1] - self.points[-2]) if k >= 2 else float(self.points[0])
-        if at_zero == "zero":
+        if not intercept_at_zero:
             self.zero = 0.0
         elif k >= 2:  # memory at m=0: the intercept (gathered layer, workspace), never negative
             self.zero = float(max(0.0, min(self.points[0], 2 * self.points[0] - self.points[1])))

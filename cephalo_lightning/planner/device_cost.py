@@ -86,7 +86,7 @@ class DeviceCost:
         self.mode = mode
         self.fwd = PiecewiseLinear(device.layer_fwd_ms)
         self.bwd = PiecewiseLinear(device.layer_bwd_ms)
-        self.compute_memory = PiecewiseLinear(device.compute_memory_gb, at_zero="intercept")
+        self.compute_memory = PiecewiseLinear(device.compute_memory_gb, intercept_at_zero=True)
         self.activation_memory = (None if device.activation_memory_gb is None
                                   else PiecewiseLinear(device.activation_memory_gb))
         s, model = cluster.settings, cluster.model
