@@ -80,12 +80,10 @@ def test_imports_point_one_way_through_the_layers():
 # ----------------------------------------------------------------------------- import circles
 
 # The circles left, each a strongly connected component of the import graph, to be removed: the
-# planner's data types, cost model and calibration tie into one knot, and the public plan() inside
-# the solver imports peers, which imports the solver. Once one is broken its entry goes; a new
-# circle fails the test.
+# planner's data types, cost model and calibration tie into one knot. Once one is broken its entry
+# goes; a new circle fails the test.
 KNOWN_CIRCLES = {
     frozenset({"planner.calibration", "planner.catalog", "planner.cluster", "planner.cost", "planner.plan"}),
-    frozenset({"planner.assignment", "planner.grouped", "planner.peers", "planner.solver"}),
 }
 
 

@@ -7,9 +7,9 @@ import json
 
 from cephalo_lightning._common.vocabulary import Collective, Planner, Schedule, Verdict
 from cephalo_lightning.lightning.callback_config import MODES
+from cephalo_lightning.planner.input_checks import PLANNERS
 from cephalo_lightning.planner.peers import BASELINES
 from cephalo_lightning.planner.plan import PLAN_MODES
-from cephalo_lightning.planner.solver import PLANNERS
 from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES
 
 

@@ -14,7 +14,7 @@ from cephalo_lightning.planner.cluster import (
 from cephalo_lightning.planner.cost import evaluate, split_sizes
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.plan import BaselineResult, Plan, RankPlan
-from cephalo_lightning.planner.solver import plan
+from cephalo_lightning.planner.planning import plan
 
 __all__ = [
     "BaselineResult", "Cluster", "DeviceProfile", "Emulation", "ModelSpec", "Plan", "PlanningError",

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cephalo_lightning.planner.cost import evaluate_arrays, water_fill
 from cephalo_lightning.planner.knapsack import Group
-
-if TYPE_CHECKING:
-    from cephalo_lightning.planner.solver import Problem
+from cephalo_lightning.planner.problem import Problem
 
 
 @dataclass(frozen=True)

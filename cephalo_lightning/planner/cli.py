@@ -16,8 +16,9 @@ from cephalo_lightning.planner.cluster import cluster_from_dict, load_cluster, s
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import check_writable, write_error
 from cephalo_lightning.planner.grouped import GROUPINGS
+from cephalo_lightning.planner.input_checks import PLANNERS
 from cephalo_lightning.planner.plan import PLAN_MODES
-from cephalo_lightning.planner.solver import PLANNERS, plan
+from cephalo_lightning.planner.planning import plan
 
 
 class _DeprecatedAlias(argparse.Action):

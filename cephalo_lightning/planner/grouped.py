@@ -3,7 +3,7 @@
 A *grouping* splits the ranks into shard groups; the ranks of a group hold one replica of the state
 between them (their shares sum to 1), groups replicate each other. The candidates
 (:func:`candidate_groupings`): one group of every rank (today's full shard, solved by
-:meth:`.solver.Problem.solve`), one group per node (HSDP), one group per rank (data parallelism),
+:func:`.solver.solve`), one group per node (HSDP), one group per rank (data parallelism),
 and the splits the nodes make natural (halves and pairs of every node of four or more ranks).
 
 For one grouping of G > 1 groups at a step time S the groups are independent but for the samples
@@ -38,8 +38,8 @@ from cephalo_lightning.planner.assignment import Assignment, share_cap, split, t
 from cephalo_lightning.planner.cost import LinkPrices, evaluate_arrays, far_fraction
 from cephalo_lightning.planner.knapsack import SHARE_TOL, Group, hull_steps, upper_hull
 from cephalo_lightning.planner.options import Options, pareto
+from cephalo_lightning.planner.problem import BISECTION_TOL, Problem
 
-GROUPED_TOL = 5e-4  # relative width of the final step-time bracket (as the solver's BISECTION_TOL)
 RHO_FRACTIONS = (0.0, 1 / 16, 1 / 4, 1.0)  # interval ends within [1/k, 1]
 FINE_FRACTIONS = (0.0, 1 / 64, 1 / 32, *(i / 16 for i in range(1, 17)))  # where the exact program is affordable
 EXACT_WORK = 200_000  # devices x options x samples of one group's exact program
@@ -209,9 +209,9 @@ def exact_most_samples(tables: list[Options], counts: tuple[int, ...]) -> tuple[
 
 
 class GroupedProblem:
-    """One grouping of more than one group, on a :class:`.solver.Problem`'s kinds (see module)."""
+    """One grouping of more than one group, on a :class:`.problem.Problem`'s kinds (see module)."""
 
-    def __init__(self, problem, groups: np.ndarray, prices: LinkPrices) -> None:
+    def __init__(self, problem: Problem, groups: np.ndarray, prices: LinkPrices) -> None:
         self.problem = problem
         self.groups = groups
         self.G = int(groups.max()) + 1
@@ -301,11 +301,11 @@ class GroupedProblem:
         if top <= lo or self.bound(top, n_fixed) < B:
             return None, (math.inf if ceiling is None or top >= limit else top)
         hi = top
-        while hi > lo * (1 + GROUPED_TOL / 4):
+        while hi > lo * (1 + BISECTION_TOL / 4):
             mid = math.sqrt(lo * hi)
             lo, hi = (lo, mid) if self.bound(mid, n_fixed) >= B else (mid, hi)
         proven = lo
-        S, step = hi, GROUPED_TOL
+        S, step = hi, BISECTION_TOL
         while self.choose(S, n_fixed) < B:
             lo = S
             if S >= top:
@@ -313,7 +313,7 @@ class GroupedProblem:
             S = min(top, hi * (1 + step))
             step *= 2
         hi = S
-        while hi > lo * (1 + GROUPED_TOL):
+        while hi > lo * (1 + BISECTION_TOL):
             mid = math.sqrt(lo * hi)
             lo, hi = (lo, mid) if self.choose(mid, n_fixed) < B else (mid, hi)
         return self.assign(hi, n_fixed), proven

@@ -32,7 +32,7 @@ from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.grouped import canonical
 from cephalo_lightning.planner.plan import BaselineResult
-from cephalo_lightning.planner.solver import BISECTION_TOL, Problem
+from cephalo_lightning.planner.problem import BISECTION_TOL, Problem
 
 BASELINES = tuple(p.value for p in (Planner.EVEN, Planner.PROPORTIONAL, Planner.POPLAR, Planner.REFERENCE,
                                     Planner.DDP_EVEN, Planner.HSDP_EVEN))
