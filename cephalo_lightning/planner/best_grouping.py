@@ -15,6 +15,7 @@ from cephalo_lightning.planner.assignment import Assignment
 from cephalo_lightning.planner.cost import link_prices
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.grouped import GroupedProblem, candidate_groupings
+from cephalo_lightning.planner.prices import FREE, Prices
 from cephalo_lightning.planner.problem import Problem
 from cephalo_lightning.planner.solver import UNIFORM_COUNTS, solve
 
@@ -43,13 +44,12 @@ def solve_groupings(problem: Problem, groupings: tuple[str, ...]) -> tuple[Assig
         grouped = GroupedProblem(priced, labels, link_prices(priced.cluster))
         if not grouped.holds:  # some group cannot hold a replica: no plan of this grouping exists
             continue
-        ag_top = max(p[-1][0] for p in grouped.priced)
-        rs_top = max(p[-1][1] for p in grouped.priced)
-        exposed_top = problem.L * max(p[-1][2] for p in grouped.priced)
+        top_prices = Prices(max(p[-1][0].ag for p in grouped.priced), max(p[-1][0].rs for p in grouped.priced))
+        exposed_top = problem.L * max(p[-1][1] for p in grouped.priced)
         counts: list[int | None] = [None] if problem.mode == "layered" else list(range(1, top_count + 1))
         for i, n in enumerate(counts):
             ceiling = None if best is None else best.step_s / to_s * (1 + TIE_TOL)  # only as good a plan is of use
-            floor = problem.compute_floor if n is None else problem.count_floor(n, 0.0, 0.0)
+            floor = problem.compute_floor if n is None else problem.count_floor(n, FREE)
             if ceiling is not None and floor > ceiling:
                 lower_s = min(lower_s, ceiling * to_s)  # this and every larger count
                 break
@@ -57,7 +57,7 @@ def solve_groupings(problem: Problem, groupings: tuple[str, ...]) -> tuple[Assig
                 lower_s = min(lower_s, floor * to_s)  # the rest: bounded, not solved
                 break
             found, proven = grouped.solve(max(floor * (1 - 1e-9), 1e-12),
-                                          priced.saturated(ag_top, rs_top, n) + exposed_top, ceiling, n)
+                                          priced.saturated(top_prices, n) + exposed_top, ceiling, n)
             lower_s = min(lower_s, proven * to_s)
             # a tie goes to groups of one rank: data parallelism issues no all-gathers, one all-reduce per
             # layer, which the cost model prices like the gathers and reduce-scatters it replaces; any

@@ -32,6 +32,7 @@ from cephalo_lightning.planner.knapsack import (
     round_and_repair,
 )
 from cephalo_lightning.planner.options import DeviceModel, Options
+from cephalo_lightning.planner.prices import Prices
 
 BISECTION_TOL = 5e-4  # relative width of the final step-time bracket of every search over S
 DENSE_WORK_LIMIT = 3e7  # element operations of one exact knapsack check
@@ -83,27 +84,27 @@ class Problem:
 
     # ------------------------------------------------------------------ feasibility at S
 
-    def tables(self, S: float, ag: float, rs: float, cap: float, n_fixed: int | None
+    def tables(self, S: float, prices: Prices, cap: float, n_fixed: int | None
                ) -> tuple[list[Options], list[Options]]:
-        pairs = [k.options(S, ag, rs, cap, n_fixed) for k in self.kinds]
+        pairs = [k.options(S, prices, cap, n_fixed) for k in self.kinds]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
-    def relaxed_ok(self, S: float, ag: float, rs: float, cap: float, n_fixed: int | None) -> bool:
-        return relaxation(self.tables(S, ag, rs, cap, n_fixed)[1], self.counts, self.B).value >= 1.0 - SHARE_TOL
+    def relaxed_ok(self, S: float, prices: Prices, cap: float, n_fixed: int | None) -> bool:
+        return relaxation(self.tables(S, prices, cap, n_fixed)[1], self.counts, self.B).value >= 1.0 - SHARE_TOL
 
-    def dense_affordable(self, S: float, ag: float, rs: float, cap: float, n_fixed: int | None) -> bool:
-        inner, _ = self.tables(S, ag, rs, cap, n_fixed)
+    def dense_affordable(self, S: float, prices: Prices, cap: float, n_fixed: int | None) -> bool:
+        inner, _ = self.tables(S, prices, cap, n_fixed)
         per_device = [inner[k] for k in self.device_kind]
         calls = sum(len(inner[k]) * int(c) for k, c in enumerate(self.counts))
         return calls <= DENSE_CALL_LIMIT and dense_work(per_device, self.B) <= DENSE_WORK_LIMIT
 
-    def check(self, S: float, ag: float, rs: float, cap: float, n_fixed: int | None, dense: bool,
+    def check(self, S: float, prices: Prices, cap: float, n_fixed: int | None, dense: bool,
               choice: bool = False) -> tuple[str, list[Group] | None]:
         """("feasible", groups) | ("infeasible", None): a proof | ("unknown", None): the repair missed.
 
         The exact program backtracks its choice only when asked (``choice``); the repair always has one.
         """
-        inner, outer = self.tables(S, ag, rs, cap, n_fixed)
+        inner, outer = self.tables(S, prices, cap, n_fixed)
         bound = relaxation(outer, self.counts, self.B)
         if bound.value < 1.0 - SHARE_TOL:
             return "infeasible", None
@@ -121,22 +122,22 @@ class Problem:
         groups = round_and_repair(inner, self.counts, self.B, relaxed)
         return ("feasible", groups) if groups is not None else ("unknown", None)
 
-    def saturated(self, ag: float, rs: float, n_fixed: int | None) -> float:
+    def saturated(self, prices: Prices, n_fixed: int | None) -> float:
         """A per-step time at which every device can take all B samples in any split and the whole state."""
         # memory-wise the best split of any b is b micro-batches of one sample, no slower than B of them
         worst = 0.0
         for kind in self.kinds:
             n = np.array([1, self.B]) if n_fixed is None else np.array([n_fixed])
-            layer = float(kind.layer_ms(np.full(len(n), self.B), n, ag, rs).max())
-            worst = max(worst, self.L * max(layer, kind.idle_ms(ag, rs, n_fixed or 1)) + kind.kappa)
+            layer = float(kind.layer_ms(np.full(len(n), self.B), n, prices).max())
+            worst = max(worst, self.L * max(layer, kind.idle_ms(prices, n_fixed or 1)) + kind.kappa)
         return worst * (1 + 1e-9)
 
-    def count_floor(self, n: int, ag: float, rs: float) -> float:
+    def count_floor(self, n: int, prices: Prices) -> float:
         """A per-step floor for count n, non-decreasing in n: every rank runs n micro-batches of at
         least one sample, and the B samples cost at least each kind's best per-sample time plus the
         n - 1 micro-batch overheads."""
         throughput = (n - 1) * min(k.c for k in self.kinds) + (self.B / self.rate if self.rate > 0 else 0.0)
-        return self.L * max(max(max(n * k.unit_ms + (n - 1) * k.c, k.idle_ms(ag, rs, n)) for k in self.kinds),
+        return self.L * max(max(max(n * k.unit_ms + (n - 1) * k.c, k.idle_ms(prices, n)) for k in self.kinds),
                             throughput)
 
     def no_plan(self) -> PlanningError:

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, replace
 
 from cephalo_lightning.planner.assignment import Assignment, assign
+from cephalo_lightning.planner.prices import Prices
 from cephalo_lightning.planner.problem import BISECTION_TOL, Problem
 
 RHO_TOL = 1e-3  # branch and bound stops when the best plan is within this of the lower bound
@@ -46,23 +47,23 @@ class _Solved:
     assignment: Assignment
 
 
-def solve_fixed(problem: Problem, ag: float, rs: float, cap: float, lo_hint: float,
+def solve_fixed(problem: Problem, prices: Prices, cap: float, lo_hint: float,
                 ceiling: float | None) -> _Solved | None:
-    """Smallest feasible S for collectives priced (ag, rs) and shares capped at ``cap``.
+    """Smallest feasible S for collectives priced at ``prices`` and shares capped at ``cap``.
 
     With a ``ceiling``, returns None when nothing at or below it is feasible.
     """
-    counts: list[int | None] = [None] if problem.mode == "layered" else list(usable_counts(problem, ag, rs, cap))
+    counts: list[int | None] = [None] if problem.mode == "layered" else list(usable_counts(problem, prices, cap))
     lo_all, best = math.inf, None
     for i, n_fixed in enumerate(counts):
         top = ceiling if best is None else best.hi / (1 + BISECTION_TOL)
-        if n_fixed is not None and top is not None and problem.count_floor(n_fixed, ag, rs) >= top:
+        if n_fixed is not None and top is not None and problem.count_floor(n_fixed, prices) >= top:
             lo_all = min(lo_all, top)  # this and every larger count are slower than `top`
             break
         if n_fixed is not None and i >= UNIFORM_COUNTS:
-            lo_all = min(lo_all, problem.count_floor(n_fixed, ag, rs))  # the rest: bounded, not solved
+            lo_all = min(lo_all, problem.count_floor(n_fixed, prices))  # the rest: bounded, not solved
             break
-        solved = _solve_count(problem, ag, rs, cap, lo_hint, top, n_fixed)
+        solved = _solve_count(problem, prices, cap, lo_hint, top, n_fixed)
         if solved is None:
             lo_all = min(lo_all, top if top is not None else math.inf)
             continue
@@ -74,7 +75,7 @@ def solve_fixed(problem: Problem, ag: float, rs: float, cap: float, lo_hint: flo
     return replace(best, lo=min(lo_all, best.lo))
 
 
-def usable_counts(problem: Problem, ag: float, rs: float, cap: float) -> list[int]:
+def usable_counts(problem: Problem, prices: Prices, cap: float) -> list[int]:
     """Uniform mode: the micro-batch counts that fit memory at all, among 1..B // W.
 
     From two micro-batches on (the whole gradient accumulates unsharded, whatever the count)
@@ -83,8 +84,8 @@ def usable_counts(problem: Problem, ag: float, rs: float, cap: float) -> list[in
     stays), so the smallest fitting count >= 2 is found by bisection; one is tried on its own.
     """
     def fits(n: int) -> bool:
-        S = problem.saturated(ag, rs, n)
-        return problem.check(S, ag, rs, cap, n, problem.dense_affordable(S, ag, rs, cap, n))[0] == "feasible"
+        S = problem.saturated(prices, n)
+        return problem.check(S, prices, cap, n, problem.dense_affordable(S, prices, cap, n))[0] == "feasible"
 
     top = problem.B // problem.W
     counts = [1] if fits(1) else []
@@ -97,35 +98,35 @@ def usable_counts(problem: Problem, ag: float, rs: float, cap: float) -> list[in
     return counts + list(range(hi, top + 1))
 
 
-def _solve_count(problem: Problem, ag: float, rs: float, cap: float, lo_hint: float, ceiling: float | None,
+def _solve_count(problem: Problem, prices: Prices, cap: float, lo_hint: float, ceiling: float | None,
                  n_fixed: int | None) -> _Solved | None:
-    idle = max(k.idle_ms(ag, rs, n_fixed or 1) for k in problem.kinds) * problem.L
-    floor = problem.compute_floor if n_fixed is None else problem.count_floor(n_fixed, ag, rs)
+    idle = max(k.idle_ms(prices, n_fixed or 1) for k in problem.kinds) * problem.L
+    floor = problem.compute_floor if n_fixed is None else problem.count_floor(n_fixed, prices)
     lo = max(lo_hint, floor * (1 - 1e-9), idle * (1 - 1e-9), 1e-12)
-    limit = problem.saturated(ag, rs, n_fixed)
+    limit = problem.saturated(prices, n_fixed)
     # 1. the relaxation: a proven lower bound and where the integer search starts
     if ceiling is not None:
-        if ceiling <= lo or not problem.relaxed_ok(ceiling, ag, rs, cap, n_fixed):
+        if ceiling <= lo or not problem.relaxed_ok(ceiling, prices, cap, n_fixed):
             return None
         hi = ceiling
     else:
         hi = lo * 1.25
-        while not problem.relaxed_ok(min(hi, limit), ag, rs, cap, n_fixed):
+        while not problem.relaxed_ok(min(hi, limit), prices, cap, n_fixed):
             if hi >= limit:
                 return None
             lo, hi = hi, hi * 2
         hi = min(hi, limit)
     while hi > lo * (1 + BISECTION_TOL / 4):
         mid = math.sqrt(lo * hi)
-        lo, hi = (lo, mid) if problem.relaxed_ok(mid, ag, rs, cap, n_fixed) else (mid, hi)
+        lo, hi = (lo, mid) if problem.relaxed_ok(mid, prices, cap, n_fixed) else (mid, hi)
     proven = lo
     # 2. the integer choice, from the relaxation's threshold upwards
-    dense = problem.dense_affordable(hi, ag, rs, cap, n_fixed)
+    dense = problem.dense_affordable(hi, prices, cap, n_fixed)
     top = min(limit, ceiling) if ceiling is not None else limit
     step, found = BISECTION_TOL, None
     S = hi
     while True:
-        verdict, groups = problem.check(S, ag, rs, cap, n_fixed, dense)
+        verdict, groups = problem.check(S, prices, cap, n_fixed, dense)
         if verdict == "feasible":
             found = (S, groups)
             break
@@ -139,7 +140,7 @@ def _solve_count(problem: Problem, ag: float, rs: float, cap: float, lo_hint: fl
     hi, groups = found
     while hi > lo * (1 + BISECTION_TOL):
         mid = math.sqrt(lo * hi)
-        verdict, g = problem.check(mid, ag, rs, cap, n_fixed, dense)
+        verdict, g = problem.check(mid, prices, cap, n_fixed, dense)
         if verdict == "feasible":
             hi, groups = mid, g
         else:
@@ -147,9 +148,9 @@ def _solve_count(problem: Problem, ag: float, rs: float, cap: float, lo_hint: fl
             if verdict == "infeasible":
                 proven = max(proven, mid)
     if groups is None:
-        groups = problem.check(hi, ag, rs, cap, n_fixed, dense, choice=True)[1]
+        groups = problem.check(hi, prices, cap, n_fixed, dense, choice=True)[1]
         assert groups is not None
-    return _Solved(proven, hi, assign(problem, hi, ag, rs, cap, n_fixed, groups))
+    return _Solved(proven, hi, assign(problem, hi, prices, cap, n_fixed, groups))
 
 
 # ---------------------------------------------------------------------- collectives: rho search
@@ -157,10 +158,11 @@ def _solve_count(problem: Problem, ag: float, rs: float, cap: float, lo_hint: fl
 
 def solve(problem: Problem) -> tuple[Assignment, float]:
     """The best assignment and a proven lower bound on the step time (s)."""
-    ag0, rs0, slope = problem.comm.allgather_ms, problem.comm.reduce_scatter_ms, problem.comm.uneven_slope
+    even = Prices(problem.comm.allgather_ms, problem.comm.reduce_scatter_ms)  # every share 1 / W
+    slope = problem.comm.uneven_slope
     to_s = 1e-3
-    if ag0 + rs0 == 0 or slope == 0 or problem.W == 1:
-        solved = solve_fixed(problem, ag0, rs0, 1.0, 0.0, None)
+    if even.ag + even.rs == 0 or slope == 0 or problem.W == 1:
+        solved = solve_fixed(problem, even, 1.0, 0.0, None)
         if solved is None:
             raise problem.no_plan()
         return solved.assignment, solved.lo * to_s
@@ -180,7 +182,7 @@ def solve(problem: Problem) -> tuple[Assignment, float]:
             closed = min(closed, lb)
             break
         ceiling = None if best is None else best.step_s / to_s / (1 + RHO_TOL)
-        solved = solve_fixed(problem, ag0 * ua, rs0 * ua, cap_at(ub), lb, ceiling)
+        solved = solve_fixed(problem, even.scaled(ua), cap_at(ub), lb, ceiling)
         if solved is None:
             if ceiling is None:
                 raise problem.no_plan()
