@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from cephalo_lightning._common.vocabulary import Collective, Planner, Schedule, Verdict
+from cephalo_lightning._common.vocabulary import Collective, Grouping, Planner, Schedule, Verdict
 from cephalo_lightning.lightning.callback_config import MODES
 from cephalo_lightning.planner.input_checks import PLANNERS
 from cephalo_lightning.planner.peers import BASELINES
@@ -17,13 +17,14 @@ def test_members_are_the_strings_files_and_options_carry():
     assert [s.value for s in Schedule] == ["layered", "uniform"] == list(PLAN_MODES) == list(MODES[1:])
     assert [c.value for c in Collective] == ["padded", "exact"] == list(COLLECTIVE_MODES)
     assert [v.value for v in Verdict] == ["feasible", "infeasible", "unknown"]
+    assert [g.value for g in Grouping] == ["full", "per-node", "node-halves", "node-pairs", "per-rank"]
     assert [p.value for p in Planner][: len(PLANNERS)] == list(PLANNERS)
     assert list(BASELINES) == list(PLANNERS[1:])
     assert {p.value for p in Planner} - set(PLANNERS) == {"elastic", "provisional"}
 
 
 def test_a_member_equals_its_string_and_prints_as_it():
-    for member in (*Schedule, *Collective, *Planner, *Verdict):
+    for member in (*Schedule, *Collective, *Planner, *Verdict, *Grouping):
         assert member == member.value and hash(member) == hash(member.value)
         assert str(member) == f"{member}" == member.value and json.dumps(member) == json.dumps(member.value)
     assert {"even": 1}[Planner.EVEN] == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from cephalo_lightning._common.vocabulary import Grouping, Schedule
 from cephalo_lightning.planner.assignment import Assignment
 from cephalo_lightning.planner.cost import link_prices
 from cephalo_lightning.planner.errors import PlanningError
@@ -36,7 +37,7 @@ def solve_groupings(problem: Problem, groupings: tuple[str, ...]) -> tuple[Assig
     top_count = problem.B // problem.W
     for names, labels in candidates:
         name = next(n for n in names if n in groupings)
-        if "full" in names:
+        if Grouping.FULL in names:
             best, lower_s = solve(problem)
             chosen = name
             continue
@@ -46,7 +47,7 @@ def solve_groupings(problem: Problem, groupings: tuple[str, ...]) -> tuple[Assig
             continue
         top_prices = Prices(max(p[-1][0].ag for p in grouped.priced), max(p[-1][0].rs for p in grouped.priced))
         exposed_top = problem.L * max(p[-1][1] for p in grouped.priced)
-        counts: list[int | None] = [None] if problem.mode == "layered" else list(range(1, top_count + 1))
+        counts: list[int | None] = [None] if problem.mode == Schedule.LAYERED else list(range(1, top_count + 1))
         for i, n in enumerate(counts):
             ceiling = None if best is None else best.step_s / to_s * (1 + TIE_TOL)  # only as good a plan is of use
             floor = problem.compute_floor if n is None else problem.count_floor(n, FREE)
@@ -62,7 +63,7 @@ def solve_groupings(problem: Problem, groupings: tuple[str, ...]) -> tuple[Assig
             # a tie goes to groups of one rank: data parallelism issues no all-gathers, one all-reduce per
             # layer, which the cost model prices like the gathers and reduce-scatters it replaces; any
             # other grouping must be faster than the best (it issues more collectives, not fewer)
-            margin = 1 + TIE_TOL if name == "per-rank" else 1 - TIE_TOL
+            margin = 1 + TIE_TOL if name == Grouping.PER_RANK else 1 - TIE_TOL
             if found is not None and (best is None or found.step_s <= best.step_s * margin):
                 best, chosen = found, name
     if best is None:

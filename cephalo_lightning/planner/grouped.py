@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cephalo_lightning._common.vocabulary import Grouping
 from cephalo_lightning.planner.assignment import Assignment, share_cap, split, trim
 from cephalo_lightning.planner.cost import LinkPrices, evaluate_arrays, far_fraction
 from cephalo_lightning.planner.knapsack import SHARE_TOL, Group, hull_steps, upper_hull
@@ -45,7 +46,6 @@ RHO_FRACTIONS = (0.0, 1 / 16, 1 / 4, 1.0)  # interval ends within [1/k, 1]
 FINE_FRACTIONS = (0.0, 1 / 64, 1 / 32, *(i / 16 for i in range(1, 17)))  # where the exact program is affordable
 EXACT_WORK = 200_000  # devices x options x samples of one group's exact program
 RANKS = 6  # rows: [kind, count, b, m cap, n, keep, ranks, (prices, exposed), cap]
-GROUPINGS = ("full", "per-node", "node-halves", "node-pairs", "per-rank")  # candidate_groupings' names
 
 
 def canonical(labels: np.ndarray) -> np.ndarray:
@@ -56,16 +56,16 @@ def canonical(labels: np.ndarray) -> np.ndarray:
     return renumber[inverse.ravel()]
 
 
-def candidate_groupings(nodes: tuple[int, ...] | np.ndarray) -> list[tuple[tuple[str, ...], np.ndarray]]:
-    """The groupings the planner weighs (:data:`GROUPINGS`), each as its names and every rank's group:
+def candidate_groupings(nodes: tuple[int, ...] | np.ndarray) -> list[tuple[tuple[Grouping, ...], np.ndarray]]:
+    """The groupings the planner weighs (:class:`.Grouping`), each as its names and every rank's group:
     ``full`` (one group) first; names that give the same grouping share one entry (one node:
     ``per-node`` is ``full``); a split no node allows is left out."""
     nodes = np.asarray(nodes, dtype=np.int64)
     W = len(nodes)
-    out: list[tuple[tuple[str, ...], np.ndarray]] = []
+    out: list[tuple[tuple[Grouping, ...], np.ndarray]] = []
     seen: dict[bytes, int] = {}
 
-    def add(name: str, labels: np.ndarray) -> None:
+    def add(name: Grouping, labels: np.ndarray) -> None:
         labels = canonical(labels)
         key = labels.tobytes()
         if key in seen:
@@ -75,8 +75,8 @@ def candidate_groupings(nodes: tuple[int, ...] | np.ndarray) -> list[tuple[tuple
             seen[key] = len(out)
             out.append(((name,), labels))
 
-    add("full", np.zeros(W, np.int64))
-    add("per-node", nodes)
+    add(Grouping.FULL, np.zeros(W, np.int64))
+    add(Grouping.PER_NODE, nodes)
     position = np.zeros(W, np.int64)  # each rank's position within its node, in rank order
     size = np.zeros(W, np.int64)
     for node in np.unique(nodes):
@@ -86,10 +86,10 @@ def candidate_groupings(nodes: tuple[int, ...] | np.ndarray) -> list[tuple[tuple
     splittable = (size >= 4) & (size % 2 == 0)
     if splittable.any():
         half = np.where(splittable, position // np.maximum(size // 2, 1), 0)
-        add("node-halves", nodes * 2 + half)
+        add(Grouping.NODE_HALVES, nodes * 2 + half)
         pair = np.where(splittable, position // 2, 0)
-        add("node-pairs", nodes * W + pair)
-    add("per-rank", np.arange(W))
+        add(Grouping.NODE_PAIRS, nodes * W + pair)
+    add(Grouping.PER_RANK, np.arange(W))
     return out
 
 

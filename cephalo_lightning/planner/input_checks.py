@@ -12,11 +12,10 @@ import math
 import numpy as np
 
 from cephalo_lightning._common.units import memory_text
-from cephalo_lightning._common.vocabulary import Planner
+from cephalo_lightning._common.vocabulary import Grouping, Planner, Schedule
 from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import shown_number
-from cephalo_lightning.planner.grouped import GROUPINGS
 from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH, MAX_RANKS
 from cephalo_lightning.planner.peers import BASELINES
 from cephalo_lightning.planner.plan import PLAN_MODES
@@ -49,7 +48,7 @@ def check_inputs(cluster: Cluster, global_batch: object, mode: str, planner: str
             f"the cluster has {W:,} ranks, {W - MAX_RANKS:,} more than the planner's limit of {MAX_RANKS:,} (a plan "
             f"file lists every rank); plan a sub-cluster with the same kinds in proportion (e.g. every count and "
             f"the global batch divided by {-(-W // MAX_RANKS)}): ranks of one kind get the same assignment")
-    if mode == "uniform" and B < W:
+    if mode == Schedule.UNIFORM and B < W:
         raise PlanningError(
             f"uniform mode gives every rank at least one sample, but the global batch {B} is smaller than "
             f"the {W} ranks; raise --global-batch-size to at least {W} or use --mode layered")
@@ -81,7 +80,7 @@ def check_memory(problem: Problem) -> None:
             f"the training state needs {memory_text(state)} ({cluster.model.state_terms}) but the {problem.W} GPUs have "
             f"only {memory_text(total0)} free {where}: short by {memory_text(state - total0)}; add GPUs or memory, or "
             "shrink the model")
-    if problem.mode == "uniform":
+    if problem.mode == Schedule.UNIFORM:
         small = [k for k, m in enumerate(kinds) if m.m_cap < 1 or room1[k] < 0]
         if small:
             k = small[0]
@@ -115,12 +114,13 @@ def check_memory(problem: Problem) -> None:
 def check_groupings(groupings: object) -> tuple[str, ...]:
     """The names of the groupings to weigh (None: all of them)."""
     if groupings is None:
-        return GROUPINGS
+        return tuple(Grouping)
+    known = tuple(g.value for g in Grouping)
     if isinstance(groupings, str) or not all(isinstance(g, str) for g in groupings) or not groupings:  # type: ignore[union-attr]
-        raise PlanningError(f"groupings must be a non-empty list of names from {GROUPINGS}, got {groupings!r}; "
+        raise PlanningError(f"groupings must be a non-empty list of names from {known}, got {groupings!r}; "
                             f"e.g. groupings=('full', 'per-node')")
-    unknown = [g for g in groupings if g not in GROUPINGS]  # type: ignore[union-attr]
+    unknown = [g for g in groupings if g not in known]  # type: ignore[union-attr]
     if unknown:
-        raise PlanningError(f"unknown grouping(s) {unknown}; choose from {GROUPINGS}")
+        raise PlanningError(f"unknown grouping(s) {unknown}; choose from {known}")
     return tuple(groupings)  # type: ignore[arg-type]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cephalo_lightning._common.vocabulary import Schedule
+from cephalo_lightning._common.vocabulary import Schedule, StrEnum
 from cephalo_lightning.planner.cost import DeviceCost
 from cephalo_lightning.planner.prices import FREE, Prices
 
@@ -108,7 +108,13 @@ class _Form:
     inverse: _Inverse | None  # None: H is zero (only communication counts)
 
 
-VARIANTS = ("recompute", "keep", "uniform")
+class Variant(StrEnum):
+    """How a device runs its micro-batches' passes: recomputing the forward in the backward
+    (layered), one micro-batch keeping its autograd graph, or the uniform schedule's (graph kept)."""
+
+    RECOMPUTE = "recompute"
+    KEEP = "keep"
+    UNIFORM = "uniform"
 
 
 class DeviceModel:
@@ -128,12 +134,12 @@ class DeviceModel:
         fv, bv, x_copy = f(xs), bw(xs), cost.copy_ms_per_sample
         w = 1.0 - cost.overlap
         pairs = sorted({(1.0, w), (w, 1.0)})  # (coefficient of the communication, of the compute)
-        self._forms: dict[str, list[_Form]] = {}
-        for variant in VARIANTS:
+        self._forms: dict[Variant, list[_Form]] = {}
+        for variant in Variant:
             forms = []
             for c_a1, c_f in pairs:
                 for c_a2, c_g in pairs:
-                    if variant == "recompute":  # f = F + X x, g = F + B + X x per micro-batch
+                    if variant == Variant.RECOMPUTE:  # f = F + X x, g = F + B + X x per micro-batch
                         values = (c_f + c_g) * (fv + x_copy * xs) + c_g * bv
                         slope = (c_f + c_g) * (f.slope + x_copy) + c_g * bw.slope
                     else:  # f = F, g = B
@@ -175,7 +181,7 @@ class DeviceModel:
 
     # ------------------------------------------------------------------ largest batch per n
 
-    def max_batch(self, t: float, prices: Prices, n: np.ndarray, variant: str = "recompute") -> np.ndarray:
+    def max_batch(self, t: float, prices: Prices, n: np.ndarray, variant: Variant = Variant.RECOMPUTE) -> np.ndarray:
         """Largest b (<= B) that n micro-batches finish within t; 0 where n is infeasible."""
         n = np.asarray(n, dtype=np.int64)
         nf = n.astype(float)
@@ -191,7 +197,7 @@ class DeviceModel:
         with np.errstate(invalid="ignore", over="ignore"):
             b = np.where(np.isfinite(x), np.floor(np.minimum(nf * x, self.B) * (1 + 1e-12)), self.B)
         b = b.astype(np.int64)
-        keep = variant == "keep"
+        keep = variant == Variant.KEEP
         limit = t * (1 + _EPS)
         check = np.nonzero(b >= n)[0]
         for _ in range(3):  # repair floating-point overshoot against the exact formula
@@ -233,7 +239,7 @@ class DeviceModel:
             n = np.arange(1, self.max_micro_batches(t, prices) + 1, dtype=np.int64)
         else:
             n = np.array([n_fixed], dtype=np.int64)
-        variant = "uniform" if self.uniform else "recompute"
+        variant = Variant.UNIFORM if self.uniform else Variant.RECOMPUTE
         bmax = self.max_batch(t, prices, n, variant) if len(n) else np.zeros(0, np.int64)
         valid = bmax >= n
         return n[valid], bmax[valid]
@@ -242,7 +248,7 @@ class DeviceModel:
         """Largest one-micro-batch batch that keeps its graph within t and fits with no state."""
         if self.uniform or self.keep_cap < 1:
             return 0
-        return int(min(self.keep_cap, self.max_batch(t, prices, np.array([1]), "keep")[0]))
+        return int(min(self.keep_cap, self.max_batch(t, prices, np.array([1]), Variant.KEEP)[0]))
 
     def _static(self, t: float, prices: Prices, limit: float, n_fixed: int | None) -> Options:
         """Options at per-layer budget t, shares capped at ``limit``."""

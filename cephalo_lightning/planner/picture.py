@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from cephalo_lightning._common.vocabulary import Planner
 from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.plan import Binding, Plan
@@ -48,11 +49,11 @@ def require_matplotlib() -> Any:
 
 def even_plan(cluster: Cluster, plan: Plan) -> tuple[Plan | None, str]:
     """The even baseline of ``plan``'s cluster and batch as a plan, or None and why it has none."""
-    known = plan.baselines.get("even")
+    known = plan.baselines.get(Planner.EVEN)
     if known is not None and not known.feasible:
         return None, f"the even plan is infeasible: {known.reason}"
     try:
-        return make_plan(cluster, plan.global_batch_size, mode=plan.mode, planner="even"), ""
+        return make_plan(cluster, plan.global_batch_size, mode=plan.mode, planner=Planner.EVEN.value), ""
     except PlanningError as err:
         return None, str(err)
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cephalo_lightning._common.vocabulary import Schedule, Verdict
 from cephalo_lightning.planner.baselines import per_sample_ms
 from cephalo_lightning.planner.calibration import calibrated
 from cephalo_lightning.planner.cluster import Cluster
@@ -99,28 +100,28 @@ class Problem:
         return calls <= DENSE_CALL_LIMIT and dense_work(per_device, self.B) <= DENSE_WORK_LIMIT
 
     def check(self, S: float, prices: Prices, cap: float, n_fixed: int | None, dense: bool,
-              choice: bool = False) -> tuple[str, list[Group] | None]:
-        """("feasible", groups) | ("infeasible", None): a proof | ("unknown", None): the repair missed.
+              choice: bool = False) -> tuple[Verdict, list[Group] | None]:
+        """(FEASIBLE, groups) | (INFEASIBLE, None): a proof | (UNKNOWN, None): the repair missed.
 
         The exact program backtracks its choice only when asked (``choice``); the repair always has one.
         """
         inner, outer = self.tables(S, prices, cap, n_fixed)
         bound = relaxation(outer, self.counts, self.B)
         if bound.value < 1.0 - SHARE_TOL:
-            return "infeasible", None
+            return Verdict.INFEASIBLE, None
         if dense:
             per_device = [inner[k] for k in self.device_kind]
             if not feasible(per_device, self.B):
-                return "infeasible", None
+                return Verdict.INFEASIBLE, None
             if not choice:
-                return "feasible", None
+                return Verdict.FEASIBLE, None
             picks = choose(per_device, self.B)
             if picks is None:  # pragma: no cover - feasible() said yes on the same tables
                 raise RuntimeError("knapsack backtrack failed at a feasible time")
-            return "feasible", groups_of(picks, self.device_kind)
+            return Verdict.FEASIBLE, groups_of(picks, self.device_kind)
         relaxed = bound if all(i is o for i, o in zip(inner, outer)) else relaxation(inner, self.counts, self.B)
         groups = round_and_repair(inner, self.counts, self.B, relaxed)
-        return ("feasible", groups) if groups is not None else ("unknown", None)
+        return (Verdict.FEASIBLE, groups) if groups is not None else (Verdict.UNKNOWN, None)
 
     def saturated(self, prices: Prices, n_fixed: int | None) -> float:
         """A per-step time at which every device can take all B samples in any split and the whole state."""
@@ -142,7 +143,7 @@ class Problem:
 
     def no_plan(self) -> PlanningError:
         """The error when no step time fits: what is short, and what to change."""
-        if self.mode == "uniform":
+        if self.mode == Schedule.UNIFORM:
             return PlanningError(
                 f"no uniform plan fits every rank's memory at global batch {self.B} on {self.W} ranks "
                 f"(every rank needs at least one sample and the same micro-batch count); use --mode "

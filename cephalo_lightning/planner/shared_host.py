@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.planner.assignment import Assignment
 from cephalo_lightning.planner.baselines import per_sample_ms
 from cephalo_lightning.planner.cluster import Cluster
@@ -44,7 +45,7 @@ def refine_on_shared_host(problem: Problem, cluster: Cluster, best: Assignment) 
     bound binds, giving samples to emulated slow ranks (whose sleeps need no core) can beat the
     solved plan. ``problem`` is the solve's (priced without the bound)."""
     mode, kinds, n = problem.mode, (problem.costs, problem.of_rank), best.micro
-    least = 1 if mode == "uniform" else 0
+    least = 1 if mode == Schedule.UNIFORM else 0
 
     def price(b: np.ndarray, keep: np.ndarray, on: Cluster = cluster) -> float:
         step, _, fits = evaluate_arrays(on, b, np.where(b > 0, n, 1), best.shares, ~keep, mode, kinds, best.groups)
@@ -53,7 +54,7 @@ def refine_on_shared_host(problem: Problem, cluster: Cluster, best: Assignment) 
     def moves(b: np.ndarray, keep: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Every batch with one sample moved from a rank i to a rank j (an emptied rank keeps no graph)."""
         for i in np.nonzero(b > least)[0]:
-            if b[i] - 1 < n[i] and not (mode == "layered" and b[i] == 1):  # its micro-batches would run empty
+            if b[i] - 1 < n[i] and not (mode == Schedule.LAYERED and b[i] == 1):  # its micro-batches would run empty
                 continue
             for j in range(len(b)):
                 if j != i:

@@ -31,6 +31,7 @@ import heapq
 import math
 from dataclasses import dataclass, replace
 
+from cephalo_lightning._common.vocabulary import Schedule, Verdict
 from cephalo_lightning.planner.assignment import Assignment, assign
 from cephalo_lightning.planner.prices import Prices
 from cephalo_lightning.planner.problem import BISECTION_TOL, Problem
@@ -53,7 +54,7 @@ def solve_fixed(problem: Problem, prices: Prices, cap: float, lo_hint: float,
 
     With a ``ceiling``, returns None when nothing at or below it is feasible.
     """
-    counts: list[int | None] = [None] if problem.mode == "layered" else list(usable_counts(problem, prices, cap))
+    counts: list[int | None] = [None] if problem.mode == Schedule.LAYERED else list(usable_counts(problem, prices, cap))
     lo_all, best = math.inf, None
     for i, n_fixed in enumerate(counts):
         top = ceiling if best is None else best.hi / (1 + BISECTION_TOL)
@@ -85,7 +86,7 @@ def usable_counts(problem: Problem, prices: Prices, cap: float) -> list[int]:
     """
     def fits(n: int) -> bool:
         S = problem.saturated(prices, n)
-        return problem.check(S, prices, cap, n, problem.dense_affordable(S, prices, cap, n))[0] == "feasible"
+        return problem.check(S, prices, cap, n, problem.dense_affordable(S, prices, cap, n))[0] == Verdict.FEASIBLE
 
     top = problem.B // problem.W
     counts = [1] if fits(1) else []
@@ -127,10 +128,10 @@ def _solve_count(problem: Problem, prices: Prices, cap: float, lo_hint: float, c
     S = hi
     while True:
         verdict, groups = problem.check(S, prices, cap, n_fixed, dense)
-        if verdict == "feasible":
+        if verdict == Verdict.FEASIBLE:
             found = (S, groups)
             break
-        if verdict == "infeasible":
+        if verdict == Verdict.INFEASIBLE:
             proven = max(proven, S)
         lo = S
         if S >= top:
@@ -141,11 +142,11 @@ def _solve_count(problem: Problem, prices: Prices, cap: float, lo_hint: float, c
     while hi > lo * (1 + BISECTION_TOL):
         mid = math.sqrt(lo * hi)
         verdict, g = problem.check(mid, prices, cap, n_fixed, dense)
-        if verdict == "feasible":
+        if verdict == Verdict.FEASIBLE:
             hi, groups = mid, g
         else:
             lo = mid
-            if verdict == "infeasible":
+            if verdict == Verdict.INFEASIBLE:
                 proven = max(proven, mid)
     if groups is None:
         groups = problem.check(hi, prices, cap, n_fixed, dense, choice=True)[1]

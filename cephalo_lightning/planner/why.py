@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cephalo_lightning._common.units import memory_text
+from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.planner.calibration import calibrated
 from cephalo_lightning.planner.cluster import Cluster
 from cephalo_lightning.planner.cost import DeviceCost, collective_ms, kind_costs, step_ms
@@ -61,7 +62,7 @@ def _next_sample(cost: DeviceCost, r: RankPlan, reserved: float, prices: Prices,
     """(the least memory b + 1 samples need, in GiB; the least step they take where they fit, s,
     inf where they fit nowhere)."""
     b = r.batch_size + 1
-    counts = np.array([r.num_micro_batches]) if cost.mode == "uniform" else np.arange(1, b + 1)
+    counts = np.array([r.num_micro_batches]) if cost.mode == Schedule.UNIFORM else np.arange(1, b + 1)
     keeps = np.zeros(len(counts), bool)
     if cost.can_keep:  # one micro-batch may keep its graph instead of recomputing
         counts, keeps = np.append(counts, 1), np.append(keeps, True)
