@@ -87,13 +87,16 @@ class Problem:
 
     def tables(self, S: float, prices: Prices, cap: float, n_fixed: int | None
                ) -> tuple[list[Options], list[Options]]:
+        """Every kind's (inner, outer) option tables at S, shares capped at ``cap``."""
         pairs = [k.options(S, prices, cap, n_fixed) for k in self.kinds]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def relaxed_ok(self, S: float, prices: Prices, cap: float, n_fixed: int | None) -> bool:
+        """Whether the linear relaxation over kinds reaches a total share of 1 at S (False: a proof)."""
         return relaxation(self.tables(S, prices, cap, n_fixed)[1], self.counts, self.B).value >= 1.0 - SHARE_TOL
 
     def dense_affordable(self, S: float, prices: Prices, cap: float, n_fixed: int | None) -> bool:
+        """Whether the exact dynamic program over every device is within its work limits at S."""
         inner, _ = self.tables(S, prices, cap, n_fixed)
         per_device = [inner[k] for k in self.device_kind]
         calls = sum(len(inner[k]) * int(c) for k, c in enumerate(self.counts))
