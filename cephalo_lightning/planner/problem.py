@@ -44,9 +44,11 @@ class Problem:
     """One planning problem: the cluster, the batch, the mode, and the per-kind device models."""
 
     def __init__(self, cluster: Cluster, global_batch: int, mode: str, group_kinds: bool = True,
-                 shard_groups: Sequence[int] | np.ndarray | None = None) -> None:
+                 shard_groups: Sequence[int] | np.ndarray | None = None,
+                 dense_work_limit: float = DENSE_WORK_LIMIT) -> None:
         # a calibration is folded in as it prices shard_groups (None: one group of all)
         self.source, self.group_kinds = cluster, group_kinds
+        self.dense_work_limit = dense_work_limit  # below 0: the relaxation's rounding and repair decide every S
         self._for_groups: dict[tuple[int, ...], Problem] = {}
         cluster = calibrated(cluster, np.zeros(cluster.world_size, np.int64) if shard_groups is None
                              else shard_groups)
@@ -80,7 +82,8 @@ class Problem:
             return self
         key = tuple(int(v) for v in labels)
         if key not in self._for_groups:
-            self._for_groups[key] = Problem(self.source, self.B, self.mode, self.group_kinds, labels)
+            self._for_groups[key] = Problem(self.source, self.B, self.mode, self.group_kinds, labels,
+                                            self.dense_work_limit)
         return self._for_groups[key]
 
     # ------------------------------------------------------------------ feasibility at S
@@ -100,7 +103,7 @@ class Problem:
         inner, _ = self.tables(S, prices, cap, n_fixed)
         per_device = [inner[k] for k in self.device_kind]
         calls = sum(len(inner[k]) * int(c) for k, c in enumerate(self.counts))
-        return calls <= DENSE_CALL_LIMIT and dense_work(per_device, self.B) <= DENSE_WORK_LIMIT
+        return calls <= DENSE_CALL_LIMIT and dense_work(per_device, self.B) <= self.dense_work_limit
 
     def check(self, S: float, prices: Prices, cap: float, n_fixed: int | None, dense: bool,
               choice: bool = False) -> tuple[Verdict, list[Group] | None]:
