@@ -50,6 +50,17 @@ class Planner(StrEnum):
     PROVISIONAL = "provisional"
 
 
+class Grouping(StrEnum):
+    """How the ranks split into shard groups: one group of every rank (full shard), one per node
+    (HSDP), the halves or the pairs of every node of four or more ranks, one per rank (data parallel)."""
+
+    FULL = "full"
+    PER_NODE = "per-node"
+    NODE_HALVES = "node-halves"
+    NODE_PAIRS = "node-pairs"
+    PER_RANK = "per-rank"
+
+
 class Verdict(StrEnum):
     """What the planner's feasibility check concludes: a plan exists, none can (a proof), or the
     check could not tell."""
@@ -73,4 +84,4 @@ def values_of(vocabulary: type[StrEnum]) -> tuple[str, ...]:
     return tuple(member.value for member in vocabulary)
 
 
-__all__ = ["Collective", "Planner", "ProfileSource", "Schedule", "StrEnum", "Verdict", "values_of"]
+__all__ = ["Collective", "Grouping", "Planner", "ProfileSource", "Schedule", "StrEnum", "Verdict", "values_of"]

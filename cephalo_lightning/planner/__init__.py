@@ -5,7 +5,7 @@ from cephalo_lightning.planner.cluster_cost import evaluate
 from cephalo_lightning.planner.cluster_spec import Cluster, DeviceProfile, Emulation, ModelSpec, Settings
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.plan import BaselineResult, Plan, RankPlan, split_sizes
-from cephalo_lightning.planner.solver import plan
+from cephalo_lightning.planner.planning import plan
 
 __all__ = [
     "BaselineResult", "Cluster", "DeviceProfile", "Emulation", "ModelSpec", "Plan", "PlanningError",

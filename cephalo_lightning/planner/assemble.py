@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.planner.cluster_cost import evaluate_arrays
 from cephalo_lightning.planner.cluster_spec import Cluster
 from cephalo_lightning.planner.device_cost import DeviceCost
@@ -14,7 +15,7 @@ from cephalo_lightning.planner.plan import RankPlan
 
 def rank_plans(
     cluster: Cluster, batch: Sequence[int], micro: Sequence[int], shares: Sequence[float],
-    recompute: Sequence[bool] | None = None, mode: str = "layered",
+    recompute: Sequence[bool] | None = None, mode: str = Schedule.LAYERED.value,
     kinds: tuple[list[DeviceCost], np.ndarray] | None = None,
     shard_groups: Sequence[int] | np.ndarray | None = None,
 ) -> tuple[tuple[RankPlan, ...], float]:

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from cephalo_lightning.planner.cluster_cost import evaluate_arrays
 from cephalo_lightning.planner.device_cost import water_fill
 from cephalo_lightning.planner.knapsack import Group
-
-if TYPE_CHECKING:
-    from cephalo_lightning.planner.solver import Problem
+from cephalo_lightning.planner.prices import Prices
+from cephalo_lightning.planner.problem import Problem
 
 
 @dataclass(frozen=True)
@@ -35,52 +33,52 @@ class Assignment:
 
 
 
-def assign(problem: Problem, S: float, ag: float, rs: float, cap: float, n_fixed: int | None,
+def assign(problem: Problem, S: float, prices: Prices, cap: float, n_fixed: int | None,
            groups: list[Group]) -> Assignment:
-    inner, _ = problem.tables(S, ag, rs, cap, n_fixed)
+    inner, _ = problem.tables(S, prices, cap, n_fixed)
     rows = []  # [kind, count, b, m cap, n, keep]
     for g in groups:
         t = inner[g.kind]
         b, m, keep = int(t.b[g.option]), int(t.m[g.option]), bool(t.keep[g.option])
-        rows.append([g.kind, g.count, b, m, split(problem, g.kind, b, m, ag, rs, n_fixed, keep), keep])
-    trim(problem, rows, ag, rs, n_fixed)
+        rows.append([g.kind, g.count, b, m, split(problem, g.kind, b, m, prices, n_fixed, keep), keep])
+    trim(problem, rows, prices, n_fixed)
     for row in rows:
-        row[4] = split(problem, row[0], row[2], row[3], ag, rs, n_fixed, row[5])
-    caps = [share_cap(problem, row, S, ag, rs, cap) for row in rows]
+        row[4] = split(problem, row[0], row[2], row[3], prices, n_fixed, row[5])
+    caps = [share_cap(problem, row, S, prices, cap) for row in rows]
     shares = water_fill(caps, [row[1] for row in rows])
     if shares is None:  # pragma: no cover - the knapsack guarantees sum of caps >= 1
         raise RuntimeError("shares do not fit after trimming")
     if n_fixed is None:
-        finish(problem, rows, shares, ag, rs)
+        finish(problem, rows, shares, prices)
     batch, micro, share, keep = expand(problem, rows, shares)
     step, _, _ = evaluate_arrays(problem.cluster, batch, micro, share, ~keep, problem.mode,
                                  kinds=(problem.costs, problem.of_rank))
     return Assignment(batch, micro, share, keep, float(step.max()))
 
-def split(problem: Problem, kind: int, b: int, m: int, ag: float, rs: float, n_fixed: int | None, keep: bool) -> int:
+def split(problem: Problem, kind: int, b: int, m: int, prices: Prices, n_fixed: int | None, keep: bool) -> int:
     """The fastest micro-batch count for b samples with micro-batches of at most m (fewest on ties)."""
     if keep or b == 0:
         return 1
     if n_fixed is not None:
         return n_fixed
     model = problem.kinds[kind]
-    return model.fastest(b, model.splits(b, m, None), ag, rs)[0]
+    return model.fastest(b, model.splits(b, m, None), prices)[0]
 
-def share_cap(problem: Problem, row: list, S: float, ag: float, rs: float, cap: float) -> float:
+def share_cap(problem: Problem, row: list, S: float, prices: Prices, cap: float) -> float:
     kind, _, b, _, n, keep = row[:6]
     model = problem.kinds[kind]
     m = -(-b // n) if b else 0
     room = float(model.room_for(np.array([m]), n, keep, b)[0])
     if model.kappa > 0:  # the time the optimizer step may take within S
-        layer = float(model.layer_ms(np.array([b]), np.array([n]), ag, rs, keep)[0])
+        layer = float(model.layer_ms(np.array([b]), np.array([n]), prices, keep)[0])
         room = min(room, (S - problem.L * layer) / model.kappa)
     return min(room, cap)
 
-def trim(problem: Problem, rows: list[list], ag: float, rs: float, n_fixed: int | None) -> None:
+def trim(problem: Problem, rows: list[list], prices: Prices, n_fixed: int | None) -> None:
     """Remove the surplus samples from the slowest ranks: every trimmed rank ends at one time level.
 
     Rows are [kind, count, b, m cap, n, keep]; a row of a shard group solve carries, beyond these,
-    its ranks (split with the row) and its own collective prices (ag, rs, exposed), which replace the given ones.
+    its ranks (split with the row) and its own collective prices (prices, exposed), which replace the given ones.
     """
     excess = sum(row[1] * row[2] for row in rows) - problem.B
     if excess <= 0:
@@ -92,10 +90,10 @@ def trim(problem: Problem, rows: list[list], ag: float, rs: float, n_fixed: int 
         b = np.arange(low, row[2] + 1)
         n = np.maximum(1, np.minimum(row[4], b))
         lows.append(low)
-        # a row's exposed part (row[7][2]) is the same for every group of its grouping (groups of one
+        # a row's exposed part (row[7][1]) is the same for every group of its grouping (groups of one
         # rank), so it shifts every row's time alike and leaves the trim as it is
-        row_ag, row_rs = row[7][:2] if len(row) > 7 else (ag, rs)
-        times.append(np.maximum.accumulate(problem.kinds[row[0]].layer_ms(b, n, row_ag, row_rs, row[5])))
+        row_prices = row[7][0] if len(row) > 7 else prices
+        times.append(np.maximum.accumulate(problem.kinds[row[0]].layer_ms(b, n, row_prices, row[5])))
 
     def cut(i: int, level: float) -> int:
         """The largest b of row i whose time is <= level (its lowest if none)."""
@@ -138,7 +136,7 @@ def trim(problem: Problem, rows: list[list], ag: float, rs: float, n_fixed: int 
     for row in rows:
         row[4] = n_fixed if n_fixed is not None else max(1, min(row[4], row[2]))
 
-def finish(problem: Problem, rows: list[list], shares: list[float], ag: float, rs: float) -> None:
+def finish(problem: Problem, rows: list[list], shares: list[float], prices: Prices) -> None:
     """Per group, the micro-batch count and recompute choice: fastest where the share leaves
     room, then, off the critical path, the fewest micro-batches within the step.
 
@@ -152,7 +150,7 @@ def finish(problem: Problem, rows: list[list], shares: list[float], ag: float, r
         model = problem.kinds[kind]
         optimizer = float(model.cost.optimizer_ms(share))
         if b == 0:
-            configs.append((np.array([1]), np.array([False]), np.array([problem.L * model.idle_ms(ag, rs) + optimizer])))
+            configs.append((np.array([1]), np.array([False]), np.array([problem.L * model.idle_ms(prices) + optimizer])))
             continue
         n = np.arange(1, b + 1, dtype=np.int64)
         n = n[-(-b // n) <= model.m_cap]
@@ -160,7 +158,7 @@ def finish(problem: Problem, rows: list[list], shares: list[float], ag: float, r
         keep = np.zeros(len(n), bool)
         if model.keep_cap >= b and model.room_keep[b] >= share - 1e-12:
             n, keep = np.concatenate(([1], n)), np.concatenate(([True], keep))
-        times = problem.L * model.layer_ms(np.full(len(n), b), n, ag, rs, keep) + optimizer
+        times = problem.L * model.layer_ms(np.full(len(n), b), n, prices, keep) + optimizer
         configs.append((n, keep, times))
     step = max(float(times.min()) for _, _, times in configs)
     for row, (n, keep, times) in zip(rows, configs):

@@ -12,12 +12,12 @@ import sys
 from typing import Any
 
 from cephalo_lightning._common.help_text import PlainHelpFormatter
-from cephalo_lightning._common.vocabulary import Schedule, values_of
+from cephalo_lightning._common.vocabulary import Grouping, Planner, Schedule, values_of
 from cephalo_lightning.planner.cluster import cluster_from_dict, load_cluster, save_cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.files import check_writable, write_error
-from cephalo_lightning.planner.grouped import GROUPINGS
-from cephalo_lightning.planner.solver import PLANNERS, plan
+from cephalo_lightning.planner.input_checks import PLANNERS
+from cephalo_lightning.planner.planning import plan
 
 
 class _DeprecatedAlias(argparse.Action):
@@ -34,11 +34,11 @@ def _add_plan_options(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("-b", "--global-batch-size", type=int, required=required, help="samples per optimizer step")
     parser.add_argument("--mode", choices=values_of(Schedule), default=Schedule.LAYERED.value,
                         help="layered: micro-batch count per rank (default); uniform: one count for all")
-    parser.add_argument("--planner", choices=PLANNERS, default="cephalo",
+    parser.add_argument("--planner", choices=PLANNERS, default=Planner.CEPHALO.value,
                         help="plan with cephalo (default) or output a baseline plan")
     parser.add_argument("--strategy", dest="planner", choices=PLANNERS, action=_DeprecatedAlias, help=argparse.SUPPRESS)
     parser.add_argument("--groupings", default=None, metavar="NAMES",
-                        help=f"comma-separated shard groupings to weigh, of {','.join(GROUPINGS)} (default: all)")
+                        help=f"comma-separated shard groupings to weigh, of {','.join(Grouping)} (default: all)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     parser.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,

@@ -41,6 +41,7 @@ from cephalo_lightning.planner.collective_prices import communication
 from cephalo_lightning.planner.device_cost import kind_costs
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.plan import Plan
+from cephalo_lightning.planner.prices import Prices
 
 HELD_WEIGHT = 0.1  # the first stage's pull on the collectives and the overlap (see fit_calibration)
 PRIOR_WEIGHT = 1e-6  # relative pull towards the profile's terms: decides only what the data leave open
@@ -73,12 +74,12 @@ def host_contention(observations: Sequence[StepObservation]) -> float:
     return max(1.0, float(np.median(ratios))) if ratios else 1.0
 
 
-def _calibration(cluster: Cluster, theta: np.ndarray, ag0: float, rs0: float, steps: int, fitted_on: str,
+def _calibration(cluster: Cluster, theta: np.ndarray, even: Prices, steps: int, fitted_on: str,
                  contention: float = 1.0, mode: str | None = None,
                  shard_groups: tuple[int, ...] | None = None) -> Calibration:
     return Calibration(
-        step_overhead_ms=float(theta[0]), micro_batch_overhead_ms=float(theta[1]), allgather_ms=float(theta[2] * ag0),
-        reduce_scatter_ms=float(theta[2] * rs0), overlap=float(theta[3]),
+        step_overhead_ms=float(theta[0]), micro_batch_overhead_ms=float(theta[1]), allgather_ms=float(theta[2] * even.ag),
+        reduce_scatter_ms=float(theta[2] * even.rs), overlap=float(theta[3]),
         compute_scale=tuple(float(v) for v in theta[4:]), host_contention=contention, steps=steps, fitted_on=fitted_on,
         mode=mode, shard_groups=shard_groups)
 
@@ -125,7 +126,7 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
                                 "measure every rank")
     base = with_calibration(cluster, None)
     comm = communication(base)
-    ag0, rs0 = comm.allgather_ms, comm.reduce_scatter_ms
+    even = Prices(comm.allgather_ms, comm.reduce_scatter_ms)  # the fitted factor scales both
     theta0, scale = _start(base, observations)
     plans = list({id(o.plan): o.plan for o in observations}.values())
     # the collectives fitted are those of the plans' schedule: their mode and grouping (None: several)
@@ -146,7 +147,7 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
     anchor = theta0  # and where it pulls to
 
     def residuals(theta: np.ndarray) -> np.ndarray:
-        model = with_calibration(base, _calibration(base, theta, ag0, rs0, 0, "", contention, mode, grouping))
+        model = with_calibration(base, _calibration(base, theta, even, 0, "", contention, mode, grouping))
         priced = [predicted(model, p) for p in plans]
         step = np.array([priced[k][0] for k in which])
         busy = np.array([priced[k][1] for k in which])
@@ -169,7 +170,7 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
         weight = weights * base_weight
         anchor = theta.copy()  # stage 2 is pulled towards stage 1's terms: it moves what the data decide
         theta = _least_squares(residuals, theta, scale)
-    return _calibration(base, theta, ag0, rs0, steps, fitted_on, contention, mode, grouping)
+    return _calibration(base, theta, even, steps, fitted_on, contention, mode, grouping)
 
 
 def _least_squares(residuals: Any, theta: np.ndarray, scale: np.ndarray) -> np.ndarray:

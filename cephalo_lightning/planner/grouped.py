@@ -3,7 +3,7 @@
 A *grouping* splits the ranks into shard groups; the ranks of a group hold one replica of the state
 between them (their shares sum to 1), groups replicate each other. The candidates
 (:func:`candidate_groupings`): one group of every rank (today's full shard, solved by
-:meth:`.solver.Problem.solve`), one group per node (HSDP), one group per rank (data parallelism),
+:func:`.solver.solve`), one group per node (HSDP), one group per rank (data parallelism),
 and the splits the nodes make natural (halves and pairs of every node of four or more ranks).
 
 For one grouping of G > 1 groups at a step time S the groups are independent but for the samples
@@ -34,18 +34,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cephalo_lightning._common.vocabulary import Grouping
 from cephalo_lightning.planner.assignment import Assignment, share_cap, split, trim
 from cephalo_lightning.planner.cluster_cost import evaluate_arrays
 from cephalo_lightning.planner.collective_prices import LinkPrices, far_fraction
 from cephalo_lightning.planner.knapsack import SHARE_TOL, Group, hull_steps, upper_hull
 from cephalo_lightning.planner.options import Options, pareto
+from cephalo_lightning.planner.prices import FREE, Prices
+from cephalo_lightning.planner.problem import BISECTION_TOL, Problem
 
-GROUPED_TOL = 5e-4  # relative width of the final step-time bracket (as the solver's BISECTION_TOL)
 RHO_FRACTIONS = (0.0, 1 / 16, 1 / 4, 1.0)  # interval ends within [1/k, 1]
 FINE_FRACTIONS = (0.0, 1 / 64, 1 / 32, *(i / 16 for i in range(1, 17)))  # where the exact program is affordable
 EXACT_WORK = 200_000  # devices x options x samples of one group's exact program
-RANKS = 6  # rows: [kind, count, b, m cap, n, keep, ranks, (ag, rs, exposed), cap]
-GROUPINGS = ("full", "per-node", "node-halves", "node-pairs", "per-rank")  # candidate_groupings' names
+RANKS = 6  # rows: [kind, count, b, m cap, n, keep, ranks, (prices, exposed), cap]
 
 
 def canonical(labels: np.ndarray) -> np.ndarray:
@@ -56,16 +57,16 @@ def canonical(labels: np.ndarray) -> np.ndarray:
     return renumber[inverse.ravel()]
 
 
-def candidate_groupings(nodes: tuple[int, ...] | np.ndarray) -> list[tuple[tuple[str, ...], np.ndarray]]:
-    """The groupings the planner weighs (:data:`GROUPINGS`), each as its names and every rank's group:
+def candidate_groupings(nodes: tuple[int, ...] | np.ndarray) -> list[tuple[tuple[Grouping, ...], np.ndarray]]:
+    """The groupings the planner weighs (:class:`.Grouping`), each as its names and every rank's group:
     ``full`` (one group) first; names that give the same grouping share one entry (one node:
     ``per-node`` is ``full``); a split no node allows is left out."""
     nodes = np.asarray(nodes, dtype=np.int64)
     W = len(nodes)
-    out: list[tuple[tuple[str, ...], np.ndarray]] = []
+    out: list[tuple[tuple[Grouping, ...], np.ndarray]] = []
     seen: dict[bytes, int] = {}
 
-    def add(name: str, labels: np.ndarray) -> None:
+    def add(name: Grouping, labels: np.ndarray) -> None:
         labels = canonical(labels)
         key = labels.tobytes()
         if key in seen:
@@ -75,8 +76,8 @@ def candidate_groupings(nodes: tuple[int, ...] | np.ndarray) -> list[tuple[tuple
             seen[key] = len(out)
             out.append(((name,), labels))
 
-    add("full", np.zeros(W, np.int64))
-    add("per-node", nodes)
+    add(Grouping.FULL, np.zeros(W, np.int64))
+    add(Grouping.PER_NODE, nodes)
     position = np.zeros(W, np.int64)  # each rank's position within its node, in rank order
     size = np.zeros(W, np.int64)
     for node in np.unique(nodes):
@@ -86,10 +87,10 @@ def candidate_groupings(nodes: tuple[int, ...] | np.ndarray) -> list[tuple[tuple
     splittable = (size >= 4) & (size % 2 == 0)
     if splittable.any():
         half = np.where(splittable, position // np.maximum(size // 2, 1), 0)
-        add("node-halves", nodes * 2 + half)
+        add(Grouping.NODE_HALVES, nodes * 2 + half)
         pair = np.where(splittable, position // 2, 0)
-        add("node-pairs", nodes * W + pair)
-    add("per-rank", np.arange(W))
+        add(Grouping.NODE_PAIRS, nodes * W + pair)
+    add(Grouping.PER_RANK, np.arange(W))
     return out
 
 
@@ -210,9 +211,9 @@ def exact_most_samples(tables: list[Options], counts: tuple[int, ...]) -> tuple[
 
 
 class GroupedProblem:
-    """One grouping of more than one group, on a :class:`.solver.Problem`'s kinds (see module)."""
+    """One grouping of more than one group, on a :class:`.problem.Problem`'s kinds (see module)."""
 
-    def __init__(self, problem, groups: np.ndarray, prices: LinkPrices) -> None:
+    def __init__(self, problem: Problem, groups: np.ndarray, links: LinkPrices) -> None:
         self.problem = problem
         self.groups = groups
         self.G = int(groups.max()) + 1
@@ -221,11 +222,11 @@ class GroupedProblem:
         room = np.array([min(1.0, float(max(k.room.max(), k.room_keep.max()))) for k in problem.kinds])
         self.holds = bool((np.bincount(groups, room[problem.of_rank], minlength=self.G) >= 1.0 - SHARE_TOL).all())
         self.types = group_types(groups, problem.of_rank, nodes, len(problem.kinds)) if self.holds else []
-        self.prices = prices
+        self.links = links
         far = far_fraction(groups, nodes)
         # per type: interval ends in rho and the collectives' price at each
         self.rho: list[np.ndarray] = []
-        self.priced: list[list[tuple[float, float, float]]] = []  # (ag, rs, exposed): LinkPrices.group
+        self.priced: list[list[tuple[Prices, float]]] = []  # (prices, exposed): LinkPrices.group
         # small groups at a small batch: the exact program decides (else the hull walk and its rounding)
         self.exact = [t.size ** 2 * min(problem.B, 64) * problem.B <= EXACT_WORK for t in self.types]
         for t, exact in zip(self.types, self.exact):
@@ -233,17 +234,17 @@ class GroupedProblem:
             fractions = FINE_FRACTIONS if exact else RHO_FRACTIONS
             ends = np.array([1.0]) if k == 1 else 1.0 / k + (1.0 - 1.0 / k) * np.array(fractions)
             self.rho.append(ends)
-            self.priced.append([prices.group(k, t.crosses, float(r), self.G, far) for r in ends])
+            self.priced.append([_split_exposed(links.group(k, t.crosses, float(r), self.G, far)) for r in ends])
 
     def _priced_tables(self, t: int, S: float, price: int, n_fixed: int | None, cache: dict) -> tuple:
         """The type's kinds' (inner, outer) tables at price point ``price``, shares uncapped; types with the
         same kind and price share them (``cache`` lives for one step time)."""
-        ag, rs, exposed = self.priced[t][price]
+        prices, exposed = self.priced[t][price]
         out = []
         for k in self.types[t].kinds:
-            key = (k, ag, rs, exposed)
+            key = (k, prices, exposed)
             if key not in cache:  # the exposed part adds to every layer: a budget that much smaller
-                cache[key] = self.problem.kinds[k].options(S - self.problem.L * exposed, ag, rs, 1.0, n_fixed)
+                cache[key] = self.problem.kinds[k].options(S - self.problem.L * exposed, prices, 1.0, n_fixed)
             out.append(cache[key])
         return out
 
@@ -302,11 +303,11 @@ class GroupedProblem:
         if top <= lo or self.bound(top, n_fixed) < B:
             return None, (math.inf if ceiling is None or top >= limit else top)
         hi = top
-        while hi > lo * (1 + GROUPED_TOL / 4):
+        while hi > lo * (1 + BISECTION_TOL / 4):
             mid = math.sqrt(lo * hi)
             lo, hi = (lo, mid) if self.bound(mid, n_fixed) >= B else (mid, hi)
         proven = lo
-        S, step = hi, GROUPED_TOL
+        S, step = hi, BISECTION_TOL
         while self.choose(S, n_fixed) < B:
             lo = S
             if S >= top:
@@ -314,7 +315,7 @@ class GroupedProblem:
             S = min(top, hi * (1 + step))
             step *= 2
         hi = S
-        while hi > lo * (1 + GROUPED_TOL):
+        while hi > lo * (1 + BISECTION_TOL):
             mid = math.sqrt(lo * hi)
             lo, hi = (lo, mid) if self.choose(mid, n_fixed) < B else (mid, hi)
         return self.assign(hi, n_fixed), proven
@@ -325,7 +326,7 @@ class GroupedProblem:
         rows = []
         for t, (gt, (j, groups)) in enumerate(zip(self.types, picks)):
             rho = float(self.rho[t][j])
-            ag, rs, exposed = self.priced[t][j]
+            prices, exposed = self.priced[t][j]
             tables = self._tables(t, S, j, rho, n_fixed, True)
             position = [0] * len(gt.kinds)
             for g in groups:
@@ -334,22 +335,28 @@ class GroupedProblem:
                 ranks = gt.ranks[g.kind][:, p: p + g.count].T.ravel()  # position-major: each group's share intact
                 position[g.kind] += g.count
                 b, m, keep = int(table.b[g.option]), int(table.m[g.option]), bool(table.keep[g.option])
-                n = split(problem, kind, b, m, ag, rs, n_fixed, keep)
-                rows.append([kind, len(ranks), b, m, n, keep, ranks, (ag, rs, exposed), rho])
-        trim(problem, rows, 0.0, 0.0, n_fixed)
+                n = split(problem, kind, b, m, prices, n_fixed, keep)
+                rows.append([kind, len(ranks), b, m, n, keep, ranks, (prices, exposed), rho])
+        trim(problem, rows, FREE, n_fixed)
         W = problem.W
         batch, micro = np.zeros(W, np.int64), np.ones(W, np.int64)
         keep, caps = np.zeros(W, bool), np.zeros(W)
         for row in rows:
-            ag, rs, exposed = row[7]
-            row[4] = split(problem, row[0], row[2], row[3], ag, rs, n_fixed, row[5])
+            prices, exposed = row[7]
+            row[4] = split(problem, row[0], row[2], row[3], prices, n_fixed, row[5])
             at = row[RANKS]
             batch[at], micro[at], keep[at] = row[2], row[4], row[5]
-            caps[at] = share_cap(problem, row, S - problem.L * exposed, ag, rs, row[8])
+            caps[at] = share_cap(problem, row, S - problem.L * exposed, prices, row[8])
         shares = water_fill_groups(caps, self.groups, self.G)
         step, _, _ = evaluate_arrays(problem.cluster, batch, micro, shares, ~keep, problem.mode,
                                      kinds=(problem.costs, problem.of_rank), shard_groups=self.groups)
         return Assignment(batch, micro, shares, keep, float(step.max()), self.groups)
+
+
+def _split_exposed(figures: tuple[float, float, float]) -> tuple[Prices, float]:
+    """:meth:`.cost.LinkPrices.group`'s (all-gather, reduce-scatter, exposed) as the prices and the exposed part."""
+    ag, rs, exposed = figures
+    return Prices(ag, rs), exposed
 
 
 def capped(table: Options, cap: float) -> Options:

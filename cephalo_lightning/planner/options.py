@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cephalo_lightning._common.vocabulary import Schedule
+from cephalo_lightning._common.vocabulary import Schedule, StrEnum
 from cephalo_lightning.planner.device_cost import DeviceCost
+from cephalo_lightning.planner.prices import FREE, Prices
 
 _EPS = 1e-9  # relative slack on time comparisons against floating-point noise
 PAIR_LIMIT = 200_000  # (b, n) pairs enumerated exactly with an optimizer cost; beyond, share levels
@@ -107,7 +108,13 @@ class _Form:
     inverse: _Inverse | None  # None: H is zero (only communication counts)
 
 
-VARIANTS = ("recompute", "keep", "uniform")
+class Variant(StrEnum):
+    """How a device runs its micro-batches' passes: recomputing the forward in the backward
+    (layered), one micro-batch keeping its autograd graph, or the uniform schedule's (graph kept)."""
+
+    RECOMPUTE = "recompute"
+    KEEP = "keep"
+    UNIFORM = "uniform"
 
 
 class DeviceModel:
@@ -127,12 +134,12 @@ class DeviceModel:
         fv, bv, x_copy = f(xs), bw(xs), cost.copy_ms_per_sample
         w = 1.0 - cost.overlap
         pairs = sorted({(1.0, w), (w, 1.0)})  # (coefficient of the communication, of the compute)
-        self._forms: dict[str, list[_Form]] = {}
-        for variant in VARIANTS:
+        self._forms: dict[Variant, list[_Form]] = {}
+        for variant in Variant:
             forms = []
             for c_a1, c_f in pairs:
                 for c_a2, c_g in pairs:
-                    if variant == "recompute":  # f = F + X x, g = F + B + X x per micro-batch
+                    if variant == Variant.RECOMPUTE:  # f = F + X x, g = F + B + X x per micro-batch
                         values = (c_f + c_g) * (fv + x_copy * xs) + c_g * bv
                         slope = (c_f + c_g) * (f.slope + x_copy) + c_g * bw.slope
                     else:  # f = F, g = B
@@ -154,14 +161,14 @@ class DeviceModel:
 
     # ------------------------------------------------------------------ exact times
 
-    def layer_ms(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float,
+    def layer_ms(self, b: np.ndarray, n: np.ndarray, prices: Prices,
                  keep: np.ndarray | bool = False) -> np.ndarray:
         """Per-layer step time of b samples in n micro-batches (b = 0: collectives only)."""
-        return self.cost.layer_ms(b, n, ag, rs, keep)
+        return self.cost.layer_ms(b, n, prices.ag, prices.rs, keep)
 
-    def idle_ms(self, ag: float, rs: float, n: int = 1) -> float:
+    def idle_ms(self, prices: Prices, n: int = 1) -> float:
         """The per-layer time of the collectives alone (no samples; uniform: n gathers each way)."""
-        return 2 * float(self.cost.gathers(n)) * ag + rs
+        return 2 * float(self.cost.gathers(n)) * prices.ag + prices.rs
 
     def room_for(self, m: np.ndarray, n: np.ndarray | int, keep: np.ndarray | bool = False,
                  b: np.ndarray | int | None = None) -> np.ndarray:
@@ -174,11 +181,11 @@ class DeviceModel:
 
     # ------------------------------------------------------------------ largest batch per n
 
-    def max_batch(self, t: float, ag: float, rs: float, n: np.ndarray, variant: str = "recompute") -> np.ndarray:
+    def max_batch(self, t: float, prices: Prices, n: np.ndarray, variant: Variant = Variant.RECOMPUTE) -> np.ndarray:
         """Largest b (<= B) that n micro-batches finish within t; 0 where n is infeasible."""
         n = np.asarray(n, dtype=np.int64)
         nf = n.astype(float)
-        a1, a2 = self.cost.collectives(n, ag, rs)
+        a1, a2 = self.cost.collectives(n, prices.ag, prices.rs)
         over = (nf - 1) * self.c
         x = np.full(len(n), np.inf)
         for form in self._forms[variant]:
@@ -190,70 +197,70 @@ class DeviceModel:
         with np.errstate(invalid="ignore", over="ignore"):
             b = np.where(np.isfinite(x), np.floor(np.minimum(nf * x, self.B) * (1 + 1e-12)), self.B)
         b = b.astype(np.int64)
-        keep = variant == "keep"
+        keep = variant == Variant.KEEP
         limit = t * (1 + _EPS)
         check = np.nonzero(b >= n)[0]
         for _ in range(3):  # repair floating-point overshoot against the exact formula
-            bad = check[self.layer_ms(b[check], n[check], ag, rs, keep) > limit]
+            bad = check[self.layer_ms(b[check], n[check], prices, keep) > limit]
             if not len(bad):
                 break
             b[bad] -= 1
             check = bad[b[bad] >= n[bad]]
         return np.where(b >= n, b, 0)
 
-    def max_micro_batches(self, t: float, ag: float = 0.0, rs: float = 0.0) -> int:
+    def max_micro_batches(self, t: float, prices: Prices = FREE) -> int:
         """No more micro-batches than fit t even at size 1."""
         unit = self.unit_ms
         n = (t + self.c) / (unit + self.c) if unit + self.c > 0 else float(self.B)
         repeat = self.cost.settings.repeated_gather_fraction
-        if self.uniform and ag > 0 and repeat > 0:  # 2 G(n) AG + RS <= t, G(n) = 1 + (n - 1) q
-            n = min(n, 1 + ((t - rs) / (2 * ag) - 1) / repeat)
+        if self.uniform and prices.ag > 0 and repeat > 0:  # 2 G(n) AG + RS <= t, G(n) = 1 + (n - 1) q
+            n = min(n, 1 + ((t - prices.rs) / (2 * prices.ag) - 1) / repeat)
         return int(min(self.B, max(0.0, n) * (1 + 1e-12)))
 
     # ------------------------------------------------------------------ options
 
-    def options(self, step_ms: float, ag: float, rs: float, cap: float, n_fixed: int | None = None
+    def options(self, step_ms: float, prices: Prices, cap: float, n_fixed: int | None = None
                 ) -> tuple[Options, Options]:
         """(inner, outer) Pareto options at a per-step budget; ``n_fixed`` for the uniform mode."""
         t = step_ms / self.L
-        if t < self.idle_ms(ag, rs, n_fixed or 1) * (1 - _EPS) or self.m_cap < 0:
+        if t < self.idle_ms(prices, n_fixed or 1) * (1 - _EPS) or self.m_cap < 0:
             return EMPTY, EMPTY
         if self.kappa <= 0:
-            exact = self._static(t, ag, rs, cap, n_fixed)
+            exact = self._static(t, prices, cap, n_fixed)
             return exact, exact
-        exact = self._enumerated(step_ms, ag, rs, cap, n_fixed)
+        exact = self._enumerated(step_ms, prices, cap, n_fixed)
         if exact is not None:
             return exact, exact
-        return self._levels(step_ms, ag, rs, cap, n_fixed)
+        return self._levels(step_ms, prices, cap, n_fixed)
 
-    def _counts(self, t: float, ag: float, rs: float, n_fixed: int | None) -> tuple[np.ndarray, np.ndarray]:
+    def _counts(self, t: float, prices: Prices, n_fixed: int | None) -> tuple[np.ndarray, np.ndarray]:
         """Micro-batch counts that fit t, and the largest batch for each."""
         if n_fixed is None:
-            n = np.arange(1, self.max_micro_batches(t, ag, rs) + 1, dtype=np.int64)
+            n = np.arange(1, self.max_micro_batches(t, prices) + 1, dtype=np.int64)
         else:
             n = np.array([n_fixed], dtype=np.int64)
-        variant = "uniform" if self.uniform else "recompute"
-        bmax = self.max_batch(t, ag, rs, n, variant) if len(n) else np.zeros(0, np.int64)
+        variant = Variant.UNIFORM if self.uniform else Variant.RECOMPUTE
+        bmax = self.max_batch(t, prices, n, variant) if len(n) else np.zeros(0, np.int64)
         valid = bmax >= n
         return n[valid], bmax[valid]
 
-    def _keep_max(self, t: float, ag: float, rs: float) -> int:
+    def _keep_max(self, t: float, prices: Prices) -> int:
         """Largest one-micro-batch batch that keeps its graph within t and fits with no state."""
         if self.uniform or self.keep_cap < 1:
             return 0
-        return int(min(self.keep_cap, self.max_batch(t, ag, rs, np.array([1]), "keep")[0]))
+        return int(min(self.keep_cap, self.max_batch(t, prices, np.array([1]), Variant.KEEP)[0]))
 
-    def _static(self, t: float, ag: float, rs: float, limit: float, n_fixed: int | None) -> Options:
+    def _static(self, t: float, prices: Prices, limit: float, n_fixed: int | None) -> Options:
         """Options at per-layer budget t, shares capped at ``limit``."""
-        return self._table(self._per_m(t, ag, rs, n_fixed), limit, n_fixed)
+        return self._table(self._per_m(t, prices, n_fixed), limit, n_fixed)
 
-    def _per_m(self, t: float, ag: float, rs: float, n_fixed: int | None) -> tuple[np.ndarray, int] | None:
+    def _per_m(self, t: float, prices: Prices, n_fixed: int | None) -> tuple[np.ndarray, int] | None:
         """Within budget t: the most samples per largest micro-batch m = 0..M, and the largest batch
         one micro-batch keeping its graph may take; None when even the collectives do not fit."""
-        if t < self.idle_ms(ag, rs, n_fixed or 1) * (1 - _EPS):
+        if t < self.idle_ms(prices, n_fixed or 1) * (1 - _EPS):
             return None
-        n, bmax = self._counts(t, ag, rs, n_fixed)
-        return self._best_per_m(n, bmax), self._keep_max(t, ag, rs)
+        n, bmax = self._counts(t, prices, n_fixed)
+        return self._best_per_m(n, bmax), self._keep_max(t, prices)
 
     def _table(self, per_m: tuple[np.ndarray, int] | None, limit: float, n_fixed: int | None) -> Options:
         if per_m is None:
@@ -299,12 +306,12 @@ class DeviceModel:
         out[0] = 0
         return np.minimum(out, self.B)
 
-    def _enumerated(self, step_ms: float, ag: float, rs: float, cap: float, n_fixed: int | None) -> Options | None:
+    def _enumerated(self, step_ms: float, prices: Prices, cap: float, n_fixed: int | None) -> Options | None:
         """Every (b, n) with its exact share limit under an optimizer cost; None when too many."""
         t = step_ms / self.L
-        n, bmax = self._counts(t, ag, rs, n_fixed)
+        n, bmax = self._counts(t, prices, n_fixed)
         counts = bmax - n + 1
-        keep_top = self._keep_max(t, ag, rs)
+        keep_top = self._keep_max(t, prices)
         if int(counts.sum()) + keep_top > PAIR_LIMIT:
             return None
         starts = np.repeat(n, counts)
@@ -320,11 +327,11 @@ class DeviceModel:
         if n_fixed is None and self.room[0] >= 0:
             parts.append((np.zeros(1, np.int64), np.ones(1, np.int64), np.zeros(1, np.int64), np.zeros(1, bool)))
         bb, nn, m, keep = (np.concatenate(p) for p in zip(*parts))
-        slack = (step_ms - self.L * self.layer_ms(bb, nn, ag, rs, keep)) / self.kappa
+        slack = (step_ms - self.L * self.layer_ms(bb, nn, prices, keep)) / self.kappa
         r = np.minimum(np.minimum(self.room_for(m, nn, keep, bb), cap), slack)
         return pareto(bb, m, r, keep)
 
-    def _levels(self, step_ms: float, ag: float, rs: float, cap: float, n_fixed: int | None
+    def _levels(self, step_ms: float, prices: Prices, cap: float, n_fixed: int | None
                 ) -> tuple[Options, Options]:
         """Share levels 0 = r_0 < ... < r_K: inner options at each, outer ones from the next looser.
 
@@ -336,7 +343,7 @@ class DeviceModel:
         count = int(min(SHARE_LEVELS, max(1, np.ceil(spread / (BUDGET_STEP)))))
         levels = np.linspace(0.0, top, count + 1)
         budgets = (step_ms - self.kappa * levels) / self.L
-        per_m = [self._per_m(t_j, ag, rs, n_fixed) if t_j > 0 else None for t_j in budgets]
+        per_m = [self._per_m(t_j, prices, n_fixed) if t_j > 0 else None for t_j in budgets]
         inner = [self._table(per_m[j], min(cap, r_j), n_fixed) for j, r_j in enumerate(levels)]
         # a share in (r_{j-1}, r_j] leaves no more time than budget t_{j-1} allows
         outer = [inner[0]] + [self._table(per_m[j - 1], min(cap, r_j), n_fixed) for j, r_j in enumerate(levels) if j]
@@ -357,8 +364,8 @@ class DeviceModel:
         low = 1 if m is None else -(-b // max(m, 1))
         return np.arange(low, b + 1, dtype=np.int64)
 
-    def fastest(self, b: int, n: np.ndarray, ag: float, rs: float, keep: bool = False) -> tuple[int, float]:
+    def fastest(self, b: int, n: np.ndarray, prices: Prices, keep: bool = False) -> tuple[int, float]:
         """Of the counts n, the fastest for b samples (fewest on ties), and its per-layer time."""
-        times = self.layer_ms(np.full(len(n), b), n, ag, rs, keep)
+        times = self.layer_ms(np.full(len(n), b), n, prices, keep)
         i = int(np.nonzero(times <= times.min() * (1 + 1e-12))[0][0])
         return int(n[i]), float(times[i])

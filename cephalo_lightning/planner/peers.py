@@ -32,7 +32,8 @@ from cephalo_lightning.planner.cluster_spec import Cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.grouped import canonical
 from cephalo_lightning.planner.plan import BaselineResult
-from cephalo_lightning.planner.solver import BISECTION_TOL, Problem
+from cephalo_lightning.planner.prices import Prices
+from cephalo_lightning.planner.problem import BISECTION_TOL, Problem
 
 BASELINES = tuple(p.value for p in (Planner.EVEN, Planner.PROPORTIONAL, Planner.POPLAR, Planner.REFERENCE,
                                     Planner.DDP_EVEN, Planner.HSDP_EVEN))
@@ -64,12 +65,12 @@ def _bisect(feasible, lo: float, hi: float) -> float | None:
 def poplar_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = False,
                     problem: Problem | None = None) -> BaselineResult:
     """Uneven batches and micro-batches under even state shares (see module docstring)."""
-    problem = problem or Problem(cluster, global_batch, "layered")
+    problem = problem or Problem(cluster, global_batch, Schedule.LAYERED.value)
     share = 1.0 / problem.W
-    ag, rs = problem.comm.allgather(share), problem.comm.reduce_scatter(share)
+    prices = Prices(problem.comm.allgather(share), problem.comm.reduce_scatter(share))
 
     def picks(S: float) -> list[tuple[int, int]] | None:
-        inner, _ = problem.tables(S, ag, rs, 1.0, None)
+        inner, _ = problem.tables(S, prices, 1.0, None)
         out = []
         for table in inner:
             fits = np.nonzero(table.r >= share - 1e-12)[0]
@@ -82,7 +83,7 @@ def poplar_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = Fals
         chosen = picks(S)
         return chosen is not None and sum(c * b for c, (_, b) in zip(problem.counts, chosen)) >= global_batch
 
-    S = _bisect(feasible, max(problem.compute_floor, 1e-9), problem.saturated(ag, rs, None))
+    S = _bisect(feasible, max(problem.compute_floor, 1e-9), problem.saturated(prices, None))
     if S is None:
         for k, model in enumerate(problem.kinds):
             rank = int(np.nonzero(problem.of_rank == k)[0][0])
@@ -91,22 +92,22 @@ def poplar_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = Fals
                                                           f"of the state even with no samples")
         return BaselineResult(None, False, reason=f"the GPUs cannot take {global_batch} samples beside 1/{problem.W} "
                                                   f"of the state each")
-    inner, _ = problem.tables(S, ag, rs, 1.0, None)
+    inner, _ = problem.tables(S, prices, 1.0, None)
     rows = []
     for k, (o, _) in enumerate(picks(S) or []):
         t = inner[k]
         b, m, keep = int(t.b[o]), int(t.m[o]), bool(t.keep[o])
-        rows.append([k, int(problem.counts[k]), b, m, split(problem, k, b, m, ag, rs, None, keep), keep])
-    trim(problem, rows, ag, rs, None)
+        rows.append([k, int(problem.counts[k]), b, m, split(problem, k, b, m, prices, None, keep), keep])
+    trim(problem, rows, prices, None)
     for row in rows:
-        row[4] = split(problem, row[0], row[2], row[3], ag, rs, None, row[5])
+        row[4] = split(problem, row[0], row[2], row[3], prices, None, row[5])
     shares = [share] * len(rows)
-    finish(problem, rows, shares, ag, rs)
+    finish(problem, rows, shares, prices)
     batch, micro, shares_arr, _ = expand(problem, rows, shares)
-    return result(cluster, batch, micro, shares_arr, global_batch, "layered", with_ranks)
+    return result(cluster, batch, micro, shares_arr, global_batch, Schedule.LAYERED.value, with_ranks)
 
 
-def _reference_options(problem: Problem, kind: int, ag: float, rs: float, S: float
+def _reference_options(problem: Problem, kind: int, prices: Prices, S: float
                        ) -> tuple[np.ndarray, np.ndarray]:
     """Per b = 0..B: the aggregate room of the smallest micro-batch m dividing b that meets S, and m."""
     model = problem.kinds[kind]
@@ -123,7 +124,7 @@ def _reference_options(problem: Problem, kind: int, ag: float, rs: float, S: flo
     pair_b = pair_m * pair_n
     time = np.empty(len(pair_b))
     for factor, at in ((1.0, pair_m <= m_even), (REFERENCE_UNEVEN, pair_m > m_even)):
-        time[at] = problem.L * model.layer_ms(pair_b[at], pair_n[at], ag * factor, rs * factor)
+        time[at] = problem.L * model.layer_ms(pair_b[at], pair_n[at], prices.scaled(factor))
     ok = time <= S * (1 + 1e-9)
     best = np.full(B + 1, top + 1)
     np.minimum.at(best, pair_b[ok], pair_m[ok])
@@ -144,13 +145,13 @@ def reference_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = F
     if B < W:
         return BaselineResult(None, False, reason=f"the release gives every GPU at least one sample; "
                                                   f"the global batch {B} is smaller than the {W} GPUs")
-    problem = problem or Problem(cluster, B, "layered")
+    problem = problem or Problem(cluster, B, Schedule.LAYERED.value)
     share = 1.0 / W
-    ag, rs = problem.comm.allgather(share), problem.comm.reduce_scatter(share)
+    prices = Prices(problem.comm.allgather(share), problem.comm.reduce_scatter(share))
     kinds = problem.of_rank
 
     def solve(S: float) -> list[tuple[int, int]] | None:
-        tables = [_reference_options(problem, k, ag, rs, S) for k in range(len(problem.kinds))]
+        tables = [_reference_options(problem, k, prices, S) for k in range(len(problem.kinds))]
         dp = np.full(B + 1, -np.inf)
         dp[0] = 0.0
         picks = []
@@ -174,7 +175,7 @@ def reference_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = F
             j -= b
         return chosen[::-1]
 
-    limit = problem.saturated(ag * REFERENCE_UNEVEN, rs * REFERENCE_UNEVEN, None)
+    limit = problem.saturated(prices.scaled(REFERENCE_UNEVEN), None)
     S = _bisect(lambda S: solve(S) is not None, max(problem.compute_floor, 1e-9), limit)
     if S is None:
         return BaselineResult(None, False, reason="no assignment fits even the aggregate memory")
@@ -184,7 +185,7 @@ def reference_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = F
     m = np.array([mm for _, mm in chosen], np.int64)
     micro = batch // m
     shares = _utilisation_shares(problem, m)
-    out = result(cluster, batch, micro, shares, B, "layered", with_ranks)
+    out = result(cluster, batch, micro, shares, B, Schedule.LAYERED.value, with_ranks)
     if not out.feasible:
         return BaselineResult(None, False, reason=f"{out.reason} (the release checks memory only in aggregate)")
     return out
@@ -208,7 +209,7 @@ def _utilisation_shares(problem: Problem, m: np.ndarray) -> np.ndarray:
     return shares / shares.sum()
 
 
-def compute_baselines(cluster: Cluster, global_batch: int, mode: str = "layered",
+def compute_baselines(cluster: Cluster, global_batch: int, mode: str = Schedule.LAYERED.value,
                       names: Sequence[str] = BASELINES, with_ranks: bool = False,
                       problem: Problem | None = None) -> dict[str, BaselineResult]:
     """The named baselines (``with_ranks``: with their per-rank plans) for a plan in ``mode``."""

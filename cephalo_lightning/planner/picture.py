@@ -17,9 +17,11 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from cephalo_lightning._common.vocabulary import Planner
 from cephalo_lightning.planner.cluster_spec import Cluster
 from cephalo_lightning.planner.errors import PlanningError
 from cephalo_lightning.planner.plan import Binding, Plan
+from cephalo_lightning.planner.planning import plan as make_plan
 
 MAX_RANKS = 128  # bars beyond this are unreadable: the picture shows the first ones and says so
 COLOURS = {Binding.COMPUTE: "tab:blue", Binding.MEMORY: "tab:red", Binding.LINK: "tab:orange",
@@ -47,13 +49,11 @@ def require_matplotlib() -> Any:
 
 def even_plan(cluster: Cluster, plan: Plan) -> tuple[Plan | None, str]:
     """The even baseline of ``plan``'s cluster and batch as a plan, or None and why it has none."""
-    from cephalo_lightning.planner.solver import plan as make_plan
-
-    known = plan.baselines.get("even")
+    known = plan.baselines.get(Planner.EVEN)
     if known is not None and not known.feasible:
         return None, f"the even plan is infeasible: {known.reason}"
     try:
-        return make_plan(cluster, plan.global_batch_size, mode=plan.mode, planner="even"), ""
+        return make_plan(cluster, plan.global_batch_size, mode=plan.mode, planner=Planner.EVEN.value), ""
     except PlanningError as err:
         return None, str(err)
 

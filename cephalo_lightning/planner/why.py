@@ -28,11 +28,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from cephalo_lightning._common.units import memory_text
+from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.planner.calibration import calibrated
 from cephalo_lightning.planner.cluster_cost import collective_ms
 from cephalo_lightning.planner.cluster_spec import Cluster
 from cephalo_lightning.planner.device_cost import DeviceCost, kind_costs, step_ms
 from cephalo_lightning.planner.plan import Binding, RankPlan
+from cephalo_lightning.planner.prices import Prices
 
 TOLERANCE = 1e-3  # a rank within this fraction of the plan's step sets it
 
@@ -46,22 +48,22 @@ class _Figures:
     alone_s: float  # without the shared host's bound or a group's synced passes
 
 
-def _figures(cost: DeviceCost, r: RankPlan, ag: float, rs: float, exposed: float) -> _Figures:
+def _figures(cost: DeviceCost, r: RankPlan, prices: Prices, exposed: float) -> _Figures:
     b, n, keep = np.array([r.batch_size]), np.array([r.num_micro_batches]), not r.recompute
     fwd, bwd = cost.compute_parts(b, n, keep)
-    a1, a2 = cost.collectives(n, ag, rs)
+    a1, a2 = cost.collectives(n, prices.ag, prices.rs)
     optimizer = float(cost.optimizer_ms(r.state_share))
     compute = step_ms(cost.settings, cost.num_layers * float(fwd[0] + bwd[0]) + optimizer)
-    alone = step_ms(cost.settings, cost.num_layers * (float(cost.layer_ms(b, n, ag, rs, keep)[0]) + exposed) + optimizer)
+    alone = step_ms(cost.settings, cost.num_layers * (float(cost.layer_ms(b, n, prices.ag, prices.rs, keep)[0]) + exposed) + optimizer)
     return _Figures(compute / 1e3, cost.num_layers * float(a1[0] + a2[0] + exposed) / 1e3, alone / 1e3)
 
 
-def _next_sample(cost: DeviceCost, r: RankPlan, reserved: float, ag: float, rs: float, exposed: float
+def _next_sample(cost: DeviceCost, r: RankPlan, reserved: float, prices: Prices, exposed: float
                  ) -> tuple[float, float]:
     """(the least memory b + 1 samples need, in GiB; the least step they take where they fit, s,
     inf where they fit nowhere)."""
     b = r.batch_size + 1
-    counts = np.array([r.num_micro_batches]) if cost.mode == "uniform" else np.arange(1, b + 1)
+    counts = np.array([r.num_micro_batches]) if cost.mode == Schedule.UNIFORM else np.arange(1, b + 1)
     keeps = np.zeros(len(counts), bool)
     if cost.can_keep:  # one micro-batch may keep its graph instead of recomputing
         counts, keeps = np.append(counts, 1), np.append(keeps, True)
@@ -70,7 +72,7 @@ def _next_sample(cost: DeviceCost, r: RankPlan, reserved: float, ag: float, rs: 
     memory = cost.compute_memory(m) + cost.extra_memory_gb(m, counts, keeps, batch) + reserved \
         + cost.state_gb * r.state_share
     fits = memory <= r.memory_limit_gb * (1 + 1e-9) if r.memory_limit_gb is not None else np.ones(len(counts), bool)
-    layer = cost.layer_ms(batch, counts, ag, rs, keeps) + exposed
+    layer = cost.layer_ms(batch, counts, prices.ag, prices.rs, keeps) + exposed
     step = step_ms(cost.settings, cost.num_layers * layer + float(cost.optimizer_ms(r.state_share))) / 1e3
     return float(memory.min()), float(step[fits].min()) if fits.any() else math.inf
 
@@ -106,12 +108,13 @@ def explain(cluster: Cluster, ranks: tuple[RankPlan, ...], mode: str) -> tuple[R
     reserved = cluster.settings.reserved_memory_gb
     steps = [r.predicted_step_s or 0.0 for r in ranks]
     S = max(steps)
-    keys = [(int(of_rank[i]), r.batch_size, r.num_micro_batches, r.state_share, r.recompute, float(ag[i]),
-             float(rs[i]), float(exposed[i]), steps[i]) for i, r in enumerate(ranks)]
+    prices = [Prices(float(a), float(s)) for a, s in zip(ag, rs)]
+    keys = [(int(of_rank[i]), r.batch_size, r.num_micro_batches, r.state_share, r.recompute, prices[i],
+             float(exposed[i]), steps[i]) for i, r in enumerate(ranks)]
     figures: dict[tuple, _Figures] = {}
     for i, key in enumerate(keys):
         if key not in figures:
-            figures[key] = _figures(costs[key[0]], ranks[i], ag[i], rs[i], exposed[i])
+            figures[key] = _figures(costs[key[0]], ranks[i], prices[i], float(exposed[i]))
     slowest = max(range(len(ranks)), key=lambda i: steps[i])
     cores = cluster.settings.host_cores
     host_bound = bool(cores) and S > max(f.alone_s for f in figures.values()) * (1 + TOLERANCE)
@@ -121,16 +124,17 @@ def explain(cluster: Cluster, ranks: tuple[RankPlan, ...], mode: str) -> tuple[R
     out = []
     for i, (r, key) in enumerate(zip(ranks, keys)):
         if key not in reasons:
-            reasons[key] = _reason(costs[key[0]], r, figures[key], steps[i], step, reserved, ag[i], rs[i], exposed[i])
+            reasons[key] = _reason(costs[key[0]], r, figures[key], steps[i], step, reserved, prices[i],
+                                   float(exposed[i]))
         binding, why = reasons[key]
         out.append(replace(r, binding=binding, why=why))
     return tuple(out)
 
 
-def _reason(cost: DeviceCost, r: RankPlan, fig: _Figures, s_i: float, step: _Step, reserved: float, ag: float,
-            rs: float, exposed: float) -> tuple[Binding, str]:
+def _reason(cost: DeviceCost, r: RankPlan, fig: _Figures, s_i: float, step: _Step, reserved: float,
+            prices: Prices, exposed: float) -> tuple[Binding, str]:
     S, b = step.seconds, r.batch_size
-    need, t_next = _next_sample(cost, r, reserved, ag, rs, exposed)
+    need, t_next = _next_sample(cost, r, reserved, prices, exposed)
     state = f"stores {100 * r.state_share:.3g}% of the state"
     if not math.isfinite(t_next):
         if b == 0:
