@@ -438,6 +438,7 @@ def build_cluster(cfg: Config, figures: list[dict[str, Any]]):
 def cost_rows(cfg: Config, figures: list[dict[str, Any]]) -> dict[str, Any]:
     from cephalo_lightning.planner.collective_prices import communication
     from cephalo_lightning.planner.device_cost import DeviceCost
+    from cephalo_lightning.planner.prices import Prices
 
     cluster = build_cluster(cfg, figures)
     c_ms, calibration = calibrated_overhead_ms(figures)
@@ -450,7 +451,7 @@ def cost_rows(cfg: Config, figures: list[dict[str, Any]]) -> dict[str, Any]:
     has_plan = figures[0]["plan"] is not None
     rows = []
     for i, per in enumerate(configs):
-        predicted = [c.step_s(b, n, ag, rs) for c, (b, n) in zip(costs, per)]
+        predicted = [c.step_s(b, n, Prices(ag, rs)) for c, (b, n) in zip(costs, per)]
         # the same model with the collectives NOT overlapped with compute (what gloo on CPU does)
         serial = [L * (sum(c.compute_ms(b, n)) + 2 * ag + rs) / 1e3 for c, (b, n) in zip(costs, per)]
         label = "plan()" if has_plan and i == len(configs) - 1 else f"config {i + 1}"

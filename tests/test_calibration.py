@@ -313,18 +313,20 @@ def test_a_calibration_across_nodes_keeps_each_group_on_its_own_link(groups: lis
     shares = [1.0 / groups.count(g) for g in groups]
     same = Calibration(step_overhead_ms=0.0, micro_batch_overhead_ms=1.0, allgather_ms=6.0, reduce_scatter_ms=6.0,
                        overlap=0.6, compute_scale=(1.0,) * 4)
-    profile = collective_ms(cluster, shares, groups)
-    again = collective_ms(with_calibration(cluster, same), shares, groups)
+    def figures(priced: Any) -> list[Any]:  # every rank's all-gather, reduce-scatter, exposed
+        prices, exposed = collective_ms(priced, shares, groups)
+        return [prices.ag, prices.rs, exposed]
+
+    profile = figures(cluster)
+    again = figures(with_calibration(cluster, same))
     for a, b in zip(profile, again):
         assert a.tolist() == pytest.approx(b.tolist(), rel=1e-12)
     # collectives that ran twice as slow as profiled: every grouping's collectives twice the price, the
     # cross-group reduction over the inter-node link included
-    slower = collective_ms(with_calibration(cluster, replace(same, allgather_ms=12.0, reduce_scatter_ms=12.0)),
-                           shares, groups)
+    slower = figures(with_calibration(cluster, replace(same, allgather_ms=12.0, reduce_scatter_ms=12.0)))
     for a, b in zip(profile, slower):
         assert (2 * a).tolist() == pytest.approx(b.tolist(), rel=1e-12)
-    nothing = collective_ms(with_calibration(cluster, replace(same, allgather_ms=0.0, reduce_scatter_ms=0.0)),
-                            shares, groups)
+    nothing = figures(with_calibration(cluster, replace(same, allgather_ms=0.0, reduce_scatter_ms=0.0)))
     if len(set(groups)) == 1:
         assert max(part.max() for part in nothing) < 1e-5
 
@@ -363,9 +365,10 @@ def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_gro
                                                               rel=1e-12)
     from cephalo_lightning.planner.cluster_cost import collective_ms
 
-    for got, want in zip(collective_ms(calibrated, sharded.state_shares),
-                         collective_ms(with_calibration(cluster, as_profiled), sharded.state_shares)):
-        assert got == pytest.approx(want, rel=1e-12)  # asked for one group's prices, a fit on another is not used
+    (got, got_exposed), (want, want_exposed) = (collective_ms(c, sharded.state_shares)
+                                                for c in (calibrated, with_calibration(cluster, as_profiled)))
+    for got_part, want_part in ((got.ag, want.ag), (got.rs, want.rs), (got_exposed, want_exposed)):
+        assert got_part == pytest.approx(want_part, rel=1e-12)  # asked for one group's prices, a fit on another is not used
 
 
 def test_the_host_is_blocked_in_an_asynchronous_collective_at_its_issue_and_its_wait(clock) -> None:

@@ -23,6 +23,7 @@ from cephalo_lightning.planner.cluster_cost import collective_ms
 from cephalo_lightning.planner.device_cost import DeviceCost
 from cephalo_lightning.planner.peers import BASELINE_GROUPINGS, BASELINES
 from cephalo_lightning.planner.plan import Binding
+from cephalo_lightning.planner.prices import FREE
 from cephalo_lightning.planner.report import (
     CATALOG,
     LEGEND,
@@ -77,12 +78,12 @@ def test_a_rank_without_samples_because_of_memory_says_what_one_sample_would_nee
 
 def test_link_bound_ranks_name_their_collectives_and_compute() -> None:
     p = plan(SLOW_LINK, 8)
-    ag, rs, exposed = collective_ms(SLOW_LINK, p.state_shares)
+    prices, exposed = collective_ms(SLOW_LINK, p.state_shares)
     cost = DeviceCost(SLOW_LINK.devices[0], SLOW_LINK)
     for r in p.ranks[:2]:
         fwd, bwd = cost.compute_ms(r.batch_size, r.num_micro_batches, r.recompute)
         compute = LAYERS * (fwd + bwd) / 1e3
-        collectives = LAYERS * (2 * ag[r.rank] + rs[r.rank] + exposed[r.rank]) / 1e3  # gather twice, reduce once
+        collectives = LAYERS * (2 * prices.ag[r.rank] + prices.rs[r.rank] + exposed[r.rank]) / 1e3  # gather twice, reduce once
         assert collectives > compute
         assert r.binding is Binding.LINK
         assert r.why == (f"its collectives take {s(collectives)} of the {s(p.predicted_step_s)} step, more than its "
@@ -93,7 +94,7 @@ def test_compute_bound_ranks_set_the_step_with_their_compute() -> None:
     p = plan(FAST, 4)
     cost = DeviceCost(FAST.devices[0], FAST)
     for r in p.ranks:
-        step = cost.step_s(r.batch_size, r.num_micro_batches, 0.0, 0.0, r.state_share, r.recompute)
+        step = cost.step_s(r.batch_size, r.num_micro_batches, FREE, r.state_share, r.recompute)
         assert step == pytest.approx(p.predicted_step_s, rel=1e-12)
         assert r.binding is Binding.COMPUTE
         assert r.why == f"its compute ({s(step)}) sets the step of {s(step)}; its collectives take 0 s"
@@ -104,8 +105,8 @@ def test_a_rank_one_sample_short_of_the_step_is_bound_by_granularity() -> None:
     short = min(p.ranks, key=lambda r: r.batch_size)
     assert short.batch_size == 1
     cost = DeviceCost(FAST.devices[short.rank], FAST)
-    now = cost.step_s(1, 1, 0.0, 0.0, short.state_share, short.recompute)
-    more = min(cost.step_s(2, n, 0.0, 0.0, short.state_share) for n in (1, 2))  # no graph memory measured: recompute
+    now = cost.step_s(1, 1, FREE, short.state_share, short.recompute)
+    more = min(cost.step_s(2, n, FREE, short.state_share) for n in (1, 2))  # no graph memory measured: recompute
     assert now < p.predicted_step_s <= more
     assert short.binding is Binding.GRANULARITY
     assert short.why == (f"one sample more would take it from {s(now)} to {s(more)}, at or past the step of "

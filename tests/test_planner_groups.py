@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, evaluate, load_cluster, plan, save_cluster
+from cephalo_lightning.planner.prices import Prices
 from tests.planner_reference import brute_force_groups, candidate_groupings, group_rank_times, memory_ok
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +125,7 @@ def test_one_group_prices_as_the_world_collective() -> None:
         comm, prices = communication(cluster), link_prices(cluster)
         for rho in (0.25, 0.4, 1.0):
             assert prices.group(cluster.world_size, cluster.num_nodes > 1, rho, 1) == (
-                comm.allgather(rho), comm.reduce_scatter(rho), 0.0)
+                Prices(comm.allgather(rho), comm.reduce_scatter(rho)), 0.0)
     # one group of four across the nodes: the slow link, three quarters of a layer, plus the latency
     cluster = two_nodes(latency=0.2)
     comm = communication(cluster)
@@ -178,9 +179,9 @@ def test_the_cross_group_reduction_is_priced_as_the_emulated_links_charge_it(gro
     G = len(set(groups))
     share = G / 4  # equal shares inside equal groups: every group cuts the layer alike
     prices = link_prices(cluster)
-    _, overlapped, exposed = prices.ranks(np.array(groups), np.array(cluster.nodes), np.full(4, share))
-    with_sum = overlapped + exposed
-    in_group = prices.group(4 // G, False, share, 1)[1] if 4 // G > 1 else 0.0
+    per_rank, exposed = prices.ranks(np.array(groups), np.array(cluster.nodes), np.full(4, share))
+    with_sum = per_rank.rs + exposed
+    in_group = prices.group(4 // G, False, share, 1)[0].rs if 4 // G > 1 else 0.0
     M = int(share * LAYER * cluster.model.grad_bytes_per_param)
     for rank in range(4):
         replicas = [r for r in range(4) if r % (4 // G) == rank % (4 // G)]

@@ -43,6 +43,7 @@ from cephalo_lightning.planner.cluster_spec import Cluster
 from cephalo_lightning.planner.collective_prices import communication, link_prices, single_group
 from cephalo_lightning.planner.device_cost import DeviceCost, kind_costs, slowdown_of, step_ms
 from cephalo_lightning.planner.plan import Plan
+from cephalo_lightning.planner.prices import Prices
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ class RankCost:
 
 def collective_ms(cluster: Cluster, shares: Sequence[float] | np.ndarray,
                   shard_groups: Sequence[int] | np.ndarray | None = None
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every rank's per-layer (all-gather, reduce-scatter plus the cross-group reduction, exposed) in
+                  ) -> tuple[Prices, np.ndarray]:
+    """Every rank's per-layer (all-gather and reduce-scatter plus the cross-group reduction, exposed) in
     ms, under ``shard_groups`` (None: one group of all; ``shares`` within each group). The exposed part
     (groups of one rank: the last gradient bucket's all-reduce, which starts when the backward ends)
     adds to the layer's time after :meth:`DeviceCost.layer_ms` instead of overlapping its compute. A
@@ -65,7 +66,7 @@ def collective_ms(cluster: Cluster, shares: Sequence[float] | np.ndarray,
     if single_group(shard_groups):
         comm = communication(cluster)
         rho = float(r.max()) if len(r) else 0.0
-        return np.full(len(r), comm.allgather(rho)), np.full(len(r), comm.reduce_scatter(rho)), np.zeros(len(r))
+        return Prices(np.full(len(r), comm.allgather(rho)), np.full(len(r), comm.reduce_scatter(rho))), np.zeros(len(r))
     groups = np.unique(np.asarray(shard_groups, dtype=np.int64), return_inverse=True)[1]
     return link_prices(cluster).ranks(groups, np.asarray(cluster.nodes, dtype=np.int64), r)
 
@@ -90,7 +91,7 @@ def evaluate_arrays(
     n = np.maximum(np.asarray(num_micro_batches, dtype=np.int64), 1)
     r = np.asarray(shares, dtype=float)
     keep = np.zeros(len(b), bool) if recompute is None else ~np.asarray(recompute, dtype=bool)
-    ag, rs, exposed = collective_ms(cluster, r, shard_groups)
+    prices, exposed = collective_ms(cluster, r, shard_groups)
     costs, of_rank = kinds if kinds is not None else kind_costs(cluster, mode)
     step = np.empty(len(b))
     memory = np.empty(len(b))
@@ -104,7 +105,7 @@ def evaluate_arrays(
         at = np.nonzero(of_rank == k)[0]
         if not len(at):
             continue
-        passes[:, at] = cost.pass_ms(b[at], n[at], ag[at], rs[at], keep[at])
+        passes[:, at] = cost.pass_ms(b[at], n[at], prices.at(at), keep[at])
         passes[1, at] += exposed[at]
         optimizer[at] = cost.optimizer_ms(r[at])
         step[at] = step_ms(cluster.settings, cost.num_layers * (passes[0, at] + passes[1, at]) + optimizer[at]) / 1e3

@@ -25,6 +25,7 @@ import numpy as np
 from cephalo_lightning._common.vocabulary import Collective
 from cephalo_lightning.planner.cluster_spec import Cluster
 from cephalo_lightning.planner.errors import PlanningError
+from cephalo_lightning.planner.prices import Prices
 
 # Extra time of an uneven collective per unit of imbalance: a collective whose largest shard is
 # rho of the unit costs 1 + slope * (W * rho - 1) times the even one. The bottleneck rank moves
@@ -147,16 +148,15 @@ class LinkPrices:
         return ag, rs, exposed
 
     def group(self, size: int, crosses: bool, rho: float, groups: int, far: float = 1.0
-              ) -> tuple[float, float, float]:
-        """(all-gather, reduce-scatter plus the cross-group reduction, exposed) of one layer for one
+              ) -> tuple[Prices, float]:
+        """(all-gather and reduce-scatter plus the cross-group reduction, exposed) of one layer for one
         group (ms); ``far``: the grouping's :func:`far_fraction`. The exposed part follows the
-        backward pass instead of overlapping it: :func:`collective_ms`."""
+        backward pass instead of overlapping it: :func:`.cluster_cost.collective_ms`."""
         ag, rs, exposed = self._per_group(np.array(size), np.array(crosses), np.array(rho), groups, far)
-        return float(ag), float(rs), float(exposed)
+        return Prices(float(ag), float(rs)), float(exposed)
 
-    def ranks(self, group_of: np.ndarray, nodes: np.ndarray, shares: np.ndarray
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every rank's (all-gather, reduce-scatter + cross-group, exposed) per layer under a grouping."""
+    def ranks(self, group_of: np.ndarray, nodes: np.ndarray, shares: np.ndarray) -> tuple[Prices, np.ndarray]:
+        """Every rank's (all-gather and reduce-scatter + cross-group, exposed) per layer under a grouping."""
         G = int(group_of.max()) + 1 if len(group_of) else 0
         size = np.bincount(group_of, minlength=G)
         rho = np.zeros(G)
@@ -166,7 +166,7 @@ class LinkPrices:
         np.minimum.at(low, group_of, nodes)
         np.maximum.at(high, group_of, nodes)
         ag, rs, exposed = self._per_group(size, low != high, rho, G, far_fraction(group_of, nodes))
-        return ag[group_of], rs[group_of], exposed[group_of]
+        return Prices(ag[group_of], rs[group_of]), exposed[group_of]
 
 
 def far_fraction(group_of: np.ndarray, nodes: np.ndarray) -> float:

@@ -58,6 +58,7 @@ from cephalo_lightning.planner.calibration import calibrated
 from cephalo_lightning.planner.cluster_spec import Cluster, DeviceProfile, Settings
 from cephalo_lightning.planner.compute_curves import PiecewiseLinear
 from cephalo_lightning.planner.errors import PlanningError
+from cephalo_lightning.planner.prices import Prices
 
 
 def combine(comm: np.ndarray | float, compute: np.ndarray | float, overlap: float) -> np.ndarray:
@@ -148,34 +149,34 @@ class DeviceCost:
             return np.ones_like(n)
         return 1.0 + (np.maximum(n, 1.0) - 1.0) * self.settings.repeated_gather_fraction
 
-    def collectives(self, n: np.ndarray, ag: float, rs: float) -> tuple[np.ndarray, np.ndarray]:
+    def collectives(self, n: np.ndarray, prices: Prices) -> tuple[np.ndarray, np.ndarray]:
         """Per-layer communication of the forward and the backward pass."""
         gathers = self.gathers(n)
-        return gathers * ag, gathers * ag + rs
+        return gathers * prices.ag, gathers * prices.ag + prices.rs
 
-    def layer_ms(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float,
+    def layer_ms(self, b: np.ndarray, n: np.ndarray, prices: Prices,
                  keep: np.ndarray | bool = False) -> np.ndarray:
         """Per-layer time of b samples in n micro-batches (b = 0: the collectives alone)."""
-        fwd, bwd = self.pass_ms(b, n, ag, rs, keep)
+        fwd, bwd = self.pass_ms(b, n, prices, keep)
         return fwd + bwd
 
-    def pass_ms(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float,
+    def pass_ms(self, b: np.ndarray, n: np.ndarray, prices: Prices,
                 keep: np.ndarray | bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Per-layer time of the forward and of the backward pass, each with its collectives."""
-        fwd, bwd, a1, a2 = self._passes(b, n, ag, rs, keep)
+        fwd, bwd, a1, a2 = self._passes(b, n, prices, keep)
         return combine(a1, fwd, self.overlap), combine(a2, bwd, self.overlap)
 
-    def _passes(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float, keep: np.ndarray | bool
+    def _passes(self, b: np.ndarray, n: np.ndarray, prices: Prices, keep: np.ndarray | bool
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per-layer (forward compute, backward compute, forward communication, backward communication)."""
         n = np.maximum(np.asarray(n, dtype=np.int64), 1)
-        return (*self.compute_parts(b, n, keep), *self.collectives(n, ag, rs))
+        return (*self.compute_parts(b, n, keep), *self.collectives(n, prices))
 
-    def blocked_ms(self, b: np.ndarray, n: np.ndarray, ag: float, rs: float,
+    def blocked_ms(self, b: np.ndarray, n: np.ndarray, prices: Prices,
                    keep: np.ndarray | bool = False) -> np.ndarray:
         """Per-layer time spent in collectives beyond the compute they overlap (what a host
         blocked in them measures)."""
-        fwd, bwd, a1, a2 = self._passes(b, n, ag, rs, keep)
+        fwd, bwd, a1, a2 = self._passes(b, n, prices, keep)
         return combine(a1, fwd, self.overlap) - fwd + combine(a2, bwd, self.overlap) - bwd
 
     def optimizer_ms(self, share: np.ndarray | float) -> np.ndarray:
@@ -186,9 +187,9 @@ class DeviceCost:
         fwd, bwd = self.compute_parts(np.array([batch_size]), np.array([num_micro_batches]), not recompute)
         return float(fwd[0]), float(bwd[0])
 
-    def step_s(self, batch_size: int, num_micro_batches: int, ag_ms: float, rs_ms: float,
+    def step_s(self, batch_size: int, num_micro_batches: int, prices: Prices,
                share: float = 0.0, recompute: bool = True) -> float:
-        layer = float(self.layer_ms(np.array([batch_size]), np.array([num_micro_batches]), ag_ms, rs_ms,
+        layer = float(self.layer_ms(np.array([batch_size]), np.array([num_micro_batches]), prices,
                                     not recompute)[0])
         return step_ms(self.settings, self.num_layers * layer + float(self.optimizer_ms(share))) / 1e3
 

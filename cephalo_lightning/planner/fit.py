@@ -105,12 +105,12 @@ def predicted_collective_s(cluster: Cluster, plan: Plan) -> float:
     overlap), on the rank blocked least: what :attr:`StepObservation.collective_s` measures."""
     groups = [r.shard_group for r in plan.ranks]
     cluster = calibrated(cluster, groups)
-    ag, rs, exposed = collective_ms(cluster, plan.state_shares, groups)
+    prices, exposed = collective_ms(cluster, plan.state_shares, groups)
     costs, of_rank = kind_costs(cluster, plan.mode)
     b = np.array(plan.batch_sizes)
     n = np.array([max(r.num_micro_batches, 1) for r in plan.ranks])
     keep = np.array([not r.recompute for r in plan.ranks])
-    least = min(float(costs[of_rank[i]].blocked_ms(b[i:i + 1], n[i:i + 1], ag[i], rs[i], keep[i:i + 1])[0])
+    least = min(float(costs[of_rank[i]].blocked_ms(b[i:i + 1], n[i:i + 1], prices.at(i), keep[i:i + 1])[0])
                 + exposed[i] for i in range(len(plan.ranks)))
     return cluster.settings.host_contention * cluster.model.num_layers * least / 1e3
 

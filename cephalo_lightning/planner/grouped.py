@@ -234,7 +234,7 @@ class GroupedProblem:
             fractions = FINE_FRACTIONS if exact else RHO_FRACTIONS
             ends = np.array([1.0]) if k == 1 else 1.0 / k + (1.0 - 1.0 / k) * np.array(fractions)
             self.rho.append(ends)
-            self.priced.append([_split_exposed(links.group(k, t.crosses, float(r), self.G, far)) for r in ends])
+            self.priced.append([links.group(k, t.crosses, float(r), self.G, far) for r in ends])
 
     def _priced_tables(self, t: int, S: float, price: int, n_fixed: int | None, cache: dict) -> tuple:
         """The type's kinds' (inner, outer) tables at price point ``price``, shares uncapped; types with the
@@ -351,12 +351,6 @@ class GroupedProblem:
         step, _, _ = evaluate_arrays(problem.cluster, batch, micro, shares, ~keep, problem.mode,
                                      kinds=(problem.costs, problem.of_rank), shard_groups=self.groups)
         return Assignment(batch, micro, shares, keep, float(step.max()), self.groups)
-
-
-def _split_exposed(figures: tuple[float, float, float]) -> tuple[Prices, float]:
-    """:meth:`.cost.LinkPrices.group`'s (all-gather, reduce-scatter, exposed) as the prices and the exposed part."""
-    ag, rs, exposed = figures
-    return Prices(ag, rs), exposed
 
 
 def capped(table: Options, cap: float) -> Options:

@@ -164,7 +164,7 @@ class DeviceModel:
     def layer_ms(self, b: np.ndarray, n: np.ndarray, prices: Prices,
                  keep: np.ndarray | bool = False) -> np.ndarray:
         """Per-layer step time of b samples in n micro-batches (b = 0: collectives only)."""
-        return self.cost.layer_ms(b, n, prices.ag, prices.rs, keep)
+        return self.cost.layer_ms(b, n, prices, keep)
 
     def idle_ms(self, prices: Prices, n: int = 1) -> float:
         """The per-layer time of the collectives alone (no samples; uniform: n gathers each way)."""
@@ -185,7 +185,7 @@ class DeviceModel:
         """Largest b (<= B) that n micro-batches finish within t; 0 where n is infeasible."""
         n = np.asarray(n, dtype=np.int64)
         nf = n.astype(float)
-        a1, a2 = self.cost.collectives(n, prices.ag, prices.rs)
+        a1, a2 = self.cost.collectives(n, prices)
         over = (nf - 1) * self.c
         x = np.full(len(n), np.inf)
         for form in self._forms[variant]:

@@ -51,10 +51,10 @@ class _Figures:
 def _figures(cost: DeviceCost, r: RankPlan, prices: Prices, exposed: float) -> _Figures:
     b, n, keep = np.array([r.batch_size]), np.array([r.num_micro_batches]), not r.recompute
     fwd, bwd = cost.compute_parts(b, n, keep)
-    a1, a2 = cost.collectives(n, prices.ag, prices.rs)
+    a1, a2 = cost.collectives(n, prices)
     optimizer = float(cost.optimizer_ms(r.state_share))
     compute = step_ms(cost.settings, cost.num_layers * float(fwd[0] + bwd[0]) + optimizer)
-    alone = step_ms(cost.settings, cost.num_layers * (float(cost.layer_ms(b, n, prices.ag, prices.rs, keep)[0]) + exposed) + optimizer)
+    alone = step_ms(cost.settings, cost.num_layers * (float(cost.layer_ms(b, n, prices, keep)[0]) + exposed) + optimizer)
     return _Figures(compute / 1e3, cost.num_layers * float(a1[0] + a2[0] + exposed) / 1e3, alone / 1e3)
 
 
@@ -72,7 +72,7 @@ def _next_sample(cost: DeviceCost, r: RankPlan, reserved: float, prices: Prices,
     memory = cost.compute_memory(m) + cost.extra_memory_gb(m, counts, keeps, batch) + reserved \
         + cost.state_gb * r.state_share
     fits = memory <= r.memory_limit_gb * (1 + 1e-9) if r.memory_limit_gb is not None else np.ones(len(counts), bool)
-    layer = cost.layer_ms(batch, counts, prices.ag, prices.rs, keeps) + exposed
+    layer = cost.layer_ms(batch, counts, prices, keeps) + exposed
     step = step_ms(cost.settings, cost.num_layers * layer + float(cost.optimizer_ms(r.state_share))) / 1e3
     return float(memory.min()), float(step[fits].min()) if fits.any() else math.inf
 
@@ -103,12 +103,12 @@ def explain(cluster: Cluster, ranks: tuple[RankPlan, ...], mode: str) -> tuple[R
     groups = np.array([r.shard_group for r in ranks], dtype=np.int64)
     single = bool((groups == 0).all())
     shares = np.array([r.state_share for r in ranks])
-    ag, rs, exposed = collective_ms(cluster, shares, None if single else groups)
+    per_rank, exposed = collective_ms(cluster, shares, None if single else groups)
     costs, of_rank = kind_costs(calibrated(cluster, groups), mode)
     reserved = cluster.settings.reserved_memory_gb
     steps = [r.predicted_step_s or 0.0 for r in ranks]
     S = max(steps)
-    prices = [Prices(float(a), float(s)) for a, s in zip(ag, rs)]
+    prices = [per_rank.at(i) for i in range(len(ranks))]
     keys = [(int(of_rank[i]), r.batch_size, r.num_micro_batches, r.state_share, r.recompute, prices[i],
              float(exposed[i]), steps[i]) for i, r in enumerate(ranks)]
     figures: dict[tuple, _Figures] = {}
