@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{number}] {reason}")
     if args.plans:
         for label, result in plans:
-            print(f"\n{label}, {result.model.get('name')}:")
+            print(f"\n{label}, {result.model.name}:")
             print(render_plan(result), end="")
     if args.save_clusters:
         print(f"\ncluster files written to {args.save_clusters}/")

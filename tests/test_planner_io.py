@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from cephalo_lightning.planner import Plan, PlanningError, cluster_from_dict, load_cluster, plan
+from cephalo_lightning.planner import ModelSummary, Plan, PlanningError, cluster_from_dict, load_cluster, plan
 from cephalo_lightning.planner.cli import main as cli_main
 from cephalo_lightning.planner.convert import convert_release, latency_series, memory_series, release_cluster
 from cephalo_lightning.planner.device_cost import DeviceCost
@@ -50,6 +50,10 @@ def write(tmp_path: Path, data: Any) -> Path:
     (lambda d: d.update(ranks={}), r"'ranks' must be a non-empty list"),
     (lambda d: d.pop("ranks"), r"the field 'ranks' is missing"),
     (lambda d: d.update(format_version=99), r"format_version 99 is not one this version reads"),
+    (lambda d: d.update(model=["m"]), r"'model' must be an object, got \['m'\]"),
+    (lambda d: d["model"].update(params=7), r"model: unknown field\(s\) \['params'\]"),
+    (lambda d: d["model"].update(parameters="7e9"), r"model\.parameters must be a whole number >= 0, got '7e9'"),
+    (lambda d: d["model"].update(name=3), r"model\.name must be a string, got 3"),
 ])
 def test_bad_plan_fields_name_the_field_rank_and_fix(tmp_path: Path, change, message: str) -> None:
     data = plan_data()
@@ -59,6 +63,16 @@ def test_bad_plan_fields_name_the_field_rank_and_fix(tmp_path: Path, change, mes
     text = str(err.value)
     assert str(tmp_path / "plan.json") in text and "\n" not in text
     assert "python -m cephalo_lightning plan" in text  # the fix
+
+
+def test_the_model_a_plan_was_made_for_round_trips_as_its_record(tmp_path: Path) -> None:
+    cluster = load_cluster(CLUSTERS / "t4-example.yaml")
+    made = plan(cluster, 48)
+    m = cluster.model
+    assert made.model == ModelSummary(m.name, m.parameters, m.trainable, m.num_layers, m.state_bytes_per_param,
+                                      m.weight_bytes_per_param)
+    assert Plan.load(write(tmp_path, made.to_dict())).model == made.model
+    assert Plan.from_dict({**made.to_dict(), "model": {}}).model == ModelSummary()  # a hand-written plan may omit it
 
 
 def test_a_list_is_not_a_plan(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 import cephalo_lightning
 from cephalo_lightning import CephaloStrategy, Plan, PlanningError
-from cephalo_lightning.planner import RankPlan
+from cephalo_lightning.planner.plan import ModelSummary, RankPlan
 from cephalo_lightning.runtime import checkpoint
 from tests.conftest import clean_env, failure_report
 from tests.distributed import run_distributed
@@ -166,7 +166,7 @@ def test_plan_for_another_world_size_is_refused_before_training():
 
 
 def test_plan_for_another_model_is_refused():
-    plan = Plan(12, "layered", (RankPlan(0, "a", 12, 1, 12, 1.0),), model={"name": "gpt-2.7b", "parameters": 2_770_000_000})
+    plan = Plan(12, "layered", (RankPlan(0, "a", 12, 1, 12, 1.0),), model=ModelSummary("gpt-2.7b", 2_770_000_000))
     with pytest.raises(PlanningError, match="re-plan for this model"):
         _fit_one(CephaloStrategy(plan=plan))
 

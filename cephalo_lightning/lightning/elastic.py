@@ -101,7 +101,7 @@ def replan_for_world(plan: Plan, devices: Sequence[str]) -> Plan:
         count = max(1, math.ceil(batch / micro)) if batch else 1
         ranks.append(RankPlan(rank, name, batch, count, math.ceil(batch / count) if batch else 0,
                               share / total_share if total_share > 0 else 1 / len(devices)))
-    return Plan(plan.global_batch_size, plan.mode, tuple(ranks), model=dict(plan.model), planner=Planner.ELASTIC.value,
+    return Plan(plan.global_batch_size, plan.mode, tuple(ranks), model=plan.model, planner=Planner.ELASTIC.value,
                 emulated=plan.emulated)
 
 

@@ -118,7 +118,7 @@ def group_plan(plan: Plan) -> Plan:
         first = plan.ranks[members[0]]
         batch = sum(plan.ranks[r].batch_size for r in members)
         ranks.append(RankPlan(g, first.device, batch, 1, batch, 1.0, shard_group=g))
-    return Plan(plan.global_batch_size, plan.mode, tuple(ranks), model=dict(plan.model), planner=plan.planner,
+    return Plan(plan.global_batch_size, plan.mode, tuple(ranks), model=plan.model, planner=plan.planner,
                 emulated=plan.emulated)
 
 

@@ -165,20 +165,16 @@ def memory_proportional(plan: Plan, identities: list[DeviceIdentity]) -> Plan:
 
 
 def check_model(plan: Plan, module: nn.Module) -> None:
-    """Refuse a plan made for another model: its parameters, and its trainable ones where it records
-    them (a plan from before frozen parameters were priced records the trainable count only)."""
-    model = plan.model or {}
+    """Refuse a plan made for another model: its parameters, and its trainable ones, where it records them."""
+    model = plan.model
     params = list(module.parameters())
     total = sum(math.prod(full_shape(p)) for p in params)
     trainable = sum(math.prod(full_shape(p)) for p in params if p.requires_grad)
-    checks = ([("parameters", total), ("trainable_parameters", trainable)] if "trainable_parameters" in model
-              else [("parameters", trainable)])
-    for key, actual in checks:
-        expected = model.get(key)
+    for what, expected, actual in (("parameters", model.parameters, total),
+                                   ("trainable parameters", model.trainable_parameters, trainable)):
         if expected and abs(actual - expected) > 0.02 * expected:
-            what = "parameters" if key == "parameters" else "trainable parameters"
             raise PlanningError(
-                f"the plan was made for a model with {expected:,} {what} ({model.get('name', '?')}) "
+                f"the plan was made for a model with {expected:,} {what} ({model.name or '?'}) "
                 f"but this LightningModule has {actual:,}: re-plan for this model"
             )
 

@@ -4,11 +4,11 @@ from cephalo_lightning.planner.cluster import cluster_from_dict, cluster_to_dict
 from cephalo_lightning.planner.cluster_cost import evaluate
 from cephalo_lightning.planner.cluster_spec import Cluster, DeviceProfile, Emulation, ModelSpec, Settings
 from cephalo_lightning.planner.errors import PlanningError
-from cephalo_lightning.planner.plan import BaselineResult, Plan, RankPlan, split_sizes
+from cephalo_lightning.planner.plan import BaselineResult, ModelSummary, Plan, RankPlan, split_sizes
 from cephalo_lightning.planner.planning import plan
 
 __all__ = [
-    "BaselineResult", "Cluster", "DeviceProfile", "Emulation", "ModelSpec", "Plan", "PlanningError",
+    "BaselineResult", "Cluster", "DeviceProfile", "Emulation", "ModelSpec", "ModelSummary", "Plan", "PlanningError",
     "RankPlan", "Settings", "cluster_from_dict", "cluster_to_dict", "evaluate", "load_cluster", "plan",
     "save_cluster", "split_sizes",
 ]

@@ -10,7 +10,7 @@ from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.planner.cluster_cost import evaluate_arrays
 from cephalo_lightning.planner.cluster_spec import Cluster
 from cephalo_lightning.planner.device_cost import DeviceCost
-from cephalo_lightning.planner.plan import RankPlan
+from cephalo_lightning.planner.plan import ModelSummary, RankPlan
 
 
 def rank_plans(
@@ -53,9 +53,8 @@ def rank_plans(
     return ranks, float(step.max())
 
 
-def model_summary(cluster: Cluster) -> dict[str, object]:
+def model_summary(cluster: Cluster) -> ModelSummary:
     """What the plan records about the model and settings it was made for."""
     m = cluster.model
-    return {"name": m.name, "parameters": m.parameters, "trainable_parameters": m.trainable,
-            "num_layers": m.num_layers, "state_bytes_per_param": m.state_bytes_per_param,
-            "weight_bytes_per_param": m.weight_bytes_per_param}
+    return ModelSummary(m.name, m.parameters, m.trainable, m.num_layers, m.state_bytes_per_param,
+                        m.weight_bytes_per_param)

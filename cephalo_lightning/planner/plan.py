@@ -94,6 +94,44 @@ class BaselineResult:
 
 
 @dataclass(frozen=True)
+class ModelSummary:
+    """What a plan records of the model it was made for, so a fit can refuse another model; every
+    field is optional (a plan written by hand may record none)."""
+
+    name: str | None = None
+    parameters: int | None = None
+    trainable_parameters: int | None = None
+    num_layers: int | None = None
+    state_bytes_per_param: float | None = None
+    weight_bytes_per_param: float | None = None
+
+    def __post_init__(self) -> None:
+        _builtin_numbers(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str) -> ModelSummary:
+        if not isinstance(data, Mapping):
+            raise PlanningError(f"{where}: 'model' must be an object, got {_shown(data)}; {REMAKE}")
+        _unknown(data, {f.name for f in fields(cls)}, f"{where}: model")
+        values: dict[str, Any] = {}
+        for key, value in data.items():
+            if value is None:
+                continue
+            if key == "name":
+                if not isinstance(value, str):
+                    raise PlanningError(f"{where}: model.name must be a string, got {_shown(value)}; {REMAKE}")
+                values[key] = value
+            elif key.endswith("_per_param"):
+                values[key] = _finite(value, f"{where}: model.{key}", 0.0)
+            else:
+                values[key] = _whole(value, f"{where}: model.{key}", 0)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class Plan:
     global_batch_size: int
     mode: str
@@ -101,7 +139,7 @@ class Plan:
     predicted_step_s: float | None = None
     predicted_samples_per_s: float | None = None
     upper_bound_samples_per_s: float | None = None
-    model: dict[str, Any] = field(default_factory=dict)  # name, parameters, num_layers
+    model: ModelSummary = field(default_factory=ModelSummary)
     baselines: dict[str, BaselineResult] = field(default_factory=dict)
     planner: str = Planner.CEPHALO.value  # which planner made it: cephalo or a baseline (even, proportional, ...)
     emulated: bool = False
@@ -154,7 +192,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ranks", "baselines")}
-        data["model"] = dict(self.model)
+        data["model"] = self.model.to_dict()
         data["ranks"] = [_rank_dict(r) for r in self.ranks]
         data["baselines"] = {
             name: {f.name: getattr(b, f.name) for f in fields(b)
@@ -205,7 +243,9 @@ class Plan:
         for key in ("predicted_step_s", "predicted_samples_per_s", "upper_bound_samples_per_s", "optimality_gap"):
             if data.get(key) is not None:
                 extra[key] = _finite(data[key], f"{where}: {key}")
-        for key, kind in (("model", dict), ("planner", str), ("emulated", bool)):
+        if "model" in data:
+            extra["model"] = ModelSummary.from_dict(data["model"], where)
+        for key, kind in (("planner", str), ("emulated", bool)):
             if key in data:
                 if not isinstance(data[key], kind):
                     raise PlanningError(f"{where}: '{key}' must be a {kind.__name__}, got {_shown(data[key])}; {REMAKE}")

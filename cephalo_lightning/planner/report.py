@@ -172,7 +172,7 @@ def next_line(plan: Plan, cluster: Cluster | None = None, output: str | None = N
 
 def parameters_line(plan: Plan) -> str | None:
     """"trainable N of M parameters" where the plan records a model with frozen parameters (LoRA)."""
-    total, trainable = plan.model.get("parameters"), plan.model.get("trainable_parameters")
+    total, trainable = plan.model.parameters, plan.model.trainable_parameters
     if not total or trainable is None or trainable == total:
         return None
     return (f"trainable {trainable:,} of {total:,} parameters ({100 * trainable / total:.2g}%): the frozen ones "
