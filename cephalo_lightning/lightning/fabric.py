@@ -109,7 +109,7 @@ class CephaloFabricStrategy(DDPStrategy):
             if batch is None:
                 raise ConfigurationError("CephaloFabricStrategy has no plan yet: give plan=... or global_batch_size=B, "
                                          "or set up the training dataloader (its batch_size is the global batch) first")
-            self.plan = Plan.even(self.world_size, batch, mode="uniform")
+            self.plan = Plan.even(self.world_size, batch, mode=Schedule.UNIFORM.value)
         if self.plan.world_size != self.world_size:
             raise ConfigurationError(f"the plan is for {self.plan.world_size} ranks but Fabric runs {self.world_size}: "
                                      f"re-plan for {self.world_size} devices or launch {self.plan.world_size}")
@@ -140,7 +140,7 @@ class CephaloFabricStrategy(DDPStrategy):
 
     def _state_shares(self) -> list[float]:
         """The plan's shares; with no plan yet, an even plan's (which any batch size gives)."""
-        plan = self.plan if self.plan is not None else Plan.even(self.world_size, self.world_size, mode="uniform")
+        plan = self.plan if self.plan is not None else Plan.even(self.world_size, self.world_size, mode=Schedule.UNIFORM.value)
         return list(plan.state_shares)
 
     @override

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
+from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.lightning.fault_tolerance import (
     ReplicaGroup,
     Settings,
@@ -92,7 +93,7 @@ class FitReplica:
     @staticmethod
     def check_schedule(schedule: str) -> None:
         """The module runs layer by layer: the uniform mode (one micro-batch count on every rank) is refused."""
-        if schedule != "layered":
+        if schedule != Schedule.LAYERED:
             raise ConfigurationError(
                 f"CephaloStrategy(fault_tolerance=True): the module runs in the {schedule} mode (it has no layered form, "
                 "or mode= asked for it), which fault tolerance refuses (the survivors' parts change the ranks' "

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning._common.vocabulary import Collective
 from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
 from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES, Collectives, Links
 from cephalo_lightning.runtime.distributed import all_reduce_, barrier, is_distributed
@@ -86,7 +87,7 @@ def time_collectives(
     device: torch.device | str = "cpu",
     compute_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
-    modes: Sequence[str] = ("padded",),
+    modes: Sequence[str] = (Collective.PADDED.value,),
     shares: Sequence[float] | None = None,
     links: Links | None = None,
     warmup: int = 1,
@@ -114,7 +115,7 @@ def time_collectives(
         raise ConfigurationError(f"{len(shares)} shares for a world of {world} ranks: give one per rank")
     even = build_layout([numel], [1.0 / world] * world, ["profiled-unit"]).units[0]
     uneven = even if shares is None else build_layout([numel], list(shares), ["profiled-unit"]).units[0]
-    mode = modes[0] if modes else "padded"
+    mode = modes[0] if modes else Collective.PADDED.value
     ag, rs = _time_unit(Collectives(group, mode, links=links), even, device, compute_dtype, reduce_dtype, warmup, repeats)
     by_mode = {
         mode: _time_unit(Collectives(group, mode, links=links), uneven, device, compute_dtype, reduce_dtype, warmup, repeats)
@@ -188,7 +189,7 @@ def time_overlap(
     emulator: DeviceEmulator | None = None,
     links: Links | None = None,
     compute_dtype: torch.dtype = torch.float32,
-    mode: str = "padded",
+    mode: str = Collective.PADDED.value,
     repeats: int = 5,
 ) -> float:
     """How much of an all-gather hides behind compute running beside it, in [0, 1]; every rank must call it.

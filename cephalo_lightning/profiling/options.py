@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning._common.vocabulary import Collective
 from cephalo_lightning.profiling.timing import STATISTICS
 from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES
 
@@ -25,7 +26,7 @@ class ProfileOptions:
     measure_memory: bool = True  # measure each layer's compute memory (else 0)
     batch_dim: int = 0  # the samples' dimension of a layer's input
     collectives: bool = True  # time the all-gather / reduce-scatter (else keep the settings' values)
-    collective_modes: tuple[str, ...] = ("padded",)  # the first is the runtime's mode
+    collective_modes: tuple[str, ...] = (Collective.PADDED.value,)  # the first is the runtime's mode
     collective_repeats: int = 5
     link_probe_bytes: int = 4 * 2**20  # each rank's shard when the links within / between nodes are timed
     share_measurements: bool = True  # identical devices (same name and emulation) measure once

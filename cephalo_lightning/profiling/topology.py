@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cephalo_lightning._common.vocabulary import Collective
 from cephalo_lightning.planner.cluster_spec import Emulation
 from cephalo_lightning.profiling.collectives import _time_op
 from cephalo_lightning.profiling.options import ProfileOptions
@@ -146,7 +147,7 @@ def _time_class(
         unit = build_layout([shard_numel * size], [1.0 / size] * size, ["link-probe"]).units[0]
         shard = torch.ones(shard_numel, dtype=torch.float32, device=device)
         full = torch.empty(unit.numel, dtype=torch.float32, device=device)
-        comm = Collectives(sub, "padded", links=links)  # the emulated link holds what crosses nodes
+        comm = Collectives(sub, Collective.PADDED, links=links)  # the emulated link holds what crosses nodes
         sent = shard_numel * 4
         ms = _time_op(lambda: comm.all_gather(shard, full, unit).wait(), device, group, warmup, repeats)
         seconds_per_gb = ms / 1e3 / (sent * (size - 1) / 1e9)
