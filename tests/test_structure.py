@@ -1,5 +1,6 @@
 """The package's shape, checked from its source: imports point one way through the layers, no
-modules import each other in a circle, and every Lightning override says so with ``@override``.
+modules import each other in a circle, schedules and collective modes are named by their enums,
+and every Lightning override says so with ``@override``.
 
 Layers, lowest first: ``_common`` <- ``planner`` <- ``runtime`` (and ``testing``) <- ``profiling``
 <- ``models`` <- the Lightning layer (``lightning/`` and the top-level modules, ``demo``,
@@ -173,6 +174,42 @@ def test_only_the_private_module_imports_private_lightning():
             if private:
                 wrong.append(f"{_where(path)}:{line} imports {module} {', '.join(names)}")
     assert not wrong, f"private Lightning imports outside {PRIVATE_HOME}:\n" + "\n".join(wrong)
+
+
+# ----------------------------------------------------------------------------- closed vocabularies
+
+VOCABULARY_HOME = "_common/vocabulary.py"
+
+
+def _spelled_words(path: Path, words: set[str]) -> list[tuple[int, str]]:
+    """String literals in ``path`` that spell one of ``words``, outside docstrings, f-string text and the
+    bodies of enum classes (whose members define a vocabulary of their own)."""
+    tree = ast.parse(path.read_text(), str(path))
+    exempt: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            exempt |= {id(part) for part in ast.walk(node)}
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body \
+                and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant):
+            exempt.add(id(node.body[0].value))
+        if isinstance(node, ast.ClassDef) and any(getattr(b, "id", getattr(b, "attr", "")).endswith("Enum")
+                                                  for b in node.bases):
+            exempt |= {id(part) for part in ast.walk(node)}
+    return sorted((node.lineno, node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in words
+                  and id(node) not in exempt)
+
+
+def test_schedules_and_collectives_are_named_by_their_enums():
+    """Outside the vocabulary module no code spells a schedule or a collective mode as a string: it
+    compares, defaults and builds choices from ``Schedule`` and ``Collective`` (whose members equal
+    the strings files carry), so a renamed or added member cannot be missed in one place."""
+    from cephalo_lightning._common.vocabulary import Collective, Schedule
+
+    words = {member.value for vocabulary in (Schedule, Collective) for member in vocabulary}
+    spelled = [f"{_where(path)}:{line} {word!r}" for path in _sources() if _where(path) != VOCABULARY_HOME
+               for line, word in _spelled_words(path, words)]
+    assert not spelled, "name these by their enum member (cephalo_lightning._common.vocabulary):\n" + "\n".join(spelled)
 
 
 # ----------------------------------------------------------------------------- @override
