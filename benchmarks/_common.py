@@ -1,7 +1,7 @@
 """Shared helpers for the CPU benchmarks: gloo ranks, interleaved timing, plain-text tables.
 
-Importing this module has no side effects. The benchmark scripts put ``benchmarks/`` (for this
-module) and the repository root (for ``cephalo_lightning``, when not installed) on ``sys.path``.
+Importing this module has no side effects. The benchmarks run as modules from the repository root
+(``python -m benchmarks.bench_x``), so this checkout's ``cephalo_lightning`` and ``benchmarks`` import.
 
 Every figure these benchmarks print is a CPU measurement over gloo (processes on one machine), not
 a GPU/NCCL one; ratios are measured side by side in one run with the variants interleaved, so that

@@ -1,8 +1,8 @@
 """Layered gradient accumulation benchmark: memory vs micro-batch count, cost model vs schedule.
 
-    python benchmarks/bench_layered.py            # a few minutes
-    python benchmarks/bench_layered.py --quick    # fewer configurations and rounds; under a minute
-    python benchmarks/bench_layered.py --json     # the rows as JSON
+    python -m benchmarks.bench_layered            # a few minutes
+    python -m benchmarks.bench_layered --quick    # fewer configurations and rounds; under a minute
+    python -m benchmarks.bench_layered --json -   # the result as JSON on stdout (--json PATH: to a file)
 
 Two measurements on 2 gloo ranks (CPU processes, NOT GPUs; every figure is a CPU measurement):
 
@@ -22,21 +22,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _common as common
 import torch
 
+from benchmarks import _common as common
+from benchmarks.harness import Benchmark, comma_list
+
 WORLD = 2
+PARTS = ("memory", "cost", "unitwise")
 
 
 @dataclass(frozen=True)
@@ -525,7 +521,7 @@ def _rank_main(rank: int, world: int, cfg: Config, parts: tuple[str, ...]) -> di
     return result
 
 
-def run_benchmark(cfg: Config = Config(), parts: tuple[str, ...] = ("memory", "cost", "unitwise")) -> dict[str, Any]:
+def run_benchmark(cfg: Config = Config(), parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     """Both measurements as plain data (one spawn of 2 gloo ranks)."""
     start, load = time.perf_counter(), common.load_average()
     per_rank = common.run_ranks(_rank_main, WORLD, cfg, parts)
@@ -637,19 +633,16 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"wall time of the run: {result['wall_s']:.1f} s; " + common.load_note(*result["load_average"]))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer configurations and rounds (under a minute)")
-    parser.add_argument("--parts", default="memory,cost,unitwise", help="comma-separated subset: memory, cost, unitwise")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args(argv)
-    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    unknown = set(parts) - {"memory", "cost", "unitwise"}
-    if unknown:
-        parser.error(f"unknown part(s) {sorted(unknown)}")
-    result = run_benchmark(QUICK if args.quick else Config(), parts)
-    return common.emit(result, args.json, print_report)
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parts", type=comma_list(PARTS), default=PARTS, help=f"comma-separated subset of {','.join(PARTS)}")
 
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """``--quick``: fewer configurations and rounds (under a minute)."""
+    return run_benchmark(QUICK if args.quick else Config(), args.parts)
+
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(BENCHMARK.main())

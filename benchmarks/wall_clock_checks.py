@@ -1,9 +1,9 @@
 """Wall-clock acceptance checks: the speed properties that tests must not time.
 
-    python benchmarks/wall_clock_checks.py            # every check; exit 1 if one fails
-    python benchmarks/wall_clock_checks.py planner    # only the planner's (a few seconds)
-    python benchmarks/wall_clock_checks.py emulated   # only the emulated speed-up (about a minute)
-    python benchmarks/wall_clock_checks.py profiled   # only the profiled slowdown (about 20 s)
+    python -m benchmarks.wall_clock_checks            # every check; exit 1 if one fails
+    python -m benchmarks.wall_clock_checks planner    # only the planner's (a few seconds)
+    python -m benchmarks.wall_clock_checks emulated   # only the emulated speed-up (about a minute)
+    python -m benchmarks.wall_clock_checks profiled   # only the profiled slowdown (about 20 s)
 
 The test suite asserts what is deterministic (valid plans, clear refusals, the plan's shape, the
 planner's predicted speed-up); how long something takes on this machine is measured here, on a
@@ -50,11 +50,6 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(ROOT))
-
 from cephalo_lightning.planner import load_cluster, plan  # noqa: E402 - torch-free
 from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH  # noqa: E402
 
