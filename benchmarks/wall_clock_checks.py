@@ -218,14 +218,14 @@ def _profile_slow_pair(rank: int, world_size: int) -> float:
     import torch
 
     from cephalo_lightning.demo.gpt import GPT, GPTConfig
-    from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions
+    from cephalo_lightning.profiling import ClusterProfiler, ModelDescription, ProfileOptions
 
     torch.manual_seed(0)
     layers = GPT(GPTConfig.preset("small", seq_len=64)).layers()
     sample = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     emulate = [{"slowdown": 1}, {"slowdown": PROFILED_SLOWDOWN, "memory_gb": 0.05}]
     options = ProfileOptions(max_micro_batch=4, collective_modes=("padded", "exact"))
-    fast, slow = ClusterProfiler(layers, sample, emulate=emulate, options=options, model_name="gpt-small",
+    fast, slow = ClusterProfiler(layers, sample, ModelDescription(name="gpt-small"), emulate=emulate, options=options,
                                  quiet=True).run().cluster.devices
     return (sum(slow.layer_fwd_ms) + sum(slow.layer_bwd_ms)) / (sum(fast.layer_fwd_ms) + sum(fast.layer_bwd_ms))
 
