@@ -141,7 +141,6 @@ def _memory(rank: int, world: int, cfg: Config) -> list[dict[str, Any]]:
             rows.append({
                 "rank": rank, "method": method, "micro_batches": n, "micro_batch_size": m,
                 "peak_bytes": tracker.peak_bytes, "peak_host_bytes": tracker.peak_host_bytes,
-                "stash_bytes": schedule.stats.stash_bytes if schedule is not None else 0,
                 "resident_state_bytes": resident, "largest_layer_grad_bytes": 4 * largest_layer,
                 "all_gathers": sum(op == "all_gather" for op, _, _ in log),
                 "reduce_scatters": sum(op == "reduce_scatter" for op, _, _ in log),
@@ -478,7 +477,8 @@ def cost_rows(cfg: Config, figures: list[dict[str, Any]]) -> dict[str, Any]:
 def _unit_wise(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     """Peak accounted memory of 2 steps with the optimizer stepped at the end vs unit by unit."""
     from cephalo_lightning.runtime.emulation.memory import MemoryTracker
-    from cephalo_lightning.runtime.layered import LayeredSchedule, UnitOptimizers, plain_input
+    from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
+    from tests.unit_optimizers import UnitOptimizers
 
     peaks = {}
     for unit_wise in (False, True):
