@@ -10,6 +10,7 @@ the machine's noise hits all of them alike.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -51,6 +52,17 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int 
 
 
 # ----------------------------------------------------------------------------- timing
+
+
+def run_parts(parts: Sequence[str], measurements: Mapping[str, Callable[[], Any]]) -> dict[str, Any]:
+    """The measurements named in ``parts``, in the mapping's order, garbage collected after each (so
+    that one's leftovers do not weigh on the next)."""
+    out: dict[str, Any] = {}
+    for name, measure in measurements.items():
+        if name in parts:
+            out[name] = measure()
+            gc.collect()
+    return out
 
 
 def median(values: Sequence[float]) -> float:

@@ -510,15 +510,9 @@ def _unit_wise(rank: int, world: int, cfg: Config) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, world: int, cfg: Config, parts: tuple[str, ...]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    if "memory" in parts:
-        result["memory"] = _memory(rank, world, cfg)
-        gc.collect()
-    if "cost" in parts:
-        result["cost"] = _cost_model(rank, world, cfg)
-    if "unitwise" in parts:
-        result["unitwise"] = _unit_wise(rank, world, cfg)
-    return result
+    return common.run_parts(parts, {"memory": lambda: _memory(rank, world, cfg),
+                                    "cost": lambda: _cost_model(rank, world, cfg),
+                                    "unitwise": lambda: _unit_wise(rank, world, cfg)})
 
 
 def run_benchmark(cfg: Config = Config(), parts: tuple[str, ...] = PARTS) -> dict[str, Any]:

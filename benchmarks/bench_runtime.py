@@ -312,15 +312,9 @@ def memory_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _rank_main(rank: int, world: int, cfg: Config, parts: tuple[str, ...]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if "step" in parts:
-        out["step"] = _step_time(rank, world, cfg)
-        gc.collect()
-    if "collectives" in parts:
-        out["collectives"] = _collectives(rank, world, cfg)
-    if "memory" in parts:
-        out["memory"] = _memory(rank, world, cfg)
-    return out
+    return common.run_parts(parts, {"step": lambda: _step_time(rank, world, cfg),
+                                    "collectives": lambda: _collectives(rank, world, cfg),
+                                    "memory": lambda: _memory(rank, world, cfg)})
 
 
 def run_benchmark(cfg: Config = Config(), parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
