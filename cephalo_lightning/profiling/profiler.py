@@ -40,7 +40,12 @@ import torch.distributed as dist
 from torch import nn
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning.planner.cluster import Cluster, Settings, cluster_from_dict, cluster_to_dict
+from cephalo_lightning.planner.cluster import (
+    Cluster,
+    Settings,
+    cluster_from_dict,
+    cluster_to_dict,
+)
 from cephalo_lightning.profiling.cache import cache_path, fingerprint, read_cached, structure, write_cached
 from cephalo_lightning.profiling.collectives import (
     CollectiveProfile,
