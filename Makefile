@@ -4,13 +4,15 @@
 #   make test-fast - the in-process tests only (no gloo ranks, no subprocesses): about 1.5 minutes
 #   make lint      - pyflakes and import order (ruff)
 #   make durations - run the suite and rewrite tests/durations.txt (the order the workers take the files in)
+#   make bench     - run the results page's benchmarks, write docs/benchmarks/report.md (10-15 minutes)
+#   make bench-smoke - every benchmark once in its --quick configuration, with its time
 #   make docs      - build the user manual (MkDocs) into site/, warnings as errors; make docs-serve: live preview
 #   make dist      - build the wheel and sdist into dist/ and check them with twine
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast durations lint bench report docs docs-picture docs-serve dist clean
+.PHONY: setup demo test test-fast durations lint bench bench-smoke docs docs-picture docs-serve dist clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -47,7 +49,7 @@ lint: setup
 	$(BIN)/ruff check cephalo_lightning tests benchmarks examples
 
 bench: setup
-	$(BIN)/python benchmarks/report.py
+	$(BIN)/python -m benchmarks.report
 
 # The API reference is generated from the docstrings (mkdocstrings reads the source, imports nothing);
 # the plan picture of docs/plan-reading.md is drawn from the shipped cluster file (not committed).

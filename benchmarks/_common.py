@@ -1,7 +1,7 @@
 """Shared helpers for the CPU benchmarks: gloo ranks, interleaved timing, plain-text tables.
 
-Importing this module has no side effects. The benchmark scripts put ``benchmarks/`` (for this
-module) and the repository root (for ``cephalo_lightning``, when not installed) on ``sys.path``.
+Importing this module has no side effects. The benchmarks run as modules from the repository root
+(``python -m benchmarks.bench_x``), so this checkout's ``cephalo_lightning`` and ``benchmarks`` import.
 
 Every figure these benchmarks print is a CPU measurement over gloo (processes on one machine), not
 a GPU/NCCL one; ratios are measured side by side in one run with the variants interleaved, so that
@@ -10,6 +10,7 @@ the machine's noise hits all of them alike.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -51,6 +52,17 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, threads: int 
 
 
 # ----------------------------------------------------------------------------- timing
+
+
+def run_parts(parts: Sequence[str], measurements: Mapping[str, Callable[[], Any]]) -> dict[str, Any]:
+    """The measurements named in ``parts``, in the mapping's order, garbage collected after each (so
+    that one's leftovers do not weigh on the next)."""
+    out: dict[str, Any] = {}
+    for name, measure in measurements.items():
+        if name in parts:
+            out[name] = measure()
+            gc.collect()
+    return out
 
 
 def median(values: Sequence[float]) -> float:

@@ -1,8 +1,8 @@
 """Checkpoint benchmark: what a save costs the training loop, synchronous vs in the background.
 
-    python benchmarks/bench_checkpoint.py            # 2 ranks, 3 rounds of 3 fits, then the kill loop
-    python benchmarks/bench_checkpoint.py --quick    # 1 round, a smaller model
-    python benchmarks/bench_checkpoint.py --no-kills # the step times only
+    python -m benchmarks.bench_checkpoint            # 2 ranks, 3 rounds of 3 fits, then the kill loop
+    python -m benchmarks.bench_checkpoint --quick    # 1 round, a smaller model
+    python -m benchmarks.bench_checkpoint --no-kills # the step times only
 
 1. Step time: the demo GPT (AdamW) on 2 gloo ranks under an uneven plan, ``ModelCheckpoint`` every
    ``--every`` steps, three fits per round in alternating order: no checkpoints, synchronous saves,
@@ -23,19 +23,14 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(ROOT))
-
-import _common as common
+from benchmarks import _common as common
+from benchmarks.harness import Benchmark
 
 VARIANTS = ("none", "sync", "async")
 
@@ -132,50 +127,64 @@ def step_times(config: dict[str, Any]) -> dict[str, Any]:
             "snapshot_s": common.median([s for s, _ in times]), "write_s": common.median([w for _, w in times])}
 
 
-def kill_loop(workdir: Path) -> Any:
-    sys.path.insert(0, str(ROOT))
+def kill_loop(workdir: Path) -> dict[str, Any]:
     from cephalo_lightning.runtime.checkpoint.async_save import THREAD_NAME
     from tests import kill_points
 
     points = kill_points.points_here(workdir)
     seen = kill_points.kill_loop(workdir, points, background=True)
-    return seen, all(t == THREAD_NAME for t in seen.threads)
+    return {"kills": seen.kills, "threads": list(seen.threads), "complete_seen": seen.complete_seen,
+            "interrupted": seen.interrupted, "background": all(t == THREAD_NAME for t in seen.threads)}
 
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 round, a smaller model")
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--every", type=int, default=3, help="save every N steps")
     parser.add_argument("--no-kills", action="store_true", help="skip the kill loop")
-    args = parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     config = {"rounds": 1 if args.quick else 3, "steps": 14 if args.quick else 20, "every": args.every,
               "global_batch": 8, "seq_len": 64, "n_layer": 2 if args.quick else 4, "n_embd": 192 if args.quick else 320}
     before = common.load_average()
-    result = step_times(config)
-    after = common.load_average()
+    result = {"config": config, "steps": step_times(config), "load": (before, common.load_average())}
+    if not args.no_kills:
+        with tempfile.TemporaryDirectory() as work:
+            result["kill_loop"] = kill_loop(Path(work))
+    return result
+
+
+def _verdict(kills: dict[str, Any]) -> str:
+    return "PASS" if kills["background"] and kills["kills"] >= 10 else "FAIL"
+
+
+def print_report(result: dict[str, Any]) -> None:
+    config, steps = result["config"], result["steps"]
     print(common.environment_note(1))
-    print(common.load_note(before, after))
+    print(common.load_note(*result["load"]))
     print(f"Model: demo GPT, {config['n_layer']} layers, n_embd {config['n_embd']}, AdamW; 2 ranks at state shares "
           f"0.6 / 0.4; a save every {config['every']} steps; {config['rounds']} round(s) of 3 fits.\n")
     common.print_table(
         ["iteration", "median s", "n", "x normal step"],
-        [(k, f"{v:.4f}", n, f"{r:.2f}") for k, (v, n, r) in result["rows"].items()],
+        [(k, f"{v:.4f}", n, f"{r:.2f}") for k, (v, n, r) in steps["rows"].items()],
         title="Step time during checkpoint saves (MEASURED, CPU/gloo)")
-    print(f"Background saves: snapshot (training blocked) median {result['snapshot_s']:.4f} s, write (in the "
-          f"background) median {result['write_s']:.4f} s (MEASURED).\n")
-    if not args.no_kills:
-        with tempfile.TemporaryDirectory() as work:
-            seen, background = kill_loop(Path(work))
-        verdict = "PASS" if background and seen.kills >= 10 else "FAIL"
-        print(f"Kill loop (background saves): {seen.kills} SIGKILLs at instrumented points, "
-              f"{sum(t == seen.threads[0] for t in seen.threads)} in thread {seen.threads[0]!r}; after every kill "
+    print(f"Background saves: snapshot (training blocked) median {steps['snapshot_s']:.4f} s, write (in the "
+          f"background) median {steps['write_s']:.4f} s (MEASURED).\n")
+    kills = result.get("kill_loop")
+    if kills is not None:
+        threads = kills["threads"]
+        print(f"Kill loop (background saves): {kills['kills']} SIGKILLs at instrumented points, "
+              f"{sum(t == threads[0] for t in threads)} in thread {threads[0]!r}; after every kill "
               f"the newest complete checkpoint loaded and verified, nothing that looked whole failed to verify "
-              f"({seen.complete_seen} complete checkpoints checked, {seen.interrupted} kills left a save or deletion "
-              f"under way): {verdict}")
-        return 0 if verdict == "PASS" else 1
-    return 0
+              f"({kills['complete_seen']} complete checkpoints checked, {kills['interrupted']} kills left a save or "
+              f"deletion under way): {_verdict(kills)}")
 
+
+def exit_status(result: dict[str, Any]) -> int:
+    """1 when the kill loop ran and failed."""
+    return 1 if "kill_loop" in result and _verdict(result["kill_loop"]) == "FAIL" else 0
+
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options, exit_status)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(BENCHMARK.main())

@@ -7,7 +7,8 @@ Printed per mode: the median step time after the warm-up steps (the first steps 
 compilation), their ratio, the compilation's own cost (the first steps' excess) and how far the
 compiled run's adapters land from the uncompiled ones (inductor's fused kernels round otherwise).
 
-    python benchmarks/bench_compile.py [--steps 8] [--warmup 3] [--backend inductor]
+    python -m benchmarks.bench_compile [--steps 8] [--warmup 3] [--backend inductor]
+    python -m benchmarks.bench_compile --quick   # 5 steps, 2 of them warm-up
 
 CPU figures (gloo ranks on one machine); a GPU's gain differs (fused kernels matter more there).
 """
@@ -16,17 +17,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import warnings
-from pathlib import Path
+from typing import Any
 
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
 
-import _common as common  # noqa: E402
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from benchmarks import _common as common
+from benchmarks.harness import Benchmark
 
 GLOBAL = 12
 SEQ = 32
@@ -104,31 +104,43 @@ def _rank(rank: int, world: int, steps: int, backend: str) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median (compilation)")
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, help="steps per fit (default 8; --quick 5)")
+    parser.add_argument("--warmup", type=int, help="steps left out of the median (compilation; default 3, --quick 2)")
     parser.add_argument("--backend", default="inductor")
-    args = parser.parse_args()
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    steps = args.steps or (5 if args.quick else 8)
+    warmup = args.warmup or (2 if args.quick else 3)
     before = common.load_average()
-    results = common.run_ranks(_rank, 2, args.steps, args.backend)
+    results = common.run_ranks(_rank, 2, steps, args.backend)
     after = common.load_average()
     rows = []
     for mode in ("layered", "uniform"):
         got = {name: results[0][mode, name] for name in ("uncompiled", "compiled")}
-        steady = {name: statistics.median(g["times"][args.warmup:]) for name, g in got.items()}
-        compile_s = sum(got["compiled"]["times"][:args.warmup]) - args.warmup * steady["compiled"]
+        steady = {name: statistics.median(g["times"][warmup:]) for name, g in got.items()}
+        compile_s = sum(got["compiled"]["times"][:warmup]) - warmup * steady["compiled"]
         drift = max((got["compiled"]["adapters"][k] - v).abs().max().item()
                     for k, v in got["uncompiled"]["adapters"].items())
-        rows.append([mode, f"{1e3 * steady['uncompiled']:.1f}", f"{1e3 * steady['compiled']:.1f}",
-                     f"{steady['uncompiled'] / steady['compiled']:.2f}x", f"{compile_s:.1f}", f"{drift:.1e}"])
-    common.print_table(["mode", "uncompiled ms/step", "compiled ms/step", "speed-up", "compile s (first steps)",
-                        "max |adapter diff|"], rows,
-                       title=f"torch.compile per block ({args.backend}), LoRA Llama 4x256, 2 ranks, "
-                             f"median of steps {args.warmup + 1}..{args.steps} (CPU, gloo)")
-    print(common.environment_note())
-    print(common.load_note(before, after))
+        rows.append({"mode": mode, "uncompiled_s": steady["uncompiled"], "compiled_s": steady["compiled"],
+                     "compile_s": compile_s, "max_adapter_diff": drift})
+    return {"backend": args.backend, "steps": steps, "warmup": warmup, "rows": rows, "load": (before, after)}
 
+
+def print_report(result: dict[str, Any]) -> None:
+    common.print_table(["mode", "uncompiled ms/step", "compiled ms/step", "speed-up", "compile s (first steps)",
+                        "max |adapter diff|"],
+                       [[r["mode"], f"{1e3 * r['uncompiled_s']:.1f}", f"{1e3 * r['compiled_s']:.1f}",
+                         f"{r['uncompiled_s'] / r['compiled_s']:.2f}x", f"{r['compile_s']:.1f}",
+                         f"{r['max_adapter_diff']:.1e}"] for r in result["rows"]],
+                       title=f"torch.compile per block ({result['backend']}), LoRA Llama 4x256, 2 ranks, "
+                             f"median of steps {result['warmup'] + 1}..{result['steps']} (CPU, gloo)")
+    print(common.environment_note())
+    print(common.load_note(*result["load"]))
+
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(BENCHMARK.main())

@@ -1,10 +1,10 @@
 """The discovered layered mode vs the named adapter vs uniform: step time and peak memory.
 
-    python benchmarks/bench_discovery.py            # about a minute
-    python benchmarks/bench_discovery.py --quick    # fewer rounds
-    python benchmarks/bench_discovery.py --json
-    python benchmarks/bench_discovery.py --layers 12   # a deeper model: the discovery's cost is per micro-batch
-    python benchmarks/bench_discovery.py --rounds 60   # more paired rounds (default 30)
+    python -m benchmarks.bench_discovery            # about a minute
+    python -m benchmarks.bench_discovery --quick    # fewer rounds
+    python -m benchmarks.bench_discovery --json -
+    python -m benchmarks.bench_discovery --layers 12   # a deeper model: the discovery's cost is per micro-batch
+    python -m benchmarks.bench_discovery --rounds 60   # more paired rounds (default 30)
 
 One Llama model (built from a config, no download) on 2 gloo ranks (CPU processes, NOT GPUs; every
 figure is a CPU measurement), three ways, side by side in one run, rounds interleaved:
@@ -31,22 +31,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _common as common
 import torch
+
+from benchmarks import _common as common
+from benchmarks.harness import Benchmark
 
 WORLD = 2
 
@@ -196,21 +190,22 @@ def run_benchmark(cfg: Config = Config()) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true")
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=Config.layers, help="decoder blocks (the overhead is per micro-batch)")
     parser.add_argument("--rounds", type=int, default=None, help=f"paired rounds (default {Config.repeats}; --quick 6)")
-    args = parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     common.quiet_lightning()
     rounds = args.rounds or (6 if args.quick else Config.repeats)
     cfg = Config(repeats=rounds, warmup=1 if args.quick else Config.warmup, layers=args.layers)
     before, uptime_before = common.load_average(), _uptime_load()
     result = run_benchmark(cfg)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
+    return {**result, "load": (before, common.load_average()), "uptime": (uptime_before, _uptime_load())}
+
+
+def print_report(result: dict[str, Any]) -> None:
+    cfg = Config(**result["config"])
     print(common.environment_note())
     common.print_table(
         ["variant", "median step s (measured, wall)", "median step CPU s, all ranks (measured)",
@@ -233,9 +228,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{result['fastest_discovery_over_adapter']:.3f}")
     print(f"adapter / uniform: {result['adapter_over_uniform']:.3f}; discovered / uniform: "
           f"{result['discovered_over_uniform']:.3f} (measured)")
-    print(common.load_note(before, common.load_average()))
-    print(f"uptime before: {uptime_before}; after: {_uptime_load()}")
+    print(common.load_note(*result["load"]))
+    print(f"uptime before: {result['uptime'][0]}; after: {result['uptime'][1]}")
 
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(BENCHMARK.main())

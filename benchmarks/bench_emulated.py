@@ -1,9 +1,9 @@
 """Emulated heterogeneous cluster benchmark: the Cephalo plan vs the even and proportional plans.
 
-    python benchmarks/bench_emulated.py              # 2 ranks as configs/quickstart.yaml, 3 rounds; a few minutes
-    python benchmarks/bench_emulated.py --quick      # 2 rounds, fewer batches; about a minute
-    python benchmarks/bench_emulated.py --world 3    # 3 ranks: x1 small memory, x2 and x3 large memory
-    python benchmarks/bench_emulated.py --json       # the rows as data
+    python -m benchmarks.bench_emulated              # 2 ranks as configs/quickstart.yaml, 3 rounds; a few minutes
+    python -m benchmarks.bench_emulated --quick      # 2 rounds, fewer batches; about a minute
+    python -m benchmarks.bench_emulated --world 3    # 3 ranks: x1 small memory, x2 and x3 large memory
+    python -m benchmarks.bench_emulated --json -     # the result as JSON on stdout (--json PATH: to a file)
 
 THE CLUSTER IS EMULATED ON CPU: every rank is a CPU process on one machine (gloo), made slower by
 sleeping after each compute region (``slowdown``) and given an accounted memory capacity
@@ -34,19 +34,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _common as common
-
+from benchmarks import _common as common
+from benchmarks.harness import Benchmark
 from cephalo_lightning.planner.cluster_cost import predicted_busy_s  # noqa: E402 - torch-free
 
 PLANS = ("cephalo", "even", "proportional")
@@ -337,21 +330,20 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"wall time of the run: {result['wall_s']:.1f} s; " + common.load_note(*result["load_average"]))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 rounds, fewer batches (about a minute)")
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, choices=sorted(EMULATE), default=2, help="number of emulated ranks")
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args(argv)
-    cfg = QUICK if args.quick else Config()
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """``--quick``: 2 rounds, fewer batches (about a minute)."""
     overrides: dict[str, Any] = {"world": args.world, "emulate": EMULATE[args.world]}
     if args.rounds:
         overrides["rounds"] = args.rounds
-    cfg = Config(**{**asdict(cfg), **overrides})
-    result = run_benchmark(cfg)
-    return common.emit(result, args.json, print_report)
+    return run_benchmark(Config(**{**asdict(QUICK if args.quick else Config()), **overrides}))
 
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(BENCHMARK.main())

@@ -1,7 +1,8 @@
 """Emulated compute regions on a shared host: how long a slowed region lasts against its emulated length.
 
-    python benchmarks/bench_emulation.py                  # 4 processes at slowdowns 2, 2, 4, 4 on this host
-    python benchmarks/bench_emulation.py --slowdowns 1,1,2,2 --regions 300
+    python -m benchmarks.bench_emulation                  # 4 processes at slowdowns 2, 2, 4, 4 on this host
+    python -m benchmarks.bench_emulation --slowdowns 1,1,2,2 --regions 300
+    python -m benchmarks.bench_emulation --quick                  # 40 regions per process
 
 EMULATED ON CPU: each process stands for one GPU of a cluster. It runs compute regions (a few matrix
 products, one thread) inside a :class:`~cephalo_lightning.runtime.emulation.emulator.DeviceEmulator`
@@ -22,16 +23,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import sys
-from pathlib import Path
+from typing import Any
 
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cephalo_lightning.runtime.observers import Observer  # noqa: E402
-from cephalo_lightning.runtime.timing import ContentionClock  # noqa: E402
+from benchmarks.harness import Benchmark
+from cephalo_lightning.runtime.observers import Observer
+from cephalo_lightning.runtime.timing import ContentionClock
 
 
 class _Probe(Observer):
@@ -78,28 +74,39 @@ def _rank(rank: int, slowdown: float, regions: int, products: int, out: mp.Queue
     out.put((rank, slowdown, walls / emulated, (emulated + queued) / emulated))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slowdowns", default="2,2,4,4", help="one slowdown per process")
-    parser.add_argument("--regions", type=int, default=200)
+    parser.add_argument("--regions", type=int, help="compute regions per process (default 200; --quick 40)")
     parser.add_argument("--products", type=int, default=20, help="256 x 256 matrix products per region")
-    args = parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
     slowdowns = [float(s) for s in args.slowdowns.split(",")]
+    regions = args.regions or (40 if args.quick else 200)
     out: mp.Queue = mp.Queue()
-    procs = [mp.get_context("fork").Process(target=_rank, args=(r, s, args.regions, args.products, out))
+    procs = [mp.get_context("fork").Process(target=_rank, args=(r, s, regions, args.products, out))
              for r, s in enumerate(slowdowns)]
     for p in procs:
         p.start()
     results = sorted(out.get() for _ in procs)
     for p in procs:
         p.join()
-    print(f"EMULATED: {len(slowdowns)} processes on this host's {mp.cpu_count()} cores stand for GPUs at slowdowns "
-          f"{args.slowdowns} (they ask for {sum(1 / s for s in slowdowns):.2f} cores); totals over the regions")
-    print("rank  slowdown  region wall / emulated length (MEASURED)  with the run-queue wait on top (same regions)")
-    for rank, slowdown, ratio, uncovered in results:
-        print(f"{rank:>4}  {slowdown:>8g}  {ratio:>41.3f}  {uncovered:>38.3f}")
-    return 0
+    return {"slowdowns": slowdowns, "cores": mp.cpu_count(), "regions": regions,
+            "rows": [{"rank": rank, "slowdown": slowdown, "wall_over_emulated": ratio, "queued_on_top": uncovered}
+                     for rank, slowdown, ratio, uncovered in results]}
 
+
+def print_report(result: dict[str, Any]) -> None:
+    slowdowns = result["slowdowns"]
+    print(f"EMULATED: {len(slowdowns)} processes on this host's {result['cores']} cores stand for GPUs at slowdowns "
+          f"{','.join(f'{s:g}' for s in slowdowns)} (they ask for {sum(1 / s for s in slowdowns):.2f} cores); "
+          "totals over the regions")
+    print("rank  slowdown  region wall / emulated length (MEASURED)  with the run-queue wait on top (same regions)")
+    for r in result["rows"]:
+        print(f"{r['rank']:>4}  {r['slowdown']:>8g}  {r['wall_over_emulated']:>41.3f}  {r['queued_on_top']:>38.3f}")
+
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(BENCHMARK.main())

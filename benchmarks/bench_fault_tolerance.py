@@ -1,7 +1,8 @@
 """Losing a node: torchft fault tolerance against today's torchrun elastic restart, in one run.
 
-    python benchmarks/bench_fault_tolerance.py             # all three (about 15 s + 40 s + 1 to 4 minutes)
-    python benchmarks/bench_fault_tolerance.py --ft-only   # the torchft way only
+    python -m benchmarks.bench_fault_tolerance             # all three (about 15 s + 40 s + 1 to 4 minutes)
+    python -m benchmarks.bench_fault_tolerance --ft-only   # the torchft ways only
+    python -m benchmarks.bench_fault_tolerance --quick     # the first torchft way alone (about 15 s)
 
 Both ways run on an emulated 2-node cluster of CPU processes on this machine, over gloo and
 loopback, with the suite's instrumented scenarios (run from a checkout):
@@ -29,15 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the suite's scenarios (tests/) and, when not installed, the package
-
-import _common as common  # noqa: E402
+from benchmarks import _common as common
+from benchmarks.harness import Benchmark
 
 
 def torchft_way(work: Path, fit: bool = False) -> dict:
@@ -78,31 +77,39 @@ def elastic_way(work: Path) -> dict:
             "redone": 0, "step_before_s": float("nan"), "step_after_s": float("nan")}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ft-only", action="store_true", help="skip the torchrun elastic restart")
-    args = parser.parse_args()
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """``--quick``: the torchft way alone (no Trainer.fit, no torchrun)."""
     load = common.load_average()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        ft = torchft_way(Path(tmp) / "ft")
-        rows.append(("torchft (this package's ReplicaGroup)", ft))
-        rows.append(("torchft under Trainer.fit", torchft_way(Path(tmp) / "ft-fit", fit=True)))
-        if not args.ft_only:
+        rows.append(("torchft (this package's ReplicaGroup)", torchft_way(Path(tmp) / "ft")))
+        if not args.quick:
+            rows.append(("torchft under Trainer.fit", torchft_way(Path(tmp) / "ft-fit", fit=True)))
+        if not (args.quick or args.ft_only):
             (Path(tmp) / "elastic").mkdir()
             rows.append(("torchrun elastic restart", elastic_way(Path(tmp) / "elastic")))
+    return {"rows": [{"way": name, **r} for name, r in rows], "load": (load, common.load_average())}
+
+
+def print_report(result: dict[str, Any]) -> None:
     print(common.environment_note())
     print("An emulated 2-node cluster (CPU processes, gloo over loopback); one node killed mid-run.\n")
     print(f"{'way':40s} {'kill -> next step':>18s} {'steps lost':>11s} {'steps redone':>13s} "
           f"{'step before':>12s} {'step after':>11s}")
-    for name, r in rows:
-        print(f"{name:40s} {r['recovery_s']:17.2f}s {r['steps_lost']:11d} {r['redone']:13d} "
+    for r in result["rows"]:
+        print(f"{r['way']:40s} {r['recovery_s']:17.2f}s {r['steps_lost']:11d} {r['redone']:13d} "
               f"{r['step_before_s'] * 1e3:10.1f}ms {r['step_after_s'] * 1e3:9.1f}ms")
     print("\nsteps lost: completed steps trained again; steps redone: steps interrupted by the kill and run again "
           "(not committed, so never counted twice). Step times are the torchft survivors' (one group on the whole "
           "global batch after the loss); the elastic run's are not instrumented (nan).")
-    print(common.load_note(load, common.load_average()))
+    print(common.load_note(*result["load"]))
 
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(BENCHMARK.main())

@@ -1,8 +1,8 @@
 """Plan fidelity: predicted vs measured step time and peak memory, before and after calibration.
 
-    python benchmarks/bench_fidelity.py            # clusters A, C, D, E (EMULATED; minutes)
-    python benchmarks/bench_fidelity.py --quick    # the same clusters, fewer steps
-    python benchmarks/bench_fidelity.py --clusters A,C,D,E,F,S1,S2 --json
+    python -m benchmarks.bench_fidelity            # clusters A, C, D, E (EMULATED; minutes)
+    python -m benchmarks.bench_fidelity --quick    # the same clusters, fewer steps
+    python -m benchmarks.bench_fidelity --clusters A,C,D,E,F,S1,S2 --json fidelity.json
 
 THE CLUSTERS ARE EMULATED ON CPU: every rank is a CPU process on this machine (gloo), slowed by
 sleeping after each compute region and given an accounted memory capacity
@@ -38,19 +38,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _common as common
-
+from benchmarks import _common as common
+from benchmarks.harness import Benchmark
 from cephalo_lightning.lightning.callback_config import CallbackConfig  # noqa: E402
 from cephalo_lightning.planner.cluster import cluster_to_dict  # noqa: E402 - torch-free
 from cephalo_lightning.planner.cluster_cost import predicted_busy_s  # noqa: E402 - torch-free
@@ -302,7 +295,7 @@ def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any
             "memory_ratio_max": max(memory) if memory else None, **paired}
 
 
-def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
+def measure_cluster(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
     from cephalo_lightning.planner.calibration import with_calibration
 
     try:
@@ -366,7 +359,7 @@ def measure(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
 
 def run_benchmark(cfg: Config = Config(), clusters: tuple[ClusterSpec, ...] = CLUSTERS) -> dict[str, Any]:
     start, load = time.perf_counter(), common.load_average()
-    results = [measure(cfg, c) for c in clusters]
+    results = [measure_cluster(cfg, c) for c in clusters]
     return {"config": asdict(cfg), "environment": common.environment_note(cfg.threads), "emulated": True,
             "clusters": results, "wall_s": time.perf_counter() - start,
             "load_average": (load, common.load_average()), "cores": os.cpu_count()}
@@ -515,16 +508,17 @@ def print_calibration(result: dict[str, Any]) -> None:
     print("peak memory under-predicted: " + (", ".join(under) if under else "never (every measured peak <= predicted)"))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer measured steps")
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clusters", default="A,C,D,E", help="which clusters, e.g. A,C,S1 (all: A,B,C,D,E,F,S1,S2)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args(argv)
-    chosen = tuple(c for c in CLUSTERS if c.name in args.clusters.split(","))
-    result = run_benchmark(QUICK if args.quick else Config(), chosen)
-    return common.emit(result, args.json, print_report)
 
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """``--quick``: fewer measured steps."""
+    chosen = tuple(c for c in CLUSTERS if c.name in args.clusters.split(","))
+    return run_benchmark(QUICK if args.quick else Config(), chosen)
+
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(BENCHMARK.main())

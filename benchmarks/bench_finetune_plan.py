@@ -1,6 +1,6 @@
 """Planner figures for fine-tuning: an 8B model on 24 GB cards, full fine-tuning against LoRA.
 
-    python benchmarks/bench_finetune_plan.py [--batch 16] [--json]
+    python -m benchmarks.bench_finetune_plan [--batch 16] [--quick] [--json PATH]
 
 For every ~24 GB card of the shipped GPU catalog (L4, A10G, RTX 3090, RTX 4090, P40), 4 and 8 of
 them, and a mixed box (2x L4 + 2x RTX 4090), the planner plans a Llama-3-8B-shaped model (32
@@ -18,16 +18,9 @@ measurements; torch is not imported.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 from typing import Any
 
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.harness import Benchmark
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, plan
 
 PARAMETERS = 8_030_261_248
@@ -60,26 +53,28 @@ def run(batch: int) -> list[dict[str, Any]]:
     return [row(devices, batch, how) for devices in setups for how in ("full", "lora")]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16, help="global batch (sequences of 2048 tokens)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    rows = run(args.batch)
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
-    print(f"Llama-3-8B shape, global batch {args.batch}: full fine-tuning vs LoRA r=16 on q/v "
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """``--quick`` is the full run: it takes about a second."""
+    return {"batch": args.batch, "rows": run(args.batch)}
+
+
+def print_report(result: dict[str, Any]) -> None:
+    print(f"Llama-3-8B shape, global batch {result['batch']}: full fine-tuning vs LoRA r=16 on q/v "
           f"({LORA:,} trainable of {PARAMETERS:,}); PREDICTED by the cost model, catalog devices")
     print(f"{'cluster':<18} {'fine-tune':<9} {'samples/s':>9}  predicted/limit GiB per rank")
-    for r in rows:
+    for r in result["rows"]:
         if not r["feasible"]:
             print(f"{r['cluster']:<18} {r['fine-tune']:<9} {'-':>9}  infeasible: {r['why']}")
             continue
         memory = " ".join(f"{m:.1f}/{lim:.1f}" for m, lim in zip(r["memory_gb"], r["limit_gb"]))
         print(f"{r['cluster']:<18} {r['fine-tune']:<9} {r['samples_per_s']:>9.3g}  {memory}")
-    return 0
 
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(BENCHMARK.main())

@@ -16,7 +16,7 @@ on the plan:
    of the other rank's real compute measures a higher ratio; one compute scale fitted on one plan
    carries its ratio to all the others.
 
-Run: ``python benchmarks/bench_host.py [--seconds 8] [--rounds 3] [--json]`` (about 2 minutes on 2 cores).
+Run: ``python -m benchmarks.bench_host [--seconds 8] [--rounds 3] [--quick] [--json PATH]`` (about 2 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -25,15 +25,11 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _common as common  # noqa: E402
+from benchmarks import _common as common
+from benchmarks.harness import Benchmark
 
 # ----------------------------------------------------------------------------- 1. the host's speed, measured
 
@@ -112,8 +108,7 @@ def _plans(profiled: Any) -> dict[str, Any]:
 
 
 def _cluster_a(rank: int, world: int, rounds: int) -> dict[str, Any]:
-    import bench_fidelity as fidelity
-
+    from benchmarks import bench_fidelity as fidelity
     from cephalo_lightning.planner.cluster_cost import predicted_busy_s
 
     common.quiet_lightning()
@@ -134,7 +129,7 @@ def _cluster_a(rank: int, world: int, rounds: int) -> dict[str, Any]:
     return {"cluster": cluster.note, "emulate": cluster.emulate, "plans": out}
 
 
-def measure(seconds: float, rounds: int) -> dict[str, Any]:
+def run_host(seconds: float, rounds: int) -> dict[str, Any]:
     before = common.load_average()
     host = host_speed(seconds)
     cluster = common.run_ranks(_cluster_a, 2, rounds)[0]
@@ -164,14 +159,16 @@ def print_report(result: dict[str, Any]) -> None:
           f"plan's by up to {', '.join(f'{100 * m:+.1f}%' for m in misses)} (x1, x3)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=8.0, help="seconds per host-speed run (default 8)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of cluster A's plans (default 3)")
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    args = parser.parse_args(argv)
-    return common.emit(measure(args.seconds, args.rounds), args.json, print_report)
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seconds", type=float, help="seconds per host-speed run (default 8; --quick 2)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds of cluster A's plans (default 3; --quick 1)")
 
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    return run_host(args.seconds or (2.0 if args.quick else 8.0), args.rounds or (1 if args.quick else 3))
+
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(BENCHMARK.main())

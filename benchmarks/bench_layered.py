@@ -1,8 +1,8 @@
 """Layered gradient accumulation benchmark: memory vs micro-batch count, cost model vs schedule.
 
-    python benchmarks/bench_layered.py            # a few minutes
-    python benchmarks/bench_layered.py --quick    # fewer configurations and rounds; under a minute
-    python benchmarks/bench_layered.py --json     # the rows as JSON
+    python -m benchmarks.bench_layered            # a few minutes
+    python -m benchmarks.bench_layered --quick    # fewer configurations and rounds; under a minute
+    python -m benchmarks.bench_layered --json -   # the result as JSON on stdout (--json PATH: to a file)
 
 Two measurements on 2 gloo ranks (CPU processes, NOT GPUs; every figure is a CPU measurement):
 
@@ -22,21 +22,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _common as common
 import torch
 
+from benchmarks import _common as common
+from benchmarks.harness import Benchmark, comma_list
+
 WORLD = 2
+PARTS = ("memory", "cost", "unitwise")
 
 
 @dataclass(frozen=True)
@@ -145,7 +141,6 @@ def _memory(rank: int, world: int, cfg: Config) -> list[dict[str, Any]]:
             rows.append({
                 "rank": rank, "method": method, "micro_batches": n, "micro_batch_size": m,
                 "peak_bytes": tracker.peak_bytes, "peak_host_bytes": tracker.peak_host_bytes,
-                "stash_bytes": schedule.stats.stash_bytes if schedule is not None else 0,
                 "resident_state_bytes": resident, "largest_layer_grad_bytes": 4 * largest_layer,
                 "all_gathers": sum(op == "all_gather" for op, _, _ in log),
                 "reduce_scatters": sum(op == "reduce_scatter" for op, _, _ in log),
@@ -484,7 +479,8 @@ def cost_rows(cfg: Config, figures: list[dict[str, Any]]) -> dict[str, Any]:
 def _unit_wise(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     """Peak accounted memory of 2 steps with the optimizer stepped at the end vs unit by unit."""
     from cephalo_lightning.runtime.emulation.memory import MemoryTracker
-    from cephalo_lightning.runtime.layered import LayeredSchedule, UnitOptimizers, plain_input
+    from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
+    from tests.unit_optimizers import UnitOptimizers
 
     peaks = {}
     for unit_wise in (False, True):
@@ -516,18 +512,12 @@ def _unit_wise(rank: int, world: int, cfg: Config) -> dict[str, Any]:
 
 
 def _rank_main(rank: int, world: int, cfg: Config, parts: tuple[str, ...]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    if "memory" in parts:
-        result["memory"] = _memory(rank, world, cfg)
-        gc.collect()
-    if "cost" in parts:
-        result["cost"] = _cost_model(rank, world, cfg)
-    if "unitwise" in parts:
-        result["unitwise"] = _unit_wise(rank, world, cfg)
-    return result
+    return common.run_parts(parts, {"memory": lambda: _memory(rank, world, cfg),
+                                    "cost": lambda: _cost_model(rank, world, cfg),
+                                    "unitwise": lambda: _unit_wise(rank, world, cfg)})
 
 
-def run_benchmark(cfg: Config = Config(), parts: tuple[str, ...] = ("memory", "cost", "unitwise")) -> dict[str, Any]:
+def run_benchmark(cfg: Config = Config(), parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     """Both measurements as plain data (one spawn of 2 gloo ranks)."""
     start, load = time.perf_counter(), common.load_average()
     per_rank = common.run_ranks(_rank_main, WORLD, cfg, parts)
@@ -639,19 +629,16 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"wall time of the run: {result['wall_s']:.1f} s; " + common.load_note(*result["load_average"]))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer configurations and rounds (under a minute)")
-    parser.add_argument("--parts", default="memory,cost,unitwise", help="comma-separated subset: memory, cost, unitwise")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args(argv)
-    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    unknown = set(parts) - {"memory", "cost", "unitwise"}
-    if unknown:
-        parser.error(f"unknown part(s) {sorted(unknown)}")
-    result = run_benchmark(QUICK if args.quick else Config(), parts)
-    return common.emit(result, args.json, print_report)
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parts", type=comma_list(PARTS), default=PARTS, help=f"comma-separated subset of {','.join(PARTS)}")
 
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """``--quick``: fewer configurations and rounds (under a minute)."""
+    return run_benchmark(QUICK if args.quick else Config(), args.parts)
+
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(BENCHMARK.main())

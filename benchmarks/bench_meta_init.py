@@ -1,7 +1,7 @@
 """Meta-device init: peak host memory per rank while a big model is built and sharded.
 
-    python benchmarks/bench_meta_init.py           # a 220M-parameter Llama shape on 2 gloo ranks
-    python benchmarks/bench_meta_init.py --quick   # a 40M-parameter one
+    python -m benchmarks.bench_meta_init           # a 220M-parameter Llama shape on 2 gloo ranks
+    python -m benchmarks.bench_meta_init --quick   # a 40M-parameter one
 
 A LightningModule builds a Hugging Face ``LlamaForCausalLM`` from a config in ``configure_model()``,
 which the strategy runs on the meta device; ``setup()`` then materialises one unit at a time and
@@ -14,14 +14,9 @@ full model's size. (CPU processes: the "device" is the host, so the shard is hos
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.harness import Benchmark
 
 MIB = 2**20
 
@@ -111,14 +106,12 @@ def print_report(rows: list[dict]) -> None:
     print(f"goal: peak growth <= share + 2 units on every rank: {'met' if verdict else 'NOT met'}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    rows = run_benchmark(args.quick)
-    print(json.dumps(rows, indent=1)) if args.json else print_report(rows)
+def measure(args: argparse.Namespace) -> list[dict]:
+    """``--quick``: a 40M-parameter shape."""
+    return run_benchmark(args.quick)
 
+
+BENCHMARK = Benchmark(__doc__, measure, print_report)
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(BENCHMARK.main())

@@ -1,7 +1,7 @@
 """Planner benchmark: wall time and peak memory of `plan()` up to 10,000 GPUs, and plan quality vs the baselines.
 
-    python benchmarks/bench_planner.py            # all three tables
-    python benchmarks/bench_planner.py --quick    # smaller grids, for smoke tests
+    python -m benchmarks.bench_planner            # all three tables
+    python -m benchmarks.bench_planner --quick    # smaller grids, for smoke tests
 
 1. Scaling: the first N / 8 GPUs of each of the 8 kinds of ``configs/clusters/hetero-8kinds.yaml``
    (catalog-estimated, GPT-6.7B shape, optimizer step estimated from memory bandwidth), N up to
@@ -34,11 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from benchmarks.harness import Benchmark
 from cephalo_lightning.planner import Cluster, load_cluster, plan
 from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH
 from cephalo_lightning.planner.peers import BASELINES
@@ -90,15 +86,13 @@ _RUNNER = textwrap.dedent("""
     import json, sys, time
     for name in ("torch", "lightning", "pytorch_lightning"):
         sys.modules[name] = None  # the planner is torch-free: measure it alone
-    sys.path.insert(0, {root!r})
 
     def peak_mb():  # this process's peak resident memory (getrusage's would include the parent's)
         with open("/proc/self/status") as status:
             return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
 
     from cephalo_lightning.planner import PlanningError, load_cluster, plan
-    sys.path.insert(0, {bench!r})
-    from bench_planner import subset, with_nodes
+    from benchmarks.bench_planner import subset, with_nodes
     cluster = load_cluster({file!r})
     if {gpus!r} is not None:
         cluster = subset(cluster, {gpus!r})
@@ -133,10 +127,10 @@ _RUNNER = textwrap.dedent("""
 def isolated(file: Path, gpus: int | None, batch: int, mode: str = "layered", repeats: int = 3,
              nodes: bool = False) -> dict[str, Any]:
     """One plan() in a fresh torch-free interpreter: best time of ``repeats`` and the process's peak memory
-    (``nodes``: the ranks in nodes of NODE_SIZE, see :func:`with_nodes`)."""
-    code = _RUNNER.format(root=str(ROOT), bench=str(ROOT / "benchmarks"), file=str(file), gpus=gpus, batch=batch,
-                          mode=mode, repeats=repeats, nodes=nodes)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600,
+    (``nodes``: the ranks in nodes of NODE_SIZE, see :func:`with_nodes`). It runs in the repository root, so that
+    ``python -c`` imports this checkout's ``cephalo_lightning`` and ``benchmarks``."""
+    code = _RUNNER.format(file=str(file), gpus=gpus, batch=batch, mode=mode, repeats=repeats, nodes=nodes)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600, cwd=ROOT,
                          env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -284,32 +278,35 @@ def print_table(rows: list[dict[str, Any]]) -> None:
           "all throughput figures are predictions of the cost model.")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller grids, one repeat")
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=("layered", "uniform"), default="layered", help="for table 3")
     parser.add_argument("--cluster", default=str(CLUSTER_FILE), help="table 3: cluster file with 4 kinds of 16 GPUs")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--topology-only", action="store_true", help="table 4 alone")
-    args = parser.parse_args(argv)
-    quick = args.quick
-    if args.topology_only:
-        print_topology(run_topology(QUICK_TOPOLOGY if quick else TOPOLOGY, repeats=1 if quick else 3))
-        return 0
-    scaling = run_scaling(QUICK_SCALING if quick else SCALING, repeats=1 if quick else 3)
-    bound = run_batch_bound(QUICK_BOUND_BATCHES if quick else BOUND_BATCHES)
-    quality = run_benchmark(QUICK_SIZES if quick else SIZES, QUICK_BATCHES if quick else BATCHES, args.mode,
-                            1 if quick else 3, args.cluster)
-    topology = run_topology(QUICK_TOPOLOGY if quick else TOPOLOGY, repeats=1 if quick else 3)
-    if args.json:
-        print(json.dumps({"scaling": scaling, "bound": bound, "quality": quality, "topology": topology}, indent=2))
-    else:
-        print_scaling(scaling)
-        print_bound(bound)
-        print_table(quality)
-        print_topology(topology)
-    return 0
 
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """``--quick``: smaller grids, one repeat."""
+    quick = args.quick
+    repeats = 1 if quick else 3
+    result: dict[str, Any] = {}
+    if not args.topology_only:
+        result["scaling"] = run_scaling(QUICK_SCALING if quick else SCALING, repeats=repeats)
+        result["bound"] = run_batch_bound(QUICK_BOUND_BATCHES if quick else BOUND_BATCHES)
+        result["quality"] = run_benchmark(QUICK_SIZES if quick else SIZES, QUICK_BATCHES if quick else BATCHES,
+                                          args.mode, repeats, args.cluster)
+    result["topology"] = run_topology(QUICK_TOPOLOGY if quick else TOPOLOGY, repeats=repeats)
+    return result
+
+
+def print_report(result: dict[str, Any]) -> None:
+    if "scaling" in result:
+        print_scaling(result["scaling"])
+        print_bound(result["bound"])
+        print_table(result["quality"])
+    print_topology(result["topology"])
+
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(BENCHMARK.main())

@@ -1,8 +1,8 @@
 """Runtime benchmark: step time vs FSDP2, padded vs exact collectives, memory vs the plan.
 
-    python benchmarks/bench_runtime.py            # W = 2, 3, 4 for the collectives; a few minutes
-    python benchmarks/bench_runtime.py --quick    # W = 2, 3, fewer repeats; under a minute
-    python benchmarks/bench_runtime.py --json     # the rows as JSON
+    python -m benchmarks.bench_runtime            # W = 2, 3, 4 for the collectives; a few minutes
+    python -m benchmarks.bench_runtime --quick    # W = 2, 3, fewer repeats; under a minute
+    python -m benchmarks.bench_runtime --json -   # the result as JSON on stdout (--json PATH: to a file)
 
 Three measurements, all on CPU processes talking over gloo (NOT GPUs over NCCL), each reported as
 ratios of variants measured side by side in ONE run, in alternating rounds:
@@ -22,23 +22,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _common as common
 import torch
+
+from benchmarks import _common as common
+from benchmarks.harness import Benchmark, comma_list
 
 STATE_BYTES_PER_PARAM = 16.0  # fp32 params + fp32 grads + two AdamW moments: the planner's default
 MODES = ("padded", "exact")
+PARTS = ("step", "collectives", "memory")
 
 
 @dataclass(frozen=True)
@@ -317,18 +312,12 @@ def memory_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _rank_main(rank: int, world: int, cfg: Config, parts: tuple[str, ...]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if "step" in parts:
-        out["step"] = _step_time(rank, world, cfg)
-        gc.collect()
-    if "collectives" in parts:
-        out["collectives"] = _collectives(rank, world, cfg)
-    if "memory" in parts:
-        out["memory"] = _memory(rank, world, cfg)
-    return out
+    return common.run_parts(parts, {"step": lambda: _step_time(rank, world, cfg),
+                                    "collectives": lambda: _collectives(rank, world, cfg),
+                                    "memory": lambda: _memory(rank, world, cfg)})
 
 
-def run_benchmark(cfg: Config = Config(), parts: tuple[str, ...] = ("step", "collectives", "memory")) -> dict[str, Any]:
+def run_benchmark(cfg: Config = Config(), parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     """Every measurement, as rows of plain data. Spawns gloo ranks (one group per world size)."""
     result: dict[str, Any] = {"config": asdict(cfg), "environment": common.environment_note(),
                               "step_time": [], "collectives": [], "collective_fits": [], "memory": [],
@@ -425,28 +414,22 @@ def print_report(result: dict[str, Any]) -> None:
               "(before zero_grad); peak includes gathered units and activations (the planner's compute memory).\n")
     print("wall time per spawned group: " + ", ".join(f"{k} {v:.1f} s" for k, v in result["wall_s"].items()))
     print(common.load_note(*result["load_average"]))
+    if "total_s" in result:
+        print(f"total {result['total_s']:.1f} s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds, W = 2 and 3 only (under a minute)")
-    parser.add_argument("--parts", default="step,collectives,memory", help="comma-separated subset to run")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args(argv)
-    cfg = QUICK if args.quick else Config()
-    parts = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    unknown = set(parts) - {"step", "collectives", "memory"}
-    if unknown:
-        parser.error(f"unknown part(s) {sorted(unknown)}")
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parts", type=comma_list(PARTS), default=PARTS, help=f"comma-separated subset of {','.join(PARTS)}")
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """``--quick``: fewer rounds, W = 2 and 3 only (under a minute)."""
     start = time.perf_counter()
-    result = run_benchmark(cfg, parts)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print_report(result)
-        print(f"total {time.perf_counter() - start:.1f} s")
-    return 0
+    result = run_benchmark(QUICK if args.quick else Config(), args.parts)
+    return {**result, "total_s": time.perf_counter() - start}
 
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(BENCHMARK.main())

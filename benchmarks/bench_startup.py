@@ -1,7 +1,7 @@
 """Start-up time of the torch-free planner CLI beside a bare ``python -c pass``.
 
-    python benchmarks/bench_startup.py            # 10 rounds, plus `import lightning.pytorch` for scale
-    python benchmarks/bench_startup.py --quick    # 3 rounds, without the Lightning import
+    python -m benchmarks.bench_startup            # 10 rounds, plus `import lightning.pytorch` for scale
+    python -m benchmarks.bench_startup --quick    # 3 rounds, without the Lightning import
 
 Every variant is a fresh interpreter (this checkout first on ``PYTHONPATH``), run in interleaved
 rounds so the machine's load hits all alike; the ratios are medians of per-round ratios to
@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.harness import Benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_FILE = ROOT / "configs" / "clusters" / "t4-example.yaml"
@@ -72,15 +74,16 @@ def print_report(rows: list[dict[str, Any]]) -> None:
     print(f"(1-minute load average after the run: {load} on {os.cpu_count()} cores)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="3 rounds, no Lightning reference")
-    parser.add_argument("--rounds", type=int, default=None)
-    args = parser.parse_args(argv)
-    rows = run_benchmark(rounds=args.rounds or (3 if args.quick else 10), with_lightning=not args.quick)
-    print_report(rows)
-    return 0
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 10; --quick 3)")
 
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--quick``: 3 rounds, no Lightning reference."""
+    return run_benchmark(rounds=args.rounds or (3 if args.quick else 10), with_lightning=not args.quick)
+
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(BENCHMARK.main())

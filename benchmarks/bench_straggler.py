@@ -1,8 +1,8 @@
 """A straggler mid-run: throughput per watch window of the static plan, the adaptive one and the offline optimum.
 
-    python benchmarks/bench_straggler.py            # 3 EMULATED ranks, rank 1 slows x3 at step S, recovers at S2
-    python benchmarks/bench_straggler.py --quick
-    python benchmarks/bench_straggler.py --emulate 1,1.5,2   # other slowdowns of ranks 0..2
+    python -m benchmarks.bench_straggler            # 3 EMULATED ranks, rank 1 slows x3 at step S, recovers at S2
+    python -m benchmarks.bench_straggler --quick
+    python -m benchmarks.bench_straggler --emulate 1,1.5,2   # other slowdowns of ranks 0..2
 
 THE CLUSTER IS EMULATED ON CPU: three gloo processes on this machine, slowed by sleeping after each
 compute region (:class:`~cephalo_lightning.runtime.emulation.emulator.DeviceEmulator`); no GPU.
@@ -34,19 +34,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _common as common
+from benchmarks import _common as common
+from benchmarks.harness import Benchmark
 
 
 @dataclass(frozen=True)
@@ -220,19 +214,20 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"wall time {result['wall_s']:.0f} s; " + common.load_note(*result["load_average"]))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--emulate", help="slowdowns of ranks 0..2, e.g. 1,1.5,2 (default 2,3,4)")
-    args = parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """``--quick``: fewer steps."""
     os.environ.setdefault("WANDB_MODE", "disabled")
     cfg = QUICK if args.quick else Config()
     if args.emulate:
         cfg = replace(cfg, emulate=tuple(float(v) for v in args.emulate.split(",")))
-    result = run_benchmark(cfg)
-    return common.emit(result, args.json, print_report)
+    return run_benchmark(cfg)
 
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(BENCHMARK.main())

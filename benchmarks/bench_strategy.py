@@ -1,9 +1,9 @@
 """Lightning strategy benchmark: ``strategy="cephalo"`` (even plan) vs FSDP2 and DDP in ``Trainer.fit``.
 
-    python benchmarks/bench_strategy.py            # rounds x 5 strategies, ~2 minutes on 2 cores
-    python benchmarks/bench_strategy.py --quick    # 2 rounds, fewer steps; under a minute
-    python benchmarks/bench_strategy.py --profile  # also cProfile one cephalo fit's steady steps on rank 0
-    python benchmarks/bench_strategy.py --json     # the rows as data
+    python -m benchmarks.bench_strategy            # rounds x 5 strategies, ~2 minutes on 2 cores
+    python -m benchmarks.bench_strategy --quick    # 2 rounds, fewer steps; under a minute
+    python -m benchmarks.bench_strategy --profile  # also cProfile one cephalo fit's steady steps on rank 0
+    python -m benchmarks.bench_strategy --json -   # the result as JSON on stdout (--json PATH: to a file)
 
 On 2 gloo ranks (CPU processes on one machine, NOT GPUs over NCCL), the same demo GPT
 (``GPTModule``), the same corpus, the same global batch, the same AdamW and fp32, trained through
@@ -42,18 +42,12 @@ import argparse
 import cProfile
 import io
 import pstats
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _common as common
+from benchmarks import _common as common
+from benchmarks.harness import Benchmark, comma_list
 
 WORLD = 2
 STRATEGIES = ("cephalo", "cephalo-uniform", "cephalo-ddp", "fsdp2", "ddp")
@@ -309,26 +303,24 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"wall time of the run: {result['wall_s']:.1f} s; " + common.load_note(*result["load_average"]))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 rounds, fewer batches (under a minute)")
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
-    parser.add_argument("--strategies", help=f"comma-separated subset of {','.join(STRATEGIES)}")
+    parser.add_argument("--strategies", type=comma_list(STRATEGIES), help=f"comma-separated subset of {','.join(STRATEGIES)}")
     parser.add_argument("--profile", nargs="?", const="cephalo", choices=STRATEGIES,
                         help="after the rounds, cProfile one fit of this strategy (default cephalo) on rank 0")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """``--quick``: 3 rounds, fewer batches (under a minute)."""
     cfg = QUICK if args.quick else Config()
     if args.rounds:
         cfg = Config(**{**asdict(cfg), "rounds": args.rounds})
     if args.strategies:
-        names = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
-        if set(names) - set(STRATEGIES):
-            parser.error(f"unknown strategies {sorted(set(names) - set(STRATEGIES))}")
-        cfg = Config(**{**asdict(cfg), "strategies": names})
-    result = run_benchmark(cfg, args.profile)
-    return common.emit(result, args.json, print_report)
+        cfg = Config(**{**asdict(cfg), "strategies": args.strategies})
+    return run_benchmark(cfg, args.profile)
 
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(BENCHMARK.main())

@@ -1,12 +1,12 @@
 """Shard groups over an emulated network topology: the planner's choice vs full shard, HSDP and DDP.
 
-    python benchmarks/bench_topology.py              # 2 rounds per cluster; several minutes on 2 cores
-    python benchmarks/bench_topology.py --quick      # 1 round, fewer batches
-    python benchmarks/bench_topology.py --profile-only  # measure the links, profile and plan; no fits
-    python benchmarks/bench_topology.py --calibrate  # plan on a calibration of the profile's plan
-    python benchmarks/bench_topology.py --link-ratio 10  # the inter-node link 10x slower than the host's, measured
-    python benchmarks/bench_topology.py --slowdown-scale 1  # cluster 1 unscaled, 1, 1, 2, 2 (default 2: see below)
-    python benchmarks/bench_topology.py --json       # the rows as data
+    python -m benchmarks.bench_topology              # 2 rounds per cluster; several minutes on 2 cores
+    python -m benchmarks.bench_topology --quick      # 1 round, fewer batches
+    python -m benchmarks.bench_topology --profile-only  # measure the links, profile and plan; no fits
+    python -m benchmarks.bench_topology --calibrate  # plan on a calibration of the profile's plan
+    python -m benchmarks.bench_topology --link-ratio 10  # the inter-node link 10x slower than the host's, measured
+    python -m benchmarks.bench_topology --slowdown-scale 1  # cluster 1 unscaled, 1, 1, 2, 2 (default 2: see below)
+    python -m benchmarks.bench_topology --json -     # the result as JSON on stdout (--json PATH: to a file)
 
 THE CLUSTER IS EMULATED ON CPU: 4 gloo ranks on this machine stand for 2 nodes x 2 GPUs. Node 0 has
 two fast ranks with little memory, node 1 two ranks twice as slow with plenty
@@ -57,18 +57,12 @@ per-round ratios (fits run seconds apart).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import _common as common
+from benchmarks import _common as common
+from benchmarks.harness import Benchmark
 
 WORLD = 4
 NODES = (0, 0, 1, 1)
@@ -441,26 +435,35 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"wall time of the run: {result['wall_s']:.1f} s; " + common.load_note(*result["load_average"]))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="1 round, fewer batches")
+def _at_least_one(text: str) -> float:
+    value = float(text)
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _above_one(text: str) -> float:
+    value = float(text)
+    if not value > 1:
+        raise argparse.ArgumentTypeError(f"must be > 1 (how many times slower than the host's link), got {value}")
+    return value
+
+
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
     parser.add_argument("--profile-only", action="store_true", help="measure the links, profile and plan; no fits")
     parser.add_argument("--no-second", action="store_true", help="skip the cluster that fits everywhere")
     parser.add_argument("--calibrate", action="store_true",
                         help="calibrate on the profile's plan first (2 windows) and plan on the calibrated cluster")
-    parser.add_argument("--link-ratio", type=float, metavar="R",
+    parser.add_argument("--link-ratio", type=_above_one, metavar="R",
                         help="derive the emulated inter-node link from the host's, R times slower (default: fixed "
                              f"at {Config.inter_node_gbps} GB/s)")
-    parser.add_argument("--slowdown-scale", type=float, metavar="S",
+    parser.add_argument("--slowdown-scale", type=_at_least_one, metavar="S",
                         help="cluster 1's emulated slowdowns times S (>= 1), the ratios between ranks unchanged")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    args = parser.parse_args(argv)
-    if args.slowdown_scale is not None and not args.slowdown_scale >= 1:
-        parser.error(f"--slowdown-scale must be >= 1, got {args.slowdown_scale}")
-    if args.link_ratio is not None and not args.link_ratio > 1:
-        parser.error(f"--link-ratio must be > 1 (how many times slower than the host's link), got {args.link_ratio}")
-    cfg = QUICK if args.quick else Config()
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """``--quick``: 1 round, fewer batches."""
     overrides: dict[str, Any] = {"profile_only": args.profile_only, "fits_everywhere": not args.no_second}
     if args.calibrate:
         overrides["calibration_windows"] = 2
@@ -470,8 +473,10 @@ def main(argv: list[str] | None = None) -> int:
         overrides["slowdown_scale"] = args.slowdown_scale
     if args.link_ratio is not None:
         overrides.update(inter_node_gbps=None, link_ratio=args.link_ratio)
-    return common.emit(run_benchmark(Config(**{**asdict(cfg), **overrides})), args.json, print_report)
+    return run_benchmark(Config(**{**asdict(QUICK if args.quick else Config()), **overrides}))
 
+
+BENCHMARK = Benchmark(__doc__, measure, print_report, options)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(BENCHMARK.main())

@@ -1,7 +1,7 @@
 """One-shot GPU check: the CUDA paths the CPU test suite cannot run, on one GPU, in a few minutes.
 
-    python benchmarks/gpu_check.py            # on a machine with one CUDA GPU; writes docs/benchmarks/gpu.md
-    python benchmarks/gpu_check.py --dry-run  # the same skeleton on CPU (tiny sizes; CUDA-only rows say skipped)
+    python -m benchmarks.gpu_check            # on a machine with one CUDA GPU; writes docs/benchmarks/gpu.md
+    python -m benchmarks.gpu_check --dry-run  # the same skeleton on CPU (tiny sizes; CUDA-only rows say skipped)
 
 Rows (every figure MEASURED on the GPU it ran on; nothing emulated except where a row says so):
 
@@ -23,17 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 REPORT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "gpu.md"
 

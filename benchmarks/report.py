@@ -1,11 +1,12 @@
-"""Run every benchmark and write the docs' results page ``docs/benchmarks/report.md`` with plots (``make bench``).
+"""Run the results page's benchmarks and write ``docs/benchmarks/report.md`` with plots (``make bench``).
 
-    python benchmarks/report.py            # full runs (~10-15 min on 2 cores)
-    python benchmarks/report.py --quick    # each benchmark's --quick configuration (~4 min)
-    python benchmarks/report.py --replot   # redraw the plots from docs/benchmarks/results.json, run nothing
+    python -m benchmarks.report            # full runs (~10-15 min on 2 cores)
+    python -m benchmarks.report --quick    # each benchmark's smoke-run flags (~4 min)
+    python -m benchmarks.report --replot   # redraw the plots from docs/benchmarks/results.json, run nothing
 
-Each section holds the benchmark's own printed tables (what it measured, emulated or predicted)
-and a plot of its headline figure; ``results.json`` keeps the raw rows.
+The benchmarks are the registry's entries with ``in_report`` (``benchmarks/registry.py``), each run as
+its command line would run it. Each section holds the benchmark's own printed tables (what it measured,
+emulated or predicted) and plots of its headline figures; ``results.json`` keeps the raw results.
 """
 
 from __future__ import annotations
@@ -14,30 +15,15 @@ import argparse
 import contextlib
 import io
 import json
-import sys
 import textwrap
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-HERE = Path(__file__).resolve().parent
-OUT = HERE.parent / "docs" / "benchmarks"  # the docs site's results page, its plots and results.json
+from benchmarks.harness import to_json
+from benchmarks.registry import BENCHMARKS, Entry
 
-
-def _modules() -> dict[str, Any]:
-    sys.path.insert(0, str(HERE))
-    import bench_emulated
-    import bench_fidelity
-    import bench_layered
-    import bench_meta_init
-    import bench_planner
-    import bench_runtime
-    import bench_startup
-    import bench_strategy
-
-    return {"planner": bench_planner, "runtime": bench_runtime, "layered": bench_layered,
-            "strategy": bench_strategy, "emulated": bench_emulated, "startup": bench_startup,
-            "fidelity": bench_fidelity, "meta_init": bench_meta_init}
+OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"  # the results page, its plots and results.json
 
 
 # ----------------------------------------------------------------------------- plots
@@ -209,94 +195,62 @@ def plot_strategies(rows: list[dict[str, Any]]) -> str:
 
 # ----------------------------------------------------------------------------- report
 
+PLOTS: dict[str, Callable[[Any], list[str]]] = {
+    "planner": lambda r: [plot_planner_scaling(r["scaling"]), plot_planner(r["quality"]),
+                          plot_planner_quality(r["quality"])],
+    "runtime": lambda r: [plot_collectives(r["collectives"])] if r["collectives"] else [],
+    "layered": lambda r: [plot_layered_memory(r["memory"])] if r["memory"] else [],
+    "strategy": lambda r: [plot_strategies(r["strategies"])],
+    "emulated": lambda r: [plot_plans(r["plans"], "emulated_plans", "Emulated 2-rank CPU cluster: measured vs predicted")],
+    "fidelity": lambda r: [plot_fidelity(r)],
+}
 
-def _run(module: Any, run: Callable[[], Any], printer: Callable[[Any], None]) -> tuple[Any, str, float]:
+
+def _section(entry: Entry, quick: bool) -> tuple[Any, str]:
+    """Run one benchmark as its command line would; its result and its section of the page."""
+    benchmark = entry.load()
     start = time.perf_counter()
-    result = run()
+    result, _ = benchmark.run(list(entry.quick_args) if quick else [])
+    seconds = time.perf_counter() - start
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        printer(result)
-    return result, text.getvalue(), time.perf_counter() - start
+        benchmark.print_report(result)
+    print(text.getvalue(), flush=True)
+    images = PLOTS.get(entry.name, lambda r: [])(result)
+    return result, (f"## {entry.title}\n\n_Run time {seconds:.0f} s._\n\n" + "\n\n".join(images)
+                    + f"\n\n```\n{text.getvalue().rstrip()}\n```\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="each benchmark's quick configuration")
+    parser.add_argument("--quick", action="store_true", help="each benchmark's smoke-run flags")
     parser.add_argument("--replot", action="store_true",
                         help="redraw the plots from docs/benchmarks/results.json (report.md and the results stay)")
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
-    m = _modules()
-    cfg = {name: (getattr(mod, "QUICK", None) if args.quick else None) for name, mod in m.items()}
-
-    def conf(name: str) -> Any:
-        return cfg[name] if cfg[name] is not None else m[name].Config()
-
-    sections: list[str] = []
-    raw: dict[str, Any] = {}
-    planner = m["planner"]
-
-    def run_planner() -> dict[str, Any]:
-        quick = args.quick
-        return {"scaling": planner.run_scaling(planner.QUICK_SCALING if quick else planner.SCALING,
-                                               repeats=1 if quick else 3),
-                "bound": planner.run_batch_bound(planner.QUICK_BOUND_BATCHES if quick else planner.BOUND_BATCHES),
-                "quality": planner.run_benchmark(batches=(64, 256, 1024)) if quick else planner.run_benchmark()}
-
-    def print_planner(r: dict[str, Any]) -> None:
-        planner.print_scaling(r["scaling"])
-        planner.print_bound(r["bound"])
-        planner.print_table(r["quality"])
-
-    runs = [
-        ("planner", "Planner at cluster scale, bounded in the batch, plan quality vs every baseline",
-         run_planner, print_planner,
-         lambda r: [plot_planner_scaling(r["scaling"]), plot_planner(r["quality"]), plot_planner_quality(r["quality"])]),
-        ("runtime", "Sharding runtime vs FSDP2, padded vs exact, memory",
-         lambda: m["runtime"].run_benchmark(conf("runtime")), m["runtime"].print_report,
-         lambda r: [plot_collectives(r["collectives"])] if r["collectives"] else []),
-        ("layered", "Layered accumulation: memory vs micro-batches, predicted vs measured",
-         lambda: m["layered"].run_benchmark(conf("layered")), m["layered"].print_report,
-         lambda r: [plot_layered_memory(r["memory"])] if r["memory"] else []),
-        ("strategy", "strategy=\"cephalo\" vs FSDP2 and DDP through Trainer.fit",
-         lambda: m["strategy"].run_benchmark(conf("strategy")), m["strategy"].print_report,
-         lambda r: [plot_strategies(r["strategies"])]),
-        ("emulated", "Emulated heterogeneous cluster: Cephalo vs even vs proportional",
-         lambda: m["emulated"].run_benchmark(conf("emulated")), m["emulated"].print_report,
-         lambda r: [plot_plans(r["plans"], "emulated_plans", "Emulated 2-rank CPU cluster: measured vs predicted")]),
-        ("meta_init", "Meta-device init: peak host memory per rank while a 220M model is sharded",
-         lambda: m["meta_init"].run_benchmark(quick=args.quick), m["meta_init"].print_report, lambda r: []),
-        ("startup", "Planner CLI start-up beside `python -c pass`",
-         lambda: m["startup"].run_benchmark(rounds=3 if args.quick else 10, with_lightning=not args.quick),
-         m["startup"].print_report, lambda r: []),
-        ("fidelity", "Plan fidelity: predicted vs measured step time and peak memory per rank",
-         lambda: m["fidelity"].run_benchmark(conf("fidelity")), m["fidelity"].print_report,
-         lambda r: [plot_fidelity(r)]),
-    ]
+    entries = [entry for entry in BENCHMARKS if entry.in_report]
     if args.replot:
         stored = json.loads((OUT / "results.json").read_text())
-        for name, _, _, _, plots in runs:
-            if name in stored:
-                print("\n".join(plots(stored[name])))
+        for entry in entries:
+            if entry.name in stored and entry.name in PLOTS:
+                print("\n".join(PLOTS[entry.name](stored[entry.name])))
         return 0
-    for name, title, run, printer, plots in runs:
-        print(f"== {title}", flush=True)
-        result, text, seconds = _run(m[name], run, printer)
-        print(text, flush=True)
-        raw[name] = result
-        images = plots(result)
-        sections.append(f"## {title}\n\n_Run time {seconds:.0f} s._\n\n" + "\n\n".join(images)
-                        + f"\n\n```\n{text.rstrip()}\n```\n")
+    sections: list[str] = []
+    raw: dict[str, Any] = {}
+    for entry in entries:
+        print(f"== {entry.title}", flush=True)
+        raw[entry.name], section = _section(entry, args.quick)
+        sections.append(section)
     header = (
         "# Benchmark report\n\n"
-        f"Generated by `python benchmarks/report.py{' --quick' if args.quick else ''}` on "
+        f"Generated by `python -m benchmarks.report{' --quick' if args.quick else ''}` on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Machine: CPU only; every runtime figure comes "
         "from 2-4 CPU processes on gloo, and heterogeneous devices are EMULATED (per-rank slowdown and "
         "memory capacity). Planner figures are predictions of the cost model. Each table says which "
         "figures are measured, emulated or predicted.\n"
     )
     (OUT / "report.md").write_text(header + "\n" + "\n".join(sections))
-    (OUT / "results.json").write_text(json.dumps(raw, indent=1, default=str))
+    (OUT / "results.json").write_text(to_json(raw))
     print(f"wrote {OUT / 'report.md'}")
     return 0
 

@@ -1,9 +1,9 @@
 """Wall-clock acceptance checks: the speed properties that tests must not time.
 
-    python benchmarks/wall_clock_checks.py            # every check; exit 1 if one fails
-    python benchmarks/wall_clock_checks.py planner    # only the planner's (a few seconds)
-    python benchmarks/wall_clock_checks.py emulated   # only the emulated speed-up (about a minute)
-    python benchmarks/wall_clock_checks.py profiled   # only the profiled slowdown (about 20 s)
+    python -m benchmarks.wall_clock_checks            # every check; exit 1 if one fails
+    python -m benchmarks.wall_clock_checks planner    # only the planner's (a few seconds)
+    python -m benchmarks.wall_clock_checks emulated   # only the emulated speed-up (about a minute)
+    python -m benchmarks.wall_clock_checks profiled   # only the profiled slowdown (about 20 s)
 
 The test suite asserts what is deterministic (valid plans, clear refusals, the plan's shape, the
 planner's predicted speed-up); how long something takes on this machine is measured here, on a
@@ -50,11 +50,6 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    import cephalo_lightning  # noqa: F401
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(ROOT))
-
 from cephalo_lightning.planner import load_cluster, plan  # noqa: E402 - torch-free
 from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH  # noqa: E402
 
@@ -223,14 +218,14 @@ def _profile_slow_pair(rank: int, world_size: int) -> float:
     import torch
 
     from cephalo_lightning.demo.gpt import GPT, GPTConfig
-    from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions
+    from cephalo_lightning.profiling import ClusterProfiler, ModelDescription, ProfileOptions
 
     torch.manual_seed(0)
     layers = GPT(GPTConfig.preset("small", seq_len=64)).layers()
     sample = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     emulate = [{"slowdown": 1}, {"slowdown": PROFILED_SLOWDOWN, "memory_gb": 0.05}]
     options = ProfileOptions(max_micro_batch=4, collective_modes=("padded", "exact"))
-    fast, slow = ClusterProfiler(layers, sample, emulate=emulate, options=options, model_name="gpt-small",
+    fast, slow = ClusterProfiler(layers, sample, ModelDescription(name="gpt-small"), emulate=emulate, options=options,
                                  quiet=True).run().cluster.devices
     return (sum(slow.layer_fwd_ms) + sum(slow.layer_bwd_ms)) / (sum(fast.layer_fwd_ms) + sum(fast.layer_bwd_ms))
 

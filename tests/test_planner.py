@@ -694,11 +694,8 @@ def test_64_gpus_at_4096_plan_in_under_a_second() -> None:
 
 
 def test_benchmark_returns_rows() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from bench_planner import run_benchmark
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from benchmarks.bench_planner import run_benchmark
+
     rows = run_benchmark(sizes=(4, 16), batches=(64,), repeats=1)
     assert [(r["gpus"], r["global_batch"]) for r in rows] == [(4, 64), (16, 64)]
     for r in rows:

@@ -14,6 +14,7 @@ from cephalo_lightning.demo.gpt import GPT, GPTConfig
 from cephalo_lightning.planner import Cluster, load_cluster, plan, save_cluster
 from cephalo_lightning.profiling import (
     ClusterProfiler,
+    ModelDescription,
     ProfileOptions,
     ProfilingError,
     layer_signature,
@@ -187,7 +188,7 @@ def test_collectives_in_one_process_cost_nothing() -> None:
 
 def test_single_process_cluster_and_cache(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     layers, sample = tiny_gpt().layers(), sample_tokens()
-    kwargs = dict(options=QUICK, model_name="gpt-tiny", cache_dir=tmp_path, quiet=True)
+    kwargs = dict(model=ModelDescription(name="gpt-tiny"), options=QUICK, cache_dir=tmp_path, quiet=True)
     first = ClusterProfiler(layers, sample, **kwargs).run()
     assert not first.from_cache and first.cache_file is not None and first.cache_file.is_file()
     device = first.cluster.devices[0]
@@ -246,9 +247,9 @@ def _profile_emulated_pair(rank: int, world_size: int, cache_dir: str) -> dict:
     sample = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
     emulate = [{"slowdown": 1}, {"slowdown": 3, "memory_gb": 0.05}]
     options = ProfileOptions(max_micro_batch=4, collective_modes=("padded", "exact"))
-    first = ClusterProfiler(layers, sample, emulate=emulate, options=options, model_name="gpt-small",
+    first = ClusterProfiler(layers, sample, ModelDescription(name="gpt-small"), emulate=emulate, options=options,
                             cache_dir=cache_dir, quiet=True).run()
-    again = ClusterProfiler(layers, sample, emulate=emulate, options=options, model_name="gpt-small",
+    again = ClusterProfiler(layers, sample, ModelDescription(name="gpt-small"), emulate=emulate, options=options,
                             cache_dir=cache_dir, quiet=True).run()
     return {
         "cluster": first.cluster, "seconds": first.seconds, "measured_by": first.measured_by,

@@ -301,8 +301,8 @@ def test_the_gpu_check_runs_its_cpu_skeleton(tmp_path):
     from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
 
     out = tmp_path / "gpu.md"
-    result = subprocess.run([sys.executable, str(PACKAGE.parent / "benchmarks" / "gpu_check.py"), "--dry-run",
-                             "--out", str(out)], capture_output=True, text=True, env=clean_env(), timeout=HANG_TIMEOUT_S)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(out)],
+                            capture_output=True, text=True, env=clean_env(), cwd=PACKAGE.parent, timeout=HANG_TIMEOUT_S)
     assert result.returncode == 0, failure_report(result)
     table = out.read_text()
     assert "CPU dry run" in table and "| layered fit (cephalo, 1 rank) | ok |" in table

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cephalo_lightning.runtime.layered import LayeredSchedule, UnitOptimizers, plain_input
+from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
 from cephalo_lightning.runtime.sharding.layout import (
     build_layout,
     check_shard_groups,
@@ -25,6 +25,7 @@ from tests.distributed import run_distributed
 from tests.models import TinyLM, batches
 from tests.reference import split
 from tests.test_layered import layers_of
+from tests.unit_optimizers import UnitOptimizers
 
 STEPS = 3
 GLOBAL_BATCH = 12

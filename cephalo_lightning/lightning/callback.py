@@ -48,7 +48,7 @@ from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.planner import plan as make_plan
 from cephalo_lightning.planner.cluster_cost import predicted_busy_s
 from cephalo_lightning.planner.report import render_plan
-from cephalo_lightning.profiling import ProfileOptions, default_settings, profile_cluster
+from cephalo_lightning.profiling import ModelDescription, ProfileOptions, default_settings, profile_cluster
 from cephalo_lightning.runtime.distributed import gather_objects
 from cephalo_lightning.runtime.observers import Observer
 from cephalo_lightning.runtime.sharding.flat_unit import full_shape
@@ -172,7 +172,7 @@ class CephaloCallback(Callback):
                           force: bool) -> tuple[Cluster, Plan]:
         """Collective: profile every rank on the sharded model, one unit at a time, and plan."""
         sample, global_batch = planning_sample(trainer, strategy, self.config)
-        layers, sample_input, kwargs = profiled_form(module, strategy, sample)
+        layers, sample_input, hooks = profiled_form(module, strategy, sample)
         settings = replace(default_settings(strategy.root_device), **self.config.settings)
         if "stash_on_device" not in self.config.settings and not settings.offload_stash:
             settings = replace(settings, stash_on_device=not strategy.offloads_stash)
@@ -186,13 +186,15 @@ class CephaloCallback(Callback):
         state_bytes = self.config.state_bytes_per_param or 4 * master.itemsize
         with precision.forward_context():  # autocast for "*-mixed"
             cluster = profile_cluster(
-                layers, sample_input, emulator=strategy.emulator,  # its current state: a throttle shows
+                layers, sample_input,
+                ModelDescription(name=type(module).__name__, parameters=parameters,
+                                 trainable_parameters=trainable_parameters, state_bytes_per_param=state_bytes,
+                                 weight_bytes_per_param=float(master.itemsize)),
+                hooks, emulator=strategy.emulator,  # its current state: a throttle shows
                 options=ProfileOptions(max_micro_batch=self.config.max_micro_batch, compute_dtype=compute_dtype,
                                        collective_modes=(strategy.collective,)),
-                model_name=type(module).__name__, parameters=parameters, trainable_parameters=trainable_parameters,
-                state_bytes_per_param=state_bytes, weight_bytes_per_param=float(master.itemsize),
                 settings=settings, device=strategy.root_device, cache_dir=self.config.cache_dir, force=force,
-                quiet=self.config.quiet, **kwargs,
+                quiet=self.config.quiet,
             )
         if self.config.cluster_file and trainer.is_global_zero:
             from cephalo_lightning.planner import save_cluster

@@ -10,6 +10,7 @@ from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning._private import training_dataloader
 from cephalo_lightning.lightning.callback_api import CallbackAPI
 from cephalo_lightning.lightning.callback_config import CallbackConfig
+from cephalo_lightning.profiling import ModelHooks
 from cephalo_lightning.runtime.batching import leading_size, slice_batch
 
 
@@ -33,17 +34,17 @@ def planning_sample(trainer: pl.Trainer, strategy: CallbackAPI, config: Callback
 
 
 def profiled_form(module: pl.LightningModule, strategy: CallbackAPI,
-                  sample: Any) -> tuple[list[Any], Any, dict[str, Any]]:
+                  sample: Any) -> tuple[list[Any], Any, ModelHooks]:
     """What is measured: the layered form's layers on a sample batch, each gathered in place;
     else the whole module as one "layer" on its ``example_input_array``, every unit gathered."""
     layered = strategy.layered_form
     if layered is not None:
-        return list(layered.layers), sample, {"prepare": layered.prepare, "loss": layered.loss,
-                                              "unit_context": strategy.gathered_layer}
+        return list(layered.layers), sample, ModelHooks(prepare=layered.prepare, loss=layered.loss,
+                                                        unit_context=strategy.gathered_layer)
     example = getattr(module, "example_input_array", None)
     if example is None:
         raise ConfigurationError(
             f"CephaloCallback cannot profile {type(module).__name__}: it has no layered form "
             f"({strategy.why_not_layered}); set example_input_array, or give the strategy a plan / cluster file"
         )
-    return [module], example, {"unit_context": lambda i: strategy.gathered_model()}
+    return [module], example, ModelHooks(unit_context=lambda i: strategy.gathered_model())

@@ -30,7 +30,7 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from torch import nn
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.planner.cluster import cluster_from_dict, cluster_to_dict
-from cephalo_lightning.planner.cluster_spec import Cluster, ModelSpec, Settings
+from cephalo_lightning.planner.cluster_spec import Cluster, Settings
 from cephalo_lightning.profiling.cache import cache_path, fingerprint, read_cached, structure, write_cached
 from cephalo_lightning.profiling.collectives import (
     CollectiveProfile,
@@ -63,6 +63,7 @@ from cephalo_lightning.profiling.devices import (
 )
 from cephalo_lightning.profiling.errors import ProfilingError
 from cephalo_lightning.profiling.model import ModelHooks, ModelProfile, Pacing, profile_model
+from cephalo_lightning.profiling.model_description import ModelDescription
 from cephalo_lightning.profiling.optimizer import time_optimizer_step
 from cephalo_lightning.profiling.options import ProfileOptions
 from cephalo_lightning.profiling.progress import ProfileProgress
@@ -121,60 +122,49 @@ class ClusterProfiler:
         layers: the model as its ordered layers (each takes and returns one tensor), e.g. a
             LightningModule's ``cephalo_layers()``; not modified (copies are profiled).
         sample_input: the first layer's input for a sample batch (e.g. ``cephalo_input(batch)``).
+        model: what the layers cannot tell of the model (:class:`ModelDescription`: its name, whole
+            parameter count, trainable ones, state bytes per parameter, hidden size, sequence length).
+        hooks: how the model is driven beyond its layers (:class:`~cephalo_lightning.profiling.model.ModelHooks`):
+            for a layered model (:class:`~cephalo_lightning.models.protocol.LayeredModel`) ``sample_input``
+            is a sample batch, ``prepare(micro_batch) -> (first input, side)`` and ``loss(output,
+            micro_batch, side)`` the model's own; ``unit_context(i)`` gathers layer i's unit of a sharded
+            model (every rank takes part; the layers are then measured in place, one unit at a time);
+            ``loss_fn(last_layer_output) -> loss`` measures the last layer with the loss behind it.
         emulator: this rank's :class:`DeviceEmulator`; and/or ``emulate``: every rank's spec (one
             per rank, all validated), from which this rank's emulator is built when none is given
             (when both are given they must agree).
         options: :class:`ProfileOptions`.
-        model_name, parameters, trainable_parameters, state_bytes_per_param, weight_bytes_per_param,
-            hidden_size, seq_len: the :class:`ModelSpec` (``parameters`` defaults to the layers' parameters,
-            ``trainable_parameters`` to their trainable ones; a frozen parameter is priced at
-            ``weight_bytes_per_param``, a trainable one at ``state_bytes_per_param``).
         settings: the cost model's settings (default :func:`default_settings`); the measured
             collective times replace ``allgather_ms`` / ``reduce_scatter_ms``.
         group: the process group (default: the world); single process works without one.
         device: where to compute (default: the current CUDA device, else the CPU).
         cache_dir: where cluster files are cached (``None``: no cache); ``force``: profile again.
         quiet: no progress bar and no log lines.
-        prepare, loss: for a layered model (:class:`~cephalo_lightning.models.protocol.LayeredModel`):
-            ``sample_input`` is then a sample batch, ``prepare(micro_batch) -> (first input, side)``
-            and ``loss(output, micro_batch, side)`` the model's own.
-        unit_context: ``unit_context(i)`` gathers layer i's unit of a sharded model (every rank takes
-            part; the layers are then measured in place, one unit at a time).
-        loss_fn: ``loss_fn(last_layer_output) -> loss``, so the last layer is measured with the
-            loss behind it (e.g. ``lambda out: module.cephalo_loss(out, batch_rows)``).
     """
 
     def __init__(
         self,
         layers: Sequence[nn.Module],
         sample_input: Any,
+        model: ModelDescription = ModelDescription(),
+        hooks: ModelHooks = ModelHooks(),
         *,
         emulator: DeviceEmulator | None = None,
         emulate: Sequence[EmulationSpec] | None = None,
         options: ProfileOptions | None = None,
-        model_name: str = "model",
-        parameters: int | None = None,
-        state_bytes_per_param: float = 16.0,
-        trainable_parameters: int | None = None,
-        weight_bytes_per_param: float = 4.0,
-        hidden_size: int | None = None,
-        seq_len: int | None = None,
         settings: Settings | None = None,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         cache_dir: str | Path | None = None,
         force: bool = False,
         quiet: bool = False,
-        loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        prepare: Callable[[Any], tuple[torch.Tensor, Any]] | None = None,
-        loss: Callable[[torch.Tensor, Any, Any], torch.Tensor] | None = None,
-        unit_context: Callable[[int], Any] | None = None,
     ) -> None:
         self.layers = list(layers)
-        self.hooks = ModelHooks(prepare=prepare, loss=loss, loss_fn=loss_fn, unit_context=unit_context)
+        self.model = model
+        self.hooks = hooks
         if not self.layers:
             raise ConfigurationError("ClusterProfiler needs the model's layers (e.g. cephalo_layers()); got none")
-        if prepare is None and not isinstance(sample_input, torch.Tensor):
+        if hooks.prepare is None and not isinstance(sample_input, torch.Tensor):
             raise UnsupportedError(f"sample_input must be a tensor (the first layer's input), got {type(sample_input).__name__}")
         self.sample_input = sample_input
         self.group = group
@@ -191,13 +181,6 @@ class ClusterProfiler:
         self.emulator = emulator or DeviceEmulator()
         self.options = options or ProfileOptions()
         self.device = torch.device(device) if device is not None else default_device()
-        self.model_name = model_name
-        self.parameters = parameters
-        self.state_bytes_per_param = float(state_bytes_per_param)
-        self.trainable_parameters = trainable_parameters
-        self.weight_bytes_per_param = float(weight_bytes_per_param)
-        self.hidden_size = hidden_size
-        self.seq_len = seq_len
         self.settings = settings if settings is not None else default_settings(self.device)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.force = force
@@ -239,8 +222,7 @@ class ClusterProfiler:
                 "batch_dim": opts.batch_dim, "collectives": opts.collectives, "modes": list(opts.collective_modes),
                 "with_loss": self.hooks.loss_fn is not None,
             },
-            "spec": [self.model_name, self.parameters, self.state_bytes_per_param, self.hidden_size, self.seq_len,
-                     self.trainable_parameters, self.weight_bytes_per_param],
+            "spec": self.model.cache_key(),
             "settings": asdict(self.settings),
         })
 
@@ -387,31 +369,16 @@ class ClusterProfiler:
         if topology is not None and topology.num_nodes > 1:
             devices = tuple(replace(d, node=n) for d, n in zip(devices, topology.nodes))
         first = next(p for p in profiles if p is not None)
-        model = ModelSpec(
-            name=self.model_name,
-            num_layers=first.num_layers,
-            parameters=self.parameters if self.parameters is not None else sum(first.layer_numels),
-            trainable_parameters=(self.trainable_parameters if self.trainable_parameters is not None
-                                  else None if self.parameters is not None else first.parameters),
-            state_bytes_per_param=self.state_bytes_per_param,
-            weight_bytes_per_param=self.weight_bytes_per_param,
-            hidden_size=self.hidden_size,
-            seq_len=self.seq_len,
-            compute_bytes_per_param=float(torch.empty((), dtype=self._compute_dtype()).element_size()),
-            # measured: what the layered schedule stashes per sample (mean over the layers' inputs) and
-            # keeps on the device between its passes when the stash is not offloaded
-            stash_bytes_per_sample=(sum(first.input_bytes_per_sample) / len(first.input_bytes_per_sample)
-                                    if first.input_bytes_per_sample else None),
-            kept_bytes_per_sample=first.kept_bytes_per_sample if first.input_bytes_per_sample else None,
-        )
+        model = self.model.spec(first, float(torch.empty((), dtype=self._compute_dtype()).element_size()))
         settings = measured_settings(self.settings, comm, self.options.collective_modes[0], overlap, link_profile)
         if settings.host_cores is None:  # ranks on one host's CPU cores compete for them
             settings = replace(settings, host_cores=shared_host_cores(ids))
         return Cluster(model=model, devices=devices, settings=settings)
 
-def profile_cluster(layers: Sequence[nn.Module], sample_input: torch.Tensor, **kwargs: Any) -> Cluster:
+def profile_cluster(layers: Sequence[nn.Module], sample_input: Any, model: ModelDescription = ModelDescription(),
+                    hooks: ModelHooks = ModelHooks(), **kwargs: Any) -> Cluster:
     """Profile every rank and return the planner's :class:`Cluster`; call it on every rank.
 
-    Takes :class:`ClusterProfiler`'s keyword arguments (its ``run()`` gives the full report).
+    Takes :class:`ClusterProfiler`'s arguments (its ``run()`` gives the full report).
     """
-    return ClusterProfiler(layers, sample_input, **kwargs).run().cluster
+    return ClusterProfiler(layers, sample_input, model, hooks, **kwargs).run().cluster

@@ -97,13 +97,6 @@ def _rng_state(devices: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
 
 
-@dataclass
-class LayeredStats:
-    """What the last step kept: for the benchmarks."""
-
-    stash_bytes: int = 0  # peak bytes of stashed layer inputs (on the host when offloading)
-
-
 class _Offload:
     """Moves boundary tensors off the device between their uses (a no-op when disabled).
 
@@ -192,7 +185,6 @@ class LayeredSchedule:
         self._moves = _Offload(enabled, self.device, sharded.comm.streams, sharded)
         self._cuda_devices = [self.device.index or 0] if self.device.type == "cuda" else []
         self._step: _Step | None = None
-        self.stats = LayeredStats()
 
     # ------------------------------------------------------------------ the two passes
 
@@ -234,7 +226,6 @@ class LayeredSchedule:
         step.stash = [[] for _ in self.layers]
         step.graphs = [[] for _ in self.layers]
         self._step = step
-        self.stats = LayeredStats()
         xs = [x for x, _ in prepared]
         if recompute:
             xs = [moves.to_host(x) for x in xs]  # each layer's input doubles as its stash
@@ -278,8 +269,6 @@ class LayeredSchedule:
                         total += step.weights[k] * step.losses[k].detach().float()
                     del y
             units[index].free()
-        self.stats.stash_bytes = sum(s.tensor.numel() * s.tensor.element_size()
-                                     for per_layer in step.stash for s in per_layer if s is not None)
         return total
 
     def backward(self, loss_scale: float | torch.Tensor = 1.0) -> None:
@@ -358,22 +347,3 @@ class LayeredSchedule:
         self._reduce(sharded.root)
         sharded.root.free()
         sharded.wait_reductions()
-
-
-class UnitOptimizers:
-    """One optimizer per unit, stepped as soon as the unit's gradient is reduced (optional).
-
-    The usual step waits for the whole backward, so every unit's local gradient is resident at
-    once; stepping unit by unit frees each gradient before the next layer's backward runs, so only
-    one unit's gradient is ever held. Use it as ``LayeredSchedule(..., on_unit_reduced=opts.step_unit)``
-    with ``make_optimizer(params) -> Optimizer`` (the same hyperparameters for every unit). Gradient
-    clipping by the global norm is not possible this way: the norm is known only at the end.
-    """
-
-    def __init__(self, sharded: ShardedModel, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
-        self.optimizers = {id(u): make_optimizer(u.local_params) for u in sharded.units if u.trainable}
-
-    def step_unit(self, unit: FlatUnit) -> None:
-        optimizer = self.optimizers[id(unit)]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)

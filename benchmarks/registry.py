@@ -1,0 +1,56 @@
+"""Every benchmark, once: its module, its heading, whether the results page runs it, its smoke-run flags.
+
+``benchmarks/report.py`` (``make bench``) runs the entries with ``in_report`` and writes the results
+page; ``python -m benchmarks`` (``make bench-smoke``) runs any of them with ``quick_args``. A
+``bench_<name>.py`` file without an entry here fails ``tests/test_benchmarks.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from benchmarks.harness import Benchmark
+
+
+@dataclass(frozen=True)
+class Entry:
+    """``name``: the module ``benchmarks/bench_<name>.py``; ``title``: its results-page heading."""
+
+    name: str
+    title: str
+    in_report: bool
+    quick_args: tuple[str, ...] = ("--quick",)
+
+    @property
+    def module(self) -> str:
+        return f"benchmarks.bench_{self.name}"
+
+    def load(self) -> Benchmark:
+        """The benchmark's entry points (imports its module: torch, for most)."""
+        return importlib.import_module(self.module).BENCHMARK
+
+
+BENCHMARKS: tuple[Entry, ...] = (
+    Entry("planner", "Planner at cluster scale, bounded in the batch, plan quality vs every baseline", True),
+    Entry("runtime", "Sharding runtime vs FSDP2, padded vs exact, memory", True),
+    Entry("layered", "Layered accumulation: memory vs micro-batches, predicted vs measured", True),
+    Entry("strategy", "strategy=\"cephalo\" vs FSDP2 and DDP through Trainer.fit", True),
+    Entry("emulated", "Emulated heterogeneous cluster: Cephalo vs even vs proportional", True),
+    Entry("meta_init", "Meta-device init: peak host memory per rank while a 220M model is sharded", True),
+    Entry("startup", "Planner CLI start-up beside `python -c pass`", True),
+    Entry("fidelity", "Plan fidelity: predicted vs measured step time and peak memory per rank", True),
+    # Not on the results page: each answers one question its docs page quotes, and most take minutes.
+    Entry("finetune_plan", "Fine-tuning plans: an 8B model on 24 GB cards, full vs LoRA (predicted)", False),
+    Entry("topology", "Shard groups over an emulated network topology: the planner's choice vs full shard, HSDP, DDP",
+          False),
+    Entry("straggler", "A straggler mid-run: the static plan, the adaptive one and the offline optimum", False),
+    Entry("host", "What the host does to an emulated cluster's compute", False),
+    Entry("emulation", "Emulated compute regions on a shared host: wall time vs emulated length", False),
+    Entry("discovery", "Discovered layered mode vs the named adapter vs uniform", False),
+    Entry("compile", "torch.compile per block: compiled vs uncompiled step time", False),
+    Entry("checkpoint", "Checkpoint saves: synchronous vs background, and the kill loop", False, ("--quick", "--no-kills")),
+    Entry("fault_tolerance", "Losing a node: torchft against the torchrun elastic restart", False),
+)
+
+BY_NAME = {entry.name: entry for entry in BENCHMARKS}
