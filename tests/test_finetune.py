@@ -402,38 +402,3 @@ def test_blocks_compiled_in_configure_model_train_as_uncompiled(lora_runs, mode)
         for name, (start, value) in plain.items():
             assert compiled["pieces"][name][0] == start
             assert torch.equal(compiled["pieces"][name][1], value), f"{mode}: {name}"
-
-
-# ----------------------------------------------------------------------------- the recipe
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run(args: list[str], cwd: Path) -> str:
-    from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
-
-    done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=HANG_TIMEOUT_S,
-                          env=clean_env(PYTHONPATH=str(ROOT), WANDB_MODE="offline"))
-    assert done.returncode == 0, failure_report(done)
-    return done.stdout
-
-
-@pytest.mark.multiprocess
-def test_the_finetune_recipe_runs_on_two_emulated_ranks_and_so_does_its_cli_config(tmp_path):
-    """examples/finetune_hf.py end to end (a local pretrained directory, tokenised local text, LoRA,
-    bf16-mixed, W&B offline, a checkpoint, adapters and merged model exported, generate()), then
-    configs/finetune-lora.yaml through the CLI on the pretrained directory and text it wrote."""
-    import transformers
-
-    out = tmp_path / "ft"
-    printed = _run([str(ROOT / "examples" / "finetune_hf.py"), "--out", str(out), "--steps", "3"], tmp_path)
-    assert "same tokens" in printed, printed
-    assert sorted(p.name for p in (out / "adapters").iterdir() if p.suffix in (".json", ".safetensors")) == [
-        "adapter_config.json", "adapter_model.safetensors"]
-    merged = transformers.AutoModelForCausalLM.from_pretrained(out / "merged")
-    assert not any("lora" in name or "base_layer" in name for name in merged.state_dict())
-    assert (out / "checkpoints" / "last.ckpt").is_dir() and any((out / "wandb").glob("offline-run-*"))
-    cli = tmp_path / "cli"
-    _run(["-m", "cephalo_lightning", "fit", "--config", str(ROOT / "configs" / "finetune-lora.yaml"),
-          f"--vars.base={out / 'base'}", f"--vars.text={out / 'text'}", f"--vars.out={cli}", "--vars.steps=2"], tmp_path)
-    assert (cli / "checkpoints" / "last.ckpt").is_dir()

@@ -4,8 +4,9 @@ The venv gets only the wheel and the closure of its CORE dependencies (``[projec
 and what they require, as pip would install them): each of those distributions is linked in from
 this environment (no network, seconds), and nothing else is, so the extras (wandb, safetensors,
 transformers, litgpt, matplotlib) are absent there as after a plain ``pip install cephalo-lightning``.
-``PYTHONPATH`` is dropped, so every import resolves to the installed copy. Also: the configs shipped
-in the package are the top-level ``configs/`` files, byte for byte.
+``PYTHONPATH`` is dropped, so every import resolves to the installed copy. One more venv gets the
+``[hf,wandb]`` extras and runs the fine-tuning recipe and its CLI config end to end. Also: the configs
+shipped in the package are the top-level ``configs/`` files, byte for byte.
 """
 
 from __future__ import annotations
@@ -185,14 +186,30 @@ def test_installed_demo_runs_to_the_end_without_extras(installed):
 
 
 @pytest.mark.multiprocess
-def test_installed_hf_extra_runs_the_finetune_recipe(wheel, tmp_path_factory):
-    """``pip install "cephalo-lightning[hf,wandb]"`` in a fresh venv: examples/finetune_hf.py (peft LoRA
-    on a local pretrained model, bf16-mixed, W&B offline) runs on 2 emulated ranks outside the repository."""
+def test_installed_hf_extra_runs_the_finetune_recipe_and_its_cli_config(wheel, tmp_path_factory):
+    """``pip install "cephalo-lightning[hf,wandb]"`` in a fresh venv, outside the repository:
+    examples/finetune_hf.py end to end on 2 emulated ranks (a local pretrained directory, tokenised local
+    text, peft LoRA, bf16-mixed, W&B offline, a checkpoint, adapters and merged model exported,
+    generate()), then configs/finetune-lora.yaml through the CLI on the pretrained directory and text it
+    wrote. The merged model is read back here, with this environment's transformers."""
+    transformers = pytest.importorskip("transformers")
+
     bin_dir, outside, env = install(wheel, tmp_path_factory, ("hf", "wandb"))
-    script = outside / "examples" / "finetune_hf.py"
-    script.parent.mkdir()
-    shutil.copy2(ROOT / "examples" / "finetune_hf.py", script)
-    out = _run([bin_dir / "python", script, "--out", "ft", "--steps", "2"], cwd=outside,
-               env={**env, "WANDB_MODE": "offline"})
-    assert "same tokens" in out, out[-3000:]
-    assert (outside / "ft" / "merged" / "config.json").is_file()
+    env = {**env, "WANDB_MODE": "offline"}
+    for source in ("examples/finetune_hf.py", "configs/finetune-lora.yaml"):
+        (outside / source).parent.mkdir(exist_ok=True)
+        shutil.copy2(ROOT / source, outside / source)
+    out = outside / "ft"
+    printed = _run([bin_dir / "python", outside / "examples" / "finetune_hf.py", "--out", out, "--steps", "2"],
+                   cwd=outside, env=env)
+    assert "same tokens" in printed, printed[-3000:]
+    assert sorted(p.name for p in (out / "adapters").iterdir() if p.suffix in (".json", ".safetensors")) == [
+        "adapter_config.json", "adapter_model.safetensors"]
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out / "merged")
+    assert not any("lora" in name or "base_layer" in name for name in merged.state_dict())
+    assert (out / "checkpoints" / "last.ckpt").is_dir() and any((out / "wandb").glob("offline-run-*"))
+    cli = outside / "cli"
+    _run([bin_dir / "python", "-m", "cephalo_lightning", "fit", "--config", outside / "configs" / "finetune-lora.yaml",
+          f"--vars.base={out / 'base'}", f"--vars.text={out / 'text'}", f"--vars.out={cli}", "--vars.steps=2"],
+         cwd=outside, env=env)
+    assert (cli / "checkpoints" / "last.ckpt").is_dir()
