@@ -5,6 +5,13 @@
 the rank's emulator and memory tracking, and picks the step runner for the schedule
 (:mod:`.schedules`). Plan switches (:class:`~.plan_switch.PlanSwitches`) and checkpoint files
 (:class:`~.checkpoint_io.FitCheckpoints`) are its parts, each in its own module.
+
+[Note: one training step's state] Lightning calls the strategy's ``training_step``, ``backward``
+and ``optimizer_step`` separately; they call :meth:`FitRuntime.forward`, :meth:`FitRuntime.backward`
+and :meth:`FitRuntime.before_optimizer_step`. The forward makes the step's state (one object per
+mode, :mod:`.step_state`) and the runtime holds it only while the step runs: until the end of its
+backward under automatic optimization, to the end of the forward under manual optimization (whose
+backward and optimizer step run inside the user's ``training_step``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
 
 from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import ConfigurationError
@@ -26,17 +34,20 @@ from cephalo_lightning.lightning import loggers
 from cephalo_lightning.lightning.checkpoint_io import FitCheckpoints, globals_with_lightning
 from cephalo_lightning.lightning.config import Schedule, StrategyConfig
 from cephalo_lightning.lightning.discovered import LossPassLogs
+from cephalo_lightning.lightning.layered_steps import LayeredSteps
+from cephalo_lightning.lightning.nonfinite import NonFiniteGuard
 from cephalo_lightning.lightning.plan_switch import PlanSwitches
 from cephalo_lightning.lightning.schedules import check_plan, loss_weighting
-from cephalo_lightning.lightning.steps import LayeredSteps, NonFiniteGuard, TrainingStep, UniformSteps
+from cephalo_lightning.lightning.step_state import LayeredStep, StepContext, StepReport, UniformStep
+from cephalo_lightning.lightning.uniform_steps import UniformSteps
 from cephalo_lightning.models import Resolution, hf, lora, weighting
 from cephalo_lightning.models.weighting import Decision
-from cephalo_lightning.planner import Plan
+from cephalo_lightning.planner import Plan, RankPlan
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.collectives import Links
 from cephalo_lightning.runtime.distributed import broadcast_object, gather_objects
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
-from cephalo_lightning.runtime.emulation.memory import SampledTracking
+from cephalo_lightning.runtime.emulation.memory import MemoryTracker, SampledTracking
 from cephalo_lightning.runtime.layered import LayeredSchedule
 from cephalo_lightning.runtime.liveness import (
     FolderInUseError,
@@ -48,6 +59,7 @@ from cephalo_lightning.runtime.liveness import (
     probe_writable,
     remove_stale_heartbeats,
 )
+from cephalo_lightning.runtime.plan_state import CutBatch, PlanState
 from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel, UnitMaterializer
 from cephalo_lightning.runtime.sharding.weights import open_weights
@@ -79,6 +91,7 @@ class FitRuntime:
             self.sharded.observers.attach(emulator)
         self.memory = _memory_tracking(self.sharded, emulator, device, config.memory_check_every_n_steps)
         self.steps = self._steps(device, emulator, training_step)
+        self._step: LayeredStep | UniformStep | None = None  # the step in progress (see the module note)
         self.guard = NonFiniteGuard(config.max_nonfinite_skips)
         self.switches = PlanSwitches(plan, self.sharded, lambda p: check_plan(p, self.schedule, resolution, module),
                                      resharded=self._check_gathers)
@@ -118,12 +131,90 @@ class FitRuntime:
                 "cephalo_loss)")
         rank_zero_info(f"Cephalo: the uniform mode for {name}: the discovered block sequence does not hold ({why})")
         self.schedule, self.layered_model = "uniform", None
-        return UniformSteps(self.module, self.sharded, training_step, self.weighting)
+        self.steps = UniformSteps(self.module, self.sharded, training_step, self.weighting)
+        return self.steps
 
     @property
     def plan(self) -> Plan:
         """The plan the model is sharded under now."""
         return self.switches.plan
+
+    @property
+    def rank_plan(self) -> RankPlan:
+        """This rank's part of :attr:`plan`."""
+        return self.plan.ranks[self.rank]
+
+    @property
+    def memory_tracker(self) -> MemoryTracker | None:
+        """The emulated capacity's tracker, where the CPU counts the bytes (None otherwise)."""
+        return self.memory.tracker if self.memory is not None else None
+
+    # ------------------------------------------------------------------ plans
+
+    @property
+    def plan_state(self) -> PlanState:
+        """Which plan cuts which step's data (what the planned loader reads)."""
+        return self.switches.plan_state
+
+    def next_batch(self) -> CutBatch:
+        """The step whose data is cut now (the planned loader's next global batch)."""
+        return self.switches.next_batch()
+
+    def schedule_switch(self, plan: Plan, accumulate: int) -> tuple[int, int]:
+        """Collective: switch to ``plan`` at the first step whose data no rank has cut yet (see
+        :class:`~.plan_switch.PlanSwitches`). Returns (data epoch, step)."""
+        return self.switches.schedule_switch(plan, accumulate)
+
+    def adopt(self, plan: Plan, accumulate: int, optimizers: Sequence[Optimizer]) -> None:
+        """Collective: re-shard to ``plan`` at once."""
+        self.switches.schedule_switch(plan, accumulate)
+        self.switches.switch_now(optimizers)
+
+    def switch_if_due(self, optimizers: Sequence[Optimizer]) -> bool:
+        """Collective: re-shard to a scheduled plan whose step has come; whether it did."""
+        return self.switches.switch_if_due(optimizers)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, path: Path, checkpoint_dict: dict[str, Any], optimizers: Sequence[Optimizer], *,
+                        wait: bool) -> Path | None:
+        """Collective: save (:meth:`~.checkpoint_io.FitCheckpoints.save`), waiting for a background
+        write where ``wait``; returns the newest checkpoint known to be complete."""
+        submitted = self.checkpoints.save(path, checkpoint_dict, optimizers)
+        if wait:
+            self.checkpoints.wait()
+        return self.checkpoints.newest_complete(submitted)
+
+    def wait_for_checkpoints(self) -> None:
+        """Return when every save submitted is written and published (raises a failed one's error)."""
+        self.checkpoints.wait()
+
+    def remove_checkpoint(self, path: str | Path) -> None:
+        """Rank 0: delete a checkpoint, after any save submitted before it has published."""
+        self.checkpoints.remove(path)
+
+    def load_checkpoint(self, path: Path, optimizers: Sequence[Optimizer], weights_only: bool | None) -> dict[str, Any]:
+        """Collective: a sharded directory (any layout) or a single file (weights only)."""
+        return self.checkpoints.load(path, optimizers, weights_only)
+
+    # ------------------------------------------------------------------ the module between fits
+
+    def take_back(self) -> None:
+        """The same module again (e.g. ``trainer.test`` after ``trainer.fit``): its whole parameters into the shards."""
+        self.sharded.take_back()
+
+    def hand_back(self, whole: bool) -> None:
+        """The user's module after fit/validate/test (see :mod:`~.runtime.sharding.handback`)."""
+        self.sharded.hand_back(whole=whole)
+
+    @contextlib.contextmanager
+    def evaluation_step(self) -> Iterator[None]:
+        """The ``with`` block around a validation, test or predict step: the root unit gathered for it."""
+        self.sharded.gather_root()
+        try:
+            yield
+        finally:
+            self.sharded.free_all()
 
     def describe(self) -> str:
         what = self.layered_model.name if self.layered_model is not None else type(self.module).__name__
@@ -156,15 +247,63 @@ class FitRuntime:
             raise
         return FailureReport(heartbeat, locks)
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ the training step
 
-    def start_step(self, trainer: pl.Trainer, sync: bool, scaler: Any, args: tuple) -> TrainingStep:
-        """The state of the training step that starts now (``args``: training_step's after the batch)."""
+    def forward(self, batch: Any, args: tuple, trainer: pl.Trainer, *, sync: bool, scaler: Any = None,
+                signal: Callable[[], int] = int, rank_plan: RankPlan | None = None,
+                global_items: float | None = None) -> Any:
+        """Collective: the training step's forward on this rank's part of the global batch; returns
+        what Lightning's ``training_step`` returns. ``args``: training_step's after the batch;
+        ``sync``: the gradients are reduced at the end of this batch; ``scaler``: a gradient scaler
+        (16-mixed); ``signal()``: the stop signal this rank received, read at the step's all-reduce;
+        ``rank_plan``, ``global_items``: this rank's part where it is not the plan's (fault tolerance).
+        The step's state is held until its backward (see the module note)."""
         # the scale as a device tensor (scaler.scale multiplies on the device: no host sync per step)
         scale = scaler.scale(torch.ones((), device=self.sharded.device)) if scaler is not None else 1.0
         plan = self.plan
-        return TrainingStep(plan.ranks[self.rank], plan.global_batch_size, trainer.accumulate_grad_batches, sync,
-                            scale, args)
+        context = StepContext(rank_plan if rank_plan is not None else plan.ranks[self.rank], plan.global_batch_size,
+                              trainer.accumulate_grad_batches, sync, trainer.global_step, scale, args, signal,
+                              global_items)
+        try:
+            with self.step_scope(context.global_step):
+                self._step = self.steps.start(batch, context)  # the layered runner may fall back: self.steps is new
+                return self.steps.forward(self._step)
+        finally:
+            if not self.module.automatic_optimization:
+                self._step = None
+
+    def backward(self, closure_loss: torch.Tensor) -> StepReport:
+        """Collective: the training step's backward (``closure_loss`` as Lightning prepared it) and
+        its all-reduce; returns the report every rank agrees on, recorded by the non-finite guard."""
+        step = self._step
+        assert step is not None, "backward outside a training step"
+        try:
+            with self.step_scope(step.context.global_step):
+                report = self.steps.backward(closure_loss, step)
+            self.guard.record(report)
+            return report
+        finally:
+            if self.module.automatic_optimization:
+                self._step = None
+
+    def before_optimizer_step(self, step: int, *, scaled: bool, summed: StepReport | None = None) -> bool:
+        """Whether the optimizer step goes ahead: not where a rank's loss or gradient was not finite
+        (``summed``: the report of a gradient summed over replica groups; ``scaled``: a gradient
+        scaler decides on inf steps itself)."""
+        if summed is not None:
+            self.guard.record(summed)
+        return scaled or not self.guard.should_skip(step)
+
+    @contextlib.contextmanager
+    def optimizer_step_scope(self) -> Iterator[None]:
+        """The ``with`` block around the optimizer's update (its compute, for the observers)."""
+        with self.sharded.observers.compute("optimizer_step"):
+            yield
+
+    @property
+    def capturing_logs(self) -> bool:
+        """Inside the user's ``training_step`` of a uniform step: its logs are the step's to combine."""
+        return isinstance(self._step, UniformStep) and self._step.capturing
 
     @contextlib.contextmanager
     def step_scope(self, step: int) -> Iterator[None]:

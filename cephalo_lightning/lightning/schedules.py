@@ -1,8 +1,8 @@
 """Which schedule a fit runs, what plans that schedule can run, and how its losses are weighted.
 
 ``layered``: the strategy runs the model's layers itself, layer-major over the micro-batches
-(:class:`~.steps.LayeredSteps`); ``uniform``: the user's ``training_step`` once per micro-batch
-(:class:`~.steps.UniformSteps`), which needs one micro-batch count on every rank. The user asks
+(:class:`~.layered_steps.LayeredSteps`); ``uniform``: the user's ``training_step`` once per micro-batch
+(:class:`~.uniform_steps.UniformSteps`), which needs one micro-batch count on every rank. The user asks
 with ``CephaloStrategy(mode=...)``; ``auto`` takes ``layered`` wherever the model has a layered form.
 """
 
