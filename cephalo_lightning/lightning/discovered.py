@@ -20,7 +20,7 @@ import torch
 
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning._private import LoggedValue, captured_logs, logged_values, logging_as
-from cephalo_lightning.lightning.step_output import user_loss
+from cephalo_lightning.lightning.step_output import loss_or_refusal
 from cephalo_lightning.models.discovery import routed_model, router_aux_reason
 from cephalo_lightning.runtime.distributed import Group, gather_objects
 from cephalo_lightning.runtime.layered import Layer, LayeredSchedule
@@ -28,10 +28,6 @@ from cephalo_lightning.runtime.layered import Layer, LayeredSchedule
 # the layered pass runs the same operations as the ordinary forward, in the same order: its loss
 # differs by round-off only; a block output used elsewhere changes it by far more
 ROUND_OFF = {4: 1e-5, 8: 1e-10}  # relative, by the parameters' element size; 16-bit: 1e-2
-
-
-def _loss_value(output: Any) -> float:
-    return float(user_loss(output).detach())
 
 
 class _Guarded:
@@ -103,10 +99,7 @@ def discovered_check(steps: Any, micro_batch: Any, has_samples: bool, batch_idx:
                 output = steps.module.training_step(micro_batch, batch_idx)
         finally:
             sharded.free_all()
-        try:
-            ordinary, refusal = _loss_value(output), ""
-        except ConfigurationError as err:  # every rank learns it at the gather below, and all refuse together
-            ordinary, refusal = math.nan, str(err)
+        ordinary, refusal = loss_or_refusal(output)  # every rank learns a refusal at the gather below
         if has_samples and not refusal:  # an empty batch shows nothing reliable
             structure, why = seen.structure()
         seen_by_all = gather_objects((why, structure, refusal), group)

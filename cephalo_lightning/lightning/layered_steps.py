@@ -24,7 +24,7 @@ from cephalo_lightning.lightning._private import captured_logs
 from cephalo_lightning.lightning.discovered import LossPassLogs, discovered_check, user_code
 from cephalo_lightning.lightning.log_relay import log_scalar, relog
 from cephalo_lightning.lightning.micro_batch_weights import micro_batch_weights
-from cephalo_lightning.lightning.step_output import user_loss
+from cephalo_lightning.lightning.step_output import loss_or_refusal
 from cephalo_lightning.lightning.step_state import LayeredStep, StepContext, StepReport, UniformStep
 from cephalo_lightning.lightning.step_sync import start_step
 from cephalo_lightning.lightning.uniform_steps import UniformSteps
@@ -126,19 +126,14 @@ class LayeredSteps:
                 output = self.module.training_step(micro_batch, batch_idx)
             finally:
                 sharded.free_all()
-        try:
-            user, refusal = user_loss(output), ""
-        except ConfigurationError as err:  # every rank learns it at the gather below, and all refuse together
-            user, refusal = None, str(err)
+        user, refusal = loss_or_refusal(output)  # every rank learns a refusal at the gather below
         parts = [micro_batch] if has_samples else []  # a rank without samples gathers every layer all the same
         value = self.schedule.evaluate(parts, self._prepare, lambda k, out, side: self.model.loss(out, micro_batch, side),
                                        [1.0] * len(parts))
         derived = float(value) if parts else math.nan
-        mismatch = 0.0
-        if has_samples and torch.is_tensor(user):
-            if not math.isclose(float(user), derived, rel_tol=self.tolerance, abs_tol=self.tolerance):
-                mismatch = 1.0
-        flag = [mismatch, float(user) if torch.is_tensor(user) else math.nan, derived, refusal]
+        mismatch = has_samples and not refusal and not math.isclose(user, derived, rel_tol=self.tolerance,
+                                                                      abs_tol=self.tolerance)
+        flag = [1.0 if mismatch else 0.0, user, derived, refusal]
         flags = gather_objects(flag, sharded.world_group)
         refused = next(((r, f[3]) for r, f in enumerate(flags) if f[3]), None)
         if refused is not None:
