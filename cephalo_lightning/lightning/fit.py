@@ -59,9 +59,10 @@ from cephalo_lightning.runtime.liveness import (
     probe_writable,
     remove_stale_heartbeats,
 )
+from cephalo_lightning.runtime.observers import Observers
 from cephalo_lightning.runtime.plan_state import CutBatch, PlanState
 from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
-from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel, UnitMaterializer
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel, ShardSummary, UnitMaterializer
 from cephalo_lightning.runtime.sharding.weights import open_weights
 
 
@@ -85,22 +86,29 @@ class FitRuntime:
         if self.layered_model is not None and (note := recomputed_twice(module)):
             rank_zero_info(note)
         self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links, construction)
-        self._check_gathers(plan)
+        self.shard_summary = self.sharded.summary()  # what this rank holds under the plan in force
+        self._warn_unpriced_gathers(plan, self.shard_summary)
         module.to(device)  # buffers; the local pieces are already there
         if emulator.is_emulated:  # a real device gets no observer at all (no clock, no state)
             self.sharded.observers.attach(emulator)
-        self.memory = _memory_tracking(self.sharded, emulator, device, config.memory_check_every_n_steps)
+        self.memory = _memory_tracking(self.shard_summary, self.sharded.observers, emulator, device,
+                                       config.memory_check_every_n_steps)
         self.steps = self._steps(device, emulator, training_step)
         self._step: LayeredStep | UniformStep | None = None  # the step in progress (see the module note)
         self.guard = NonFiniteGuard(config.max_nonfinite_skips)
         self.switches = PlanSwitches(plan, self.sharded, lambda p: check_plan(p, self.schedule, resolution, module),
-                                     resharded=self._check_gathers)
+                                     resharded=self._resharded)
         self.checkpoints = FitCheckpoints(self.sharded, config, rank, lambda: self.plan, hf.checkpoint_info(module))
 
-    def _check_gathers(self, plan: Plan) -> None:
+    def _resharded(self, plan: Plan) -> None:
+        """Collective, after a plan switch re-sharded the model: what this rank holds now, checked."""
+        self.shard_summary = self.sharded.summary()
+        self._warn_unpriced_gathers(plan, self.shard_summary)
+
+    def _warn_unpriced_gathers(self, plan: Plan, held: ShardSummary) -> None:
         """Collective: warn where the model, sharded by ``plan``, holds in-flight all-gather buffers
         beyond the room the plan leaves below a rank's memory limit (:func:`unpriced_gathers`)."""
-        warning = unpriced_gathers(gather_objects(_gather_room(self.sharded, plan, self.rank)))
+        warning = unpriced_gathers(gather_objects(_gather_room(held, plan, self.rank)))
         if warning:
             rank_zero_warn(warning)
 
@@ -120,7 +128,7 @@ class FitRuntime:
 
     def _fall_back(self, why: str, training_step: Callable[..., Any]) -> UniformSteps:
         """The first step found that a discovered block sequence does not hold: the uniform mode
-        from then on, when the plan allows it (one micro-batch count on every rank)."""
+        from then on (:attr:`steps` its runner), when the plan allows it (one micro-batch count on every rank)."""
         name = self.layered_model.name
         counts = self.plan.num_micro_batches
         if len(set(counts)) > 1:
@@ -130,7 +138,7 @@ class FitRuntime:
                 "every rank), or give the LightningModule the layered protocol (cephalo_layers, cephalo_input, "
                 "cephalo_loss)")
         rank_zero_info(f"Cephalo: the uniform mode for {name}: the discovered block sequence does not hold ({why})")
-        self.schedule, self.layered_model = "uniform", None
+        self.schedule, self.layered_model = vocabulary.Schedule.UNIFORM, None
         self.steps = UniformSteps(self.module, self.sharded, training_step, self.weighting)
         return self.steps
 
@@ -218,8 +226,9 @@ class FitRuntime:
 
     def describe(self) -> str:
         what = self.layered_model.name if self.layered_model is not None else type(self.module).__name__
-        built = f", {self.sharded.materialized_units} units materialised from meta" if self.sharded.materialized_units else ""
-        return (f"Cephalo: {self.schedule} mode ({what}), {len(self.sharded.units)} units, state shares "
+        held = self.shard_summary
+        built = f", {held.materialized_units} units materialised from meta" if held.materialized_units else ""
+        return (f"Cephalo: {self.schedule} mode ({what}), {held.units} units, state shares "
                 f"{[round(s, 4) for s in self.plan.state_shares]}, losses weighted by "
                 f"{self.loss.words}{built}")
 
@@ -261,9 +270,10 @@ class FitRuntime:
         # the scale as a device tensor (scaler.scale multiplies on the device: no host sync per step)
         scale = scaler.scale(torch.ones((), device=self.sharded.device)) if scaler is not None else 1.0
         plan = self.plan
-        context = StepContext(rank_plan if rank_plan is not None else plan.ranks[self.rank], plan.global_batch_size,
-                              trainer.accumulate_grad_batches, sync, trainer.global_step, scale, args, signal,
-                              global_items)
+        context = StepContext(rank_plan=rank_plan if rank_plan is not None else plan.ranks[self.rank],
+                              global_batch=plan.global_batch_size, accumulate=trainer.accumulate_grad_batches,
+                              sync=sync, global_step=trainer.global_step, loss_scale=scale, args=args,
+                              pending_signal=signal, global_items=global_items)
         try:
             with self.step_scope(context.global_step):
                 self._step = self.steps.start(batch, context)  # the layered runner may fall back: self.steps is new
@@ -366,12 +376,12 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
                 rank_zero_info(f"Cephalo: {len(unused)} tensors of {config.pretrained} were not used, e.g. {unused[:3]}")
 
 
-def _gather_room(sharded: ShardedModel, plan: Plan, rank: int) -> tuple[int, int, float | None]:
+def _gather_room(held: ShardSummary, plan: Plan, rank: int) -> tuple[int, int, float | None]:
     """(rank, bytes its prefetched all-gathers hold unpriced, bytes the plan leaves below its memory limit)."""
     r = plan.ranks[rank]
     room = None if r.memory_limit_gb is None or r.predicted_memory_gb is None else (
         (r.memory_limit_gb - r.predicted_memory_gb) * GIB)
-    return rank, sharded.in_flight_gather_bytes(), room
+    return rank, held.in_flight_gather_bytes, room
 
 
 def unpriced_gathers(rows: Sequence[tuple[int, int, float | None]]) -> str | None:
@@ -394,7 +404,7 @@ def stash_offloaded(offload: bool | None, device: torch.device, emulator: Device
     return offload if offload is not None else (device.type == "cuda" or emulator.memory_gb is not None)
 
 
-def _memory_tracking(sharded: ShardedModel, emulator: DeviceEmulator, device: torch.device,
+def _memory_tracking(held: ShardSummary, observers: Observers, emulator: DeviceEmulator, device: torch.device,
                      every_n_steps: int) -> SampledTracking | None:
     """An emulated capacity: CUDA's allocator capped, or on CPU the tracked bytes checked."""
     if emulator.memory_gb is None:
@@ -403,8 +413,8 @@ def _memory_tracking(sharded: ShardedModel, emulator: DeviceEmulator, device: to
         emulator.cap_cuda_memory(device)
         return None
     # the local state (fp32 master) is resident before tracking starts
-    tracker = emulator.memory_tracker(baseline_bytes=sharded.local_state_numel() * 4)
-    return SampledTracking(tracker, sharded.observers, every_n_steps)
+    tracker = emulator.memory_tracker(baseline_bytes=held.local_state_numel * 4)
+    return SampledTracking(tracker, observers, every_n_steps)
 
 
 def _prefix_of(module: torch.nn.Module, model: torch.nn.Module | None) -> str:
