@@ -32,7 +32,7 @@ from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.lightning import loggers
 from cephalo_lightning.lightning.checkpoint_io import FitCheckpoints, globals_with_lightning
-from cephalo_lightning.lightning.config import Schedule, StrategyConfig
+from cephalo_lightning.lightning.config import StrategyConfig
 from cephalo_lightning.lightning.discovered import LossPassLogs
 from cephalo_lightning.lightning.layered_steps import LayeredSteps
 from cephalo_lightning.lightning.nonfinite import NonFiniteGuard
@@ -69,7 +69,7 @@ from cephalo_lightning.runtime.sharding.weights import open_weights
 class FitRuntime:
     """The runtime objects of one fit (see the module docstring)."""
 
-    def __init__(self, module: pl.LightningModule, plan: Plan, config: StrategyConfig, *, schedule: Schedule,
+    def __init__(self, module: pl.LightningModule, plan: Plan, config: StrategyConfig, *, schedule: vocabulary.Schedule,
                  resolution: Resolution, rank: int, device: torch.device, emulator: DeviceEmulator,
                  collective: str, training_step: Callable[..., Any], links: Links | None = None,
                  construction: ConstructionRecord | None = None) -> None:
@@ -138,7 +138,7 @@ class FitRuntime:
                 "every rank), or give the LightningModule the layered protocol (cephalo_layers, cephalo_input, "
                 "cephalo_loss)")
         rank_zero_info(f"Cephalo: the uniform mode for {name}: the discovered block sequence does not hold ({why})")
-        self.schedule, self.layered_model = vocabulary.Schedule.UNIFORM, None
+        self.schedule, self.layered_model = vocabulary.Schedule.UNIFORM.value, None
         self.steps = UniformSteps(self.module, self.sharded, training_step, self.weighting)
         return self.steps
 

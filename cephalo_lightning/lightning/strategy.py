@@ -44,8 +44,7 @@ from cephalo_lightning.lightning._private import (
 from cephalo_lightning.lightning.callback_api import CallbackAPI
 from cephalo_lightning.lightning.config import (
     DEFAULTS,
-    OPTION_NAMES,
-    Collective,
+    CollectiveChoice,
     LossWeightingChoice,
     Mode,
     RouterAuxLoss,
@@ -85,7 +84,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     def __init__(self, plan: Plan | str | Path | None = DEFAULTS.plan, cluster: Cluster | str | Path | None = DEFAULTS.cluster,
                  global_batch_size: int | None = DEFAULTS.global_batch_size, mode: Mode = DEFAULTS.mode,
-                 collective: Collective = DEFAULTS.collective, units: Sequence[Any] | None = DEFAULTS.units,
+                 collective: CollectiveChoice = DEFAULTS.collective, units: Sequence[Any] | None = DEFAULTS.units,
                  param_dtype: str | None = DEFAULTS.param_dtype,
                  emulate: Sequence[dict[str, float] | None] | None = DEFAULTS.emulate,
                  offload: bool | None = DEFAULTS.offload,
@@ -102,9 +101,16 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  fault_tolerance: bool = DEFAULTS.fault_tolerance, replica_group: int | None = DEFAULTS.replica_group,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **kwargs: Any) -> None:
-        options = {name: value for name, value in locals().items() if name in OPTION_NAMES}  # all, by name
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
-        self.config = StrategyConfig.build(**options)
+        self.config = StrategyConfig.build(
+            plan=plan, cluster=cluster, global_batch_size=global_batch_size, mode=mode, collective=collective,
+            units=units, param_dtype=param_dtype, emulate=emulate, offload=offload,
+            memory_check_every_n_steps=memory_check_every_n_steps, state_dict_type=state_dict_type,
+            prefetch=prefetch, overlap=overlap, pretrained=pretrained, loss_weighting=loss_weighting,
+            router_aux_loss=router_aux_loss, gather_on_teardown=gather_on_teardown, verify_loss=verify_loss,
+            max_nonfinite_skips=max_nonfinite_skips, check_devices=check_devices, safe_globals=safe_globals, seed=seed,
+            verify_checksums=verify_checksums, progress_every=progress_every, async_checkpoint=async_checkpoint,
+            elastic=elastic, fault_tolerance=fault_tolerance, replica_group=replica_group)
         self.plan, self.cluster = self.config.plan, self.config.cluster  # the plan in force; the callback's cluster
         self.emulator = DeviceEmulator()
         self.links: EmulatedLinks | None = None
