@@ -75,3 +75,4 @@ class StepReport:
     nonfinite: tuple[int, ...]  # ranks whose loss (or, if none, gradient shard) was not finite
     what: str = "loss"  # which of the two
     signals: tuple[tuple[int, int], ...] = ()  # (rank, signal number) of the ranks a stop signal reached
+    synced: bool = True  # the batch's gradients were reduced (and checked): an optimizer step follows

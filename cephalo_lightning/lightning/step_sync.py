@@ -70,7 +70,8 @@ class StepSync:
         self.work = start_all_reduce_(self.vector, group=self.group)
 
     def finish(self, check_grads: bool) -> tuple[StepReport, list[torch.Tensor]]:
-        """After the backward: the report every rank agrees on, and the ``extra`` sums."""
+        """After the backward: the report every rank agrees on, and the ``extra`` sums
+        (``check_grads``: the gradients were reduced, an optimizer step follows)."""
         replicated_bad = False
         if self.vector is None:
             self._send(gradient_flag=(0.0 if self.sharded.grads_finite() else 1.0) if check_grads else None)
@@ -86,7 +87,8 @@ class StepSync:
         losses = tuple(i for i in range(world) if flags_back[i] > 0)
         grads = tuple(range(world)) if replicated_bad else tuple(i for i in range(world) if flags_back[world + i] > 0)
         signals = tuple((i, int(flags_back[2 * world + i])) for i in range(world) if flags_back[2 * world + i] > 0)
-        return StepReport(float(parts[0]), losses or grads, "loss" if losses else "gradient", signals), parts[1:-1]
+        report = StepReport(float(parts[0]), losses or grads, "loss" if losses else "gradient", signals, check_grads)
+        return report, parts[1:-1]
 
 
 def start_step(local_loss: torch.Tensor, sharded: ShardedModel, extra: Sequence[torch.Tensor] = (),

@@ -315,7 +315,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         with self.precision_plugin.train_step_context():
             report = self.fit_runtime.backward(closure_loss)
-        if self._preemption is not None and self._preemption.agree(report.signals, self._sync, module.trainer.global_step):
+        if self._preemption is not None and self._preemption.agree(report.signals, report.synced, module.trainer.global_step):
             stop_at_batch_end(module.trainer)  # every rank: the same step's all-reduce decided it
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
