@@ -272,10 +272,10 @@ class FitRuntime:
         plan = self.plan
         context = StepContext(rank_plan=rank_plan if rank_plan is not None else plan.ranks[self.rank],
                               global_batch=plan.global_batch_size, accumulate=trainer.accumulate_grad_batches,
-                              sync=sync, global_step=trainer.global_step, loss_scale=scale, args=args,
+                              sync=sync, loss_scale=scale, args=args,
                               pending_signal=signal, global_items=global_items)
         try:
-            with self.step_scope(context.global_step):
+            with self.step_scope(trainer.global_step):
                 self._step = self.steps.start(batch, context)  # the layered runner may fall back: self.steps is new
                 return self.steps.forward(self._step)
         finally:
@@ -288,7 +288,7 @@ class FitRuntime:
         step = self._step
         assert step is not None, "backward outside a training step"
         try:
-            with self.step_scope(step.context.global_step):
+            with self.step_scope(self.module.trainer.global_step):
                 report = self.steps.backward(closure_loss, step)
             self.guard.record(report)
             return report

@@ -28,7 +28,6 @@ class StepContext:
     global_batch: int
     accumulate: int  # Trainer(accumulate_grad_batches=...)
     sync: bool  # reduce gradients at the end of this batch (False while Lightning accumulates)
-    global_step: int  # the trainer's optimizer steps so far (memory accounting)
     loss_scale: float | torch.Tensor = 1.0  # a gradient scaler's scale (16-mixed), kept on the device
     args: tuple = ()  # training_step's arguments after the batch (batch_idx, ...)
     pending_signal: Callable[[], int] = int  # the signal this rank received (0: none), read at the all-reduce

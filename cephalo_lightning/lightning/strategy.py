@@ -115,7 +115,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         self.emulator = DeviceEmulator()
         self.links: EmulatedLinks | None = None
         self.fit_runtime: FitRuntime | None = None
-        self.provisional_layout: str | None = None  # "memory": a plan follows (CephaloCallback)
+        self.plan_follows = False  # a plan follows after setup (CephaloCallback's): shard provisionally
         self._failures: FailureReport | None = None
         self._preemption: Preemption | None = None  # while training: SIGTERM / requeue handling
         self._abandon_background_save = False  # the fit failed: teardown does not wait for a background save
@@ -195,7 +195,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             plan = plan_resolution.resolve(
                 plan=self._replica.local if self._replica is not None else self.plan, cluster=self.cluster,
                 schedule=schedule, config=self.config, trainer=trainer, world_size=self.world_size,
-                identities=self._identities, provisional=self.provisional_layout == "memory")
+                identities=self._identities, provisional=self.plan_follows)
             plan_resolution.check_model(plan, module)
             self.fit_runtime = FitRuntime(
                 module, plan, self.config, schedule=schedule, resolution=resolution, rank=self.global_rank,
