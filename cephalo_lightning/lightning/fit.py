@@ -4,7 +4,8 @@
 (materialising a meta-device model unit by unit, from pretrained weights where given), attaches
 the rank's emulator and memory tracking, and picks the step runner for the schedule
 (:mod:`.schedules`). Plan switches (:class:`~.plan_switch.PlanSwitches`) and checkpoint files
-(:class:`~.checkpoint_io.FitCheckpoints`) are its parts, each in its own module.
+(:class:`~.checkpoint_io.FitCheckpoints`) are its parts, each in its own module; the run's folders
+and failure report are :mod:`.run_folders`'.
 
 [Note: one training step's state] Lightning calls the strategy's ``training_step``, ``backward``
 and ``optimizer_step`` separately; they call :meth:`FitRuntime.forward`, :meth:`FitRuntime.backward`
@@ -37,6 +38,7 @@ from cephalo_lightning.lightning.discovered import LossPassLogs
 from cephalo_lightning.lightning.layered_steps import LayeredSteps
 from cephalo_lightning.lightning.nonfinite import NonFiniteGuard
 from cephalo_lightning.lightning.plan_switch import PlanSwitches
+from cephalo_lightning.lightning.run_folders import FailureReport, checkpoint_folders, claim_folders
 from cephalo_lightning.lightning.schedules import check_plan, loss_weighting
 from cephalo_lightning.lightning.step_state import LayeredStep, StepContext, StepReport, UniformStep
 from cephalo_lightning.lightning.uniform_steps import UniformSteps
@@ -45,18 +47,12 @@ from cephalo_lightning.models.weighting import Decision
 from cephalo_lightning.planner import Plan, RankPlan
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.collectives import Links
-from cephalo_lightning.runtime.distributed import broadcast_object, gather_objects
+from cephalo_lightning.runtime.distributed import gather_objects
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker, SampledTracking
 from cephalo_lightning.runtime.layered import LayeredSchedule
 from cephalo_lightning.runtime.liveness import (
-    FolderInUseError,
     Heartbeat,
-    RunLock,
-    dead_heartbeats,
-    looks_like_lost_peer,
-    os_error_line,
-    probe_writable,
     remove_stale_heartbeats,
 )
 from cephalo_lightning.runtime.observers import Observers
@@ -425,78 +421,3 @@ def _prefix_of(module: torch.nn.Module, model: torch.nn.Module | None) -> str:
         if sub is model:
             return f"{name}." if name else ""
     return ""
-
-
-def checkpoint_folders(trainer: pl.Trainer) -> list[Path]:
-    """The distinct folders the fit's checkpoint callbacks write (resolved by their setup)."""
-    folders = [Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
-    return list(dict.fromkeys(folders))
-
-
-def claim_folders(trainer: pl.Trainer, root: Path) -> tuple[list[RunLock], list[str]]:
-    """Collective, before the fit writes or deletes anything: rank 0 locks every checkpoint folder
-    (refused while another live run holds one); then every rank checks it can write there and in
-    ``root``, where the heartbeats go, and names the heartbeat files of dead processes its host can
-    tell. Every rank raises the same error when any rank found a problem. Returns rank 0's locks
-    and the union of the dead heartbeat files."""
-    folders = checkpoint_folders(trainer)
-    roles = {**{f: "a checkpoint folder" for f in folders}, root: "under Trainer(default_root_dir)"}
-    locks: list[RunLock] = []
-    refusal, unwritable = None, {}
-    if trainer.is_global_zero:
-        for folder in folders:
-            try:
-                locks.append(RunLock.acquire(folder, rank_zero_info))
-            except FolderInUseError as err:
-                refusal = str(err)
-                break
-            except OSError as err:
-                unwritable[folder] = os_error_line(err)
-    refusal = broadcast_object(refusal)
-    if refusal is None:
-        for folder in roles:
-            why = unwritable.get(folder) or probe_writable(folder)
-            if why is not None:
-                unwritable[folder] = why
-    problems = [f"rank {trainer.global_rank} cannot write to {folder} ({roles[folder]}): {why}"
-                for folder, why in unwritable.items()]
-    gathered = gather_objects((problems, dead_heartbeats(root) if refusal is None else []))
-    problems = [line for rank_problems, _ in gathered for line in rank_problems]
-    if refusal is not None or problems:
-        for lock in locks:
-            lock.release()
-        raise FolderInUseError(refusal) if refusal is not None else ConfigurationError(
-            "Cephalo: " + "; ".join(problems) + ". Every rank writes its part of each checkpoint and its heartbeat: "
-            "give folders every rank can write (shared across nodes), with Trainer(default_root_dir=...) or "
-            "ModelCheckpoint(dirpath=...), or make these writable.")
-    return locks, [file for _, dead in gathered for file in dead]
-
-
-class FailureReport:
-    """While a fit runs: heartbeats, the folder locks, and, when a collective fails, which rank
-    stopped and where to resume."""
-
-    def __init__(self, heartbeat: Heartbeat, locks: Sequence[RunLock] = ()) -> None:
-        self.heartbeat = heartbeat
-        self.locks = list(locks)
-        self.last_checkpoint: Path | None = None
-
-    def close(self) -> None:
-        """The fit ended (also by an exception): stop the heartbeat, release the folders."""
-        self.heartbeat.stop()
-        for lock in self.locks:
-            lock.release()
-        self.locks = []
-
-    def resume_hint(self) -> str:
-        return (f" Resume with trainer.fit(..., ckpt_path={str(self.last_checkpoint)!r})." if self.last_checkpoint
-                else " No checkpoint was written yet.")
-
-    def describe(self, exception: BaseException) -> str | None:
-        if not looks_like_lost_peer(exception):
-            return None
-        suspects = self.heartbeat.suspects()
-        first_line = str(exception).splitlines()[0] if str(exception) else ""
-        return (f"Cephalo (rank {self.heartbeat.rank}): a collective failed ({type(exception).__name__}: {first_line}). "
-                + ("Stopped: " + "; ".join(suspects) + "." if suspects else "No peer is known to have stopped.")
-                + self.resume_hint())

@@ -52,11 +52,12 @@ from cephalo_lightning.lightning.config import (
     StrategyConfig,
 )
 from cephalo_lightning.lightning.fault_tolerant_fit import FitReplica
-from cephalo_lightning.lightning.fit import FailureReport, FitRuntime, stash_offloaded
+from cephalo_lightning.lightning.fit import FitRuntime, stash_offloaded
 from cephalo_lightning.lightning.log_relay import AlreadyGlobal
 from cephalo_lightning.lightning.precision import sharded_precision
 from cephalo_lightning.lightning.preemption import Preemption
 from cephalo_lightning.lightning.progress import use_progress_lines
+from cephalo_lightning.lightning.run_folders import FailureReport
 from cephalo_lightning.lightning.schedules import decide_schedule
 from cephalo_lightning.lightning.sharded_strategy import ShardedStrategy
 from cephalo_lightning.models import resolve
