@@ -13,6 +13,7 @@ import pytest
 
 from cephalo_lightning import CephaloCallback
 from cephalo_lightning._common.errors import CephaloError
+from cephalo_lightning.lightning import callback as callback_module
 from cephalo_lightning.lightning.callback_config import CallbackConfig
 
 README = Path(__file__).resolve().parent.parent / "docs" / "reference" / "callback.md"  # the options table
@@ -70,3 +71,18 @@ def test_bad_options_are_refused_at_construction(arguments: dict, message: str) 
     with pytest.raises(ValueError, match=message) as refused:
         CephaloCallback(**arguments)
     assert isinstance(refused.value, CephaloError)
+
+
+class Built(Exception):
+    """What the config was built from, raised out of the constructor."""
+
+
+def test_each_parameter_reaches_the_config_under_its_own_name(monkeypatch) -> None:
+    def config(**given: object) -> CallbackConfig:
+        raise Built(given)
+
+    monkeypatch.setattr(callback_module, "CallbackConfig", config)
+    given = {f.name: object() for f in dataclasses.fields(CallbackConfig)}  # one distinct value each (equal only to itself)
+    with pytest.raises(Built) as built:
+        CephaloCallback(**given)
+    assert built.value.args[0] == given

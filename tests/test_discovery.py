@@ -139,6 +139,8 @@ class Block(nn.Module):
         self.linear = nn.Linear(width, width)
 
     def forward(self, h: torch.Tensor, scale: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
+        if getattr(self, "armed", None) is False:
+            raise RuntimeError("called outside the model's forward")
         out = h + torch.tanh(self.linear(h)) * (scale if scale is not None else 1.0)
         return out + skip if skip is not None else out
 
@@ -170,6 +172,12 @@ class Toy(pl.LightningModule):
         elif self.wiring == "outside":  # a block's output used after the blocks (passes the structure check)
             h0 = b[0](h)
             h = b[2](b[1](h0)) + h0
+        elif self.wiring == "armed":  # a block that runs inside the model's forward only (the layered pass fails)
+            b[1].armed = True
+            try:
+                h = b[2](b[1](b[0](h)))
+            finally:
+                b[1].armed = False
         return self.head(h).squeeze(-1)
 
     def training_step(self, batch, batch_idx):
@@ -231,6 +239,7 @@ def _toy_reference(wiring: str, steps: int, batch: int) -> tuple[dict[str, torch
 @pytest.mark.parametrize("wiring, mode, reason", [
     ("sequence", "layered", None), ("twice", "uniform", "block 1 is called 2 times"),
     ("unet", "uniform", "a skip between blocks"), ("outside", "uniform", "the layered pass gives the loss"),
+    ("armed", "uniform", "the layered pass failed on the first micro-batch (RuntimeError: called outside the model's"),
 ])
 def test_discovered_toy_trains_exactly_or_falls_back_with_one_line(wiring, mode, reason, caplog):
     plan = plan_of(batches=[4], micro=[2], shares=[1.0])

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
-from cephalo_lightning.lightning.steps import NonFiniteLossError
+from cephalo_lightning.lightning.nonfinite import NonFiniteLossError
 from cephalo_lightning.planner import PlanningError, RankPlan
 from tests.conftest import HANG_TIMEOUT_S, clean_env
 from tests.distributed import run_distributed
@@ -94,7 +94,7 @@ def test_too_many_non_finite_steps_in_a_row_stop_training_clearly(nan_run):
 
 
 # Groups of one rank (data parallelism): every rank holds the whole reduced gradient, the step's
-# all-reduce is started before the backward and each rank checks the gradient itself (steps.StepSync).
+# all-reduce is started before the backward and each rank checks the gradient itself (step_sync.StepSync).
 SINGLES = Plan(12, "layered", tuple(dataclasses.replace(r, state_share=1.0, shard_group=r.rank) for r in PLAN.ranks))
 SINGLES_UNIFORM = Plan(12, "uniform", (RankPlan(0, "a", 9, 2, 5, 1.0, shard_group=0),
                                        RankPlan(1, "b", 3, 2, 2, 1.0, shard_group=1)))

@@ -281,7 +281,7 @@ def test_a_non_finite_sum_over_the_groups_is_skipped_by_every_groups_guard():
     from types import SimpleNamespace
 
     from cephalo_lightning.lightning.fault_tolerant_fit import FitReplica
-    from cephalo_lightning.lightning.steps import NonFiniteGuard
+    from cephalo_lightning.lightning.nonfinite import NonFiniteGuard
     from tests.ft_worker import FIT_PLAN
 
     fit = FitReplica(FIT_PLAN, 1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -200,3 +202,24 @@ def test_recomputing_evaluates_every_loss_once_in_the_forward_and_all_but_the_la
     # four micro-batches of two samples against one batch of eight: the same gradient up to fp32 round-off
     # (measured 1.5e-8 on gradients up to 0.037)
     assert all(torch.allclose(grads[n], plain[n], rtol=0, atol=1e-7) for n in plain)
+
+
+def test_evaluate_is_the_forward_with_nothing_left_for_a_backward():
+    """The loss check's pass: the model's loss (an unsharded copy's, the reference), every unit
+    freed after it and no step kept for a backward (the forward after it runs as a step's)."""
+    model = TinyLM()
+    reference = copy.deepcopy(model)
+    layers = layers_of(model)
+    sharded = ShardedModel(model, [1.0], units=layers)
+    schedule = LayeredSchedule(sharded, layers, offload=True)
+    (x, y), = batches(1, 4)
+    with torch.no_grad():
+        want = float(reference.loss(reference(x), y))
+    loss = lambda k, out, side: model.loss(out, y)  # noqa: E731
+    got = schedule.evaluate([x], plain_input, loss, [1.0])
+    assert float(got) == pytest.approx(want, rel=1e-6) and not got.requires_grad
+    assert not any(unit.gathered for unit in sharded.units)
+    with pytest.raises(RuntimeError, match="without a forward"):
+        schedule.backward()
+    assert float(schedule.forward([x], plain_input, loss, [1.0])) == float(got)
+    schedule.backward()

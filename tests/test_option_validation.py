@@ -21,6 +21,8 @@ from cephalo_lightning.lightning.plan_resolution import data_seed
 from cephalo_lightning.planner import RankPlan, Settings
 from tests.helpers import fit
 from tests.helpers import trainer as make_trainer
+from tests.library_models import LibraryLM, PaddedTokens
+from tests.library_models import loader as library_loader
 from tests.lightning_models import TinyUniform, loader, token_data
 from tests.plans import plan_of
 
@@ -171,6 +173,26 @@ def test_none_or_a_dict_without_loss_is_named_in_either_mode(mode: str, shape, m
     with pytest.raises(ConfigurationError, match=message) as refused:
         fit(Returns(shape), ONE_RANK, 1, 1, token_data(8), mode=mode)
     assert "return {'loss': loss, ...}" in str(refused.value)
+
+
+class Doubled(LibraryLM):
+    """A model the adapter finds (its own loss computed layer by layer) whose training_step returns another objective."""
+
+    def training_step(self, batch, batch_idx):
+        return 2 * super().training_step(batch, batch_idx)
+
+
+def test_a_training_step_computing_another_objective_is_refused_on_the_layered_first_step() -> None:
+    plan, data = plan_of(batches=[4], micro=[2], shares=[1.0]), PaddedTokens(8)
+    with torch.no_grad():  # the reference: the model's own loss on the first micro-batch, outside the package
+        want = float(LibraryLM("llama").model(**data.batch(0, 2)).loss)
+    with pytest.raises(ConfigurationError, match="computes a different objective") as refused:
+        make_trainer(CephaloStrategy(plan=plan), 1, 1).fit(Doubled("llama"), library_loader(data, 4))
+    got, own = map(float, re.search(r"returned (\S+) where the model's own loss is (\S+) on", str(refused.value)).groups())
+    assert own == pytest.approx(want, rel=1e-5) and got == pytest.approx(2 * want, rel=1e-5)
+    trainer = make_trainer(CephaloStrategy(plan=plan, verify_loss=False), 1, 1)
+    trainer.fit(Doubled("llama"), library_loader(data, 4))  # the check skipped: the model's own loss trains
+    assert trainer.global_step == 1
 
 
 def test_a_training_step_returning_a_dict_with_its_loss_still_trains() -> None:

@@ -9,6 +9,8 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from cephalo_lightning import CephaloStrategy
 from cephalo_lightning.lightning.config import DEFAULTS, OPTION_NAMES, StrategyConfig
 from cephalo_lightning.lightning.process_group import ProcessGroupStrategy
@@ -92,3 +94,18 @@ def test_every_given_option_reaches_the_config():
     assert changed == set(given)
     background = {**given, "state_dict_type": "sharded", "async_checkpoint": True}  # needs sharded checkpoints
     assert CephaloStrategy(**background).config == StrategyConfig.build(**background)
+
+
+class Built(Exception):
+    """What the config was built from, raised out of the constructor."""
+
+
+def test_each_parameter_reaches_the_config_under_its_own_name(monkeypatch):
+    def build(**given: Any) -> StrategyConfig:
+        raise Built(given)
+
+    monkeypatch.setattr(StrategyConfig, "build", build)
+    given = {name: object() for name in OPTION_NAMES}  # one distinct value per option (equal only to itself)
+    with pytest.raises(Built) as built:
+        CephaloStrategy(**given)
+    assert built.value.args[0] == given

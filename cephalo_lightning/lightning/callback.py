@@ -117,7 +117,13 @@ class CephaloCallback(Callback):
         quiet: bool = CallbackConfig.quiet,
     ) -> None:
         # the signature above is for LightningCLI / YAML (one argument each); the options are the config's
-        self.config = CallbackConfig(**{name: value for name, value in locals().items() if name != "self"})
+        self.config = CallbackConfig(
+            global_batch_size=global_batch_size, mode=mode, max_micro_batch=max_micro_batch, settings=settings,
+            cache_dir=cache_dir, force_profile=force_profile, cluster_file=cluster_file, plan_file=plan_file,
+            watch_every_n_steps=watch_every_n_steps, drift_threshold=drift_threshold, replan=replan,
+            calibrate_after_windows=calibrate_after_windows, switch_gain=switch_gain, adapt=adapt,
+            min_dwell_windows=min_dwell_windows, state_bytes_per_param=state_bytes_per_param, print_plan=print_plan,
+            quiet=quiet)
         self.cluster: Cluster | None = None
         self.plan: Plan | None = None  # the plan the run is on: set at setup, followed through in-place switches
         self.history: list[dict[str, Any]] = []  # one row per watch window, on every rank

@@ -29,7 +29,7 @@ class CallbackAPI:
     """
 
     fit_runtime: FitRuntime | None
-    provisional_layout: str | None
+    plan_follows: bool
     cluster: Cluster | None
     plan: Plan | None
     emulator: DeviceEmulator
@@ -55,7 +55,7 @@ class CallbackAPI:
         """Before setup: a plan follows after setup (:meth:`adopt_profiled_plan`), so shard
         provisionally, in proportion to each rank's memory (a small device is not handed an even
         share it cannot hold)."""
-        self.provisional_layout = "memory"
+        self.plan_follows = True
 
     def adopt_profiled_plan(self, plan: Plan, cluster: Cluster) -> None:
         """Collective: adopt ``plan``, made from the freshly profiled ``cluster``; re-shards at once."""

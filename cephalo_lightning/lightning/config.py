@@ -26,17 +26,19 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.planner import Cluster, Plan, load_cluster
 
-Mode = Literal["auto", "layered", "uniform"]  # the user's request; decided into a Schedule at setup
-Schedule = Literal["layered", "uniform"]
-Collective = Literal["auto", "padded", "exact"]
+AUTO = "auto"  # an option decided at setup: the schedule from the model, the collective from the backend
+# the choices as the user writes them (LightningCLI checks YAML strings against them): a vocabulary's values, or auto
+Mode = Literal[(AUTO, *(s.value for s in vocabulary.Schedule))]  # the user's request; decided into a Schedule at setup
+CollectiveChoice = Literal[(AUTO, *(c.value for c in vocabulary.Collective))]
 StateDictType = Literal["sharded", "full"]
 LossWeightingChoice = Literal["auto", "samples", "tokens"]  # "tokens" is LossWeighting("items"): see .schedules
 
 MODES: tuple[str, ...] = get_args(Mode)
-COLLECTIVES: tuple[str, ...] = get_args(Collective)
+COLLECTIVES: tuple[str, ...] = get_args(CollectiveChoice)
 STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictType)
 LOSS_WEIGHTINGS: tuple[str, ...] = get_args(LossWeightingChoice)
 RouterAuxLoss = Literal["keep", "exclude"]
@@ -62,8 +64,8 @@ class StrategyConfig:
     plan: Plan | None = option(None, "a `Plan` or a plan JSON path")
     cluster: Cluster | None = option(None, "plan from a cluster file at setup")
     global_batch_size: int | None = option(None, "samples per optimizer step over all ranks")
-    mode: str = option("auto", "`layered` (needs the protocol), `uniform`, or auto")
-    collective: str = option("auto", "`padded`, `exact`, or auto (exact on gloo, padded on NCCL)")
+    mode: str = option(AUTO, "`layered` (needs the protocol), `uniform`, or auto")
+    collective: str = option(AUTO, "`padded`, `exact`, or auto (exact on gloo, padded on NCCL)")
     units: tuple[type[nn.Module], ...] | None = option(
         None, "wrap policy for the uniform mode: module classes or import paths", unset="largest `nn.ModuleList`")
     param_dtype: torch.dtype | None = option(
@@ -185,7 +187,7 @@ def _fault_tolerance(mode: str, plan: Plan | None) -> None:
     pinned plan whose groups cut the units differently, torchft missing."""
     from cephalo_lightning.lightning.fault_tolerance import check_groups_cut_alike, require_torchft
 
-    if mode == "uniform":
+    if mode == vocabulary.Schedule.UNIFORM:
         raise ConfigurationError(
             "CephaloStrategy(fault_tolerance=True, mode='uniform'): when a group is lost, the survivors take its samples "
             "by the re-plan over them, which gives each rank its device's micro-batch size and so more micro-batches on "

@@ -2,8 +2,8 @@
 
 On the first micro-batch of each rank, collectively: an ordinary forward (the user's
 ``training_step``, every unit gathered as a plain forward gathers it) with hooks on the blocks
-shows whether they form a sequence; then the layered pass computes the loss of the same
-micro-batch, which must equal the ordinary one to round-off. Every rank learns every rank's
+shows whether they form a sequence; then the layered pass (the schedule's forward) computes the
+loss of the same micro-batch, which must equal the ordinary one to round-off. Every rank learns every rank's
 verdict, so all keep the layered mode or all fall back to the uniform one.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,44 +20,61 @@ import torch
 
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning._private import LoggedValue, captured_logs, logged_values, logging_as
-from cephalo_lightning.lightning.step_output import user_loss
+from cephalo_lightning.lightning.step_output import loss_or_refusal
 from cephalo_lightning.models.discovery import routed_model, router_aux_reason
 from cephalo_lightning.runtime.distributed import Group, gather_objects
-from cephalo_lightning.runtime.layered import Layer
+from cephalo_lightning.runtime.layered import Layer, LayeredSchedule
 
 # the layered pass runs the same operations as the ordinary forward, in the same order: its loss
 # differs by round-off only; a block output used elsewhere changes it by far more
 ROUND_OFF = {4: 1e-5, 8: 1e-10}  # relative, by the parameters' element size; 16-bit: 1e-2
 
 
-def _loss_value(output: Any) -> float:
-    return float(user_loss(output).detach())
+class _Guarded:
+    """The layered pass's calls, each failure kept instead of raised: the later calls pass their input
+    through, so every rank still gathers and frees every layer (the collectives stay aligned)."""
+
+    def __init__(self) -> None:
+        self.failure = ""
+
+    def _failed(self, error: Exception) -> None:
+        if not self.failure:
+            self.failure = f"the layered pass failed on the first micro-batch ({type(error).__name__}: {error})"
+
+    def prepare(self, prepare: Callable[[Any], tuple[torch.Tensor, Any]]) -> Callable[[Any], tuple[torch.Tensor, Any]]:
+        def call(micro_batch: Any) -> tuple[torch.Tensor, Any]:
+            try:
+                return prepare(micro_batch)
+            except Exception as error:  # noqa: BLE001 - any failure of the layered pass: fall back
+                self._failed(error)
+                return torch.zeros(()), None
+        return call
+
+    def layer(self, layer: Layer) -> Layer:
+        def call(hidden: torch.Tensor, side: Any) -> torch.Tensor:
+            if self.failure:
+                return hidden
+            try:
+                return layer(hidden, side)
+            except Exception as error:  # noqa: BLE001 - any failure of the layered pass: fall back
+                self._failed(error)
+                return hidden
+        return Layer(layer.modules, call, layer.name)
 
 
 def _layered_loss(steps: Any, micro_batch: Any, compute: bool) -> tuple[float, str]:
-    """The layered pass's loss of ``micro_batch``, or why it failed; every layer is gathered and
-    freed on every rank whatever happens (the collectives stay aligned)."""
-    sharded, model = steps.schedule.sharded, steps.model
-    x = side = None
-    failure = ""
-    with sharded.scheduled(), torch.no_grad():
-        sharded.gather_root()
-        try:
-            for index, layer in enumerate(model.layers, start=1):
-                sharded.gather(index, prefetch=index + 1)
-                try:
-                    if compute and not failure:
-                        if index == 1:
-                            x, side = model.prepare(micro_batch)
-                        x = layer(x, side)
-                except Exception as error:  # noqa: BLE001 - any failure of the layered pass: fall back
-                    failure = f"the layered pass failed on the first micro-batch ({type(error).__name__}: {error})"
-                sharded.units[index].free()
-        finally:
-            sharded.free_all()
-    if failure or not compute:
-        return math.nan, failure
-    return float(model.loss(x, micro_batch, side)), ""
+    """The layered pass's loss of ``micro_batch``, run by the schedule's forward, or why it failed."""
+    model, guarded = steps.model, _Guarded()
+    schedule = LayeredSchedule(steps.schedule.sharded, [guarded.layer(layer) for layer in model.layers], offload=False)
+    parts = [micro_batch] if compute else []
+
+    def loss(k: int, out: torch.Tensor, side: Any) -> torch.Tensor:
+        return torch.zeros(()) if guarded.failure else model.loss(out, micro_batch, side)
+
+    value = schedule.evaluate(parts, guarded.prepare(model.prepare), loss, [1.0] * len(parts))
+    if guarded.failure or not compute:
+        return math.nan, guarded.failure
+    return float(value), ""
 
 
 def _first(verdicts: list[str]) -> str:
@@ -82,10 +99,7 @@ def discovered_check(steps: Any, micro_batch: Any, has_samples: bool, batch_idx:
                 output = steps.module.training_step(micro_batch, batch_idx)
         finally:
             sharded.free_all()
-        try:
-            ordinary, refusal = _loss_value(output), ""
-        except ConfigurationError as err:  # every rank learns it at the gather below, and all refuse together
-            ordinary, refusal = math.nan, str(err)
+        ordinary, refusal = loss_or_refusal(output)  # every rank learns a refusal at the gather below
         if has_samples and not refusal:  # an empty batch shows nothing reliable
             structure, why = seen.structure()
         seen_by_all = gather_objects((why, structure, refusal), group)

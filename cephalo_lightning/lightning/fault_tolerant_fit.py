@@ -37,7 +37,7 @@ from cephalo_lightning.lightning.fault_tolerance import (
     rank_slice,
     step_rank_plan,
 )
-from cephalo_lightning.lightning.steps import StepReport
+from cephalo_lightning.lightning.step_state import StepReport
 from cephalo_lightning.models.protocol import LossWeighting
 from cephalo_lightning.planner import Plan, RankPlan
 from cephalo_lightning.runtime.batching import slice_batch

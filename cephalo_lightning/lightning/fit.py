@@ -4,7 +4,15 @@
 (materialising a meta-device model unit by unit, from pretrained weights where given), attaches
 the rank's emulator and memory tracking, and picks the step runner for the schedule
 (:mod:`.schedules`). Plan switches (:class:`~.plan_switch.PlanSwitches`) and checkpoint files
-(:class:`~.checkpoint_io.FitCheckpoints`) are its parts, each in its own module.
+(:class:`~.checkpoint_io.FitCheckpoints`) are its parts, each in its own module; the run's folders
+and failure report are :mod:`.run_folders`'.
+
+[Note: one training step's state] Lightning calls the strategy's ``training_step``, ``backward``
+and ``optimizer_step`` separately; they call :meth:`FitRuntime.forward`, :meth:`FitRuntime.backward`
+and :meth:`FitRuntime.before_optimizer_step`. The forward makes the step's state (one object per
+mode, :mod:`.step_state`) and the runtime holds it only while the step runs: until the end of its
+backward under automatic optimization, to the end of the forward under manual optimization (whose
+backward and optimizer step run inside the user's ``training_step``).
 """
 
 from __future__ import annotations
@@ -18,45 +26,46 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
 
 from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.lightning import loggers
 from cephalo_lightning.lightning.checkpoint_io import FitCheckpoints, globals_with_lightning
-from cephalo_lightning.lightning.config import Schedule, StrategyConfig
+from cephalo_lightning.lightning.config import StrategyConfig
 from cephalo_lightning.lightning.discovered import LossPassLogs
+from cephalo_lightning.lightning.layered_steps import LayeredSteps
+from cephalo_lightning.lightning.nonfinite import NonFiniteGuard
 from cephalo_lightning.lightning.plan_switch import PlanSwitches
+from cephalo_lightning.lightning.run_folders import FailureReport, checkpoint_folders, claim_folders
 from cephalo_lightning.lightning.schedules import check_plan, loss_weighting
-from cephalo_lightning.lightning.steps import LayeredSteps, NonFiniteGuard, TrainingStep, UniformSteps
+from cephalo_lightning.lightning.step_state import LayeredStep, StepContext, StepReport, UniformStep
+from cephalo_lightning.lightning.uniform_steps import UniformSteps
 from cephalo_lightning.models import Resolution, hf, lora, weighting
 from cephalo_lightning.models.weighting import Decision
-from cephalo_lightning.planner import Plan
+from cephalo_lightning.planner import Plan, RankPlan
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.collectives import Links
-from cephalo_lightning.runtime.distributed import broadcast_object, gather_objects
+from cephalo_lightning.runtime.distributed import gather_objects
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
-from cephalo_lightning.runtime.emulation.memory import SampledTracking
+from cephalo_lightning.runtime.emulation.memory import MemoryTracker, SampledTracking
 from cephalo_lightning.runtime.layered import LayeredSchedule
 from cephalo_lightning.runtime.liveness import (
-    FolderInUseError,
     Heartbeat,
-    RunLock,
-    dead_heartbeats,
-    looks_like_lost_peer,
-    os_error_line,
-    probe_writable,
     remove_stale_heartbeats,
 )
+from cephalo_lightning.runtime.observers import Observers
+from cephalo_lightning.runtime.plan_state import CutBatch, PlanState
 from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
-from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel, UnitMaterializer
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel, ShardSummary, UnitMaterializer
 from cephalo_lightning.runtime.sharding.weights import open_weights
 
 
 class FitRuntime:
     """The runtime objects of one fit (see the module docstring)."""
 
-    def __init__(self, module: pl.LightningModule, plan: Plan, config: StrategyConfig, *, schedule: Schedule,
+    def __init__(self, module: pl.LightningModule, plan: Plan, config: StrategyConfig, *, schedule: vocabulary.Schedule,
                  resolution: Resolution, rank: int, device: torch.device, emulator: DeviceEmulator,
                  collective: str, training_step: Callable[..., Any], links: Links | None = None,
                  construction: ConstructionRecord | None = None) -> None:
@@ -73,21 +82,29 @@ class FitRuntime:
         if self.layered_model is not None and (note := recomputed_twice(module)):
             rank_zero_info(note)
         self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links, construction)
-        self._check_gathers(plan)
+        self.shard_summary = self.sharded.summary()  # what this rank holds under the plan in force
+        self._warn_unpriced_gathers(plan, self.shard_summary)
         module.to(device)  # buffers; the local pieces are already there
         if emulator.is_emulated:  # a real device gets no observer at all (no clock, no state)
             self.sharded.observers.attach(emulator)
-        self.memory = _memory_tracking(self.sharded, emulator, device, config.memory_check_every_n_steps)
+        self.memory = _memory_tracking(self.shard_summary, self.sharded.observers, emulator, device,
+                                       config.memory_check_every_n_steps)
         self.steps = self._steps(device, emulator, training_step)
+        self._step: LayeredStep | UniformStep | None = None  # the step in progress (see the module note)
         self.guard = NonFiniteGuard(config.max_nonfinite_skips)
         self.switches = PlanSwitches(plan, self.sharded, lambda p: check_plan(p, self.schedule, resolution, module),
-                                     resharded=self._check_gathers)
+                                     resharded=self._resharded)
         self.checkpoints = FitCheckpoints(self.sharded, config, rank, lambda: self.plan, hf.checkpoint_info(module))
 
-    def _check_gathers(self, plan: Plan) -> None:
+    def _resharded(self, plan: Plan) -> None:
+        """Collective, after a plan switch re-sharded the model: what this rank holds now, checked."""
+        self.shard_summary = self.sharded.summary()
+        self._warn_unpriced_gathers(plan, self.shard_summary)
+
+    def _warn_unpriced_gathers(self, plan: Plan, held: ShardSummary) -> None:
         """Collective: warn where the model, sharded by ``plan``, holds in-flight all-gather buffers
         beyond the room the plan leaves below a rank's memory limit (:func:`unpriced_gathers`)."""
-        warning = unpriced_gathers(gather_objects(_gather_room(self.sharded, plan, self.rank)))
+        warning = unpriced_gathers(gather_objects(_gather_room(held, plan, self.rank)))
         if warning:
             rank_zero_warn(warning)
 
@@ -107,7 +124,7 @@ class FitRuntime:
 
     def _fall_back(self, why: str, training_step: Callable[..., Any]) -> UniformSteps:
         """The first step found that a discovered block sequence does not hold: the uniform mode
-        from then on, when the plan allows it (one micro-batch count on every rank)."""
+        from then on (:attr:`steps` its runner), when the plan allows it (one micro-batch count on every rank)."""
         name = self.layered_model.name
         counts = self.plan.num_micro_batches
         if len(set(counts)) > 1:
@@ -117,18 +134,97 @@ class FitRuntime:
                 "every rank), or give the LightningModule the layered protocol (cephalo_layers, cephalo_input, "
                 "cephalo_loss)")
         rank_zero_info(f"Cephalo: the uniform mode for {name}: the discovered block sequence does not hold ({why})")
-        self.schedule, self.layered_model = "uniform", None
-        return UniformSteps(self.module, self.sharded, training_step, self.weighting)
+        self.schedule, self.layered_model = vocabulary.Schedule.UNIFORM.value, None
+        self.steps = UniformSteps(self.module, self.sharded, training_step, self.weighting)
+        return self.steps
 
     @property
     def plan(self) -> Plan:
         """The plan the model is sharded under now."""
         return self.switches.plan
 
+    @property
+    def rank_plan(self) -> RankPlan:
+        """This rank's part of :attr:`plan`."""
+        return self.plan.ranks[self.rank]
+
+    @property
+    def memory_tracker(self) -> MemoryTracker | None:
+        """The emulated capacity's tracker, where the CPU counts the bytes (None otherwise)."""
+        return self.memory.tracker if self.memory is not None else None
+
+    # ------------------------------------------------------------------ plans
+
+    @property
+    def plan_state(self) -> PlanState:
+        """Which plan cuts which step's data (what the planned loader reads)."""
+        return self.switches.plan_state
+
+    def next_batch(self) -> CutBatch:
+        """The step whose data is cut now (the planned loader's next global batch)."""
+        return self.switches.next_batch()
+
+    def schedule_switch(self, plan: Plan, accumulate: int) -> tuple[int, int]:
+        """Collective: switch to ``plan`` at the first step whose data no rank has cut yet (see
+        :class:`~.plan_switch.PlanSwitches`). Returns (data epoch, step)."""
+        return self.switches.schedule_switch(plan, accumulate)
+
+    def adopt(self, plan: Plan, accumulate: int, optimizers: Sequence[Optimizer]) -> None:
+        """Collective: re-shard to ``plan`` at once."""
+        self.switches.schedule_switch(plan, accumulate)
+        self.switches.switch_now(optimizers)
+
+    def switch_if_due(self, optimizers: Sequence[Optimizer]) -> bool:
+        """Collective: re-shard to a scheduled plan whose step has come; whether it did."""
+        return self.switches.switch_if_due(optimizers)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, path: Path, checkpoint_dict: dict[str, Any], optimizers: Sequence[Optimizer], *,
+                        wait: bool) -> Path | None:
+        """Collective: save (:meth:`~.checkpoint_io.FitCheckpoints.save`), waiting for a background
+        write where ``wait``; returns the newest checkpoint known to be complete."""
+        submitted = self.checkpoints.save(path, checkpoint_dict, optimizers)
+        if wait:
+            self.checkpoints.wait()
+        return self.checkpoints.newest_complete(submitted)
+
+    def wait_for_checkpoints(self) -> None:
+        """Return when every save submitted is written and published (raises a failed one's error)."""
+        self.checkpoints.wait()
+
+    def remove_checkpoint(self, path: str | Path) -> None:
+        """Rank 0: delete a checkpoint, after any save submitted before it has published."""
+        self.checkpoints.remove(path)
+
+    def load_checkpoint(self, path: Path, optimizers: Sequence[Optimizer], weights_only: bool | None) -> dict[str, Any]:
+        """Collective: a sharded directory (any layout) or a single file (weights only)."""
+        return self.checkpoints.load(path, optimizers, weights_only)
+
+    # ------------------------------------------------------------------ the module between fits
+
+    def take_back(self) -> None:
+        """The same module again (e.g. ``trainer.test`` after ``trainer.fit``): its whole parameters into the shards."""
+        self.sharded.take_back()
+
+    def hand_back(self, whole: bool) -> None:
+        """The user's module after fit/validate/test (see :mod:`~.runtime.sharding.handback`)."""
+        self.sharded.hand_back(whole=whole)
+
+    @contextlib.contextmanager
+    def evaluation_step(self) -> Iterator[None]:
+        """The ``with`` block around a validation, test or predict step: the root unit gathered for it."""
+        self.sharded.gather_root()
+        try:
+            yield
+        finally:
+            self.sharded.free_all()
+
     def describe(self) -> str:
         what = self.layered_model.name if self.layered_model is not None else type(self.module).__name__
-        built = f", {self.sharded.materialized_units} units materialised from meta" if self.sharded.materialized_units else ""
-        return (f"Cephalo: {self.schedule} mode ({what}), {len(self.sharded.units)} units, state shares "
+        held = self.shard_summary
+        built = f", {held.materialized_units} units materialised from meta" if held.materialized_units else ""
+        return (f"Cephalo: {self.schedule} mode ({what}), {held.units} units, state shares "
                 f"{[round(s, 4) for s in self.plan.state_shares]}, losses weighted by "
                 f"{self.loss.words}{built}")
 
@@ -156,15 +252,64 @@ class FitRuntime:
             raise
         return FailureReport(heartbeat, locks)
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ the training step
 
-    def start_step(self, trainer: pl.Trainer, sync: bool, scaler: Any, args: tuple) -> TrainingStep:
-        """The state of the training step that starts now (``args``: training_step's after the batch)."""
+    def forward(self, batch: Any, args: tuple, trainer: pl.Trainer, *, sync: bool, scaler: Any = None,
+                signal: Callable[[], int] = int, rank_plan: RankPlan | None = None,
+                global_items: float | None = None) -> Any:
+        """Collective: the training step's forward on this rank's part of the global batch; returns
+        what Lightning's ``training_step`` returns. ``args``: training_step's after the batch;
+        ``sync``: the gradients are reduced at the end of this batch; ``scaler``: a gradient scaler
+        (16-mixed); ``signal()``: the stop signal this rank received, read at the step's all-reduce;
+        ``rank_plan``, ``global_items``: this rank's part where it is not the plan's (fault tolerance).
+        The step's state is held until its backward (see the module note)."""
         # the scale as a device tensor (scaler.scale multiplies on the device: no host sync per step)
         scale = scaler.scale(torch.ones((), device=self.sharded.device)) if scaler is not None else 1.0
         plan = self.plan
-        return TrainingStep(plan.ranks[self.rank], plan.global_batch_size, trainer.accumulate_grad_batches, sync,
-                            scale, args)
+        context = StepContext(rank_plan=rank_plan if rank_plan is not None else plan.ranks[self.rank],
+                              global_batch=plan.global_batch_size, accumulate=trainer.accumulate_grad_batches,
+                              sync=sync, loss_scale=scale, args=args,
+                              pending_signal=signal, global_items=global_items)
+        try:
+            with self.step_scope(trainer.global_step):
+                self._step = self.steps.start(batch, context)  # the layered runner may fall back: self.steps is new
+                return self.steps.forward(self._step)
+        finally:
+            if not self.module.automatic_optimization:
+                self._step = None
+
+    def backward(self, closure_loss: torch.Tensor) -> StepReport:
+        """Collective: the training step's backward (``closure_loss`` as Lightning prepared it) and
+        its all-reduce; returns the report every rank agrees on, recorded by the non-finite guard."""
+        step = self._step
+        assert step is not None, "backward outside a training step"
+        try:
+            with self.step_scope(self.module.trainer.global_step):
+                report = self.steps.backward(closure_loss, step)
+            self.guard.record(report)
+            return report
+        finally:
+            if self.module.automatic_optimization:
+                self._step = None
+
+    def before_optimizer_step(self, step: int, *, scaled: bool, summed: StepReport | None = None) -> bool:
+        """Whether the optimizer step goes ahead: not where a rank's loss or gradient was not finite
+        (``summed``: the report of a gradient summed over replica groups; ``scaled``: a gradient
+        scaler decides on inf steps itself)."""
+        if summed is not None:
+            self.guard.record(summed)
+        return scaled or not self.guard.should_skip(step)
+
+    @contextlib.contextmanager
+    def optimizer_step_scope(self) -> Iterator[None]:
+        """The ``with`` block around the optimizer's update (its compute, for the observers)."""
+        with self.sharded.observers.compute("optimizer_step"):
+            yield
+
+    @property
+    def capturing_logs(self) -> bool:
+        """Inside the user's ``training_step`` of a uniform step: its logs are the step's to combine."""
+        return isinstance(self._step, UniformStep) and self._step.capturing
 
     @contextlib.contextmanager
     def step_scope(self, step: int) -> Iterator[None]:
@@ -227,12 +372,12 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
                 rank_zero_info(f"Cephalo: {len(unused)} tensors of {config.pretrained} were not used, e.g. {unused[:3]}")
 
 
-def _gather_room(sharded: ShardedModel, plan: Plan, rank: int) -> tuple[int, int, float | None]:
+def _gather_room(held: ShardSummary, plan: Plan, rank: int) -> tuple[int, int, float | None]:
     """(rank, bytes its prefetched all-gathers hold unpriced, bytes the plan leaves below its memory limit)."""
     r = plan.ranks[rank]
     room = None if r.memory_limit_gb is None or r.predicted_memory_gb is None else (
         (r.memory_limit_gb - r.predicted_memory_gb) * GIB)
-    return rank, sharded.in_flight_gather_bytes(), room
+    return rank, held.in_flight_gather_bytes, room
 
 
 def unpriced_gathers(rows: Sequence[tuple[int, int, float | None]]) -> str | None:
@@ -255,7 +400,7 @@ def stash_offloaded(offload: bool | None, device: torch.device, emulator: Device
     return offload if offload is not None else (device.type == "cuda" or emulator.memory_gb is not None)
 
 
-def _memory_tracking(sharded: ShardedModel, emulator: DeviceEmulator, device: torch.device,
+def _memory_tracking(held: ShardSummary, observers: Observers, emulator: DeviceEmulator, device: torch.device,
                      every_n_steps: int) -> SampledTracking | None:
     """An emulated capacity: CUDA's allocator capped, or on CPU the tracked bytes checked."""
     if emulator.memory_gb is None:
@@ -264,8 +409,8 @@ def _memory_tracking(sharded: ShardedModel, emulator: DeviceEmulator, device: to
         emulator.cap_cuda_memory(device)
         return None
     # the local state (fp32 master) is resident before tracking starts
-    tracker = emulator.memory_tracker(baseline_bytes=sharded.local_state_numel() * 4)
-    return SampledTracking(tracker, sharded.observers, every_n_steps)
+    tracker = emulator.memory_tracker(baseline_bytes=held.local_state_numel * 4)
+    return SampledTracking(tracker, observers, every_n_steps)
 
 
 def _prefix_of(module: torch.nn.Module, model: torch.nn.Module | None) -> str:
@@ -276,78 +421,3 @@ def _prefix_of(module: torch.nn.Module, model: torch.nn.Module | None) -> str:
         if sub is model:
             return f"{name}." if name else ""
     return ""
-
-
-def checkpoint_folders(trainer: pl.Trainer) -> list[Path]:
-    """The distinct folders the fit's checkpoint callbacks write (resolved by their setup)."""
-    folders = [Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
-    return list(dict.fromkeys(folders))
-
-
-def claim_folders(trainer: pl.Trainer, root: Path) -> tuple[list[RunLock], list[str]]:
-    """Collective, before the fit writes or deletes anything: rank 0 locks every checkpoint folder
-    (refused while another live run holds one); then every rank checks it can write there and in
-    ``root``, where the heartbeats go, and names the heartbeat files of dead processes its host can
-    tell. Every rank raises the same error when any rank found a problem. Returns rank 0's locks
-    and the union of the dead heartbeat files."""
-    folders = checkpoint_folders(trainer)
-    roles = {**{f: "a checkpoint folder" for f in folders}, root: "under Trainer(default_root_dir)"}
-    locks: list[RunLock] = []
-    refusal, unwritable = None, {}
-    if trainer.is_global_zero:
-        for folder in folders:
-            try:
-                locks.append(RunLock.acquire(folder, rank_zero_info))
-            except FolderInUseError as err:
-                refusal = str(err)
-                break
-            except OSError as err:
-                unwritable[folder] = os_error_line(err)
-    refusal = broadcast_object(refusal)
-    if refusal is None:
-        for folder in roles:
-            why = unwritable.get(folder) or probe_writable(folder)
-            if why is not None:
-                unwritable[folder] = why
-    problems = [f"rank {trainer.global_rank} cannot write to {folder} ({roles[folder]}): {why}"
-                for folder, why in unwritable.items()]
-    gathered = gather_objects((problems, dead_heartbeats(root) if refusal is None else []))
-    problems = [line for rank_problems, _ in gathered for line in rank_problems]
-    if refusal is not None or problems:
-        for lock in locks:
-            lock.release()
-        raise FolderInUseError(refusal) if refusal is not None else ConfigurationError(
-            "Cephalo: " + "; ".join(problems) + ". Every rank writes its part of each checkpoint and its heartbeat: "
-            "give folders every rank can write (shared across nodes), with Trainer(default_root_dir=...) or "
-            "ModelCheckpoint(dirpath=...), or make these writable.")
-    return locks, [file for _, dead in gathered for file in dead]
-
-
-class FailureReport:
-    """While a fit runs: heartbeats, the folder locks, and, when a collective fails, which rank
-    stopped and where to resume."""
-
-    def __init__(self, heartbeat: Heartbeat, locks: Sequence[RunLock] = ()) -> None:
-        self.heartbeat = heartbeat
-        self.locks = list(locks)
-        self.last_checkpoint: Path | None = None
-
-    def close(self) -> None:
-        """The fit ended (also by an exception): stop the heartbeat, release the folders."""
-        self.heartbeat.stop()
-        for lock in self.locks:
-            lock.release()
-        self.locks = []
-
-    def resume_hint(self) -> str:
-        return (f" Resume with trainer.fit(..., ckpt_path={str(self.last_checkpoint)!r})." if self.last_checkpoint
-                else " No checkpoint was written yet.")
-
-    def describe(self, exception: BaseException) -> str | None:
-        if not looks_like_lost_peer(exception):
-            return None
-        suspects = self.heartbeat.suspects()
-        first_line = str(exception).splitlines()[0] if str(exception) else ""
-        return (f"Cephalo (rank {self.heartbeat.rank}): a collective failed ({type(exception).__name__}: {first_line}). "
-                + ("Stopped: " + "; ".join(suspects) + "." if suspects else "No peer is known to have stopped.")
-                + self.resume_hint())

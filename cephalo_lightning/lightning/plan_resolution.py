@@ -24,7 +24,7 @@ from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.lightning import elastic
 from cephalo_lightning.lightning._private import training_dataloader
-from cephalo_lightning.lightning.config import MAX_SEED, Schedule, StrategyConfig
+from cephalo_lightning.lightning.config import MAX_SEED, StrategyConfig
 from cephalo_lightning.planner import Cluster, Plan, PlanningError
 from cephalo_lightning.planner import plan as make_plan
 from cephalo_lightning.planner.plan import UNPROFILED
@@ -109,7 +109,7 @@ def check_loader_batch(batch_size: int | None, plan: Plan, configured: int | Non
             f"{batch_size}")
 
 
-def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: Schedule, config: StrategyConfig,
+def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: vocabulary.Schedule, config: StrategyConfig,
             trainer: Any, world_size: int, identities: Callable[[], list[DeviceIdentity]],
             provisional: bool) -> Plan:
     """The plan to shard by at setup: the given one, one made from ``cluster``, or an even one

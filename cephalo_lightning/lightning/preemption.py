@@ -4,7 +4,7 @@ A signal may reach any subset of the ranks (a scheduler that signals one node, `
 process). The handler only records it: no collective, no save, no I/O runs inside a signal handler,
 where one rank could enter a collective the others never reach. Each rank adds the signal it
 received to the all-reduce that every training step already makes (its slot in
-:class:`~.steps.StepSync`'s vector), so after the first step whose all-reduce carries a signal
+:class:`~.step_sync.StepSync`'s vector), so after the first step whose all-reduce carries a signal
 every rank knows the same thing at the same point. At that step's end (the optimizer step done,
 its callbacks run) the fit stops on every rank; the strategy saves a checkpoint (collective,
 :meth:`Preemption.checkpoint_path`), asks SLURM to requeue the job (rank 0, ``scontrol requeue``,

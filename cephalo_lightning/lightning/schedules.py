@@ -1,8 +1,8 @@
 """Which schedule a fit runs, what plans that schedule can run, and how its losses are weighted.
 
 ``layered``: the strategy runs the model's layers itself, layer-major over the micro-batches
-(:class:`~.steps.LayeredSteps`); ``uniform``: the user's ``training_step`` once per micro-batch
-(:class:`~.steps.UniformSteps`), which needs one micro-batch count on every rank. The user asks
+(:class:`~.layered_steps.LayeredSteps`); ``uniform``: the user's ``training_step`` once per micro-batch
+(:class:`~.uniform_steps.UniformSteps`), which needs one micro-batch count on every rank. The user asks
 with ``CephaloStrategy(mode=...)``; ``auto`` takes ``layered`` wherever the model has a layered form.
 """
 
@@ -13,13 +13,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import UnsupportedError
-from cephalo_lightning.lightning.config import Schedule
+from cephalo_lightning.lightning.config import AUTO
 from cephalo_lightning.models import SUPPORTED, Resolution, weighting
 from cephalo_lightning.models.weighting import Decision
 from cephalo_lightning.planner import Plan, PlanningError
 
 
-def decide_schedule(requested: str, resolution: Resolution, module: pl.LightningModule) -> Schedule:
+def decide_schedule(requested: str, resolution: Resolution, module: pl.LightningModule) -> vocabulary.Schedule:
     """``layered`` when the model has a layered form (or was asked for), else ``uniform``."""
     layered_ok = resolution.layered is not None
     manual = not module.automatic_optimization
@@ -28,15 +28,15 @@ def decide_schedule(requested: str, resolution: Resolution, module: pl.Lightning
         raise UnsupportedError(
             f"mode='layered' is not possible: {why}. Supported: {'; '.join(SUPPORTED)}. Or use mode='uniform'")
     layered, uniform = vocabulary.Schedule.LAYERED.value, vocabulary.Schedule.UNIFORM.value
-    schedule = requested if requested != "auto" else (layered if layered_ok and not manual else uniform)
-    if requested == "auto" and schedule == vocabulary.Schedule.UNIFORM:
+    schedule = requested if requested != AUTO else (layered if layered_ok and not manual else uniform)
+    if requested == AUTO and schedule == vocabulary.Schedule.UNIFORM:
         why = "manual optimization (automatic_optimization=False)" if manual else resolution.reason
         rank_zero_info(f"Cephalo: {why}; using the uniform mode (your training_step per micro-batch, one micro-batch "
                        f"count on every rank). The layered mode supports {'; '.join(SUPPORTED)}.")
     return schedule  # type: ignore[return-value]
 
 
-def check_plan(plan: Plan, schedule: Schedule, resolution: Resolution, module: pl.LightningModule) -> None:
+def check_plan(plan: Plan, schedule: vocabulary.Schedule, resolution: Resolution, module: pl.LightningModule) -> None:
     """What the schedule can run: every plan a fit adopts (given, planned at setup, or re-planned)
     passes here, so none can train on part of its batches."""
     manual = not module.automatic_optimization

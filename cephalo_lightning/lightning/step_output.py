@@ -9,6 +9,7 @@ what to return instead, before anything uses it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -49,6 +50,15 @@ def user_loss(output: Any) -> torch.Tensor:
     """The loss tensor of a ``training_step`` output, checked first (:func:`check_training_step_output`)."""
     check_training_step_output(output)
     return output["loss"] if isinstance(output, dict) else output
+
+
+def loss_or_refusal(output: Any) -> tuple[float, str]:
+    """The loss's value, or NaN and why the output is refused (a collective check gathers the
+    refusal, so that every rank refuses together)."""
+    try:
+        return float(user_loss(output).detach()), ""
+    except ConfigurationError as err:
+        return math.nan, str(err)
 
 
 def _described(value: Any) -> str:

@@ -4,11 +4,9 @@ The strategy resolves the plan (:mod:`.plan_resolution`) and delegates the fit t
 :class:`~.fit.FitRuntime` (sharding, steps, plan switches, checkpoints) and the data to
 :mod:`cephalo_lightning.runtime.sampler` (every rank its slice of every global batch).
 
-[Note: one training step's state] Lightning calls ``training_step``, ``backward`` and
-``optimizer_step`` separately. ``training_step`` makes the step's :class:`~.steps.TrainingStep`
-and hands it to the runner's forward; ``backward`` hands the same object on. The strategy holds it
-only while the step runs: until the end of its backward under automatic optimization, to the end
-of ``training_step`` under manual optimization (whose backward and optimizer step run inside it).
+Lightning calls ``training_step``, ``backward`` and ``optimizer_step`` separately; each calls the
+fit's step API (:meth:`~.fit.FitRuntime.forward`, :meth:`~.fit.FitRuntime.backward`,
+:meth:`~.fit.FitRuntime.before_optimizer_step`), which holds the step's state between them.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ from cephalo_lightning.lightning._private import (
 from cephalo_lightning.lightning.callback_api import CallbackAPI
 from cephalo_lightning.lightning.config import (
     DEFAULTS,
-    OPTION_NAMES,
-    Collective,
+    CollectiveChoice,
     LossWeightingChoice,
     Mode,
     RouterAuxLoss,
@@ -55,13 +52,14 @@ from cephalo_lightning.lightning.config import (
     StrategyConfig,
 )
 from cephalo_lightning.lightning.fault_tolerant_fit import FitReplica
-from cephalo_lightning.lightning.fit import FailureReport, FitRuntime, stash_offloaded
+from cephalo_lightning.lightning.fit import FitRuntime, stash_offloaded
+from cephalo_lightning.lightning.log_relay import AlreadyGlobal
 from cephalo_lightning.lightning.precision import sharded_precision
 from cephalo_lightning.lightning.preemption import Preemption
 from cephalo_lightning.lightning.progress import use_progress_lines
+from cephalo_lightning.lightning.run_folders import FailureReport
 from cephalo_lightning.lightning.schedules import decide_schedule
 from cephalo_lightning.lightning.sharded_strategy import ShardedStrategy
-from cephalo_lightning.lightning.steps import AlreadyGlobal, TrainingStep
 from cephalo_lightning.models import resolve
 from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.runtime.collectives import resolve_mode
@@ -87,7 +85,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     def __init__(self, plan: Plan | str | Path | None = DEFAULTS.plan, cluster: Cluster | str | Path | None = DEFAULTS.cluster,
                  global_batch_size: int | None = DEFAULTS.global_batch_size, mode: Mode = DEFAULTS.mode,
-                 collective: Collective = DEFAULTS.collective, units: Sequence[Any] | None = DEFAULTS.units,
+                 collective: CollectiveChoice = DEFAULTS.collective, units: Sequence[Any] | None = DEFAULTS.units,
                  param_dtype: str | None = DEFAULTS.param_dtype,
                  emulate: Sequence[dict[str, float] | None] | None = DEFAULTS.emulate,
                  offload: bool | None = DEFAULTS.offload,
@@ -104,19 +102,25 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  fault_tolerance: bool = DEFAULTS.fault_tolerance, replica_group: int | None = DEFAULTS.replica_group,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **kwargs: Any) -> None:
-        options = {name: value for name, value in locals().items() if name in OPTION_NAMES}  # all, by name
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
-        self.config = StrategyConfig.build(**options)
+        self.config = StrategyConfig.build(
+            plan=plan, cluster=cluster, global_batch_size=global_batch_size, mode=mode, collective=collective,
+            units=units, param_dtype=param_dtype, emulate=emulate, offload=offload,
+            memory_check_every_n_steps=memory_check_every_n_steps, state_dict_type=state_dict_type,
+            prefetch=prefetch, overlap=overlap, pretrained=pretrained, loss_weighting=loss_weighting,
+            router_aux_loss=router_aux_loss, gather_on_teardown=gather_on_teardown, verify_loss=verify_loss,
+            max_nonfinite_skips=max_nonfinite_skips, check_devices=check_devices, safe_globals=safe_globals, seed=seed,
+            verify_checksums=verify_checksums, progress_every=progress_every, async_checkpoint=async_checkpoint,
+            elastic=elastic, fault_tolerance=fault_tolerance, replica_group=replica_group)
         self.plan, self.cluster = self.config.plan, self.config.cluster  # the plan in force; the callback's cluster
         self.emulator = DeviceEmulator()
         self.links: EmulatedLinks | None = None
         self.fit_runtime: FitRuntime | None = None
-        self.provisional_layout: str | None = None  # "memory": a plan follows (CephaloCallback)
+        self.plan_follows = False  # a plan follows after setup (CephaloCallback's): shard provisionally
         self._failures: FailureReport | None = None
         self._preemption: Preemption | None = None  # while training: SIGTERM / requeue handling
         self._abandon_background_save = False  # the fit failed: teardown does not wait for a background save
         self._sync = True  # False while Lightning accumulates gradients over batches
-        self._step: TrainingStep | None = None  # the training step in progress (see the module note)
         self._failed = False  # the current fit/evaluation raised (on_exception)
         self._replica: FitReplica | None = None  # fault_tolerance: this group's torchft replica group, while fitting
 
@@ -125,8 +129,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     mode = property(lambda self: self.config.mode)
     param_dtype = property(lambda self: self.config.param_dtype)
     sharded = property(lambda self: self.fit_runtime.sharded if self.fit_runtime is not None else None)
-    memory = property(lambda self: self.fit_runtime.memory.tracker
-                      if self.fit_runtime is not None and self.fit_runtime.memory else None)
+    memory = property(lambda self: self.fit_runtime.memory_tracker if self.fit_runtime is not None else None)
     emulate = property(lambda self: plan_resolution.emulation_specs(self.config.emulate, self.cluster))
     # fault_tolerance: this group's torchft replica group while it fits (None otherwise)
     replica = property(lambda self: self._replica.replica if self._replica is not None else None)
@@ -158,7 +161,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if not isinstance(tensor, torch.Tensor) or (self._step is not None and self._step.capturing):
+        if not isinstance(tensor, torch.Tensor) or (self.fit_runtime is not None and self.fit_runtime.capturing_logs):
             return tensor  # values logged per micro-batch are combined (weighted, global) by the steps
         if isinstance(group, AlreadyGlobal):
             return tensor  # the steps' own logs: global on every rank already
@@ -193,7 +196,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             plan = plan_resolution.resolve(
                 plan=self._replica.local if self._replica is not None else self.plan, cluster=self.cluster,
                 schedule=schedule, config=self.config, trainer=trainer, world_size=self.world_size,
-                identities=self._identities, provisional=self.provisional_layout == "memory")
+                identities=self._identities, provisional=self.plan_follows)
             plan_resolution.check_model(plan, module)
             self.fit_runtime = FitRuntime(
                 module, plan, self.config, schedule=schedule, resolution=resolution, rank=self.global_rank,
@@ -210,13 +213,13 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                     "CephaloStrategy(fault_tolerance=True): a second fit of the same module with the same strategy is not "
                     "supported (its replica group ended with the first); start a new process, or a new "
                     "CephaloStrategy and Trainer")
-            self.fit_runtime.sharded.take_back()
+            self.fit_runtime.take_back()
         self._failed = False
         self.model = module
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             use_progress_lines(trainer, self.config.progress_every,
-                               self.fit_runtime.plan.global_batch_size * trainer.accumulate_grad_batches)
+                               self.plan.global_batch_size * trainer.accumulate_grad_batches)
             self.setup_optimizers(trainer)
             self._failures = self.fit_runtime.start_fit(trainer, self.broadcast(os.urandom(6).hex()), self.cluster,
                                                         reported_elsewhere=_has_cephalo_callback(trainer))
@@ -243,15 +246,14 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         """Collective: a plan decided after setup (the callback's); re-shards to it at once."""
         assert self.fit_runtime is not None
         plan_resolution.check_model(plan, self.lightning_module)
-        self.fit_runtime.switches.schedule_switch(plan, self.lightning_module.trainer.accumulate_grad_batches)
-        self.fit_runtime.switches.switch_now(self.optimizers)
+        self.fit_runtime.adopt(plan, self.lightning_module.trainer.accumulate_grad_batches, self.optimizers)
         self._adopted(self.fit_runtime.plan)
 
     def schedule_plan(self, plan: Plan) -> tuple[int, int]:
         """Collective: switch to ``plan`` at the first step whose data no rank has cut yet; the model
         is re-sharded in place (no files, no full gather) just before it. Returns (data epoch, step)."""
         assert self.fit_runtime is not None
-        return self.fit_runtime.switches.schedule_switch(plan, self.lightning_module.trainer.accumulate_grad_batches)
+        return self.fit_runtime.schedule_switch(plan, self.lightning_module.trainer.accumulate_grad_batches)
 
     # --------------------------------------------------------------------------- data and steps
 
@@ -268,7 +270,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             seed = int(self.broadcast(torch.initial_seed() % 2**31 if seed is None else seed))
         if self._replica is not None:
             self._replica.check_data_seed(seed, shuffles(dataloader))
-        self._loader = planned_loader(dataloader, self.fit_runtime.switches.plan_state, self.global_rank,
+        self._loader = planned_loader(dataloader, self.fit_runtime.plan_state, self.global_rank,
                                       shuffle=shuffles(dataloader), seed=seed, whole=self._replica is not None)
         return self._loader
 
@@ -283,7 +285,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self.fit_runtime.switches.switch_if_due(self.optimizers):
+        if self.fit_runtime.switch_if_due(self.optimizers):
             self._adopted(self.fit_runtime.plan)
 
     @property
@@ -294,40 +296,28 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
         runtime = self.fit_runtime
-        batch = args[0]
+        batch, rank_plan, global_items = args[0], None, None
         if self._replica is None or not self._replica.redoing:
-            cut = runtime.switches.next_batch()
+            cut = runtime.next_batch()
             self._loader.batch_sampler.mark_consumed(cut.step)
             if self._replica is not None:
                 self._replica.batch_cut(cut, len(self._loader.batch_sampler))
-        self._step = step = runtime.start_step(trainer, self._sync, self._scaler, args[1:])
         if self._replica is not None:  # the step's quorum, then this rank's part of the global batch
-            batch, step.rank_plan, step.global_items = self._replica.this_ranks_part(batch, step.rank_plan,
-                                                                                    runtime.weighting)
-        if self._preemption is not None:
-            step.pending_signal = self._preemption.pending
-        try:
-            with runtime.step_scope(trainer.global_step), self.precision_plugin.train_step_context():
-                return runtime.steps.forward(batch, step)
-        finally:
-            if not self.lightning_module.automatic_optimization:
-                self._step = None  # its backward and optimizer step ran inside (see the module note)
+            batch, rank_plan, global_items = self._replica.this_ranks_part(batch, runtime.rank_plan, runtime.weighting)
+        signal = self._preemption.pending if self._preemption is not None else int
+        with self.precision_plugin.train_step_context():
+            return runtime.forward(batch, args[1:], trainer, sync=self._sync, scaler=self._scaler, signal=signal,
+                                   rank_plan=rank_plan, global_items=global_items)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        module, step = self.lightning_module, self._step
-        assert step is not None, "backward outside a training step"
+        module = self.lightning_module
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        try:
-            with self.fit_runtime.step_scope(module.trainer.global_step), self.precision_plugin.train_step_context():
-                report = self.fit_runtime.steps.backward(closure_loss, step)
-            self.fit_runtime.guard.record(report)
-            if self._preemption is not None and self._preemption.agree(report.signals, step.sync, module.trainer.global_step):
-                stop_at_batch_end(module.trainer)  # every rank: the same step's all-reduce decided it
-        finally:
-            if module.automatic_optimization:
-                self._step = None  # the step's one backward ran (see the module note)
+        with self.precision_plugin.train_step_context():
+            report = self.fit_runtime.backward(closure_loss)
+        if self._preemption is not None and self._preemption.agree(report.signals, report.synced, module.trainer.global_step):
+            stop_at_batch_end(module.trainer)  # every rank: the same step's all-reduce decided it
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -337,25 +327,21 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         """The step's closure runs on every rank; the update is skipped on every rank if any went non-finite."""
         step = self.lightning_module.trainer.global_step
         with self.fit_runtime.step_scope(step):
+            summed = None
             if self._replica is None:
                 result = closure()
             else:  # the step's closure until torchft commits it; a non-finite sum is skipped by every group
                 result = self._replica.until_committed(closure, optimizer)
-                report = self._replica.summed_gradient_report(self.global_rank)
-                if report is not None:
-                    self.fit_runtime.guard.record(report)
-            if self._scaler is None and self.fit_runtime.guard.should_skip(step):  # a scaler skips inf steps itself
+                summed = self._replica.summed_gradient_report(self.global_rank)
+            if not self.fit_runtime.before_optimizer_step(step, scaled=self._scaler is not None, summed=summed):
                 (optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer).zero_grad(set_to_none=True)
                 return result
-            with self.fit_runtime.sharded.observers.compute("optimizer_step"):
+            with self.fit_runtime.optimizer_step_scope():
                 return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
     def _eval_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        self.fit_runtime.sharded.gather_root()
-        try:
+        with self.fit_runtime.evaluation_step():
             return getattr(super(), name)(*args, **kwargs)
-        finally:
-            self.fit_runtime.sharded.free_all()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -375,29 +361,30 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise UnsupportedError("CephaloStrategy.save_checkpoint(storage_options=...) is not supported")
-        path = self.fit_runtime.checkpoints.save(Path(self.broadcast(str(filepath))), checkpoint_dict, self.optimizers)
         state = self.lightning_module.trainer.state
-        if not (state.fn == TrainerFn.FITTING and state.status == TrainerStatus.RUNNING):
-            self.fit_runtime.checkpoints.wait()  # outside a fit, the checkpoint is there when the call returns
+        fitting = state.fn == TrainerFn.FITTING and state.status == TrainerStatus.RUNNING
+        # outside a fit, the checkpoint is there when the call returns
+        newest = self.fit_runtime.save_checkpoint(Path(self.broadcast(str(filepath))), checkpoint_dict, self.optimizers,
+                                                  wait=not fitting)
         if self._failures is not None:
-            self._failures.last_checkpoint = self.fit_runtime.checkpoints.newest_complete(path)
+            self._failures.last_checkpoint = newest
         self.barrier()
         loggers.log_checkpoint_artifacts(self.lightning_module.trainer)
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
         if self.is_global_zero:
-            self.fit_runtime.checkpoints.remove(filepath)  # after a save still being written, if any
+            self.fit_runtime.remove_checkpoint(filepath)  # after a save still being written, if any
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        return self.fit_runtime.checkpoints.load(Path(self.broadcast(str(checkpoint_path))), self.optimizers, weights_only)
+        return self.fit_runtime.load_checkpoint(Path(self.broadcast(str(checkpoint_path))), self.optimizers, weights_only)
 
     # --------------------------------------------------------------------------- failures and teardown
 
     @override
     def on_train_end(self) -> None:
-        self.fit_runtime.checkpoints.wait()  # a background save is published before the final upload
+        self.fit_runtime.wait_for_checkpoints()  # a background save is published before the final upload
         loggers.log_checkpoint_artifacts(self.lightning_module.trainer, final=True)
 
     @override
@@ -406,7 +393,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         if isinstance(exception, SIGTERMException):
             if self._preemption is not None and self._preemption.decision is not None:
                 self._preemption.save_and_stop(self.lightning_module.trainer, exception,
-                                               wait=self.fit_runtime.checkpoints.wait)
+                                               wait=self.fit_runtime.wait_for_checkpoints)
             else:
                 self._stopped_by_sigterm(exception)
             return
@@ -430,14 +417,14 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     def teardown(self) -> None:
         try:
             if self.fit_runtime is not None and not self._abandon_background_save:
-                self.fit_runtime.checkpoints.wait()  # a background save completes before the fit returns
+                self.fit_runtime.wait_for_checkpoints()  # a background save completes before the fit returns
         except BaseException:
             self._failed = True  # a failed save: the module stays sharded (and guarded), no gather
             raise
         finally:
             try:
                 if self.fit_runtime is not None:  # the user's module after fit/validate/test: see runtime.sharding.handback
-                    self.fit_runtime.sharded.hand_back(whole=self.config.gather_on_teardown and not self._failed)
+                    self.fit_runtime.hand_back(whole=self.config.gather_on_teardown and not self._failed)
             finally:
                 self._teardown_run()
 

@@ -214,6 +214,16 @@ class LayeredSchedule:
                     return self._forward(micro_batches, prepare, loss_fn, weights, recompute)
             return self._forward(micro_batches, prepare, loss_fn, weights, recompute)
 
+    def evaluate(self, micro_batches: Sequence[Any], prepare: Callable[[Any], tuple[torch.Tensor, Side]],
+                 loss_fn: LossFn, weights: Sequence[float]) -> torch.Tensor:
+        """:meth:`forward`'s value with no backward to follow (a check of the loss): the same
+        gathers in the same order; what the backward would use is dropped and every unit freed."""
+        try:
+            return self.forward(micro_batches, prepare, loss_fn, weights).detach()
+        finally:
+            self._step = None
+            self.sharded.free_all()
+
     def _forward(self, micro_batches: Sequence[Any], prepare: Callable[[Any], tuple[torch.Tensor, Side]],
                  loss_fn: LossFn, weights: Sequence[float], recompute: bool) -> torch.Tensor:
         sharded, units, moves = self.sharded, self.sharded.units, self._moves

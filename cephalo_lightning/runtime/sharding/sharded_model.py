@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -99,6 +100,16 @@ class Mode(enum.Enum):
     SUMMONED = enum.auto()  # units gathered by hand (summon_full_params, unit_gathered); no hook acts
     HANDED_BACK = enum.auto()  # after a fit: the modules hold whole copies of the trained parameters; no hook acts
     PARKED = enum.auto()  # after a fit, left sharded: a forward or state_dict of the module is refused
+
+
+@dataclass(frozen=True)
+class ShardSummary:
+    """What one rank's sharded model holds, handed up in one value (the fit's setup checks and report)."""
+
+    units: int
+    materialized_units: int  # built from the meta device, unit by unit
+    local_state_numel: int  # this rank's pieces of every unit
+    in_flight_gather_bytes: int  # see ShardedModel.in_flight_gather_bytes
 
 
 class ShardedModel:
@@ -230,6 +241,11 @@ class ShardedModel:
 
     def local_state_numel(self) -> int:
         return sum(u.master.numel() for u in self.units)
+
+    def summary(self) -> ShardSummary:
+        """What this rank holds under the current layout (:class:`ShardSummary`)."""
+        return ShardSummary(len(self.units), self.materialized_units, self.local_state_numel(),
+                            self.in_flight_gather_bytes())
 
     # ------------------------------------------------------------------ gathering
 
