@@ -8,10 +8,10 @@ it trained, so ``ShardedModel.hand_back`` either
 * gathers every unit once (an all-gather per unit, in the master dtype) and puts whole copies of
   the trained parameters into the modules (``whole=True``; in host memory when training ran on a
   GPU): an ordinary model on every rank, tied parameters still tied; the hooks stand aside
-  (``Mode.HANDED_BACK``); or
+  (``Driver.HANDED_BACK``); or
 * leaves the pieces in place (``whole=False``, for a model too big to hold whole) and refuses every
   forward through a module holding them and every ``state_dict()`` of the model with an error that
-  says what to do (``Mode.PARKED``).
+  says what to do (``Driver.PARKED``).
 
 :func:`copy_into_shards` undoes it when the same module is set up again (``trainer.test`` after
 ``trainer.fit``): the whole parameters, edited or not, are copied into the master shards, which the

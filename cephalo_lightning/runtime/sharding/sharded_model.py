@@ -89,10 +89,10 @@ from cephalo_lightning.runtime.sharding.replicas import (
 from cephalo_lightning.runtime.sharding.reshard import reshard
 from cephalo_lightning.runtime.sharding.units import WrapPolicy, check_units_disjoint
 
-__all__ = ["Mode", "ShardedModel", "UnitMaterializer", "clip_grad_norm_", "local_grad_norm"]
+__all__ = ["Driver", "ShardedModel", "UnitMaterializer", "clip_grad_norm_", "local_grad_norm"]
 
 
-class Mode(enum.Enum):
+class Driver(enum.Enum):
     """Who drives the units; the hooks consult it and do nothing outside ``HOOKS``."""
 
     HOOKS = enum.auto()  # modules hold local pieces; the uniform-mode hooks gather on demand
@@ -200,7 +200,7 @@ class ShardedModel:
         self._plan_buckets()
         self.root = self.units[0]
         self.prefetch = prefetch
-        self.mode = Mode.HOOKS
+        self.driver = Driver.HOOKS
         self._sync = True
         self._unit_index = {id(unit): index for index, unit in enumerate(self.units)}
         self._hooks = _UniformHooks(self) if hooks else None
@@ -280,16 +280,16 @@ class ShardedModel:
     # ------------------------------------------------------------------ modes
 
     @contextlib.contextmanager
-    def _in_mode(self, mode: Mode) -> Iterator[None]:
-        previous, self.mode = self.mode, mode
+    def _driven_by(self, driver: Driver) -> Iterator[None]:
+        previous, self.driver = self.driver, driver
         try:
             yield
         finally:
-            self.mode = previous
+            self.driver = previous
 
     def scheduled(self) -> contextlib.AbstractContextManager[None]:
         """For schedules that gather, free and reduce the units themselves: the hooks stand aside."""
-        return self._in_mode(Mode.SCHEDULED)
+        return self._driven_by(Driver.SCHEDULED)
 
     # ------------------------------------------------------------------ gradients
 
@@ -406,7 +406,7 @@ class ShardedModel:
         for unit in self.units:
             unit.gather(self.comm)
         try:
-            with self._in_mode(Mode.SUMMONED):
+            with self._driven_by(Driver.SUMMONED):
                 yield
         finally:
             for unit in self.units:
@@ -418,7 +418,7 @@ class ShardedModel:
     def unit_gathered(self, index: int) -> Iterator[FlatUnit]:
         """One unit (and the root) gathered, hooks off: e.g. to profile that layer alone."""
         was_root = self.root.gathered
-        with self._in_mode(Mode.SUMMONED):
+        with self._driven_by(Driver.SUMMONED):
             self.gather_root()
             unit = self.gather(index)
             try:
@@ -448,26 +448,26 @@ class ShardedModel:
     def hand_back(self, whole: bool = True) -> None:
         """The end of a fit (collective with ``whole``): the modules hold whole copies of the trained
         parameters, or keep the pieces and refuse to be used (see :mod:`.handback`)."""
-        if self.mode in (Mode.HANDED_BACK, Mode.PARKED):
+        if self.driver in (Driver.HANDED_BACK, Driver.PARKED):
             return
         self.free_all()
         if whole:
             handback.put_whole(self.units, self.comm, self.device)
-            self.mode = Mode.HANDED_BACK
+            self.driver = Driver.HANDED_BACK
         else:
             self.refusals = handback.refuse_use(self.units, self.module)
-            self.mode = Mode.PARKED
+            self.driver = Driver.PARKED
 
     @torch.no_grad()
     def take_back(self) -> None:
         """Before the next fit or evaluation of the same module: the whole parameters into the shards."""
-        if self.mode is Mode.HANDED_BACK:
+        if self.driver is Driver.HANDED_BACK:
             handback.copy_into_shards(self.units)
         for handle in self.refusals:
             handle.remove()
         self.refusals = []
-        if self.mode in (Mode.HANDED_BACK, Mode.PARKED):
-            self.mode = Mode.HOOKS
+        if self.driver in (Driver.HANDED_BACK, Driver.PARKED):
+            self.driver = Driver.HOOKS
 
     def reshard(self, shares: Sequence[float], optimizers: Sequence[torch.optim.Optimizer] = (),
                 shard_groups: Sequence[Sequence[int]] | None = None) -> ShardLayout:
@@ -513,7 +513,7 @@ def adjacent_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, l
 
 class _UniformHooks:
     """The uniform mode's module and autograd hooks (see [Note: unit state]); each acts only while
-    the model's mode is ``HOOKS`` and returns at once when its unit is already where it leads.
+    the model's driver is ``HOOKS`` and returns at once when its unit is already where it leads.
 
     Besides the units' regions they report the root unit's own compute (embedding, head, a loss the
     model's forward computes, and their backward) as the region ``root_compute``, so an emulator
@@ -554,19 +554,19 @@ class _UniformHooks:
 
     def root_backward(self, inside: bool) -> None:
         """The backward pass begins (``inside``) or has ended: the root's backward computes between the units'."""
-        if self.model.mode is Mode.HOOKS:
+        if self.model.driver is Driver.HOOKS:
             self._root_region(False)
             self._root_wanted = inside
             self._root_region(inside)
 
     def _pre_forward_root(self, module: nn.Module, args: Any) -> None:
-        if self.model.mode is Mode.HOOKS:
+        if self.model.driver is Driver.HOOKS:
             self.model.gather_root()
             self._root_wanted = True
             self._root_region(True)
 
     def _post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.model.mode is not Mode.HOOKS:
+        if self.model.driver is not Driver.HOOKS:
             return
         self._root_region(False)
         self._root_wanted = False
@@ -575,7 +575,7 @@ class _UniformHooks:
 
     def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
         model = self.model
-        if model.mode is not Mode.HOOKS or model.units[index].state is UnitState.GATHERED:
+        if model.driver is not Driver.HOOKS or model.units[index].state is UnitState.GATHERED:
             return
         self._root_region(False)
         model.gather_root()
@@ -584,7 +584,7 @@ class _UniformHooks:
 
     def _post_forward(self, index: int, follows_autograd: bool, module: nn.Module, args: Any, output: Any) -> Any:
         model = self.model
-        if model.mode is not Mode.HOOKS or model.units[index].state is UnitState.SHARDED:
+        if model.driver is not Driver.HOOKS or model.units[index].state is UnitState.SHARDED:
             return output
         model.observers.compute_end("unit_forward")
         model.units[index].free()
@@ -597,7 +597,7 @@ class _UniformHooks:
 
     def _pre_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         model, unit = self.model, self.model.units[index]
-        if model.mode is Mode.HOOKS and unit.grad_state is GradState.IDLE:
+        if model.driver is Driver.HOOKS and unit.grad_state is GradState.IDLE:
             unit.grad_state = GradState.COMPUTING
             self._root_region(False)
             self._free_finished(index)
@@ -617,7 +617,7 @@ class _UniformHooks:
 
     def _post_accumulate(self, index: int, param: torch.Tensor) -> None:
         unit = self.model.units[index]
-        if self.model.mode is not Mode.HOOKS or unit.grad_state in (GradState.READY, GradState.REDUCED):
+        if self.model.driver is not Driver.HOOKS or unit.grad_state in (GradState.READY, GradState.REDUCED):
             return
         unit.grads_accumulated += 1
         if unit.grads_accumulated == unit.num_trainable:
