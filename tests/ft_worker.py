@@ -13,7 +13,9 @@ Instrumented points, each a file in WORKDIR as well:
   cross-group all-reduce, writes ``killed`` (the time) and SIGKILLs itself: the group is lost mid-step;
 * **the return**: group 0, after committing step :data:`WAIT_AT`, writes ``waiting`` and waits (at
   most :data:`WAIT_S`) for the ``ready`` of a later life of group 1, which starts its manager only
-  once ``waiting`` is there: the return lands at step ``WAIT_AT + 1`` whatever the machine's load.
+  once ``waiting`` is there and writes ``ready`` only once the lighthouse has its heartbeat (one sent
+  and answered, not left to the manager's timer): the lighthouse then holds group 0's next quorum for
+  it, so the return lands at step ``WAIT_AT + 1`` whatever the machine's load.
 
 Every step appends a line to ``events-G-PID.jsonl`` (the step, the quorum's participants, the
 batches, whether it committed, the time); a life that trains to the end writes ``final-G-PID.pt``
@@ -77,6 +79,11 @@ def main(work: Path, group: int, lighthouse: str) -> None:
     settings = Settings(lighthouse=lighthouse, store_addr="127.0.0.1", store_port=store.port, hostname="127.0.0.1",
                         timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=WAIT_S))
     ft = ReplicaGroup(parameters, optimizer, PLAN, group, settings)
+    if not first_life:  # the lighthouse knows this life is up before group 0 asks for its next quorum
+        from torchft.coordination import LighthouseClient
+        from torchft.manager import REPLICA_ID_KEY
+
+        LighthouseClient(lighthouse, timedelta(seconds=20)).heartbeat(store.get(REPLICA_ID_KEY).decode())
     (work / f"ready-{group}-{pid}").write_text(str(time.time()))
     if first_life:
         _wait_for(lambda: all(any(work.glob(f"ready-{g}-*")) for g in (0, 1)), "start of both groups")
