@@ -15,6 +15,7 @@ from pathlib import Path
 
 from cephalo_lightning import configs
 from cephalo_lightning._common.help_text import PlainRawDescriptionHelpFormatter
+from cephalo_lightning._common.vocabulary import Planner
 
 
 def _even_run(cli, steps: int) -> dict | None:
@@ -28,7 +29,7 @@ def _even_run(cli, steps: int) -> dict | None:
     if strategy.cluster is None:
         return None
     try:
-        even = make_plan(strategy.cluster, strategy.plan.global_batch_size, planner="even")
+        even = make_plan(strategy.cluster, strategy.plan.global_batch_size, planner=Planner.EVEN)
     except PlanningError as err:
         return {"infeasible": str(err)}
     watcher = CephaloCallback(print_plan=False, quiet=True, watch_every_n_steps=0)

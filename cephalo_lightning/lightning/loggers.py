@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from cephalo_lightning._common.vocabulary import ProfileSource
 from cephalo_lightning.lightning import _private as _lightning_private
 from cephalo_lightning.planner import Cluster, Plan, save_cluster
 from cephalo_lightning.planner.plan import UNPROFILED
@@ -144,7 +145,7 @@ def rank_lines(plan: Plan) -> list[str]:
         count = f"{r.num_micro_batches} micro-batch" + ("es" if r.num_micro_batches > 1 else "")
         sizes = "-".join(map(str, sorted(set(r.micro_batch_sizes))))
         work = f"batch {r.batch_size} in {count} of {sizes}" if r.batch_size else "no samples (stores state only)"
-        emulated = ", emulated" if r.source == "emulated" else ""
+        emulated = ", emulated" if r.source == ProfileSource.EMULATED else ""
         bound = f", bound by {r.binding.value}" if r.binding is not None else ""
         if r.predicted_step_s is None and r.predicted_memory_gb is None:
             predicted = "not priced (a plan given as it is, without a cluster file to predict it from)"
@@ -252,7 +253,7 @@ def run_config(trainer: pl.Trainer, plan: Plan, cluster: Cluster | None = None, 
     if cluster is not None:
         config["cluster"] = cluster_config(cluster)
     config["emulated"] = bool(plan.emulated or getattr(strategy, "emulate", None)
-                              or (cluster is not None and any(d.source == "emulated" for d in cluster.devices)))
+                              or (cluster is not None and any(d.source == ProfileSource.EMULATED for d in cluster.devices)))
     return config
 
 

@@ -16,6 +16,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from cephalo_lightning._common.vocabulary import ProfileSource
 from cephalo_lightning.planner.cluster_spec import Cluster
 from cephalo_lightning.planner.peers import BASELINE_GROUPINGS
 from cephalo_lightning.planner.plan import Plan, RankPlan
@@ -200,7 +201,7 @@ def summary_lines(plan: Plan, cluster: Cluster | None = None, output: str | None
     lines += baseline_lines(plan)
     if any(not r.recompute for r in plan.ranks):
         lines.append("kept: that rank's one micro-batch keeps its autograd graph instead of recomputing")
-    if any(r.source == "catalog" for r in plan.ranks):
+    if any(r.source == ProfileSource.CATALOG for r in plan.ranks):
         lines.append(CATALOG)
     lines.append("figures are predictions of the planner's cost model" + (
         ", from profiles measured under CPU emulation" if plan.emulated else ""))
