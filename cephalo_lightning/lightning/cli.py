@@ -26,9 +26,9 @@ from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 from typing_extensions import override
 
 import cephalo_lightning  # noqa: F401  (registers strategy="cephalo" before arguments are parsed)
-from cephalo_lightning import configs
 from cephalo_lightning._common.errors import CephaloError, refused
 from cephalo_lightning._common.help_text import PlainHelp, PlainHelpFormatter
+from cephalo_lightning.configs import resolve as resolve_config
 from cephalo_lightning.lightning.cli_loggers import replace_missing_wandb
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,9 @@ def resolve_configs(args: Sequence[str]) -> list[str]:
     out = list(args)
     for i, arg in enumerate(out):
         if arg in _CONFIG_FLAGS and i + 1 < len(out):
-            out[i + 1] = configs.resolve(out[i + 1])
+            out[i + 1] = resolve_config(out[i + 1])
         elif arg.startswith("--config="):
-            out[i] = "--config=" + configs.resolve(arg[len("--config="):])
+            out[i] = "--config=" + resolve_config(arg[len("--config="):])
     return out
 
 
