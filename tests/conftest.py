@@ -72,7 +72,8 @@ def failure_report(result: subprocess.CompletedProcess, tail: int = 3000) -> str
 
 # ----------------------------------------------------------------------------- the multiprocess mark
 
-# [Note: the fast lane] ``make test-fast`` runs ``-m "not multiprocess"``: the in-process tests.
+# [Note: the fast lane] ``make test-fast`` runs ``-m "not multiprocess and not soak"``: the in-process
+# tests, less the few marked ``soak`` (hundreds of steps in one process, a minute on 2 busy cores).
 # A test that starts a process but lacks the mark would slip into it and slow it down, so an audit
 # hook (Python's own: it sees every ``subprocess.Popen``, and the local-ranks launcher announces
 # itself with an audit event) records every start, and a test that started one in its setup, call

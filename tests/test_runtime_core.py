@@ -80,6 +80,7 @@ def package_state(roots: list[object]) -> tuple[int, int]:
     return count, size
 
 
+@pytest.mark.soak
 def test_a_real_device_run_without_observers_reads_no_clock_and_keeps_no_state(monkeypatch):
     warnings.simplefilter("ignore")
     perf, mono = _CountingClock(time.perf_counter), _CountingClock(time.monotonic)
