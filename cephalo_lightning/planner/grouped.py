@@ -222,7 +222,6 @@ class GroupedProblem:
         room = np.array([min(1.0, float(max(k.room.max(), k.room_keep.max()))) for k in problem.kinds])
         self.holds = bool((np.bincount(groups, room[problem.of_rank], minlength=self.G) >= 1.0 - SHARE_TOL).all())
         self.types = group_types(groups, problem.of_rank, nodes, len(problem.kinds)) if self.holds else []
-        self.links = links
         far = far_fraction(groups, nodes)
         # per type: interval ends in rho and the collectives' price at each
         self.rho: list[np.ndarray] = []

@@ -51,7 +51,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_op(
+def time_op(
     op: Callable[[], object], device: torch.device, group: dist.ProcessGroup | None, warmup: int, repeats: int
 ) -> float:
     """Milliseconds of ``op`` on this rank (min on CPU, median on CUDA), every repeat started together."""
@@ -75,8 +75,8 @@ def _time_unit(
     shard = torch.ones(hi - lo, dtype=compute_dtype, device=device)
     full = torch.empty(unit.numel, dtype=compute_dtype, device=device)
     grad = torch.ones(unit.numel, dtype=reduce_dtype, device=device)
-    ag = _time_op(lambda: comm.all_gather(shard, full, unit).wait(), device, comm.group, warmup, repeats)
-    rs = _time_op(lambda: comm.reduce_scatter(grad, unit), device, comm.group, warmup, repeats)
+    ag = time_op(lambda: comm.all_gather(shard, full, unit).wait(), device, comm.group, warmup, repeats)
+    rs = time_op(lambda: comm.reduce_scatter(grad, unit), device, comm.group, warmup, repeats)
     return ag, rs
 
 
@@ -211,7 +211,7 @@ def time_overlap(
     full = torch.empty(unit.numel, dtype=compute_dtype, device=device)
     statistic = default_statistic(device)
     timer = RegionTimer(device, emulator)
-    gather = _time_op(lambda: comm.all_gather(shard, full, unit).wait(), device, comm.group, 1, repeats)
+    gather = time_op(lambda: comm.all_gather(shard, full, unit).wait(), device, comm.group, 1, repeats)
     step = _busy(device, 128)
     calls = calls_lasting(lambda n: summarize([timer.time(lambda: _repeat(step, n))[1] for _ in range(3)], statistic),
                           gather)
@@ -219,14 +219,14 @@ def time_overlap(
     def compute() -> None:
         timer.time(lambda: _repeat(step, calls))
 
-    alone = _time_op(compute, device, comm.group, 1, repeats)
+    alone = time_op(compute, device, comm.group, 1, repeats)
 
     def both() -> None:
         pending = comm.all_gather(shard, full, unit, async_op=True)
         compute()
         pending.wait()
 
-    together = _time_op(both, device, comm.group, 1, repeats)
+    together = time_op(both, device, comm.group, 1, repeats)
     hidden = (gather + alone - together) / max(min(gather, alone), 1e-9)
     serial = torch.tensor([1.0 - min(1.0, max(0.0, hidden))], dtype=torch.float64,
                           device=device if dist.get_backend(group) == "nccl" else "cpu")

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from cephalo_lightning._common.vocabulary import Collective
 from cephalo_lightning.planner.cluster_spec import Emulation
-from cephalo_lightning.profiling.collectives import _time_op
+from cephalo_lightning.profiling.collectives import time_op
 from cephalo_lightning.profiling.options import ProfileOptions
 from cephalo_lightning.runtime.collectives import Collectives
 from cephalo_lightning.runtime.distributed import all_reduce_, is_distributed, rank_and_size
@@ -149,10 +149,10 @@ def _time_class(
         full = torch.empty(unit.numel, dtype=torch.float32, device=device)
         comm = Collectives(sub, Collective.PADDED, links=links)  # the emulated link holds what crosses nodes
         sent = shard_numel * 4
-        ms = _time_op(lambda: comm.all_gather(shard, full, unit).wait(), device, group, warmup, repeats)
+        ms = time_op(lambda: comm.all_gather(shard, full, unit).wait(), device, group, warmup, repeats)
         seconds_per_gb = ms / 1e3 / (sent * (size - 1) / 1e9)
     else:  # not in a group of this class: keep the barriers of the timed rounds
-        _time_op(lambda: None, device, group, warmup, repeats)
+        time_op(lambda: None, device, group, warmup, repeats)
     worst = all_reduce_(torch.tensor([ms, seconds_per_gb], dtype=torch.float64,
                                      device=device if dist.get_backend(group) == "nccl" else "cpu"), "max", group)
     ms, seconds_per_gb = worst.tolist()
