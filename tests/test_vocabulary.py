@@ -9,12 +9,11 @@ from cephalo_lightning._common.vocabulary import Collective, Grouping, Planner, 
 from cephalo_lightning.lightning.callback_config import MODES
 from cephalo_lightning.planner.input_checks import PLANNERS
 from cephalo_lightning.planner.peers import BASELINES
-from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES
 
 
 def test_members_are_the_strings_files_and_options_carry():
     assert [s.value for s in Schedule] == ["layered", "uniform"] == list(values_of(Schedule)) == list(MODES[1:])
-    assert [c.value for c in Collective] == ["padded", "exact"] == list(COLLECTIVE_MODES)
+    assert [c.value for c in Collective] == ["padded", "exact"] == list(values_of(Collective))
     assert [v.value for v in Verdict] == ["feasible", "infeasible", "unknown"]
     assert [s.value for s in ProfileSource] == ["measured", "catalog", "emulated"]
     assert [g.value for g in Grouping] == ["full", "per-node", "node-halves", "node-pairs", "per-rank"]
@@ -28,4 +27,4 @@ def test_a_member_equals_its_string_and_prints_as_it():
         assert member == member.value and hash(member) == hash(member.value)
         assert str(member) == f"{member}" == member.value and json.dumps(member) == json.dumps(member.value)
     assert {"even": 1}[Planner.EVEN] == 1
-    assert all(type(value) is str for value in (*COLLECTIVE_MODES, *MODES[1:], *BASELINES, *values_of(Schedule)))
+    assert all(type(value) is str for value in (*values_of(Collective), *MODES[1:], *BASELINES, *values_of(Schedule)))

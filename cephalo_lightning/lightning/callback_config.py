@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning._common.vocabulary import Schedule
+from cephalo_lightning._common.vocabulary import Schedule, values_of
 from cephalo_lightning.lightning.config import check_flag
 from cephalo_lightning.planner import PlanningError, Settings
 from cephalo_lightning.planner.cluster import parse_settings
 from cephalo_lightning.planner.files import check_writable
 
-MODES = (None, *(s.value for s in Schedule))
+MODES = (None, *values_of(Schedule))
 
 
 def _option(default: Any, meaning: str, shown: str | None = None) -> Any:

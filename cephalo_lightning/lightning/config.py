@@ -32,8 +32,8 @@ from cephalo_lightning.planner import Cluster, Plan, load_cluster
 
 AUTO = "auto"  # an option decided at setup: the schedule from the model, the collective from the backend
 # the choices as the user writes them (LightningCLI checks YAML strings against them): a vocabulary's values, or auto
-Mode = Literal[(AUTO, *(s.value for s in vocabulary.Schedule))]  # the user's request; decided into a Schedule at setup
-CollectiveChoice = Literal[(AUTO, *(c.value for c in vocabulary.Collective))]
+Mode = Literal[(AUTO, *vocabulary.values_of(vocabulary.Schedule))]  # the user's request; decided into a Schedule at setup
+CollectiveChoice = Literal[(AUTO, *vocabulary.values_of(vocabulary.Collective))]
 StateDictType = Literal["sharded", "full"]
 LossWeightingChoice = Literal["auto", "samples", "tokens"]  # "tokens" is LossWeighting("items"): see .schedules
 

@@ -114,7 +114,7 @@ def check_groupings(groupings: object) -> tuple[str, ...]:
     """The names of the groupings to weigh (None: all of them)."""
     if groupings is None:
         return tuple(Grouping)
-    known = tuple(g.value for g in Grouping)
+    known = values_of(Grouping)
     if isinstance(groupings, str) or not all(isinstance(g, str) for g in groupings) or not groupings:  # type: ignore[union-attr]
         raise PlanningError(f"groupings must be a non-empty list of names from {known}, got {groupings!r}; "
                             f"e.g. groupings=('full', 'per-node')")

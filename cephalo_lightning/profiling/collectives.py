@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning._common.vocabulary import Collective
+from cephalo_lightning._common.vocabulary import Collective, values_of
 from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
-from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES, Collectives, Links
+from cephalo_lightning.runtime.collectives import Collectives, Links
 from cephalo_lightning.runtime.distributed import all_reduce_, barrier, is_distributed
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.sharding.layout import UnitLayout, build_layout
@@ -102,9 +102,9 @@ def time_collectives(
     are additionally timed on a layout cut by ``shares`` (default even, where both modes take the
     same direct path), e.g. the imbalance a plan would create. Single process: all zeros.
     """
-    unknown = [m for m in modes if m not in COLLECTIVE_MODES]
+    unknown = [m for m in modes if m not in values_of(Collective)]
     if unknown:
-        raise ConfigurationError(f"unknown collective mode(s) {unknown}; choose from {COLLECTIVE_MODES}")
+        raise ConfigurationError(f"unknown collective mode(s) {unknown}; choose from {values_of(Collective)}")
     if numel < 1:
         raise ConfigurationError(f"numel must be >= 1, got {numel}")
     device = torch.device(device)

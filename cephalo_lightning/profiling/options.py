@@ -7,9 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning._common.vocabulary import Collective
+from cephalo_lightning._common.vocabulary import Collective, values_of
 from cephalo_lightning.profiling.timing import STATISTICS
-from cephalo_lightning.runtime.collectives import COLLECTIVE_MODES
 
 
 @dataclass(frozen=True)
@@ -44,7 +43,7 @@ class ProfileOptions:
             raise ConfigurationError("need warmup >= 0, repeats >= 1 and collective_repeats >= 1")
         if self.statistic is not None and self.statistic not in STATISTICS:
             raise ConfigurationError(f"statistic must be one of {STATISTICS} or None, got {self.statistic!r}")
-        if not self.collective_modes or any(m not in COLLECTIVE_MODES for m in self.collective_modes):
+        if not self.collective_modes or any(m not in values_of(Collective) for m in self.collective_modes):
             raise ConfigurationError(
-                f"collective_modes must be a non-empty subset of {COLLECTIVE_MODES}, got {self.collective_modes}"
+                f"collective_modes must be a non-empty subset of {values_of(Collective)}, got {self.collective_modes}"
             )

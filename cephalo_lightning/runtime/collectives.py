@@ -54,21 +54,19 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from cephalo_lightning._common.vocabulary import Collective
+from cephalo_lightning._common.vocabulary import Collective, values_of
 from cephalo_lightning.runtime.distributed import rank_and_size
 from cephalo_lightning.runtime.observers import Observers
 from cephalo_lightning.runtime.sharding.layout import UnitLayout
-
-COLLECTIVE_MODES = tuple(c.value for c in Collective)
 
 
 def resolve_mode(mode: str, group: dist.ProcessGroup | None = None) -> str:
     """``"auto"``: ``exact`` on gloo (faster at every imbalance measured there, see
     benchmarks/bench_runtime.py), ``padded`` elsewhere (NCCL's equal-size collectives are fast)."""
-    if mode in COLLECTIVE_MODES:
+    if mode in values_of(Collective):
         return mode
     if mode != "auto":
-        raise ValueError(f"collective mode must be 'auto' or one of {COLLECTIVE_MODES}, got {mode!r}")
+        raise ValueError(f"collective mode must be 'auto' or one of {values_of(Collective)}, got {mode!r}")
     distributed = dist.is_available() and dist.is_initialized()
     return (Collective.EXACT if distributed and dist.get_backend(group) == "gloo" else Collective.PADDED).value
 
