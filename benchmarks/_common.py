@@ -142,17 +142,6 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: st
     print()
 
 
-def emit(result: Mapping[str, Any], as_json: bool, print_report: Callable[[Mapping[str, Any]], None]) -> int:
-    """Print a benchmark's result as JSON or as its report; the exit status 0."""
-    if as_json:
-        import json
-
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print_report(result)
-    return 0
-
-
 def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f}"
 
