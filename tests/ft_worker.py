@@ -14,11 +14,10 @@ Instrumented points, each a file in WORKDIR as well:
 * **the return**: group 0, after committing step :data:`WAIT_AT`, writes ``waiting`` and waits (at
   most :data:`WAIT_S`) for the ``ready`` of a later life of group 1, which starts its manager only
   once ``waiting`` is there and writes ``ready`` only once the lighthouse has its heartbeat (one sent
-  and answered, not left to the manager's timer). The return is meant to land at step ``WAIT_AT + 1``,
-  but that still depends on group 1's first quorum request reaching the lighthouse before group 0's
-  next one: the lighthouse can form a quorum at once from the previous quorum's participants (group 0
-  alone) without waiting for a newly healthy group. On a busy host the return then lands a step later
-  and the return test fails; no instrumented point here orders the two requests yet.
+  and answered, not left to the manager's timer); group 0 then also waits until the lighthouse's
+  status page counts group 1's first quorum request as pending, since the lighthouse forms a quorum
+  at once from the previous quorum's participants (group 0 alone) when they all ask again: the return
+  lands at step ``WAIT_AT + 1`` whatever the machine's load.
 
 Every step appends a line to ``events-G-PID.jsonl`` (the step, the quorum's participants, the
 batches, whether it committed, the time); a life that trains to the end writes ``final-G-PID.pt``
@@ -29,10 +28,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -66,6 +67,15 @@ def _wait_for(condition, what: str) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"no {what} within {WAIT_S} s")
         time.sleep(0.02)
+
+
+def _pending_quorum_requests(lighthouse: str) -> int:
+    """How many groups have asked the lighthouse for the next quorum (its status page's count)."""
+    with urllib.request.urlopen(f"{lighthouse}/status", timeout=5) as page:
+        found = re.search(r"\[\d+/(\d+) participants healthy\]", page.read().decode())
+    if found is None:
+        raise RuntimeError(f"the lighthouse's status page at {lighthouse}/status no longer shows its participants")
+    return int(found.group(1))
 
 
 def main(work: Path, group: int, lighthouse: str) -> None:
@@ -111,6 +121,7 @@ def main(work: Path, group: int, lighthouse: str) -> None:
             waited = True
             (work / "waiting").write_text(str(time.time()))
             _wait_for(lambda: len(list(work.glob("ready-1-*"))) > 1, "return of group 1")
+            _wait_for(lambda: _pending_quorum_requests(lighthouse) > 0, "group 1's first quorum request")
     torch.save({name: p.detach().clone() for name, p in sharded.full_state_dict().items()}, work / f"final-{group}-{pid}.pt")
     ft.shutdown()
 
