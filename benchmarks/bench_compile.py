@@ -43,21 +43,26 @@ class Tokens(Dataset):
         return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": self.ids[i]}
 
 
+def tiny_llama() -> torch.nn.Module:
+    """A Llama of 4 layers of width 256, from a config (no download)."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+    return transformers.LlamaForCausalLM(config)
+
+
 class Lora(pl.LightningModule):
     def __init__(self, backend: str | None) -> None:
         super().__init__()
         self.backend = backend
 
     def configure_model(self) -> None:
-        import transformers
         from peft import LoraConfig, get_peft_model
 
         if hasattr(self, "model"):
             return
-        config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
-        self.model = get_peft_model(transformers.LlamaForCausalLM(config),
-                                    LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+        self.model = get_peft_model(tiny_llama(), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
         if self.backend is not None:
             for block in self.model.base_model.model.model.layers:
                 block.compile(backend=self.backend)

@@ -49,6 +49,7 @@ BENCHMARKS: tuple[Entry, ...] = (
     Entry("emulation", "Emulated compute regions on a shared host: wall time vs emulated length", False),
     Entry("discovery", "Discovered layered mode vs the named adapter vs uniform", False),
     Entry("compile", "torch.compile per block: compiled vs uncompiled step time", False),
+    Entry("memory_shares", "Peak memory under skewed state shares: predicted vs emulated, full and LoRA", False),
     Entry("checkpoint", "Checkpoint saves: synchronous vs background, and the kill loop", False, ("--quick", "--no-kills")),
     Entry("fault_tolerance", "Losing a node: torchft against the torchrun elastic restart", False),
 )
