@@ -224,9 +224,18 @@ def calibrated_by_hand(data: dict, calibration: dict, groups=None) -> Cluster:
     return cluster_from_dict({"model": data["model"], "settings": settings, "devices": entries})
 
 
+def share_gb(cluster: Cluster) -> float:
+    """GiB one whole state share costs: every parameter's full state (the reference trains them all)
+    and the reduce-scatter's receive buffer, one shard of the largest unit in the gradient dtype."""
+    m = cluster.model
+    assert m.frozen == 0, "the reference prices fully trainable models"
+    unit = m.largest_unit_parameters if m.largest_unit_parameters is not None else m.parameters / m.num_layers
+    return (m.state_bytes_per_param * m.parameters + unit * m.grad_bytes_per_param) / GIB
+
+
 def memory_used(cluster: Cluster, d, b: int, n: int, share: float, kept: bool = False, mode: str = "layered") -> float:
     s = cluster.settings
-    state = cluster.model.state_bytes_per_param * cluster.model.parameters / GIB
+    state = share_gb(cluster)
     m = -(-b // n) if b else 0
     used = profile_value(d.compute_memory_gb, m, memory=True)
     graph = d.activation_memory_gb is not None and (kept or mode == "uniform")
@@ -320,7 +329,7 @@ def brute_force(cluster: Cluster, global_batch: int, mode: str = "layered") -> B
     with_optimizer = any(_optimizer_ms(cluster, d) > 0 for d in cluster.devices)
 
     def cap(d, b: int, n: int, kept: bool) -> float:
-        state = cluster.model.state_bytes_per_param * cluster.model.parameters / GIB
+        state = share_gb(cluster)
         room = s.usable_memory_fraction * d.memory_gb - memory_used(cluster, d, b, n, 0.0, kept, mode)
         return room / state
 
@@ -477,7 +486,7 @@ def brute_force_groups(cluster: Cluster, global_batch: int, mode: str = "layered
     assert all(_optimizer_ms(cluster, d) == 0 and d.activation_memory_gb is None for d in cluster.devices)
     s = cluster.settings
     w = cluster.world_size
-    state = cluster.model.state_bytes_per_param * cluster.model.parameters / GIB
+    state = share_gb(cluster)
     best: Best | None = None
     for groups in groupings or candidate_groupings(cluster):
         members = [[i for i in range(w) if groups[i] == g] for g in sorted(set(groups))]

@@ -418,7 +418,8 @@ def test_uniform_mode_pays_for_the_unsharded_gradient() -> None:
     u = plan(cluster, 64, mode="uniform")
     check_plan(cluster, u, 64)
     grads = 2 * cluster.model.parameters / 2**30
-    state = 16 * cluster.model.parameters / 2**30
+    # a share: the state, and the reduce-scatter's receive buffer of one layer's shard (4-byte gradients)
+    state = (16 + 4 / cluster.model.num_layers) * cluster.model.parameters / 2**30
     for r, device in zip(u.ranks, cluster.devices):
         assert r.num_micro_batches > 1
         without = device.compute_memory_gb[0] + (r.micro_batch_size - 1) * (
@@ -523,7 +524,10 @@ def test_state_does_not_fit_says_by_how_much() -> None:
     with pytest.raises(PlanningError) as err:
         plan(cluster_from_dict(data), 8)
     text = str(err.value)
-    assert "training state needs 59.6 GiB" in text and "4,000,000,000 parameters x 16 bytes" in text
+    model = cluster_from_dict(data).model  # the state and the reduce-scatter's buffer of one layer's shard
+    need = (4_000_000_000 * 16 + 4_000_000_000 / model.num_layers * 4) / 2**30
+    assert f"training state and its reduction need {need:.1f} GiB" in text
+    assert "4,000,000,000 parameters x 16 bytes" in text
     assert "short by" in text and "add GPUs or memory" in text
 
 

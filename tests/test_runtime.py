@@ -126,8 +126,14 @@ def _three_ranks(rank: int, world: int, ckpt_dir: str):
     train_uniform(sharded, model, optimizer, [6, 4, 2], 1, STEPS)
     checkpoint.save(ckpt_dir, sharded, [optimizer], {"step": STEPS}, {})
     out["in_flight"] = {mode: _gather_in_flight(rank, mode) for mode in ("exact", "padded")}
+    out["reducing"] = {mode: _reduce_scatter_peak(rank, mode) for mode in ("exact", "padded")}
     out["unpriced"] = {mode: ShardedModel(TinyLM(), [0.6, 0.3, 0.1], collective=mode).in_flight_gather_bytes()
                        for mode in ("exact", "padded")}
+    out["reduced"] = [u.layout.max_shard for u in ShardedModel(TinyLM(), [0.6, 0.3, 0.1]).units
+                      if u.trainable and u.layout.numel and not u.layout.is_even]  # fp32 gradients
+    out["unpriced_reduction"] = {
+        mode: ShardedModel(TinyLM(), [0.6, 0.3, 0.1], collective=mode).padded_reduction_bytes()
+        for mode in ("exact", "padded")}
     out["uneven"] = [(u.layout.max_shard, u.compute_dtype.itemsize)
                      for u in ShardedModel(TinyLM(), [0.6, 0.3, 0.1]).units[1:] if u.layout.numel and not u.layout.is_even]
     return out
@@ -152,6 +158,22 @@ def _gather_in_flight(rank: int, mode: str) -> tuple[int, bool]:
         held = tracker.current_bytes
         pending.wait()
     return held, torch.equal(out, torch.arange(IN_FLIGHT_NUMEL, dtype=torch.float32))
+
+
+def _reduce_scatter_peak(rank: int, mode: str) -> tuple[int, bool]:
+    """Peak bytes a reduce-scatter of an uneven unit allocates beside the unit's gradient (allocated
+    before), and whether this rank's range is the sum of every rank's."""
+    from cephalo_lightning.runtime.collectives import Collectives
+    from cephalo_lightning.runtime.emulation.memory import MemoryTracker
+
+    unit = build_layout([IN_FLIGHT_NUMEL], IN_FLIGHT_SHARES, ["unit"]).units[0]
+    lo, hi = unit.shard_range(rank)
+    full = torch.arange(IN_FLIGHT_NUMEL, dtype=torch.float32) * (rank + 1)
+    with MemoryTracker() as tracker:
+        shard = Collectives(None, mode).reduce_scatter(full, unit)
+        peak = tracker.peak_bytes
+    want = torch.arange(lo, hi, dtype=torch.float32) * sum(r + 1 for r in range(len(IN_FLIGHT_SHARES)))
+    return peak, torch.equal(shard, want)
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +216,23 @@ def test_an_exact_all_gather_in_flight_holds_no_buffer_beside_the_unit(three_ran
     assert uneven, "the shares cut some unit unevenly"
     for r in results:
         assert r["unpriced"] == {"exact": 0, "padded": max((len(results) + 1) * m * size for m, size in uneven)}
+
+
+@pytest.mark.multiprocess
+def test_an_exact_reduce_scatter_holds_two_shards_however_uneven(three_rank_run):
+    """Beside the unit's gradient, the exact reduce-scatter holds the buffer each peer's piece
+    arrives in and the sum: two shards of this rank's size (the memory model's price per share),
+    where an all_to_all_single held W + 1 of them. The padded one holds its W padded shards, on gloo
+    W more received and their padded sum: what the check before a fit adds up."""
+    results, _ = three_rank_run
+    unit = build_layout([IN_FLIGHT_NUMEL], IN_FLIGHT_SHARES, ["unit"]).units[0]
+    world = len(results)
+    for rank, r in enumerate(results):
+        lo, hi = unit.shard_range(rank)
+        assert r["reducing"]["exact"] == (2 * (hi - lo) * 4, True)
+        assert r["reducing"]["padded"] == ((2 * world + 1) * unit.max_shard * 4, True)
+    for r in results:  # on gloo the padded sum receives W more padded shards (an all_to_all_single)
+        assert r["unpriced_reduction"] == {"exact": 0, "padded": max((2 * world + 1) * m * 4 for m in r["reduced"])}
 
 
 @pytest.mark.multiprocess
@@ -480,11 +519,11 @@ def test_meta_init_leaves_a_tied_weight_to_its_canonical_holder():
         assert 0 < state["head.bias"].abs().max() <= 0.25  # the head's own init ran (bound 1/sqrt(16))
 
 
-def test_a_padded_gather_beyond_the_plans_room_is_named_before_the_fit():
-    from cephalo_lightning.lightning.fit import unpriced_gathers
+def test_padded_collective_buffers_beyond_the_plans_room_are_named_before_the_fit():
+    from cephalo_lightning.lightning.fit import unpriced_buffers
 
-    assert unpriced_gathers([(0, 0, 1e6), (1, 2**20, 2**21), (2, 2**20, None)]) is None  # within room, or unknown
-    warning = unpriced_gathers([(0, 3 * 2**20, 2**20), (1, 2**20, 2**21), (2, 2**20, -5.0)])
+    assert unpriced_buffers([(0, 0, 1e6), (1, 2**20, 2**21), (2, 2**20, None)]) is None  # within room, or unknown
+    warning = unpriced_buffers([(0, 3 * 2**20, 2**20), (1, 2**20, 2**21), (2, 2**20, -5.0)])
     assert warning is not None and "collective='exact'" in warning
     assert "rank 0: 3.0 MiB against 1.0 MiB" in warning and "rank 2: 1.0 MiB against 0.0 MiB" in warning
     assert "rank 1" not in warning

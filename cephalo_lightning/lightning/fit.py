@@ -83,7 +83,7 @@ class FitRuntime:
             rank_zero_info(note)
         self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links, construction)
         self.shard_summary = self.sharded.summary()  # what this rank holds under the plan in force
-        self._warn_unpriced_gathers(plan, self.shard_summary)
+        self._warn_unpriced_buffers(plan, self.shard_summary)
         module.to(device)  # buffers; the local pieces are already there
         if emulator.is_emulated:  # a real device gets no observer at all (no clock, no state)
             self.sharded.observers.attach(emulator)
@@ -99,12 +99,12 @@ class FitRuntime:
     def _resharded(self, plan: Plan) -> None:
         """Collective, after a plan switch re-sharded the model: what this rank holds now, checked."""
         self.shard_summary = self.sharded.summary()
-        self._warn_unpriced_gathers(plan, self.shard_summary)
+        self._warn_unpriced_buffers(plan, self.shard_summary)
 
-    def _warn_unpriced_gathers(self, plan: Plan, held: ShardSummary) -> None:
-        """Collective: warn where the model, sharded by ``plan``, holds in-flight all-gather buffers
-        beyond the room the plan leaves below a rank's memory limit (:func:`unpriced_gathers`)."""
-        warning = unpriced_gathers(gather_objects(_gather_room(held, plan, self.rank)))
+    def _warn_unpriced_buffers(self, plan: Plan, held: ShardSummary) -> None:
+        """Collective: warn where the model, sharded by ``plan``, holds padded collective buffers beyond
+        the room the plan leaves below a rank's memory limit (:func:`unpriced_buffers`)."""
+        warning = unpriced_buffers(gather_objects(_unpriced_room(held, plan, self.rank)))
         if warning:
             rank_zero_warn(warning)
 
@@ -372,26 +372,29 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
                 rank_zero_info(f"Cephalo: {len(unused)} tensors of {config.pretrained} were not used, e.g. {unused[:3]}")
 
 
-def _gather_room(held: ShardSummary, plan: Plan, rank: int) -> tuple[int, int, float | None]:
-    """(rank, bytes its prefetched all-gathers hold unpriced, bytes the plan leaves below its memory limit)."""
+def _unpriced_room(held: ShardSummary, plan: Plan, rank: int) -> tuple[int, int, float | None]:
+    """(rank, bytes its padded collectives hold unpriced, bytes the plan leaves below its memory limit).
+    The two kinds add up: on CUDA a unit's reduce-scatter runs beside the next layer's backward, whose
+    neighbour's gather is in flight."""
     r = plan.ranks[rank]
     room = None if r.memory_limit_gb is None or r.predicted_memory_gb is None else (
         (r.memory_limit_gb - r.predicted_memory_gb) * GIB)
-    return rank, held.in_flight_gather_bytes, room
+    return rank, held.in_flight_gather_bytes + held.padded_reduction_bytes, room
 
 
-def unpriced_gathers(rows: Sequence[tuple[int, int, float | None]]) -> str | None:
-    """A warning naming the ranks whose in-flight all-gather buffers, which the cost model does not
+def unpriced_buffers(rows: Sequence[tuple[int, int, float | None]]) -> str | None:
+    """A warning naming the ranks whose padded collective buffers, which the cost model does not
     price, exceed what their plan leaves below its memory limit (None: no rank)."""
     short = [(rank, held, room) for rank, held, room in rows if held and room is not None and held > room]
     if not short:
         return None
     ranks = "; ".join(f"rank {rank}: {held / 2**20:.1f} MiB against {max(room, 0.0) / 2**20:.1f} MiB"
                       for rank, held, room in short)
-    return ("Cephalo: with collective='padded', a prefetched all-gather of a unit whose shards are uneven holds "
-            "its padded shard and a staging buffer of one padded shard per rank beside the layer computing, "
-            f"which the plan does not price and which exceeds the room the plan leaves below the memory limit ({ranks}); "
-            "the step may run out of memory. CephaloStrategy(collective='exact') holds no such buffer.")
+    return ("Cephalo: with collective='padded', a unit whose shards are uneven is gathered and reduced through "
+            "buffers of one padded shard per rank (a prefetched all-gather's staging beside the layer computing, "
+            "the reduce-scatter's padded input and sum), which the plan does not price and which exceed the room "
+            f"the plan leaves below the memory limit ({ranks}); the step may run out of memory. "
+            "CephaloStrategy(collective='exact') holds no such buffers.")
 
 
 def stash_offloaded(offload: bool | None, device: torch.device, emulator: DeviceEmulator) -> bool:

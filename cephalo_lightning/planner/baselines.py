@@ -85,7 +85,7 @@ def best_rate(cost: DeviceCost, share: float, limit: int) -> float:
 def _too_small(cluster: Cluster, rank: int, share: float, samples: int = 1) -> str:
     device = cluster.devices[rank]
     cost = DeviceCost(device, cluster)
-    need = float(cost.compute_memory(samples)) + cluster.settings.reserved_memory_gb + share * cost.state_gb
+    need = float(cost.compute_memory(samples)) + cluster.settings.reserved_memory_gb + share * cost.share_gb
     limit = cluster.settings.usable_memory_fraction * device.memory_gb
     beside = "beside one sample" if samples else "even with no samples"
     part = "the whole state" if share >= 1 else f"1/{round(1 / share)} of the state"

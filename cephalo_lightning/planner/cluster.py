@@ -125,6 +125,8 @@ def parse_model(data: Any) -> ModelSpec:
         trainable_parameters=None if data.get("trainable_parameters") is None else
         checked_integer(data["trainable_parameters"], "model.trainable_parameters", minimum=0),
         weight_bytes_per_param=checked_number(data.get("weight_bytes_per_param", 4), "model.weight_bytes_per_param"),
+        largest_unit_parameters=None if data.get("largest_unit_parameters") is None else
+        checked_integer(data["largest_unit_parameters"], "model.largest_unit_parameters"),
         **optional_ints,
     )
 

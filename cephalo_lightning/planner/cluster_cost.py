@@ -113,7 +113,7 @@ def evaluate_arrays(
             fwd, bwd = cost.compute_parts(b[at], n[at], keep[at])
             busy[at] = cost.num_layers * (fwd + bwd) + optimizer[at]
         used = cost.compute_memory(m[at]) + cost.extra_memory_gb(m[at], n[at], keep[at], b[at])
-        memory[at] = used + reserved + cost.state_gb * r[at]
+        memory[at] = used + reserved + cost.share_gb * r[at]
         limit[at] = cluster.settings.usable_memory_fraction * cost.device.memory_gb
     if cluster.settings.sync_passes:
         step = np.maximum(step, synced_group_ms(cluster, passes[0], passes[1], optimizer, shard_groups) / 1e3)

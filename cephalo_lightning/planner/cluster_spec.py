@@ -45,12 +45,19 @@ class ModelSpec:
     kept_bytes_per_sample: float | None = None
     trainable_parameters: int | None = None  # None: every parameter trains
     weight_bytes_per_param: float = 4.0  # bytes of a frozen parameter's stored shard (the master dtype)
+    # the largest unit's parameters, frozen ones included: its gradient is reduced whole, and the
+    # reduction holds this rank's share of it (measured by the profiler; absent: parameters / num_layers)
+    largest_unit_parameters: int | None = None
 
     def __post_init__(self) -> None:
         if self.trainable_parameters is not None and not 0 <= self.trainable_parameters <= self.parameters:
             raise PlanningError(f"model.trainable_parameters ({self.trainable_parameters:,}) must be between 0 and "
                                 f"model.parameters ({self.parameters:,}, every parameter, frozen ones included); "
                                 "fix it in the cluster file")
+        if self.largest_unit_parameters is not None and not 0 < self.largest_unit_parameters <= self.parameters:
+            raise PlanningError(f"model.largest_unit_parameters ({self.largest_unit_parameters:,}) must be between 1 and "
+                                f"model.parameters ({self.parameters:,}); fix it in the cluster file or leave it out "
+                                "(the layers' mean is used)")
 
     @property
     def trainable(self) -> int:
@@ -73,8 +80,24 @@ class ModelSpec:
         return full if not self.frozen else f"{full} + {self.frozen:,} frozen x {self.weight_bytes_per_param:g} bytes"
 
     @property
+    def share_terms(self) -> str:
+        """What one whole share costs (``state_bytes + reduction_bytes_per_share``) spelled out, for messages."""
+        unit = self.largest_unit_parameters or self.layer_parameters
+        twice = "2 x " if self.frozen else ""
+        return f"{self.state_terms} + the reduce-scatter's {twice}{unit:,.0f} parameters x {self.grad_bytes_per_param:g} bytes"
+
+    @property
     def layer_parameters(self) -> float:
         return self.parameters / self.num_layers
+
+    @property
+    def reduction_bytes_per_share(self) -> float:
+        """Bytes a unit's reduce-scatter holds per unit of a rank's share, beside the unit's flat gradient
+        (which compute memory counts): the buffer each peer's piece arrives in and, where the unit has
+        frozen parameters, the summed shard as well (without frozen ones that shard is the rank's
+        gradient, already in ``state_bytes``); of the largest unit."""
+        unit = self.largest_unit_parameters or self.layer_parameters
+        return unit * self.grad_bytes_per_param * (2 if self.frozen else 1)
 
     @property
     def stash_bytes(self) -> float | None:

@@ -32,12 +32,16 @@ updates only the rank's own share); ``contention`` and ``step_overhead`` come fr
         [+ b_i * model.kept_bytes in layered mode, recomputing, with ``settings.stash_on_device``:
            the stash (every layer's input of every sample, and the last layer's outputs until the
            loss) held between the two passes; measured by the profiler]
-        + reserved + state_bytes * r_i  <=  usable_memory_fraction * memory_i
+        + reserved + (state_bytes + reduction_bytes) * r_i  <=  usable_memory_fraction * memory_i
 
     state_bytes = state_bytes_per_param * trainable + weight_bytes_per_param * frozen
+    reduction_bytes = largest_unit_parameters * grad_bytes_per_param * (2 with frozen parameters, else 1)
 
 (:class:`~cephalo_lightning.planner.cluster_spec.ModelSpec`): every parameter's stored weight, and the
-gradient and optimizer moments of the trainable ones only (LoRA: the frozen base costs its weights).
+gradient and optimizer moments of the trainable ones only (LoRA: the frozen base costs its weights),
+and ``reduction_bytes`` what a unit's reduce-scatter holds per share: the buffer each peer's piece of
+the rank's shard arrives in and, beside frozen parameters, the summed shard (without them that sum is
+the rank's gradient, already in the state). Compute memory holds the unit's flat gradient itself.
 The all-gathers and reduce-scatters move every parameter of a layer (frozen ones included: the
 runtime reduces a unit's flat gradient whole). The shares r_i are water-filled under the memory's
 caps (:func:`water_fill`).
@@ -97,6 +101,8 @@ class DeviceCost:
         self.num_layers = model.num_layers
         self.budget_gb = s.usable_memory_fraction * device.memory_gb - s.reserved_memory_gb
         self.state_gb = model.state_bytes / GIB
+        # what a unit share costs: its state, and the reduce-scatter's buffers of the largest unit
+        self.share_gb = (model.state_bytes + model.reduction_bytes_per_share) / GIB
         self.grad_gb = model.compute_bytes_per_param * model.trainable / GIB  # uniform accumulation
         ns = device.optimizer_ns_per_param
         if ns is None:
@@ -219,7 +225,7 @@ class DeviceCost:
                   recompute: bool = True, batch_size: int | None = None) -> float:
         m = np.array([micro_batch_size])
         extra = float(self.extra_memory_gb(m, num_micro_batches, not recompute, batch_size)[0])
-        return float(self.compute_memory(micro_batch_size)) + extra + reserved_gb + self.state_gb * share
+        return float(self.compute_memory(micro_batch_size)) + extra + reserved_gb + self.share_gb * share
 
     def room(self, m: np.ndarray, n: np.ndarray | int = 1, keep: np.ndarray | bool = False,
              b: np.ndarray | int | None = None) -> np.ndarray:
@@ -227,7 +233,7 @@ class DeviceCost:
         batch b, beside its stash too (without: the room before the stash, an upper bound)."""
         m = np.asarray(m, dtype=np.int64)
         used = self.compute_memory(m) + self.extra_memory_gb(m, n, keep, b)
-        return (self.budget_gb - used) / self.state_gb
+        return (self.budget_gb - used) / self.share_gb
 
     def max_share(self, micro_batch_size: int, num_micro_batches: int = 1, recompute: bool = True,
                   batch_size: int | None = None) -> float:

@@ -59,7 +59,7 @@ def check_memory(problem: Problem) -> None:
     cluster, s = problem.cluster, problem.cluster.settings
     kinds = problem.kinds
     counts = problem.counts
-    state = kinds[0].cost.state_gb
+    state = kinds[0].cost.share_gb
     first = {k: int(np.nonzero(problem.of_rank == k)[0][0]) for k in range(len(kinds))}
     where = (f"after compute memory and the {s.reserved_memory_gb:g} GiB reserve per GPU "
              f"(usable_memory_fraction {s.usable_memory_fraction:g})")
@@ -76,7 +76,7 @@ def check_memory(problem: Problem) -> None:
     total0 = float((room0 * counts).sum())
     if state > total0 * (1 + 1e-12):
         raise PlanningError(
-            f"the training state needs {memory_text(state)} ({cluster.model.state_terms}) but the {problem.W} GPUs have "
+            f"the training state and its reduction need {memory_text(state)} ({cluster.model.share_terms}) but the {problem.W} GPUs have "
             f"only {memory_text(total0)} free {where}: short by {memory_text(state - total0)}; add GPUs or memory, or "
             "shrink the model")
     if problem.mode == Schedule.UNIFORM:

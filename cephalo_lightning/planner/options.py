@@ -157,7 +157,7 @@ class DeviceModel:
         self.room_keep = cost.room(ms, keep=True) if cost.can_keep else np.full(len(ms), -np.inf)
         self.keep_cap = int(np.count_nonzero(self.room_keep >= 0)) - 1 if cost.can_keep else 0
         # the share each sample's stash takes while it stays on the device (0: on the host, or uniform)
-        self.kept = cost.kept_gb_per_sample / cost.state_gb if cost.state_gb > 0 else 0.0
+        self.kept = cost.kept_gb_per_sample / cost.share_gb if cost.share_gb > 0 else 0.0
 
     # ------------------------------------------------------------------ exact times
 

@@ -5,7 +5,7 @@ With S the plan's step, s_i rank i's step, and the rank's next sample priced by 
 count for b_i + 1 samples, uniform: the plan's count)::
 
     memory       b_i + 1 samples fit at no micro-batch count:
-                 compute_memory(1) + stash + reserved + state_gb * r_i > usable memory
+                 compute_memory(1) + stash + reserved + share_gb * r_i > usable memory
     compute      s_i = S (within TOLERANCE) and the rank's compute C_i >= its collectives A_i
     link         s_i = S and A_i > C_i; or s_i < S but the slowest rank is link-bound: taking
                  samples away from it would not shorten the step
@@ -70,7 +70,7 @@ def _next_sample(cost: DeviceCost, r: RankPlan, reserved: float, prices: Prices,
     batch = np.full(len(counts), b)
     m = -(-batch // counts)
     memory = cost.compute_memory(m) + cost.extra_memory_gb(m, counts, keeps, batch) + reserved \
-        + cost.state_gb * r.state_share
+        + cost.share_gb * r.state_share
     fits = memory <= r.memory_limit_gb * (1 + 1e-9) if r.memory_limit_gb is not None else np.ones(len(counts), bool)
     layer = cost.layer_ms(batch, counts, prices, keeps) + exposed
     step = step_ms(cost.settings, cost.num_layers * layer + float(cost.optimizer_ms(r.state_share))) / 1e3

@@ -26,7 +26,8 @@ from cephalo_lightning.runtime.sharding.flat_unit import full_shape
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2  # bump when what a cached figure means changes (2: graph memory, optimizer step)
+CACHE_FORMAT = 3  # bump when what a cached figure means changes (2: graph memory, optimizer step; 3: the
+# flat gradient in compute memory, the largest unit)
 
 
 def structure(layers: Sequence[Any], sample_input: Any, batch_dim: int = 0) -> list[Any]:

@@ -25,7 +25,9 @@ Compute memory is the peak of a micro-batch's forward + backward of the layer, a
 training state, measured on the SECOND of two micro-batches, so that the layer's gradient
 accumulated from the first is resident as it is whenever a rank runs more than one: the layer's gathered parameters (in the compute dtype) and buffers, the
 micro-batch's input and upstream gradient, activations, temporaries, the input gradient and the
-full parameter gradients. On CPU it is counted by a :class:`~cephalo_lightning.runtime.emulation.memory.MemoryTracker`
+full parameter gradients; plus the flat gradient the runtime reduces the unit from (every parameter,
+frozen ones included, in the master dtype), added to that peak: on CUDA the reduction runs on a side
+stream beside the next layer's backward, and a constant keeps the memory linear in m. On CPU it is counted by a :class:`~cephalo_lightning.runtime.emulation.memory.MemoryTracker`
 in a separate untimed pass (the accounting is slow); on CUDA it is the allocator's peak.
 """
 
@@ -378,14 +380,25 @@ def _graph_bytes(work: _Runnable, x: torch.Tensor, side: Any, needs_grad: bool, 
     return int(held)
 
 
+def _flat_gradient_bytes(params: Sequence[nn.Parameter]) -> int:
+    """Bytes of the flat gradient the runtime reduces for a unit of ``params``: every parameter,
+    frozen ones included, in the master dtype (fp32; fp64 for an fp64 model); none without a
+    trainable one (such a unit is not reduced)."""
+    if not any(p.requires_grad for p in params):
+        return 0
+    return sum(p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize for p in params)
+
+
 def _peak_bytes(
     work: _Runnable, x: torch.Tensor, side: Any, grad: torch.Tensor, needs_grad: bool, resident_bytes: int,
     device: torch.device, loss_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> int:
-    """Peak bytes of one forward + backward, counting the resident layer (see the module docstring)."""
+    """Peak bytes of one forward + backward and the reduction's flat gradient, counting the resident
+    layer (see the module docstring)."""
     params = work.parameters()
     for p in params:
         p.grad = None
+    flat = _flat_gradient_bytes(params)
     try:
         if device.type == "cuda":  # pragma: no cover - CUDA only
             torch.cuda.synchronize(device)
@@ -394,12 +407,12 @@ def _peak_bytes(
             for _ in range(2):
                 _forward_backward(work, x, side, grad, needs_grad, loss_fn)
             torch.cuda.synchronize(device)
-            return int(torch.cuda.max_memory_allocated(device) - base + resident_bytes)
+            return int(torch.cuda.max_memory_allocated(device) - base + resident_bytes + flat)
         # the layer was built before the tracker started: its bytes are the baseline
         with MemoryTracker(baseline_bytes=resident_bytes, label="profiler") as tracker:
             for _ in range(2):  # the second micro-batch runs beside the first one's gradient
                 _forward_backward(work, x, side, grad, needs_grad, loss_fn)
-        return int(tracker.peak_bytes)
+        return int(tracker.peak_bytes) + flat
     finally:
         for p in params:
             p.grad = None

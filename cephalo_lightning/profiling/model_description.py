@@ -59,4 +59,5 @@ class ModelDescription:
             # keeps on the device between its passes when the stash is not offloaded
             stash_bytes_per_sample=sum(stashes) / len(stashes) if stashes else None,
             kept_bytes_per_sample=profile.kept_bytes_per_sample if stashes else None,
+            largest_unit_parameters=max(profile.layer_numels) if profile.layer_numels else None,
         )

@@ -4,9 +4,11 @@
 (``all_gather_into_tensor`` / ``reduce_scatter_tensor``, renamed ``*_single`` in torch 2.13) (one fast collective on gloo and NCCL; wastes ``W*max/total - 1`` of the
 bandwidth on uneven units, nothing on even ones). ``exact``: no padding, on gloo and NCCL: the
 all-gather sends this rank's shard to every peer and receives each peer's straight into its place
-in the unit's buffer (point-to-point), the reduce-scatter is an ``all_to_all_single`` with per-rank
-split sizes. Even units always take the direct path. On gloo an equal-size reduce-scatter is an
-``all_to_all_single`` plus a local sum (faster there than gloo's own).
+in the unit's buffer (point-to-point), the reduce-scatter sends each peer its range and sums the
+peers' pieces of its own one at a time ([Note: a pairwise reduce-scatter holds two shards]). Even
+units take the equal-size collectives, except the reduce-scatter on gloo, which is pairwise too; a
+padded reduce-scatter on gloo is an ``all_to_all_single`` plus a local sum (faster there than gloo's
+own).
 
 [Note: an exact all-gather holds no send buffer] A prefetched all-gather is in flight while the
 layer before it computes, and whatever buffer it holds then adds to that layer's peak, which the
@@ -219,8 +221,9 @@ class Collectives:
             tuple(dist.get_process_group_ranks(self.group)) if self.group is not None and self.world_size > 1
             else tuple(range(self.world_size)))
         # Gloo's reduce_scatter_tensor is slower than its all_reduce; all_to_all_single plus a local
-        # sum gives the same result 1.6-2x faster, so equal-size reduce-scatters (even units, padded
-        # mode) use it on gloo (benchmarks/bench_runtime.py). NCCL keeps reduce_scatter_tensor.
+        # sum gives the same result 1.6-2x faster (benchmarks/bench_runtime.py), so padded mode's
+        # equal-size reduce-scatters use it on gloo, and even units the pairwise one (which holds
+        # two shards, not W). NCCL keeps reduce_scatter_tensor.
         self.reduce_scatter_by_all_to_all = self.world_size > 1 and dist.get_backend(self.group) == "gloo"
 
     def _note(self, op: str, unit: UnitLayout) -> None:
@@ -353,21 +356,42 @@ class Collectives:
         lo, hi = unit.shard_range(self.rank)
         if self.world_size == 1:  # a rank alone: its gradient is the sum (the caller's own tensor)
             return full if (lo, hi) == (0, full.numel()) else full[lo:hi].clone()
+        if self.mode == Collective.EXACT and not unit.is_even or unit.is_even and self.reduce_scatter_by_all_to_all:
+            return self._reduce_scatter_pairwise(full, unit)
         if unit.is_even:
             return self._reduce_scatter_equal(full)
-        if self.mode == Collective.EXACT:
-            sizes = list(unit.shard_sizes)
-            received = full.new_empty((hi - lo) * self.world_size)
-            dist.all_to_all_single(
-                received, full, output_split_sizes=[hi - lo] * self.world_size, input_split_sizes=sizes,
-                group=self.group,
-            )
-            return received.view(self.world_size, hi - lo).sum(0)
         chunk = unit.max_shard
         padded = full.new_zeros(self.world_size, chunk)
         for r, (a, b) in enumerate(zip(unit.bounds, unit.bounds[1:])):
             padded[r, : b - a].copy_(full[a:b])
         return self._reduce_scatter_equal(padded.view(-1))[: hi - lo].clone()
+
+    def _reduce_scatter_pairwise(self, full: torch.Tensor, unit: UnitLayout) -> torch.Tensor:
+        """[Note: a pairwise reduce-scatter holds two shards] Each peer's range of ``full`` is sent
+        to it as a view, and the peers' pieces of this rank's range arrive one at a time into one
+        buffer, summed in rank order into the result: beside ``full`` the reduction holds two shards
+        of this rank's size, however uneven the unit (an ``all_to_all_single`` would receive W of
+        them at once: up to W whole units for a rank that holds most of a unit)."""
+        lo, hi = unit.shard_range(self.rank)
+        sends = []
+        for r, peer in enumerate(self.global_ranks):
+            a, b = unit.shard_range(r)
+            if r != self.rank and b > a:
+                sends.append(dist.isend(full[a:b], peer, group=self.group))
+        out = full.new_empty(hi - lo)
+        if hi > lo:
+            received = full.new_empty(hi - lo)
+            for r, peer in enumerate(self.global_ranks):
+                if r != self.rank:
+                    dist.recv(received, peer, group=self.group)
+                piece = full[lo:hi] if r == self.rank else received
+                if r == 0:
+                    out.copy_(piece)
+                else:
+                    out.add_(piece)
+        for work in sends:
+            work.wait()
+        return out
 
     def _reduce_scatter_equal(self, full: torch.Tensor) -> torch.Tensor:
         """Sum ``full`` (W equal chunks) over ranks; return this rank's chunk."""

@@ -110,6 +110,7 @@ class ShardSummary:
     materialized_units: int  # built from the meta device, unit by unit
     local_state_numel: int  # this rank's pieces of every unit
     in_flight_gather_bytes: int  # see ShardedModel.in_flight_gather_bytes
+    padded_reduction_bytes: int  # see ShardedModel.padded_reduction_bytes
 
 
 class ShardedModel:
@@ -245,7 +246,7 @@ class ShardedModel:
     def summary(self) -> ShardSummary:
         """What this rank holds under the current layout (:class:`ShardSummary`)."""
         return ShardSummary(len(self.units), self.materialized_units, self.local_state_numel(),
-                            self.in_flight_gather_bytes())
+                            self.in_flight_gather_bytes(), self.padded_reduction_bytes())
 
     # ------------------------------------------------------------------ gathering
 
@@ -268,6 +269,17 @@ class ShardedModel:
             return 0
         return max(((self.comm.world_size + 1) * u.layout.max_shard * u.compute_dtype.itemsize
                     for u in self.units[1:] if u.layout.numel and not u.layout.is_even), default=0)
+
+    def padded_reduction_bytes(self) -> int:
+        """The most a padded reduce-scatter of an uneven trainable unit holds beside the unit's gradient
+        and this rank's shard, which the memory model does not price (it prices the exact one's two
+        shards): W padded shards to sum, on gloo W more received, and the padded sum. An exact or an
+        even reduce-scatter holds nothing more ([Note: a pairwise reduce-scatter holds two shards])."""
+        if self.comm.mode != Collective.PADDED or self.comm.world_size < 2:
+            return 0
+        copies = 2 * self.comm.world_size + 1 if self.comm.reduce_scatter_by_all_to_all else self.comm.world_size + 1
+        return max((copies * u.layout.max_shard * (self.reduce_dtype or u.master_dtype).itemsize
+                    for u in self.units if u.trainable and u.layout.numel and not u.layout.is_even), default=0)
 
     def gather_root(self) -> None:
         self.root.gather(self.comm)
