@@ -129,7 +129,8 @@ def _three_ranks(rank: int, world: int, ckpt_dir: str):
     out["reducing"] = {mode: _reduce_scatter_peak(rank, mode) for mode in ("exact", "padded")}
     out["unpriced"] = {mode: ShardedModel(TinyLM(), [0.6, 0.3, 0.1], collective=mode).in_flight_gather_bytes()
                        for mode in ("exact", "padded")}
-    out["reduced"] = [u.layout.max_shard for u in ShardedModel(TinyLM(), [0.6, 0.3, 0.1]).units
+    out["padded_grads"] = _padded_gradient_layouts()
+    out["reduced"] = [(u.layout.max_shard, u.layout.numel) for u in ShardedModel(TinyLM(), [0.6, 0.3, 0.1]).units
                       if u.trainable and u.layout.numel and not u.layout.is_even]  # fp32 gradients
     out["unpriced_reduction"] = {
         mode: ShardedModel(TinyLM(), [0.6, 0.3, 0.1], collective=mode).padded_reduction_bytes()
@@ -158,6 +159,30 @@ def _gather_in_flight(rank: int, mode: str) -> tuple[int, bool]:
         held = tracker.current_bytes
         pending.wait()
     return held, torch.equal(out, torch.arange(IN_FLIGHT_NUMEL, dtype=torch.float32))
+
+
+def _padded_gradient_layouts() -> list[bool]:
+    """Per uneven unit: whether the gradient laid out padded at once equals the flat gradient cut
+    into the ranks' ranges, each at the start of a row of ``max_shard`` elements."""
+    sharded = ShardedModel(TinyLM(), [0.6, 0.3, 0.1], collective="padded")
+    gen = torch.Generator().manual_seed(5)
+    same = []
+    for unit in sharded.units:
+        layout = unit.layout
+        if not unit.trainable or not layout.numel or layout.is_even:
+            continue
+        grads = [torch.randn(p.shape, generator=gen) for p in unit.full_params]
+        for param, grad in zip(unit.full_params, grads):
+            param.grad = grad.clone()
+        flat = unit.take_full_grad()
+        for param, grad in zip(unit.full_params, grads):
+            param.grad = grad.clone()
+        padded = unit.take_full_grad(padded=True)
+        want = torch.zeros(layout.world_size, layout.max_shard)
+        for r, (a, b) in enumerate(zip(layout.bounds, layout.bounds[1:])):
+            want[r, : b - a] = flat[a:b]
+        same.append(torch.equal(padded, want.view(-1)) and all(p.grad is None for p in unit.full_params))
+    return same
 
 
 def _reduce_scatter_peak(rank: int, mode: str) -> tuple[int, bool]:
@@ -222,17 +247,24 @@ def test_an_exact_all_gather_in_flight_holds_no_buffer_beside_the_unit(three_ran
 def test_an_exact_reduce_scatter_holds_two_shards_however_uneven(three_rank_run):
     """Beside the unit's gradient, the exact reduce-scatter holds the buffer each peer's piece
     arrives in and the sum: two shards of this rank's size (the memory model's price per share),
-    where an all_to_all_single held W + 1 of them. The padded one holds its W padded shards, on gloo
-    W more received and their padded sum: what the check before a fit adds up."""
+    where an all_to_all_single held W + 1 of them. The padded one holds its W padded rows, on gloo
+    W more received and their padded sum; the check before a fit adds up what of that the model
+    does not price (the runtime lays the gradient out padded at once, so the flat one is not
+    held beside it)."""
     results, _ = three_rank_run
     unit = build_layout([IN_FLIGHT_NUMEL], IN_FLIGHT_SHARES, ["unit"]).units[0]
     world = len(results)
     for rank, r in enumerate(results):
         lo, hi = unit.shard_range(rank)
         assert r["reducing"]["exact"] == (2 * (hi - lo) * 4, True)
-        assert r["reducing"]["padded"] == ((2 * world + 1) * unit.max_shard * 4, True)
-    for r in results:  # on gloo the padded sum receives W more padded shards (an all_to_all_single)
-        assert r["unpriced_reduction"] == {"exact": 0, "padded": max((2 * world + 1) * m * 4 for m in r["reduced"])}
+        # the padded rows, the W received and their sum; the copy of this rank's range is taken when
+        # they are freed, or while gloo's finished work still holds its receive buffer
+        padded, held = (2 * world + 1) * unit.max_shard * 4, r["reducing"]["padded"]
+        assert held[1] and padded <= held[0] <= padded + (hi - lo) * 4, (held, padded)
+    for r in results:  # every uneven unit's gradient laid out padded at once, as the flat one padded
+        assert r["padded_grads"] and all(r["padded_grads"]), r["padded_grads"]
+    for r in results:  # beyond the flat gradient: the padding, on gloo W padded rows received, the padded sum
+        assert r["unpriced_reduction"] == {"exact": 0, "padded": max(((2 * world + 1) * m - n) * 4 for m, n in r["reduced"])}
 
 
 @pytest.mark.multiprocess

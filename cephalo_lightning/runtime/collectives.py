@@ -308,7 +308,8 @@ class Collectives:
         return PendingGather(out, work, staging, unit, source=padded)
 
     def reduce_scatter(self, full: torch.Tensor, unit: UnitLayout) -> torch.Tensor:
-        """Sum ``full`` (this rank's whole-unit gradient) over ranks; return this rank's range.
+        """Sum ``full`` (this rank's whole-unit gradient, flat or, where :meth:`pads_reduction`,
+        padded) over ranks; return this rank's range.
 
         With CUDA streams the result is produced on the reduce-scatter stream: use it there (see
         :meth:`reduce_scatter_into`) or after :meth:`wait_reductions`.
@@ -361,10 +362,17 @@ class Collectives:
         if unit.is_even:
             return self._reduce_scatter_equal(full)
         chunk = unit.max_shard
-        padded = full.new_zeros(self.world_size, chunk)
-        for r, (a, b) in enumerate(zip(unit.bounds, unit.bounds[1:])):
-            padded[r, : b - a].copy_(full[a:b])
-        return self._reduce_scatter_equal(padded.view(-1))[: hi - lo].clone()
+        if full.numel() == self.world_size * chunk:  # laid out padded already (FlatUnit.take_full_grad)
+            padded = full
+        else:
+            padded = full.new_zeros(self.world_size * chunk)
+            for r, (a, b) in enumerate(zip(unit.bounds, unit.bounds[1:])):
+                padded[r * chunk : r * chunk + b - a].copy_(full[a:b])
+        return self._reduce_scatter_equal(padded)[: hi - lo].clone()
+
+    def pads_reduction(self, unit: UnitLayout) -> bool:
+        """Whether ``unit``'s reduce-scatter pads its shards: the gradient can be laid out so at once."""
+        return self.mode == Collective.PADDED and self.world_size > 1 and not unit.is_even
 
     def _reduce_scatter_pairwise(self, full: torch.Tensor, unit: UnitLayout) -> torch.Tensor:
         """[Note: a pairwise reduce-scatter holds two shards] Each peer's range of ``full`` is sent

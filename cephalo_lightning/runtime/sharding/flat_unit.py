@@ -253,12 +253,17 @@ class FlatUnit:
 
     # ------------------------------------------------------------------ gradients
 
-    def take_full_grad(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def take_full_grad(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+                       padded: bool = False) -> torch.Tensor:
         """The unit's full flat gradient (zeros where a parameter got none); clears the grads.
 
         ``dtype`` defaults to the master's: gradients are reduced in fp32 (fp64 for fp64 models).
         ``out`` (the unit's number of elements): written there instead of a new tensor (a bucket).
+        ``padded``: laid out as the padded reduce-scatter takes it, each rank's range at the start of
+        its own row of ``max_shard`` elements, so that the flat gradient is never held beside it.
         """
+        if padded:
+            return self._take_padded_grad(dtype or self.master_dtype)
         if out is None:
             out = torch.empty(self.layout.numel, dtype=dtype or self.master_dtype, device=self.device)
         grads = [param.grad for param in self.full_params]
@@ -272,6 +277,21 @@ class FlatUnit:
                 else:
                     view.copy_(grad.reshape(-1))
         for param in self.full_params:
+            param.grad = None
+        return out
+
+    def _take_padded_grad(self, dtype: torch.dtype) -> torch.Tensor:
+        layout, chunk = self.layout, self.layout.max_shard
+        out = torch.zeros(layout.world_size * chunk, dtype=dtype, device=self.device)
+        for span, param in zip(self.spans, self.full_params):
+            if param.grad is None:
+                continue
+            grad = param.grad.reshape(-1)
+            for rank in range(layout.world_size):
+                start, stop = layout.param_piece(span, rank)
+                if stop > start:
+                    at = rank * chunk + span.offset + start - layout.bounds[rank]
+                    out[at : at + stop - start].copy_(grad[start:stop])
             param.grad = None
         return out
 

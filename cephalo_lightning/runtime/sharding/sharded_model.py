@@ -271,14 +271,17 @@ class ShardedModel:
                     for u in self.units[1:] if u.layout.numel and not u.layout.is_even), default=0)
 
     def padded_reduction_bytes(self) -> int:
-        """The most a padded reduce-scatter of an uneven trainable unit holds beside the unit's gradient
-        and this rank's shard, which the memory model does not price (it prices the exact one's two
-        shards): W padded shards to sum, on gloo W more received, and the padded sum. An exact or an
-        even reduce-scatter holds nothing more ([Note: a pairwise reduce-scatter holds two shards])."""
+        """The most a padded reduce-scatter of an uneven trainable unit holds that the memory model does
+        not price (it prices the unit's flat gradient and the exact reduce-scatter's two shards): the
+        padding of the gradient laid out in W padded rows, on gloo the W rows received, and the padded
+        sum. An exact or an even reduce-scatter holds nothing more:
+        [Note: a pairwise reduce-scatter holds two shards]."""
         if self.comm.mode != Collective.PADDED or self.comm.world_size < 2:
             return 0
-        copies = 2 * self.comm.world_size + 1 if self.comm.reduce_scatter_by_all_to_all else self.comm.world_size + 1
-        return max((copies * u.layout.max_shard * (self.reduce_dtype or u.master_dtype).itemsize
+        world = self.comm.world_size
+        received = world if self.comm.reduce_scatter_by_all_to_all else 0
+        return max((((world + received + 1) * u.layout.max_shard - u.layout.numel)
+                    * (self.reduce_dtype or u.master_dtype).itemsize
                     for u in self.units if u.trainable and u.layout.numel and not u.layout.is_even), default=0)
 
     def gather_root(self) -> None:
@@ -340,7 +343,7 @@ class ShardedModel:
                                           fill=partial(unit.take_full_grad, self.reduce_dtype),
                                           consume=unit.add_local_grad)
             return
-        full_grad = unit.take_full_grad(self.reduce_dtype)
+        full_grad = unit.take_full_grad(self.reduce_dtype, padded=self.comm.pads_reduction(unit.layout))
         summed = partial(self.replicas.reduce, index, unit.layout, consume=unit.add_local_grad)
         self.comm.reduce_scatter_into(full_grad, unit.layout, summed)
 
