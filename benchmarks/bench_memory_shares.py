@@ -8,8 +8,9 @@ The prediction is :func:`~cephalo_lightning.planner.cluster_cost.evaluate` of th
 cluster. Printed per rank: the batch and state share, predicted and measured peak, and ``UNDER`` where
 the prediction is below the measurement (a plan that fits on paper and not on the card).
 
-    python -m benchmarks.bench_memory_shares            # 5 plans per model, 3 steps each
-    python -m benchmarks.bench_memory_shares --quick    # 3 plans per model, 2 steps each
+    python -m benchmarks.bench_memory_shares                 # 5 layered plans per model, 3 steps each
+    python -m benchmarks.bench_memory_shares --quick         # 3 plans per model, 2 steps each
+    python -m benchmarks.bench_memory_shares --mode uniform  # uniform plans, 2 micro-batches per rank
 
 THE MEMORY IS EMULATED: CPU ranks whose tensor storages are counted by the runtime's tracker (see
 docs/emulation.md), not a GPU allocator. The plans are skewed on purpose: the planner gives a slow
@@ -28,9 +29,11 @@ from benchmarks.harness import Benchmark
 
 GLOBAL = 12
 MEMORY_GB = 1.0  # emulated capacity: large enough that no plan here runs out, so every peak is seen
-# (batch of rank 0, batch of rank 1, state share of rank 0): one micro-batch each
-PLANS = ((6, 6, 0.5), (6, 6, 0.1), (12, 0, 0.003), (0, 12, 0.997), (12, 0, 0.5))
-QUICK_PLANS = PLANS[:3]
+# (batch of rank 0, batch of rank 1, state share of rank 0): layered, one micro-batch each; uniform
+# (every rank has samples), two micro-batches each
+PLANS = {"layered": ((6, 6, 0.5), (6, 6, 0.1), (12, 0, 0.003), (0, 12, 0.997), (12, 0, 0.5)),
+         "uniform": ((6, 6, 0.5), (6, 6, 0.1), (10, 2, 0.003), (2, 10, 0.997), (10, 2, 0.5))}
+MICRO_BATCHES = {"layered": 1, "uniform": 2}
 
 
 def _modules() -> dict[str, Any]:
@@ -51,7 +54,7 @@ def _modules() -> dict[str, Any]:
     return {"full": Full, "lora": Lora}
 
 
-def _rank(rank: int, world: int, steps: int, plans: tuple[tuple[int, int, float], ...]) -> dict[str, Any]:
+def _rank(rank: int, world: int, steps: int, mode: str, plans: tuple[tuple[int, int, float], ...]) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
     from torch.utils.data import DataLoader
@@ -79,7 +82,8 @@ def _rank(rank: int, world: int, steps: int, plans: tuple[tuple[int, int, float]
         cluster = fit(module_class, None, 1).cluster
         runs = []
         for b0, b1, r0 in plans:
-            plan = Plan(GLOBAL, "layered", (RankPlan(0, "cpu", b0, 1, b0, r0), RankPlan(1, "cpu", b1, 1, b1, 1 - r0)))
+            n = MICRO_BATCHES[mode]
+            plan = Plan(GLOBAL, mode, (RankPlan(0, "cpu", b0, n, b0 // n, r0), RankPlan(1, "cpu", b1, n, b1 // n, 1 - r0)))
             history = fit(module_class, plan, steps).history
             runs.append({"plan": (b0, b1, r0),
                          "measured_gb": [max(w["ranks"][i]["peak_memory_gb"] for w in history) for i in range(world)]})
@@ -89,25 +93,27 @@ def _rank(rank: int, world: int, steps: int, plans: tuple[tuple[int, int, float]
 
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="steps per pinned plan (default 3; --quick 2)")
+    parser.add_argument("--mode", choices=tuple(PLANS), default="layered", help="the pinned plans' schedule")
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     from cephalo_lightning.planner.cluster_cost import evaluate
 
     steps = args.steps or (2 if args.quick else 3)
-    plans = QUICK_PLANS if args.quick else PLANS
-    result = common.run_ranks(_rank, 2, steps, plans)[0]
+    plans = PLANS[args.mode][:3] if args.quick else PLANS[args.mode]
+    n = MICRO_BATCHES[args.mode]
+    result = common.run_ranks(_rank, 2, steps, args.mode, plans)[0]
     rows = []
     for model, got in result.items():
         for run in got["runs"]:
             b0, b1, r0 = run["plan"]
             shares = (r0, 1 - r0)
-            predicted = evaluate(got["cluster"], [b0, b1], [1, 1], list(shares))
+            predicted = evaluate(got["cluster"], [b0, b1], [n, n], list(shares), mode=args.mode)
             for rank, (batch, share) in enumerate(zip((b0, b1), shares)):
                 rows.append({"model": model, "plan": f"{b0}+{b1}, shares {r0:g}/{1 - r0:g}", "rank": rank,
                              "batch": batch, "share": share, "predicted_gb": predicted[rank].memory_gb,
                              "measured_gb": run["measured_gb"][rank]})
-    return {"steps": steps, "rows": rows}
+    return {"steps": steps, "mode": args.mode, "rows": rows}
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -119,8 +125,8 @@ def print_report(result: dict[str, Any]) -> None:
         [[r["model"], r["plan"], r["rank"], r["batch"], f"{r['share']:.3f}", common.mib(r["predicted_gb"] * GIB),
           common.mib(r["measured_gb"] * GIB), f"{r['measured_gb'] / r['predicted_gb']:.2f}",
           "UNDER" if r["measured_gb"] > r["predicted_gb"] else ""] for r in rows],
-        title=f"Peak memory per rank, predicted vs measured, pinned layered plans ({result['steps']} steps, EMULATED "
-              "memory, 2 CPU ranks)")
+        title=f"Peak memory per rank, predicted vs measured, pinned {result['mode']} plans ({result['steps']} steps, "
+              "EMULATED memory, 2 CPU ranks)")
     under = [r for r in rows if r["measured_gb"] > r["predicted_gb"]]
     print(f"{len(under)} of {len(rows)} ranks measured above their prediction")
     print(common.environment_note())
