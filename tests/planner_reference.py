@@ -226,11 +226,11 @@ def calibrated_by_hand(data: dict, calibration: dict, groups=None) -> Cluster:
 
 def share_gb(cluster: Cluster) -> float:
     """GiB one whole state share costs: every parameter's full state (the reference trains them all)
-    and the reduce-scatter's receive buffer, one shard of the largest unit in the gradient dtype."""
+    and the reduce-scatter's two shards of the largest unit in the gradient dtype."""
     m = cluster.model
     assert m.frozen == 0, "the reference prices fully trainable models"
     unit = m.largest_unit_parameters if m.largest_unit_parameters is not None else m.parameters / m.num_layers
-    return (m.state_bytes_per_param * m.parameters + unit * m.grad_bytes_per_param) / GIB
+    return (m.state_bytes_per_param * m.parameters + 2 * unit * m.grad_bytes_per_param) / GIB
 
 
 def memory_used(cluster: Cluster, d, b: int, n: int, share: float, kept: bool = False, mode: str = "layered") -> float:

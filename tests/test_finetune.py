@@ -69,8 +69,8 @@ def test_frozen_parameters_are_charged_their_weights_and_trainable_ones_their_st
     p, t = lora.model.parameters, lora.model.trainable
     assert (full.model.trainable, lora.model.frozen) == (p, p - t)
     share = 0.25
-    layer = p / full.model.num_layers  # the reduce-scatter's buffers: one layer's shard, two beside frozen parameters
-    for cluster, state_bytes in ((full, 16 * p + 4 * layer), (lora, 16 * t + 4 * (p - t) + 2 * 4 * layer)):
+    reduction = 2 * 4 * p / full.model.num_layers  # the reduce-scatter's two shards of a layer's fp32 gradient
+    for cluster, state_bytes in ((full, 16 * p + reduction), (lora, 16 * t + 4 * (p - t) + reduction)):
         cost = DeviceCost(cluster.devices[0], cluster)
         reserved = cluster.settings.reserved_memory_gb
         want = float(cost.compute_memory(2)) + reserved + state_bytes * share / GIB

@@ -418,8 +418,8 @@ def test_uniform_mode_pays_for_the_unsharded_gradient() -> None:
     u = plan(cluster, 64, mode="uniform")
     check_plan(cluster, u, 64)
     grads = 2 * cluster.model.parameters / 2**30
-    # a share: the state, and the reduce-scatter's receive buffer of one layer's shard (4-byte gradients)
-    state = (16 + 4 / cluster.model.num_layers) * cluster.model.parameters / 2**30
+    # a share: the state, and the reduce-scatter's two shards of a layer (4-byte gradients)
+    state = (16 + 8 / cluster.model.num_layers) * cluster.model.parameters / 2**30
     for r, device in zip(u.ranks, cluster.devices):
         assert r.num_micro_batches > 1
         without = device.compute_memory_gb[0] + (r.micro_batch_size - 1) * (
@@ -524,8 +524,8 @@ def test_state_does_not_fit_says_by_how_much() -> None:
     with pytest.raises(PlanningError) as err:
         plan(cluster_from_dict(data), 8)
     text = str(err.value)
-    model = cluster_from_dict(data).model  # the state and the reduce-scatter's buffer of one layer's shard
-    need = (4_000_000_000 * 16 + 4_000_000_000 / model.num_layers * 4) / 2**30
+    model = cluster_from_dict(data).model  # the state and the reduce-scatter's two shards of one layer
+    need = (4_000_000_000 * 16 + 2 * 4_000_000_000 / model.num_layers * 4) / 2**30
     assert f"training state and its reduction need {need:.1f} GiB" in text
     assert "4,000,000,000 parameters x 16 bytes" in text
     assert "short by" in text and "add GPUs or memory" in text
@@ -536,7 +536,9 @@ def test_state_fits_only_without_compute() -> None:
     # 7.5 GiB usable - 2 reserved; compute memory 2 GiB (intercept) idle, 3 GiB with one sample
     data["devices"] = [{"name": "a", "memory_gb": 10, "layer_fwd_ms": [5, 9], "layer_bwd_ms": [10, 18],
                         "compute_memory_gb": [3, 4], "count": 2}]
-    data["model"]["parameters"] = int(6.5 * 2**30 / 16)  # 6.5 GiB: fits idle (2 x 3.5), not with a sample (6)
+    # 6.5 GiB of state and reduction buffers (16 bytes a parameter, and two 4-byte shards of one of the
+    # model's layers): fits idle (2 x 3.5), not with a sample (6)
+    data["model"]["parameters"] = int(6.5 * 2**30 / (16 + 8 / data["model"]["num_layers"]))
     with pytest.raises(PlanningError, match="fits only while no GPU computes.*short by"):
         plan(cluster_from_dict(data), 4)
 

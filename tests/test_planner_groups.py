@@ -235,8 +235,8 @@ def test_data_parallel_leaves_its_last_bucket_after_the_backward() -> None:
 
 def test_a_smaller_group_holds_a_bigger_share() -> None:
     cluster = two_nodes()
-    # a share: the state, and the reduce-scatter's receive buffer of one layer's shard (4-byte gradients)
-    state = MODEL["parameters"] * (16 + 4 / MODEL["num_layers"]) / 2**30
+    # a share: the state, and the reduce-scatter's two shards of a layer (4-byte gradients)
+    state = MODEL["parameters"] * (16 + 8 / MODEL["num_layers"]) / 2**30
     full = evaluate(cluster, [2] * 4, [1] * 4, [0.25] * 4)
     ddp = evaluate(cluster, [2] * 4, [1] * 4, [1.0] * 4, shard_groups=[0, 1, 2, 3])
     for f, d in zip(full, ddp):

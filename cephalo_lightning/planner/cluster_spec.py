@@ -83,8 +83,7 @@ class ModelSpec:
     def share_terms(self) -> str:
         """What one whole share costs (``state_bytes + reduction_bytes_per_share``) spelled out, for messages."""
         unit = self.largest_unit_parameters or self.layer_parameters
-        twice = "2 x " if self.frozen else ""
-        return f"{self.state_terms} + the reduce-scatter's {twice}{unit:,.0f} parameters x {self.grad_bytes_per_param:g} bytes"
+        return f"{self.state_terms} + the reduce-scatter's 2 x {unit:,.0f} parameters x {self.grad_bytes_per_param:g} bytes"
 
     @property
     def layer_parameters(self) -> float:
@@ -93,11 +92,11 @@ class ModelSpec:
     @property
     def reduction_bytes_per_share(self) -> float:
         """Bytes a unit's reduce-scatter holds per unit of a rank's share, beside the unit's flat gradient
-        (which compute memory counts): the buffer each peer's piece arrives in and, where the unit has
-        frozen parameters, the summed shard as well (without frozen ones that shard is the rank's
-        gradient, already in ``state_bytes``); of the largest unit."""
+        (which compute memory counts), of the largest unit: two shards, the exact one's receive buffer and
+        sum, the padded one's sum and the copy of this rank's range (a shard more than the exact one
+        holds where every parameter trains: its sum is then the rank's gradient, in ``state_bytes``)."""
         unit = self.largest_unit_parameters or self.layer_parameters
-        return unit * self.grad_bytes_per_param * (2 if self.frozen else 1)
+        return 2 * unit * self.grad_bytes_per_param
 
     @property
     def stash_bytes(self) -> float | None:
