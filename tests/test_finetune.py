@@ -236,10 +236,7 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
     for plan in SHARDED:
         pinned = CephaloCallback(cache_dir=None, watch_every_n_steps=1, print_plan=False, quiet=True,
                                  calibrate_after_windows=0, adapt=False)
-        trainer = pl.Trainer(strategy=CephaloStrategy(pretrained=str(base), emulate=EMULATE, plan=plan),
-                             accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                             callbacks=[pinned], default_root_dir=str(root_path))
+        trainer = _trainer(plan, root_path, STEPS, [pinned], pretrained=str(base), emulate=EMULATE)
         trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
         out["pinned"].append([max(w["ranks"][i]["peak_memory_gb"] for w in pinned.history) for i in range(2)])
     out["cluster"] = watcher.cluster
