@@ -77,12 +77,12 @@ def _rank(rank: int, world: int, steps: int, mode: str, plans: tuple[tuple[int, 
         trainer.fit(module_class(None), DataLoader(Tokens(GLOBAL * fit_steps), batch_size=GLOBAL))
         return watcher
 
+    n = MICRO_BATCHES[mode]
     out: dict[str, Any] = {}
     for name, module_class in _modules().items():
         cluster = fit(module_class, None, 1).cluster
         runs = []
         for b0, b1, r0 in plans:
-            n = MICRO_BATCHES[mode]
             plan = Plan(GLOBAL, mode, (RankPlan(0, "cpu", b0, n, b0 // n, r0), RankPlan(1, "cpu", b1, n, b1 // n, 1 - r0)))
             history = fit(module_class, plan, steps).history
             runs.append({"plan": (b0, b1, r0),

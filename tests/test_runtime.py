@@ -130,13 +130,14 @@ def _three_ranks(rank: int, world: int, ckpt_dir: str):
     out["unpriced"] = {mode: ShardedModel(TinyLM(), [0.6, 0.3, 0.1], collective=mode).in_flight_gather_bytes()
                        for mode in ("exact", "padded")}
     out["padded_grads"] = _padded_gradient_layouts()
-    out["reduced"] = [(u.layout.max_shard, u.layout.numel) for u in ShardedModel(TinyLM(), [0.6, 0.3, 0.1]).units
-                      if u.trainable and u.layout.numel and not u.layout.is_even]  # fp32 gradients
     out["unpriced_reduction"] = {
         mode: ShardedModel(TinyLM(), [0.6, 0.3, 0.1], collective=mode).padded_reduction_bytes()
         for mode in ("exact", "padded")}
+    units = ShardedModel(TinyLM(), [0.6, 0.3, 0.1]).units
+    out["reduced"] = [(u.layout.max_shard, u.layout.numel) for u in units
+                      if u.trainable and u.layout.numel and not u.layout.is_even]  # fp32 gradients
     out["uneven"] = [(u.layout.max_shard, u.compute_dtype.itemsize)
-                     for u in ShardedModel(TinyLM(), [0.6, 0.3, 0.1]).units[1:] if u.layout.numel and not u.layout.is_even]
+                     for u in units[1:] if u.layout.numel and not u.layout.is_even]
     return out
 
 

@@ -82,12 +82,17 @@ class ModelSpec:
     @property
     def share_terms(self) -> str:
         """What one whole share costs (``state_bytes + reduction_bytes_per_share``) spelled out, for messages."""
-        unit = self.largest_unit_parameters or self.layer_parameters
-        return f"{self.state_terms} + the reduce-scatter's 2 x {unit:,.0f} parameters x {self.grad_bytes_per_param:g} bytes"
+        return (f"{self.state_terms} + the reduce-scatter's 2 x {self.reduced_unit_parameters:,.0f} parameters x "
+                f"{self.grad_bytes_per_param:g} bytes")
 
     @property
     def layer_parameters(self) -> float:
         return self.parameters / self.num_layers
+
+    @property
+    def reduced_unit_parameters(self) -> float:
+        """The unit whose reduction the memory model prices: the largest, measured, else the layers' mean."""
+        return self.largest_unit_parameters or self.layer_parameters
 
     @property
     def reduction_bytes_per_share(self) -> float:
@@ -95,8 +100,7 @@ class ModelSpec:
         (which compute memory counts), of the largest unit: two shards, the exact one's receive buffer and
         sum, the padded one's sum and the copy of this rank's range (a shard more than the exact one
         holds where every parameter trains: its sum is then the rank's gradient, in ``state_bytes``)."""
-        unit = self.largest_unit_parameters or self.layer_parameters
-        return 2 * unit * self.grad_bytes_per_param
+        return 2 * self.reduced_unit_parameters * self.grad_bytes_per_param
 
     @property
     def stash_bytes(self) -> float | None:

@@ -27,8 +27,9 @@ accumulated from the first is resident as it is whenever a rank runs more than o
 micro-batch's input and upstream gradient, activations, temporaries, the input gradient and the
 full parameter gradients; plus the flat gradient the runtime reduces the unit from (every parameter,
 frozen ones included, in the master dtype), added to that peak: on CUDA the reduction runs on a side
-stream beside the next layer's backward, and a constant keeps the memory linear in m. On CPU it is counted by a :class:`~cephalo_lightning.runtime.emulation.memory.MemoryTracker`
-in a separate untimed pass (the accounting is slow); on CUDA it is the allocator's peak.
+stream beside the next layer's backward, and a constant keeps the memory linear in m. On CPU it is
+counted by a :class:`~cephalo_lightning.runtime.emulation.memory.MemoryTracker` in a separate untimed
+pass (the accounting is slow); on CUDA it is the allocator's peak.
 """
 
 from __future__ import annotations

@@ -357,7 +357,7 @@ class Collectives:
         lo, hi = unit.shard_range(self.rank)
         if self.world_size == 1:  # a rank alone: its gradient is the sum (the caller's own tensor)
             return full if (lo, hi) == (0, full.numel()) else full[lo:hi].clone()
-        if self.mode == Collective.EXACT and not unit.is_even or unit.is_even and self.reduce_scatter_by_all_to_all:
+        if (self.mode == Collective.EXACT and not unit.is_even) or (unit.is_even and self.reduce_scatter_by_all_to_all):
             return self._reduce_scatter_pairwise(full, unit)
         if unit.is_even:
             return self._reduce_scatter_equal(full)
