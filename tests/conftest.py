@@ -8,8 +8,19 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-import torch
+
+# [Note: one thread per process] ``make test`` runs one xdist worker per core, and every process a
+# test starts (a gloo rank, an example, a launcher's ranks) is one more on the same cores. A second
+# torch intra-op thread per process then only oversubscribes them: on tensors this small it buys no
+# speed, and OpenMP threads spin while their peers are descheduled, burning the core another test
+# needs. So the workers, and through the inherited environment every process they start, use one
+# thread unless ``OMP_NUM_THREADS`` says otherwise. Set before torch is imported, which reads it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # after the thread count
 import torch.distributed as dist
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch first
 
 pytest_plugins = ["tests.fake_clock"]  # the ``clock`` fixture
 

@@ -125,7 +125,9 @@ def install(wheel: Path, tmp_path_factory, extras: tuple[str, ...] = ()) -> tupl
     """A fresh venv holding ``wheel`` and the closure of its dependencies (and of ``extras``');
     returns (its bin dir, a cwd outside the repo, env)."""
     tmp = tmp_path_factory.mktemp("venv")
-    env = {k: v for k, v in clean_env().items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    # no OMP_NUM_THREADS (the suite's one thread per process, tests/conftest.py): as a user's shell has
+    # it, so the launcher picks each CPU rank's threads itself
+    env = {k: v for k, v in clean_env().items() if k not in ("PYTHONPATH", "PYTHONHOME", "OMP_NUM_THREADS")}
     venv = tmp / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp, env=env)
     python = venv / "bin" / "python"
