@@ -55,6 +55,8 @@ def _read_records(path: Path) -> list:
             pos += block - pos % block
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # the service is still writing this record: read it next time
+            break
         chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         if kind == 1:  # FULL
             payloads.append(chunk)
