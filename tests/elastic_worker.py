@@ -26,16 +26,14 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-
-from cephalo_lightning import CephaloStrategy, Plan  # noqa: E402
-from cephalo_lightning.planner import RankPlan  # noqa: E402
-from tests import helpers  # noqa: E402
-from tests.test_checkpoints import GLOBAL, SEED, SGDModule, data_loader  # noqa: E402
+from cephalo_lightning import CephaloStrategy, Plan
+from cephalo_lightning.planner import RankPlan
+from tests import helpers
+from tests.test_checkpoints import GLOBAL, SEED, SGDModule, data_loader
 
 KILL_AT, GROW_AT, TOTAL = 3, 5, 9
 WAIT_FOR_AGENT_S = 600  # the grow point's wait for the agent's stop; past it the run fails

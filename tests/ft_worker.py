@@ -38,16 +38,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch.distributed import TCPStore
 
-import torch  # noqa: E402
-from torch.distributed import TCPStore  # noqa: E402
-
-from cephalo_lightning.lightning.fault_tolerance import ReplicaGroup, Settings  # noqa: E402
-from cephalo_lightning.planner import Plan, RankPlan  # noqa: E402
-from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel  # noqa: E402
-from tests.models import TinyLM, batches  # noqa: E402
-from tests.reference import make_optimizer  # noqa: E402
+from cephalo_lightning.lightning.fault_tolerance import ReplicaGroup, Settings
+from cephalo_lightning.planner import Plan, RankPlan
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+from tests.models import TinyLM, batches
+from tests.reference import make_optimizer
 
 GLOBAL, TOTAL, KILL_AT, WAIT_AT = 12, 10, 3, 6
 WAIT_S = 120  # the longest any instrumented wait lasts; past it the life fails

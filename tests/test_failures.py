@@ -244,7 +244,6 @@ def test_a_callback_global_batch_that_disagrees_with_the_loader_names_both():
 PEER_SCRIPT = """
 import logging, os, signal, sys, warnings
 warnings.simplefilter("ignore")
-sys.path.insert(0, {root!r})
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from cephalo_lightning import CephaloStrategy, Plan
@@ -272,12 +271,12 @@ def test_a_dead_peer_is_named_with_the_checkpoint_to_resume_from(tmp_path):
     from tests.distributed import free_port
 
     script = tmp_path / "peer.py"
-    script.write_text(PEER_SCRIPT.format(root=str(ROOT), ckpt=str(tmp_path)))
+    script.write_text(PEER_SCRIPT.format(ckpt=str(tmp_path)))
     port = str(free_port())
     ranks = [subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL,
                               env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE="2",
-                                            LOCAL_RANK=str(r), NODE_RANK="0"))
+                                            LOCAL_RANK=str(r), NODE_RANK="0", PYTHONPATH=str(ROOT)))
              for r in range(2)]  # launched as torchrun or SLURM would: no supervisor kills the survivor
     for proc in ranks:
         proc.wait(timeout=HANG_TIMEOUT_S)

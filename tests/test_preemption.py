@@ -156,7 +156,6 @@ SECOND_SIGNAL_SCRIPT = """
 import fnmatch, json, os, shutil, signal, sys, warnings
 from pathlib import Path
 warnings.simplefilter("ignore")
-sys.path.insert(0, {root!r})
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from cephalo_lightning import Plan
@@ -223,9 +222,9 @@ def test_a_second_signal_during_the_save_leaves_the_previous_checkpoint_loadable
     stopped after step 5, with a second SIGTERM and then SIGKILL at the publish of the new save;
     resumed again, the second SIGTERM alone. The instrumented publish is the moment the kill lands."""
     script = tmp_path / "fit.py"
-    script.write_text(SECOND_SIGNAL_SCRIPT.format(root=str(ROOT), work=str(tmp_path)))
+    script.write_text(SECOND_SIGNAL_SCRIPT.format(work=str(tmp_path)))
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          env=clean_env(), timeout=HANG_TIMEOUT_S)
+                          env=clean_env(PYTHONPATH=str(ROOT)), timeout=HANG_TIMEOUT_S)
     assert done.returncode == 0, failure_report(done)
     statuses = json.loads(done.stdout.strip().splitlines()[-1])
     logs = {mode: (tmp_path / f"{mode}.log").read_text() for mode in statuses}

@@ -176,7 +176,6 @@ def test_a_folder_one_rank_cannot_write_is_refused_at_setup_on_every_rank(tmp_pa
 SIGTERM_SCRIPT = """
 import os, signal, sys, warnings
 warnings.simplefilter("ignore")
-sys.path.insert(0, {root!r})
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from cephalo_lightning import CephaloStrategy, Plan
@@ -201,9 +200,9 @@ t.fit(TinyLayered(), loader(token_data(240), 12))
 def test_sigterm_exits_non_zero_with_a_loadable_checkpoint_and_the_folder_released(tmp_path):
     ckpt = tmp_path / "ckpt"
     script = tmp_path / "fit.py"
-    script.write_text(SIGTERM_SCRIPT.format(root=str(ROOT), ckpt=str(ckpt), root_dir=str(tmp_path)))
+    script.write_text(SIGTERM_SCRIPT.format(ckpt=str(ckpt), root_dir=str(tmp_path)))
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                          env=clean_env(), timeout=HANG_TIMEOUT_S)
+                          env=clean_env(PYTHONPATH=str(ROOT)), timeout=HANG_TIMEOUT_S)
     assert done.returncode == 128 + 15, (done.returncode, done.stderr[-3000:])
     # signalled after step 3's all-reduce: every rank learns of it at step 4's, and stops after it
     assert "SIGTERM; stopped after 4 steps" in done.stderr and "last-preempted.ckpt" in done.stderr, done.stderr[-3000:]
