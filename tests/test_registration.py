@@ -53,6 +53,15 @@ def test_strategy_name_works_in_either_import_order(first, then):
 
 
 @pytest.mark.multiprocess
+def test_strategy_name_without_the_import_is_lightnings_invalid_name():
+    """Without importing the package, Lightning does not know the name (importing it is the fix: above)."""
+    code = f"import lightning.pytorch as pl; {TRAINER}"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=clean_env(),
+                            timeout=HANG_TIMEOUT_S)
+    assert result.returncode != 0 and "invalid strategy name" in result.stderr, failure_report(result)
+
+
+@pytest.mark.multiprocess
 def test_lightning_keeps_its_own_loader_and_a_reload_registers_again():
     code = (
         "import importlib, importlib.machinery, sys, cephalo_lightning, lightning.pytorch as pl; "
