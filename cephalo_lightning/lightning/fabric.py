@@ -46,7 +46,7 @@ from typing_extensions import override
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.lightning._private import BackwardSyncControl
-from cephalo_lightning.lightning.config import COLLECTIVES, check_flag
+from cephalo_lightning.lightning.config import AUTO, COLLECTIVES, CollectiveChoice, check_flag
 from cephalo_lightning.lightning.plan_resolution import check_loader_batch, data_seed
 from cephalo_lightning.planner import Plan
 from cephalo_lightning.runtime.collectives import resolve_mode
@@ -68,7 +68,7 @@ class CephaloFabricStrategy(DDPStrategy):
     """
 
     def __init__(self, plan: Plan | str | Path | None = None, global_batch_size: int | None = None, *,
-                 units: Sequence[type[nn.Module]] | None = None, collective: str = "auto", prefetch: bool = True,
+                 units: Sequence[type[nn.Module]] | None = None, collective: CollectiveChoice = AUTO, prefetch: bool = True,
                  scale_loss: bool = True, seed: int | None = None, **kwargs: Any) -> None:
         owner = "CephaloFabricStrategy"
         if kwargs.pop("fault_tolerance", False):  # CephaloStrategy's option, refused here by name
