@@ -7,7 +7,9 @@ here so that :mod:`.strategy` reads as what Cephalo does.
 process) oversubscribes them: every rank slow and noisy. So when ``OMP_NUM_THREADS`` is unset,
 :meth:`ProcessGroupStrategy._init_process_group` gives each CPU rank ``cores // ranks`` torch
 threads (``torch.set_num_threads``, for the whole process) and says so once; set
-``OMP_NUM_THREADS`` to choose otherwise.
+``OMP_NUM_THREADS`` to choose otherwise. This acts on ranks started by SLURM or by hand: Lightning's own
+launcher (``devices=N`` on one machine) has set ``OMP_NUM_THREADS`` to the same ``cores // ranks`` before
+the process group starts, and torchrun sets 1 when it starts several ranks per node.
 """
 
 from __future__ import annotations
