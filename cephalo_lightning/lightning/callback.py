@@ -51,7 +51,7 @@ from cephalo_lightning.planner.report import render_plan
 from cephalo_lightning.profiling import ModelDescription, ProfileOptions, default_settings, profile_cluster
 from cephalo_lightning.runtime.distributed import gather_objects
 from cephalo_lightning.runtime.observers import Observer
-from cephalo_lightning.runtime.sharding.flat_unit import full_shape
+from cephalo_lightning.runtime.sharding.flat_unit import full_shape, master_dtype_for
 from cephalo_lightning.runtime.timing import BusyTime, ContentionClock
 
 
@@ -188,7 +188,7 @@ class CephaloCallback(Callback):
         trainable_parameters = sum(math.prod(full_shape(p)) for p in trainable)
         precision = trainer.precision_plugin
         compute_dtype = strategy.param_dtype or _TRUE_PRECISION_DTYPES.get(getattr(precision, "precision", ""))
-        master = torch.promote_types(compute_dtype or (trainable[0].dtype if trainable else torch.float32), torch.float32)
+        master = master_dtype_for(compute_dtype or (trainable[0].dtype if trainable else torch.float32))
         state_bytes = self.config.state_bytes_per_param or 4 * master.itemsize
         with precision.forward_context():  # autocast for "*-mixed"
             cluster = profile_cluster(

@@ -50,6 +50,7 @@ from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, s
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker
 from cephalo_lightning.runtime.layered import Layer
+from cephalo_lightning.runtime.sharding.flat_unit import master_dtype_for
 
 MakeInput = Callable[[int], Any]  # m -> the layer's input for m samples, or (input, side inputs)
 R = TypeVar("R")
@@ -387,7 +388,7 @@ def _flat_gradient_bytes(params: Sequence[nn.Parameter]) -> int:
     trainable one (such a unit is not reduced)."""
     if not any(p.requires_grad for p in params):
         return 0
-    return sum(p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize for p in params)
+    return sum(p.numel() * master_dtype_for(p.dtype).itemsize for p in params)
 
 
 def _peak_bytes(

@@ -82,6 +82,12 @@ def piece_shape(shape: Sequence[int], numel: int) -> tuple[int, ...]:
     return (1,) * (len(shape) - 1) + (numel,) if len(shape) > 1 else (numel,)
 
 
+def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a unit's master weights and reduced gradients for parameters of ``dtype``: fp32,
+    fp64 for an fp64 model."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     """The original shape of a local piece (or of any ordinary tensor: its own shape)."""
     return tuple(getattr(param, "_cephalo_full_shape", param.shape))

@@ -69,7 +69,7 @@ from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Link
 from cephalo_lightning.runtime.observers import Observer, Observers
 from cephalo_lightning.runtime.sharding import handback
 from cephalo_lightning.runtime.sharding.clip import clip_grad_norm_, local_grad_norm
-from cephalo_lightning.runtime.sharding.flat_unit import FlatUnit, GradState, UnitState
+from cephalo_lightning.runtime.sharding.flat_unit import FlatUnit, GradState, UnitState, master_dtype_for
 from cephalo_lightning.runtime.sharding.grouping import (
     Units,
     buffers_by_unit,
@@ -193,7 +193,7 @@ class ShardedModel:
         for index, (unit, slots) in enumerate(zip(self.layout.units, slot_groups)):
             originals = [slot.current for slot in slots]
             dtype = originals[0].dtype if originals else torch.float32
-            master_dtype = torch.promote_types(dtype, torch.float32)  # fp64 stays fp64
+            master_dtype = master_dtype_for(dtype)
             master = materializer.master(index, unit, slots, self.comm.rank, master_dtype, buffers[index])
             self.units.append(FlatUnit(unit, slots, self.comm.rank, master, [p.requires_grad for p in originals],
                                        compute_dtype or dtype, self.observers))
