@@ -221,10 +221,10 @@ class Collectives:
             tuple(dist.get_process_group_ranks(self.group)) if self.group is not None and self.world_size > 1
             else tuple(range(self.world_size)))
         # Gloo's reduce_scatter_tensor is slower than its all_reduce; all_to_all_single plus a local
-        # sum gives the same result 1.6-2x faster (benchmarks/bench_runtime.py), so padded mode's
-        # equal-size reduce-scatters use it on gloo, and even units the pairwise one (which holds
-        # two shards, not W). NCCL keeps reduce_scatter_tensor.
-        self.reduce_scatter_by_all_to_all = self.world_size > 1 and dist.get_backend(self.group) == "gloo"
+        # sum gives the same result 1.6-2x faster (benchmarks/bench_runtime.py), so on gloo padded
+        # mode's equal-size reduce-scatters use it, and even units the pairwise one (which holds two
+        # shards, not W). NCCL keeps reduce_scatter_tensor.
+        self.on_gloo = self.world_size > 1 and dist.get_backend(self.group) == "gloo"
 
     def _note(self, op: str, unit: UnitLayout) -> None:
         if self.record:
@@ -357,7 +357,7 @@ class Collectives:
         lo, hi = unit.shard_range(self.rank)
         if self.world_size == 1:  # a rank alone: its gradient is the sum (the caller's own tensor)
             return full if (lo, hi) == (0, full.numel()) else full[lo:hi].clone()
-        if (self.mode == Collective.EXACT and not unit.is_even) or (unit.is_even and self.reduce_scatter_by_all_to_all):
+        if (self.mode == Collective.EXACT and not unit.is_even) or (unit.is_even and self.on_gloo):
             return self._reduce_scatter_pairwise(full, unit)
         if unit.is_even:
             return self._reduce_scatter_equal(full)
@@ -404,7 +404,7 @@ class Collectives:
     def _reduce_scatter_equal(self, full: torch.Tensor) -> torch.Tensor:
         """Sum ``full`` (W equal chunks) over ranks; return this rank's chunk."""
         chunk = full.numel() // self.world_size
-        if self.reduce_scatter_by_all_to_all:
+        if self.on_gloo:
             received = torch.empty_like(full)
             dist.all_to_all_single(received, full, group=self.group)
             return received.view(self.world_size, chunk).sum(0)

@@ -279,7 +279,7 @@ class ShardedModel:
         if self.comm.mode != Collective.PADDED or self.comm.world_size < 2:
             return 0
         world = self.comm.world_size
-        received = world if self.comm.reduce_scatter_by_all_to_all else 0
+        received = world if self.comm.on_gloo else 0
         return max((((world + received + 1) * u.layout.max_shard - u.layout.numel)
                     * (self.reduce_dtype or u.master_dtype).itemsize
                     for u in self.units if u.trainable and u.layout.numel and not u.layout.is_even), default=0)
