@@ -127,13 +127,11 @@ def _three_ranks(rank: int, world: int, ckpt_dir: str):
     checkpoint.save(ckpt_dir, sharded, [optimizer], {"step": STEPS}, {})
     out["in_flight"] = {mode: _gather_in_flight(rank, mode) for mode in ("exact", "padded")}
     out["reducing"] = {mode: _reduce_scatter_peak(rank, mode) for mode in ("exact", "padded")}
-    out["unpriced"] = {mode: ShardedModel(TinyLM(), [0.6, 0.3, 0.1], collective=mode).in_flight_gather_bytes()
-                       for mode in ("exact", "padded")}
-    out["padded_grads"] = _padded_gradient_layouts()
-    out["unpriced_reduction"] = {
-        mode: ShardedModel(TinyLM(), [0.6, 0.3, 0.1], collective=mode).padded_reduction_bytes()
-        for mode in ("exact", "padded")}
-    units = ShardedModel(TinyLM(), [0.6, 0.3, 0.1]).units
+    by_mode = {mode: ShardedModel(TinyLM(), [0.6, 0.3, 0.1], collective=mode) for mode in ("exact", "padded")}
+    out["unpriced"] = {mode: sharded.in_flight_gather_bytes() for mode, sharded in by_mode.items()}
+    out["unpriced_reduction"] = {mode: sharded.padded_reduction_bytes() for mode, sharded in by_mode.items()}
+    out["padded_grads"] = _padded_gradient_layouts(by_mode["padded"])
+    units = by_mode["exact"].units  # the same layout under either mode
     out["reduced"] = [(u.layout.max_shard, u.layout.numel) for u in units
                       if u.trainable and u.layout.numel and not u.layout.is_even]  # fp32 gradients
     out["uneven"] = [(u.layout.max_shard, u.compute_dtype.itemsize)
@@ -162,10 +160,9 @@ def _gather_in_flight(rank: int, mode: str) -> tuple[int, bool]:
     return held, torch.equal(out, torch.arange(IN_FLIGHT_NUMEL, dtype=torch.float32))
 
 
-def _padded_gradient_layouts() -> list[bool]:
-    """Per uneven unit: whether the gradient laid out padded at once equals the flat gradient cut
-    into the ranks' ranges, each at the start of a row of ``max_shard`` elements."""
-    sharded = ShardedModel(TinyLM(), [0.6, 0.3, 0.1], collective="padded")
+def _padded_gradient_layouts(sharded: ShardedModel) -> list[bool]:
+    """Per uneven unit of ``sharded``: whether the gradient laid out padded at once equals the flat
+    gradient cut into the ranks' ranges, each at the start of a row of ``max_shard`` elements."""
     gen = torch.Generator().manual_seed(5)
     same = []
     for unit in sharded.units:
