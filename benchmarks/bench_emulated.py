@@ -40,7 +40,7 @@ from typing import Any
 
 from benchmarks import _common as common
 from benchmarks.harness import Benchmark
-from cephalo_lightning.planner.cluster_cost import predicted_busy_s  # noqa: E402 - torch-free
+from cephalo_lightning.planner.cost.cluster_cost import predicted_busy_s  # noqa: E402 - torch-free
 
 PLANS = ("cephalo", "even", "proportional")
 # per world size: (slowdown, memory_gb) per rank; W=2 is configs/quickstart.yaml's cluster

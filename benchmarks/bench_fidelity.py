@@ -15,7 +15,7 @@ Only the public Lightning path is used. Per cluster, in one spawned group of ran
 2. calibrate: ``Trainer.fit(strategy=CephaloStrategy(plan=..., emulate=...))`` with a watching
    ``CephaloCallback`` measures that plan as the callback's defaults calibrate (``calibrate_after_windows``
    windows of ``watch_every_n_steps`` steps after the first); its windows (median step wall time, every
-   rank's median busy time) are the observations :func:`~cephalo_lightning.planner.fit.fit_calibration` fits;
+   rank's median busy time) are the observations :func:`~cephalo_lightning.planner.cost.calibration_fit.fit_calibration` fits;
 3. predict, then measure: other plans of the same profile (another global batch, the even baseline,
    the other mode, the calibrated optimum: other batches, micro-batch counts, shares and modes) are
    priced by the profile alone (BEFORE) and by the calibrated cluster (AFTER), then measured the
@@ -44,15 +44,15 @@ from typing import Any
 
 from benchmarks import _common as common
 from benchmarks.harness import Benchmark
-from cephalo_lightning.lightning.callback_config import CallbackConfig  # noqa: E402
-from cephalo_lightning.planner.cluster import cluster_to_dict  # noqa: E402 - torch-free
-from cephalo_lightning.planner.cluster_cost import predicted_busy_s  # noqa: E402 - torch-free
-from cephalo_lightning.planner.fit import (  # noqa: E402 - torch-free
+from cephalo_lightning.lightning.callback.callback_config import CallbackConfig  # noqa: E402
+from cephalo_lightning.planner.cost.calibration_fit import (  # noqa: E402 - torch-free
     fit_calibration,
     plan_label,
     predicted,
     predicted_collective_s,
 )
+from cephalo_lightning.planner.cost.cluster_cost import predicted_busy_s  # noqa: E402 - torch-free
+from cephalo_lightning.planner.spec.cluster import cluster_to_dict  # noqa: E402 - torch-free
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def profile(cfg: Config, cluster: ClusterSpec) -> Any:
 
 def _rank_main(rank: int, world: int, cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
     from cephalo_lightning.planner import plan as make_plan
-    from cephalo_lightning.planner.calibration import with_calibration
+    from cephalo_lightning.planner.cost.calibration import with_calibration
 
     common.quiet_lightning()
     common.pin_threads(cfg.threads)
@@ -214,7 +214,7 @@ def _rank_main(rank: int, world: int, cfg: Config, cluster: ClusterSpec) -> dict
 
 def observations(plan: Any, history: list[dict[str, Any]]) -> list[Any]:
     """The watcher's windows as the fit's observations: the median step and every rank's median busy time."""
-    from cephalo_lightning.lightning.run_model import observations as from_windows
+    from cephalo_lightning.lightning.callback.run_model import observations as from_windows
 
     return from_windows(plan, history)
 
@@ -239,7 +239,7 @@ def _profiled_collectives(calibrated: Any) -> Any:
     the other mode than the fitted plan's was priced before a pass's later gathers were told apart)."""
     from dataclasses import replace
 
-    from cephalo_lightning.planner.collective_prices import communication
+    from cephalo_lightning.planner.cost.collective_prices import communication
 
     profile = replace(calibrated, calibration=None)
     comm, overlap = communication(profile), profile.settings.overlap
@@ -296,7 +296,7 @@ def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any
 
 
 def measure_cluster(cfg: Config, cluster: ClusterSpec) -> dict[str, Any]:
-    from cephalo_lightning.planner.calibration import with_calibration
+    from cephalo_lightning.planner.cost.calibration import with_calibration
 
     try:
         per_rank = common.run_ranks(_rank_main, len(cluster.emulate), cfg, cluster, threads=cfg.threads)
@@ -445,8 +445,8 @@ def print_calibration(result: dict[str, Any]) -> None:
               "the rest are predicted)")
     for c in result["clusters"]:
         if "failed" not in c:
-            from cephalo_lightning.planner.calibration import describe
-            from cephalo_lightning.planner.calibration_terms import Calibration
+            from cephalo_lightning.planner.cost.calibration import describe
+            from cephalo_lightning.planner.spec.calibration_terms import Calibration
 
             cal = dict(c["calibration"])
             cal["compute_scale"] = tuple(cal["compute_scale"])

@@ -109,7 +109,7 @@ def _plans(profiled: Any) -> dict[str, Any]:
 
 def _cluster_a(rank: int, world: int, rounds: int) -> dict[str, Any]:
     from benchmarks import bench_fidelity as fidelity
-    from cephalo_lightning.planner.cluster_cost import predicted_busy_s
+    from cephalo_lightning.planner.cost.cluster_cost import predicted_busy_s
 
     common.quiet_lightning()
     common.pin_threads(1)

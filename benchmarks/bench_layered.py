@@ -79,7 +79,7 @@ def _tokens(cfg: Config, batch: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _micro_batches(x: torch.Tensor, y: torch.Tensor, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    from cephalo_lightning.planner.plan import split_sizes
+    from cephalo_lightning.planner.spec.plan import split_sizes
 
     xs, ys, start = [], [], 0
     for size in split_sizes(x.size(0), n):
@@ -431,9 +431,9 @@ def build_cluster(cfg: Config, figures: list[dict[str, Any]]):
 
 
 def cost_rows(cfg: Config, figures: list[dict[str, Any]]) -> dict[str, Any]:
-    from cephalo_lightning.planner.collective_prices import communication
-    from cephalo_lightning.planner.device_cost import DeviceCost
-    from cephalo_lightning.planner.prices import Prices
+    from cephalo_lightning.planner.cost.collective_prices import communication
+    from cephalo_lightning.planner.cost.device_cost import DeviceCost
+    from cephalo_lightning.planner.cost.prices import Prices
 
     cluster = build_cluster(cfg, figures)
     c_ms, calibration = calibrated_overhead_ms(figures)

@@ -4,7 +4,7 @@ A tiny Llama (``bench_compile``'s, built from a config, no download), fully trai
 LoRA adapters on a frozen base, on 2 gloo ranks with accounted (emulated) memory. One 1-step fit with
 ``CephaloCallback`` profiles the ranks and gives the planner's cluster; then each plan below is pinned
 (``CephaloStrategy(plan=...)``) and trained a few steps while the callback records every rank's peak.
-The prediction is :func:`~cephalo_lightning.planner.cluster_cost.evaluate` of the same plan on that
+The prediction is :func:`~cephalo_lightning.planner.cost.cluster_cost.evaluate` of the same plan on that
 cluster. Printed per rank: the batch and state share, predicted and measured peak, and ``UNDER`` where
 the prediction is below the measurement (a plan that fits on paper and not on the card).
 
@@ -97,7 +97,7 @@ def options(parser: argparse.ArgumentParser) -> None:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from cephalo_lightning.planner.cluster_cost import evaluate
+    from cephalo_lightning.planner.cost.cluster_cost import evaluate
 
     steps = args.steps or (2 if args.quick else 3)
     plans = PLANS[args.mode][:3] if args.quick else PLANS[args.mode]

@@ -344,7 +344,7 @@ def run_benchmark(cfg: Config = Config(), parts: tuple[str, ...] = PARTS) -> dic
 
 
 def print_report(result: dict[str, Any]) -> None:
-    from cephalo_lightning.planner.collective_prices import UNEVEN_SLOPE
+    from cephalo_lightning.planner.cost.collective_prices import UNEVEN_SLOPE
 
     print(result["environment"])
     print("Ratios compare variants measured in the same run, in alternating rounds (median of per-round ratios).\n")

@@ -118,7 +118,7 @@ def _rank_main(rank: int, world: int, cfg: Config, root: str) -> dict[str, Any]:
 
 def _slowed(cluster: Any, cfg: Config) -> Any:
     """The calibrated cluster with rank ``slowed_rank``'s compute scale x factor."""
-    from cephalo_lightning.planner.calibration import with_calibration
+    from cephalo_lightning.planner.cost.calibration import with_calibration
 
     cal = cluster.calibration
     scale = list(cal.compute_scale)

@@ -34,7 +34,7 @@ In one spawned group of 4 ranks, for each of two clusters:
    profiler finds the emulated nodes and measures both link classes;
 2. with ``--calibrate``, calibrate as ``CephaloCallback`` does after warm-up: the profile's plan runs
    ``calibration_windows`` watch windows (the first, which counts every tensor, left out) and the
-   cost model's run-time terms are fitted to them (:func:`~cephalo_lightning.lightning.run_model.calibrate`:
+   cost model's run-time terms are fitted to them (:func:`~cephalo_lightning.lightning.callback.run_model.calibrate`:
    every rank's compute as run, the fitted grouping's collectives as run, the per-step overhead, the
    host's contention), and every plan below is planned and predicted on the calibrated cluster;
 3. plan: the planner's choice (``planner.plan``, which chooses the shard groups), ``full-shard``
@@ -178,7 +178,7 @@ def calibrate(cfg: Config, cluster, specs: list[dict[str, Any]]):
     import torch.distributed as dist
 
     from cephalo_lightning import CephaloCallback, CephaloStrategy
-    from cephalo_lightning.lightning.run_model import calibrate as fit_to_windows
+    from cephalo_lightning.lightning.callback.run_model import calibrate as fit_to_windows
     from cephalo_lightning.planner import plan as make_plan
     from cephalo_lightning.runtime.distributed import broadcast_object
 
@@ -246,7 +246,7 @@ def interleaved_fits(cfg: Config, plans: dict[str, Any], specs, names: list[str]
 
 
 def _cluster_run(cfg: Config, specs: list[dict[str, Any]], names: tuple[str, ...]) -> dict[str, Any]:
-    from cephalo_lightning.planner.fit import predicted
+    from cephalo_lightning.planner.cost.calibration_fit import predicted
 
     start = time.perf_counter()
     profiled = cluster = profile(cfg, specs)

@@ -50,8 +50,11 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from cephalo_lightning.planner import load_cluster, plan  # noqa: E402 - torch-free
-from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH  # noqa: E402
+from cephalo_lightning.planner import (
+    load_cluster,  # noqa: E402 - torch-free
+    plan,  # noqa: E402 - torch-free
+)
+from cephalo_lightning.planner.spec.limits import MAX_GLOBAL_BATCH  # noqa: E402
 
 CLUSTERS = ROOT / "configs" / "clusters"
 KINDS = ["h100", "a100-80gb", "a100-40gb", "l40s", "a6000", "v100-32gb", "l4", "t4"]
@@ -83,7 +86,7 @@ def _limited_plan_seconds(args: list[str]) -> tuple[int, float]:
         resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_LIMIT}, {MEMORY_LIMIT}))
         for name in ("torch", "lightning", "pytorch_lightning"):
             sys.modules[name] = None
-        from cephalo_lightning.planner.cli import main
+        from cephalo_lightning.planner.command import main
         sys.exit(main({args!r}))
     """)
     env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(command: str, rest: list[str]) -> int:
     if command == "plan":
-        from cephalo_lightning.planner.cli import main as plan_main
+        from cephalo_lightning.planner.command import main as plan_main
 
         return plan_main(rest)
     if command == "demo":
@@ -69,7 +69,7 @@ def consolidate_main(argv: list[str]) -> int:
     parser.add_argument("checkpoint", help="a sharded checkpoint directory (e.g. checkpoints/last.ckpt)")
     parser.add_argument("-o", "--output", default=None, help="the file to write (default: <checkpoint>.consolidated)")
     args = parser.parse_args(argv)
-    from cephalo_lightning.lightning.checkpoint_io import consolidate
+    from cephalo_lightning.lightning.fit.checkpoint_io import consolidate
     from cephalo_lightning.runtime.checkpoint import CheckpointError
 
     source = Path(args.checkpoint)

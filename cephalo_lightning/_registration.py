@@ -21,14 +21,14 @@ FABRIC_STRATEGIES_MODULE = "lightning.fabric.strategies"
 
 def cephalo_strategy(**init_params: Any) -> Any:
     """What the registry calls for ``"cephalo"``: the strategy is imported only when a Trainer asks for it."""
-    from cephalo_lightning.lightning.strategy import CephaloStrategy
+    from cephalo_lightning.lightning.strategy.cephalo_strategy import CephaloStrategy
 
     return CephaloStrategy(**init_params)
 
 
 def cephalo_fabric_strategy(**init_params: Any) -> Any:
     """The same for ``Fabric(strategy="cephalo")``: an even plan of the loader's batch unless given one."""
-    from cephalo_lightning.lightning.fabric import CephaloFabricStrategy
+    from cephalo_lightning.lightning.strategy.fabric import CephaloFabricStrategy
 
     return CephaloFabricStrategy(**init_params)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from cephalo_lightning.testing.local_ranks import free_port, run_local_ranks
 
-PRELOAD = ("torch", "lightning.pytorch", "transformers", "cephalo_lightning.lightning.strategy", "cephalo_lightning.lightning.callback", "tests.helpers")
+PRELOAD = ("torch", "lightning.pytorch", "transformers", "cephalo_lightning.lightning.strategy.cephalo_strategy", "cephalo_lightning.lightning.callback.cephalo_callback", "tests.helpers")
 
 
 def run_distributed(fn: Any, world_size: int, *args: Any, threads: int = 1) -> list[Any]:

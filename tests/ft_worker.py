@@ -4,7 +4,7 @@ benchmarks/bench_fault_tolerance.py).
 :func:`run_scenario` runs the whole scenario (a lighthouse on 127.0.0.1, both groups, the kill,
 the return) and reads what the lives wrote. One life: ``python tests/ft_worker.py WORKDIR GROUP LIGHTHOUSE`` trains TinyLM in fp64 (sharded by the
 package in its group of one rank) for :data:`TOTAL` steps of :data:`GLOBAL` samples, each group on
-its part of every global batch (:class:`~cephalo_lightning.lightning.fault_tolerance.ReplicaGroup`).
+its part of every global batch (:class:`~cephalo_lightning.lightning.fit.fault_tolerance.ReplicaGroup`).
 Instrumented points, each a file in WORKDIR as well:
 
 * **start**: every life writes ``ready-G-PID`` once its manager heartbeats; a group's first life
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from torch.distributed import TCPStore
 
-from cephalo_lightning.lightning.fault_tolerance import ReplicaGroup, Settings
+from cephalo_lightning.lightning.fit.fault_tolerance import ReplicaGroup, Settings
 from cephalo_lightning.planner import Plan, RankPlan
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 from tests.models import TinyLM, batches

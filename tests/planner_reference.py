@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from cephalo_lightning.planner.cluster_spec import Cluster
-from cephalo_lightning.planner.collective_prices import UNEVEN_SLOPE  # a constant of the model, not the solver
+from cephalo_lightning.planner.cost.collective_prices import UNEVEN_SLOPE  # a constant of the model, not the solver
+from cephalo_lightning.planner.spec.cluster_spec import Cluster
 
 GIB = 2.0**30
 

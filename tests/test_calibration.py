@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, load_cluster, plan, save_cluster
-from cephalo_lightning.planner.assemble import rank_plans
-from cephalo_lightning.planner.calibration import with_calibration
-from cephalo_lightning.planner.calibration_terms import Calibration
-from cephalo_lightning.planner.cluster import cluster_to_dict
-from cephalo_lightning.planner.fit import StepObservation, fit_calibration, predicted, predicted_collective_s
-from cephalo_lightning.planner.plan import Plan
+from cephalo_lightning.planner.cost.calibration import with_calibration
+from cephalo_lightning.planner.cost.calibration_fit import StepObservation, fit_calibration, predicted, predicted_collective_s
+from cephalo_lightning.planner.search.assemble import rank_plans
+from cephalo_lightning.planner.spec.calibration_terms import Calibration
+from cephalo_lightning.planner.spec.cluster import cluster_to_dict
+from cephalo_lightning.planner.spec.plan import Plan
 from tests.planner_reference import brute_force, calibrated_by_hand, rank_times
 from tests.test_planner import random_cluster
 
@@ -171,8 +171,8 @@ def test_collective_prices_refuse_a_cluster_still_carrying_its_calibration() -> 
     """Collective prices read a cluster's settings as they stand: a cluster whose calibration is not
     folded in yet is refused (the profile's figures would price it silently), the folded one is priced
     with the fitted terms."""
-    from cephalo_lightning.planner.calibration import calibrated
-    from cephalo_lightning.planner.collective_prices import communication, link_prices
+    from cephalo_lightning.planner.cost.calibration import calibrated
+    from cephalo_lightning.planner.cost.collective_prices import communication, link_prices
 
     cluster = with_calibration(cluster_from_dict(_cluster()), INJECTED)
     for price in (communication, link_prices):
@@ -302,7 +302,7 @@ def test_a_calibration_across_nodes_keeps_each_group_on_its_own_link(groups: lis
     still moves its bytes over the intra-node link: a calibration that fits the profile's own figures
     prices every grouping as the profile does, one that fits them twice as slow every grouping at twice
     the price (a fitted 0 stays 0 and is not derived from a bandwidth)."""
-    from cephalo_lightning.planner.cluster_cost import collective_ms
+    from cephalo_lightning.planner.cost.cluster_cost import collective_ms
 
     data = _cluster()
     data["devices"].append(_device("c", 3.0, 2.0))
@@ -363,7 +363,7 @@ def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_gro
     as_profiled = replace(fitted, allgather_ms=6.0, reduce_scatter_ms=6.0, overlap=0.6, shard_groups=None)
     assert predicted(calibrated, sharded)[0] == pytest.approx(predicted(with_calibration(cluster, as_profiled), sharded)[0],
                                                               rel=1e-12)
-    from cephalo_lightning.planner.cluster_cost import collective_ms
+    from cephalo_lightning.planner.cost.cluster_cost import collective_ms
 
     (got, got_exposed), (want, want_exposed) = (collective_ms(c, sharded.state_shares)
                                                 for c in (calibrated, with_calibration(cluster, as_profiled)))
@@ -375,7 +375,7 @@ def test_the_host_is_blocked_in_an_asynchronous_collective_at_its_issue_and_its_
     """What the calibration fits the collectives to: the time a rank is blocked in them. An
     asynchronous collective blocks it twice, when it is issued and when it is waited for (the part
     compute did not hide, and an emulated link's remainder); the compute in between is not counted."""
-    from cephalo_lightning.lightning.callback import CollectiveTime
+    from cephalo_lightning.lightning.callback.cephalo_callback import CollectiveTime
     from cephalo_lightning.runtime.collectives import PendingGather, PendingWork, WaitReport
     from cephalo_lightning.runtime.observers import Observers
 

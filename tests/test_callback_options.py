@@ -13,8 +13,8 @@ import pytest
 
 from cephalo_lightning import CephaloCallback
 from cephalo_lightning._common.errors import CephaloError
-from cephalo_lightning.lightning import callback as callback_module
-from cephalo_lightning.lightning.callback_config import CallbackConfig
+from cephalo_lightning.lightning.callback import cephalo_callback as callback_module
+from cephalo_lightning.lightning.callback.callback_config import CallbackConfig
 
 README = Path(__file__).resolve().parent.parent / "docs" / "reference" / "callback.md"  # the options table
 

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-import cephalo_lightning.lightning.checkpoint_io
+import cephalo_lightning.lightning.fit.checkpoint_io
 from cephalo_lightning import CephaloStrategy, Plan, consolidated
 from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime import checkpoint
@@ -400,7 +400,7 @@ def test_a_consolidated_checkpoint_resumes_under_a_plain_trainer(first_halves, t
     files = {}
     for name in ("ordered/step=5.ckpt", "ordered/step=3.ckpt", "shuffled/step=3.ckpt"):
         files[name] = tmp_path / name.replace("/", "-")
-        note = cephalo_lightning.lightning.checkpoint_io.consolidate(first_halves / name, files[name])
+        note = cephalo_lightning.lightning.fit.checkpoint_io.consolidate(first_halves / name, files[name])
         assert "sampler's position (data epoch 0" in note and "Moving a run off Cephalo" in note, note
         assert "combined_loader" not in torch.load(files[name], weights_only=True)["loops"]["fit_loop"]["state_dict"]
     # at an epoch boundary, unshuffled: the plain Trainer continues on the uninterrupted run's batches

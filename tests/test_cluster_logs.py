@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.loggers import CSVLogger
 
 from cephalo_lightning import CephaloStrategy
-from cephalo_lightning.lightning.progress import ProgressLines
+from cephalo_lightning.lightning.callback.plain_progress import ProgressLines
 from tests.helpers import NUM_SAMPLES, reference
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
 

@@ -128,7 +128,7 @@ USER_NAMED = re.compile(r"(?:-o|--output|save_checkpoint\(|ckpt_path=)\s*[\"']?(
 def _written_checkpoint_names() -> set[str]:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from cephalo_lightning.lightning.preemption import CHECKPOINT_NAME as PREEMPTED
+    from cephalo_lightning.lightning.fit.preemption import CHECKPOINT_NAME as PREEMPTED
 
     return {ModelCheckpoint.CHECKPOINT_NAME_LAST + ModelCheckpoint.FILE_EXTENSION, PREEMPTED}
 
@@ -194,10 +194,10 @@ def test_the_architecture_page_indexes_every_note_in_the_code():
 def test_the_cluster_page_lists_every_catalog_gpu_and_every_cluster_file_key():
     from dataclasses import fields
 
-    from cephalo_lightning.planner.bandwidth import SPELLED_KEYS
-    from cephalo_lightning.planner.catalog import CATALOG
-    from cephalo_lightning.planner.cluster import _DEVICE_KEYS
-    from cephalo_lightning.planner.cluster_spec import ModelSpec, Settings
+    from cephalo_lightning.planner.spec.bandwidth import SPELLED_KEYS
+    from cephalo_lightning.planner.spec.catalog import CATALOG
+    from cephalo_lightning.planner.spec.cluster import _DEVICE_KEYS
+    from cephalo_lightning.planner.spec.cluster_spec import ModelSpec, Settings
 
     page = (ROOT / "docs" / "cluster.md").read_text()
     reference = (ROOT / "docs" / "reference" / "cluster-file.md").read_text()

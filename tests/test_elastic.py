@@ -12,7 +12,7 @@ import torch
 
 from cephalo_lightning import CephaloStrategy, Plan
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.lightning.elastic import replan, replan_for_world
+from cephalo_lightning.lightning.fit.elastic import replan, replan_for_world
 from cephalo_lightning.planner import PlanningError, RankPlan, cluster_from_dict, plan
 from tests import helpers
 from tests.distributed import run_distributed

@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cephalo_lightning.lightning.preemption import CHECKPOINT_NAME
+from cephalo_lightning.lightning.fit.preemption import CHECKPOINT_NAME
 from cephalo_lightning.runtime import checkpoint
 from tests.conftest import clean_env
 from tests.distributed import free_port

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from cephalo_lightning import CephaloStrategy, Plan
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning.lightning.fabric import CephaloFabricStrategy
+from cephalo_lightning.lightning.strategy.fabric import CephaloFabricStrategy
 from cephalo_lightning.planner import RankPlan
 from tests.distributed import run_distributed
 from tests.helpers import NUM_SAMPLES

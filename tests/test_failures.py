@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
-from cephalo_lightning.lightning.nonfinite import NonFiniteLossError
+from cephalo_lightning.lightning.fit.nonfinite import NonFiniteLossError
 from cephalo_lightning.planner import PlanningError, RankPlan
 from tests.conftest import HANG_TIMEOUT_S, clean_env
 from tests.distributed import run_distributed

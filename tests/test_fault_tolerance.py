@@ -1,4 +1,4 @@
-"""Fault tolerance across shard groups with torchft (``cephalo_lightning.lightning.fault_tolerance``).
+"""Fault tolerance across shard groups with torchft (``cephalo_lightning.lightning.fit.fault_tolerance``).
 
 The scenario (one run for the module, tests/ft_worker.py): two shard groups of one gloo rank each
 (8 and 4 of the 12 samples of every global batch), a torchft lighthouse on 127.0.0.1; group 1 is
@@ -25,7 +25,7 @@ import torch
 
 from cephalo_lightning import CephaloStrategy
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning.lightning.fault_tolerance import (
+from cephalo_lightning.lightning.fit.fault_tolerance import (
     check_fit,
     check_groups_cut_alike,
     group_plan,
@@ -127,7 +127,7 @@ def _two_groups_of_two(rank: int, world: int, lighthouse: str):
     import torch.distributed as dist
     from torch.distributed import TCPStore
 
-    from cephalo_lightning.lightning.fault_tolerance import ReplicaGroup, Settings, rank_slice
+    from cephalo_lightning.lightning.fit.fault_tolerance import ReplicaGroup, Settings, rank_slice
     from cephalo_lightning.runtime.distributed import broadcast_object
     from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
@@ -229,7 +229,7 @@ def test_the_strategy_refuses_fault_tolerance_where_it_cannot_run():
 
 
 def test_fabric_refuses_fault_tolerance_by_name():
-    from cephalo_lightning.lightning.fabric import CephaloFabricStrategy
+    from cephalo_lightning.lightning.strategy.fabric import CephaloFabricStrategy
 
     with pytest.raises(UnsupportedError, match=r"CephaloFabricStrategy\(fault_tolerance=True\).*one process group per shard"):
         CephaloFabricStrategy(fault_tolerance=True)
@@ -246,7 +246,7 @@ def test_without_torchft_the_refusal_says_how_to_install_it(monkeypatch):
 
 
 def test_trainer_fit_under_fault_tolerance_is_refused_at_setup_without_the_whole_plan_or_the_group(monkeypatch):
-    from cephalo_lightning.lightning.fault_tolerant_fit import FitReplica
+    from cephalo_lightning.lightning.fit.fault_tolerant_fit import FitReplica
     from tests import helpers
     from tests.ft_worker import FIT_PLAN
     from tests.lightning_models import TinyLayered, token_data
@@ -280,8 +280,8 @@ def test_trainer_fit_under_fault_tolerance_is_refused_at_setup_without_the_whole
 def test_a_non_finite_sum_over_the_groups_is_skipped_by_every_groups_guard():
     from types import SimpleNamespace
 
-    from cephalo_lightning.lightning.fault_tolerant_fit import FitReplica
-    from cephalo_lightning.lightning.nonfinite import NonFiniteGuard
+    from cephalo_lightning.lightning.fit.fault_tolerant_fit import FitReplica
+    from cephalo_lightning.lightning.fit.nonfinite import NonFiniteGuard
     from tests.ft_worker import FIT_PLAN
 
     fit = FitReplica(FIT_PLAN, 1)

@@ -30,8 +30,8 @@ pytest.importorskip("peft")
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan  # noqa: E402
 from cephalo_lightning._common.units import GIB  # noqa: E402
 from cephalo_lightning.planner import RankPlan, cluster_from_dict  # noqa: E402
-from cephalo_lightning.planner.cluster_cost import evaluate  # noqa: E402
-from cephalo_lightning.planner.device_cost import DeviceCost  # noqa: E402
+from cephalo_lightning.planner.cost.cluster_cost import evaluate  # noqa: E402
+from cephalo_lightning.planner.cost.device_cost import DeviceCost  # noqa: E402
 from cephalo_lightning.planner.planning import plan as make_plan  # noqa: E402
 from cephalo_lightning.planner.report import render_plan  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402

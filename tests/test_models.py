@@ -188,7 +188,7 @@ def test_lora_adapters_train_like_single_process_and_the_base_stays_bitwise_froz
 
 
 def test_the_library_checkpoint_under_the_layered_schedule_is_named_at_setup():
-    from cephalo_lightning.lightning.fit import recomputed_twice
+    from cephalo_lightning.lightning.fit.fit_runtime import recomputed_twice
 
     module = LibraryLM("llama")
     assert recomputed_twice(module) is None

@@ -15,9 +15,9 @@ from lightning.pytorch import seed_everything
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.lightning.callback_config import CallbackConfig
-from cephalo_lightning.lightning.config import MAX_SEED, StrategyConfig
-from cephalo_lightning.lightning.plan_resolution import data_seed
+from cephalo_lightning.lightning.callback.callback_config import CallbackConfig
+from cephalo_lightning.lightning.fit.plan_resolution import data_seed
+from cephalo_lightning.lightning.strategy_config import MAX_SEED, StrategyConfig
 from cephalo_lightning.planner import RankPlan, Settings
 from tests.helpers import fit
 from tests.helpers import trainer as make_trainer

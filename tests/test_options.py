@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from cephalo_lightning import CephaloStrategy
-from cephalo_lightning.lightning.config import DEFAULTS, OPTION_NAMES, StrategyConfig
-from cephalo_lightning.lightning.process_group import ProcessGroupStrategy
+from cephalo_lightning.lightning.strategy.process_group import ProcessGroupStrategy
+from cephalo_lightning.lightning.strategy_config import DEFAULTS, OPTION_NAMES, StrategyConfig
 
 README = Path(__file__).resolve().parents[1] / "docs" / "reference" / "strategy.md"  # the options table
 # pages that document their own options in a table under the same heading

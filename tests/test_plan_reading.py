@@ -18,12 +18,10 @@ import pytest
 
 from cephalo_lightning._common.units import memory_text
 from cephalo_lightning.planner import Cluster, Plan, RankPlan, cluster_from_dict, load_cluster, plan
-from cephalo_lightning.planner.cli import main as plan_main
-from cephalo_lightning.planner.cluster_cost import collective_ms
-from cephalo_lightning.planner.device_cost import DeviceCost
-from cephalo_lightning.planner.peers import BASELINE_GROUPINGS, BASELINES
-from cephalo_lightning.planner.plan import Binding
-from cephalo_lightning.planner.prices import FREE
+from cephalo_lightning.planner.command import main as plan_main
+from cephalo_lightning.planner.cost.cluster_cost import collective_ms
+from cephalo_lightning.planner.cost.device_cost import DeviceCost
+from cephalo_lightning.planner.cost.prices import FREE
 from cephalo_lightning.planner.report import (
     CATALOG,
     LEGEND,
@@ -33,6 +31,8 @@ from cephalo_lightning.planner.report import (
     render_plan,
     summary_lines,
 )
+from cephalo_lightning.planner.search.peers import BASELINE_GROUPINGS, BASELINES
+from cephalo_lightning.planner.spec.plan import Binding
 
 LAYERS = 4
 
@@ -176,7 +176,7 @@ def test_baselines_are_named_with_their_grouping_and_identical_ones_listed_once(
 def test_small_memory_figures_are_shown_in_a_unit_that_keeps_them_readable() -> None:
     assert [memory_text(v) for v in (20.06, 0.02, 0.5, 2e-6)] == ["20.1 GiB", "20.5 MiB", "512 MiB", "2.1 KiB"]
     tiny = cluster([device("cpu", 0.05, [0.004, 0.008], count=2)])  # 51 MiB devices: the state (14.9 GiB) fits nowhere
-    from cephalo_lightning.planner.baselines import even_baseline
+    from cephalo_lightning.planner.search.baselines import even_baseline
 
     reason = even_baseline(tiny, 2).reason
     assert "0.0 " not in reason and "GiB of 51.2 MiB usable" in reason, reason
@@ -338,7 +338,7 @@ def test_every_block_of_the_page_runs_and_shows_what_it_prints(tmp_path: Path) -
 
 
 def test_the_rank_lines_of_a_plan_nothing_priced_read_as_information_not_errors() -> None:
-    from cephalo_lightning.lightning.loggers import rank_lines
+    from cephalo_lightning.lightning.fit.loggers import rank_lines
 
     lines = rank_lines(Plan.even(2, 8, 2))
     assert lines[0] == ("Cephalo rank 0: device not profiled: batch 4 in 2 micro-batches of 2, state share 50.0%, "

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, evaluate, load_cluster, plan, save_cluster
-from cephalo_lightning.planner.prices import Prices
+from cephalo_lightning.planner.cost.prices import Prices
 from tests.planner_reference import brute_force_groups, candidate_groupings, group_rank_times, memory_ok
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def ms(parameters: float, bytes_per_param: float, gbps: float) -> float:
 
 def per_layer_comm(cluster, groups: list[int], shares: list[float]) -> list[float]:
     """What the cost model adds per layer beyond compute, with overlap 0: step / L - compute."""
-    from cephalo_lightning.planner.device_cost import DeviceCost
+    from cephalo_lightning.planner.cost.device_cost import DeviceCost
 
     out = []
     for rank, rc in enumerate(evaluate(cluster, [2] * 4, [1] * 4, shares, shard_groups=groups)):
@@ -119,7 +119,7 @@ def per_layer_comm(cluster, groups: list[int], shares: list[float]) -> list[floa
 
 
 def test_one_group_prices_as_the_world_collective() -> None:
-    from cephalo_lightning.planner.collective_prices import communication, link_prices
+    from cephalo_lightning.planner.cost.collective_prices import communication, link_prices
 
     for cluster in (two_nodes(latency=0.2), load_cluster(CLUSTERS / "a100x2-v100x2.yaml")):
         comm, prices = communication(cluster), link_prices(cluster)
@@ -168,7 +168,7 @@ def test_the_cross_group_reduction_is_priced_as_the_emulated_links_charge_it(gro
     group), 2M/k to each of its k - 1 peers; the emulated links charge what crosses nodes. With the
     world's collectives measured on those links (as the profiler does: each rank sends a quarter of
     the layer to each peer, half of it across), the price must not depend on how they were measured."""
-    from cephalo_lightning.planner.collective_prices import link_prices
+    from cephalo_lightning.planner.cost.collective_prices import link_prices
     from cephalo_lightning.runtime.emulation.links import EmulatedLinks
 
     links = EmulatedLinks((0, 0, 1, 1), inter_node_gbps=5.0)
@@ -190,7 +190,7 @@ def test_the_cross_group_reduction_is_priced_as_the_emulated_links_charge_it(gro
 
 
 def test_the_part_sent_to_other_nodes_against_a_loop_over_ranks_and_groups() -> None:
-    from cephalo_lightning.planner.collective_prices import far_fraction
+    from cephalo_lightning.planner.cost.collective_prices import far_fraction
     from tests.planner_reference import far_part
 
     rng = np.random.default_rng(0)
@@ -210,7 +210,7 @@ def test_the_part_sent_to_other_nodes_against_a_loop_over_ranks_and_groups() -> 
 def test_the_planner_cuts_the_gradient_buckets_as_the_runtime_does(layer_numel: int) -> None:
     import torch
 
-    from cephalo_lightning.planner.collective_prices import bucket_layers
+    from cephalo_lightning.planner.cost.collective_prices import bucket_layers
     from cephalo_lightning.runtime.sharding.replicas import gradient_buckets
 
     layers = 12
@@ -225,7 +225,7 @@ def test_data_parallel_leaves_its_last_bucket_after_the_backward() -> None:
     model = {"name": "small", "num_layers": 6, "parameters": 6 * 144_512}
     cluster = cluster_from_dict({"model": model, "settings": {"link_bandwidth_gbps": 1.0, "overlap": 1.0},
                                  "devices": [measured("a", fwd=5.0, count=4)]})
-    from cephalo_lightning.planner.device_cost import DeviceCost
+    from cephalo_lightning.planner.cost.device_cost import DeviceCost
 
     all_reduce = 2 * 3 / 4 * ms(144_512, 4, 1.0)  # per layer; far below the layer's compute
     for rank, rc in enumerate(evaluate(cluster, [2] * 4, [1] * 4, [1.0] * 4, shard_groups=[0, 1, 2, 3])):
@@ -322,7 +322,7 @@ def test_optimal_over_groupings_against_brute_force(seed: int) -> None:
 
 
 def test_the_candidate_groupings_are_the_documented_ones() -> None:
-    from cephalo_lightning.planner.grouped import candidate_groupings as planner_groupings
+    from cephalo_lightning.planner.search.grouped import candidate_groupings as planner_groupings
 
     for nodes in ([0] * 3, [0] * 4, [0, 0, 1, 1], [0] * 4 + [1] * 2, [0] * 8 + [1] * 8, [1, 1, 0, 0, 0, 0]):
         cluster = cluster_from_dict({"model": MODEL, "devices": [measured("a", node=n) for n in nodes]})

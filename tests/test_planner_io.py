@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from cephalo_lightning.planner import ModelSummary, Plan, PlanningError, cluster_from_dict, load_cluster, plan
-from cephalo_lightning.planner.cli import main as cli_main
-from cephalo_lightning.planner.convert import convert_release, latency_series, memory_series, release_cluster
-from cephalo_lightning.planner.device_cost import DeviceCost
+from cephalo_lightning.planner.command import main as cli_main
+from cephalo_lightning.planner.cost.device_cost import DeviceCost
+from cephalo_lightning.planner.spec.convert import convert_release, latency_series, memory_series, release_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "configs" / "clusters"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, load_cluster, plan
-from cephalo_lightning.planner.limits import MAX_GLOBAL_BATCH, MAX_RANKS
+from cephalo_lightning.planner.spec.limits import MAX_GLOBAL_BATCH, MAX_RANKS
 from tests.conftest import HANG_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def run_limited(args: list[str], timeout: float = HANG_TIMEOUT_S) -> tuple[int, 
         resource.setrlimit(resource.RLIMIT_AS, ({MEMORY_LIMIT}, {MEMORY_LIMIT}))
         for name in ("torch", "lightning", "pytorch_lightning"):
             sys.modules[name] = None
-        from cephalo_lightning.planner.cli import main
+        from cephalo_lightning.planner.command import main
         sys.exit(main({args!r}))
     """)
     env = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",

@@ -124,7 +124,7 @@ def test_16_bit_training_tracks_fp32_with_fp32_masters(runs, precision, tol):
 
 def _overflow_on_one_rank(rank: int, world: int):
     """fp16 AMP: an inf gradient on ONE rank must make EVERY rank skip the step and back off."""
-    from cephalo_lightning.lightning.precision import CephaloMixedPrecision
+    from cephalo_lightning.lightning.strategy.precision import CephaloMixedPrecision
     from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
     plugin = CephaloMixedPrecision("16-mixed", "cpu")

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from cephalo_lightning import CephaloStrategy
-from cephalo_lightning.lightning.preemption import CHECKPOINT_NAME, EXIT_REQUEUED, EXIT_STOPPED, Preemption
-from cephalo_lightning.lightning.step_state import StepReport
+from cephalo_lightning.lightning.fit.preemption import CHECKPOINT_NAME, EXIT_REQUEUED, EXIT_STOPPED, Preemption
+from cephalo_lightning.lightning.steps.step_state import StepReport
 from cephalo_lightning.runtime import checkpoint
 from tests import helpers
 from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report

@@ -13,7 +13,7 @@ import yaml
 from cephalo_lightning.demo.gpt import GPT, GPTConfig
 from cephalo_lightning.planner import Settings, plan
 from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions, profile_cluster
-from cephalo_lightning.profiling.collectives import CollectiveProfile, calls_lasting, skewed_shares, uneven_slope
+from cephalo_lightning.profiling.collective_timing import CollectiveProfile, calls_lasting, skewed_shares, uneven_slope
 from cephalo_lightning.profiling.optimizer import time_optimizer_step
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from tests.distributed import run_distributed

@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cephalo_lightning.planner.cluster import cluster_to_dict
-from cephalo_lightning.planner.cluster_spec import Emulation, Settings
+from cephalo_lightning.planner.spec.cluster import cluster_to_dict
+from cephalo_lightning.planner.spec.cluster_spec import Emulation, Settings
 from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions
-from cephalo_lightning.profiling.collectives import CollectiveProfile
+from cephalo_lightning.profiling.collective_timing import CollectiveProfile
 from cephalo_lightning.profiling.devices import measured_settings
 from cephalo_lightning.profiling.topology import LinkProfile, NodeClue, Topology, find_nodes, node_clue
 from tests.distributed import run_distributed

@@ -16,7 +16,7 @@ import torch
 
 from cephalo_lightning.demo.gpt import GPT, GPTConfig
 from cephalo_lightning.planner import evaluate
-from cephalo_lightning.planner.device_cost import DeviceCost
+from cephalo_lightning.planner.cost.device_cost import DeviceCost
 from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker
 from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input

@@ -68,7 +68,7 @@ def test_lightning_keeps_its_own_loader_and_a_reload_registers_again():
         "import lightning.pytorch.strategies as s; "
         "assert type(s.__loader__) is importlib.machinery.SourceFileLoader, s.__loader__; "
         "assert s.__spec__.loader is s.__loader__; "
-        "assert 'cephalo_lightning.lightning.strategy' not in sys.modules; "  # registered, not yet imported
+        "assert 'cephalo_lightning.lightning.strategy.cephalo_strategy' not in sys.modules; "  # registered, not yet imported
         "assert 'ddp' in s.StrategyRegistry and 'cephalo' in s.StrategyRegistry; "
         "importlib.reload(s); assert 'cephalo' in s.StrategyRegistry; "
         f"{TRAINER}"

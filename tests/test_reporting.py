@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
-from cephalo_lightning.lightning.loggers import log_checkpoint_artifacts, rank_lines
+from cephalo_lightning.lightning.fit.loggers import log_checkpoint_artifacts, rank_lines
 from cephalo_lightning.planner import RankPlan
 from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
 
@@ -136,7 +136,7 @@ def test_wandb_run_config_holds_the_resolved_configuration(wandb_run):
     assert config["plan"]["ranks"]["rank0"]["num_micro_batches"] == plan.ranks[0].num_micro_batches
     assert config["plan"]["global_batch_size"] == 8 and config["plan"]["mode"] == "layered"
     assert config["trainer"]["max_steps"] == 2 and config["trainer"]["precision"] == "32-true"
-    assert config["strategy"]["class_path"] == "cephalo_lightning.lightning.strategy.CephaloStrategy"
+    assert config["strategy"]["class_path"] == "cephalo_lightning.lightning.strategy.cephalo_strategy.CephaloStrategy"
     assert config["strategy"]["emulate"] == [{"slowdown": 1.0, "memory_gb": 0.5}]
     assert config["callback"]["max_micro_batch"] == 2 and config["callback"]["drift_threshold"] == 0.3
     assert config["cluster"]["devices"]["rank0"]["source"] == "emulated" and config["emulated"] is True
@@ -191,7 +191,7 @@ import warnings; warnings.simplefilter("ignore")
 import lightning.pytorch as pl
 from cephalo_lightning import CephaloCallback, CephaloStrategy
 from cephalo_lightning.demo import GPTModule, TextDataModule
-from cephalo_lightning.lightning.loggers import log_rank_lines
+from cephalo_lightning.lightning.fit.loggers import log_rank_lines
 for _ in range(2):  # the second run reuses the cached profile
     trainer = pl.Trainer(strategy=CephaloStrategy(emulate=[{{"slowdown": 1.0}}]), accelerator="cpu", devices=1,
                          max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,

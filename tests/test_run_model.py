@@ -10,7 +10,7 @@ import pytest
 from lightning.pytorch.callbacks import Callback
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy
-from cephalo_lightning.lightning.run_model import DriftEpisodes, drifting_ranks
+from cephalo_lightning.lightning.callback.run_model import DriftEpisodes, drifting_ranks
 
 SEQ = 16
 BATCH = 8
@@ -102,12 +102,12 @@ def _windows(true_scales, jitter: float, count: int, seed: int = 0, mispriced: f
     misses); every window reports ``spread`` as its steps' relative spread."""
     from dataclasses import replace as change
 
-    from cephalo_lightning.lightning.adaptation import RunAdapter
-    from cephalo_lightning.lightning.callback_config import CallbackConfig
-    from cephalo_lightning.lightning.run_model import CalibrationResult
+    from cephalo_lightning.lightning.callback.adaptation import RunAdapter
+    from cephalo_lightning.lightning.callback.callback_config import CallbackConfig
+    from cephalo_lightning.lightning.callback.run_model import CalibrationResult
     from cephalo_lightning.planner import cluster_from_dict, plan
-    from cephalo_lightning.planner.calibration import with_calibration
-    from cephalo_lightning.planner.fit import predicted
+    from cephalo_lightning.planner.cost.calibration import with_calibration
+    from cephalo_lightning.planner.cost.calibration_fit import predicted
     from tests.test_calibration import INJECTED, _cluster
 
     rng = random.Random(seed)
@@ -162,7 +162,7 @@ def _plan_at(back: float):
     from dataclasses import replace as change
 
     from cephalo_lightning.planner import cluster_from_dict, plan
-    from cephalo_lightning.planner.calibration import with_calibration
+    from cephalo_lightning.planner.cost.calibration import with_calibration
     from tests.test_calibration import INJECTED, _cluster
 
     scales = tuple(s * k for s, k in zip(INJECTED.compute_scale, (1.0, back, 1.0)))
@@ -256,7 +256,7 @@ def test_another_ranks_one_window_of_noise_does_not_delay_a_straggler() -> None:
 def test_every_re_shard_is_reported_to_the_fit() -> None:
     """The fit checks each plan the model is sharded by (the in-flight gather buffers against its
     room): a switch in place tells it of the new plan after the re-shard."""
-    from cephalo_lightning.lightning.plan_switch import PlanSwitches
+    from cephalo_lightning.lightning.fit.plan_switch import PlanSwitches
     from cephalo_lightning.planner import cluster_from_dict, plan
     from tests.test_calibration import _cluster
 

@@ -11,7 +11,7 @@ from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.observers import Observer
 from cephalo_lightning.runtime.sharding.layout import build_layout, quotas
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
-from cephalo_lightning.runtime.sharding.units import WrapPolicyError, find_units
+from cephalo_lightning.runtime.sharding.wrap_policy import WrapPolicyError, find_units
 from tests.distributed import run_distributed
 from tests.models import TinyLM, batches
 from tests.reference import make_optimizer, reference_state, split, train_reference
@@ -550,7 +550,7 @@ def test_meta_init_leaves_a_tied_weight_to_its_canonical_holder():
 
 
 def test_padded_collective_buffers_beyond_the_plans_room_are_named_before_the_fit():
-    from cephalo_lightning.lightning.fit import unpriced_buffers
+    from cephalo_lightning.lightning.fit.fit_runtime import unpriced_buffers
 
     assert unpriced_buffers([(0, 0, 1e6), (1, 2**20, 2**21), (2, 2**20, None)]) is None  # within room, or unknown
     warning = unpriced_buffers([(0, 3 * 2**20, 2**20), (1, 2**20, 2**21), (2, 2**20, -5.0)])

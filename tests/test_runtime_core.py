@@ -156,7 +156,7 @@ def _fill_grads_flat(sharded: ShardedModel, value: float) -> list[torch.nn.Param
 
 @pytest.mark.parametrize("fill", [_fill_grads, _fill_grads_flat])
 def test_grads_finite_flags_any_non_finite_element_and_only_those(fill):
-    from cephalo_lightning.lightning.step_sync import finish_step
+    from cephalo_lightning.lightning.steps.step_sync import finish_step
     from cephalo_lightning.runtime.sharding.sharded_model import adjacent_runs
 
     model = TinyLM(dim=16)

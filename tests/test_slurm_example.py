@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cephalo_lightning.lightning.preemption import CHECKPOINT_NAME, EXIT_REQUEUED
+from cephalo_lightning.lightning.fit.preemption import CHECKPOINT_NAME, EXIT_REQUEUED
 from cephalo_lightning.runtime import checkpoint
 from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
 

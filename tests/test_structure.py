@@ -217,8 +217,8 @@ def test_schedules_and_collectives_are_named_by_their_enums():
 
 def _overriding_classes() -> list[type]:
     from cephalo_lightning import CephaloCallback, CephaloStrategy
-    from cephalo_lightning.lightning import precision
     from cephalo_lightning.lightning.cli import CephaloCLI
+    from cephalo_lightning.lightning.strategy import precision
 
     plugins = [c for _, c in inspect.getmembers(precision, inspect.isclass)
                if c.__module__ == precision.__name__ and any(b.__module__.startswith(LIGHTNING) for b in c.__mro__)]

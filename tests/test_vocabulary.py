@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 from cephalo_lightning._common.vocabulary import Collective, Grouping, Planner, ProfileSource, Schedule, Verdict, values_of
-from cephalo_lightning.lightning.callback_config import MODES
-from cephalo_lightning.planner.input_checks import PLANNERS
-from cephalo_lightning.planner.peers import BASELINES
+from cephalo_lightning.lightning.callback.callback_config import MODES
+from cephalo_lightning.planner.search.input_checks import PLANNERS
+from cephalo_lightning.planner.search.peers import BASELINES
 
 
 def test_members_are_the_strings_files_and_options_carry():

@@ -14,8 +14,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "GPTConfig": "config",
-    "PRESETS": "config",
+    "GPTConfig": "gpt_config",
+    "PRESETS": "gpt_config",
     "GPT": "gpt",
     "Block": "gpt",
     "Embedding": "gpt",
@@ -33,9 +33,9 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from cephalo_lightning.demo.config import PRESETS, GPTConfig
     from cephalo_lightning.demo.data import VOCAB_SIZE, ByteWindowDataset, TextDataModule, decode, encode, load_corpus
     from cephalo_lightning.demo.gpt import GPT, Block, Embedding, Head
+    from cephalo_lightning.demo.gpt_config import PRESETS, GPTConfig
     from cephalo_lightning.demo.module import GPTModule, no_weight_decay
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.demo.config import PRESETS, GPTConfig
+from cephalo_lightning.demo.gpt_config import PRESETS, GPTConfig
 
 __all__ = ["GPT", "PRESETS", "Block", "CausalSelfAttention", "Embedding", "GPTConfig", "Head", "MLP"]
 

@@ -111,7 +111,7 @@ def captured_logs(trainer: pl.Trainer) -> Iterator[Any]:
 
     The strategy runs the user's ``training_step`` once per micro-batch; Lightning keeps the LAST
     call's value for ``on_step``, so the strategy collects every micro-batch's values here and
-    logs their weighted global combination once (see :mod:`cephalo_lightning.lightning.log_relay`).
+    logs their weighted global combination once (see :mod:`cephalo_lightning.lightning.steps.log_relay`).
     """
     from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection
 

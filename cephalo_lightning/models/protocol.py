@@ -46,7 +46,7 @@ Share = Callable[[torch.Tensor, Any, Side, float], torch.Tensor]  # (output, mic
 class LossWeighting:
     """How a micro-batch's mean loss enters the global mean: by ``"samples"`` or by ``"items"``
     (``count(micro_batch)``: tokens, for a per-token mean). ``CephaloStrategy(loss_weighting=...)``
-    names the items ``"tokens"``; :func:`cephalo_lightning.lightning.schedules.loss_weighting` maps
+    names the items ``"tokens"``; :func:`cephalo_lightning.lightning.steps.schedules.loss_weighting` maps
     the user's word to this one.
 
     ``share``, where the model's loss can take the global item count itself (Hugging Face's

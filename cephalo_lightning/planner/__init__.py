@@ -1,11 +1,11 @@
 """The assignment planner (torch-free): per-GPU batch, micro-batches and state share."""
 
-from cephalo_lightning.planner.cluster import cluster_from_dict, cluster_to_dict, load_cluster, save_cluster
-from cephalo_lightning.planner.cluster_cost import evaluate
-from cephalo_lightning.planner.cluster_spec import Cluster, DeviceProfile, Emulation, ModelSpec, Settings
-from cephalo_lightning.planner.errors import PlanningError
-from cephalo_lightning.planner.plan import BaselineResult, ModelSummary, Plan, RankPlan, split_sizes
+from cephalo_lightning.planner.cost.cluster_cost import evaluate
 from cephalo_lightning.planner.planning import plan
+from cephalo_lightning.planner.spec.cluster import cluster_from_dict, cluster_to_dict, load_cluster, save_cluster
+from cephalo_lightning.planner.spec.cluster_spec import Cluster, DeviceProfile, Emulation, ModelSpec, Settings
+from cephalo_lightning.planner.spec.plan import BaselineResult, ModelSummary, Plan, RankPlan, split_sizes
+from cephalo_lightning.planner.spec.planning_error import PlanningError
 
 __all__ = [
     "BaselineResult", "Cluster", "DeviceProfile", "Emulation", "ModelSpec", "ModelSummary", "Plan", "PlanningError",

@@ -29,12 +29,12 @@ import numpy as np
 
 from cephalo_lightning._common.units import memory_text
 from cephalo_lightning._common.vocabulary import Schedule
-from cephalo_lightning.planner.calibration import calibrated
-from cephalo_lightning.planner.cluster_cost import collective_ms
-from cephalo_lightning.planner.cluster_spec import Cluster
-from cephalo_lightning.planner.device_cost import DeviceCost, kind_costs, step_ms
-from cephalo_lightning.planner.plan import Binding, RankPlan
-from cephalo_lightning.planner.prices import Prices
+from cephalo_lightning.planner.cost.calibration import calibrated
+from cephalo_lightning.planner.cost.cluster_cost import collective_ms
+from cephalo_lightning.planner.cost.device_cost import DeviceCost, kind_costs, step_ms
+from cephalo_lightning.planner.cost.prices import Prices
+from cephalo_lightning.planner.spec.cluster_spec import Cluster
+from cephalo_lightning.planner.spec.plan import Binding, RankPlan
 
 TOLERANCE = 1e-3  # a rank within this fraction of the plan's step sets it
 

@@ -15,7 +15,7 @@ real ones and marked ``source: emulated``.
 """
 
 from cephalo_lightning.profiling.cache import cache_path, fingerprint
-from cephalo_lightning.profiling.collectives import CollectiveProfile, time_collectives
+from cephalo_lightning.profiling.collective_timing import CollectiveProfile, time_collectives
 from cephalo_lightning.profiling.devices import default_settings, device_name
 from cephalo_lightning.profiling.layer import LayerProfile, profile_layer
 from cephalo_lightning.profiling.model import (

@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from cephalo_lightning._common.units import GIB
-from cephalo_lightning.planner.cluster_spec import DeviceProfile, Emulation, Settings
-from cephalo_lightning.profiling.collectives import CollectiveProfile, uneven_slope
-from cephalo_lightning.profiling.errors import ProfilingError
+from cephalo_lightning.planner.spec.cluster_spec import DeviceProfile, Emulation, Settings
+from cephalo_lightning.profiling.collective_timing import CollectiveProfile, uneven_slope
 from cephalo_lightning.profiling.model import ModelProfile
+from cephalo_lightning.profiling.profiling_error import ProfilingError
 from cephalo_lightning.profiling.topology import LinkProfile
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 

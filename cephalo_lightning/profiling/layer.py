@@ -1,7 +1,7 @@
 """One layer's forward and backward time, and its compute memory, at micro-batch sizes 1..k.
 
 What is timed follows the layered schedule (:mod:`cephalo_lightning.runtime.layered`), whose cost
-model (:mod:`cephalo_lightning.planner.device_cost`) charges ``F(m)`` in the forward pass and
+model (:mod:`cephalo_lightning.planner.cost.device_cost`) charges ``F(m)`` in the forward pass and
 ``F(m) + B(m)`` in the backward pass of every micro-batch:
 
 * forward pass: the layer runs under ``torch.no_grad()`` (no graph is kept), so ``F(m)`` is the
@@ -46,7 +46,7 @@ from torch import nn
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.profiling.options import ProfileOptions
-from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
+from cephalo_lightning.profiling.region_timing import RegionTimer, default_statistic, summarize
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker
 from cephalo_lightning.runtime.layered import Layer

@@ -1,6 +1,6 @@
 """A whole model's per-layer profile: every distinct layer measured once, figures per average layer.
 
-The planner prices a step as ``num_layers x`` one layer's cost (:mod:`cephalo_lightning.planner.device_cost`).
+The planner prices a step as ``num_layers x`` one layer's cost (:mod:`cephalo_lightning.planner.cost.device_cost`).
 The model's layers are not all alike (the embedding and the head differ from the blocks), so the
 per-layer figures reported here are the **mean over the L layers**: ``sum_l F_l(m) / L``, which
 makes ``num_layers x F(m)`` the whole model's cost. Compute memory is the **maximum** over the

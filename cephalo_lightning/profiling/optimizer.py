@@ -4,7 +4,7 @@ Each rank's optimizer updates only the parameters it owns (its state share r of 
 model charges ``optimizer_ns_per_param * r * P`` to the step; a slow GPU holding a big share pays
 for it. The figure is one step of the optimizer (AdamW by default, as the runtime's fp32 master
 parameters would take it) over one flat parameter of ``numel`` elements, inside the device
-emulator's compute region (:class:`~cephalo_lightning.profiling.timing.RegionTimer`), after a first
+emulator's compute region (:class:`~cephalo_lightning.profiling.region_timing.RegionTimer`), after a first
 step that allocates the optimizer's state; the fixed per-step overhead is spread over ``numel``,
 which is why it is large (2**21 parameters by default).
 """
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.profiling.timing import RegionTimer, default_statistic, summarize
+from cephalo_lightning.profiling.region_timing import RegionTimer, default_statistic, summarize
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]

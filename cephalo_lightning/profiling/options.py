@@ -8,7 +8,7 @@ import torch
 
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.vocabulary import Collective, values_of
-from cephalo_lightning.profiling.timing import STATISTICS
+from cephalo_lightning.profiling.region_timing import STATISTICS
 
 
 @dataclass(frozen=True)

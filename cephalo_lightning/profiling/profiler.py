@@ -40,10 +40,10 @@ import torch.distributed as dist
 from torch import nn
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning.planner.cluster import cluster_from_dict, cluster_to_dict
-from cephalo_lightning.planner.cluster_spec import Cluster, Settings
+from cephalo_lightning.planner.spec.cluster import cluster_from_dict, cluster_to_dict
+from cephalo_lightning.planner.spec.cluster_spec import Cluster, Settings
 from cephalo_lightning.profiling.cache import cache_path, fingerprint, read_cached, structure, write_cached
-from cephalo_lightning.profiling.collectives import (
+from cephalo_lightning.profiling.collective_timing import (
     CollectiveProfile,
     skewed_shares,
     time_collectives,
@@ -61,11 +61,11 @@ from cephalo_lightning.profiling.devices import (
     measured_settings,
     shared_host_cores,
 )
-from cephalo_lightning.profiling.errors import ProfilingError
 from cephalo_lightning.profiling.model import ModelHooks, ModelProfile, Pacing, profile_model
 from cephalo_lightning.profiling.model_description import ModelDescription
 from cephalo_lightning.profiling.optimizer import time_optimizer_step
 from cephalo_lightning.profiling.options import ProfileOptions
+from cephalo_lightning.profiling.profiling_error import ProfilingError
 from cephalo_lightning.profiling.progress import ProfileProgress
 from cephalo_lightning.profiling.topology import LinkProfile, Topology, find_nodes, node_clue, time_links
 from cephalo_lightning.profiling.turns import TurnTaker

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from cephalo_lightning._common.vocabulary import Collective
-from cephalo_lightning.planner.cluster_spec import Emulation
-from cephalo_lightning.profiling.collectives import time_op
+from cephalo_lightning.planner.spec.cluster_spec import Emulation
+from cephalo_lightning.profiling.collective_timing import time_op
 from cephalo_lightning.profiling.options import ProfileOptions
 from cephalo_lightning.runtime.collectives import Collectives
 from cephalo_lightning.runtime.distributed import all_reduce_, is_distributed, rank_and_size

@@ -14,7 +14,7 @@ from torch import nn
 
 from cephalo_lightning.runtime.sharding.flat_unit import ParamSlot
 from cephalo_lightning.runtime.sharding.layout import ParamSpan
-from cephalo_lightning.runtime.sharding.units import WrapPolicy, find_units
+from cephalo_lightning.runtime.sharding.wrap_policy import WrapPolicy, find_units
 
 ROOT = "<root>"
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 # DDP's first bucket and bucket_cap_mb, where the cost model prices the last bucket by the same cut
-from cephalo_lightning.planner.collective_prices import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from cephalo_lightning.planner.cost.collective_prices import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Links, PendingWork
 from cephalo_lightning.runtime.sharding.layout import ShardLayout, UnitLayout, replica_pieces, same_bounds
 

@@ -87,7 +87,7 @@ from cephalo_lightning.runtime.sharding.replicas import (
     group_collectives,
 )
 from cephalo_lightning.runtime.sharding.reshard import reshard
-from cephalo_lightning.runtime.sharding.units import WrapPolicy, check_units_disjoint
+from cephalo_lightning.runtime.sharding.wrap_policy import WrapPolicy, check_units_disjoint
 
 __all__ = ["Driver", "ShardedModel", "UnitMaterializer", "clip_grad_norm_", "local_grad_norm"]
 

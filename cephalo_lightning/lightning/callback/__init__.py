@@ -1,0 +1,2 @@
+"""``CephaloCallback`` and what it runs: profiling at setup, the run model, calibration, drift and
+straggler adaptation, and plain progress lines."""

@@ -1,0 +1,326 @@
+"""Each shard group a torchft replica group: a quorum every step, the cross-group gradient sum through
+torchft's managed process group, and live recovery of a group that comes back.
+
+One step ``s`` trains on the global batch ``G_s`` (``B`` samples, fixed by the data order, never by
+which groups are up). At the step's start every group joins torchft's quorum; the quorum names the
+participating groups ``p_0 .. p_{n-1}`` (``n >= 1``, in the quorum's order). The global batch is
+split over them by the re-plan over the participants (:func:`~.elastic.replan_for_world` on the
+group plan, one :class:`~cephalo_lightning.planner.RankPlan` per group, over the participants'
+devices): participant ``k`` trains on ``G_s[o_k : o_k + b_k]`` with ``b`` the re-plan's batches,
+``o`` their prefix sums and ``Σ b = B``. Each group's loss is ``Σ_{i in its slice} ℓ_i / B``, so the
+sum of the participants' gradients (one all-reduce SUM per parameter over the managed process group)
+is ``∇ (1/B) Σ_{i ∈ G_s} ℓ_i`` whoever participates: the single-process step on the global batch.
+
+[Note: a group lost mid-step] The others' all-reduce of that step fails (the peer's sockets close) or
+their quorum drops it; torchft then answers ``should_commit() == False``, the optimizer is not stepped,
+the gradients are dropped, and the survivors **redo** step ``s`` (the same ``G_s``) at the next quorum,
+over themselves. No step is lost and none is counted twice: the step counter, which is the sampler's
+position, advances only on a commit.
+
+[Note: a group coming back] A new process of the group joins a quorum at a step boundary; torchft's
+checkpoint transport sends it a live group's state (this rank's local pieces of the weights, the
+optimizer state and the step, i.e. the sampler position) before that step, and it trains on its
+slice of the very step the others are on.
+
+What is not survived: a lost rank inside a group takes its whole group down (the in-group collectives
+are ordinary ones, and the group's other ranks must be restarted with it); the lighthouse is one
+process, and the quorum stops while it is down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cephalo_lightning._common import vocabulary
+from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
+from cephalo_lightning.lightning.fit.elastic import apportion, replan, replan_for_world
+from cephalo_lightning.planner import Cluster, Plan, RankPlan
+
+log = logging.getLogger(__name__)
+
+TORCHFT_VERSION = "0.2.0"  # the version .ci/constraints.txt pins; the `ft` extra asks for it
+
+
+def torchft_available() -> bool:
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def require_torchft() -> Any:
+    """The torchft module, or a refusal that says how to install it."""
+    try:
+        import torchft
+    except ImportError as err:
+        raise UnsupportedError(
+            f"fault tolerance runs on torchft, which is not installed ({err}); install it with "
+            f"`pip install 'cephalo-lightning[ft]'` (torchft=={TORCHFT_VERSION})") from err
+    return torchft
+
+
+def check_groups_cut_alike(plan: Plan) -> None:
+    """Refuse a plan whose shard groups cut the units at different points: torchft's replica groups
+    reduce rank ``i`` of every group with rank ``i`` of the others, so rank ``i`` must hold the same
+    range of every unit in every group (equal group sizes, equal shares in group order)."""
+    groups = plan.shard_groups
+    shares = [tuple(plan.ranks[r].state_share for r in g) for g in groups]  # a layout is a function of these
+    if len({len(g) for g in groups}) > 1 or len(set(shares)) > 1:
+        raise ConfigurationError(
+            f"fault tolerance needs every shard group to cut the units alike (rank i of every group holds the same "
+            f"range), but the plan's groups {[list(g) for g in groups]} have in-group shares {shares}; plan one "
+            "shard group per node of identical devices (equal groups, equal shares), or run without fault tolerance")
+
+
+def check_options(mode: str, plan: Plan | None) -> None:
+    """What ``fault_tolerance=True`` can be refused for before any process starts: the uniform mode, a
+    pinned plan whose groups cut the units differently, torchft missing."""
+    if mode == vocabulary.Schedule.UNIFORM:
+        raise ConfigurationError(
+            "CephaloStrategy(fault_tolerance=True, mode='uniform'): when a group is lost, the survivors take its samples "
+            "by the re-plan over them, which gives each rank its device's micro-batch size and so more micro-batches on "
+            "some ranks than on others; the uniform mode runs one micro-batch count on every rank. Use mode='layered' "
+            "(or 'auto' with the layered protocol), or fault_tolerance=False")
+    try:
+        if plan is not None:
+            check_groups_cut_alike(plan)
+        require_torchft()
+    except (ConfigurationError, UnsupportedError) as err:
+        raise type(err)(f"CephaloStrategy(fault_tolerance=True): {err}") from err
+
+
+def check_fit(plan: Plan, group: int | None) -> None:
+    """``Trainer.fit`` under ``CephaloStrategy(fault_tolerance=True)``, at setup: the plan names every
+    group (its shard groups, cut alike) and ``group`` is one of them."""
+    try:
+        check_groups_cut_alike(plan)
+    except ConfigurationError as err:
+        raise ConfigurationError(f"CephaloStrategy(fault_tolerance=True): {err}") from err
+    if group is None or not 0 <= group < len(plan.shard_groups):
+        raise ConfigurationError(
+            f"CephaloStrategy(fault_tolerance=True, replica_group={group!r}): give this node's shard group, 0 to "
+            f"{len(plan.shard_groups) - 1} of the plan's {len(plan.shard_groups)} (replica_group=, or the "
+            "REPLICA_GROUP_ID environment variable)")
+
+
+def local_plan(plan: Plan, group: int) -> Plan:
+    """What one group's ``Trainer`` shards by: the group's ranks, numbered from 0 as one shard group,
+    their batches the global batch apportioned by the group's own (the loader gives every rank the
+    whole global batch; :func:`step_rank_plan` sizes each step's part once the quorum is known)."""
+    members = [plan.ranks[r] for r in plan.shard_groups[group]]
+    sizes = apportion(plan.global_batch_size, [r.batch_size for r in members])
+    ranks = tuple(step_rank_plan(replace(r, rank=i, shard_group=0), size) for i, (r, size) in enumerate(zip(members, sizes)))
+    return replace(plan, ranks=ranks)
+
+
+def step_rank_plan(rank: RankPlan, size: int) -> RankPlan:
+    """``rank`` training ``size`` samples this step: its micro-batch count kept where the samples allow it."""
+    count = min(max(rank.num_micro_batches, 1), size)
+    return replace(rank, batch_size=size, num_micro_batches=count, micro_batch_size=-(-size // count) if count else 0)
+
+
+def group_plan(plan: Plan) -> Plan:
+    """The plan seen one shard group at a time: one rank per group, named by the group's first rank's
+    device, with the group's batch; what the re-plan over the surviving groups starts from."""
+    ranks = []
+    for g, members in enumerate(plan.shard_groups):
+        first = plan.ranks[members[0]]
+        batch = sum(plan.ranks[r].batch_size for r in members)
+        ranks.append(RankPlan(g, first.device, batch, 1, batch, 1.0, shard_group=g))
+    return Plan(plan.global_batch_size, plan.mode, tuple(ranks), model=plan.model, planner=plan.planner,
+                emulated=plan.emulated)
+
+
+def _sum() -> dist.AllreduceOptions:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    return opts
+
+
+def survivors_batches(plan: Plan, participants: Sequence[int], cluster: Cluster | None = None) -> tuple[tuple[int, ...], str]:
+    """Each participating group's samples of the global batch (``participants``: group indices, in the
+    quorum's order; the sum is the global batch), and how they were planned, for the log.
+
+    With ``cluster`` profiling every device of the participants' ranks: the planner's plan for those
+    ranks (:func:`~.elastic.replan`, as an elastic restart re-plans), each group taking its ranks'
+    batches, with the planner's predicted step time (for its own sharding of those devices; the
+    groups keep theirs). Otherwise the plan's own per-group figures (:func:`~.elastic.replan_for_world`
+    on :func:`group_plan`)."""
+    members = [plan.shard_groups[g] for g in participants]
+    devices = [plan.ranks[r].device for ranks in members for r in ranks]
+    if cluster is not None and set(devices) <= {d.name for d in cluster.devices}:
+        new, _ = replan(None, cluster, devices, plan.global_batch_size, plan.mode)
+        batches, at = [], 0
+        for ranks in members:
+            batches.append(sum(r.batch_size for r in new.ranks[at:at + len(ranks)]))
+            at += len(ranks)
+        predicted = f", predicted step {new.predicted_step_s:.3f} s" if new.predicted_step_s is not None else ""
+        return tuple(batches), f"from the cluster file's profiles{predicted}"
+    groups = group_plan(plan)
+    new = replan_for_world(groups, [groups.ranks[g].device for g in participants])
+    return tuple(new.batch_sizes), "from the plan's own per-group figures"
+
+
+@dataclass(frozen=True)
+class StepSlice:
+    """This group's part of step ``step``'s global batch: samples ``[start, start + size)`` of it."""
+
+    step: int
+    start: int
+    size: int
+    participants: tuple[int, ...]  # the groups in the quorum, in its order
+    batches: tuple[int, ...]  # each participant's samples, the re-plan over them
+
+
+def rank_slice(part: StepSlice, weights: Sequence[float], rank: int) -> tuple[int, int]:
+    """This rank's samples of its group's ``part``: ``(start, size)`` in the global batch, the group's
+    samples apportioned over its ranks in proportion to ``weights`` (the in-group plan's batches)."""
+    sizes = apportion(part.size, weights)
+    return part.start + sum(sizes[:rank]), sizes[rank]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a group reaches torchft: the lighthouse (``host:port``, or ``TORCHFT_LIGHTHOUSE``), this
+    group's TCPStore (``MASTER_ADDR``/``MASTER_PORT`` when unset), and the bounds on every wait."""
+
+    lighthouse: str | None = None
+    store_addr: str | None = None
+    store_port: int | None = None
+    timeout: timedelta = timedelta(seconds=30)
+    quorum_timeout: timedelta = timedelta(seconds=60)
+    connect_timeout: timedelta = timedelta(seconds=30)
+    heartbeat_interval: timedelta = timedelta(milliseconds=100)
+    hostname: str | None = None  # what this group's manager advertises to the others (unset: this host's name)
+
+
+class ReplicaGroup:
+    """One shard group (this rank's part of it) as a torchft replica group; see the module notes.
+
+    ``parameters``: this rank's local pieces (what its optimizer steps), the same ranges as rank
+    ``i`` of every other group; ``plan``: every group's ranks (its shard groups are the replica
+    groups, cut alike: :func:`check_groups_cut_alike`); ``group``: this group's index among them;
+    ``cluster``: re-plan the survivors from its profiles (:func:`survivors_batches`);
+    ``sampler_state``/``load_sampler_state``: the data order's position beyond the step (an epoch, a
+    seed), sent to a group that comes back with the weights.
+    """
+
+    def __init__(self, parameters: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer, plan: Plan,
+                 group: int, settings: Settings, *, cluster: Cluster | None = None, rank: int = 0, world_size: int = 1,
+                 sampler_state: Callable[[], dict[str, Any]] = dict,
+                 load_sampler_state: Callable[[dict[str, Any]], None] = lambda state: None) -> None:
+        torchft = require_torchft()
+        from torchft.process_group import ManagedProcessGroup, ProcessGroupGloo
+
+        if not 0 <= group < len(plan.shard_groups):
+            raise ConfigurationError(f"group={group}: the plan has {len(plan.shard_groups)} shard groups (0 to "
+                                     f"{len(plan.shard_groups) - 1}); give this node's group index")
+        check_groups_cut_alike(plan)
+        self.parameters = list(parameters)
+        self.optimizer = optimizer
+        self.plan = plan
+        self.cluster = cluster
+        self.group, self.rank = group, rank
+        self._sampler_state, self._load_sampler_state = sampler_state, load_sampler_state
+        self.manager = torchft.Manager(
+            pg=ProcessGroupGloo(timeout=settings.timeout), load_state_dict=None, state_dict=None, min_replica_size=1,
+            use_async_quorum=False, timeout=settings.timeout, quorum_timeout=settings.quorum_timeout,
+            connect_timeout=settings.connect_timeout, rank=rank, world_size=world_size,
+            store_addr=settings.store_addr, store_port=settings.store_port,
+            lighthouse_addr=settings.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"),
+            replica_id=f"cephalo_group_{group}", heartbeat_interval=settings.heartbeat_interval, init_sync=True,
+            **({"hostname": settings.hostname} if settings.hostname else {}))
+        self.manager.register_state_dict_fn("weights", self._load_weights, self._weights)
+        self.manager.register_state_dict_fn("optimizer", self.optimizer.load_state_dict, self.optimizer.state_dict)
+        self.manager.register_state_dict_fn("sampler", self._load_sampler_state, self._sampler_state)
+        self.managed = ManagedProcessGroup(self.manager)  # the cross-group reduction: quorum-sized, errors reported
+        self._participants: tuple[int, ...] = ()  # the last quorum's groups (a change is re-planned and logged)
+        self._batches: tuple[int, ...] = ()  # their samples of every global batch
+        self.redone = 0  # steps this group started and did not commit (redone at the next quorum)
+        self._part: StepSlice | None = None  # the step in progress
+        self.history: list[tuple[StepSlice, bool]] = []  # every step this group trained: its part, committed
+
+    @property
+    def step(self) -> int:
+        """The committed steps: the sampler's position (the next step trains on global batch ``step``)."""
+        return self.manager.current_step()
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        return {str(i): p.detach() for i, p in enumerate(self.parameters)}
+
+    @torch.no_grad()
+    def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        if len(state) != len(self.parameters):
+            raise RuntimeError(f"a live group sent {len(state)} weight pieces for this rank's {len(self.parameters)}: "
+                               "the groups do not cut the units alike")
+        for i, p in enumerate(self.parameters):
+            p.copy_(state[str(i)])
+
+    def start_step(self) -> StepSlice:
+        """Join this step's quorum (recovering the live state first when this group is behind) and
+        return the part of the step's global batch this group trains on."""
+        self.manager.start_quorum()
+        n, k = self.manager.num_participants(), self.manager.participating_rank()
+        who = torch.zeros(max(n, 1), dtype=torch.float64)
+        if k is not None:
+            who[k] = self.group + 1
+        self.managed.allreduce([who], _sum()).wait()
+        participants = tuple(int(v) - 1 for v in who.tolist())
+        if self.manager.errored() is not None or k is None or min(participants) < 0:
+            # the quorum already broke: this step will not commit; train on the whole batch, dropped later
+            self._part = StepSlice(self.step, 0, self.plan.global_batch_size, (self.group,), (self.plan.global_batch_size,))
+            return self._part
+        if participants != self._participants:
+            self._batches, how = survivors_batches(self.plan, participants, self.cluster)
+            if self.rank == 0:  # once per group
+                log.warning("Cephalo fault tolerance: from step %d the groups %s train the global batch of %d as %s "
+                            "(re-planned over the groups present %s)", self.step, list(participants),
+                            self.plan.global_batch_size, list(self._batches), how)
+            self._participants = participants
+        batches = self._batches
+        self._part = StepSlice(self.step, sum(batches[:k]), batches[k], participants, batches)
+        return self._part
+
+    def reduce_gradients(self) -> None:
+        """Sum every local piece's gradient over the participating groups (the managed process group)."""
+        works = []
+        for p in self.parameters:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            works.append(self.managed.allreduce([p.grad], _sum()))
+        for work in works:
+            work.wait()
+
+    def agree(self) -> bool:
+        """Whether every participating group finished this step (torchft's ``should_commit``, which
+        advances :attr:`step` when it does); when not, the step is redone at the next quorum."""
+        committed = self.manager.should_commit()
+        if self._part is not None:
+            self.history.append((self._part, committed))
+        if not committed:
+            self.redone += 1
+            if self.rank == 0:
+                log.warning("Cephalo fault tolerance: step %d did not commit on group %d (a group was lost mid-step); "
+                            "it is redone over the groups of the next quorum", self.step, self.group)
+        return committed
+
+    def commit(self) -> bool:
+        """Step the optimizer if every participating group finished this step (:meth:`agree`);
+        otherwise drop the gradients, and the step is redone. Returns whether it committed."""
+        committed = self.agree()
+        if committed:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        return committed
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)

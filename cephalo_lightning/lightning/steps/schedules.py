@@ -1,0 +1,58 @@
+"""Which schedule a fit runs, what plans that schedule can run, and how its losses are weighted.
+
+``layered``: the strategy runs the model's layers itself, layer-major over the micro-batches
+(:class:`~.layered_steps.LayeredSteps`); ``uniform``: the user's ``training_step`` once per micro-batch
+(:class:`~.uniform_steps.UniformSteps`), which needs one micro-batch count on every rank. The user asks
+with ``CephaloStrategy(mode=...)``; ``auto`` takes ``layered`` wherever the model has a layered form.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from cephalo_lightning._common import vocabulary
+from cephalo_lightning._common.errors import UnsupportedError
+from cephalo_lightning.lightning.strategy_config import AUTO
+from cephalo_lightning.models import SUPPORTED, Resolution, weighting
+from cephalo_lightning.models.weighting import Decision
+from cephalo_lightning.planner import Plan, PlanningError
+
+
+def decide_schedule(requested: str, resolution: Resolution, module: pl.LightningModule) -> vocabulary.Schedule:
+    """``layered`` when the model has a layered form (or was asked for), else ``uniform``."""
+    layered_ok = resolution.layered is not None
+    manual = not module.automatic_optimization
+    if requested == vocabulary.Schedule.LAYERED and (not layered_ok or manual):
+        why = "manual optimization runs your training_step itself" if manual else resolution.reason
+        raise UnsupportedError(
+            f"mode='layered' is not possible: {why}. Supported: {'; '.join(SUPPORTED)}. Or use mode='uniform'")
+    layered, uniform = vocabulary.Schedule.LAYERED.value, vocabulary.Schedule.UNIFORM.value
+    schedule = requested if requested != AUTO else (layered if layered_ok and not manual else uniform)
+    if requested == AUTO and schedule == vocabulary.Schedule.UNIFORM:
+        why = "manual optimization (automatic_optimization=False)" if manual else resolution.reason
+        rank_zero_info(f"Cephalo: {why}; using the uniform mode (your training_step per micro-batch, one micro-batch "
+                       f"count on every rank). The layered mode supports {'; '.join(SUPPORTED)}.")
+    return schedule  # type: ignore[return-value]
+
+
+def check_plan(plan: Plan, schedule: vocabulary.Schedule, resolution: Resolution, module: pl.LightningModule) -> None:
+    """What the schedule can run: every plan a fit adopts (given, planned at setup, or re-planned)
+    passes here, so none can train on part of its batches."""
+    manual = not module.automatic_optimization
+    if schedule == vocabulary.Schedule.UNIFORM and len(set(plan.num_micro_batches)) > 1:
+        raise PlanningError(
+            f"the plan gives ranks different micro-batch counts {plan.num_micro_batches}, which needs the layered mode "
+            f"(here: {resolution.reason or 'manual optimization'}); re-plan with --mode uniform"
+        )
+    if manual and max(plan.num_micro_batches) > 1:  # the manual step runs training_step on one micro-batch
+        raise PlanningError(
+            f"manual optimization runs your training_step once per step on each rank, but the plan gives ranks "
+            f"{plan.num_micro_batches} micro-batches; re-plan with one micro-batch per rank or use automatic optimization"
+        )
+
+
+def loss_weighting(requested: str, resolution: Resolution, module: pl.LightningModule) -> Decision:
+    """``CephaloStrategy(loss_weighting=...)`` as the steps apply it, with the setup log's words for
+    it: what the model's loss averages over (:func:`cephalo_lightning.models.weighting.choose`)."""
+    return weighting.choose(requested, module, resolution.layered)
