@@ -13,6 +13,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 
 from cephalo_lightning import CephaloStrategy
 from cephalo_lightning._common.errors import UnsupportedError
+from cephalo_lightning.lightning._private import user_sampler
 from cephalo_lightning.runtime.plan_state import PlanState
 from cephalo_lightning.runtime.sampler import planned_loader
 from tests.helpers import trainer
@@ -51,8 +52,9 @@ REFUSED = [
 
 @pytest.mark.parametrize(("make", "named"), [case[1:] for case in REFUSED], ids=[case[0] for case in REFUSED])
 def test_a_custom_sampler_is_refused_naming_it_and_the_fix(make, named):
-    with pytest.raises(UnsupportedError) as err:
-        planned_loader(make(), PlanState(PLAN), 0, shuffle=True, seed=0)
+    loader = make()
+    with pytest.raises(UnsupportedError) as err:  # the sampler as the strategy hands it over
+        planned_loader(loader, PlanState(PLAN), 0, shuffle=True, seed=0, sampler=user_sampler(loader.sampler))
     message = str(err.value)
     assert named in message, message
     assert "would replace" in message and "Subset" in message and "DistributedSampler" in message, message

@@ -1,12 +1,18 @@
-"""The package's shape, checked from its source: imports point one way through the layers, no
-modules import each other in a circle, schedules and collective modes are named by their enums,
-and every Lightning override says so with ``@override``.
+"""The package's shape, checked from its source: imports point one way through the layers and
+through the rooms inside them, no modules import each other in a circle, no two modules share a
+name, no folder grows past a reader's glance, schedules and collective modes are named by their
+enums, private Lightning names are reached from one module only, and every Lightning override
+says so with ``@override``.
 
-Layers, lowest first: ``_common`` <- ``planner`` <- ``runtime`` (and ``testing``) <- ``profiling``
+Layers, lowest first: ``_common`` <- ``planner`` (and ``testing``) <- ``runtime`` <- ``profiling``
 <- ``models`` <- the Lightning layer (``lightning/`` and the top-level modules, ``demo``,
-``configs``). A module may import its own layer and the layers below it, never one above. Within a
-layer, the module import graph (every import: module level, inside functions, under
-``TYPE_CHECKING``) has no circle: its strongly connected components are single modules.
+``configs``). A module may import its own layer and the layers below it, never one above. Two layers
+have rooms, lowest first, with the same rule between them (``ROOMS``): the planner's
+``spec`` <- ``cost`` <- ``search`` <- its public surface (``planning``, ``why``, ``report``, ...), and
+the Lightning layer's base modules (``_private``, ``strategy_config``) <- ``steps`` <- ``fit`` <-
+``callback`` <- ``strategy`` <- ``cli``. Within a layer, the module import graph (every import:
+module level, inside functions, under ``TYPE_CHECKING``) has no circle: its strongly connected
+components are single modules.
 """
 
 from __future__ import annotations
@@ -27,6 +33,13 @@ LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 NO_TORCH = ("_common", "planner")
 NO_LIGHTNING = ("_common", "planner", "runtime", "testing", "profiling", "models")
 PRIVATE_HOME = "lightning/_private.py"
+# Rooms inside a layer, lowest first; a layer's modules outside every room (its public surface) sit on top.
+ROOMS = {
+    "planner": {"spec": 0, "cost": 1, "search": 2},
+    "lightning": {"_private": 0, "strategy_config": 0, "steps": 1, "fit": 2, "callback": 3, "strategy": 4},
+}
+SURFACE = 9  # the room of a layer's modules outside ``ROOMS`` (and of its package's ``__init__``)
+MAX_MODULES = 15  # modules in one folder: more and the tree no longer shows what is where
 
 
 def _module_name(path: Path) -> str:
@@ -56,6 +69,13 @@ def _layer(module: str) -> int:
     return LAYERS.get(parts[1], TOP) if len(parts) > 1 else TOP
 
 
+def _room(module: str) -> int:
+    """The room of a module inside its layer (``SURFACE`` for the layer's public surface)."""
+    parts = module.split(".")
+    rooms = ROOMS.get(parts[1], {}) if len(parts) > 1 else {}
+    return rooms.get(parts[2], SURFACE) if len(parts) > 2 else SURFACE
+
+
 def _sources() -> list[Path]:
     return sorted(PACKAGE.rglob("*.py"))
 
@@ -76,6 +96,51 @@ def test_imports_point_one_way_through_the_layers():
                 elif target == NAME and own < TOP:
                     wrong.append(f"{_where(path)}:{line} imports the top-level package")
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def test_imports_point_one_way_through_the_rooms_of_a_layer():
+    """Inside the planner and the Lightning layer, a module imports its own room and the rooms below
+    it (``ROOMS``); the public surface on top may import every room."""
+    modules = {_module_name(path) for path in _sources()}
+    wrong = []
+    for path in _sources():
+        module = _module_name(path)
+        for line, target, names in _imports(path):
+            named = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules]
+            for each in named or [target]:
+                same_layer = each.split(".")[:2] == module.split(".")[:2] and len(module.split(".")) > 2
+                if each.startswith(f"{NAME}.") and same_layer and _room(each) > _room(module):
+                    wrong.append(f"{_where(path)}:{line} imports {each} (a room above)")
+    assert not wrong, "imports against the rooms (ROOMS):\n" + "\n".join(wrong)
+
+
+def test_the_rooms_named_exist():
+    """A room in ``ROOMS`` is a subpackage or a module of its layer: a renamed room cannot leave its
+    modules unchecked."""
+    missing = [f"{layer}/{room}" for layer, rooms in ROOMS.items() for room in rooms
+               if not (PACKAGE / layer / room).is_dir() and not (PACKAGE / layer / f"{room}.py").is_file()]
+    assert not missing, f"ROOMS names what the tree does not have: {missing}"
+
+
+def test_no_two_modules_share_a_name():
+    """A module's file name says which one it is wherever it is quoted (a traceback, a log line, a
+    review): no two modules, and no module and package, share a name."""
+    names: dict[str, list[str]] = {}
+    for path in _sources():
+        if path.name not in ("__init__.py", "__main__.py"):
+            names.setdefault(path.stem, []).append(_where(path))
+    for folder in PACKAGE.rglob("*"):
+        if folder.is_dir() and (folder / "__init__.py").is_file():
+            names.setdefault(folder.name, []).append(_where(folder) + "/")
+    repeated = {name: where for name, where in names.items() if len(where) > 1}
+    assert not repeated, "names used more than once (rename one):\n" + "\n".join(
+        f"{name}: {', '.join(where)}" for name, where in sorted(repeated.items()))
+
+
+def test_no_folder_holds_more_modules_than_a_glance_takes():
+    crowded = {_where(folder) or ".": count for folder in [PACKAGE, *PACKAGE.rglob("*")] if folder.is_dir()
+               and (count := len([p for p in folder.glob("*.py") if p.name != "__init__.py"])) > MAX_MODULES}
+    assert not crowded, f"folders with more than {MAX_MODULES} modules (split them into rooms): {crowded}"
 
 
 # ----------------------------------------------------------------------------- import circles
@@ -174,6 +239,42 @@ def test_only_the_private_module_imports_private_lightning():
             if private:
                 wrong.append(f"{_where(path)}:{line} imports {module} {', '.join(names)}")
     assert not wrong, f"private Lightning imports outside {PRIVATE_HOME}:\n" + "\n".join(wrong)
+
+
+def _lightning_private_names() -> set[str]:
+    """Every private name Lightning's source defines: its ``_modules``, ``_functions``, ``_Classes``
+    and the ``self._attributes`` it assigns (dunders are Python's, not Lightning's)."""
+    import lightning
+
+    names = set()
+    for path in Path(lightning.__file__).parent.rglob("*.py"):
+        names.add(path.stem)
+        for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return {n for n in names if n.startswith("_") and n.strip("_") and not (n.startswith("__") and n.endswith("__"))}
+
+
+def test_no_private_lightning_name_is_reached_through_a_string():
+    """``getattr(x, "_name")`` or ``"lightning.x._y"`` reaches a private Lightning name as surely as an
+    import does, but no import check sees it: outside the private module, no string literal spells a
+    private name Lightning defines, or a dotted Lightning path with a private part."""
+    private = _lightning_private_names()
+    wrong = []
+    for path in _sources():
+        if _where(path) == PRIVATE_HOME:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+                continue
+            dotted = node.value.split(".")
+            if node.value in private or (dotted[0] in LIGHTNING and any(p.startswith("_") for p in dotted[1:])):
+                wrong.append(f"{_where(path)}:{node.lineno} {node.value!r}")
+    assert not wrong, f"private Lightning names reached through strings outside {PRIVATE_HOME}:\n" + "\n".join(wrong)
 
 
 # ----------------------------------------------------------------------------- closed vocabularies

@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl
+from lightning.fabric.utilities.distributed import _DatasetSamplerWrapper as DatasetSamplerWrapper
 from lightning.fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device as default_process_group_backend,
@@ -169,3 +170,11 @@ def checkpoint_callback_settings(callback: Any) -> dict[str, Any]:
     """What WandbLogger puts in a checkpoint artifact's metadata about the callback that wrote it."""
     keys = ("monitor", "mode", "save_last", "save_top_k", "save_weights_only", "_every_n_train_steps")
     return {k: getattr(callback, k) for k in keys if hasattr(callback, k)}
+
+
+def user_sampler(sampler: Any) -> Any:
+    """The sampler the user gave a DataLoader, seen through Lightning's ``DistributedSamplerWrapper``
+    (which deals out a custom sampler's indices as a dataset: a private ``_DatasetSamplerWrapper``
+    holding it as ``_sampler``), or ``sampler`` itself when Lightning did not wrap it."""
+    dataset = getattr(sampler, "dataset", None)
+    return dataset._sampler if isinstance(dataset, DatasetSamplerWrapper) else sampler

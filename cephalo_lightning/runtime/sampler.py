@@ -166,12 +166,9 @@ _SAMPLING_FIX = (
 )
 
 
-def _user_sampler(dataloader: DataLoader) -> Sampler | None:
-    """The sampler the user gave, seen through Lightning's distributed wrapper, or None if it is a default."""
-    sampler = dataloader.sampler
-    if isinstance(sampler, DistributedSampler) and sampler.dataset is not dataloader.dataset:
-        # Lightning's DistributedSamplerWrapper: a custom sampler's indices, dealt out as a dataset
-        return getattr(sampler.dataset, "_sampler", sampler)
+def _user_sampler(sampler: Sampler) -> Sampler | None:
+    """The sampler the user gave, or None if it is a default (``sampler``: the loader's, seen through a
+    launcher's distributed wrapper by the caller, who knows the launcher)."""
     if type(sampler) is RandomSampler and (sampler.replacement or sampler._num_samples is not None):
         return sampler
     if type(sampler) in (SequentialSampler, RandomSampler, DistributedSampler):
@@ -179,16 +176,17 @@ def _user_sampler(dataloader: DataLoader) -> Sampler | None:
     return sampler
 
 
-def check_sampling(dataloader: DataLoader) -> None:
+def check_sampling(dataloader: DataLoader, sampler: Sampler | None = None) -> None:
     """Refuse a training DataLoader whose sampler or batch sampler the planned loader would replace:
-    training on samples the user's sampler would never draw is a silent change of the data."""
+    training on samples the user's sampler would never draw is a silent change of the data.
+    ``sampler``: the loader's sampler as the user gave it (default: ``dataloader.sampler``)."""
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         raise UnsupportedError(
             f"the training DataLoader has a custom batch_sampler ({type(batch_sampler).__qualname__}), which "
             f"CephaloStrategy would replace, training on batches it never forms. {_SAMPLING_FIX}; then give the "
             "DataLoader a batch_size instead of the batch_sampler")
-    sampler = _user_sampler(dataloader)
+    sampler = _user_sampler(dataloader.sampler if sampler is None else sampler)
     if sampler is not None:
         detail = " with replacement or num_samples" if type(sampler) is RandomSampler else ""
         raise UnsupportedError(
@@ -198,9 +196,10 @@ def check_sampling(dataloader: DataLoader) -> None:
 
 
 def planned_loader(dataloader: DataLoader, plan_state: PlanState, rank: int, *, shuffle: bool, seed: int,
-                   whole: bool = False) -> PlannedDataLoader:
+                   whole: bool = False, sampler: Sampler | None = None) -> PlannedDataLoader:
     """``dataloader`` re-cut so this rank takes its slice of every global batch of ``plan_state``
-    (``whole``: the whole global batch, which the strategy cuts once the step's quorum is known)."""
+    (``whole``: the whole global batch, which the strategy cuts once the step's quorum is known;
+    ``sampler``: the loader's sampler as the user gave it, which a launcher may have wrapped)."""
     dataset = dataloader.dataset
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise UnsupportedError(
@@ -208,7 +207,7 @@ def planned_loader(dataloader: DataLoader, plan_state: PlanState, rank: int, *, 
             f"dataset is a {type(dataset).__name__} without indices (an IterableDataset or no __len__). Use a "
             "map-style Dataset (with __len__ and __getitem__), e.g. by materialising or indexing the stream"
         )
-    check_sampling(dataloader)
+    check_sampling(dataloader, sampler)
     sampler = PlannedBatchSampler(len(dataset), plan_state, rank, shuffle=shuffle, seed=seed, whole=whole)
     if sampler.dropped_per_epoch and rank == 0:
         which = "different samples each epoch (reshuffled)" if shuffle else "the SAME last samples every epoch (no shuffling)"

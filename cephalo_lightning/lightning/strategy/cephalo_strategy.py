@@ -39,6 +39,7 @@ from cephalo_lightning.lightning._private import (
     set_steps_done,
     stop_at_batch_end,
     sync_ddp_if_available,
+    user_sampler,
 )
 from cephalo_lightning.lightning.callback.plain_progress import use_progress_lines
 from cephalo_lightning.lightning.fit import loggers, plan_resolution
@@ -274,7 +275,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         if self._replica is not None:
             self._replica.check_data_seed(seed, shuffles(dataloader))
         self._loader = planned_loader(dataloader, self.fit_runtime.plan_state, self.global_rank,
-                                      shuffle=shuffles(dataloader), seed=seed, whole=self._replica is not None)
+                                      shuffle=shuffles(dataloader), seed=seed, whole=self._replica is not None,
+                                      sampler=user_sampler(dataloader.sampler))
         return self._loader
 
     @override

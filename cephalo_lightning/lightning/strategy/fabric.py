@@ -45,7 +45,7 @@ from typing_extensions import override
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning._common.vocabulary import Schedule
-from cephalo_lightning.lightning._private import BackwardSyncControl
+from cephalo_lightning.lightning._private import BackwardSyncControl, user_sampler
 from cephalo_lightning.lightning.fit.plan_resolution import check_loader_batch, data_seed
 from cephalo_lightning.lightning.strategy_config import AUTO, COLLECTIVES, CollectiveChoice, check_flag
 from cephalo_lightning.planner import Plan
@@ -222,7 +222,8 @@ class CephaloFabricStrategy(DDPStrategy):
         seed = data_seed(self.seed, os.environ)
         if seed is None:  # one order on every rank: rank 0's
             seed = int(self.broadcast(torch.initial_seed() % 2**31))
-        return planned_loader(dataloader, PlanState(plan), self.global_rank, shuffle=shuffles(dataloader), seed=seed)
+        return planned_loader(dataloader, PlanState(plan), self.global_rank, shuffle=shuffles(dataloader), seed=seed,
+                              sampler=user_sampler(dataloader.sampler))
 
     # --------------------------------------------------------------------------- checkpoints
 
