@@ -52,7 +52,7 @@ from cephalo_lightning.planner.cost.calibration_fit import (  # noqa: E402 - tor
     predicted_collective_s,
 )
 from cephalo_lightning.planner.cost.cluster_cost import predicted_busy_s  # noqa: E402 - torch-free
-from cephalo_lightning.planner.spec.cluster import cluster_to_dict  # noqa: E402 - torch-free
+from cephalo_lightning.planner.schema.cluster import cluster_to_dict  # noqa: E402 - torch-free
 
 
 @dataclass(frozen=True)
@@ -446,7 +446,7 @@ def print_calibration(result: dict[str, Any]) -> None:
     for c in result["clusters"]:
         if "failed" not in c:
             from cephalo_lightning.planner.cost.calibration import describe
-            from cephalo_lightning.planner.spec.calibration_terms import Calibration
+            from cephalo_lightning.planner.schema.calibration_terms import Calibration
 
             cal = dict(c["calibration"])
             cal["compute_scale"] = tuple(cal["compute_scale"])

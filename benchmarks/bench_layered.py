@@ -79,7 +79,7 @@ def _tokens(cfg: Config, batch: int, seed: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def _micro_batches(x: torch.Tensor, y: torch.Tensor, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    from cephalo_lightning.planner.spec.plan import split_sizes
+    from cephalo_lightning.planner.schema.plan import split_sizes
 
     xs, ys, start = [], [], 0
     for size in split_sizes(x.size(0), n):

@@ -36,8 +36,8 @@ from typing import Any
 
 from benchmarks.harness import Benchmark
 from cephalo_lightning.planner import Cluster, load_cluster, plan
+from cephalo_lightning.planner.schema.limits import MAX_GLOBAL_BATCH
 from cephalo_lightning.planner.search.peers import BASELINES
-from cephalo_lightning.planner.spec.limits import MAX_GLOBAL_BATCH
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_FILE = ROOT / "configs" / "clusters" / "hetero-64.yaml"

@@ -54,7 +54,7 @@ from cephalo_lightning.planner import (
     load_cluster,  # noqa: E402 - torch-free
     plan,  # noqa: E402 - torch-free
 )
-from cephalo_lightning.planner.spec.limits import MAX_GLOBAL_BATCH  # noqa: E402
+from cephalo_lightning.planner.schema.limits import MAX_GLOBAL_BATCH  # noqa: E402
 
 CLUSTERS = ROOT / "configs" / "clusters"
 KINDS = ["h100", "a100-80gb", "a100-40gb", "l40s", "a6000", "v100-32gb", "l4", "t4"]

@@ -1,7 +1,7 @@
 """What-if planning, offline: which mixed cluster trains GPT-2.7B or a 7B Llama shape fastest?
 
 Nothing is measured and no GPU is needed: every cluster is described by GPU catalog names and
-counts (``cephalo_lightning/planner/spec/catalog.py``: public datasheet figures plus a documented FLOP
+counts (``cephalo_lightning/planner/schema/catalog.py``: public datasheet figures plus a documented FLOP
 and memory model), and the planner chooses every GPU's batch, micro-batches and state share. The
 table compares each Cephalo plan with the planner's two baselines:
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cephalo_lightning.planner.cost.collective_prices import UNEVEN_SLOPE  # a constant of the model, not the solver
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
 
 GIB = 2.0**30
 

@@ -14,9 +14,9 @@ import pytest
 
 from cephalo_lightning.__main__ import main as module_main
 from cephalo_lightning.lightning.cli import main as train_main
-from cephalo_lightning.planner.spec.cluster import cluster_from_dict, load_cluster
-from cephalo_lightning.planner.spec.plan import Plan
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.cluster import cluster_from_dict, load_cluster
+from cephalo_lightning.planner.schema.plan import Plan
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 from cephalo_lightning.profiling.cache import read_cached
 
 ROOT = Path(__file__).resolve().parents[1]

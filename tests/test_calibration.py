@@ -13,10 +13,10 @@ import torch
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, load_cluster, plan, save_cluster
 from cephalo_lightning.planner.cost.calibration import with_calibration
 from cephalo_lightning.planner.cost.calibration_fit import StepObservation, fit_calibration, predicted, predicted_collective_s
+from cephalo_lightning.planner.schema.calibration_terms import Calibration
+from cephalo_lightning.planner.schema.cluster import cluster_to_dict
+from cephalo_lightning.planner.schema.plan import Plan
 from cephalo_lightning.planner.search.assemble import rank_plans
-from cephalo_lightning.planner.spec.calibration_terms import Calibration
-from cephalo_lightning.planner.spec.cluster import cluster_to_dict
-from cephalo_lightning.planner.spec.plan import Plan
 from tests.planner_reference import brute_force, calibrated_by_hand, rank_times
 from tests.test_planner import random_cluster
 

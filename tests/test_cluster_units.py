@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from cephalo_lightning.planner import cluster_from_dict, load_cluster, plan
-from cephalo_lightning.planner.spec.bandwidth import BandwidthError
+from cephalo_lightning.planner.schema.bandwidth import BandwidthError
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"name": "llama-1b", "num_layers": 16, "parameters": 1_100_000_000, "hidden_size": 2048, "seq_len": 1024}

@@ -194,10 +194,10 @@ def test_the_architecture_page_indexes_every_note_in_the_code():
 def test_the_cluster_page_lists_every_catalog_gpu_and_every_cluster_file_key():
     from dataclasses import fields
 
-    from cephalo_lightning.planner.spec.bandwidth import SPELLED_KEYS
-    from cephalo_lightning.planner.spec.catalog import CATALOG
-    from cephalo_lightning.planner.spec.cluster import _DEVICE_KEYS
-    from cephalo_lightning.planner.spec.cluster_spec import ModelSpec, Settings
+    from cephalo_lightning.planner.schema.bandwidth import SPELLED_KEYS
+    from cephalo_lightning.planner.schema.catalog import CATALOG
+    from cephalo_lightning.planner.schema.cluster import _DEVICE_KEYS
+    from cephalo_lightning.planner.schema.cluster_spec import ModelSpec, Settings
 
     page = (ROOT / "docs" / "cluster.md").read_text()
     reference = (ROOT / "docs" / "reference" / "cluster-file.md").read_text()

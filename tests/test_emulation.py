@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from cephalo_lightning.planner.spec.cluster_spec import Emulation
+from cephalo_lightning.planner.schema.cluster_spec import Emulation
 from cephalo_lightning.runtime.emulation.emulator import (
     DeviceEmulator,
     EmulationSpecError,

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from cephalo_lightning.planner.spec.cluster import (
+from cephalo_lightning.planner.schema.cluster import (
     EmulationSpecError,
     PlanningError,
     cluster_from_dict,
     load_cluster,
     save_cluster,
 )
-from cephalo_lightning.planner.spec.cluster_spec import Emulation
+from cephalo_lightning.planner.schema.cluster_spec import Emulation
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, parse_emulation_specs
 from cephalo_lightning.runtime.emulation.links import EmulatedLinks, links_from_emulation
 

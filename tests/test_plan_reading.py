@@ -31,8 +31,8 @@ from cephalo_lightning.planner.report import (
     render_plan,
     summary_lines,
 )
+from cephalo_lightning.planner.schema.plan import Binding
 from cephalo_lightning.planner.search.peers import BASELINE_GROUPINGS, BASELINES
-from cephalo_lightning.planner.spec.plan import Binding
 
 LAYERS = 4
 

@@ -15,8 +15,8 @@ import pytest
 from cephalo_lightning.planner import Cluster, Plan, PlanningError, cluster_from_dict, evaluate, load_cluster, plan, save_cluster
 from cephalo_lightning.planner.command import main as cli_main
 from cephalo_lightning.planner.report import render_plan
-from cephalo_lightning.planner.spec.catalog import known_names, lookup
-from cephalo_lightning.planner.spec.cluster import cluster_to_dict
+from cephalo_lightning.planner.schema.catalog import known_names, lookup
+from cephalo_lightning.planner.schema.cluster import cluster_to_dict
 from tests.conftest import HANG_TIMEOUT_S
 from tests.planner_reference import brute_force, memory_ok, rank_times
 
@@ -143,7 +143,7 @@ def test_repeated_gather_fraction_round_trips_through_a_cluster_file_and_refuses
 def with_extras(cluster: Cluster, rng: random.Random, stash: bool, cores: bool) -> Cluster:
     """The same cluster with a stash kept on the device (bytes per sample of the order of a sample's
     compute memory) and / or every rank on one host of a few cores, emulated slowdowns 1 to 4."""
-    from cephalo_lightning.planner.spec.cluster_spec import Emulation
+    from cephalo_lightning.planner.schema.cluster_spec import Emulation
 
     settings, model, devices = cluster.settings, cluster.model, cluster.devices
     if stash:

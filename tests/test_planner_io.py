@@ -12,7 +12,7 @@ import pytest
 from cephalo_lightning.planner import ModelSummary, Plan, PlanningError, cluster_from_dict, load_cluster, plan
 from cephalo_lightning.planner.command import main as cli_main
 from cephalo_lightning.planner.cost.device_cost import DeviceCost
-from cephalo_lightning.planner.spec.convert import convert_release, latency_series, memory_series, release_cluster
+from cephalo_lightning.planner.schema.convert import convert_release, latency_series, memory_series, release_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = ROOT / "configs" / "clusters"

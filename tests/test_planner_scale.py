@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, load_cluster, plan
-from cephalo_lightning.planner.spec.limits import MAX_GLOBAL_BATCH, MAX_RANKS
+from cephalo_lightning.planner.schema.limits import MAX_GLOBAL_BATCH, MAX_RANKS
 from tests.conftest import HANG_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[1]

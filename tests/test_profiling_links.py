@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cephalo_lightning.planner.spec.cluster import cluster_to_dict
-from cephalo_lightning.planner.spec.cluster_spec import Emulation, Settings
+from cephalo_lightning.planner.schema.cluster import cluster_to_dict
+from cephalo_lightning.planner.schema.cluster_spec import Emulation, Settings
 from cephalo_lightning.profiling import ClusterProfiler, ProfileOptions
 from cephalo_lightning.profiling.collective_timing import CollectiveProfile
 from cephalo_lightning.profiling.devices import measured_settings

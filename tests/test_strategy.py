@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from cephalo_lightning import CephaloStrategy, Plan, PlanningError
-from cephalo_lightning.planner.spec.plan import ModelSummary, RankPlan
+from cephalo_lightning.planner.schema.plan import ModelSummary, RankPlan
 from cephalo_lightning.runtime import checkpoint
 from tests.conftest import clean_env, failure_report
 from tests.distributed import run_distributed

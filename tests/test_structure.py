@@ -8,7 +8,7 @@ Layers, lowest first: ``_common`` <- ``planner`` (and ``testing``) <- ``runtime`
 <- ``models`` <- the Lightning layer (``lightning/`` and the top-level modules, ``demo``,
 ``configs``). A module may import its own layer and the layers below it, never one above. Two layers
 have rooms, lowest first, with the same rule between them (``ROOMS``): the planner's
-``spec`` <- ``cost`` <- ``search`` <- its public surface (``planning``, ``why``, ``report``, ...), and
+``schema`` <- ``cost`` <- ``search`` <- its public surface (``planning``, ``why``, ``report``, ...), and
 the Lightning layer's base modules (``_private``, ``strategy_config``) <- ``steps`` <- ``fit`` <-
 ``callback`` <- ``strategy`` <- ``cli``. Within a layer, the module import graph (every import:
 module level, inside functions, under ``TYPE_CHECKING``) has no circle: its strongly connected
@@ -35,7 +35,7 @@ NO_LIGHTNING = ("_common", "planner", "runtime", "testing", "profiling", "models
 PRIVATE_HOME = "lightning/_private.py"
 # Rooms inside a layer, lowest first; a layer's modules outside every room (its public surface) sit on top.
 ROOMS = {
-    "planner": {"spec": 0, "cost": 1, "search": 2},
+    "planner": {"schema": 0, "cost": 1, "search": 2},
     "lightning": {"_private": 0, "strategy_config": 0, "steps": 1, "fit": 2, "callback": 3, "strategy": 4},
 }
 SURFACE = 9  # the room of a layer's modules outside ``ROOMS`` (and of its package's ``__init__``)

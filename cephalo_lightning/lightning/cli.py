@@ -233,7 +233,7 @@ def profile_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-output", default=None, help="also write the plan JSON here")
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     rest = [arg for config in args.config for arg in ("--config", config)] + rest
-    from cephalo_lightning.planner.spec.files import check_writable
+    from cephalo_lightning.planner.schema.files import check_writable
 
     check_writable(args.output, "-o")  # before the profile, not after it
     if args.plan_output:

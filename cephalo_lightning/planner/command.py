@@ -14,10 +14,10 @@ from typing import Any
 from cephalo_lightning._common.help_text import PlainHelpFormatter
 from cephalo_lightning._common.vocabulary import Grouping, Planner, Schedule, values_of
 from cephalo_lightning.planner.planning import plan
+from cephalo_lightning.planner.schema.cluster import cluster_from_dict, load_cluster, save_cluster
+from cephalo_lightning.planner.schema.files import check_writable, write_error
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 from cephalo_lightning.planner.search.input_checks import PLANNERS
-from cephalo_lightning.planner.spec.cluster import cluster_from_dict, load_cluster, save_cluster
-from cephalo_lightning.planner.spec.files import check_writable, write_error
-from cephalo_lightning.planner.spec.planning_error import PlanningError
 
 
 class _DeprecatedAlias(argparse.Action):
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             require_matplotlib()  # before the planning, not after it
         if converting:
             check_writable(args.cluster_output, "--cluster-output")
-            from cephalo_lightning.planner.spec.convert import convert_release, parse_gpus
+            from cephalo_lightning.planner.schema.convert import convert_release, parse_gpus
 
             data = convert_release(args.latencies, args.memory, model=args.model, num_layers=args.num_layers,
                                    gpus=parse_gpus(args.gpus), seq_len=args.seq_len, dtype=args.dtype,

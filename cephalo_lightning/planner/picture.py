@@ -19,9 +19,9 @@ from typing import Any
 
 from cephalo_lightning._common.vocabulary import Planner
 from cephalo_lightning.planner.planning import plan as make_plan
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.plan import Binding, Plan
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.plan import Binding, Plan
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 MAX_RANKS = 128  # bars beyond this are unreadable: the picture shows the first ones and says so
 COLOURS = {Binding.COMPUTE: "tab:blue", Binding.MEMORY: "tab:red", Binding.LINK: "tab:orange",

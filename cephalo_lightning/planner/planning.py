@@ -15,6 +15,9 @@ from dataclasses import replace
 
 from cephalo_lightning._common.vocabulary import Planner, Schedule
 from cephalo_lightning.planner.cost.calibration import calibrated
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.plan import Plan
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 from cephalo_lightning.planner.search.assemble import model_summary, rank_plans
 from cephalo_lightning.planner.search.baselines import upper_bound_samples_per_s
 from cephalo_lightning.planner.search.best_grouping import solve_groupings
@@ -22,9 +25,6 @@ from cephalo_lightning.planner.search.input_checks import check_groupings, check
 from cephalo_lightning.planner.search.peers import compute_baselines
 from cephalo_lightning.planner.search.problem import Problem
 from cephalo_lightning.planner.search.shared_host import SHARED_HOST_REFINE_RANKS, refine_on_shared_host, shared_host_lower_ms
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.plan import Plan
-from cephalo_lightning.planner.spec.planning_error import PlanningError
 from cephalo_lightning.planner.why import explain
 
 

@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from cephalo_lightning._common.vocabulary import ProfileSource
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.plan import Plan, RankPlan
 from cephalo_lightning.planner.search.peers import BASELINE_GROUPINGS
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.plan import Plan, RankPlan
 
 LEGEND = ("legend: n x m = n micro-batches of m samples (kept: no recompute); state share = the rank's part of its "
           "shard group's training state; memory used/limit/cap = predicted peak/usable/total")

@@ -33,8 +33,8 @@ from cephalo_lightning.planner.cost.calibration import calibrated
 from cephalo_lightning.planner.cost.cluster_cost import collective_ms
 from cephalo_lightning.planner.cost.device_cost import DeviceCost, kind_costs, step_ms
 from cephalo_lightning.planner.cost.prices import Prices
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.plan import Binding, RankPlan
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.plan import Binding, RankPlan
 
 TOLERANCE = 1e-3  # a rank within this fraction of the plan's step sets it
 

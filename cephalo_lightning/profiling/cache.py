@@ -17,9 +17,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cephalo_lightning.planner.spec.cluster import load_cluster, save_cluster
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.cluster import load_cluster, save_cluster
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.layered import Layer
 from cephalo_lightning.runtime.sharding.flat_unit import full_shape

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cephalo_lightning._common.units import GIB
-from cephalo_lightning.planner.spec.cluster_spec import DeviceProfile, Emulation, Settings
+from cephalo_lightning.planner.schema.cluster_spec import DeviceProfile, Emulation, Settings
 from cephalo_lightning.profiling.collective_timing import CollectiveProfile, uneven_slope
 from cephalo_lightning.profiling.model import ModelProfile
 from cephalo_lightning.profiling.profiling_error import ProfilingError

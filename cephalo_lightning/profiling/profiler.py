@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning.planner.spec.cluster import cluster_from_dict, cluster_to_dict
-from cephalo_lightning.planner.spec.cluster_spec import Cluster, Settings
+from cephalo_lightning.planner.schema.cluster import cluster_from_dict, cluster_to_dict
+from cephalo_lightning.planner.schema.cluster_spec import Cluster, Settings
 from cephalo_lightning.profiling.cache import cache_path, fingerprint, read_cached, structure, write_cached
 from cephalo_lightning.profiling.collective_timing import (
     CollectiveProfile,

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from cephalo_lightning._common.vocabulary import Collective
-from cephalo_lightning.planner.spec.cluster_spec import Emulation
+from cephalo_lightning.planner.schema.cluster_spec import Emulation
 from cephalo_lightning.profiling.collective_timing import time_op
 from cephalo_lightning.profiling.options import ProfileOptions
 from cephalo_lightning.runtime.collectives import Collectives

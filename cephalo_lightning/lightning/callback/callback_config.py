@@ -20,8 +20,8 @@ from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.vocabulary import Schedule, values_of
 from cephalo_lightning.lightning.strategy_config import check_flag
 from cephalo_lightning.planner import PlanningError, Settings
-from cephalo_lightning.planner.spec.cluster import parse_settings
-from cephalo_lightning.planner.spec.files import check_writable
+from cephalo_lightning.planner.schema.cluster import parse_settings
+from cephalo_lightning.planner.schema.files import check_writable
 
 MODES = (None, *values_of(Schedule))
 

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from cephalo_lightning._common.vocabulary import ProfileSource
 from cephalo_lightning.lightning import _private as _lightning_private
 from cephalo_lightning.planner import Cluster, Plan, save_cluster
-from cephalo_lightning.planner.spec.plan import UNPROFILED
+from cephalo_lightning.planner.schema.plan import UNPROFILED
 
 PLAN_COLUMNS = ["rank", "device", "batch", "micro_batches", "micro_batch_size", "state_share",
                 "predicted_step_s", "predicted_memory_gb", "memory_capacity_gb", "source"]

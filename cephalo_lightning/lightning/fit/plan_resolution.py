@@ -27,7 +27,7 @@ from cephalo_lightning.lightning.fit import elastic
 from cephalo_lightning.lightning.strategy_config import MAX_SEED, StrategyConfig
 from cephalo_lightning.planner import Cluster, Plan, PlanningError
 from cephalo_lightning.planner import plan as make_plan
-from cephalo_lightning.planner.spec.plan import UNPROFILED
+from cephalo_lightning.planner.schema.plan import UNPROFILED
 from cephalo_lightning.runtime.distributed import gather_objects, is_distributed
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
 from cephalo_lightning.runtime.sharding.flat_unit import full_shape

@@ -4,7 +4,7 @@ The profile measures each layer alone; a training step also pays what no single 
 framework's per-step work, each extra micro-batch's overhead as run, the collectives as the run
 issues them (and how much of them hides behind compute), and ranks competing for a shared host.
 :func:`cephalo_lightning.planner.cost.calibration_fit.fit_calibration` fits these from a run's measured spans
-(:class:`~cephalo_lightning.planner.spec.calibration_terms.Calibration`); this module folds them into an
+(:class:`~cephalo_lightning.planner.schema.calibration_terms.Calibration`); this module folds them into an
 ordinary cluster, so the cost model, the solver (and its certified gap) and
 ``python -m cephalo_lightning plan`` all price the run as run::
 
@@ -36,9 +36,9 @@ from dataclasses import replace
 from typing import Any
 
 from cephalo_lightning.planner.cost.collective_prices import communication, link_prices
-from cephalo_lightning.planner.spec.calibration_terms import Calibration
-from cephalo_lightning.planner.spec.cluster_spec import Cluster, Settings
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.calibration_terms import Calibration
+from cephalo_lightning.planner.schema.cluster_spec import Cluster, Settings
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 FITTED_ZERO_MS = 1e-6  # a fitted collective time of 0 on a cluster of several nodes (see calibrated)
 

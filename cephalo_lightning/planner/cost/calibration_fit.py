@@ -1,4 +1,4 @@
-"""Fit a :class:`~cephalo_lightning.planner.spec.calibration_terms.Calibration` to measured steps (torch-free).
+"""Fit a :class:`~cephalo_lightning.planner.schema.calibration_terms.Calibration` to measured steps (torch-free).
 
 What a run measures per step, on every rank, without extra instrumentation: the step's wall time
 (the same on every rank, as every step ends in collectives), the rank's busy time (its compute
@@ -38,10 +38,10 @@ from cephalo_lightning.planner.cost.cluster_cost import collective_ms, evaluate_
 from cephalo_lightning.planner.cost.collective_prices import communication
 from cephalo_lightning.planner.cost.device_cost import kind_costs
 from cephalo_lightning.planner.cost.prices import Prices
-from cephalo_lightning.planner.spec.calibration_terms import Calibration, same_grouping
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.plan import Plan
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.calibration_terms import Calibration, same_grouping
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.plan import Plan
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 HELD_WEIGHT = 0.1  # the first stage's pull on the collectives and the overlap (see fit_calibration)
 PRIOR_WEIGHT = 1e-6  # relative pull towards the profile's terms: decides only what the data leave open

@@ -42,8 +42,8 @@ from cephalo_lightning.planner.cost.calibration import calibrated
 from cephalo_lightning.planner.cost.collective_prices import communication, link_prices, single_group
 from cephalo_lightning.planner.cost.device_cost import DeviceCost, kind_costs, slowdown_of, step_ms
 from cephalo_lightning.planner.cost.prices import Prices
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.plan import Plan
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.plan import Plan
 
 
 @dataclass(frozen=True)

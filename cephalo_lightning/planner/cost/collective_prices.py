@@ -24,8 +24,8 @@ import numpy as np
 
 from cephalo_lightning._common.vocabulary import Collective
 from cephalo_lightning.planner.cost.prices import Prices
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 # Extra time of an uneven collective per unit of imbalance: a collective whose largest shard is
 # rho of the unit costs 1 + slope * (W * rho - 1) times the even one. The bottleneck rank moves

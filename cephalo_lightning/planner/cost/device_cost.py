@@ -37,7 +37,7 @@ updates only the rank's own share); ``contention`` and ``step_overhead`` come fr
     state_bytes = state_bytes_per_param * trainable + weight_bytes_per_param * frozen
     reduction_bytes = 2 * largest_unit_parameters * grad_bytes_per_param
 
-(:class:`~cephalo_lightning.planner.spec.cluster_spec.ModelSpec`): every parameter's stored weight, and the
+(:class:`~cephalo_lightning.planner.schema.cluster_spec.ModelSpec`): every parameter's stored weight, and the
 gradient and optimizer moments of the trainable ones only (LoRA: the frozen base costs its weights),
 and ``reduction_bytes`` what a unit's reduce-scatter holds per share: two shards of the largest unit
 (the exact one's receive buffer and sum; the padded one's sum and the copy of the rank's range; where
@@ -62,8 +62,8 @@ from cephalo_lightning._common.vocabulary import Schedule, values_of
 from cephalo_lightning.planner.cost.calibration import calibrated
 from cephalo_lightning.planner.cost.compute_curves import PiecewiseLinear
 from cephalo_lightning.planner.cost.prices import Prices
-from cephalo_lightning.planner.spec.cluster_spec import Cluster, DeviceProfile, Settings
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.cluster_spec import Cluster, DeviceProfile, Settings
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 
 def combine(comm: np.ndarray | float, compute: np.ndarray | float, overlap: float) -> np.ndarray:

@@ -9,8 +9,8 @@ import numpy as np
 from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.planner.cost.cluster_cost import evaluate_arrays
 from cephalo_lightning.planner.cost.device_cost import DeviceCost
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.plan import ModelSummary, RankPlan
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.plan import ModelSummary, RankPlan
 
 
 def rank_plans(

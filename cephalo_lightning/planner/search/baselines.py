@@ -25,10 +25,10 @@ from cephalo_lightning._common.units import memory_text
 from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.planner.cost.cluster_cost import evaluate_arrays
 from cephalo_lightning.planner.cost.device_cost import DeviceCost, kind_costs
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.plan import BaselineResult
 from cephalo_lightning.planner.search.assemble import rank_plans
 from cephalo_lightning.planner.search.option_tables import DeviceModel
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.plan import BaselineResult
 
 
 def micro_times(model: DeviceModel) -> tuple[np.ndarray, np.ndarray]:

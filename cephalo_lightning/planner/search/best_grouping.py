@@ -14,11 +14,11 @@ import math
 from cephalo_lightning._common.vocabulary import Grouping, Schedule
 from cephalo_lightning.planner.cost.collective_prices import link_prices
 from cephalo_lightning.planner.cost.prices import FREE, Prices
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 from cephalo_lightning.planner.search.assignment import Assignment
 from cephalo_lightning.planner.search.grouped import GroupedProblem, candidate_groupings
 from cephalo_lightning.planner.search.problem import Problem
 from cephalo_lightning.planner.search.solver import UNIFORM_COUNTS, solve
-from cephalo_lightning.planner.spec.planning_error import PlanningError
 
 TIE_TOL = 1e-9  # groupings whose plans are this close predict the same step
 

@@ -13,12 +13,12 @@ import numpy as np
 
 from cephalo_lightning._common.units import memory_text
 from cephalo_lightning._common.vocabulary import Grouping, Planner, Schedule, values_of
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.files import shown_number
+from cephalo_lightning.planner.schema.limits import MAX_GLOBAL_BATCH, MAX_RANKS
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 from cephalo_lightning.planner.search.peers import BASELINES
 from cephalo_lightning.planner.search.problem import Problem
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.files import shown_number
-from cephalo_lightning.planner.spec.limits import MAX_GLOBAL_BATCH, MAX_RANKS
-from cephalo_lightning.planner.spec.planning_error import PlanningError
 
 PLANNERS = (Planner.CEPHALO.value, *BASELINES)  # plan(planner=...): the search, or a baseline as a plan
 

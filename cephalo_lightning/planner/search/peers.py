@@ -27,13 +27,13 @@ import numpy as np
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning._common.vocabulary import Planner, Schedule
 from cephalo_lightning.planner.cost.prices import Prices
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.plan import BaselineResult
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 from cephalo_lightning.planner.search.assignment import expand, finish, split, trim
 from cephalo_lightning.planner.search.baselines import even_baseline, proportional_baseline, result
 from cephalo_lightning.planner.search.grouped import canonical
 from cephalo_lightning.planner.search.problem import BISECTION_TOL, Problem
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.plan import BaselineResult
-from cephalo_lightning.planner.spec.planning_error import PlanningError
 
 BASELINES = tuple(p.value for p in (Planner.EVEN, Planner.PROPORTIONAL, Planner.POPLAR, Planner.REFERENCE,
                                     Planner.DDP_EVEN, Planner.HSDP_EVEN))

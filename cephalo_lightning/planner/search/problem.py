@@ -21,6 +21,8 @@ from cephalo_lightning.planner.cost.calibration import calibrated
 from cephalo_lightning.planner.cost.collective_prices import communication
 from cephalo_lightning.planner.cost.device_cost import DeviceCost, kind_costs
 from cephalo_lightning.planner.cost.prices import Prices
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 from cephalo_lightning.planner.search.baselines import per_sample_ms
 from cephalo_lightning.planner.search.knapsack import (
     SHARE_TOL,
@@ -33,8 +35,6 @@ from cephalo_lightning.planner.search.knapsack import (
     round_and_repair,
 )
 from cephalo_lightning.planner.search.option_tables import DeviceModel, Options
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.planning_error import PlanningError
 
 BISECTION_TOL = 5e-4  # relative width of the final step-time bracket of every search over S
 DENSE_WORK_LIMIT = 3e7  # element operations of one exact knapsack check

@@ -17,10 +17,10 @@ import numpy as np
 
 from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.planner.cost.cluster_cost import evaluate_arrays
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
 from cephalo_lightning.planner.search.assignment import Assignment
 from cephalo_lightning.planner.search.baselines import per_sample_ms
 from cephalo_lightning.planner.search.problem import Problem
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
 
 SHARED_HOST_REFINE_RANKS = 64  # ranks sharing one host's cores: a handful of CPU processes, never a GPU cluster
 

@@ -1,6 +1,6 @@
 """Emulation of a slower or smaller device, so a CPU process can stand in for a GPU of a mixed cluster.
 
-A rank's emulation is the planner's :class:`~cephalo_lightning.planner.spec.cluster_spec.Emulation`
+A rank's emulation is the planner's :class:`~cephalo_lightning.planner.schema.cluster_spec.Emulation`
 ``(slowdown, memory_gb, node, inter_node_gbps)``:
 
 * ``slowdown`` >= 1: every compute region takes that many times longer. The emulator is a runtime
@@ -37,8 +37,8 @@ import torch
 
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.units import GIB
-from cephalo_lightning.planner.spec.cluster import EmulationSpecError, parse_emulation_spec
-from cephalo_lightning.planner.spec.cluster_spec import Emulation
+from cephalo_lightning.planner.schema.cluster import EmulationSpecError, parse_emulation_spec
+from cephalo_lightning.planner.schema.cluster_spec import Emulation
 from cephalo_lightning.runtime.emulation.links import links_from_emulation
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker
 from cephalo_lightning.runtime.observers import Observer
@@ -57,7 +57,7 @@ def parse_emulation(spec: EmulationSpec | DeviceEmulator, where: str = "emulate"
 
     ``None`` means "a real device, not emulated"; ``{}`` means "emulated, at full speed and with
     unlimited memory" (a CPU rank that stands in for the fastest GPU of the cluster). The checks are
-    the cluster file's (:func:`~cephalo_lightning.planner.spec.cluster.parse_emulation_spec`).
+    the cluster file's (:func:`~cephalo_lightning.planner.schema.cluster.parse_emulation_spec`).
     """
     if isinstance(spec, DeviceEmulator):
         return spec.spec

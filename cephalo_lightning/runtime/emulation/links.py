@@ -3,7 +3,7 @@
 A CPU "cluster" of gloo processes has one fast link between every pair of ranks. To show what a
 slow link between nodes does (10-100 Gb/s Ethernet between GPU boxes), each rank's emulation spec
 may name its ``node`` and the ``inter_node_gbps`` of the link between nodes
-(:class:`~cephalo_lightning.planner.spec.cluster_spec.Emulation`). :class:`EmulatedLinks` prices a collective
+(:class:`~cephalo_lightning.planner.schema.cluster_spec.Emulation`). :class:`EmulatedLinks` prices a collective
 for one rank: the bytes it sends to peers on *other* nodes, over that bandwidth, plus a latency
 when any byte crosses. The runtime's collectives (``Collectives(..., links=...)``) then make the
 collective complete no earlier than that after it was issued; bytes between ranks of one node
@@ -19,8 +19,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from cephalo_lightning.planner.spec.cluster import EmulationSpecError
-from cephalo_lightning.planner.spec.cluster_spec import Emulation
+from cephalo_lightning.planner.schema.cluster import EmulationSpecError
+from cephalo_lightning.planner.schema.cluster_spec import Emulation
 
 __all__ = ["EmulatedLinks", "links_from_emulation"]
 

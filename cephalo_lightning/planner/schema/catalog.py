@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning._common.vocabulary import ProfileSource
-from cephalo_lightning.planner.spec.cluster_spec import DeviceProfile, ModelSpec, Settings
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.cluster_spec import DeviceProfile, ModelSpec, Settings
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 PROFILE_SIZES = 8  # micro-batch sizes 1..8 are estimated; the cost model extrapolates beyond
 LAUNCH_OVERHEAD_MS = 0.1  # per layer forward: ~20 kernel launches of ~5 us

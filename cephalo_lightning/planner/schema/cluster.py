@@ -1,11 +1,11 @@
 """The cluster file: what the planner knows about the model, the settings and every device.
 
 One format, YAML or JSON (docs/cluster.md). Bandwidths may be written with units
-(:mod:`cephalo_lightning.planner.spec.bandwidth`). Devices are listed in rank order and
+(:mod:`cephalo_lightning.planner.schema.bandwidth`). Devices are listed in rank order and
 ``count`` repeats an entry. A device entry either carries measured per-layer profiles or only a
 catalog ``name``, in which case it is estimated from public datasheet figures and the model shape
-(:mod:`cephalo_lightning.planner.spec.catalog`). This module reads, validates and writes the file; the
-values it holds are :mod:`cephalo_lightning.planner.spec.cluster_spec`'s.
+(:mod:`cephalo_lightning.planner.schema.catalog`). This module reads, validates and writes the file; the
+values it holds are :mod:`cephalo_lightning.planner.schema.cluster_spec`'s.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 
 from cephalo_lightning._common.atomic_io import write_text_atomic
 from cephalo_lightning._common.vocabulary import Collective, ProfileSource, Schedule, values_of
-from cephalo_lightning.planner.spec.bandwidth import per_rank_gbps, split_spelled
-from cephalo_lightning.planner.spec.calibration_terms import CALIBRATION_TERMS, Calibration
-from cephalo_lightning.planner.spec.catalog import estimate_profile
-from cephalo_lightning.planner.spec.cluster_fields import (
+from cephalo_lightning.planner.schema.bandwidth import per_rank_gbps, split_spelled
+from cephalo_lightning.planner.schema.calibration_terms import CALIBRATION_TERMS, Calibration
+from cephalo_lightning.planner.schema.catalog import estimate_profile
+from cephalo_lightning.planner.schema.cluster_fields import (
     CLUSTER_FILE,
     checked_flag,
     checked_fraction,
@@ -32,10 +32,10 @@ from cephalo_lightning.planner.spec.cluster_fields import (
     checked_series,
     reject_unknown_keys,
 )
-from cephalo_lightning.planner.spec.cluster_spec import Cluster, DeviceProfile, Emulation, ModelSpec, Settings
-from cephalo_lightning.planner.spec.files import read_document
-from cephalo_lightning.planner.spec.limits import MAX_CLUSTER_RANKS, MAX_RANKS
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.cluster_spec import Cluster, DeviceProfile, Emulation, ModelSpec, Settings
+from cephalo_lightning.planner.schema.files import read_document
+from cephalo_lightning.planner.schema.limits import MAX_CLUSTER_RANKS, MAX_RANKS
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 CALIBRATION_SOURCES = (ProfileSource.MEASURED.value, ProfileSource.EMULATED.value)
 

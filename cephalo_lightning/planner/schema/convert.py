@@ -30,11 +30,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cephalo_lightning.planner.spec.catalog import lookup
-from cephalo_lightning.planner.spec.cluster import cluster_from_dict
-from cephalo_lightning.planner.spec.cluster_spec import Cluster
-from cephalo_lightning.planner.spec.files import read_document
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.catalog import lookup
+from cephalo_lightning.planner.schema.cluster import cluster_from_dict
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.files import read_document
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 MIN_MS = 1e-5  # a line fit may cross zero at small sizes; the planner needs positive times
 RELEASE_GROWTH_POINTS = 5  # the release averages the memory growth over the last five points

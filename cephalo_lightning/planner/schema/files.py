@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 MAX_EXACT_INTEGER = 2**53  # above it a number no longer converts to a float exactly (or at all)
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from cephalo_lightning._common.atomic_io import write_text_atomic
 from cephalo_lightning._common.vocabulary import Planner, ProfileSource, Schedule, values_of
-from cephalo_lightning.planner.spec.files import MAX_EXACT_INTEGER, read_document, shown_number
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.files import MAX_EXACT_INTEGER, read_document, shown_number
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 PLAN_FORMAT_VERSION = 4  # the one version a plan file is read in (4: every rank's binding and why)
 REMAKE = "re-make the plan with `python -m cephalo_lightning plan`"

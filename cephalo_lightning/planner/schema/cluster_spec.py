@@ -1,8 +1,8 @@
 """The cluster as the planner sees it: the model, the cost model's settings and every rank's device.
 
 Value types only (frozen dataclasses); reading, validating and writing them as a cluster file is
-:mod:`cephalo_lightning.planner.spec.cluster`. A device either carries measured per-layer profiles or
-an estimate from the GPU catalog (:mod:`cephalo_lightning.planner.spec.catalog`); devices are listed in
+:mod:`cephalo_lightning.planner.schema.cluster`. A device either carries measured per-layer profiles or
+an estimate from the GPU catalog (:mod:`cephalo_lightning.planner.schema.catalog`); devices are listed in
 rank order.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cephalo_lightning._common.vocabulary import Collective, ProfileSource
-from cephalo_lightning.planner.spec.calibration_terms import Calibration
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.calibration_terms import Calibration
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 What each term means and how the cost model folds them in is
 :mod:`cephalo_lightning.planner.cost.calibration`; a cluster file's ``calibration:`` block is read by
-:mod:`cephalo_lightning.planner.spec.cluster` and fitted by :func:`cephalo_lightning.planner.cost.calibration_fit.fit_calibration`.
+:mod:`cephalo_lightning.planner.schema.cluster` and fitted by :func:`cephalo_lightning.planner.cost.calibration_fit.fit_calibration`.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 # GB/s per unit (10**9 bytes per second; bits / 8)
 UNITS_GBPS = {"GB/s": 1.0, "MB/s": 1e-3, "Gbit/s": 1 / 8, "Gb/s": 1 / 8, "Gbps": 1 / 8,

@@ -2,7 +2,7 @@
 :class:`PlanningError` naming the field (``where``), what it must be and how to fix the file.
 
 ``minimum`` bounds a number from below (``strict``: the bound itself is refused); a number above
-:data:`~cephalo_lightning.planner.spec.files.MAX_EXACT_INTEGER` is refused before any float conversion.
+:data:`~cephalo_lightning.planner.schema.files.MAX_EXACT_INTEGER` is refused before any float conversion.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cephalo_lightning.planner.spec.files import MAX_EXACT_INTEGER, shown_number
-from cephalo_lightning.planner.spec.planning_error import PlanningError
+from cephalo_lightning.planner.schema.files import MAX_EXACT_INTEGER, shown_number
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 CLUSTER_FILE = " in the cluster file"
 
