@@ -17,9 +17,13 @@ __all__ = ["CephaloCallback", "CephaloStrategy", "Cluster", "Layer", "Plan", "Pl
            "full_shape", "load_cluster", "plan"]
 __version__ = "0.1.0"
 
-_LAZY = {"CephaloStrategy": "cephalo_lightning.lightning.strategy.cephalo_strategy", "CephaloCallback": "cephalo_lightning.lightning.callback.cephalo_callback",
-         "consolidated": "cephalo_lightning.lightning.fit.checkpoint_io", "Layer": "cephalo_lightning.runtime.layered",
-         "full_shape": "cephalo_lightning.runtime.sharding.flat_unit"}
+_LAZY = {
+    "CephaloStrategy": "cephalo_lightning.lightning.strategy.cephalo_strategy",
+    "CephaloCallback": "cephalo_lightning.lightning.callback.cephalo_callback",
+    "consolidated": "cephalo_lightning.lightning.fit.checkpoint_io",
+    "Layer": "cephalo_lightning.runtime.layered",
+    "full_shape": "cephalo_lightning.runtime.sharding.flat_unit",
+}
 
 if TYPE_CHECKING:
     from cephalo_lightning.lightning.callback.cephalo_callback import CephaloCallback

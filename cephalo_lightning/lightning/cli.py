@@ -8,6 +8,9 @@ Model and data are chosen in the config with ``class_path`` (any LightningModule
 LightningDataModule); ``trainer.strategy`` may be ``cephalo`` or ``{class_path: ..., init_args: ...}``.
 A top-level ``vars:`` block holds values shared by ``${vars.x}`` interpolations; ``--vars.x=V``
 overrides one of them (only names the configs define: a typo is an error, not a new var).
+
+``strategy="cephalo"`` is registered by the package's ``__init__``, which Python runs before any of
+its modules, this one too, so it is known before the arguments are parsed.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 from typing_extensions import override
 
-import cephalo_lightning  # noqa: F401  (registers strategy="cephalo" before arguments are parsed)
 from cephalo_lightning._common.errors import CephaloError, refused
 from cephalo_lightning._common.help_text import PlainHelp, PlainHelpFormatter
 from cephalo_lightning.configs import resolve as resolve_config
