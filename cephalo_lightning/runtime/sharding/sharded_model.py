@@ -80,6 +80,7 @@ from cephalo_lightning.runtime.sharding.materialize import UnitMaterializer
 from cephalo_lightning.runtime.sharding.replicas import (
     BUCKET_BYTES,
     FIRST_BUCKET_BYTES,
+    GroupSpec,
     ReplicaReducer,
     group_collectives,
 )
@@ -152,9 +153,9 @@ class ShardedModel:
         first = next(iter(module.parameters()), None)
         self.device = torch.device(device) if device is not None else (
             first.device if first is not None and not first.is_meta else torch.device("cpu"))
-        streams = CudaStreams.for_device(self.device, overlap)
-        self.world = Collectives(group, collective, record=record_collectives, observers=self.observers,
-                                 streams=streams, links=links)
+        spec = GroupSpec(group, collective, record_collectives, CudaStreams.for_device(self.device, overlap), links)
+        self.world = Collectives(spec.group, spec.collective, record=spec.record, observers=self.observers,
+                                 streams=spec.streams, links=spec.links)
         if len(shares) != self.world.world_size:
             raise ValueError(
                 f"{len(shares)} state shares for a world of {self.world.world_size} ranks: give one share per rank"
@@ -162,8 +163,8 @@ class ShardedModel:
         self.shard_groups = check_shard_groups(
             shard_groups if shard_groups is not None else [range(self.world.world_size)], self.world.world_size)
         self.group_index = next(g for g, ranks in enumerate(self.shard_groups) if self.world.rank in ranks)
-        self._group_args = (group, collective, record_collectives, streams, links)
-        self.comm, replica = group_collectives(self.world, self.shard_groups, *self._group_args)
+        self.group_spec = spec  # how the shard groups' collectives are made (again, when a plan switch regroups)
+        self.comm, replica = group_collectives(self.world, self.shard_groups, spec)
         self.unit_groups = unit_groups(module, units)
         check_units_disjoint(self.unit_groups)
         slot_groups = group_slots(module, self.unit_groups)
@@ -488,7 +489,7 @@ class ShardedModel:
         self.layout = layouts[self.group_index]
         replica = self.replicas.replica
         if regrouped:
-            self.comm, replica = group_collectives(self.world, shard_groups, *self._group_args)
+            self.comm, replica = group_collectives(self.world, shard_groups, self.group_spec)
         self.replicas = ReplicaReducer(layouts, shard_groups, self.world, replica)
         self._plan_buckets()
 
