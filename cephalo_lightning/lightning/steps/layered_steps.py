@@ -1,8 +1,9 @@
 """The layered mode's training step: the strategy runs the model's layers itself
 (:class:`~.models.protocol.LayeredModel`, :class:`~.runtime.layered.LayeredSchedule`).
 
-The schedule's forward returns ``sum_k w_k l_k`` over this rank's micro-batches
-(:mod:`.micro_batch_weights`), its backward reduce-scatters the gradient of it; the step's
+The schedule's forward returns a pass whose loss is ``sum_k w_k l_k`` over this rank's micro-batches
+(:mod:`.micro_batch_weights`); the step (:class:`~.step_state.LayeredStep`) holds the pass and hands
+it to the schedule's backward, which reduce-scatters the gradient of that loss; the step's
 all-reduce (:mod:`.step_sync`) makes the global mean loss, logged as ``train_loss``. On the first
 step, a model an adapter found is checked against the user's ``training_step`` (the same loss on
 a micro-batch, computed by the schedule's forward), and a discovered one's block sequence is
@@ -88,8 +89,8 @@ class LayeredSteps:
             loss = lambda k, out, side: self.model.loss(out, parts[k], side)  # noqa: E731
         recompute = context.rank_plan.recompute or len(parts) > 1
         with self._model_code(), self.logs.recorded() if self.logs is not None else contextlib.nullcontext():
-            step.local_loss = self.schedule.forward(parts, self._prepare, loss, weights, recompute=recompute)
-        return step.local_loss.detach() * context.accumulate  # Lightning divides what we return by `accumulate`
+            step.forward_pass = self.schedule.forward(parts, self._prepare, loss, weights, recompute=recompute)
+        return step.forward_pass.loss.detach() * context.accumulate  # Lightning divides what we return by `accumulate`
 
     def _prepare(self, micro_batch: Any) -> tuple[torch.Tensor, Any]:
         x, side = self.model.prepare(micro_batch)
@@ -103,11 +104,13 @@ class LayeredSteps:
 
     def backward(self, closure_loss: torch.Tensor, step: LayeredStep) -> StepReport:
         context, sharded = step.context, self.schedule.sharded
-        assert step.local_loss is not None, "backward before the forward"
+        forward_pass = step.forward_pass
+        if forward_pass is None:
+            raise RuntimeError("LayeredSteps.backward(): the step has no forward pass; call forward(step) first")
         names, sums = self.logs.sums(step.weights, sharded.world_group) if self.logs is not None else ([], [])
-        sync = start_step(step.local_loss * context.accumulate, sharded, sums, signal=context.pending_signal)
+        sync = start_step(forward_pass.loss * context.accumulate, sharded, sums, signal=context.pending_signal)
         with self._model_code():
-            self.schedule.backward(context.loss_scale)
+            self.schedule.backward(forward_pass, context.loss_scale)
         report, values = sync.finish(context.sync)
         if "train_loss" not in {spec.name for spec in names}:  # the user's own train_loss is relayed instead
             log_scalar(self.module, "train_loss", report.loss, context.global_batch, prog_bar=True, on_step=True,

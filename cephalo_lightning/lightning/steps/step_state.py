@@ -18,6 +18,7 @@ import torch
 
 from cephalo_lightning.lightning._private import LoggedValue
 from cephalo_lightning.planner import RankPlan
+from cephalo_lightning.runtime.layered import LayeredPass
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,10 @@ class MicroBatchStep:
 @dataclass
 class LayeredStep(MicroBatchStep):
     """The layered mode's step: the global batch's items (for a loss that divides by them itself)
-    and, after the forward, this rank's weighted loss for the backward."""
+    and, after the forward, the schedule's pass (this rank's weighted loss and what its backward uses)."""
 
     items: float
-    local_loss: torch.Tensor | None = None
+    forward_pass: LayeredPass | None = None
 
 
 @dataclass
