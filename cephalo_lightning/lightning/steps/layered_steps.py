@@ -7,14 +7,15 @@ it to the schedule's backward, which reduce-scatters the gradient of that loss; 
 all-reduce (:mod:`.step_sync`) makes the global mean loss, logged as ``train_loss``. On the first
 step, a model an adapter found is checked against the user's ``training_step`` (the same loss on
 a micro-batch, computed by the schedule's forward), and a discovered one's block sequence is
-checked (:mod:`.discovered`).
+checked (:mod:`.discovered`): where it does not hold, :meth:`LayeredSteps.start` returns a
+:class:`FallBack` and the fit's runtime, which owns the step runner, swaps in the uniform mode's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,13 +27,21 @@ from cephalo_lightning.lightning.steps.discovered import LossPassLogs, discovere
 from cephalo_lightning.lightning.steps.log_relay import log_scalar, relog
 from cephalo_lightning.lightning.steps.micro_batch_weights import micro_batch_weights
 from cephalo_lightning.lightning.steps.step_output import loss_or_refusal
-from cephalo_lightning.lightning.steps.step_state import LayeredStep, StepContext, StepReport, UniformStep
+from cephalo_lightning.lightning.steps.step_state import LayeredStep, StepContext, StepReport
 from cephalo_lightning.lightning.steps.step_sync import start_step
-from cephalo_lightning.lightning.steps.uniform_steps import UniformSteps
 from cephalo_lightning.models.protocol import LayeredModel, check_first_inputs
 from cephalo_lightning.runtime.batching import micro_batches
 from cephalo_lightning.runtime.distributed import gather_objects
 from cephalo_lightning.runtime.layered import LayeredSchedule
+
+
+@dataclass(frozen=True)
+class FallBack:
+    """What :meth:`LayeredSteps.start` returns where the first step found that a discovered block
+    sequence does not hold (``why``): its runner's owner runs the uniform mode from then on, or
+    refuses where the plan needs the layered one (:meth:`~.fit.FitRuntime.forward`)."""
+
+    why: str
 
 
 class LayeredSteps:
@@ -47,8 +56,7 @@ class LayeredSteps:
     """
 
     def __init__(self, module: pl.LightningModule, schedule: LayeredSchedule, model: LayeredModel,
-                 verify_loss: bool = True, tolerance: float = 1e-3,
-                 fallback: Callable[[str], UniformSteps] | None = None, logs: LossPassLogs | None = None) -> None:
+                 verify_loss: bool = True, tolerance: float = 1e-3, logs: LossPassLogs | None = None) -> None:
         self.module = module
         self.schedule = schedule
         self.model = model
@@ -56,21 +64,18 @@ class LayeredSteps:
         self.verify_loss = verify_loss and model.derived  # cleared once checked (the first step of the fit)
         self.check_discovered = model.discovery is not None  # always checked: the structure is only guessed
         self.tolerance = tolerance
-        self.fallback = fallback  # a discovered structure that does not hold: the uniform mode, from then on
         self.logs = logs  # a discovered model: what its training_step logs, relayed once per step
 
-    def start(self, batch: Any, context: StepContext) -> LayeredStep | UniformStep:
+    def start(self, batch: Any, context: StepContext) -> LayeredStep | FallBack:
         """Collective: the step cut into micro-batches, each with its weight; on the first step, the
-        checks (a discovered structure that does not hold: the fallback's step, the uniform mode's)."""
+        checks (a discovered structure that does not hold: a :class:`FallBack`, on every rank alike)."""
         sizes = context.rank_plan.micro_batch_sizes
         parts = micro_batches(batch, sizes) if sizes else []
         if self.check_discovered:
             self.check_discovered = self.verify_loss = False
             why = discovered_check(self, parts[0] if parts else batch, bool(parts), context.batch_idx)
             if why:
-                if self.fallback is None:
-                    raise ConfigurationError(f"Cephalo cannot run {self.model.name} layer by layer: {why}")
-                return self.fallback(why).start(batch, context)
+                return FallBack(why)
         if self.verify_loss:
             self.verify_loss = False
             self._verify(parts[0] if parts else batch, has_samples=bool(parts), batch_idx=context.batch_idx)
