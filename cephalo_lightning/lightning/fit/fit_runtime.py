@@ -44,7 +44,14 @@ from cephalo_lightning.lightning.fit.run_folders import FailureReport, checkpoin
 from cephalo_lightning.lightning.steps.discovered import LossPassLogs
 from cephalo_lightning.lightning.steps.layered_steps import FallBack, LayeredSteps
 from cephalo_lightning.lightning.steps.schedules import check_plan, loss_weighting
-from cephalo_lightning.lightning.steps.step_state import LayeredStep, StepContext, StepReport, UniformStep
+from cephalo_lightning.lightning.steps.step_state import (
+    LayeredStep,
+    StepContext,
+    StepReport,
+    StopSignalProbe,
+    UniformStep,
+    no_stop_signal,
+)
 from cephalo_lightning.lightning.steps.uniform_steps import UniformSteps
 from cephalo_lightning.lightning.strategy_config import StrategyConfig
 from cephalo_lightning.models import Resolution, hf, lora, weighting
@@ -259,7 +266,7 @@ class FitRuntime:
     # ------------------------------------------------------------------ the training step
 
     def forward(self, batch: Any, args: tuple, trainer: pl.Trainer, *, sync: bool, scaler: Any = None,
-                signal: Callable[[], int] = int, rank_plan: RankPlan | None = None,
+                signal: StopSignalProbe = no_stop_signal, rank_plan: RankPlan | None = None,
                 global_items: float | None = None) -> Any:
         """Collective: the training step's forward on this rank's part of the global batch; returns
         what Lightning's ``training_step`` returns. ``args``: training_step's after the batch;

@@ -51,6 +51,7 @@ from cephalo_lightning.lightning.fit.preemption import Preemption
 from cephalo_lightning.lightning.fit.run_folders import FailureReport
 from cephalo_lightning.lightning.steps.log_relay import AlreadyGlobal
 from cephalo_lightning.lightning.steps.schedules import decide_schedule
+from cephalo_lightning.lightning.steps.step_state import no_stop_signal
 from cephalo_lightning.lightning.strategy.precision import sharded_precision
 from cephalo_lightning.lightning.strategy.sharded_strategy import ShardedStrategy
 from cephalo_lightning.lightning.strategy_config import (
@@ -347,7 +348,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                 self._replica.batch_cut(cut, len(self._loader.batch_sampler))
         if self._replica is not None:  # the step's quorum, then this rank's part of the global batch
             batch, rank_plan, global_items = self._replica.this_ranks_part(batch, runtime.rank_plan, runtime.weighting)
-        signal = self._preemption.pending if self._preemption is not None else int
+        signal = self._preemption.pending if self._preemption is not None else no_stop_signal
         with self.precision_plugin.train_step_context():
             return runtime.forward(batch, args[1:], trainer, sync=self._sync, scaler=self._scaler, signal=signal,
                                    rank_plan=rank_plan, global_items=global_items)
