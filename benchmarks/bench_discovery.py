@@ -119,9 +119,9 @@ class _Variant:
             self.sharded.set_requires_gradient_sync(True)
             return
         model = self.layered
-        self.schedule.forward(self.parts, model.prepare, lambda k, out, side: model.loss(out, self.parts[k], side),
+        forward_pass = self.schedule.forward(self.parts, model.prepare, lambda k, out, side: model.loss(out, self.parts[k], side),
                               [1.0 / n] * n)
-        self.schedule.backward()
+        self.schedule.backward(forward_pass)
 
 
 def _rank_main(rank: int, world: int, cfg: Config) -> dict[str, Any]:

@@ -131,8 +131,8 @@ def _memory(rank: int, world: int, cfg: Config) -> list[dict[str, Any]]:
                 tracker = MemoryTracker()
                 with sharded.observers.attached(tracker), tracker:
                     if schedule is not None:
-                        schedule.forward(xs, plain_input, lambda k, out, side: GPT.loss(out, ys[k]), [1.0 / n] * n)
-                        schedule.backward()
+                        forward_pass = schedule.forward(xs, plain_input, lambda k, out, side: GPT.loss(out, ys[k]), [1.0 / n] * n)
+                        schedule.backward(forward_pass)
                     else:
                         for k in range(n):
                             sharded.set_requires_gradient_sync(k == n - 1)
@@ -309,8 +309,8 @@ class StepRunner:
         from cephalo_lightning.runtime.layered import plain_input
 
         busy0, start = self.clock.busy_s, time.perf_counter()
-        self.schedule.forward(self.xs, plain_input, lambda k, out, side: GPT.loss(out, self.ys[k]), self.weights)
-        self.schedule.backward()
+        forward_pass = self.schedule.forward(self.xs, plain_input, lambda k, out, side: GPT.loss(out, self.ys[k]), self.weights)
+        self.schedule.backward(forward_pass)
         self.wall.append(time.perf_counter() - start)
         self.busy.append(self.clock.busy_s - busy0)
         _clear_grads(self.sharded)
@@ -497,9 +497,9 @@ def _unit_wise(rank: int, world: int, cfg: Config) -> dict[str, Any]:
         with sharded.observers.attached(tracker), tracker:
             for _ in range(2):  # the second step runs with the optimizer state already allocated
                 tracker.reset_peak()
-                schedule.forward(xs, plain_input, lambda k, out, side: torch.nn.functional.cross_entropy(
+                forward_pass = schedule.forward(xs, plain_input, lambda k, out, side: torch.nn.functional.cross_entropy(
                     out.reshape(-1, out.size(-1)), ys[k].reshape(-1)), [0.5, 0.5])
-                schedule.backward()
+                schedule.backward(forward_pass)
                 if optimizer is not None:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)

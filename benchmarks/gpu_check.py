@@ -234,8 +234,8 @@ def _two_ranks(rank: int, world: int, backend: str, sizes: dict) -> dict[str, An
     lo = sum(local[:rank])
     for tokens in _token_batches(sizes["steps"]):
         x, y = tokens[lo : lo + local[rank], :-1].to(device), tokens[lo : lo + local[rank], 1:].to(device)
-        schedule.forward([x], plain_input, lambda k, out, side: GPT.loss(out, y), [local[rank] / 8])
-        schedule.backward()
+        forward_pass = schedule.forward([x], plain_input, lambda k, out, side: GPT.loss(out, y), [local[rank] / 8])
+        schedule.backward(forward_pass)
         optimizer.step()
         optimizer.zero_grad()
     return {k: v.cpu() for k, v in sharded.full_state_dict().items()}

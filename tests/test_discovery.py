@@ -21,6 +21,8 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from cephalo_lightning import CephaloStrategy  # noqa: E402
+from cephalo_lightning.lightning.steps.layered_steps import LayeredSteps  # noqa: E402
+from cephalo_lightning.lightning.steps.uniform_steps import UniformSteps  # noqa: E402
 from cephalo_lightning.models import resolve  # noqa: E402
 from cephalo_lightning.models.discovery import Discovery, block_list  # noqa: E402
 from tests.discovered_models import FAMILIES, Samples, Wrapped, loader, reference, token_weighted  # noqa: E402
@@ -247,7 +249,10 @@ def test_discovered_toy_trains_exactly_or_falls_back_with_one_line(wiring, mode,
     with caplog.at_level(logging.INFO):
         t = trainer(CephaloStrategy(plan=plan), 1, 2)
         t.fit(module, torch.utils.data.DataLoader(_toy_data(), batch_size=4))
-    assert t.strategy.fit_runtime.schedule == mode
+    runtime = t.strategy.fit_runtime
+    assert runtime.schedule == mode
+    # the runtime owns its step runner: after a fallback it holds the uniform one, for every later step
+    assert type(runtime.steps) is (UniformSteps if mode == "uniform" else LayeredSteps)
     lines = [r.getMessage() for r in caplog.records if "discovered block sequence does not hold" in r.getMessage()]
     assert len(lines) == (0 if reason is None else 1) and (reason is None or reason in lines[0])
     want, last_loss = _toy_reference(wiring, 2, 4)

@@ -38,8 +38,8 @@ def train_layered(rank: int, shares, batch_sizes, micro_batches, mode="padded", 
         xs = [x[s : s + n] for s, n in zip(starts, sizes)]
         ys = [y[s : s + n] for s, n in zip(starts, sizes)]
         before = len(sharded.comm.log)
-        schedule.forward(xs, plain_input, lambda k, out, side: model.loss(out, ys[k]), [n / total for n in sizes])
-        schedule.backward()
+        forward_pass = schedule.forward(xs, plain_input, lambda k, out, side: model.loss(out, ys[k]), [n / total for n in sizes])
+        schedule.backward(forward_pass)
         per_step.append(sharded.comm.log[before:])
         optimizer.step()
         optimizer.zero_grad()
@@ -99,8 +99,8 @@ def _peak_bytes(n: int, layered: bool, micro: int = 4) -> tuple[int, int]:
     with sharded.observers.attached(tracker), tracker:  # the tracker hears of resized buffers and the stash
         if layered:
             schedule = LayeredSchedule(sharded, layers, offload=True)
-            schedule.forward(xs, plain_input, lambda k, out, side: model.loss(out, ys[k]), [1 / n] * n)
-            schedule.backward()
+            forward_pass = schedule.forward(xs, plain_input, lambda k, out, side: model.loss(out, ys[k]), [1 / n] * n)
+            schedule.backward(forward_pass)
         else:
             for k in range(n):
                 sharded.set_requires_gradient_sync(k == n - 1)
@@ -132,8 +132,8 @@ def _layered_steps(unit_wise: bool) -> tuple[dict[str, torch.Tensor], int]:
     with sharded.observers.attached(tracker), tracker:
         for x, y in batches(3, 8, vocab=64):
             xs, ys = [x[:4], x[4:]], [y[:4], y[4:]]
-            schedule.forward(xs, plain_input, lambda k, out, side: model.loss(out, ys[k]), [0.5, 0.5])
-            schedule.backward()
+            forward_pass = schedule.forward(xs, plain_input, lambda k, out, side: model.loss(out, ys[k]), [0.5, 0.5])
+            schedule.backward(forward_pass)
             if optimizer is not None:
                 optimizer.step()
                 optimizer.zero_grad()
@@ -171,9 +171,10 @@ def _one_micro_batch(kind: str, micro_batches: int = 1) -> tuple[int, int, dict[
             sharded.backward(value)
         else:
             schedule = LayeredSchedule(sharded, layers, offload=False)
-            value = schedule.forward(list(xs), plain_input, loss, [1.0 / micro_batches] * micro_batches,
-                                     recompute=kind == "recompute")
-            schedule.backward()
+            forward_pass = schedule.forward(list(xs), plain_input, loss, [1.0 / micro_batches] * micro_batches,
+                                            recompute=kind == "recompute")
+            schedule.backward(forward_pass)
+            value = forward_pass.loss
     grads = {name: p.grad.clone() for name, p in sharded.named_parameters()}
     return tracker.peak_bytes, len(calls), grads, float(value.detach())
 
@@ -206,7 +207,7 @@ def test_recomputing_evaluates_every_loss_once_in_the_forward_and_all_but_the_la
 
 def test_evaluate_is_the_forward_with_nothing_left_for_a_backward():
     """The loss check's pass: the model's loss (an unsharded copy's, the reference), every unit
-    freed after it and no step kept for a backward (the forward after it runs as a step's)."""
+    freed after it and nothing kept for a backward (the forward after it runs as a step's)."""
     model = TinyLM()
     reference = copy.deepcopy(model)
     layers = layers_of(model)
@@ -219,7 +220,28 @@ def test_evaluate_is_the_forward_with_nothing_left_for_a_backward():
     got = schedule.evaluate([x], plain_input, loss, [1.0])
     assert float(got) == pytest.approx(want, rel=1e-6) and not got.requires_grad
     assert not any(unit.gathered for unit in sharded.units)
-    with pytest.raises(RuntimeError, match="without a forward"):
-        schedule.backward()
-    assert float(schedule.forward([x], plain_input, loss, [1.0])) == float(got)
-    schedule.backward()
+    forward_pass = schedule.forward([x], plain_input, loss, [1.0])
+    assert float(forward_pass.loss) == float(got)
+    schedule.backward(forward_pass)
+
+
+def test_a_forward_pass_is_backpropagated_once():
+    """[Note: one backward per forward] The caller holds the pass: its backward consumes it (the
+    stash and the graphs go with it), and a second backward of it is refused before any collective,
+    whatever kind of pass (recomputing, or keeping its graph)."""
+    model = TinyLM()
+    layers = layers_of(model)
+    sharded = ShardedModel(model, [1.0], units=layers, record_collectives=True)
+    schedule = LayeredSchedule(sharded, layers, offload=False)
+    (x, y), = batches(1, 4)
+    loss = lambda k, out, side: model.loss(out, y)  # noqa: E731
+    for recompute in (True, False):
+        forward_pass = schedule.forward([x], plain_input, loss, [1.0], recompute=recompute)
+        assert not forward_pass.consumed
+        schedule.backward(forward_pass)
+        assert forward_pass.consumed and not forward_pass.stash and not forward_pass.graphs
+        issued = len(sharded.comm.log)
+        with pytest.raises(RuntimeError, match="already been backpropagated"):
+            schedule.backward(forward_pass)
+        assert len(sharded.comm.log) == issued  # refused before it gathered anything
+        assert not any(unit.gathered for unit in sharded.units)

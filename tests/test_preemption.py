@@ -248,6 +248,28 @@ def test_a_second_signal_during_the_save_leaves_the_previous_checkpoint_loadable
 # ----------------------------------------------------------------------------- the agreement, in process
 
 
+def test_the_step_reports_the_stop_signal_a_rank_received_and_none_without_one():
+    """The step's all-reduce carries each rank's stop signal: what its probe returns (a
+    ``signal.Signals``), nothing where no signal arrived or the fit handles none."""
+    import torch
+
+    from cephalo_lightning.lightning.steps.step_state import no_stop_signal
+    from cephalo_lightning.lightning.steps.step_sync import finish_step, start_step
+    from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    sharded = ShardedModel(model, [1.0], units=[model[0], model[1]])
+    preemption = Preemption(0, requeue_signal=None)
+    assert preemption.pending() is None and no_stop_signal() is None
+    assert start_step(torch.tensor(1.0), sharded, signal=preemption.pending).finish(False)[0].signals == ()
+    preemption._handle(signal.SIGTERM, None)
+    assert preemption.pending() is signal.SIGTERM
+    report, _ = start_step(torch.tensor(1.0), sharded, signal=preemption.pending).finish(False)
+    assert report.signals == ((0, int(signal.SIGTERM)),)
+    assert finish_step(torch.tensor(1.0), sharded, False)[0].signals == ()
+    assert finish_step(torch.tensor(1.0), sharded, False, signal=signal.SIGUSR1)[0].signals == ((0, int(signal.SIGUSR1)),)
+
+
 def test_the_agreement_waits_for_an_optimizer_step_and_prefers_the_requeue_signal():
     preemption = Preemption(0, requeue_signal=signal.SIGUSR1)
     preemption._handle(signal.SIGTERM, None)

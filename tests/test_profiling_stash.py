@@ -62,8 +62,8 @@ def measured_peak_bytes(batch: int) -> int:
     ys = [data[k: k + MICRO, 1:] for k in range(0, batch, MICRO)]
     tracker = MemoryTracker()
     with sharded.observers.attached(tracker), tracker:
-        schedule.forward(xs, plain_input, lambda k, out, side: GPT.loss(out, ys[k]), [1 / len(xs)] * len(xs))
-        schedule.backward()
+        forward_pass = schedule.forward(xs, plain_input, lambda k, out, side: GPT.loss(out, ys[k]), [1 / len(xs)] * len(xs))
+        schedule.backward(forward_pass)
     return tracker.peak_bytes
 
 

@@ -230,8 +230,8 @@ def _reshard_and_switch(rank: int, world: int):
 
     def step(x, y):
         x, y = x[lo : lo + sizes[rank]], y[lo : lo + sizes[rank]]
-        schedule.forward([x], plain_input, lambda k, o, side: model.loss(o, y), [sizes[rank] / 8])
-        schedule.backward()
+        forward_pass = schedule.forward([x], plain_input, lambda k, o, side: model.loss(o, y), [sizes[rank] / 8])
+        schedule.backward(forward_pass)
         optimizer.step()
         optimizer.zero_grad()
 

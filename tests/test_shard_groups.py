@@ -132,8 +132,8 @@ def _step(sharded: ShardedModel, model: TinyLM, schedule: LayeredSchedule | None
     if schedule is not None:
         xs = [x[s : s + n] for s, n in zip(starts, sizes)]
         ys = [y[s : s + n] for s, n in zip(starts, sizes)]
-        schedule.forward(xs, plain_input, lambda k, out, side: model.loss(out, ys[k]), [n / total for n in sizes])
-        schedule.backward()
+        forward_pass = schedule.forward(xs, plain_input, lambda k, out, side: model.loss(out, ys[k]), [n / total for n in sizes])
+        schedule.backward(forward_pass)
         return
     for k, (s, n) in enumerate(zip(starts, sizes)):
         sharded.set_requires_gradient_sync(k == len(sizes) - 1)

@@ -142,10 +142,18 @@ class _Offload:
         return y
 
 
-@dataclass
-class _Step:
-    """One step's state between forward and backward."""
+@dataclass(eq=False)
+class LayeredPass:
+    """One step's forward, handed to its backward: the step's weighted loss and what the backward
+    reruns or backpropagates (the stash, the kept graphs and losses).
 
+    [Note: one backward per forward] The caller owns the pass (the schedule keeps nothing between
+    the two): :meth:`LayeredSchedule.backward` consumes it, freeing what it holds as it goes, and
+    refuses it a second time; a pass dropped without a backward (:meth:`LayeredSchedule.evaluate`)
+    frees it all with it.
+    """
+
+    loss: torch.Tensor  # sum_k weights[k] * loss_k over this rank's micro-batches, detached
     side: list[Side]
     weights: list[float]
     loss_fn: LossFn
@@ -153,6 +161,12 @@ class _Step:
     stash: list[list[_Stashed | None]] = field(default_factory=list)  # per layer, per micro-batch
     graphs: list[list[tuple[torch.Tensor, torch.Tensor] | None]] = field(default_factory=list)  # no-recompute
     losses: list[torch.Tensor | None] = field(default_factory=list)  # per micro-batch: its loss where the graph is kept
+    consumed: bool = False  # its backward has run (or failed): nothing left to backpropagate
+
+    def release(self) -> None:
+        """Drop what the backward would use (its tensors go with it) and mark the pass consumed."""
+        self.side, self.stash, self.graphs, self.losses = [], [], [], []
+        self.consumed = True
 
 
 class LayeredSchedule:
@@ -184,7 +198,6 @@ class LayeredSchedule:
         self.offload = enabled
         self._moves = _Offload(enabled, self.device, sharded.comm.streams, sharded)
         self._cuda_devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        self._step: _Step | None = None
 
     # ------------------------------------------------------------------ the two passes
 
@@ -195,14 +208,15 @@ class LayeredSchedule:
         loss_fn: LossFn,
         weights: Sequence[float],
         recompute: bool = True,
-    ) -> torch.Tensor:
-        """Forward all micro-batches layer by layer; returns sum_k weights[k] * loss_k (detached).
+    ) -> LayeredPass:
+        """Forward all micro-batches layer by layer; returns the pass, whose ``loss`` is
+        sum_k weights[k] * loss_k (detached).
 
         ``prepare(micro_batch) -> (first layer's input, side inputs)`` runs with the root unit and
         the first layer gathered (it may use their parameters, e.g. position embeddings; no
         gradient flows through it). ``weights[k]``: micro-batch k's share of the global mean loss
         (its items over the global batch's). ``recompute=False`` needs at most one micro-batch.
-        Call :meth:`backward` next.
+        Call :meth:`backward` next, with the pass (see [Note: one backward per forward]).
         """
         if len(micro_batches) != len(weights):
             raise ValueError("one weight per micro-batch")
@@ -219,28 +233,26 @@ class LayeredSchedule:
         """:meth:`forward`'s value with no backward to follow (a check of the loss): the same
         gathers in the same order; what the backward would use is dropped and every unit freed."""
         try:
-            return self.forward(micro_batches, prepare, loss_fn, weights).detach()
-        finally:
-            self._step = None
+            return self.forward(micro_batches, prepare, loss_fn, weights).loss.detach()
+        finally:  # the pass, dropped with the frame, takes the stash with it
             self.sharded.free_all()
 
     def _forward(self, micro_batches: Sequence[Any], prepare: Callable[[Any], tuple[torch.Tensor, Side]],
-                 loss_fn: LossFn, weights: Sequence[float], recompute: bool) -> torch.Tensor:
+                 loss_fn: LossFn, weights: Sequence[float], recompute: bool) -> LayeredPass:
         sharded, units, moves = self.sharded, self.sharded.units, self._moves
         observers = sharded.observers
         sharded.gather_root()
         sharded.gather(1)
         with torch.no_grad():
             prepared = [prepare(mb) for mb in micro_batches]
-        step = _Step([side for _, side in prepared], list(weights), loss_fn, recompute)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        step = LayeredPass(total, [side for _, side in prepared], list(weights), loss_fn, recompute)
         step.stash = [[] for _ in self.layers]
         step.graphs = [[] for _ in self.layers]
-        self._step = step
         xs = [x for x, _ in prepared]
         if recompute:
             xs = [moves.to_host(x) for x in xs]  # each layer's input doubles as its stash
         last = len(self.layers)
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
         step.losses = [None] * len(xs)
         for index, layer in enumerate(self.layers, start=1):
             sharded.gather(index, prefetch=index + 1)
@@ -279,21 +291,24 @@ class LayeredSchedule:
                         total += step.weights[k] * step.losses[k].detach().float()
                     del y
             units[index].free()
-        return total
+        return step
 
-    def backward(self, loss_scale: float | torch.Tensor = 1.0) -> None:
-        """Backward layer by layer; leaves the reduced gradients on the local pieces.
+    def backward(self, step: LayeredPass, loss_scale: float | torch.Tensor = 1.0) -> None:
+        """Backward layer by layer through ``step`` (the pass :meth:`forward` returned, consumed
+        here); leaves the reduced gradients on the local pieces.
 
         ``loss_scale`` multiplies every micro-batch's loss (a gradient scaler's scale; a tensor
         stays on the device, no host sync).
         """
-        if self._step is None:
-            raise RuntimeError("LayeredSchedule.backward() without a forward()")
+        if step.consumed:
+            raise RuntimeError(
+                "LayeredSchedule.backward(): this forward's pass has already been backpropagated (its stash and "
+                "graphs are freed); run forward() again for another backward")
         with self.sharded.scheduled():
             try:
-                self._backward(self._step, loss_scale)
+                self._backward(step, loss_scale)
             finally:
-                self._step = None
+                step.release()
 
     def _reduce(self, unit: FlatUnit) -> None:
         self.sharded.reduce_unit(unit)
@@ -301,7 +316,7 @@ class LayeredSchedule:
             self.sharded.wait_reductions()
             self.on_unit_reduced(unit)
 
-    def _run_backward(self, index: int, k: int, x: torch.Tensor, out: torch.Tensor, step: _Step,
+    def _run_backward(self, index: int, k: int, x: torch.Tensor, out: torch.Tensor, step: LayeredPass,
                       upstream: list[torch.Tensor | None], loss_scale: float | torch.Tensor) -> None:
         last = len(self.layers)
         if index == last:
@@ -314,7 +329,7 @@ class LayeredSchedule:
             out.backward(self._moves.to_device(upstream[k]))
         upstream[k] = self._moves.to_host(x.grad) if x.requires_grad and x.grad is not None else None
 
-    def _backward(self, step: _Step, loss_scale: float | torch.Tensor) -> None:
+    def _backward(self, step: LayeredPass, loss_scale: float | torch.Tensor) -> None:
         sharded, units = self.sharded, self.sharded.units
         observers = sharded.observers
         n = len(step.weights)

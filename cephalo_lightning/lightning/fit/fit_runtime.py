@@ -13,6 +13,11 @@ and :meth:`FitRuntime.before_optimizer_step`. The forward makes the step's state
 mode, :mod:`.step_state`) and the runtime holds it only while the step runs: until the end of its
 backward under automatic optimization, to the end of the forward under manual optimization (whose
 backward and optimizer step run inside the user's ``training_step``).
+
+[Note: one owner of the step runner] :attr:`FitRuntime.steps` is the runtime's alone. Where the first
+step finds that a discovered block sequence does not hold, the layered runner's ``start`` returns a
+:class:`~.layered_steps.FallBack` instead of a step, and :meth:`FitRuntime.forward` swaps in the
+uniform runner (:meth:`FitRuntime._fall_back`), whose ``start`` then begins the same step.
 """
 
 from __future__ import annotations
@@ -37,9 +42,16 @@ from cephalo_lightning.lightning.fit.nonfinite import NonFiniteGuard
 from cephalo_lightning.lightning.fit.plan_switch import PlanSwitches
 from cephalo_lightning.lightning.fit.run_folders import FailureReport, checkpoint_folders, claim_folders
 from cephalo_lightning.lightning.steps.discovered import LossPassLogs
-from cephalo_lightning.lightning.steps.layered_steps import LayeredSteps
+from cephalo_lightning.lightning.steps.layered_steps import FallBack, LayeredSteps
 from cephalo_lightning.lightning.steps.schedules import check_plan, loss_weighting
-from cephalo_lightning.lightning.steps.step_state import LayeredStep, StepContext, StepReport, UniformStep
+from cephalo_lightning.lightning.steps.step_state import (
+    LayeredStep,
+    StepContext,
+    StepReport,
+    StopSignalProbe,
+    UniformStep,
+    no_stop_signal,
+)
 from cephalo_lightning.lightning.steps.uniform_steps import UniformSteps
 from cephalo_lightning.lightning.strategy_config import StrategyConfig
 from cephalo_lightning.models import Resolution, hf, lora, weighting
@@ -89,7 +101,8 @@ class FitRuntime:
             self.sharded.observers.attach(emulator)
         self.memory = _memory_tracking(self.shard_summary, self.sharded.observers, emulator, device,
                                        config.memory_check_every_n_steps)
-        self.steps = self._steps(device, emulator, training_step)
+        self._training_step = training_step  # the user's, which the uniform runner calls (also after a fallback)
+        self.steps = self._steps(device, emulator)
         self._step: LayeredStep | UniformStep | None = None  # the step in progress (see the module note)
         self.guard = NonFiniteGuard(config.max_nonfinite_skips)
         self.switches = PlanSwitches(plan, self.sharded, lambda p: check_plan(p, self.schedule, resolution, module),
@@ -108,23 +121,22 @@ class FitRuntime:
         if warning:
             rank_zero_warn(warning)
 
-    def _steps(self, device: torch.device, emulator: DeviceEmulator,
-               training_step: Callable[..., Any]) -> LayeredSteps | UniformSteps:
+    def _steps(self, device: torch.device, emulator: DeviceEmulator) -> LayeredSteps | UniformSteps:
         layered, config = self.layered_model, self.config
         if layered is None:
-            return UniformSteps(self.module, self.sharded, training_step, self.weighting)
+            return UniformSteps(self.module, self.sharded, self._training_step, self.weighting)
         offload = stash_offloaded(config.offload, device, emulator)
         tolerance = 1e-3 if (config.param_dtype or torch.float32).itemsize >= 4 else 3e-2
         layered = dataclasses.replace(layered, weighting=self.weighting)  # the fit's decision (loss_weighting=)
         logs = LossPassLogs(self.module) if layered.discovery is not None else None
         layers = logs.wrap(layered.layers) if logs is not None else layered.layers
         return LayeredSteps(self.module, LayeredSchedule(self.sharded, layers, offload=offload), layered,
-                            verify_loss=config.verify_loss, tolerance=tolerance,
-                            fallback=lambda why: self._fall_back(why, training_step), logs=logs)
+                            verify_loss=config.verify_loss, tolerance=tolerance, logs=logs)
 
-    def _fall_back(self, why: str, training_step: Callable[..., Any]) -> UniformSteps:
+    def _fall_back(self, why: str) -> None:
         """The first step found that a discovered block sequence does not hold: the uniform mode
-        from then on (:attr:`steps` its runner), when the plan allows it (one micro-batch count on every rank)."""
+        from then on (:attr:`steps` its runner), when the plan allows it (one micro-batch count on
+        every rank); see [Note: one owner of the step runner]."""
         name = self.layered_model.name
         counts = self.plan.num_micro_batches
         if len(set(counts)) > 1:
@@ -135,8 +147,7 @@ class FitRuntime:
                 "cephalo_loss)")
         rank_zero_info(f"Cephalo: the uniform mode for {name}: the discovered block sequence does not hold ({why})")
         self.schedule, self.layered_model = vocabulary.Schedule.UNIFORM.value, None
-        self.steps = UniformSteps(self.module, self.sharded, training_step, self.weighting)
-        return self.steps
+        self.steps = UniformSteps(self.module, self.sharded, self._training_step, self.weighting)
 
     @property
     def plan(self) -> Plan:
@@ -255,7 +266,7 @@ class FitRuntime:
     # ------------------------------------------------------------------ the training step
 
     def forward(self, batch: Any, args: tuple, trainer: pl.Trainer, *, sync: bool, scaler: Any = None,
-                signal: Callable[[], int] = int, rank_plan: RankPlan | None = None,
+                signal: StopSignalProbe = no_stop_signal, rank_plan: RankPlan | None = None,
                 global_items: float | None = None) -> Any:
         """Collective: the training step's forward on this rank's part of the global batch; returns
         what Lightning's ``training_step`` returns. ``args``: training_step's after the batch;
@@ -272,8 +283,12 @@ class FitRuntime:
                               pending_signal=signal, global_items=global_items)
         try:
             with self.step_scope(trainer.global_step):
-                self._step = self.steps.start(batch, context)  # the layered runner may fall back: self.steps is new
-                return self.steps.forward(self._step)
+                started = self.steps.start(batch, context)
+                if isinstance(started, FallBack):  # [Note: one owner of the step runner]
+                    self._fall_back(started.why)
+                    started = self.steps.start(batch, context)
+                self._step = started
+                return self.steps.forward(started)
         finally:
             if not self.module.automatic_optimization:
                 self._step = None

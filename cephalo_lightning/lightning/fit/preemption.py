@@ -115,9 +115,10 @@ class Preemption:
         if first and self.forward is not None:
             self.forward(signum)
 
-    def pending(self) -> int:
-        """This rank's contribution to the step's all-reduce: the signal number, 0 if none."""
-        return self.received
+    def pending(self) -> signal.Signals | None:
+        """This rank's contribution to the step's all-reduce: the signal it received, None if none
+        (a :data:`~.step_state.StopSignalProbe`)."""
+        return signal.Signals(self.received) if self.received else None
 
     def agree(self, signals: tuple[tuple[int, int], ...], sync: bool, step: int) -> StopDecision | None:
         """The step's all-reduce carried ``signals`` (the same on every rank). Decided only where an

@@ -1,19 +1,21 @@
 """The layered mode's training step: the strategy runs the model's layers itself
 (:class:`~.models.protocol.LayeredModel`, :class:`~.runtime.layered.LayeredSchedule`).
 
-The schedule's forward returns ``sum_k w_k l_k`` over this rank's micro-batches
-(:mod:`.micro_batch_weights`), its backward reduce-scatters the gradient of it; the step's
+The schedule's forward returns a pass whose loss is ``sum_k w_k l_k`` over this rank's micro-batches
+(:mod:`.micro_batch_weights`); the step (:class:`~.step_state.LayeredStep`) holds the pass and hands
+it to the schedule's backward, which reduce-scatters the gradient of that loss; the step's
 all-reduce (:mod:`.step_sync`) makes the global mean loss, logged as ``train_loss``. On the first
 step, a model an adapter found is checked against the user's ``training_step`` (the same loss on
 a micro-batch, computed by the schedule's forward), and a discovered one's block sequence is
-checked (:mod:`.discovered`).
+checked (:mod:`.discovered`): where it does not hold, :meth:`LayeredSteps.start` returns a
+:class:`FallBack` and the fit's runtime, which owns the step runner, swaps in the uniform mode's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,13 +27,21 @@ from cephalo_lightning.lightning.steps.discovered import LossPassLogs, discovere
 from cephalo_lightning.lightning.steps.log_relay import log_scalar, relog
 from cephalo_lightning.lightning.steps.micro_batch_weights import micro_batch_weights
 from cephalo_lightning.lightning.steps.step_output import loss_or_refusal
-from cephalo_lightning.lightning.steps.step_state import LayeredStep, StepContext, StepReport, UniformStep
+from cephalo_lightning.lightning.steps.step_state import LayeredStep, StepContext, StepReport
 from cephalo_lightning.lightning.steps.step_sync import start_step
-from cephalo_lightning.lightning.steps.uniform_steps import UniformSteps
 from cephalo_lightning.models.protocol import LayeredModel, check_first_inputs
 from cephalo_lightning.runtime.batching import micro_batches
 from cephalo_lightning.runtime.distributed import gather_objects
 from cephalo_lightning.runtime.layered import LayeredSchedule
+
+
+@dataclass(frozen=True)
+class FallBack:
+    """What :meth:`LayeredSteps.start` returns where the first step found that a discovered block
+    sequence does not hold (``why``): its runner's owner runs the uniform mode from then on, or
+    refuses where the plan needs the layered one (:meth:`~.fit.FitRuntime.forward`)."""
+
+    why: str
 
 
 class LayeredSteps:
@@ -46,8 +56,7 @@ class LayeredSteps:
     """
 
     def __init__(self, module: pl.LightningModule, schedule: LayeredSchedule, model: LayeredModel,
-                 verify_loss: bool = True, tolerance: float = 1e-3,
-                 fallback: Callable[[str], UniformSteps] | None = None, logs: LossPassLogs | None = None) -> None:
+                 verify_loss: bool = True, tolerance: float = 1e-3, logs: LossPassLogs | None = None) -> None:
         self.module = module
         self.schedule = schedule
         self.model = model
@@ -55,21 +64,18 @@ class LayeredSteps:
         self.verify_loss = verify_loss and model.derived  # cleared once checked (the first step of the fit)
         self.check_discovered = model.discovery is not None  # always checked: the structure is only guessed
         self.tolerance = tolerance
-        self.fallback = fallback  # a discovered structure that does not hold: the uniform mode, from then on
         self.logs = logs  # a discovered model: what its training_step logs, relayed once per step
 
-    def start(self, batch: Any, context: StepContext) -> LayeredStep | UniformStep:
+    def start(self, batch: Any, context: StepContext) -> LayeredStep | FallBack:
         """Collective: the step cut into micro-batches, each with its weight; on the first step, the
-        checks (a discovered structure that does not hold: the fallback's step, the uniform mode's)."""
+        checks (a discovered structure that does not hold: a :class:`FallBack`, on every rank alike)."""
         sizes = context.rank_plan.micro_batch_sizes
         parts = micro_batches(batch, sizes) if sizes else []
         if self.check_discovered:
             self.check_discovered = self.verify_loss = False
             why = discovered_check(self, parts[0] if parts else batch, bool(parts), context.batch_idx)
             if why:
-                if self.fallback is None:
-                    raise ConfigurationError(f"Cephalo cannot run {self.model.name} layer by layer: {why}")
-                return self.fallback(why).start(batch, context)
+                return FallBack(why)
         if self.verify_loss:
             self.verify_loss = False
             self._verify(parts[0] if parts else batch, has_samples=bool(parts), batch_idx=context.batch_idx)
@@ -88,8 +94,8 @@ class LayeredSteps:
             loss = lambda k, out, side: self.model.loss(out, parts[k], side)  # noqa: E731
         recompute = context.rank_plan.recompute or len(parts) > 1
         with self._model_code(), self.logs.recorded() if self.logs is not None else contextlib.nullcontext():
-            step.local_loss = self.schedule.forward(parts, self._prepare, loss, weights, recompute=recompute)
-        return step.local_loss.detach() * context.accumulate  # Lightning divides what we return by `accumulate`
+            step.forward_pass = self.schedule.forward(parts, self._prepare, loss, weights, recompute=recompute)
+        return step.forward_pass.loss.detach() * context.accumulate  # Lightning divides what we return by `accumulate`
 
     def _prepare(self, micro_batch: Any) -> tuple[torch.Tensor, Any]:
         x, side = self.model.prepare(micro_batch)
@@ -103,11 +109,13 @@ class LayeredSteps:
 
     def backward(self, closure_loss: torch.Tensor, step: LayeredStep) -> StepReport:
         context, sharded = step.context, self.schedule.sharded
-        assert step.local_loss is not None, "backward before the forward"
+        forward_pass = step.forward_pass
+        if forward_pass is None:
+            raise RuntimeError("LayeredSteps.backward(): the step has no forward pass; call forward(step) first")
         names, sums = self.logs.sums(step.weights, sharded.world_group) if self.logs is not None else ([], [])
-        sync = start_step(step.local_loss * context.accumulate, sharded, sums, signal=context.pending_signal)
+        sync = start_step(forward_pass.loss * context.accumulate, sharded, sums, signal=context.pending_signal)
         with self._model_code():
-            self.schedule.backward(context.loss_scale)
+            self.schedule.backward(forward_pass, context.loss_scale)
         report, values = sync.finish(context.sync)
         if "train_loss" not in {spec.name for spec in names}:  # the user's own train_loss is relayed instead
             log_scalar(self.module, "train_loss", report.loss, context.global_batch, prog_bar=True, on_step=True,

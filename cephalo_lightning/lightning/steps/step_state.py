@@ -12,12 +12,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from signal import Signals
 from typing import Any
 
 import torch
 
 from cephalo_lightning.lightning._private import LoggedValue
 from cephalo_lightning.planner import RankPlan
+from cephalo_lightning.runtime.layered import LayeredPass
+
+StopSignalProbe = Callable[[], Signals | None]  # the stop signal this rank received (None: none yet)
+
+
+def no_stop_signal() -> Signals | None:
+    """The probe of a fit that handles no stop signal (no preemption handling): none ever arrives."""
+    return None
 
 
 @dataclass(frozen=True)
@@ -30,7 +39,7 @@ class StepContext:
     sync: bool  # reduce gradients at the end of this batch (False while Lightning accumulates)
     loss_scale: float | torch.Tensor = 1.0  # a gradient scaler's scale (16-mixed), kept on the device
     args: tuple = ()  # training_step's arguments after the batch (batch_idx, ...)
-    pending_signal: Callable[[], int] = int  # the signal this rank received (0: none), read at the all-reduce
+    pending_signal: StopSignalProbe = no_stop_signal  # read at the step's all-reduce (:mod:`.step_sync`)
     global_items: float | None = None  # the global batch's items where this rank holds all of it (fault tolerance)
 
     @property
@@ -50,10 +59,10 @@ class MicroBatchStep:
 @dataclass
 class LayeredStep(MicroBatchStep):
     """The layered mode's step: the global batch's items (for a loss that divides by them itself)
-    and, after the forward, this rank's weighted loss for the backward."""
+    and, after the forward, the schedule's pass (this rank's weighted loss and what its backward uses)."""
 
     items: float
-    local_loss: torch.Tensor | None = None
+    forward_pass: LayeredPass | None = None
 
 
 @dataclass

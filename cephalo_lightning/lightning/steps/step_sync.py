@@ -14,12 +14,13 @@ not hide.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from signal import Signals
 from typing import Any
 
 import torch
 
-from cephalo_lightning.lightning.steps.step_state import StepReport
+from cephalo_lightning.lightning.steps.step_state import StepReport, StopSignalProbe, no_stop_signal
 from cephalo_lightning.runtime.distributed import rank_and_size, start_all_reduce_
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
@@ -40,7 +41,7 @@ class StepSync:
     """
 
     def __init__(self, local_loss: torch.Tensor, sharded: ShardedModel, extra: Sequence[torch.Tensor],
-                 signal: Callable[[], int]) -> None:
+                 signal: StopSignalProbe) -> None:
         self.sharded = sharded
         self.group = sharded.world_group
         self.rank, self.world = rank_and_size(self.group)
@@ -59,7 +60,8 @@ class StepSync:
         world, rank, device = self.world, self.rank, self.sharded.device
         loss = self.local_loss.detach().double().reshape(1).to(device)
         flags = torch.zeros(3 * world, dtype=torch.float64, device=device)
-        flags[2 * world + rank] = float(self.signal())
+        received = self.signal()
+        flags[2 * world + rank] = float(received) if received is not None else 0.0  # the signal number, 0: none
         flags[rank] = (~torch.isfinite(loss).all()).to(flags.dtype)  # on the device: no host sync before a backward
         if gradient_flag is not None:
             flags[world + rank] = gradient_flag
@@ -92,7 +94,7 @@ class StepSync:
 
 
 def start_step(local_loss: torch.Tensor, sharded: ShardedModel, extra: Sequence[torch.Tensor] = (),
-               signal: Callable[[], int] = int) -> StepSync:
+               signal: StopSignalProbe = no_stop_signal) -> StepSync:
     """The step's all-reduce of the global loss, the ``extra`` weighted sums, the non-finite flags
     and each rank's stop signal (``signal()``: see :mod:`.preemption`); call it once the loss and the
     logged values are known (before the backward where they are), then :meth:`StepSync.finish`."""
@@ -100,6 +102,7 @@ def start_step(local_loss: torch.Tensor, sharded: ShardedModel, extra: Sequence[
 
 
 def finish_step(local_loss: torch.Tensor, sharded: ShardedModel, check_grads: bool,
-                extra: Sequence[torch.Tensor] = (), signal: int = 0) -> tuple[StepReport, list[torch.Tensor]]:
+                extra: Sequence[torch.Tensor] = (),
+                signal: Signals | None = None) -> tuple[StepReport, list[torch.Tensor]]:
     """:func:`start_step` and :meth:`StepSync.finish` at once, after the backward."""
     return start_step(local_loss, sharded, extra, lambda: signal).finish(check_grads)

@@ -44,6 +44,7 @@ from cephalo_lightning.lightning._private import (
 from cephalo_lightning.lightning.callback.plain_progress import use_progress_lines
 from cephalo_lightning.lightning.fit import loggers, plan_resolution
 from cephalo_lightning.lightning.fit.callback_api import CallbackAPI
+from cephalo_lightning.lightning.fit.fault_tolerance import ReplicaGroup
 from cephalo_lightning.lightning.fit.fault_tolerance import check_options as check_fault_tolerance_options
 from cephalo_lightning.lightning.fit.fault_tolerant_fit import FitReplica
 from cephalo_lightning.lightning.fit.fit_runtime import FitRuntime, stash_offloaded
@@ -51,6 +52,7 @@ from cephalo_lightning.lightning.fit.preemption import Preemption
 from cephalo_lightning.lightning.fit.run_folders import FailureReport
 from cephalo_lightning.lightning.steps.log_relay import AlreadyGlobal
 from cephalo_lightning.lightning.steps.schedules import decide_schedule
+from cephalo_lightning.lightning.steps.step_state import no_stop_signal
 from cephalo_lightning.lightning.strategy.precision import sharded_precision
 from cephalo_lightning.lightning.strategy.sharded_strategy import ShardedStrategy
 from cephalo_lightning.lightning.strategy_config import (
@@ -67,8 +69,10 @@ from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.runtime.collectives import resolve_mode
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, emulator_for_rank, parse_emulation_specs
 from cephalo_lightning.runtime.emulation.links import EmulatedLinks, links_from_emulation
+from cephalo_lightning.runtime.emulation.memory import MemoryTracker
 from cephalo_lightning.runtime.sampler import evaluation_loader, planned_loader, shuffles
 from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 from cephalo_lightning.runtime.sharding.weights import check_readable
 
 log = logging.getLogger(__name__)
@@ -128,17 +132,54 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         self._failed = False  # the current fit/evaluation raised (on_exception)
         self._replica: FitReplica | None = None  # fault_tolerance: this group's torchft replica group, while fitting
 
-    global_batch_size = property(lambda self: self.config.global_batch_size)
-    collective = property(lambda self: resolve_mode(self.config.collective))  # once the backend is known
-    mode = property(lambda self: self.config.mode)
-    param_dtype = property(lambda self: self.config.param_dtype)
-    sharded = property(lambda self: self.fit_runtime.sharded if self.fit_runtime is not None else None)
-    memory = property(lambda self: self.fit_runtime.memory_tracker if self.fit_runtime is not None else None)
-    emulate = property(lambda self: plan_resolution.emulation_specs(self.config.emulate, self.cluster))
-    # fault_tolerance: this group's torchft replica group while it fits (None otherwise)
-    replica = property(lambda self: self._replica.replica if self._replica is not None else None)
-    # where the layered stash lives (the cost model's settings.stash_on_device is its negation)
-    offloads_stash = property(lambda self: stash_offloaded(self.config.offload, self.root_device, self.emulator))
+    # from the configuration
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """Samples per optimizer step over all ranks, as configured (None: the plan's)."""
+        return self.config.global_batch_size
+
+    @property
+    def collective(self) -> str:
+        """The collective mode, ``auto`` resolved by the backend (read once the backend is known)."""
+        return resolve_mode(self.config.collective)
+
+    @property
+    def mode(self) -> str:
+        """The schedule asked for (``auto``, ``layered`` or ``uniform``); the fit's decision is ``fit_runtime.schedule``."""
+        return self.config.mode
+
+    @property
+    def emulate(self) -> list[Any] | None:
+        """Per-rank emulation: the strategy's ``emulate``, else the cluster file's entries."""
+        return plan_resolution.emulation_specs(self.config.emulate, self.cluster)
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The compute dtype of the gathered parameters (None: the model's own)."""
+        return self.config.param_dtype
+
+    @property
+    def offloads_stash(self) -> bool:
+        """Whether the layered stash lives on the host (the cost model's ``settings.stash_on_device`` is its negation)."""
+        return stash_offloaded(self.config.offload, self.root_device, self.emulator)
+
+    # the fit's, while it runs
+
+    @property
+    def sharded(self) -> ShardedModel | None:
+        """The sharded model of the fit (None before setup)."""
+        return self.fit_runtime.sharded if self.fit_runtime is not None else None
+
+    @property
+    def memory(self) -> MemoryTracker | None:
+        """The emulated capacity's tracker, where the CPU counts the bytes (None otherwise)."""
+        return self.fit_runtime.memory_tracker if self.fit_runtime is not None else None
+
+    @property
+    def replica(self) -> ReplicaGroup | None:
+        """fault_tolerance: this group's torchft replica group while it fits (None otherwise)."""
+        return self._replica.replica if self._replica is not None else None
 
     # --------------------------------------------------------------------------- Lightning plumbing
 
@@ -309,7 +350,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                 self._replica.batch_cut(cut, len(self._loader.batch_sampler))
         if self._replica is not None:  # the step's quorum, then this rank's part of the global batch
             batch, rank_plan, global_items = self._replica.this_ranks_part(batch, runtime.rank_plan, runtime.weighting)
-        signal = self._preemption.pending if self._preemption is not None else int
+        signal = self._preemption.pending if self._preemption is not None else no_stop_signal
         with self.precision_plugin.train_step_context():
             return runtime.forward(batch, args[1:], trainer, sync=self._sync, scaler=self._scaler, signal=signal,
                                    rank_plan=rank_plan, global_items=global_items)

@@ -321,11 +321,23 @@ def new_groups(group: dist.ProcessGroup | None, members: Sequence[Sequence[int]]
     return out
 
 
-def group_collectives(world: Collectives, shard_groups: Sequence[Sequence[int]], group: dist.ProcessGroup | None,
-                      collective: str, record: bool, streams: CudaStreams | None,
-                      links: Links | None) -> tuple[Collectives, Collectives | None]:
+@dataclass(frozen=True)
+class GroupSpec:
+    """How a sharded model makes its collectives, kept to make them again for new shard groups
+    (a plan switch that regroups the ranks)."""
+
+    group: dist.ProcessGroup | None  # the world's process group (None: the default one)
+    collective: str  # the collective mode (:class:`~cephalo_lightning._common.vocabulary.Collective` or auto)
+    record: bool  # record every collective issued (tests)
+    streams: CudaStreams | None  # the side streams of the shard group's gathers and reductions (CUDA)
+    links: Links | None  # emulated links that slow the collectives crossing them
+
+
+def group_collectives(world: Collectives, shard_groups: Sequence[Sequence[int]],
+                      spec: GroupSpec) -> tuple[Collectives, Collectives | None]:
     """This rank's shard group's collectives and its replica group's (rank i of every group; None
-    with one group or groups of different sizes). One group of all ranks is the world itself."""
+    with one group or groups of different sizes), made as ``spec`` says. One group of all ranks is
+    the world itself."""
     if len(shard_groups) == 1:
         return world, None
     size = world.world_size
@@ -333,11 +345,11 @@ def group_collectives(world: Collectives, shard_groups: Sequence[Sequence[int]],
         raise ValueError(f"shard groups need the model on every rank of the default process group ({size} of "
                          f"{dist.get_world_size()} here): their process groups are created by every rank")
     mine = next(g for g, ranks in enumerate(shard_groups) if world.rank in ranks)
-    comm = Collectives(new_groups(group, shard_groups, size)[mine], collective, record=record,
-                       observers=world.observers, streams=streams, links=links)
+    comm = Collectives(new_groups(spec.group, shard_groups, size)[mine], spec.collective, record=spec.record,
+                       observers=world.observers, streams=spec.streams, links=spec.links)
     replicas = replica_ranks(shard_groups)
     if replicas is None:
         return comm, None
     place = shard_groups[mine].index(world.rank)
-    return comm, Collectives(new_groups(group, replicas, size)[place], collective, record=record,
-                             observers=world.observers, links=links)
+    return comm, Collectives(new_groups(spec.group, replicas, size)[place], spec.collective, record=spec.record,
+                             observers=world.observers, links=spec.links)

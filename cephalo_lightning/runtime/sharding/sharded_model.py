@@ -4,7 +4,7 @@
 (:mod:`.units`, :mod:`.grouping`), lays the units out unevenly (:mod:`.layout`), builds each unit's
 master shard (:mod:`.materialize`) and keeps only this rank's pieces. Two ways to compute:
 
-* hooks (the ``uniform`` mode, any model): each unit gathers before its forward, frees after,
+* hooks (the ``uniform`` mode, any model, :mod:`.uniform_hooks`): each unit gathers before its forward, frees after,
   re-gathers before its backward and reduce-scatters its gradient once the step's last
   micro-batch is through (:meth:`set_requires_gradient_sync`);
 * explicit calls from a schedule (the ``layered`` mode, :mod:`~cephalo_lightning.runtime.layered`),
@@ -35,9 +35,9 @@ where its parameters are::
 The two are independent: the root stays GATHERED through READY and REDUCED (it is gathered for
 the whole step, across the micro-batches that accumulate), and a prefetch may reach a unit whose
 backward is already over. A schedule (the layered mode) drives ``UnitState`` only; ``GradState``
-is the hooks' (:class:`_UniformHooks`). Every hook returns at once when its unit is already where
-the hook leads, so a hook that fires again (a second output of the unit reaching the backward)
-does nothing. ``_pre_forward`` gathers the unit (prefetching the next) and ``_post_forward`` frees
+is the hooks' (:class:`~.uniform_hooks.UniformHooks`). Every hook returns at once when its unit is
+already where the hook leads, so a hook that fires again (a second output of the unit reaching the
+backward) does nothing. ``_pre_forward`` gathers the unit (prefetching the next) and ``_post_forward`` frees
 it; ``_pre_backward`` gathers it again (prefetching the previous) and opens its ``unit_backward``
 region; once autograd has accumulated the gradient of every trainable full parameter,
 ``_post_backward`` closes the region, frees a layer unit (not the root) and marks it READY.
@@ -52,11 +52,9 @@ units (and the root, when the gradients were synchronised) and sets every unit b
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,7 +62,6 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from cephalo_lightning._common.vocabulary import Collective
-from cephalo_lightning.runtime.batching import tensors_in
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Links
 from cephalo_lightning.runtime.observers import Observer, Observers
 from cephalo_lightning.runtime.sharding import handback
@@ -83,23 +80,15 @@ from cephalo_lightning.runtime.sharding.materialize import UnitMaterializer
 from cephalo_lightning.runtime.sharding.replicas import (
     BUCKET_BYTES,
     FIRST_BUCKET_BYTES,
+    GroupSpec,
     ReplicaReducer,
     group_collectives,
 )
 from cephalo_lightning.runtime.sharding.reshard import reshard
+from cephalo_lightning.runtime.sharding.uniform_hooks import Driver, UniformHooks
 from cephalo_lightning.runtime.sharding.wrap_policy import WrapPolicy, check_units_disjoint
 
 __all__ = ["Driver", "ShardedModel", "UnitMaterializer", "clip_grad_norm_", "local_grad_norm"]
-
-
-class Driver(enum.Enum):
-    """Who drives the units; the hooks consult it and do nothing outside ``HOOKS``."""
-
-    HOOKS = enum.auto()  # modules hold local pieces; the uniform-mode hooks gather on demand
-    SCHEDULED = enum.auto()  # a schedule (the layered mode) drives gathers and reductions itself
-    SUMMONED = enum.auto()  # units gathered by hand (summon_full_params, unit_gathered); no hook acts
-    HANDED_BACK = enum.auto()  # after a fit: the modules hold whole copies of the trained parameters; no hook acts
-    PARKED = enum.auto()  # after a fit, left sharded: a forward or state_dict of the module is refused
 
 
 @dataclass(frozen=True)
@@ -164,9 +153,9 @@ class ShardedModel:
         first = next(iter(module.parameters()), None)
         self.device = torch.device(device) if device is not None else (
             first.device if first is not None and not first.is_meta else torch.device("cpu"))
-        streams = CudaStreams.for_device(self.device, overlap)
-        self.world = Collectives(group, collective, record=record_collectives, observers=self.observers,
-                                 streams=streams, links=links)
+        spec = GroupSpec(group, collective, record_collectives, CudaStreams.for_device(self.device, overlap), links)
+        self.world = Collectives(spec.group, spec.collective, record=spec.record, observers=self.observers,
+                                 streams=spec.streams, links=spec.links)
         if len(shares) != self.world.world_size:
             raise ValueError(
                 f"{len(shares)} state shares for a world of {self.world.world_size} ranks: give one share per rank"
@@ -174,8 +163,8 @@ class ShardedModel:
         self.shard_groups = check_shard_groups(
             shard_groups if shard_groups is not None else [range(self.world.world_size)], self.world.world_size)
         self.group_index = next(g for g, ranks in enumerate(self.shard_groups) if self.world.rank in ranks)
-        self._group_args = (group, collective, record_collectives, streams, links)
-        self.comm, replica = group_collectives(self.world, self.shard_groups, *self._group_args)
+        self.group_spec = spec  # how the shard groups' collectives are made (again, when a plan switch regroups)
+        self.comm, replica = group_collectives(self.world, self.shard_groups, spec)
         self.unit_groups = unit_groups(module, units)
         check_units_disjoint(self.unit_groups)
         slot_groups = group_slots(module, self.unit_groups)
@@ -204,7 +193,7 @@ class ShardedModel:
         self.driver = Driver.HOOKS
         self._sync = True
         self._unit_index = {id(unit): index for index, unit in enumerate(self.units)}
-        self._hooks = _UniformHooks(self) if hooks else None
+        self._hooks = UniformHooks(self) if hooks else None
 
     # ------------------------------------------------------------------ introspection
 
@@ -500,7 +489,7 @@ class ShardedModel:
         self.layout = layouts[self.group_index]
         replica = self.replicas.replica
         if regrouped:
-            self.comm, replica = group_collectives(self.world, shard_groups, *self._group_args)
+            self.comm, replica = group_collectives(self.world, shard_groups, self.group_spec)
         self.replicas = ReplicaReducer(layouts, shard_groups, self.world, replica)
         self._plan_buckets()
 
@@ -524,129 +513,3 @@ def adjacent_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, l
         key, end = here, t.storage_offset() + t.numel()
     return [(g[0] if len(g) == 1 else g[0].as_strided((sum(t.numel() for t in g),), (1,), g[0].storage_offset()), g)
             for g in groups]
-
-
-class _UniformHooks:
-    """The uniform mode's module and autograd hooks (see [Note: unit state]); each acts only while
-    the model's driver is ``HOOKS`` and returns at once when its unit is already where it leads.
-
-    Besides the units' regions they report the root unit's own compute (embedding, head, a loss the
-    model's forward computes, and their backward) as the region ``root_compute``, so an emulator
-    slows it and a busy-time observer counts it as the layered schedule's regions do: open inside
-    the root's forward whenever no unit computes, and in :meth:`ShardedModel.backward` before the
-    first unit's backward (the loss's and the head's) and after the first layer unit's (the
-    embedding's). Between the units' backward it stays closed: that is autograd's and the hooks'
-    host work, once per unit and micro-batch, which no profiled layer holds and a slower device
-    would not slow. It is closed around every gather and reduction, so no collective is ever inside
-    it. The user's code around the model (a loss computed in ``training_step``, a ``sync_dist``
-    log) stays outside.
-    """
-
-    def __init__(self, model: ShardedModel) -> None:
-        self.model = model
-        self._root_wanted = False  # inside the root's forward or the backward
-        self._root_open = False
-        model.module.register_forward_pre_hook(self._pre_forward_root)
-        model.module.register_forward_hook(self._post_forward_root)
-        for index, group in enumerate(model.unit_groups, start=1):
-            # every module of a group gathers its unit for a plain forward (evaluation); a group's
-            # backward is driven by its schedule, so only single-module units follow autograd
-            for module in group:
-                module.register_forward_pre_hook(partial(self._pre_forward, index))
-                module.register_forward_hook(partial(self._post_forward, index, len(group) == 1))
-        for index, unit in enumerate(model.units):
-            for param, rg in zip(unit.full_params, unit.requires_grad):
-                if rg:
-                    param.register_post_accumulate_grad_hook(partial(self._post_accumulate, index))
-
-    def _root_region(self, open_: bool) -> None:
-        """Open (where the root computes) or close the root's compute region; idempotent."""
-        if open_ == self._root_open or (open_ and not self._root_wanted):
-            return
-        self._root_open = open_
-        observers = self.model.observers
-        (observers.compute_begin if open_ else observers.compute_end)("root_compute")
-
-    def root_backward(self, inside: bool) -> None:
-        """The backward pass begins (``inside``) or has ended: the root's backward computes between the units'."""
-        if self.model.driver is Driver.HOOKS:
-            self._root_region(False)
-            self._root_wanted = inside
-            self._root_region(inside)
-
-    def _pre_forward_root(self, module: nn.Module, args: Any) -> None:
-        if self.model.driver is Driver.HOOKS:
-            self.model.gather_root()
-            self._root_wanted = True
-            self._root_region(True)
-
-    def _post_forward_root(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.model.driver is not Driver.HOOKS:
-            return
-        self._root_region(False)
-        self._root_wanted = False
-        if not torch.is_grad_enabled():  # evaluation: no backward will free it
-            self.model.root.free()
-
-    def _pre_forward(self, index: int, module: nn.Module, args: Any) -> None:
-        model = self.model
-        if model.driver is not Driver.HOOKS or model.units[index].state is UnitState.GATHERED:
-            return
-        self._root_region(False)
-        model.gather_root()
-        model.gather(index, prefetch=index + 1)
-        model.observers.compute_begin("unit_forward")
-
-    def _post_forward(self, index: int, follows_autograd: bool, module: nn.Module, args: Any, output: Any) -> Any:
-        model = self.model
-        if model.driver is not Driver.HOOKS or model.units[index].state is UnitState.SHARDED:
-            return output
-        model.observers.compute_end("unit_forward")
-        model.units[index].free()
-        if follows_autograd and torch.is_grad_enabled():
-            for tensor in tensors_in(output):
-                if tensor.requires_grad:
-                    tensor.register_hook(partial(self._pre_backward, index))
-        self._root_region(True)
-        return output
-
-    def _pre_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
-        model, unit = self.model, self.model.units[index]
-        if model.driver is Driver.HOOKS and unit.grad_state is GradState.IDLE:
-            unit.grad_state = GradState.COMPUTING
-            self._root_region(False)
-            self._free_finished(index)
-            model.gather(index, prefetch=index - 1)
-            model.observers.compute_begin("unit_backward")
-        return grad
-
-    def _free_finished(self, index: int) -> None:
-        """[Note: frozen parameters outlive the last gradient] A unit with frozen parameters (LoRA's
-        base weights) has not finished its backward when its last trainable gradient arrives: the
-        input's gradient still flows through the frozen weights (``dx = dy W``), so it stays gathered
-        until a unit before it starts its backward (its output's gradient, this unit's input's, is
-        then complete) or the backward ends (:meth:`ShardedModel.finish_backward`)."""
-        for later in self.model.units[index + 1:]:
-            if later.grad_state in (GradState.READY, GradState.REDUCED) and later.state is not UnitState.SHARDED:
-                later.free()
-
-    def _post_accumulate(self, index: int, param: torch.Tensor) -> None:
-        unit = self.model.units[index]
-        if self.model.driver is not Driver.HOOKS or unit.grad_state in (GradState.READY, GradState.REDUCED):
-            return
-        unit.grads_accumulated += 1
-        if unit.grads_accumulated == unit.num_trainable:
-            self._post_backward(index)
-
-    def _post_backward(self, index: int) -> None:
-        """Autograd accumulated the unit's last gradient: -> READY, and reduce what is due."""
-        model, unit = self.model, self.model.units[index]
-        self._root_region(False)
-        if index != 0:  # the root stays gathered for the whole step
-            if unit.grad_state is GradState.COMPUTING:
-                model.observers.compute_end("unit_backward")
-            if unit.num_trainable == len(unit.requires_grad):
-                unit.free()
-        unit.grad_state = GradState.READY
-        model.reduce_in_order(every=False)
-        self._root_region(index <= 1)  # what follows the first layer unit's backward is the root's
