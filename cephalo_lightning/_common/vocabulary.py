@@ -1,14 +1,22 @@
 """The package's closed vocabularies, one string enum each (torch-free).
 
 A member's value is the string plans, cluster files, options and logs carry, and a member compares
-equal to it (``Schedule.LAYERED == "layered"``), so code may compare against the enum while the
-values it receives are still plain strings.
+equal to it (``Schedule.LAYERED == "layered"``) and serialises as it (``json.dumps``, f-strings).
+
+[Note: strings stop at the door] The readers of files and options parse the string into its member
+(``Schedule(raw)``, once the value is known to be one of :func:`values_of`), the package's records
+hold members, and only the writers of files that need the plain ``str`` (YAML, whose safe dumper
+refuses a ``str`` subclass) write ``member.value``. The user-facing choices that add ``auto``
+(:data:`ScheduleChoice`, :data:`CollectiveChoice`) are spelled out as ``Literal`` types, which type
+checkers and LightningCLI read (it matches an ``Enum`` by member *name*, ``LAYERED``, not by the
+value a YAML file writes); ``tests/test_vocabulary.py`` holds each to ``(AUTO, *values_of(...))``.
 """
 
 from __future__ import annotations
 
 import enum
 import sys
+from typing import Any, Literal, TypeVar
 
 if sys.version_info >= (3, 11):
     StrEnum = enum.StrEnum
@@ -79,9 +87,37 @@ class ProfileSource(StrEnum):
     EMULATED = "emulated"
 
 
+AUTO = "auto"  # an option decided at setup: the schedule from the model, the collective from the backend
+Auto = Literal["auto"]
+# the user's words for an option that is a member or decided at setup (a YAML file writes the value)
+ScheduleChoice = Literal["auto", "layered", "uniform"]  # AUTO or a Schedule
+CollectiveChoice = Literal["auto", "padded", "exact"]  # AUTO or a Collective
+
+
 def values_of(vocabulary: type[StrEnum]) -> tuple[str, ...]:
     """The members' strings in their order, as plain ``str`` (for messages, choices and files)."""
     return tuple(member.value for member in vocabulary)
 
 
-__all__ = ["Collective", "Grouping", "Planner", "ProfileSource", "Schedule", "StrEnum", "Verdict", "values_of"]
+Member = TypeVar("Member", bound=StrEnum)
+
+
+def member_of(vocabulary: type[Member], value: Any) -> Member | Any:
+    """The member whose string ``value`` is, or ``value`` itself when it is none of them, for the
+    caller's check to refuse with its own message (a record parses what it was given this way)."""
+    return vocabulary(value) if isinstance(value, str) and value in values_of(vocabulary) else value
+
+
+def hold_member(record: Any, name: str, vocabulary: type[StrEnum], error: type[Exception], fix: str) -> None:
+    """Field ``name`` of the frozen dataclass ``record`` held as its member when it was given as the
+    string (``RankPlan(..., source="catalog")``); any other value is refused naming the choices."""
+    value = getattr(record, name)
+    if isinstance(value, vocabulary):
+        return
+    if value not in values_of(vocabulary):
+        raise error(f"{type(record).__name__}.{name} must be one of {values_of(vocabulary)}, got {value!r}; {fix}")
+    object.__setattr__(record, name, vocabulary(value))
+
+
+__all__ = ["AUTO", "Auto", "Collective", "CollectiveChoice", "Grouping", "Planner", "ProfileSource", "Schedule",
+           "ScheduleChoice", "StrEnum", "Verdict", "hold_member", "member_of", "values_of"]

@@ -28,16 +28,15 @@ from torch import nn
 
 from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
+from cephalo_lightning._common.vocabulary import AUTO, Auto, CollectiveChoice, ScheduleChoice, member_of
 from cephalo_lightning.planner import Cluster, Plan, load_cluster
 
-AUTO = "auto"  # an option decided at setup: the schedule from the model, the collective from the backend
-# the choices as the user writes them (LightningCLI checks YAML strings against them): a vocabulary's values, or auto
-Mode = Literal[(AUTO, *vocabulary.values_of(vocabulary.Schedule))]  # the user's request; decided into a Schedule at setup
-CollectiveChoice = Literal[(AUTO, *vocabulary.values_of(vocabulary.Collective))]
+# the choices as the user writes them (LightningCLI checks YAML strings against them); ``mode`` and
+# ``collective`` are a vocabulary's member or AUTO, decided at setup (the vocabulary module's note)
 StateDictType = Literal["sharded", "full"]
 LossWeightingChoice = Literal["auto", "samples", "tokens"]  # "tokens" is LossWeighting("items"): see .schedules
 
-MODES: tuple[str, ...] = get_args(Mode)
+MODES: tuple[str, ...] = get_args(ScheduleChoice)
 COLLECTIVES: tuple[str, ...] = get_args(CollectiveChoice)
 STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictType)
 LOSS_WEIGHTINGS: tuple[str, ...] = get_args(LossWeightingChoice)
@@ -64,8 +63,8 @@ class StrategyConfig:
     plan: Plan | None = option(None, "a `Plan` or a plan JSON path")
     cluster: Cluster | None = option(None, "plan from a cluster file at setup")
     global_batch_size: int | None = option(None, "samples per optimizer step over all ranks")
-    mode: str = option(AUTO, "`layered` (needs the protocol), `uniform`, or auto")
-    collective: str = option(AUTO, "`padded`, `exact`, or auto (exact on gloo, padded on NCCL)")
+    mode: vocabulary.Schedule | Auto = option(AUTO, "`layered` (needs the protocol), `uniform`, or auto")
+    collective: vocabulary.Collective | Auto = option(AUTO, "`padded`, `exact`, or auto (exact on gloo, padded on NCCL)")
     units: tuple[type[nn.Module], ...] | None = option(
         None, "wrap policy for the uniform mode: module classes or import paths", unset="largest `nn.ModuleList`")
     param_dtype: torch.dtype | None = option(
@@ -104,6 +103,11 @@ class StrategyConfig:
     replica_group: int | None = option(
         None, "under `fault_tolerance`: this node's shard group in the plan (its torchft replica group)",
         unset="the `REPLICA_GROUP_ID` environment variable")
+
+    def __post_init__(self) -> None:
+        # a mode given as its string is held as its member (build refuses any other value)
+        object.__setattr__(self, "mode", member_of(vocabulary.Schedule, self.mode))
+        object.__setattr__(self, "collective", member_of(vocabulary.Collective, self.collective))
 
     @classmethod
     def build(cls, **given: Any) -> StrategyConfig:

@@ -32,9 +32,9 @@ class _DeprecatedAlias(argparse.Action):
 
 def _add_plan_options(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("-b", "--global-batch-size", type=int, required=required, help="samples per optimizer step")
-    parser.add_argument("--mode", choices=values_of(Schedule), default=Schedule.LAYERED.value,
+    parser.add_argument("--mode", choices=values_of(Schedule), default=Schedule.LAYERED,
                         help="layered: micro-batch count per rank (default); uniform: one count for all")
-    parser.add_argument("--planner", choices=PLANNERS, default=Planner.CEPHALO.value,
+    parser.add_argument("--planner", choices=PLANNERS, default=Planner.CEPHALO,
                         help="plan with cephalo (default) or output a baseline plan")
     parser.add_argument("--strategy", dest="planner", choices=PLANNERS, action=_DeprecatedAlias, help=argparse.SUPPRESS)
     parser.add_argument("--groupings", default=None, metavar="NAMES",

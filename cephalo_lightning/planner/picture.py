@@ -53,7 +53,7 @@ def even_plan(cluster: Cluster, plan: Plan) -> tuple[Plan | None, str]:
     if known is not None and not known.feasible:
         return None, f"the even plan is infeasible: {known.reason}"
     try:
-        return make_plan(cluster, plan.global_batch_size, mode=plan.mode, planner=Planner.EVEN.value), ""
+        return make_plan(cluster, plan.global_batch_size, mode=plan.mode, planner=Planner.EVEN), ""
     except PlanningError as err:
         return None, str(err)
 
@@ -101,7 +101,7 @@ def plan_figure(plan: Plan, even: Plan | None = None, why_none: str = "") -> Any
     if plan.predicted_step_s:
         step_ax.axhline(plan.predicted_step_s, color="black", linestyle="--", linewidth=1)
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[b]) for b in Binding]
-    names = [f"binds: {b.value}" for b in Binding]
+    names = [f"binds: {b}" for b in Binding]
     if evens:
         handles.append(plt.Rectangle((0, 0), 1, 1, color=EVEN_COLOUR))
         names.append("even plan")

@@ -28,8 +28,8 @@ from cephalo_lightning.planner.search.shared_host import SHARED_HOST_REFINE_RANK
 from cephalo_lightning.planner.why import explain
 
 
-def plan(cluster: Cluster, global_batch_size: int, mode: str = Schedule.LAYERED.value,
-         planner: str = Planner.CEPHALO.value,
+def plan(cluster: Cluster, global_batch_size: int, mode: Schedule = Schedule.LAYERED,
+         planner: Planner = Planner.CEPHALO,
          groupings: tuple[str, ...] | None = None) -> Plan:
     """Plan a cluster: shard groups, per-rank batch, micro-batches and state share minimising the step time.
 
@@ -40,6 +40,7 @@ def plan(cluster: Cluster, global_batch_size: int, mode: str = Schedule.LAYERED.
     certified optimality gap (against the best plan over the groupings weighed).
     """
     B = check_inputs(cluster, global_batch_size, mode, planner)
+    mode, planner = Schedule(mode), Planner(planner)  # their strings are taken too
     names = check_groupings(groupings)
     if planner != Planner.CEPHALO:
         return baseline_plan(cluster, B, mode, planner)
@@ -74,13 +75,13 @@ def solved_plan(source: Cluster, problem: Problem, groupings: tuple[str, ...]) -
         upper_bound_samples_per_s=upper,
         model=model_summary(cluster),
         baselines=compute_baselines(source, B, mode, problem=by_kinds),
-        planner=Planner.CEPHALO.value,
+        planner=Planner.CEPHALO,
         emulated=cluster.emulated,
         optimality_gap=max(0.0, step / lower_s - 1.0) if lower_s > 0 else None,
     )
 
 
-def baseline_plan(cluster: Cluster, B: int, mode: str, planner: str) -> Plan:
+def baseline_plan(cluster: Cluster, B: int, mode: Schedule, planner: Planner) -> Plan:
     """A baseline as a plan of its own (the even ones have one micro-batch count, so either mode fits)."""
     if planner not in (Planner.EVEN, Planner.DDP_EVEN, Planner.HSDP_EVEN) and mode == Schedule.UNIFORM:
         raise PlanningError(f"the {planner} baseline picks each rank's micro-batch count, so it has no "

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from cephalo_lightning._common.vocabulary import ProfileSource
 from cephalo_lightning.planner.schema.cluster_spec import Cluster
-from cephalo_lightning.planner.schema.plan import Plan, RankPlan
+from cephalo_lightning.planner.schema.plan import Binding, Plan, RankPlan
 from cephalo_lightning.planner.search.peers import BASELINE_GROUPINGS
 
 LEGEND = ("legend: n x m = n micro-batches of m samples (kept: no recompute); state share = the rank's part of its "
@@ -56,7 +56,7 @@ def _explained(plan: Plan) -> bool:
 def _row(r: RankPlan, scale: float, groups: bool = False, binds: bool = True) -> tuple[str, ...]:
     step = f"{r.predicted_step_s:.4g}" if r.predicted_step_s is not None else "-"
     group = (str(r.shard_group),) if groups else ()
-    binding = ((r.binding.value if r.binding is not None else "-"),) if binds else ()
+    binding = ((r.binding if r.binding is not None else "-"),) if binds else ()
     return (*group, r.device, str(r.batch_size), _micro(r), f"{100 * r.state_share:.1f}%", step,
             _memory(r, scale), *binding, r.source)
 
@@ -120,10 +120,10 @@ def rank_table(plan: Plan) -> Table:
 
 def why_lines(plan: Plan) -> list[str]:
     """Why each rank gets what it gets: one line per distinct reason, with the ranks it holds for."""
-    reasons: dict[tuple[str, str], list[int]] = {}
+    reasons: dict[tuple[Binding, str], list[int]] = {}
     for r in plan.ranks:
         if r.binding is not None and r.why:
-            reasons.setdefault((r.binding.value, r.why), []).append(r.rank)
+            reasons.setdefault((r.binding, r.why), []).append(r.rank)
     if not reasons:
         return []
     lines = ["why:"]

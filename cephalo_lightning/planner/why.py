@@ -97,7 +97,7 @@ class _Step:
     host_cores: int | None
 
 
-def explain(cluster: Cluster, ranks: tuple[RankPlan, ...], mode: str) -> tuple[RankPlan, ...]:
+def explain(cluster: Cluster, ranks: tuple[RankPlan, ...], mode: Schedule) -> tuple[RankPlan, ...]:
     """``ranks`` with ``binding`` and ``why`` filled in (see the module docstring). Ranks alike (kind,
     assignment, collectives, step) are priced once: a cluster of thousands has a handful of kinds."""
     groups = np.array([r.shard_group for r in ranks], dtype=np.int64)

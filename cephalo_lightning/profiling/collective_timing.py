@@ -43,7 +43,7 @@ class CollectiveProfile:
     allgather_ms: float  # even shares (what the cost model's settings hold)
     reduce_scatter_ms: float
     shares: tuple[float, ...] = ()
-    by_mode: dict[str, tuple[float, float]] = field(default_factory=dict)  # mode -> (all-gather, reduce-scatter)
+    by_mode: dict[Collective, tuple[float, float]] = field(default_factory=dict)  # mode -> (all-gather, reduce-scatter)
 
 
 def _sync(device: torch.device) -> None:
@@ -87,7 +87,7 @@ def time_collectives(
     device: torch.device | str = "cpu",
     compute_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
-    modes: Sequence[str] = (Collective.PADDED.value,),
+    modes: Sequence[Collective] = (Collective.PADDED,),
     shares: Sequence[float] | None = None,
     links: Links | None = None,
     warmup: int = 1,
@@ -105,6 +105,7 @@ def time_collectives(
     unknown = [m for m in modes if m not in values_of(Collective)]
     if unknown:
         raise ConfigurationError(f"unknown collective mode(s) {unknown}; choose from {values_of(Collective)}")
+    modes = tuple(Collective(m) for m in modes)
     if numel < 1:
         raise ConfigurationError(f"numel must be >= 1, got {numel}")
     device = torch.device(device)
@@ -115,7 +116,7 @@ def time_collectives(
         raise ConfigurationError(f"{len(shares)} shares for a world of {world} ranks: give one per rank")
     even = build_layout([numel], [1.0 / world] * world, ["profiled-unit"]).units[0]
     uneven = even if shares is None else build_layout([numel], list(shares), ["profiled-unit"]).units[0]
-    mode = modes[0] if modes else Collective.PADDED.value
+    mode = modes[0] if modes else Collective.PADDED
     ag, rs = _time_unit(Collectives(group, mode, links=links), even, device, compute_dtype, reduce_dtype, warmup, repeats)
     by_mode = {
         mode: _time_unit(Collectives(group, mode, links=links), uneven, device, compute_dtype, reduce_dtype, warmup, repeats)
@@ -137,7 +138,7 @@ def skewed_shares(world_size: int) -> list[float]:
     return [rho] + [(1.0 - rho) / (world_size - 1)] * (world_size - 1)
 
 
-def uneven_slope(profile: CollectiveProfile, mode: str) -> float | None:
+def uneven_slope(profile: CollectiveProfile, mode: Collective) -> float | None:
     """The slope s of ``1 + s (W rho - 1)`` through the even and the uneven timing of ``mode``
     (all-gather and reduce-scatter together), or None when the profile has no uneven timing."""
     if profile.world_size < 2 or mode not in profile.by_mode or not profile.shares:
@@ -189,7 +190,7 @@ def time_overlap(
     emulator: DeviceEmulator | None = None,
     links: Links | None = None,
     compute_dtype: torch.dtype = torch.float32,
-    mode: str = Collective.PADDED.value,
+    mode: Collective = Collective.PADDED,
     repeats: int = 5,
 ) -> float:
     """How much of an all-gather hides behind compute running beside it, in [0, 1]; every rank must call it.

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from cephalo_lightning._common.units import GIB
+from cephalo_lightning._common.vocabulary import Collective, ProfileSource
 from cephalo_lightning.planner.schema.cluster_spec import DeviceProfile, Emulation, Settings
 from cephalo_lightning.profiling.collective_timing import CollectiveProfile, uneven_slope
 from cephalo_lightning.profiling.model import ModelProfile
@@ -129,7 +130,7 @@ def device_profiles(ids: Sequence[RankIdentity], leaders: Sequence[int], profile
             compute_memory_gb=tuple(round(b / GIB, 9) for b in profile.compute_memory_bytes),
             activation_memory_gb=tuple(round(b / GIB, 9) for b in profile.activation_memory_bytes)
             if profile.activation_memory_bytes and any(profile.activation_memory_bytes) else None,
-            source="emulated" if ident.emulate is not None else "measured",
+            source=ProfileSource.EMULATED if ident.emulate is not None else ProfileSource.MEASURED,
             emulate=ident.emulate,
             optimizer_ns_per_param=None if optimizer is None or optimizer[leader] is None
             else round(optimizer[leader], 6),
@@ -137,7 +138,7 @@ def device_profiles(ids: Sequence[RankIdentity], leaders: Sequence[int], profile
     return tuple(devices)
 
 
-def measured_settings(settings: Settings, comm: CollectiveProfile | None, mode: str,
+def measured_settings(settings: Settings, comm: CollectiveProfile | None, mode: Collective,
                       overlap: float | None, links: LinkProfile | None = None) -> Settings:
     """``settings`` with the measured collective times, their uneven slope and overlap, and the links'
     bandwidths within and between nodes (a value the caller set explicitly wins over a measured

@@ -25,7 +25,7 @@ class ProfileOptions:
     measure_memory: bool = True  # measure each layer's compute memory (else 0)
     batch_dim: int = 0  # the samples' dimension of a layer's input
     collectives: bool = True  # time the all-gather / reduce-scatter (else keep the settings' values)
-    collective_modes: tuple[str, ...] = (Collective.PADDED.value,)  # the first is the runtime's mode
+    collective_modes: tuple[Collective, ...] = (Collective.PADDED,)  # the first is the runtime's mode
     collective_repeats: int = 5
     link_probe_bytes: int = 4 * 2**20  # each rank's shard when the links within / between nodes are timed
     share_measurements: bool = True  # identical devices (same name and emulation) measure once
@@ -47,3 +47,4 @@ class ProfileOptions:
             raise ConfigurationError(
                 f"collective_modes must be a non-empty subset of {values_of(Collective)}, got {self.collective_modes}"
             )
+        object.__setattr__(self, "collective_modes", tuple(Collective(m) for m in self.collective_modes))

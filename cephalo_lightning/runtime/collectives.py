@@ -56,21 +56,22 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from cephalo_lightning._common.vocabulary import Collective, values_of
+from cephalo_lightning._common.vocabulary import AUTO, Auto, Collective, values_of
 from cephalo_lightning.runtime.distributed import rank_and_size
 from cephalo_lightning.runtime.observers import Observers
 from cephalo_lightning.runtime.sharding.layout import UnitLayout
 
 
-def resolve_mode(mode: str, group: dist.ProcessGroup | None = None) -> str:
-    """``"auto"``: ``exact`` on gloo (faster at every imbalance measured there, see
-    benchmarks/bench_runtime.py), ``padded`` elsewhere (NCCL's equal-size collectives are fast)."""
+def resolve_mode(mode: Collective | Auto, group: dist.ProcessGroup | None = None) -> Collective:
+    """A mode as its member (its string is taken too); ``"auto"``: ``exact`` on gloo (faster at every
+    imbalance measured there, see benchmarks/bench_runtime.py), ``padded`` elsewhere (NCCL's
+    equal-size collectives are fast)."""
     if mode in values_of(Collective):
-        return mode
-    if mode != "auto":
+        return Collective(mode)
+    if mode != AUTO:
         raise ValueError(f"collective mode must be 'auto' or one of {values_of(Collective)}, got {mode!r}")
     distributed = dist.is_available() and dist.is_initialized()
-    return (Collective.EXACT if distributed and dist.get_backend(group) == "gloo" else Collective.PADDED).value
+    return Collective.EXACT if distributed and dist.get_backend(group) == "gloo" else Collective.PADDED
 
 # torch 2.13 renamed the equal-size collectives (the old names warn); keep older torch working.
 _all_gather_equal = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -206,7 +207,7 @@ class Collectives:
     """Collectives of one process group (``None`` = single process)."""
 
     group: dist.ProcessGroup | None = None
-    mode: str = "auto"
+    mode: Collective | Auto = AUTO  # resolved at construction: a Collective
     record: bool = False
     log: list[tuple[str, str, int]] = field(default_factory=list)
     observers: Observers = field(default_factory=Observers)

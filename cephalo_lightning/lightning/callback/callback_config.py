@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning._common.vocabulary import Schedule, values_of
+from cephalo_lightning._common.vocabulary import Schedule, member_of, values_of
 from cephalo_lightning.lightning.strategy_config import check_flag
 from cephalo_lightning.planner import PlanningError, Settings
 from cephalo_lightning.planner.schema.cluster import parse_settings
@@ -39,7 +39,7 @@ class CallbackConfig:
     global_batch_size: int | None = _option(
         None, "samples per optimizer step over all ranks (None: the strategy's, else the DataLoader's batch_size)",
         shown="DataLoader's")
-    mode: str | None = _option(None, "planner mode, 'layered' or 'uniform'", shown="what the module supports")
+    mode: Schedule | None = _option(None, "planner mode, 'layered' or 'uniform'", shown="what the module supports")
     max_micro_batch: int = _option(4, "profile micro-batch sizes 1..k")
     settings: Mapping[str, Any] | None = _option(
         None, "cost-model settings to override, e.g. {'usable_memory_fraction': 0.9}", shown="device defaults")
@@ -72,6 +72,7 @@ class CallbackConfig:
         if self.mode not in MODES:
             raise ConfigurationError(f"CephaloCallback(mode={self.mode!r}): mode must be 'layered', 'uniform' or None, "
                                      f"got {self.mode!r}")
+        object.__setattr__(self, "mode", member_of(Schedule, self.mode))
         for name in ("global_batch_size", "max_micro_batch"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -24,13 +24,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from cephalo_lightning._common.vocabulary import Planner
+from cephalo_lightning._common.vocabulary import Planner, Schedule
 from cephalo_lightning.planner import Cluster, Plan, PlanningError, RankPlan
 from cephalo_lightning.planner import plan as make_plan
 
 
 def replan(plan: Plan | None, cluster: Cluster | None, devices: Sequence[str], global_batch_size: int,
-           mode: str) -> tuple[Plan, str]:
+           mode: Schedule) -> tuple[Plan, str]:
     """The plan for ranks on ``devices`` (one name per present rank, in rank order) and the warning
     that says how it was made: from ``cluster`` when it profiles every present device, else from
     ``plan``'s figures. Raises ``PlanningError`` when neither can (a device the cluster file does
@@ -101,7 +101,7 @@ def replan_for_world(plan: Plan, devices: Sequence[str]) -> Plan:
         count = max(1, math.ceil(batch / micro)) if batch else 1
         ranks.append(RankPlan(rank, name, batch, count, math.ceil(batch / count) if batch else 0,
                               share / total_share if total_share > 0 else 1 / len(devices)))
-    return Plan(plan.global_batch_size, plan.mode, tuple(ranks), model=plan.model, planner=Planner.ELASTIC.value,
+    return Plan(plan.global_batch_size, plan.mode, tuple(ranks), model=plan.model, planner=Planner.ELASTIC,
                 emulated=plan.emulated)
 
 

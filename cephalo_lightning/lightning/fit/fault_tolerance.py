@@ -81,7 +81,7 @@ def check_groups_cut_alike(plan: Plan) -> None:
             "shard group per node of identical devices (equal groups, equal shares), or run without fault tolerance")
 
 
-def check_options(mode: str, plan: Plan | None) -> None:
+def check_options(mode: vocabulary.Schedule | vocabulary.Auto, plan: Plan | None) -> None:
     """What ``fault_tolerance=True`` can be refused for before any process starts: the uniform mode, a
     pinned plan whose groups cut the units differently, torchft missing."""
     if mode == vocabulary.Schedule.UNIFORM:

@@ -146,7 +146,7 @@ class FitRuntime:
                 "every rank), or give the LightningModule the layered protocol (cephalo_layers, cephalo_input, "
                 "cephalo_loss)")
         rank_zero_info(f"Cephalo: the uniform mode for {name}: the discovered block sequence does not hold ({why})")
-        self.schedule, self.layered_model = vocabulary.Schedule.UNIFORM.value, None
+        self.schedule, self.layered_model = vocabulary.Schedule.UNIFORM, None
         self.steps = UniformSteps(self.module, self.sharded, self._training_step, self.weighting)
 
     @property

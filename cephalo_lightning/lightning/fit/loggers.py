@@ -41,7 +41,7 @@ def _wandb_loggers(loggers: Sequence[Logger]) -> list[Any]:
 
 def plan_rows(plan: Plan) -> list[list[Any]]:
     return [[r.rank, r.device, r.batch_size, r.num_micro_batches, r.micro_batch_size, round(r.state_share, 6),
-             r.predicted_step_s, r.predicted_memory_gb, r.memory_capacity_gb, r.source] for r in plan.ranks]
+             r.predicted_step_s, r.predicted_memory_gb, r.memory_capacity_gb, r.source.value] for r in plan.ranks]
 
 
 def plan_scalars(plan: Plan, prefix: str = "plan") -> dict[str, float]:
@@ -76,7 +76,7 @@ def log_plan(loggers: Sequence[Logger], plan: Plan, cluster: Cluster | None, pre
         if cluster is not None:
             charts[f"cephalo/{prefix}/profile"] = wandb.Table(
                 columns=["rank", "device", "source", "memory_gb", "layer_fwd_ms", "layer_bwd_ms", "compute_memory_gb"],
-                data=[[i, d.name, d.source, d.memory_gb, list(d.layer_fwd_ms), list(d.layer_bwd_ms), list(d.compute_memory_gb)]
+                data=[[i, d.name, d.source.value, d.memory_gb, list(d.layer_fwd_ms), list(d.layer_bwd_ms), list(d.compute_memory_gb)]
                       for i, d in enumerate(cluster.devices)],
             )
         picture = plan_picture(plan, cluster)
@@ -146,7 +146,7 @@ def rank_lines(plan: Plan) -> list[str]:
         sizes = "-".join(map(str, sorted(set(r.micro_batch_sizes))))
         work = f"batch {r.batch_size} in {count} of {sizes}" if r.batch_size else "no samples (stores state only)"
         emulated = ", emulated" if r.source == ProfileSource.EMULATED else ""
-        bound = f", bound by {r.binding.value}" if r.binding is not None else ""
+        bound = f", bound by {r.binding}" if r.binding is not None else ""
         if r.predicted_step_s is None and r.predicted_memory_gb is None:
             predicted = "not priced (a plan given as it is, without a cluster file to predict it from)"
         else:
@@ -230,7 +230,7 @@ def cluster_config(cluster: Cluster) -> dict[str, Any]:
         "model": _plain(cluster.model),
         "settings": _plain(cluster.settings),
         "world_size": cluster.world_size,
-        "devices": {f"rank{i}": {"name": d.name, "memory_gb": d.memory_gb, "source": d.source,
+        "devices": {f"rank{i}": {"name": d.name, "memory_gb": d.memory_gb, "source": d.source.value,
                                  "emulate": _plain(d.emulate)} for i, d in enumerate(cluster.devices)},
     }
 

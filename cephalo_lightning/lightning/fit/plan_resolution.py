@@ -119,7 +119,7 @@ def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: vocabulary.
     def batch() -> int:
         return global_batch(config.global_batch_size, trainer, world_size)
 
-    planner_mode = (vocabulary.Schedule.UNIFORM if schedule == vocabulary.Schedule.UNIFORM else vocabulary.Schedule.LAYERED).value
+    planner_mode = vocabulary.Schedule.UNIFORM if schedule == vocabulary.Schedule.UNIFORM else vocabulary.Schedule.LAYERED
     if config.elastic and cluster is not None and (plan if plan is not None else cluster).world_size != world_size:
         return replanned(plan, cluster, plan.global_batch_size if plan is not None else batch(),
                          plan.mode if plan is not None else planner_mode, identities)
@@ -145,7 +145,7 @@ def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: vocabulary.
     return plan
 
 
-def replanned(plan: Plan | None, cluster: Cluster | None, global_batch_size: int, mode: str,
+def replanned(plan: Plan | None, cluster: Cluster | None, global_batch_size: int, mode: vocabulary.Schedule,
               identities: Callable[[], list[DeviceIdentity]]) -> Plan:
     """An elastic restart: the plan for the devices present (:func:`.elastic.replan`), with a warning."""
     new, warning = elastic.replan(plan, cluster, [i.name for i in identities()], global_batch_size, mode)
@@ -161,7 +161,7 @@ def memory_proportional(plan: Plan, identities: list[DeviceIdentity]) -> Plan:
         return plan
     total = sum(memories)
     ranks = tuple(replace(r, state_share=m / total) for r, m in zip(plan.ranks, memories))
-    return replace(plan, ranks=ranks, planner=vocabulary.Planner.PROVISIONAL.value)
+    return replace(plan, ranks=ranks, planner=vocabulary.Planner.PROVISIONAL)
 
 
 def check_model(plan: Plan, module: nn.Module) -> None:

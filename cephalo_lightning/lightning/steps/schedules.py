@@ -19,7 +19,8 @@ from cephalo_lightning.models.weighting import Decision
 from cephalo_lightning.planner import Plan, PlanningError
 
 
-def decide_schedule(requested: str, resolution: Resolution, module: pl.LightningModule) -> vocabulary.Schedule:
+def decide_schedule(requested: vocabulary.Schedule | vocabulary.Auto, resolution: Resolution,
+                    module: pl.LightningModule) -> vocabulary.Schedule:
     """``layered`` when the model has a layered form (or was asked for), else ``uniform``."""
     layered_ok = resolution.layered is not None
     manual = not module.automatic_optimization
@@ -27,13 +28,14 @@ def decide_schedule(requested: str, resolution: Resolution, module: pl.Lightning
         why = "manual optimization runs your training_step itself" if manual else resolution.reason
         raise UnsupportedError(
             f"mode='layered' is not possible: {why}. Supported: {'; '.join(SUPPORTED)}. Or use mode='uniform'")
-    layered, uniform = vocabulary.Schedule.LAYERED.value, vocabulary.Schedule.UNIFORM.value
-    schedule = requested if requested != AUTO else (layered if layered_ok and not manual else uniform)
-    if requested == AUTO and schedule == vocabulary.Schedule.UNIFORM:
+    if requested != AUTO:
+        return vocabulary.Schedule(requested)
+    schedule = vocabulary.Schedule.LAYERED if layered_ok and not manual else vocabulary.Schedule.UNIFORM
+    if schedule == vocabulary.Schedule.UNIFORM:
         why = "manual optimization (automatic_optimization=False)" if manual else resolution.reason
         rank_zero_info(f"Cephalo: {why}; using the uniform mode (your training_step per micro-batch, one micro-batch "
                        f"count on every rank). The layered mode supports {'; '.join(SUPPORTED)}.")
-    return schedule  # type: ignore[return-value]
+    return schedule
 
 
 def check_plan(plan: Plan, schedule: vocabulary.Schedule, resolution: Resolution, module: pl.LightningModule) -> None:

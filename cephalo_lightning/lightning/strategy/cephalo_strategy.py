@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from cephalo_lightning._common.errors import UnsupportedError
+from cephalo_lightning._common.vocabulary import CollectiveChoice, ScheduleChoice
 from cephalo_lightning.lightning._private import (
     logging_as,
     module_hidden_from,
@@ -57,9 +58,7 @@ from cephalo_lightning.lightning.strategy.precision import sharded_precision
 from cephalo_lightning.lightning.strategy.sharded_strategy import ShardedStrategy
 from cephalo_lightning.lightning.strategy_config import (
     DEFAULTS,
-    CollectiveChoice,
     LossWeightingChoice,
-    Mode,
     RouterAuxLoss,
     StateDictType,
     StrategyConfig,
@@ -90,7 +89,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     strategy_name = "cephalo"
 
     def __init__(self, plan: Plan | str | Path | None = DEFAULTS.plan, cluster: Cluster | str | Path | None = DEFAULTS.cluster,
-                 global_batch_size: int | None = DEFAULTS.global_batch_size, mode: Mode = DEFAULTS.mode,
+                 global_batch_size: int | None = DEFAULTS.global_batch_size, mode: ScheduleChoice = DEFAULTS.mode,
                  collective: CollectiveChoice = DEFAULTS.collective, units: Sequence[Any] | None = DEFAULTS.units,
                  param_dtype: str | None = DEFAULTS.param_dtype,
                  emulate: Sequence[dict[str, float] | None] | None = DEFAULTS.emulate,

@@ -44,10 +44,10 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning._common.vocabulary import Schedule
+from cephalo_lightning._common.vocabulary import AUTO, Collective, CollectiveChoice, Schedule, member_of
 from cephalo_lightning.lightning._private import BackwardSyncControl, user_sampler
 from cephalo_lightning.lightning.fit.plan_resolution import check_loader_batch, data_seed
-from cephalo_lightning.lightning.strategy_config import AUTO, COLLECTIVES, CollectiveChoice, check_flag
+from cephalo_lightning.lightning.strategy_config import COLLECTIVES, check_flag
 from cephalo_lightning.planner import Plan
 from cephalo_lightning.runtime.collectives import resolve_mode
 from cephalo_lightning.runtime.plan_state import PlanState
@@ -89,7 +89,7 @@ class CephaloFabricStrategy(DDPStrategy):
             _check_plan(self.plan, global_batch_size)
         self._global_batch_size = global_batch_size if self.plan is None else self.plan.global_batch_size
         self.units = tuple(units) if units is not None else None
-        self.collective = collective
+        self.collective = member_of(Collective, collective)  # or AUTO, resolved by the backend at setup
         self.prefetch = prefetch
         self.scale_loss = scale_loss
         self.seed = seed
@@ -109,7 +109,7 @@ class CephaloFabricStrategy(DDPStrategy):
             if batch is None:
                 raise ConfigurationError("CephaloFabricStrategy has no plan yet: give plan=... or global_batch_size=B, "
                                          "or set up the training dataloader (its batch_size is the global batch) first")
-            self.plan = Plan.even(self.world_size, batch, mode=Schedule.UNIFORM.value)
+            self.plan = Plan.even(self.world_size, batch, mode=Schedule.UNIFORM)
         if self.plan.world_size != self.world_size:
             raise ConfigurationError(f"the plan is for {self.plan.world_size} ranks but Fabric runs {self.world_size}: "
                                      f"re-plan for {self.world_size} devices or launch {self.plan.world_size}")
@@ -140,7 +140,7 @@ class CephaloFabricStrategy(DDPStrategy):
 
     def _state_shares(self) -> list[float]:
         """The plan's shares; with no plan yet, an even plan's (which any batch size gives)."""
-        plan = self.plan if self.plan is not None else Plan.even(self.world_size, self.world_size, mode=Schedule.UNIFORM.value)
+        plan = self.plan if self.plan is not None else Plan.even(self.world_size, self.world_size, mode=Schedule.UNIFORM)
         return list(plan.state_shares)
 
     @override

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.planner.cost.calibration import calibrated, with_calibration
 from cephalo_lightning.planner.cost.cluster_cost import collective_ms, evaluate_arrays, predicted_busy_s
 from cephalo_lightning.planner.cost.collective_prices import communication
@@ -75,7 +76,7 @@ def host_contention(observations: Sequence[StepObservation]) -> float:
 
 
 def _calibration(cluster: Cluster, theta: np.ndarray, even: Prices, steps: int, fitted_on: str,
-                 contention: float = 1.0, mode: str | None = None,
+                 contention: float = 1.0, mode: Schedule | None = None,
                  shard_groups: tuple[int, ...] | None = None) -> Calibration:
     return Calibration(
         step_overhead_ms=float(theta[0]), micro_batch_overhead_ms=float(theta[1]), allgather_ms=float(theta[2] * even.ag),

@@ -77,7 +77,7 @@ def evaluate_arrays(
     num_micro_batches: Sequence[int] | np.ndarray,
     shares: Sequence[float] | np.ndarray,
     recompute: Sequence[bool] | np.ndarray | None = None,
-    mode: str = Schedule.LAYERED,
+    mode: Schedule = Schedule.LAYERED,
     kinds: tuple[list[DeviceCost], np.ndarray] | None = None,
     shard_groups: Sequence[int] | np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -128,7 +128,7 @@ def evaluate(
     num_micro_batches: Sequence[int],
     shares: Sequence[float],
     recompute: Sequence[bool] | None = None,
-    mode: str = Schedule.LAYERED,
+    mode: Schedule = Schedule.LAYERED,
     shard_groups: Sequence[int] | None = None,
 ) -> list[RankCost]:
     """The cost model applied to one assignment: every rank's predicted step time and memory

@@ -36,7 +36,7 @@ from cephalo_lightning.planner.schema.planning_error import PlanningError
 # exact (all_to_all_single) moves the same total bytes at any imbalance, so its slope is ~0 there;
 # across a real network the busiest rank's link is the bottleneck and both should approach 1.
 # A cluster's own measurement (``settings.uneven_slope``, written by the profiler) replaces them.
-UNEVEN_SLOPE = {Collective.PADDED.value: 0.97, Collective.EXACT.value: 0.01}
+UNEVEN_SLOPE = {Collective.PADDED: 0.97, Collective.EXACT: 0.01}
 
 # Data parallelism's gradient buckets (runtime/sharding/replicas.py cuts them by these): DDP's first
 # bucket, closed early so the backward's last units start reducing, then bucket_cap_mb.

@@ -85,11 +85,11 @@ def slowdown_of(device: DeviceProfile) -> float:
 class DeviceCost:
     """One device's cost functions under a cluster's settings, in one mode (layered | uniform)."""
 
-    def __init__(self, device: DeviceProfile, cluster: Cluster, mode: str = Schedule.LAYERED) -> None:
+    def __init__(self, device: DeviceProfile, cluster: Cluster, mode: Schedule = Schedule.LAYERED) -> None:
         if mode not in values_of(Schedule):
             raise PlanningError(f"mode must be one of {values_of(Schedule)}, got {mode!r}; choose one of those")
         self.device = device
-        self.mode = mode
+        self.mode = Schedule(mode)
         self.fwd = PiecewiseLinear(device.layer_fwd_ms)
         self.bwd = PiecewiseLinear(device.layer_bwd_ms)
         self.compute_memory = PiecewiseLinear(device.compute_memory_gb, intercept_at_zero=True)
@@ -250,7 +250,7 @@ def _without_node(device: DeviceProfile) -> tuple:
     return tuple(getattr(device, name) for name in _KIND_FIELDS)
 
 
-def kind_costs(cluster: Cluster, mode: str = Schedule.LAYERED) -> tuple[list[DeviceCost], np.ndarray]:
+def kind_costs(cluster: Cluster, mode: Schedule = Schedule.LAYERED) -> tuple[list[DeviceCost], np.ndarray]:
     """One DeviceCost per distinct device profile, and each rank's index into them."""
     cluster = calibrated(cluster)
     index: dict[DeviceProfile, int] = {}

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cephalo_lightning._common.vocabulary import ProfileSource
+from cephalo_lightning._common.vocabulary import ProfileSource, Schedule, hold_member
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 # the fitted terms, each one number (the per-rank compute_scale and the measured host_contention aside)
 CALIBRATION_TERMS = ("step_overhead_ms", "micro_batch_overhead_ms", "allgather_ms", "reduce_scatter_ms", "overlap")
@@ -30,17 +31,22 @@ class Calibration:
     host_contention: float = 1.0  # wall per busy second while computing: ranks waiting for a shared host's cores
     steps: int = 0  # measured steps the fit used
     fitted_on: str = ""  # the plan(s) measured, e.g. "B=32 layered b=[20, 12]"
-    source: str = ProfileSource.MEASURED.value
-    mode: str | None = None  # the measured steps' mode (None: steps of both modes)
+    source: ProfileSource = ProfileSource.MEASURED
+    mode: Schedule | None = None  # the measured steps' mode (None: steps of both modes)
     shard_groups: tuple[int, ...] | None = None  # and their grouping, every rank's group (None: every grouping)
+
+    def __post_init__(self) -> None:
+        hold_member(self, "source", ProfileSource, PlanningError, "write one of those")
+        if self.mode is not None:
+            hold_member(self, "mode", Schedule, PlanningError, "write one of those, or leave it out")
 
     def as_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {k: getattr(self, k) for k in CALIBRATION_TERMS}
         data["compute_scale"] = list(self.compute_scale)
         data["host_contention"] = self.host_contention
-        data.update(steps=self.steps, fitted_on=self.fitted_on, source=self.source)
+        data.update(steps=self.steps, fitted_on=self.fitted_on, source=self.source.value)
         if self.mode is not None:
-            data["mode"] = self.mode
+            data["mode"] = self.mode.value
         if self.shard_groups is not None:
             data["shard_groups"] = list(self.shard_groups)
         return data

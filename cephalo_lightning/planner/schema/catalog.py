@@ -149,4 +149,4 @@ def estimate_profile(name: str, model: ModelSpec, settings: Settings, where: str
     fixed = WORKSPACE_GB + model.layer_parameters * (model.compute_bytes_per_param + 4.0) / GIB
     per_sample_gb = activation_bytes(model.hidden_size, model.seq_len) / GIB
     memory = tuple(fixed + m * per_sample_gb for m in range(1, PROFILE_SIZES + 1))
-    return DeviceProfile(name, spec.memory_gb, fwd, bwd, memory, source=ProfileSource.CATALOG.value)
+    return DeviceProfile(name, spec.memory_gb, fwd, bwd, memory, source=ProfileSource.CATALOG)

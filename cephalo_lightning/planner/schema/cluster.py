@@ -186,7 +186,7 @@ def parse_settings(data: Any) -> Settings:
         if data["collective"] not in values_of(Collective):
             raise PlanningError(f"settings.collective must be one of {values_of(Collective)}, got {data['collective']!r}: "
                                 f"write collective: padded or collective: exact (the runtime's CephaloStrategy(collective=...))")
-        values["collective"] = data["collective"]
+        values["collective"] = Collective(data["collective"])
     return Settings(**values)
 
 
@@ -291,12 +291,12 @@ def parse_devices(data: Any, model: ModelSpec, settings: Settings, *, nodes: Any
             if "memory_gb" not in entry:
                 raise PlanningError(f"{where} ({name}).memory_gb is required with a measured profile; add the device's "
                                     "memory in GiB, e.g. memory_gb: 80")
-            source = str(entry.get("source", ProfileSource.EMULATED.value if emulate else ProfileSource.MEASURED.value))
+            source = str(entry.get("source", ProfileSource.EMULATED if emulate else ProfileSource.MEASURED))
             if source not in values_of(ProfileSource):
                 raise PlanningError(f"{where}.source must be one of {values_of(ProfileSource)}, got {source!r}; write one of "
                                     "those or drop the key")
             device = DeviceProfile(
-                name, checked_number(entry["memory_gb"], f"{where}.memory_gb"), fwd, bwd, mem, source, emulate
+                name, checked_number(entry["memory_gb"], f"{where}.memory_gb"), fwd, bwd, mem, ProfileSource(source), emulate
             )
         else:
             device = estimate_profile(name, model, settings, where=where)
@@ -332,13 +332,14 @@ def parse_calibration(data: Any, world_size: int) -> Calibration | None:
     if contention < 1:
         raise PlanningError(f"calibration.host_contention must be >= 1 (1: no rank waits for a core), got {contention}; "
                             "set it to 1 or more")
-    source = str(data.get("source", ProfileSource.MEASURED.value))
+    source = str(data.get("source", ProfileSource.MEASURED))
     if source not in CALIBRATION_SOURCES:
         raise PlanningError(f"calibration.source must be one of {CALIBRATION_SOURCES}, got {source!r}; write one of those")
     mode = data.get("mode")
     if mode is not None and mode not in values_of(Schedule):
         raise PlanningError(f"calibration.mode must be one of {values_of(Schedule)} (the mode of the steps it was fitted on), got "
                             f"{mode!r}; write one of those, or leave it out")
+    mode = Schedule(mode) if mode is not None else None
     groups = data.get("shard_groups")
     if groups is not None:
         if not isinstance(groups, list) or len(groups) != world_size:
@@ -349,7 +350,7 @@ def parse_calibration(data: Any, world_size: int) -> Calibration | None:
     return Calibration(
         **values, overlap=checked_fraction(data["overlap"], "calibration.overlap", "the overlap achieved"),
         compute_scale=scale, host_contention=contention, steps=checked_integer(data.get("steps", 0), "calibration.steps", minimum=0),
-        fitted_on=str(data.get("fitted_on", "")), source=source, mode=mode, shard_groups=groups)
+        fitted_on=str(data.get("fitted_on", "")), source=ProfileSource(source), mode=mode, shard_groups=groups)
 
 
 def cluster_from_dict(data: Any) -> Cluster:
@@ -389,7 +390,7 @@ def _device_entry(device: DeviceProfile) -> dict[str, Any]:
         "layer_fwd_ms": list(device.layer_fwd_ms),
         "layer_bwd_ms": list(device.layer_bwd_ms),
         "compute_memory_gb": list(device.compute_memory_gb),
-        "source": device.source,
+        "source": device.source.value,
     }
     if device.emulate is not None:
         entry["emulate"] = {k: v for k, v in asdict(device.emulate).items() if v is not None}
@@ -413,6 +414,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
         previous = device
     model = {k: v for k, v in asdict(cluster.model).items() if v is not None}
     settings = {k: v for k, v in asdict(cluster.settings).items() if v is not None}
+    settings["collective"] = cluster.settings.collective.value  # YAML's safe dumper writes no str subclass
     if not settings.get("step_overhead_ms"):
         settings.pop("step_overhead_ms", None)  # files written before the terms existed read the same
     for term in ("host_contention", "repeated_gather_fraction"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cephalo_lightning._common.vocabulary import Collective, ProfileSource
+from cephalo_lightning._common.vocabulary import Collective, ProfileSource, hold_member
 from cephalo_lightning.planner.schema.calibration_terms import Calibration
 from cephalo_lightning.planner.schema.planning_error import PlanningError
 
@@ -134,7 +134,7 @@ class Settings:
     reduce_scatter_ms: float = 0.0
     # GB/s per direction per rank between ranks (a file may write link_bandwidth: "16 GB/s per rank" instead)
     link_bandwidth_gbps: float | None = None
-    collective: str = Collective.PADDED.value  # how the runtime moves uneven shards: padded | exact
+    collective: Collective = Collective.PADDED  # how the runtime moves uneven shards
     estimated_mfu: float = 0.4  # for catalog estimates only
     # None below: measured by the profiler when it writes the cluster, else the cost model's default (collective_prices, device_cost)
     uneven_slope: float | None = None  # extra collective time per unit of imbalance (UNEVEN_SLOPE)
@@ -163,6 +163,9 @@ class Settings:
     # (a calibration sets it: the profiled gather over the fitted one). 1: every gather as the first
     repeated_gather_fraction: float = 1.0
 
+    def __post_init__(self) -> None:
+        hold_member(self, "collective", Collective, PlanningError, "write collective: padded or collective: exact")
+
 
 @dataclass(frozen=True)
 class Emulation:
@@ -185,7 +188,7 @@ class DeviceProfile:
     layer_fwd_ms: tuple[float, ...]
     layer_bwd_ms: tuple[float, ...]
     compute_memory_gb: tuple[float, ...]
-    source: str = ProfileSource.MEASURED.value
+    source: ProfileSource = ProfileSource.MEASURED
     emulate: Emulation | None = None
     # GiB the autograd graph of the WHOLE model's forward holds at micro-batch sizes 1..k, beyond
     # compute_memory_gb: what a rank keeping its graph (no recompute, the uniform mode) also holds
@@ -193,6 +196,9 @@ class DeviceProfile:
     optimizer_ns_per_param: float | None = None  # optimizer step time per state parameter owned
     host_copy_gbps: float | None = None  # device <-> pinned host copy bandwidth
     node: int | None = None  # the node (host) it is in; None on every device: one node
+
+    def __post_init__(self) -> None:
+        hold_member(self, "source", ProfileSource, PlanningError, "write one of those")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cephalo_lightning._common.vocabulary import ProfileSource
 from cephalo_lightning.planner.schema.catalog import lookup
 from cephalo_lightning.planner.schema.cluster import cluster_from_dict
 from cephalo_lightning.planner.schema.cluster_spec import Cluster
@@ -170,7 +171,7 @@ def convert_release(
                                     f"--memory-gb {name}=GB")
             capacity = known.memory_gb
         devices.append({"name": name, "count": count, "memory_gb": float(capacity), "layer_fwd_ms": fwd,
-                        "layer_bwd_ms": bwd, "compute_memory_gb": memory_series(compute), "source": "measured"})
+                        "layer_bwd_ms": bwd, "compute_memory_gb": memory_series(compute), "source": ProfileSource.MEASURED})
     parameters = spec["parameters"]
     if isinstance(parameters, bool) or not isinstance(parameters, (int, float)) or parameters < 1:
         raise PlanningError(f"model_memory.json[...][{model!r}].parameters must be a positive number, got "

@@ -6,12 +6,20 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from cephalo_lightning._common.atomic_io import write_text_atomic
-from cephalo_lightning._common.vocabulary import Planner, ProfileSource, Schedule, values_of
+from cephalo_lightning._common.vocabulary import (
+    Member,
+    Planner,
+    ProfileSource,
+    Schedule,
+    StrEnum,
+    hold_member,
+    member_of,
+    values_of,
+)
 from cephalo_lightning.planner.schema.files import MAX_EXACT_INTEGER, read_document, shown_number
 from cephalo_lightning.planner.schema.planning_error import PlanningError
 
@@ -39,7 +47,7 @@ def _builtin_numbers(record: Any) -> None:
             object.__setattr__(record, name, value.item())
 
 
-class Binding(str, Enum):
+class Binding(StrEnum):
     """What keeps a rank from taking one sample more (:mod:`.why`)."""
 
     COMPUTE = "compute"  # its compute sets the step
@@ -58,7 +66,7 @@ class RankPlan:
     state_share: float
     predicted_step_s: float | None = None
     predicted_memory_gb: float | None = None
-    source: str = ProfileSource.MEASURED.value  # where the device's figures came from: measured | catalog | emulated
+    source: ProfileSource = ProfileSource.MEASURED  # where the device's figures came from
     memory_limit_gb: float | None = None  # usable_memory_fraction * capacity: what memory must stay under
     memory_capacity_gb: float | None = None  # the device's total memory
     # False: the rank's one micro-batch keeps its autograd graph instead of recomputing each layer
@@ -74,6 +82,7 @@ class RankPlan:
 
     def __post_init__(self) -> None:
         _builtin_numbers(self)
+        hold_member(self, "source", ProfileSource, PlanningError, REMAKE)
 
     @property
     def micro_batch_sizes(self) -> list[int]:
@@ -134,19 +143,21 @@ class ModelSummary:
 @dataclass(frozen=True)
 class Plan:
     global_batch_size: int
-    mode: str
+    mode: Schedule
     ranks: tuple[RankPlan, ...]
     predicted_step_s: float | None = None
     predicted_samples_per_s: float | None = None
     upper_bound_samples_per_s: float | None = None
     model: ModelSummary = field(default_factory=ModelSummary)
     baselines: dict[str, BaselineResult] = field(default_factory=dict)
-    planner: str = Planner.CEPHALO.value  # which planner made it: cephalo or a baseline (even, proportional, ...)
+    planner: Planner = Planner.CEPHALO  # which planner made it: cephalo or a baseline (even, proportional, ...)
     emulated: bool = False
     optimality_gap: float | None = None  # certified: predicted step / proven lower bound - 1
 
     def __post_init__(self) -> None:
         _builtin_numbers(self)
+        object.__setattr__(self, "mode", member_of(Schedule, self.mode))  # validate_plan refuses any other
+        hold_member(self, "planner", Planner, PlanningError, REMAKE)
         validate_plan(self)
 
     @property
@@ -192,7 +203,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ranks", "baselines")}
-        data["model"] = self.model.to_dict()
+        data.update(mode=self.mode.value, planner=self.planner.value, model=self.model.to_dict())
         data["ranks"] = [_rank_dict(r) for r in self.ranks]
         data["baselines"] = {
             name: {f.name: getattr(b, f.name) for f in fields(b)
@@ -250,7 +261,9 @@ class Plan:
                 if not isinstance(data[key], kind):
                     raise PlanningError(f"{where}: '{key}' must be a {kind.__name__}, got {_shown(data[key])}; {REMAKE}")
                 extra[key] = data[key]
-        mode = data.get("mode", Schedule.LAYERED.value)
+        if "planner" in extra:
+            extra["planner"] = _member(Planner, extra["planner"], f"{where}: 'planner'")
+        mode = data.get("mode", Schedule.LAYERED)
         if not isinstance(mode, str):
             raise PlanningError(f"{where}: 'mode' must be one of {values_of(Schedule)}, got {_shown(mode)}; {REMAKE}")
         return cls(_whole(data["global_batch_size"], f"{where}: global_batch_size", 1), mode, ranks,
@@ -267,7 +280,7 @@ class Plan:
 
     @classmethod
     def even(cls, world_size: int, global_batch_size: int, num_micro_batches: int = 1,
-             mode: str = Schedule.LAYERED.value) -> Plan:
+             mode: Schedule = Schedule.LAYERED) -> Plan:
         """Equal batches and shares, as plain FSDP would run: the default before anything is measured."""
         if world_size < 1:
             raise PlanningError(f"world size must be >= 1, got {world_size}; run on at least one device")
@@ -284,15 +297,23 @@ class Plan:
             keep = mode == Schedule.LAYERED and num_micro_batches == 1 and b > 0
             ranks.append(RankPlan(rank, UNPROFILED, b, num_micro_batches, -(-b // num_micro_batches), 1 / world_size,
                                   recompute=not keep))
-        return cls(global_batch_size, mode, tuple(ranks), planner=Planner.EVEN.value)
+        return cls(global_batch_size, mode, tuple(ranks), planner=Planner.EVEN)
 
 
 def _rank_dict(r: RankPlan) -> dict[str, Any]:
-    """A rank's JSON form: a flat dataclass (vars() is asdict(), fast), the binding as its name."""
+    """A rank's JSON form: a flat dataclass (vars() is asdict(), fast), the vocabularies as their strings."""
     data = dict(vars(r))
+    data["source"] = r.source.value
     if r.binding is not None:
         data["binding"] = r.binding.value
     return data
+
+
+def _member(vocabulary: type[Member], value: Any, where: str) -> Member:
+    """A file's string parsed into its member; any other string is refused naming the choices."""
+    if value not in values_of(vocabulary):
+        raise PlanningError(f"{where} must be one of {values_of(vocabulary)}, got {_shown(value)}; {REMAKE}")
+    return vocabulary(value)
 
 
 def _shown(value: Any) -> str:
@@ -360,9 +381,10 @@ def _rank_from_dict(data: Any, i: int, where: str) -> RankPlan:
         if data.get(key) is not None:
             values[key] = _finite(data[key], f"{at}.{key} (rank {i})")
     if "source" in data:
-        values["source"] = _name(data["source"], f"{at}.source (rank {i})", ProfileSource.MEASURED.value)
+        source = _name(data["source"], f"{at}.source (rank {i})", ProfileSource.MEASURED)
+        values["source"] = _member(ProfileSource, source, f"{at}.source (rank {i})")
     if data.get("binding") is not None:
-        names = [b.value for b in Binding]
+        names = list(values_of(Binding))
         if data["binding"] not in names:
             raise PlanningError(f"{at}.binding (rank {i}) must be one of {names}, got {_shown(data['binding'])}; {REMAKE}")
         values["binding"] = Binding(data["binding"])

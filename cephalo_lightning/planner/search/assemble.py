@@ -15,7 +15,7 @@ from cephalo_lightning.planner.schema.plan import ModelSummary, RankPlan
 
 def rank_plans(
     cluster: Cluster, batch: Sequence[int], micro: Sequence[int], shares: Sequence[float],
-    recompute: Sequence[bool] | None = None, mode: str = Schedule.LAYERED.value,
+    recompute: Sequence[bool] | None = None, mode: Schedule = Schedule.LAYERED,
     kinds: tuple[list[DeviceCost], np.ndarray] | None = None,
     shard_groups: Sequence[int] | np.ndarray | None = None,
 ) -> tuple[tuple[RankPlan, ...], float]:

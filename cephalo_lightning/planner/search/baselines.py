@@ -52,7 +52,7 @@ def per_sample_ms(model: DeviceModel) -> float:
     return float((time / m).min()) if len(m) else math.inf
 
 
-def upper_bound_samples_per_s(cluster: Cluster, global_batch: int, mode: str = Schedule.LAYERED.value) -> float:
+def upper_bound_samples_per_s(cluster: Cluster, global_batch: int, mode: Schedule = Schedule.LAYERED) -> float:
     """Sum of every device's best samples/s with no state (micro-batches beyond B never occur)."""
     costs, of_rank = kind_costs(cluster, mode)
     counts = np.bincount(of_rank, minlength=len(costs))
@@ -94,7 +94,7 @@ def _too_small(cluster: Cluster, rank: int, share: float, samples: int = 1) -> s
 
 
 def keep_where_fits(cluster: Cluster, batch: np.ndarray, micro: np.ndarray, shares: np.ndarray,
-                    mode: str) -> np.ndarray:
+                    mode: Schedule) -> np.ndarray:
     """One-micro-batch ranks keep their graph where its memory is known and fits (as plans do)."""
     keep = np.zeros(len(batch), bool)
     if mode != Schedule.LAYERED:
@@ -110,7 +110,7 @@ def keep_where_fits(cluster: Cluster, batch: np.ndarray, micro: np.ndarray, shar
 
 
 def result(cluster: Cluster, batch: np.ndarray, micro: np.ndarray, shares: np.ndarray, global_batch: int,
-           mode: str, with_ranks: bool, shard_groups: np.ndarray | None = None) -> BaselineResult:
+           mode: Schedule, with_ranks: bool, shard_groups: np.ndarray | None = None) -> BaselineResult:
     """A baseline's assignment priced by the cost model (an overcommitted rank makes it infeasible)."""
     keep = keep_where_fits(cluster, batch, micro, shares, mode)
     step, memory, fits = evaluate_arrays(cluster, batch, micro, shares, ~keep, mode, shard_groups=shard_groups)
@@ -124,7 +124,7 @@ def result(cluster: Cluster, batch: np.ndarray, micro: np.ndarray, shares: np.nd
     return BaselineResult(global_batch / top, True, top, None, ranks)
 
 
-def even_baseline(cluster: Cluster, global_batch: int, mode: str = Schedule.LAYERED.value,
+def even_baseline(cluster: Cluster, global_batch: int, mode: Schedule = Schedule.LAYERED,
                   with_ranks: bool = True, shard_groups: np.ndarray | None = None) -> BaselineResult:
     """Equal batches and shares (within each shard group; None: one group) with the smallest common
     micro-batch count that fits."""
@@ -178,4 +178,4 @@ def proportional_baseline(cluster: Cluster, global_batch: int, with_ranks: bool 
     rates = np.array([best_rate(c, share, global_batch) for c in costs])
     batch = _largest_remainder(global_batch, rates[of_rank])
     micro = np.maximum(1, -(-batch // tops[of_rank]))
-    return result(cluster, batch, micro, np.full(cluster.world_size, share), global_batch, Schedule.LAYERED.value, with_ranks)
+    return result(cluster, batch, micro, np.full(cluster.world_size, share), global_batch, Schedule.LAYERED, with_ranks)

@@ -23,7 +23,7 @@ from cephalo_lightning.planner.search.problem import Problem
 PLANNERS = (Planner.CEPHALO.value, *BASELINES)  # plan(planner=...): the search, or a baseline as a plan
 
 
-def check_inputs(cluster: Cluster, global_batch: object, mode: str, planner: str) -> int:
+def check_inputs(cluster: Cluster, global_batch: object, mode: object, planner: object) -> int:
     """The global batch as an int, once the mode, the planner, the batch and the cluster's size are
     ones the planner takes."""
     if mode not in values_of(Schedule):

@@ -38,10 +38,10 @@ from cephalo_lightning.planner.search.problem import BISECTION_TOL, Problem
 BASELINES = tuple(p.value for p in (Planner.EVEN, Planner.PROPORTIONAL, Planner.POPLAR, Planner.REFERENCE,
                                     Planner.DDP_EVEN, Planner.HSDP_EVEN))
 # the shard grouping each baseline runs under (the plan table names it beside the baseline)
-BASELINE_GROUPINGS = {Planner.EVEN.value: "full shard", Planner.PROPORTIONAL.value: "full shard",
-                      Planner.POPLAR.value: "full shard", Planner.REFERENCE.value: "full shard",
-                      Planner.DDP_EVEN.value: "a group per rank: data parallel",
-                      Planner.HSDP_EVEN.value: "a group per node: HSDP"}
+BASELINE_GROUPINGS = {Planner.EVEN: "full shard", Planner.PROPORTIONAL: "full shard",
+                      Planner.POPLAR: "full shard", Planner.REFERENCE: "full shard",
+                      Planner.DDP_EVEN: "a group per rank: data parallel",
+                      Planner.HSDP_EVEN: "a group per node: HSDP"}
 REFERENCE_LIMIT = 4096  # ranks x global batch for the reference's exact-sum dynamic program
 REFERENCE_UNEVEN = 1.25  # the release's surcharge on an uneven collective
 REFERENCE_BALANCE = 0.5  # the release's max_balance_util: below it shares stay even
@@ -65,7 +65,7 @@ def _bisect(feasible, lo: float, hi: float) -> float | None:
 def poplar_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = False,
                     problem: Problem | None = None) -> BaselineResult:
     """Uneven batches and micro-batches under even state shares (see module docstring)."""
-    problem = problem or Problem(cluster, global_batch, Schedule.LAYERED.value)
+    problem = problem or Problem(cluster, global_batch, Schedule.LAYERED)
     share = 1.0 / problem.W
     prices = Prices(problem.comm.allgather(share), problem.comm.reduce_scatter(share))
 
@@ -104,7 +104,7 @@ def poplar_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = Fals
     shares = [share] * len(rows)
     finish(problem, rows, shares, prices)
     batch, micro, shares_arr, _ = expand(problem, rows, shares)
-    return result(cluster, batch, micro, shares_arr, global_batch, Schedule.LAYERED.value, with_ranks)
+    return result(cluster, batch, micro, shares_arr, global_batch, Schedule.LAYERED, with_ranks)
 
 
 def _reference_options(problem: Problem, kind: int, prices: Prices, S: float
@@ -145,7 +145,7 @@ def reference_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = F
     if B < W:
         return BaselineResult(None, False, reason=f"the release gives every GPU at least one sample; "
                                                   f"the global batch {B} is smaller than the {W} GPUs")
-    problem = problem or Problem(cluster, B, Schedule.LAYERED.value)
+    problem = problem or Problem(cluster, B, Schedule.LAYERED)
     share = 1.0 / W
     prices = Prices(problem.comm.allgather(share), problem.comm.reduce_scatter(share))
     kinds = problem.of_rank
@@ -185,7 +185,7 @@ def reference_baseline(cluster: Cluster, global_batch: int, with_ranks: bool = F
     m = np.array([mm for _, mm in chosen], np.int64)
     micro = batch // m
     shares = _utilisation_shares(problem, m)
-    out = result(cluster, batch, micro, shares, B, Schedule.LAYERED.value, with_ranks)
+    out = result(cluster, batch, micro, shares, B, Schedule.LAYERED, with_ranks)
     if not out.feasible:
         return BaselineResult(None, False, reason=f"{out.reason} (the release checks memory only in aggregate)")
     return out
@@ -209,7 +209,7 @@ def _utilisation_shares(problem: Problem, m: np.ndarray) -> np.ndarray:
     return shares / shares.sum()
 
 
-def compute_baselines(cluster: Cluster, global_batch: int, mode: str = Schedule.LAYERED.value,
+def compute_baselines(cluster: Cluster, global_batch: int, mode: Schedule = Schedule.LAYERED,
                       names: Sequence[str] = BASELINES, with_ranks: bool = False,
                       problem: Problem | None = None) -> dict[str, BaselineResult]:
     """The named baselines (``with_ranks``: with their per-rank plans) for a plan in ``mode``."""

@@ -44,7 +44,7 @@ DENSE_CALL_LIMIT = 20_000  # options summed over devices (one vector operation e
 class Problem:
     """One planning problem: the cluster, the batch, the mode, and the per-kind device models."""
 
-    def __init__(self, cluster: Cluster, global_batch: int, mode: str, group_kinds: bool = True,
+    def __init__(self, cluster: Cluster, global_batch: int, mode: Schedule, group_kinds: bool = True,
                  shard_groups: Sequence[int] | np.ndarray | None = None,
                  dense_work_limit: float = DENSE_WORK_LIMIT) -> None:
         # a calibration is folded in as it prices shard_groups (None: one group of all)
@@ -55,7 +55,7 @@ class Problem:
                              else shard_groups)
         self.cluster = cluster
         self.B = global_batch
-        self.mode = mode
+        self.mode = Schedule(mode)  # its string is taken too
         self.W = cluster.world_size
         self.L = cluster.model.num_layers
         if group_kinds:

@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from cephalo_lightning._common.vocabulary import Collective
+from cephalo_lightning._common.vocabulary import AUTO, Auto, Collective
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Links
 from cephalo_lightning.runtime.observers import Observer, Observers
 from cephalo_lightning.runtime.sharding import handback
@@ -132,7 +132,7 @@ class ShardedModel:
         group: dist.ProcessGroup | None = None,
         shard_groups: Sequence[Sequence[int]] | None = None,
         links: Links | None = None,
-        collective: str = "auto",
+        collective: Collective | Auto = AUTO,
         compute_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         hooks: bool = True,
