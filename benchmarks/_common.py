@@ -38,8 +38,14 @@ def load_average() -> float:
         return float("nan")
 
 
-def load_note(before: float, after: float) -> str:
-    return (f"1-minute load average before / after the run: {before:.2f} / {after:.2f} on {os.cpu_count()} cores "
+def load_span(before: float) -> tuple[float, float, int]:
+    """The load average before and now, with the machine's cores: what ``load_note`` prints, stored in a
+    result so that its printed tables (the results page renders them from the JSON) read no live state."""
+    return before, load_average(), os.cpu_count() or 1
+
+
+def load_note(before: float, after: float, cores: int) -> str:
+    return (f"1-minute load average before / after the run: {before:.2f} / {after:.2f} on {cores} cores "
             "(the benchmark's own ranks count; more than that means other processes competed for the cores).")
 
 

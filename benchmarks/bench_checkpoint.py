@@ -146,7 +146,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     config = {"rounds": 1 if args.quick else 3, "steps": 14 if args.quick else 20, "every": args.every,
               "global_batch": 8, "seq_len": 64, "n_layer": 2 if args.quick else 4, "n_embd": 192 if args.quick else 320}
     before = common.load_average()
-    result = {"config": config, "steps": step_times(config), "load": (before, common.load_average())}
+    result = {"config": config, "steps": step_times(config), "load": common.load_span(before)}
     if not args.no_kills:
         with tempfile.TemporaryDirectory() as work:
             result["kill_loop"] = kill_loop(Path(work))

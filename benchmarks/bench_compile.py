@@ -120,7 +120,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     warmup = args.warmup or (2 if args.quick else 3)
     before = common.load_average()
     results = common.run_ranks(_rank, 2, steps, args.backend)
-    after = common.load_average()
+    load = common.load_span(before)
     rows = []
     for mode in ("layered", "uniform"):
         got = {name: results[0][mode, name] for name in ("uncompiled", "compiled")}
@@ -130,7 +130,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     for k, v in got["uncompiled"]["adapters"].items())
         rows.append({"mode": mode, "uncompiled_s": steady["uncompiled"], "compiled_s": steady["compiled"],
                      "compile_s": compile_s, "max_adapter_diff": drift})
-    return {"backend": args.backend, "steps": steps, "warmup": warmup, "rows": rows, "load": (before, after)}
+    return {"backend": args.backend, "steps": steps, "warmup": warmup, "rows": rows, "load": load}
 
 
 def print_report(result: dict[str, Any]) -> None:

@@ -201,7 +201,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     cfg = Config(repeats=rounds, warmup=1 if args.quick else Config.warmup, layers=args.layers)
     before, uptime_before = common.load_average(), _uptime_load()
     result = run_benchmark(cfg)
-    return {**result, "load": (before, common.load_average()), "uptime": (uptime_before, _uptime_load())}
+    return {**result, "load": common.load_span(before), "uptime": (uptime_before, _uptime_load())}
 
 
 def print_report(result: dict[str, Any]) -> None:

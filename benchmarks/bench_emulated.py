@@ -263,7 +263,7 @@ def run_benchmark(cfg: Config = Config()) -> dict[str, Any]:
         **summarize(cfg, cluster, r0["plans"], fits),
     }
     result["wall_s"] = time.perf_counter() - start
-    result["load_average"] = (load, common.load_average())
+    result["load_average"] = common.load_span(load)
     return result
 
 

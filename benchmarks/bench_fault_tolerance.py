@@ -92,7 +92,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if not (args.quick or args.ft_only):
             (Path(tmp) / "elastic").mkdir()
             rows.append(("torchrun elastic restart", elastic_way(Path(tmp) / "elastic")))
-    return {"rows": [{"way": name, **r} for name, r in rows], "load": (load, common.load_average())}
+    return {"rows": [{"way": name, **r} for name, r in rows], "load": common.load_span(load)}
 
 
 def print_report(result: dict[str, Any]) -> None:

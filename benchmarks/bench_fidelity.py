@@ -362,7 +362,7 @@ def run_benchmark(cfg: Config = Config(), clusters: tuple[ClusterSpec, ...] = CL
     results = [measure_cluster(cfg, c) for c in clusters]
     return {"config": asdict(cfg), "environment": common.environment_note(cfg.threads), "emulated": True,
             "clusters": results, "wall_s": time.perf_counter() - start,
-            "load_average": (load, common.load_average()), "cores": os.cpu_count()}
+            "load_average": common.load_span(load), "cores": os.cpu_count()}
 
 
 def _ratio(value: float | None) -> str:

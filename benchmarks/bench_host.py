@@ -133,7 +133,7 @@ def run_host(seconds: float, rounds: int) -> dict[str, Any]:
     before = common.load_average()
     host = host_speed(seconds)
     cluster = common.run_ranks(_cluster_a, 2, rounds)[0]
-    return {"environment": common.environment_note(), "load": [before, common.load_average()],
+    return {"environment": common.environment_note(), "load": common.load_span(before),
             "host_speed": host, "cluster_a": cluster}
 
 

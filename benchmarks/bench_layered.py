@@ -530,7 +530,7 @@ def run_benchmark(cfg: Config = Config(), parts: tuple[str, ...] = PARTS) -> dic
     if "unitwise" in parts:
         result["unit_wise"] = [r["unitwise"] for r in per_rank]
     result["wall_s"] = time.perf_counter() - start
-    result["load_average"] = (load, common.load_average())
+    result["load_average"] = common.load_span(load)
     return result
 
 
@@ -597,7 +597,7 @@ def print_report(result: dict[str, Any]) -> None:
               f"{cfg['calibration_micro_batch']} and n = {list(cfg['calibration_counts'])}:\n{cal}")
         if cm["plan"]:
             print(f"   plan() for B={cm['plan']['global_batch']} on this cluster (from a first, short profile): "
-                  f"(b_i, n_i) = {cm['plan']['assignment']}, shares {[round(x, 3) for x in cm['plan']['shares']]}")
+                  f"(b_i, n_i) = {[tuple(pair) for pair in cm['plan']['assignment']]}, shares {[round(x, 3) for x in cm['plan']['shares']]}")
         elif cm.get("plan_error"):
             print(f"   plan() failed: {cm['plan_error']}")
         print("   The model, per layer and rank: fwd = max(AG, sum_k F(m_k)); bwd = max(AG + RS, sum_k (F(m_k) + B(m_k)) "

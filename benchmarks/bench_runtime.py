@@ -11,7 +11,7 @@ ratios of variants measured side by side in ONE run, in alternating rounds:
    vs FSDP2 (``fully_shard`` on every block and the root) on the same GPT, same data, AdamW, 2 ranks;
 2. collectives: one unit's all-gather and reduce-scatter, ``padded`` vs ``exact``, at max shares rho
    from 1/W (even) to 1, relative to the even case; the fitted slope s of
-   time(rho) / time(even) ~= 1 + s * (W * rho - 1) is what ``planner/collective_prices.py:UNEVEN_SLOPE`` holds;
+   time(rho) / time(even) ~= 1 + s * (W * rho - 1) is what ``planner/cost/collective_prices.py:UNEVEN_SLOPE`` holds;
 3. memory: peak accounted bytes per rank (``MemoryTracker``) at uneven shares vs the planner's
    predicted state bytes (state_bytes_per_param x parameters x share).
 
@@ -250,7 +250,7 @@ def fit_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def fitted_uneven_slope(fits: list[dict[str, Any]]) -> dict[str, float]:
-    """What planner/collective_prices.py:UNEVEN_SLOPE should hold: the through-even slope per mode, >= 0, 2 digits.
+    """What planner/cost/collective_prices.py:UNEVEN_SLOPE should hold: the through-even slope per mode, >= 0, 2 digits.
 
     A negative fit (uneven faster than even: the even path uses a slower algorithm on this backend)
     is clamped to 0: the planner's rho search needs a non-negative slope.
@@ -319,9 +319,11 @@ def _rank_main(rank: int, world: int, cfg: Config, parts: tuple[str, ...]) -> di
 
 def run_benchmark(cfg: Config = Config(), parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
     """Every measurement, as rows of plain data. Spawns gloo ranks (one group per world size)."""
+    from cephalo_lightning.planner.cost.collective_prices import UNEVEN_SLOPE
+
+    load = common.load_average()
     result: dict[str, Any] = {"config": asdict(cfg), "environment": common.environment_note(),
-                              "step_time": [], "collectives": [], "collective_fits": [], "memory": [],
-                              "wall_s": {}, "load_average": (common.load_average(), float("nan"))}
+                              "step_time": [], "collectives": [], "collective_fits": [], "memory": [], "wall_s": {}}
     worlds = {2} if {"step", "memory"} & set(parts) else set()
     if "collectives" in parts:
         worlds |= set(cfg.worlds)
@@ -336,16 +338,15 @@ def run_benchmark(cfg: Config = Config(), parts: tuple[str, ...] = PARTS) -> dic
             result["collectives"] += collective_rows(ranks[0]["collectives"], world, cfg)
         if "memory" in here:
             result["memory"] += memory_rows([r["memory"] for r in ranks])
-    result["load_average"] = (result["load_average"][0], common.load_average())
+    result["load_average"] = common.load_span(load)
     if result["collectives"]:
         result["collective_fits"] = fit_rows(result["collectives"])
         result["fitted_uneven_slope"] = fitted_uneven_slope(result["collective_fits"])
+        result["uneven_slope_in_code"] = dict(UNEVEN_SLOPE)
     return result
 
 
 def print_report(result: dict[str, Any]) -> None:
-    from cephalo_lightning.planner.cost.collective_prices import UNEVEN_SLOPE
-
     print(result["environment"])
     print("Ratios compare variants measured in the same run, in alternating rounds (median of per-round ratios).\n")
     if result["step_time"]:
@@ -384,7 +385,8 @@ def print_report(result: dict[str, Any]) -> None:
               f"{f['free_intercept'] - 1:+.2f}", f"{f['free_slope']:.2f}"] for f in result["collective_fits"]],
             title="   Fitted slopes: time(rho)/time(even) ~= 1 + s*(W*rho - 1)",
         )
-        print(f"   -> UNEVEN_SLOPE fitted here: {slope}  (planner/collective_prices.py now holds {UNEVEN_SLOPE})")
+        print(f"   -> UNEVEN_SLOPE fitted here: {slope}  (planner/cost/collective_prices.py held "
+              f"{result['uneven_slope_in_code']} when this ran)")
         for world in sorted({r["world_size"] for r in result["collectives"]}):
             per = [r for r in result["collectives"] if r["world_size"] == world and r["imbalance"] > 0]
             for op in ("all_gather", "reduce_scatter"):

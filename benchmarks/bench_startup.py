@@ -58,6 +58,13 @@ def run_benchmark(rounds: int = 10, with_lightning: bool = True) -> list[dict[st
         ratios = [t / b for t, b in zip(times[name], times[BASELINE])]
         rows.append({"command": name, "median_s": statistics.median(times[name]), "min_s": min(times[name]),
                      "ratio_to_python": statistics.median(ratios), "rounds": rounds})
+    try:
+        load_after = os.getloadavg()[0]
+    except OSError:  # pragma: no cover - not on every platform
+        load_after = float("nan")
+    cores = os.cpu_count() or 1
+    for row in rows:  # the run's context, on every row: the result stays a list of rows
+        row.update(load_after=load_after, cores=cores)
     return rows
 
 
@@ -67,11 +74,7 @@ def print_report(rows: list[dict[str, Any]]) -> None:
     print(f"{'command'.ljust(width)}  median s   min s   x python -c pass")
     for r in rows:
         print(f"{r['command'].ljust(width)}  {r['median_s']:8.3f}  {r['min_s']:6.3f}  {r['ratio_to_python']:8.1f}x")
-    try:
-        load = f"{os.getloadavg()[0]:.2f}"
-    except OSError:  # pragma: no cover - not on every platform
-        load = "n/a"
-    print(f"(1-minute load average after the run: {load} on {os.cpu_count()} cores)")
+    print(f"(1-minute load average after the run: {rows[-1]['load_after']:.2f} on {rows[-1]['cores']} cores)")
 
 
 def options(parser: argparse.ArgumentParser) -> None:

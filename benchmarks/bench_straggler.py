@@ -175,7 +175,7 @@ def run_benchmark(cfg: Config = Config()) -> dict[str, Any]:
             "switches": [run["switches"] for run in runs["adaptive"]], "emulated": True,
             "drifting": [{w["step"]: w["drifting"] for w in run["history"] if w["drifting"]} for run in runs["adaptive"]],
             "environment": common.environment_note(cfg.threads), "wall_s": time.perf_counter() - start,
-            "load_average": (load, common.load_average())}
+            "load_average": common.load_span(load)}
 
 
 def print_report(result: dict[str, Any]) -> None:

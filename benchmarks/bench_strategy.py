@@ -247,7 +247,7 @@ def run_benchmark(cfg: Config = Config(), profile: str | None = None) -> dict[st
               **summarize(cfg, fits), "order": per_rank[0]["order"],
               "profile": per_rank[0].get("profile"), "profiled": profile}
     result["wall_s"] = time.perf_counter() - start
-    result["load_average"] = (load, common.load_average())
+    result["load_average"] = common.load_span(load)
     return result
 
 

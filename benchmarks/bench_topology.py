@@ -348,7 +348,7 @@ def run_benchmark(cfg: Config = Config()) -> dict[str, Any]:
     if cfg.fits_everywhere:
         result["fits_everywhere"] = _combine(cfg, per_rank, "fits_everywhere")
     result["wall_s"] = time.perf_counter() - start
-    result["load_average"] = (load, common.load_average())
+    result["load_average"] = common.load_span(load)
     return result
 
 

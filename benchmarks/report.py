@@ -1,12 +1,15 @@
-"""Run the results page's benchmarks and write ``docs/benchmarks/report.md`` with plots (``make bench``).
+"""Run the results page's benchmarks into ``docs/benchmarks/results.json``, then render ``docs/benchmarks/report.md``
+and its plots from that file alone (``make bench``).
 
     python -m benchmarks.report            # full runs (~10-15 min on 2 cores)
     python -m benchmarks.report --quick    # each benchmark's smoke-run flags (~4 min)
-    python -m benchmarks.report --replot   # redraw the plots from docs/benchmarks/results.json, run nothing
+    python -m benchmarks.report --replot   # render the page and its plots from results.json, run nothing
 
 The benchmarks are the registry's entries with ``in_report`` (``benchmarks/registry.py``), each run as
-its command line would run it. Each section holds the benchmark's own printed tables (what it measured,
-emulated or predicted) and plots of its headline figures; ``results.json`` keeps the raw results.
+its command line would run it. ``results.json`` holds each one's result as its ``--json`` writes it, and
+under ``_runs`` the date, length and flags of its run. Each section of the page holds the benchmark's own
+printed tables of its stored result (what it measured, emulated or predicted) and plots of its headline
+figures: the page is a function of the JSON, so no figure on it is typed by hand.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import io
 import json
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,24 +33,36 @@ OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"  # the results
 # ----------------------------------------------------------------------------- plots
 
 
-def _figure(name: str, draw: Callable[[Any], str]) -> str:
-    import matplotlib
+@dataclass(frozen=True)
+class Figure:
+    """One plot of a section: its file ``<name>.png`` beside the page, its title, and how to draw it.
+    The page names it (``markdown``) without drawing; ``save`` draws it."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    name: str
+    title: str
+    draw: Callable[[Any], None]
 
-    fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    title = draw(ax)
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(OUT / f"{name}.png", dpi=110)
-    plt.close(fig)
-    return f"![{title}]({name}.png)"
+    @property
+    def markdown(self) -> str:
+        return f"![{self.title}]({self.name}.png)"
+
+    def save(self) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.4, 3.8))
+        self.draw(ax)
+        ax.set_title(self.title, fontsize=10)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(OUT / f"{self.name}.png", dpi=110)
+        plt.close(fig)
 
 
-def plot_planner(rows: list[dict[str, Any]]) -> str:
-    def draw(ax: Any) -> str:
+def plot_planner(rows: list[dict[str, Any]]) -> Figure:
+    def draw(ax: Any) -> None:
         for gpus in sorted({r["gpus"] for r in rows}):
             mine = [r for r in rows if r["gpus"] == gpus]
             ax.plot([r["global_batch"] for r in mine], [r["plan_s"] for r in mine], marker="o", label=f"{gpus} GPUs")
@@ -54,13 +70,12 @@ def plot_planner(rows: list[dict[str, Any]]) -> str:
         ax.set_xlabel("global batch")
         ax.set_ylabel("planner time (s, measured)")
         ax.legend()
-        return "Planner wall time (measured on this CPU)"
 
-    return _figure("planner_time", draw)
+    return Figure("planner_time", "Planner wall time (measured on this CPU)", draw)
 
 
-def plot_planner_scaling(rows: list[dict[str, Any]]) -> str:
-    def draw(ax: Any) -> str:
+def plot_planner_scaling(rows: list[dict[str, Any]]) -> Figure:
+    def draw(ax: Any) -> None:
         gpus = [r["gpus"] for r in rows]
         ax.plot(gpus, [r["plan_s"] for r in rows], marker="o", label="plan time (s)")
         ax.set_xscale("log")
@@ -71,13 +86,12 @@ def plot_planner_scaling(rows: list[dict[str, Any]]) -> str:
         twin.set_ylabel("peak resident MB (measured)")
         ax.legend(loc="upper left", fontsize=8)
         twin.legend(loc="upper right", fontsize=8)
-        return f"Planner scaling at B = {rows[0]['global_batch']:,}: time and peak memory"
 
-    return _figure("planner_scaling", draw)
+    return Figure("planner_scaling", f"Planner scaling at B = {rows[0]['global_batch']:,}: time and peak memory", draw)
 
 
-def plot_fidelity(result: dict[str, Any]) -> str:
-    def draw(ax: Any) -> str:
+def plot_fidelity(result: dict[str, Any]) -> Figure:
+    def draw(ax: Any) -> None:
         labels, steps, memory = [], [], []
         for c in result["clusters"]:
             if "failed" in c:
@@ -93,13 +107,12 @@ def plot_fidelity(result: dict[str, Any]) -> str:
         ax.set_xticks(list(x), labels, fontsize=7)
         ax.set_ylabel("measured / predicted (EMULATED)")
         ax.legend(fontsize=8)
-        return "Plan fidelity per rank: measured / predicted"
 
-    return _figure("fidelity", draw)
+    return Figure("fidelity", "Plan fidelity per rank: measured / predicted", draw)
 
 
-def plot_planner_quality(rows: list[dict[str, Any]]) -> str:
-    def draw(ax: Any) -> str:
+def plot_planner_quality(rows: list[dict[str, Any]]) -> Figure:
+    def draw(ax: Any) -> None:
         missing = []
         for gpus in sorted({r["gpus"] for r in rows}):
             mine = [r for r in rows if r["gpus"] == gpus and r.get("speedup_vs_even")]
@@ -116,13 +129,12 @@ def plot_planner_quality(rows: list[dict[str, Any]]) -> str:
         ax.set_xlabel("global batch")
         ax.set_ylabel("plan / even (predicted samples/s)")
         ax.legend()
-        return "Cephalo plan vs the even split (predicted; catalog cluster)"
 
-    return _figure("planner_vs_even", draw)
+    return Figure("planner_vs_even", "Cephalo plan vs the even split (predicted; catalog cluster)", draw)
 
 
-def plot_collectives(rows: list[dict[str, Any]]) -> str:
-    def draw(ax: Any) -> str:
+def plot_collectives(rows: list[dict[str, Any]]) -> Figure:
+    def draw(ax: Any) -> None:
         for world in sorted({r["world_size"] for r in rows}):
             mine = sorted((r for r in rows if r["world_size"] == world and r["op"] == "all_gather"),
                           key=lambda r: r["imbalance"])
@@ -132,13 +144,12 @@ def plot_collectives(rows: list[dict[str, Any]]) -> str:
         ax.set_xlabel("imbalance W*rho - 1")
         ax.set_ylabel("all-gather time / even (measured)")
         ax.legend(fontsize=7)
-        return "Uneven all-gather cost, padded vs exact (gloo, measured)"
 
-    return _figure("collectives", draw)
+    return Figure("collectives", "Uneven all-gather cost, padded vs exact (gloo, measured)", draw)
 
 
-def plot_layered_memory(rows: list[dict[str, Any]]) -> str:
-    def draw(ax: Any) -> str:
+def plot_layered_memory(rows: list[dict[str, Any]]) -> Figure:
+    def draw(ax: Any) -> None:
         for method in sorted({r["method"] for r in rows}):
             for m in sorted({r["micro_batch_size"] for r in rows}):
                 mine = sorted((r for r in rows if r["rank"] == 0 and r["method"] == method and r["micro_batch_size"] == m),
@@ -149,13 +160,12 @@ def plot_layered_memory(rows: list[dict[str, Any]]) -> str:
         ax.set_xlabel("micro-batches n (fixed micro-batch size m)")
         ax.set_ylabel("peak(n) / peak(1), incl. state")
         ax.legend(fontsize=7)
-        return "Peak memory vs micro-batch count (measured, stash on emulated host)"
 
-    return _figure("layered_memory", draw)
+    return Figure("layered_memory", "Peak memory vs micro-batch count (measured, stash on emulated host)", draw)
 
 
-def plot_plans(rows: list[dict[str, Any]], name: str, title: str, key: str = "plan") -> str:
-    def draw(ax: Any) -> str:
+def plot_plans(rows: list[dict[str, Any]], name: str, title: str, key: str = "plan") -> Figure:
+    def draw(ax: Any) -> None:
         names = [r[key] for r in rows]
         xs = range(len(rows))
         ax.bar([x - 0.2 for x in xs], [r["measured_samples_per_s"] for r in rows], width=0.4, label="measured (emulated)")
@@ -167,9 +177,8 @@ def plot_plans(rows: list[dict[str, Any]], name: str, title: str, key: str = "pl
         if same:
             ax.text(0.01, 0.02, textwrap.fill(same, 90), transform=ax.transAxes, fontsize=6.5, va="bottom",
                     color="dimgrey", bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})
-        return title
 
-    return _figure(name, draw)
+    return Figure(name, title, draw)
 
 
 def _identical_plans(rows: list[dict[str, Any]], key: str) -> str:
@@ -184,18 +193,17 @@ def _identical_plans(rows: list[dict[str, Any]], key: str) -> str:
     return "; ".join(notes)
 
 
-def plot_strategies(rows: list[dict[str, Any]]) -> str:
-    def draw(ax: Any) -> str:
+def plot_strategies(rows: list[dict[str, Any]]) -> Figure:
+    def draw(ax: Any) -> None:
         ax.bar([r["strategy"] for r in rows], [r["step_ms"] for r in rows])
         ax.set_ylabel("median step (ms, measured)")
-        return "Trainer.fit step time on 2 gloo ranks, even plan (measured)"
 
-    return _figure("strategies", draw)
+    return Figure("strategies", "Trainer.fit step time on 2 gloo ranks, even plan (measured)", draw)
 
 
 # ----------------------------------------------------------------------------- report
 
-PLOTS: dict[str, Callable[[Any], list[str]]] = {
+PLOTS: dict[str, Callable[[Any], list[Figure]]] = {
     "planner": lambda r: [plot_planner_scaling(r["scaling"]), plot_planner(r["quality"]),
                           plot_planner_quality(r["quality"])],
     "runtime": lambda r: [plot_collectives(r["collectives"])] if r["collectives"] else [],
@@ -205,53 +213,83 @@ PLOTS: dict[str, Callable[[Any], list[str]]] = {
     "fidelity": lambda r: [plot_fidelity(r)],
 }
 
+RUNS = "_runs"  # results.json's record of each section's run: {name: {"date", "seconds", "quick"}}
+HEADER = (
+    "# Benchmark report\n\n"
+    "Rendered by `python -m benchmarks.report` from `docs/benchmarks/results.json` (the benchmarks' results, "
+    "as their `--json` writes them); `make bench` runs them again. Machine: CPU only; every runtime figure comes "
+    "from 2-4 CPU processes on gloo, and heterogeneous devices are EMULATED (per-rank slowdown and "
+    "memory capacity). Planner figures are predictions of the cost model. Each table says which "
+    "figures are measured, emulated or predicted.\n"
+)
 
-def _section(entry: Entry, quick: bool) -> tuple[Any, str]:
-    """Run one benchmark as its command line would; its result and its section of the page."""
-    benchmark = entry.load()
-    start = time.perf_counter()
-    result, _ = benchmark.run(list(entry.quick_args) if quick else [])
-    seconds = time.perf_counter() - start
+
+def report_entries() -> list[Entry]:
+    return [entry for entry in BENCHMARKS if entry.in_report]
+
+
+def figures(stored: dict[str, Any]) -> list[Figure]:
+    return [figure for entry in report_entries() if entry.name in stored
+            for figure in PLOTS.get(entry.name, lambda r: [])(stored[entry.name])]
+
+
+def printed_report(entry: Entry, result: Any) -> str:
+    """The benchmark's own tables of ``result``, as its command line prints them."""
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        benchmark.print_report(result)
-    print(text.getvalue(), flush=True)
-    images = PLOTS.get(entry.name, lambda r: [])(result)
-    return result, (f"## {entry.title}\n\n_Run time {seconds:.0f} s._\n\n" + "\n\n".join(images)
-                    + f"\n\n```\n{text.getvalue().rstrip()}\n```\n")
+        entry.load().print_report(result)
+    return text.getvalue().rstrip()
+
+
+def render(stored: dict[str, Any]) -> str:
+    """The results page from the stored results alone (``results.json`` as read back): every figure on
+    it is the benchmarks' (``tests/test_benchmarks.py`` renders the committed file against the page)."""
+    sections = []
+    for entry in report_entries():
+        if entry.name not in stored:
+            continue
+        run = stored[RUNS][entry.name]
+        images = [figure.markdown for figure in PLOTS.get(entry.name, lambda r: [])(stored[entry.name])]
+        sections.append(f"## {entry.title}\n\n_Run on {run['date']}{' with --quick' if run['quick'] else ''}, "
+                        f"{run['seconds']:.0f} s._\n\n" + "\n\n".join(images)
+                        + f"\n\n```\n{printed_report(entry, stored[entry.name])}\n```\n")
+    return HEADER + "\n" + "\n".join(sections)
+
+
+def _run(entry: Entry, quick: bool) -> tuple[Any, dict[str, Any]]:
+    """Run one benchmark as its command line would; its result and the record of the run."""
+    start = time.perf_counter()
+    result, _ = entry.load().run(list(entry.quick_args) if quick else [])
+    seconds = time.perf_counter() - start
+    return result, {"date": time.strftime("%Y-%m-%d", time.gmtime()), "seconds": round(seconds, 1), "quick": quick}
+
+
+def write_page(stored_text: str) -> None:
+    """Render the page and draw its plots from the results as stored (the JSON read back, not the live objects)."""
+    stored = json.loads(stored_text)
+    for figure in figures(stored):
+        figure.save()
+    (OUT / "report.md").write_text(render(stored))
+    print(f"wrote {OUT / 'report.md'}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="each benchmark's smoke-run flags")
     parser.add_argument("--replot", action="store_true",
-                        help="redraw the plots from docs/benchmarks/results.json (report.md and the results stay)")
+                        help="render report.md and redraw the plots from docs/benchmarks/results.json, run nothing")
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
-    entries = [entry for entry in BENCHMARKS if entry.in_report]
     if args.replot:
-        stored = json.loads((OUT / "results.json").read_text())
-        for entry in entries:
-            if entry.name in stored and entry.name in PLOTS:
-                print("\n".join(PLOTS[entry.name](stored[entry.name])))
+        write_page((OUT / "results.json").read_text())
         return 0
-    sections: list[str] = []
-    raw: dict[str, Any] = {}
-    for entry in entries:
+    raw: dict[str, Any] = {RUNS: {}}
+    for entry in report_entries():
         print(f"== {entry.title}", flush=True)
-        raw[entry.name], section = _section(entry, args.quick)
-        sections.append(section)
-    header = (
-        "# Benchmark report\n\n"
-        f"Generated by `python -m benchmarks.report{' --quick' if args.quick else ''}` on "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Machine: CPU only; every runtime figure comes "
-        "from 2-4 CPU processes on gloo, and heterogeneous devices are EMULATED (per-rank slowdown and "
-        "memory capacity). Planner figures are predictions of the cost model. Each table says which "
-        "figures are measured, emulated or predicted.\n"
-    )
-    (OUT / "report.md").write_text(header + "\n" + "\n".join(sections))
-    (OUT / "results.json").write_text(to_json(raw))
-    print(f"wrote {OUT / 'report.md'}")
+        raw[entry.name], raw[RUNS][entry.name] = _run(entry, args.quick)
+        print(printed_report(entry, raw[entry.name]), flush=True)
+    (OUT / "results.json").write_text(to_json(raw) + "\n")
+    write_page((OUT / "results.json").read_text())
     return 0
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,41 @@ def test_a_quick_run_writes_the_json_its_tables_print(tmp_path, capsys) -> None:
             assert line.endswith(f"infeasible: {row['why']}")
     assert benchmark.main(["--quick", "--json", "-"]) == 0
     assert json.loads(capsys.readouterr().out) == result
+
+
+# ----------------------------------------------------------------------------- the pages
+
+
+def test_the_results_page_is_its_json_rendered() -> None:
+    """docs/benchmarks/report.md is a function of docs/benchmarks/results.json: a figure typed into the
+    page, or a result changed without rendering the page again, fails here."""
+    import difflib
+
+    from benchmarks.report import OUT, figures, render
+
+    stored = json.loads((OUT / "results.json").read_text())
+    page = (OUT / "report.md").read_text()
+    rendered = render(stored)
+    diff = "\n".join(list(difflib.unified_diff(page.splitlines(), rendered.splitlines(), "report.md", "rendered",
+                                               lineterm=""))[:40])
+    assert rendered == page, f"render it again: python -m benchmarks.report --replot\n{diff}"
+    missing = [f.name for f in figures(stored) if not (OUT / f"{f.name}.png").is_file()]
+    assert not missing, f"plots the page names but docs/benchmarks/ lacks: {missing}"
+
+
+MANUAL = BENCHMARKS_DIR.parent / "docs" / "benchmarks.md"
+ROW = re.compile(r"^\| `bench_(\w+)\.py` \| .* \|\s*(yes)?\s*\|$", re.M)
+
+
+def test_the_manual_page_lists_every_benchmark_and_whether_the_results_page_runs_it() -> None:
+    listed = {name: flag == "yes" for name, flag in ROW.findall(MANUAL.read_text())}
+    assert listed == {entry.name: entry.in_report for entry in BENCHMARKS}
+
+
+def test_the_manual_page_quotes_no_results() -> None:
+    """Results live in the generated report: the manual's prose (outside its table of what each benchmark
+    measures and its code) holds no measured figure, percentage or ratio."""
+    prose = "\n".join(line for line in MANUAL.read_text().splitlines() if not line.startswith("|"))
+    prose = re.sub(r"`[^`]*`", "", prose)
+    figures = re.findall(r"\b\d+\.\d+\b|\b\d+(?:\.\d+)?\s*(?:%|x\b|ms\b|s\b|MB\b|GB\b)", prose)
+    assert not figures, f"docs/benchmarks.md quotes figures in its prose; put results in the generated report: {figures}"

@@ -4,7 +4,7 @@ name, no folder grows past a reader's glance, schedules and collective modes are
 enums, private Lightning names are reached from one module only, and every Lightning override
 says so with ``@override``.
 
-Layers, lowest first: ``_common`` <- ``planner`` (and ``testing``) <- ``runtime`` <- ``profiling``
+Layers, lowest first: ``_common`` <- ``planner`` <- ``runtime`` (and ``testing``) <- ``profiling``
 <- ``models`` <- the Lightning layer (``lightning/`` and the top-level modules, ``demo``,
 ``configs``). A module may import its own layer and the layers below it, never one above. Two layers
 have rooms, lowest first, with the same rule between them (``ROOMS``): the planner's
