@@ -26,48 +26,20 @@ from tests import helpers
 from tests.conftest import clean_env
 from tests.distributed import run_distributed
 from tests.helpers import max_error
-from tests.lightning_models import TinyLayered, token_data
+from tests.sgd_run import GLOBAL, SEED, SGDModule, data_loader, reference, sgd_on
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLES, GLOBAL = 60, 12  # 5 steps per epoch
 PLAN2 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 8, 2, 4, 0.3), RankPlan(1, "b", 4, 1, 4, 0.7)))
 OTHER2 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 3, 3, 1, 0.9), RankPlan(1, "b", 9, 2, 5, 0.1)))
 PLAN3 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 5, 1, 5, 0.2), RankPlan(1, "b", 3, 3, 1, 0.3),
                                  RankPlan(2, "c", 4, 2, 2, 0.5)))
-SEED = 11
 TOTAL = 8  # steps of every uninterrupted run: across an epoch boundary
 
 
-class SGDModule(TinyLayered):
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
-
-
 def trainer(plan: Plan, world: int, steps: int, root: str | None = None, **kwargs) -> pl.Trainer:
-    # fp64 SGD: a resume on the wrong samples is off by ~1e-2, summation-order noise by ~1e-15, so
-    # 1e-7 separates the two cleanly (in fp32 the noise alone is ~1e-7)
+    # fp64 SGD: see [Note: fp64 SGD] in tests/sgd_run.py
     return helpers.trainer(CephaloStrategy(plan=plan, seed=SEED), world, steps,
                            precision=kwargs.pop("precision", "64-true"), default_root_dir=root, **kwargs)
-
-
-def data_loader(shuffle: bool) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(token_data(SAMPLES), batch_size=GLOBAL, shuffle=shuffle)
-
-
-def reference(steps: int, shuffle: bool) -> dict[str, torch.Tensor]:
-    """Single-process SGD on the sampler's documented order: randperm(N, seed + epoch) per epoch."""
-    data = token_data(SAMPLES)
-    module = SGDModule().double()
-    optimizer = module.configure_optimizers()
-    per_epoch = SAMPLES // GLOBAL
-    for step in range(steps):
-        epoch, at = divmod(step, per_epoch)
-        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(SEED + epoch)) if shuffle else torch.arange(SAMPLES)
-        x, y = data[order[at * GLOBAL : (at + 1) * GLOBAL]]
-        module.model.loss(module.model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {f"model.{k}": v.detach().clone() for k, v in module.model.state_dict().items()}
 
 
 # ----------------------------------------------------------------------------- the resume matrix
@@ -332,9 +304,9 @@ def test_a_ckpt_path_with_nothing_there_says_so_not_that_a_save_broke(tmp_path, 
 def test_kills_during_saves_and_deletions_never_leave_a_checkpoint_that_looks_whole(tmp_path):
     """One SIGKILL at every point of a save, of a top-k deletion and of replacing last.ckpt (both
     ways: the atomic exchange and the two-rename fallback), each run resuming from the last one's
-    last.ckpt; the points are instrumented calls in the child (see tests/kill_points.py), so every
+    last.ckpt; the points are instrumented calls in the child (see scenarios/kill_points.py), so every
     kill lands where it is meant to, whatever the machine's speed."""
-    from tests import kill_points
+    from scenarios import kill_points
 
     points = kill_points.points_here(tmp_path)
     seen = kill_points.kill_loop(tmp_path, points)
@@ -383,15 +355,7 @@ def _plain_resume(path: Path, shuffle: bool, steps: int = TOTAL) -> tuple[dict[s
 
 def _sgd_on(batches: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
     """Single-process SGD on the unshuffled data's batches ``(epoch, index)``, in that order."""
-    data = token_data(SAMPLES)
-    module = SGDModule().double()
-    optimizer = module.configure_optimizers()
-    for _, at in batches:
-        x, y = data[at * GLOBAL : (at + 1) * GLOBAL]
-        module.model.loss(module.model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {f"model.{k}": v.detach().clone() for k, v in module.model.state_dict().items()}
+    return sgd_on([torch.arange(at * GLOBAL, (at + 1) * GLOBAL) for _, at in batches])
 
 
 @pytest.mark.multiprocess

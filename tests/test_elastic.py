@@ -18,7 +18,7 @@ from tests import helpers
 from tests.distributed import run_distributed
 from tests.lightning_models import TinyLayered, token_data
 from tests.plans import plan_of
-from tests.test_checkpoints import SEED
+from tests.sgd_run import SEED
 
 PLAN3 = Plan(24, "layered", (RankPlan(0, "big", 12, 2, 6, 0.5), RankPlan(1, "mid", 8, 2, 4, 0.3),
                              RankPlan(2, "small", 4, 2, 2, 0.2)))

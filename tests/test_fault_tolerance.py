@@ -1,6 +1,6 @@
 """Fault tolerance across shard groups with torchft (``cephalo_lightning.lightning.fit.fault_tolerance``).
 
-The scenario (one run for the module, tests/ft_worker.py): two shard groups of one gloo rank each
+The scenario (one run for the module, scenarios/ft_worker.py): two shard groups of one gloo rank each
 (8 and 4 of the 12 samples of every global batch), a torchft lighthouse on 127.0.0.1; group 1 is
 SIGKILLed in step 3 between its backward and the cross-group sum; group 0 goes on in the same
 process; group 1 is started again and recovers the live state from group 0. The final parameters
@@ -37,7 +37,7 @@ from cephalo_lightning.planner import Plan, RankPlan
 from tests.conftest import HANG_TIMEOUT_S
 from tests.distributed import run_distributed
 from tests.models import TinyLM, batches
-from tests.reference import make_optimizer
+from tests.reference import make_optimizer, sliced, tiny_loss, train_steps, whole
 
 needs_torchft = pytest.mark.skipif(not torchft_available(),
                                    reason="torchft is not installed (pip install 'cephalo-lightning[ft]'); "
@@ -51,17 +51,13 @@ DEADLINE_S = 600  # the whole scenario, on a loaded 2-core machine (about 15 s i
 
 def replay(steps: int, global_batch: int) -> dict[str, torch.Tensor]:
     model = TinyLM().double()
-    optimizer = make_optimizer(model.parameters())
-    for x, y in batches(steps, global_batch):
-        model.loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_steps(make_optimizer(model.parameters()), tiny_loss(model), whole(batches(steps, global_batch)))
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
-    from tests.ft_worker import run_scenario
+    from scenarios.ft_worker import run_scenario
 
     return run_scenario(tmp_path_factory.mktemp("ft"), DEADLINE_S)
 
@@ -69,7 +65,7 @@ def scenario(tmp_path_factory):
 @needs_torchft
 @pytest.mark.multiprocess
 def test_the_surviving_group_redoes_the_interrupted_step_alone_in_the_same_process(scenario):
-    from tests.ft_worker import GLOBAL, KILL_AT, TOTAL
+    from scenarios.ft_worker import GLOBAL, KILL_AT, TOTAL
 
     assert len(scenario.lives(0)) == 1, scenario.logs  # never restarted: one pid for group 0
     (pid,) = scenario.lives(0)
@@ -88,7 +84,7 @@ def test_the_surviving_group_redoes_the_interrupted_step_alone_in_the_same_proce
 @needs_torchft
 @pytest.mark.multiprocess
 def test_the_killed_group_comes_back_with_the_live_state_and_takes_its_part_again(scenario):
-    from tests.ft_worker import KILL_AT, TOTAL, WAIT_AT
+    from scenarios.ft_worker import KILL_AT, TOTAL, WAIT_AT
 
     first, again = scenario.lives(1)
     assert scenario.exit_codes[1, first] == -signal.SIGKILL and scenario.exit_codes[1, again] == 0, scenario.logs
@@ -105,7 +101,7 @@ def test_the_killed_group_comes_back_with_the_live_state_and_takes_its_part_agai
 @needs_torchft
 @pytest.mark.multiprocess
 def test_both_groups_end_on_the_single_process_replay_of_the_same_global_batches(scenario):
-    from tests.ft_worker import GLOBAL, TOTAL
+    from scenarios.ft_worker import GLOBAL, TOTAL
 
     want = replay(TOTAL, GLOBAL)
     assert len(scenario.finals) == 2, scenario.logs  # group 0 and group 1's second life
@@ -247,8 +243,8 @@ def test_without_torchft_the_refusal_says_how_to_install_it(monkeypatch):
 
 def test_trainer_fit_under_fault_tolerance_is_refused_at_setup_without_the_whole_plan_or_the_group(monkeypatch):
     from cephalo_lightning.lightning.fit.fault_tolerant_fit import FitReplica
+    from scenarios.ft_worker import FIT_PLAN
     from tests import helpers
-    from tests.ft_worker import FIT_PLAN
     from tests.lightning_models import TinyLayered, token_data
 
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
@@ -282,7 +278,7 @@ def test_a_non_finite_sum_over_the_groups_is_skipped_by_every_groups_guard():
 
     from cephalo_lightning.lightning.fit.fault_tolerant_fit import FitReplica
     from cephalo_lightning.lightning.fit.nonfinite import NonFiniteGuard
-    from tests.ft_worker import FIT_PLAN
+    from scenarios.ft_worker import FIT_PLAN
 
     fit = FitReplica(FIT_PLAN, 1)
     weight = torch.nn.Parameter(torch.zeros(3))
@@ -302,14 +298,14 @@ def test_a_non_finite_sum_over_the_groups_is_skipped_by_every_groups_guard():
 
 @pytest.fixture(scope="module")
 def fit_scenario(tmp_path_factory):
-    from tests.ft_worker import run_scenario
+    from scenarios.ft_worker import run_scenario
 
     return run_scenario(tmp_path_factory.mktemp("ft-fit"), DEADLINE_S, fit=True)
 
 
 def fit_replay(steps: int, global_batch: int) -> dict[str, torch.Tensor]:
     """The same Llama trained alone in fp64 on the planned loader's global batches (unshuffled)."""
-    from tests.ft_worker import FIT_MODEL
+    from scenarios.ft_worker import FIT_MODEL
     from tests.library_models import PaddedTokens, reference
 
     state = reference(*FIT_MODEL, steps, global_batch, PaddedTokens(steps * global_batch), dtype=torch.float64)
@@ -319,7 +315,7 @@ def fit_replay(steps: int, global_batch: int) -> dict[str, torch.Tensor]:
 @needs_torchft
 @pytest.mark.multiprocess
 def test_under_trainer_fit_the_survivor_redoes_the_step_in_its_process_and_the_killed_group_rejoins(fit_scenario):
-    from tests.ft_worker import GLOBAL, KILL_AT, TOTAL, WAIT_AT
+    from scenarios.ft_worker import GLOBAL, KILL_AT, TOTAL, WAIT_AT
 
     scenario = fit_scenario
     (pid,) = scenario.lives(0)  # group 0 never restarted
@@ -344,7 +340,7 @@ def test_under_trainer_fit_the_survivor_redoes_the_step_in_its_process_and_the_k
 @needs_torchft
 @pytest.mark.multiprocess
 def test_under_trainer_fit_both_groups_end_on_the_single_process_replay(fit_scenario):
-    from tests.ft_worker import GLOBAL, TOTAL
+    from scenarios.ft_worker import GLOBAL, TOTAL
 
     want = fit_replay(TOTAL, GLOBAL)
     assert len(fit_scenario.finals) == 2, fit_scenario.logs
@@ -359,20 +355,14 @@ def tiny_replay(steps: int, global_batch: int) -> dict[str, torch.Tensor]:
     from tests.lightning_models import token_data
 
     model = TinyLM().double()
-    optimizer = make_optimizer(model.parameters())
-    data = token_data(steps * global_batch)
-    for step in range(steps):
-        x, y = data[step * global_batch:(step + 1) * global_batch]
-        model.loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_steps(make_optimizer(model.parameters()), tiny_loss(model), whole(sliced(token_data(steps * global_batch), steps, global_batch)))
     return {f"model.{name}": p.detach() for name, p in model.named_parameters()}
 
 
 @needs_torchft
 @pytest.mark.multiprocess
 def test_under_trainer_fit_groups_of_two_ranks_shard_inside_and_end_on_the_replay(tmp_path):
-    from tests.ft_worker import HSDP_PLAN, HSDP_STEPS, run_ranks
+    from scenarios.ft_worker import HSDP_PLAN, HSDP_STEPS, run_ranks
 
     finals = run_ranks(tmp_path, DEADLINE_S)
     want = tiny_replay(HSDP_STEPS, HSDP_PLAN.global_batch_size)

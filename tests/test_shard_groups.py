@@ -21,11 +21,11 @@ from cephalo_lightning.runtime.sharding.layout import (
     same_bounds,
 )
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+from scenarios.unit_optimizers import UnitOptimizers
 from tests.distributed import run_distributed
 from tests.models import TinyLM, batches
 from tests.reference import split
 from tests.test_layered import layers_of
-from tests.unit_optimizers import UnitOptimizers
 
 STEPS = 3
 GLOBAL_BATCH = 12

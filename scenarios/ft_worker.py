@@ -2,7 +2,7 @@
 benchmarks/bench_fault_tolerance.py).
 
 :func:`run_scenario` runs the whole scenario (a lighthouse on 127.0.0.1, both groups, the kill,
-the return) and reads what the lives wrote. One life: ``python tests/ft_worker.py WORKDIR GROUP LIGHTHOUSE`` trains TinyLM in fp64 (sharded by the
+the return) and reads what the lives wrote. One life: ``python scenarios/ft_worker.py WORKDIR GROUP LIGHTHOUSE`` trains TinyLM in fp64 (sharded by the
 package in its group of one rank) for :data:`TOTAL` steps of :data:`GLOBAL` samples, each group on
 its part of every global batch (:class:`~cephalo_lightning.lightning.fit.fault_tolerance.ReplicaGroup`).
 Instrumented points, each a file in WORKDIR as well:

@@ -1,6 +1,6 @@
 """One rank of the two-agent elastic run (tests/test_elastic_torchrun.py), started by torchrun.
 
-``python tests/elastic_worker.py WORKDIR``; the agent's environment says which "node" it is
+``python scenarios/elastic_worker.py WORKDIR``; the agent's environment says which "node" it is
 (``ELASTIC_NODE``: ``A``, two ranks, or ``B``, one). Every start resumes with
 ``fit(ckpt_path="last")`` under a plan pinned for 3 ranks and ``CephaloStrategy(elastic=True)``.
 Two instrumented points drive the run, each a file in WORKDIR as well:
@@ -33,7 +33,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from cephalo_lightning import CephaloStrategy, Plan
 from cephalo_lightning.planner import RankPlan
 from tests import helpers
-from tests.test_checkpoints import GLOBAL, SEED, SGDModule, data_loader
+from tests.sgd_run import GLOBAL, SEED, SGDModule, data_loader
 
 KILL_AT, GROW_AT, TOTAL = 3, 5, 9
 WAIT_FOR_AGENT_S = 600  # the grow point's wait for the agent's stop; past it the run fails
