@@ -57,6 +57,12 @@ def whole(global_batches: Iterable[Any]) -> list[list[Piece]]:
     return [[(batch, 1.0)] for batch in global_batches]
 
 
+def cut(batch: Any, sizes: Sequence[int], whole: int) -> list[Piece]:
+    """``batch`` (a tuple of tensors) cut into consecutive pieces of ``sizes``, each weighted by ``size / whole``."""
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    return [(tuple(t[lo : lo + size] for t in batch), size / whole) for lo, size in zip(starts, sizes)]
+
+
 def sliced(data: Any, steps: int, global_batch: int, start: int = 0) -> list[Any]:
     """Global batches ``start .. start + steps`` of ``data`` taken in order: ``data[k * global_batch : ...]``."""
     return [data[k * global_batch : (k + 1) * global_batch] for k in range(start, start + steps)]

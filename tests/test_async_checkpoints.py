@@ -10,17 +10,17 @@ import warnings
 import pytest
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from cephalo_lightning import CephaloStrategy, Plan
+from cephalo_lightning import CephaloStrategy
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.checkpoint import CheckpointError
 from cephalo_lightning.runtime.checkpoint.async_save import THREAD_NAME
 from tests import helpers
 from tests.helpers import max_error
+from tests.plans import plan_of
 from tests.sgd_run import GLOBAL, SEED, SGDModule, data_loader, reference
 
-PLAN1 = Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),))
+PLAN1 = plan_of(batches=[GLOBAL], micro=[2], shares=[1.0])
 TOLERANCE = 1e-7  # fp64 SGD: [Note: fp64 SGD] in tests/sgd_run.py
 
 

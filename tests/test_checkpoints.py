@@ -19,20 +19,19 @@ import torch
 
 import cephalo_lightning.lightning.fit.checkpoint_io
 from cephalo_lightning import CephaloStrategy, Plan, consolidated
-from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.checkpoint import CheckpointError
 from tests import helpers
 from tests.conftest import clean_env
 from tests.distributed import run_distributed
 from tests.helpers import max_error
+from tests.plans import plan_of
 from tests.sgd_run import GLOBAL, SEED, SGDModule, data_loader, reference, sgd_on
 
 ROOT = Path(__file__).resolve().parents[1]
-PLAN2 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 8, 2, 4, 0.3), RankPlan(1, "b", 4, 1, 4, 0.7)))
-OTHER2 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 3, 3, 1, 0.9), RankPlan(1, "b", 9, 2, 5, 0.1)))
-PLAN3 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 5, 1, 5, 0.2), RankPlan(1, "b", 3, 3, 1, 0.3),
-                                 RankPlan(2, "c", 4, 2, 2, 0.5)))
+PLAN2 = plan_of(batches=[8, 4], micro=[2, 1], shares=[0.3, 0.7])
+OTHER2 = plan_of(batches=[3, 9], micro=[3, 2], shares=[0.9, 0.1])
+PLAN3 = plan_of(batches=[5, 3, 4], micro=[1, 3, 2], shares=[0.2, 0.3, 0.5])
 TOTAL = 8  # steps of every uninterrupted run: across an epoch boundary
 
 
@@ -164,7 +163,7 @@ class Hostile:
 
 def _single_rank_checkpoint(path: Path) -> None:
     warnings.simplefilter("ignore")
-    t = trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)), 1, 1, str(path.parent))
+    t = trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]), 1, 1, str(path.parent))
     t.fit(SGDModule(), data_loader(False))
     t.save_checkpoint(str(path))
 
@@ -182,9 +181,9 @@ def _hostile_bytes(marker: Path) -> bytes:
 
 
 LOAD_PATHS = {
-    "Trainer.fit(ckpt_path=dir)": lambda p: trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)),
+    "Trainer.fit(ckpt_path=dir)": lambda p: trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]),
                                                     1, 2).fit(SGDModule(), data_loader(False), ckpt_path=str(p)),
-    "Trainer.fit(weights_only=True)": lambda p: trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)),
+    "Trainer.fit(weights_only=True)": lambda p: trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]),
                                                         1, 2).fit(SGDModule(), data_loader(False), ckpt_path=str(p),
                                                                   weights_only=True),
     "load_full_state_dict": lambda p: checkpoint.load_full_state_dict(p),
@@ -250,7 +249,7 @@ class WithBuffer(SGDModule):
 def test_a_persistent_buffer_the_checkpoint_lacks_is_an_error_not_left_as_it_was(tmp_path):
     ckpt = tmp_path / "ckpt"
     _single_rank_checkpoint(ckpt)
-    t = trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)), 1, 2)
+    t = trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]), 1, 2)
     with pytest.raises(CheckpointError, match=r"lacks parameters or buffers \['counts'\]"):
         t.fit(WithBuffer(), data_loader(False), ckpt_path=str(ckpt))
 
@@ -321,7 +320,7 @@ def test_kills_during_saves_and_deletions_never_leave_a_checkpoint_that_looks_wh
 
 def test_state_dict_type_full_writes_one_safe_file(tmp_path):
     warnings.simplefilter("ignore")
-    t = pl.Trainer(strategy=CephaloStrategy(plan=Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 1, GLOBAL, 1.0),)),
+    t = pl.Trainer(strategy=CephaloStrategy(plan=plan_of(batches=[GLOBAL], micro=[1], shares=[1.0]),
                                             state_dict_type="full"),
                    accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False)
@@ -379,6 +378,6 @@ def test_a_consolidated_checkpoint_resumes_under_a_plain_trainer(first_halves, t
     started, _, step = _plain_resume(files["shuffled/step=3.ckpt"], shuffle=True)
     assert step == TOTAL and max_error(started, reference(3, True)) <= 1e-7
     # and Cephalo itself, resuming from the consolidated file, continues on its own samples
-    t = trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)), 1, TOTAL)
+    t = trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]), 1, TOTAL)
     t.fit(SGDModule(seed=3), data_loader(True), ckpt_path=str(files["shuffled/step=3.ckpt"]))
     assert t.global_step == TOTAL and max_error(t.strategy.sharded.full_state_dict(), reference(TOTAL, True)) <= 1e-7

@@ -33,10 +33,10 @@ from cephalo_lightning.lightning.fit.fault_tolerance import (
     survivors_batches,
     torchft_available,
 )
-from cephalo_lightning.planner import Plan, RankPlan
 from tests.conftest import HANG_TIMEOUT_S
 from tests.distributed import run_distributed
 from tests.models import TinyLM, batches
+from tests.plans import plan_of
 from tests.reference import make_optimizer, sliced, tiny_loss, train_steps, whole
 
 needs_torchft = pytest.mark.skipif(not torchft_available(),
@@ -114,8 +114,7 @@ def test_both_groups_end_on_the_single_process_replay_of_the_same_global_batches
 # ----------------------------------------------------------------------------- groups of two ranks (HSDP)
 
 # two groups of two ranks, each sharding the state 0.7 / 0.3 inside and taking 5 + 3 of the group's 8 samples
-PLAN4 = Plan(16, "layered", tuple(RankPlan(r, "cpu", (5, 3)[r % 2], 1, (5, 3)[r % 2], (0.7, 0.3)[r % 2],
-                                           shard_group=r // 2) for r in range(4)))
+PLAN4 = plan_of(batches=[5, 3, 5, 3], micro=[1] * 4, shares=[0.7, 0.3, 0.7, 0.3], devices=["cpu"] * 4, groups=[0, 0, 1, 1])
 HSDP_STEPS = 4
 
 
@@ -178,8 +177,7 @@ def test_the_survivors_take_the_global_batch_by_the_cluster_files_profiles_or_th
     from cephalo_lightning.planner import cluster_from_dict, plan
     from tests.test_elastic import BIG, CLUSTER3, MID, SMALL, _cluster, _device
 
-    three = Plan(12, "layered", (RankPlan(0, BIG, 6, 1, 6, 1.0, shard_group=0), RankPlan(1, MID, 4, 1, 4, 1.0, shard_group=1),
-                                 RankPlan(2, SMALL, 2, 1, 2, 1.0, shard_group=2)))
+    three = plan_of(batches=[6, 4, 2], micro=[1, 1, 1], shares=[1.0, 1.0, 1.0], devices=[BIG, MID, SMALL], groups=[0, 1, 2])
     batches, how = survivors_batches(three, (0, 2), cluster_from_dict(CLUSTER3))
     # independently: the planner on a file that lists only the two devices left
     want = plan(cluster_from_dict(_cluster([_device(BIG, 3.0, 1.0), _device(SMALL, 1.0, 6.0)])), 12, "layered")
@@ -194,18 +192,16 @@ def test_the_survivors_take_the_global_batch_by_the_cluster_files_profiles_or_th
 
 # ----------------------------------------------------------------------------- refusals (no processes)
 
-HSDP = Plan(16, "layered", (RankPlan(0, "a100", 4, 1, 4, 0.5, shard_group=0), RankPlan(1, "a100", 4, 1, 4, 0.5, shard_group=0),
-                            RankPlan(2, "a100", 4, 1, 4, 0.5, shard_group=1), RankPlan(3, "a100", 4, 1, 4, 0.5, shard_group=1)))
-UNEVEN = Plan(16, "layered", (RankPlan(0, "a100", 6, 1, 6, 0.6, shard_group=0), RankPlan(1, "v100", 2, 1, 2, 0.4, shard_group=0),
-                              RankPlan(2, "a100", 4, 1, 4, 0.5, shard_group=1), RankPlan(3, "a100", 4, 1, 4, 0.5, shard_group=1)))
+HSDP = plan_of(batches=[4, 4, 4, 4], micro=[1, 1, 1, 1], shares=[0.5, 0.5, 0.5, 0.5], devices=["a100"] * 4, groups=[0, 0, 1, 1])
+UNEVEN = plan_of(batches=[6, 2, 4, 4], micro=[1, 1, 1, 1], shares=[0.6, 0.4, 0.5, 0.5], devices=["a100", "v100", "a100", "a100"],
+                 groups=[0, 0, 1, 1])
 
 
 def test_groups_that_cut_the_units_differently_are_refused_with_their_shares():
     check_groups_cut_alike(HSDP)
     with pytest.raises(ConfigurationError, match=r"cut the units alike.*\[\[0, 1\], \[2, 3\]\].*\(0\.6, 0\.4\)"):
         check_groups_cut_alike(UNEVEN)
-    sizes = Plan(12, "layered", (RankPlan(0, "a100", 6, 1, 6, 1.0, shard_group=0), RankPlan(1, "a100", 3, 1, 3, 0.5, shard_group=1),
-                                 RankPlan(2, "a100", 3, 1, 3, 0.5, shard_group=1)))
+    sizes = plan_of(batches=[6, 3, 3], micro=[1, 1, 1], shares=[1.0, 0.5, 0.5], devices=["a100"] * 3, groups=[0, 1, 1])
     with pytest.raises(ConfigurationError, match=r"equal groups"):
         check_groups_cut_alike(sizes)
     assert group_plan(UNEVEN).batch_sizes == [8, 8] and group_plan(UNEVEN).shard_groups == ((0,), (1,))

@@ -159,13 +159,12 @@ from pathlib import Path
 warnings.simplefilter("ignore")
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from cephalo_lightning import Plan
 from cephalo_lightning._common import atomic_io
-from cephalo_lightning.planner import RankPlan
+from tests.plans import plan_of
 from tests.sgd_run import GLOBAL, SGDModule, data_loader
 from tests.test_checkpoints import trainer
 
-PLAN1 = Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),))
+PLAN1 = plan_of(batches=[GLOBAL], micro=[2], shares=[1.0])
 work = Path({work!r})
 ckpt = work / "ckpt"
 exchange = atomic_io._exchange
