@@ -46,7 +46,7 @@ durations: setup
 	$(BIN)/python -m tests.durations .durations.xml > tests/durations.txt && rm -f .durations.xml; exit $$rc
 
 lint: setup
-	$(BIN)/ruff check cephalo_lightning tests benchmarks examples
+	$(BIN)/ruff check cephalo_lightning tests benchmarks examples scenarios
 
 bench: setup
 	$(BIN)/python -m benchmarks.report

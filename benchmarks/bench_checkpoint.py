@@ -13,7 +13,7 @@
    if it was still being written), of a step run while a background write was in flight; and
    their ratios to the normal step. MEASURED on CPU: the background writer's serialisation and
    hashing compete with training for the same cores here, which they would not on a GPU node.
-2. Kill loop: every instrumented point of ``tests/kill_points.py`` (the suite's instrumentation:
+2. Kill loop: every instrumented point of ``scenarios/kill_points.py`` (the suite's instrumentation:
    run from a checkout), each kill landing in the background writer's thread, each run resuming
    from the previous one's ``last.ckpt``; after each kill everything that looks like a checkpoint
    must verify and ``last.ckpt`` must be complete. Printed: kills, the threads they landed in,
@@ -129,7 +129,7 @@ def step_times(config: dict[str, Any]) -> dict[str, Any]:
 
 def kill_loop(workdir: Path) -> dict[str, Any]:
     from cephalo_lightning.runtime.checkpoint.async_save import THREAD_NAME
-    from tests import kill_points
+    from scenarios import kill_points
 
     points = kill_points.points_here(workdir)
     seen = kill_points.kill_loop(workdir, points, background=True)

@@ -7,13 +7,13 @@
 Both ways run on an emulated 2-node cluster of CPU processes on this machine, over gloo and
 loopback, with the suite's instrumented scenarios (run from a checkout):
 
-* **torchft** (``tests/ft_worker.py``): two shard groups of one rank each, a ``torchft`` lighthouse
+* **torchft** (``scenarios/ft_worker.py``): two shard groups of one rank each, a ``torchft`` lighthouse
   on 127.0.0.1 (heartbeat timeout 2 s); group 1 is SIGKILLed in step 3 between its backward and the
   cross-group sum; group 0 goes on in its own process; group 1 is started again and recovers the
   live state from group 0.
 * **torchft under Trainer.fit** (the same scenario, each life a ``Trainer.fit`` of a tiny Hugging
   Face Llama under ``CephaloStrategy(fault_tolerance=True)``; the kill in ``on_after_backward``).
-* **torchrun elastic** (``tests/elastic_worker.py``, ``tests/test_elastic_torchrun.py``'s agents):
+* **torchrun elastic** (``scenarios/elastic_worker.py``, its agents from ``scenarios/torchrun_agents.py``):
   node A (2 ranks) and node B (1 rank) under ``--nnodes 1:2``, ``CephaloStrategy(elastic=True)``, a
   checkpoint every step; B's rank SIGKILLs its agent and itself after step 3's optimizer step,
   before that step's checkpoint; A's agent restarts its ranks, which re-plan and resume from the
@@ -40,7 +40,7 @@ from benchmarks.harness import Benchmark
 
 
 def torchft_way(work: Path, fit: bool = False) -> dict:
-    from tests.ft_worker import KILL_AT, run_scenario
+    from scenarios.ft_worker import KILL_AT, run_scenario
 
     scenario = run_scenario(work, deadline_s=600, fit=fit)
     (pid,) = scenario.lives(0)
@@ -57,8 +57,8 @@ def torchft_way(work: Path, fit: bool = False) -> dict:
 
 
 def elastic_way(work: Path) -> dict:
-    from tests.distributed import free_port
-    from tests.test_elastic_torchrun import start_agent, stop_agents
+    from cephalo_lightning.testing.local_ranks import free_port
+    from scenarios.torchrun_agents import start_agent, stop_agents
 
     port = free_port()
     agents = [start_agent(work, port, "A", 2, host=True), start_agent(work, port, "B", 1, host=False)]

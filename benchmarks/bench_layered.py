@@ -480,7 +480,7 @@ def _unit_wise(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     """Peak accounted memory of 2 steps with the optimizer stepped at the end vs unit by unit."""
     from cephalo_lightning.runtime.emulation.memory import MemoryTracker
     from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
-    from tests.unit_optimizers import UnitOptimizers
+    from scenarios.unit_optimizers import UnitOptimizers
 
     peaks = {}
     for unit_wise in (False, True):

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from scenarios.launch_env import RENDEZVOUS_VARIABLES, clean_env  # noqa: F401 (clean_env: tests import it from here)
+
 # [Note: one thread per process] ``make test`` runs one xdist worker per core, and every process a
 # test starts (a gloo rank, an example, a launcher's ranks) is one more on the same cores. A second
 # torch intra-op thread per process then only oversubscribes them: on tensors this small it buys no
@@ -28,12 +30,10 @@ pytest_plugins = ["tests.fake_clock"]  # the ``clock`` fixture
 # runs a 20 s subprocess for minutes).
 HANG_TIMEOUT_S = 1800
 
-_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "PL_GLOBAL_SEED")
-
 
 @pytest.fixture(autouse=True)
 def _isolated_process_group():
-    before = {k: os.environ.get(k) for k in _RENDEZVOUS}
+    before = {k: os.environ.get(k) for k in RENDEZVOUS_VARIABLES}
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -53,12 +53,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The environment for a subprocess that launches its own ranks."""
-    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
-    return {**env, "WANDB_MODE": "disabled", **extra}
 
 
 def failure_report(result: subprocess.CompletedProcess, tail: int = 3000) -> str:

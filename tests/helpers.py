@@ -9,7 +9,7 @@ import torch
 from cephalo_lightning import CephaloStrategy, Plan
 from tests.lightning_models import loader, token_data
 from tests.models import TinyLM
-from tests.reference import make_optimizer
+from tests.reference import make_optimizer, sliced, tiny_loss, train_steps
 
 NUM_SAMPLES = 48
 
@@ -33,21 +33,11 @@ def fit(module: pl.LightningModule, plan: Plan, world: int, steps: int = 2, data
 
 def reference(steps: int, global_batch: int, clip: float | None = None, accumulate: int = 1, samples: int = NUM_SAMPLES):
     """Single-process training on the same global batches (sequential order): state and losses."""
-    data = token_data(samples)
     model = TinyLM()
     optimizer = make_optimizer(model.parameters())
-    losses = []
-    for step in range(steps):
-        for a in range(accumulate):
-            lo = (step * accumulate + a) * global_batch
-            x, y = data[lo : lo + global_batch]
-            loss = model.loss(model(x), y)
-            losses.append(loss.item())
-            (loss / accumulate).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad()
+    parts = sliced(token_data(samples), steps * accumulate, global_batch)
+    accumulated = [[(batch, 1 / accumulate) for batch in parts[s * accumulate : (s + 1) * accumulate]] for s in range(steps)]
+    losses = train_steps(optimizer, tiny_loss(model), accumulated, clip)
     return {f"model.{k}": v.detach() for k, v in model.state_dict().items()}, losses
 
 

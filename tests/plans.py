@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import string
 from collections.abc import Sequence
+from typing import Any
 
 from cephalo_lightning.planner import Plan, RankPlan
 
 
 def plan_of(*, batches: Sequence[int], micro: Sequence[int], shares: Sequence[float], mode: str = "layered",
-            devices: Sequence[str] | None = None, groups: Sequence[int] | None = None) -> Plan:
-    """Rank r on device ``devices[r]`` ("a", "b", ... by default) in shard group ``groups[r]`` (0 by default)."""
+            devices: Sequence[str] | None = None, groups: Sequence[int] | None = None, **per_rank: Sequence[Any]) -> Plan:
+    """Rank r on device ``devices[r]`` ("a", "b", ... by default) in shard group ``groups[r]`` (0 by default);
+    each of ``per_rank`` is another ``RankPlan`` field, one value a rank (``memory_capacity_gb=[0.5, 0.25]``)."""
     if not len(batches) == len(micro) == len(shares):
         raise ValueError(f"one batch, micro-batch count and share per rank: {batches}, {micro}, {shares}")
     devices = devices or string.ascii_lowercase[: len(batches)]
     groups = groups or [0] * len(batches)
-    ranks = tuple(RankPlan(r, device, b, n, -(-b // n), share, shard_group=g)
+    ranks = tuple(RankPlan(rank=r, device=device, batch_size=b, num_micro_batches=n, micro_batch_size=-(-b // n),
+                           state_share=share, shard_group=g, **{field: values[r] for field, values in per_rank.items()})
                   for r, (device, b, n, share, g) in enumerate(zip(devices, batches, micro, shares, groups)))
     return Plan(sum(batches), mode, ranks)

@@ -1,10 +1,21 @@
-"""Independent reference: single-process training on the global batch."""
+"""Independent reference: single-process training on the global batch.
+
+    for each step:  sum over its pieces (batch_i, w_i) of  d(loss(batch_i) * w_i)/dθ,  clip,  θ <- optimizer(θ)
+
+Every test that checks a distributed run compares it with :func:`train_steps`, the one loop here: a
+whole global batch is one piece of weight 1; a batch cut as a plan cuts it (or accumulated over several
+batches) is several pieces, each weighted by its share. Nothing here imports the code under test."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
 from tests.models import TinyLM, batches
+
+Piece = tuple[Any, "float | torch.Tensor"]  # a (micro-)batch and the weight its loss is multiplied by
 
 
 def split(batch_size: int, num_micro_batches: int) -> list[int]:
@@ -19,18 +30,55 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
+def train_steps(optimizer: torch.optim.Optimizer, loss_of: Callable[[Any], torch.Tensor],
+                steps: Iterable[Sequence[Piece]], clip: float | None = None,
+                after_step: Callable[[], None] | None = None) -> list[float]:
+    """One optimizer step per entry of ``steps``: every piece's ``loss_of(batch) * weight`` backward (the
+    gradients add up), the gradients clipped to global norm ``clip`` (over the optimizer's parameters),
+    the step, the gradients cleared, then ``after_step`` (a scheduler's step). Returns each piece's loss."""
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    losses = []
+    for pieces in steps:
+        for batch, weight in pieces:
+            loss = loss_of(batch)
+            losses.append(loss.item())
+            (loss * weight).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(parameters, clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        if after_step is not None:
+            after_step()
+    return losses
+
+
+def whole(global_batches: Iterable[Any]) -> list[list[Piece]]:
+    """Each global batch as one step of one piece (weight 1)."""
+    return [[(batch, 1.0)] for batch in global_batches]
+
+
+def cut(batch: Any, sizes: Sequence[int], whole: int) -> list[Piece]:
+    """``batch`` (a tuple of tensors) cut into consecutive pieces of ``sizes``, each weighted by ``size / whole``."""
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    return [(tuple(t[lo : lo + size] for t in batch), size / whole) for lo, size in zip(starts, sizes)]
+
+
+def sliced(data: Any, steps: int, global_batch: int, start: int = 0) -> list[Any]:
+    """Global batches ``start .. start + steps`` of ``data`` taken in order: ``data[k * global_batch : ...]``."""
+    return [data[k * global_batch : (k + 1) * global_batch] for k in range(start, start + steps)]
+
+
+def tiny_loss(model: TinyLM) -> Callable[[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """TinyLM's loss on a batch ``(x, y)``."""
+    return lambda batch: model.loss(model(batch[0]), batch[1])
+
+
 def train_reference(steps: int, global_batch: int, clip: float | None = None, start: int = 0,
                     model: TinyLM | None = None, optimizer: torch.optim.Optimizer | None = None, vocab: int = 17):
     """Train TinyLM on global batches ``start .. start+steps``; return (model, optimizer)."""
     model = model or TinyLM()
     optimizer = optimizer or make_optimizer(model.parameters())
-    for x, y in batches(start + steps, global_batch, vocab=vocab)[start:]:
-        loss = model.loss(model(x), y)
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad()
+    train_steps(optimizer, tiny_loss(model), whole(batches(start + steps, global_batch, vocab=vocab)[start:]), clip)
     return model, optimizer
 
 
@@ -41,4 +89,15 @@ def reference_state(model: TinyLM, optimizer: torch.optim.Optimizer) -> dict[str
         out[name] = p.detach().reshape(-1).clone()
         for key in ("exp_avg", "exp_avg_sq"):
             out[f"{name}.{key}"] = optimizer.state[p][key].reshape(-1).clone()
+    return out
+
+
+def with_moments(params: dict[str, torch.Tensor], named: Iterable[tuple[str, torch.nn.Parameter]],
+                 optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """``params`` and, for each named parameter the optimizer holds Adam moments of, ``name.exp_avg`` ..."""
+    out = dict(params)
+    for name, p in named:
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in optimizer.state.get(p, {}):
+                out[f"{name}.{key}"] = optimizer.state[p][key].clone()
     return out

@@ -10,18 +10,18 @@ import warnings
 import pytest
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from cephalo_lightning import CephaloStrategy, Plan
+from cephalo_lightning import CephaloStrategy
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.checkpoint import CheckpointError
 from cephalo_lightning.runtime.checkpoint.async_save import THREAD_NAME
 from tests import helpers
 from tests.helpers import max_error
-from tests.test_checkpoints import GLOBAL, SEED, SGDModule, data_loader, reference
+from tests.plans import plan_of
+from tests.sgd_run import GLOBAL, SEED, SGDModule, data_loader, reference
 
-PLAN1 = Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),))
-TOLERANCE = 1e-7  # fp64 SGD: see tests/test_checkpoints.py
+PLAN1 = plan_of(batches=[GLOBAL], micro=[2], shares=[1.0])
+TOLERANCE = 1e-7  # fp64 SGD: [Note: fp64 SGD] in tests/sgd_run.py
 
 
 class LogStep(Callback):
@@ -59,9 +59,9 @@ def test_async_checkpoint_needs_sharded_checkpoints():
 
 @pytest.mark.multiprocess
 def test_kills_during_background_saves_never_leave_a_checkpoint_that_looks_whole(tmp_path):
-    """A few of tests/kill_points.py's points, with the saves and deletions on the background
+    """A few of scenarios/kill_points.py's points, with the saves and deletions on the background
     writer's thread (benchmarks/bench_checkpoint.py runs every point)."""
-    from tests import kill_points
+    from scenarios import kill_points
 
     points = ["save: complete, before it is published", "delete: renamed away, nothing deleted yet"]
     seen = kill_points.kill_loop(tmp_path, points, background=True)

@@ -17,8 +17,8 @@ from cephalo_lightning.planner.schema.calibration_terms import Calibration
 from cephalo_lightning.planner.schema.cluster import cluster_to_dict
 from cephalo_lightning.planner.schema.plan import Plan
 from cephalo_lightning.planner.search.assemble import rank_plans
+from tests.planner_cases import random_cluster
 from tests.planner_reference import brute_force, calibrated_by_hand, rank_times
-from tests.test_planner import random_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTERS = [ROOT / "configs" / "clusters" / name for name in ("a100x2-v100x2.yaml", "t4-example.yaml", "l4-a6000-p40.yaml")]

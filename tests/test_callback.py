@@ -9,11 +9,11 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
-from cephalo_lightning.planner import RankPlan
+from cephalo_lightning import CephaloCallback, CephaloStrategy
 from cephalo_lightning.runtime.emulation.memory import EmulatedOutOfMemoryError
 from tests.distributed import run_distributed
 from tests.helpers import max_error
+from tests.plans import plan_of
 
 SEQ = 32
 GLOBAL_BATCH = 16
@@ -153,7 +153,7 @@ def test_offline_wandb_run_has_the_plan_table_and_per_rank_series(replan_run):
 
 def test_plan_beyond_an_emulated_capacity_raises_out_of_memory():
     warnings.simplefilter("ignore")
-    plan = Plan(8, "layered", (RankPlan(0, "tiny", 8, 1, 8, 1.0),))
+    plan = plan_of(batches=[8], micro=[1], shares=[1.0], devices=["tiny"])
     trainer = pl.Trainer(
         strategy=CephaloStrategy(plan=plan, emulate=[{"memory_gb": 0.004}]), accelerator="cpu", devices=1,
         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,

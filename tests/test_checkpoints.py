@@ -19,55 +19,26 @@ import torch
 
 import cephalo_lightning.lightning.fit.checkpoint_io
 from cephalo_lightning import CephaloStrategy, Plan, consolidated
-from cephalo_lightning.planner import RankPlan
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.checkpoint import CheckpointError
 from tests import helpers
 from tests.conftest import clean_env
 from tests.distributed import run_distributed
 from tests.helpers import max_error
-from tests.lightning_models import TinyLayered, token_data
+from tests.plans import plan_of
+from tests.sgd_run import GLOBAL, SEED, SGDModule, data_loader, reference, sgd_on
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLES, GLOBAL = 60, 12  # 5 steps per epoch
-PLAN2 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 8, 2, 4, 0.3), RankPlan(1, "b", 4, 1, 4, 0.7)))
-OTHER2 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 3, 3, 1, 0.9), RankPlan(1, "b", 9, 2, 5, 0.1)))
-PLAN3 = Plan(GLOBAL, "layered", (RankPlan(0, "a", 5, 1, 5, 0.2), RankPlan(1, "b", 3, 3, 1, 0.3),
-                                 RankPlan(2, "c", 4, 2, 2, 0.5)))
-SEED = 11
+PLAN2 = plan_of(batches=[8, 4], micro=[2, 1], shares=[0.3, 0.7])
+OTHER2 = plan_of(batches=[3, 9], micro=[3, 2], shares=[0.9, 0.1])
+PLAN3 = plan_of(batches=[5, 3, 4], micro=[1, 3, 2], shares=[0.2, 0.3, 0.5])
 TOTAL = 8  # steps of every uninterrupted run: across an epoch boundary
 
 
-class SGDModule(TinyLayered):
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
-
-
 def trainer(plan: Plan, world: int, steps: int, root: str | None = None, **kwargs) -> pl.Trainer:
-    # fp64 SGD: a resume on the wrong samples is off by ~1e-2, summation-order noise by ~1e-15, so
-    # 1e-7 separates the two cleanly (in fp32 the noise alone is ~1e-7)
+    # fp64 SGD: see [Note: fp64 SGD] in tests/sgd_run.py
     return helpers.trainer(CephaloStrategy(plan=plan, seed=SEED), world, steps,
                            precision=kwargs.pop("precision", "64-true"), default_root_dir=root, **kwargs)
-
-
-def data_loader(shuffle: bool) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(token_data(SAMPLES), batch_size=GLOBAL, shuffle=shuffle)
-
-
-def reference(steps: int, shuffle: bool) -> dict[str, torch.Tensor]:
-    """Single-process SGD on the sampler's documented order: randperm(N, seed + epoch) per epoch."""
-    data = token_data(SAMPLES)
-    module = SGDModule().double()
-    optimizer = module.configure_optimizers()
-    per_epoch = SAMPLES // GLOBAL
-    for step in range(steps):
-        epoch, at = divmod(step, per_epoch)
-        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(SEED + epoch)) if shuffle else torch.arange(SAMPLES)
-        x, y = data[order[at * GLOBAL : (at + 1) * GLOBAL]]
-        module.model.loss(module.model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {f"model.{k}": v.detach().clone() for k, v in module.model.state_dict().items()}
 
 
 # ----------------------------------------------------------------------------- the resume matrix
@@ -192,7 +163,7 @@ class Hostile:
 
 def _single_rank_checkpoint(path: Path) -> None:
     warnings.simplefilter("ignore")
-    t = trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)), 1, 1, str(path.parent))
+    t = trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]), 1, 1, str(path.parent))
     t.fit(SGDModule(), data_loader(False))
     t.save_checkpoint(str(path))
 
@@ -210,9 +181,9 @@ def _hostile_bytes(marker: Path) -> bytes:
 
 
 LOAD_PATHS = {
-    "Trainer.fit(ckpt_path=dir)": lambda p: trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)),
+    "Trainer.fit(ckpt_path=dir)": lambda p: trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]),
                                                     1, 2).fit(SGDModule(), data_loader(False), ckpt_path=str(p)),
-    "Trainer.fit(weights_only=True)": lambda p: trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)),
+    "Trainer.fit(weights_only=True)": lambda p: trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]),
                                                         1, 2).fit(SGDModule(), data_loader(False), ckpt_path=str(p),
                                                                   weights_only=True),
     "load_full_state_dict": lambda p: checkpoint.load_full_state_dict(p),
@@ -278,7 +249,7 @@ class WithBuffer(SGDModule):
 def test_a_persistent_buffer_the_checkpoint_lacks_is_an_error_not_left_as_it_was(tmp_path):
     ckpt = tmp_path / "ckpt"
     _single_rank_checkpoint(ckpt)
-    t = trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)), 1, 2)
+    t = trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]), 1, 2)
     with pytest.raises(CheckpointError, match=r"lacks parameters or buffers \['counts'\]"):
         t.fit(WithBuffer(), data_loader(False), ckpt_path=str(ckpt))
 
@@ -332,9 +303,9 @@ def test_a_ckpt_path_with_nothing_there_says_so_not_that_a_save_broke(tmp_path, 
 def test_kills_during_saves_and_deletions_never_leave_a_checkpoint_that_looks_whole(tmp_path):
     """One SIGKILL at every point of a save, of a top-k deletion and of replacing last.ckpt (both
     ways: the atomic exchange and the two-rename fallback), each run resuming from the last one's
-    last.ckpt; the points are instrumented calls in the child (see tests/kill_points.py), so every
+    last.ckpt; the points are instrumented calls in the child (see scenarios/kill_points.py), so every
     kill lands where it is meant to, whatever the machine's speed."""
-    from tests import kill_points
+    from scenarios import kill_points
 
     points = kill_points.points_here(tmp_path)
     seen = kill_points.kill_loop(tmp_path, points)
@@ -349,7 +320,7 @@ def test_kills_during_saves_and_deletions_never_leave_a_checkpoint_that_looks_wh
 
 def test_state_dict_type_full_writes_one_safe_file(tmp_path):
     warnings.simplefilter("ignore")
-    t = pl.Trainer(strategy=CephaloStrategy(plan=Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 1, GLOBAL, 1.0),)),
+    t = pl.Trainer(strategy=CephaloStrategy(plan=plan_of(batches=[GLOBAL], micro=[1], shares=[1.0]),
                                             state_dict_type="full"),
                    accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False)
@@ -383,15 +354,7 @@ def _plain_resume(path: Path, shuffle: bool, steps: int = TOTAL) -> tuple[dict[s
 
 def _sgd_on(batches: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
     """Single-process SGD on the unshuffled data's batches ``(epoch, index)``, in that order."""
-    data = token_data(SAMPLES)
-    module = SGDModule().double()
-    optimizer = module.configure_optimizers()
-    for _, at in batches:
-        x, y = data[at * GLOBAL : (at + 1) * GLOBAL]
-        module.model.loss(module.model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {f"model.{k}": v.detach().clone() for k, v in module.model.state_dict().items()}
+    return sgd_on([torch.arange(at * GLOBAL, (at + 1) * GLOBAL) for _, at in batches])
 
 
 @pytest.mark.multiprocess
@@ -415,6 +378,6 @@ def test_a_consolidated_checkpoint_resumes_under_a_plain_trainer(first_halves, t
     started, _, step = _plain_resume(files["shuffled/step=3.ckpt"], shuffle=True)
     assert step == TOTAL and max_error(started, reference(3, True)) <= 1e-7
     # and Cephalo itself, resuming from the consolidated file, continues on its own samples
-    t = trainer(Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),)), 1, TOTAL)
+    t = trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]), 1, TOTAL)
     t.fit(SGDModule(seed=3), data_loader(True), ckpt_path=str(files["shuffled/step=3.ckpt"]))
     assert t.global_step == TOTAL and max_error(t.strategy.sharded.full_state_dict(), reference(TOTAL, True)) <= 1e-7

@@ -13,15 +13,14 @@ import torch
 from cephalo_lightning import CephaloStrategy, Plan
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning.fit.elastic import replan, replan_for_world
-from cephalo_lightning.planner import PlanningError, RankPlan, cluster_from_dict, plan
+from cephalo_lightning.planner import PlanningError, cluster_from_dict, plan
 from tests import helpers
 from tests.distributed import run_distributed
 from tests.lightning_models import TinyLayered, token_data
 from tests.plans import plan_of
-from tests.test_checkpoints import SEED
+from tests.sgd_run import SEED
 
-PLAN3 = Plan(24, "layered", (RankPlan(0, "big", 12, 2, 6, 0.5), RankPlan(1, "mid", 8, 2, 4, 0.3),
-                             RankPlan(2, "small", 4, 2, 2, 0.2)))
+PLAN3 = plan_of(batches=[12, 8, 4], micro=[2, 2, 2], shares=[0.5, 0.3, 0.2], devices=["big", "mid", "small"])
 
 
 def test_the_ranks_left_keep_their_devices_figures_over_the_same_global_batch():
@@ -70,8 +69,7 @@ def _cluster(devices: list[dict]) -> dict:
 
 
 CLUSTER3 = _cluster([_device(BIG, 3.0, 1.0), _device(MID, 2.0, 2.0), _device(SMALL, 1.0, 6.0)])
-PINNED3 = Plan(12, "layered", (RankPlan(0, BIG, 6, 2, 3, 1.0, shard_group=0), RankPlan(1, MID, 4, 2, 2, 0.6, shard_group=1),
-                               RankPlan(2, SMALL, 2, 1, 2, 0.4, shard_group=1)))
+PINNED3 = plan_of(batches=[6, 4, 2], micro=[2, 2, 1], shares=[1.0, 0.6, 0.4], devices=[BIG, MID, SMALL], groups=[0, 1, 1])
 
 
 def test_a_cluster_file_replans_the_devices_present_from_their_profiles_and_groups():

@@ -1,7 +1,7 @@
 """Two torchrun agents on loopback as two "nodes": one is lost mid-run and comes back.
 
 Agent A runs two ranks, agent B one, under ``--nnodes 1:2`` and a c10d rendezvous on 127.0.0.1
-(ranks in tests/elastic_worker.py: a plan pinned for the 2 + 1 ranks, ``elastic=True``,
+(ranks in scenarios/elastic_worker.py: a plan pinned for the 2 + 1 ranks, ``elastic=True``,
 ``fit(ckpt_path="last")``, a checkpoint every step). B's rank, at an instrumented step, SIGKILLs
 its agent and itself; A's agent restarts its ranks by itself, they resume from the newest
 checkpoint re-planned for two ranks, train to the grow point and wait there; the test starts B
@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -42,39 +41,14 @@ import torch
 
 from cephalo_lightning.lightning.fit.preemption import CHECKPOINT_NAME
 from cephalo_lightning.runtime import checkpoint
-from tests.conftest import clean_env
-from tests.distributed import free_port
-from tests.elastic_worker import GROW_AT, KILL_AT, PLAN3, TOTAL
+from cephalo_lightning.testing.local_ranks import free_port
+from scenarios.elastic_worker import GROW_AT, KILL_AT, PLAN3, TOTAL
+from scenarios.torchrun_agents import start_agent, stop_agents
 from tests.helpers import max_error
-from tests.test_checkpoints import reference
+from tests.sgd_run import reference
 
-ROOT = Path(__file__).resolve().parents[1]
-TOLERANCE = 1e-7  # fp64 SGD (see tests/test_checkpoints.py): a wrong resume is off by ~1e-2, noise ~1e-15
-RDZV_CONF = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=300"
+TOLERANCE = 1e-7  # fp64 SGD ([Note: fp64 SGD] in tests/sgd_run.py): a wrong resume is off by ~1e-2, noise ~1e-15
 DEADLINE_S = 1500  # the whole run, on a loaded 2-core machine (about 4 minutes there)
-
-
-def start_agent(work: Path, port: int, node: str, ranks: int, host: bool) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", str(ranks),
-               "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "elastic-test", "--rdzv-conf", f"is_host={int(host)},{RDZV_CONF}",
-               "--monitor-interval", "0.1", str(ROOT / "tests" / "elastic_worker.py"), str(work)]
-    env = clean_env(ELASTIC_NODE=node, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LOGLEVEL="INFO",
-                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    log = open(work / f"agent-{node}-{len(list(work.glob(f'agent-{node}-*')))}.log", "w")  # noqa: SIM115
-    return subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-
-
-def stop_agents(agents: list[subprocess.Popen]) -> None:
-    """SIGTERM to every agent still running (it stops its own ranks first); SIGKILL after 60 s."""
-    for agent in agents:
-        if agent.poll() is None:
-            agent.send_signal(signal.SIGTERM)
-            try:
-                agent.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                agent.kill()
-                agent.wait()
 
 
 def _logs(work: Path) -> str:

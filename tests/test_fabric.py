@@ -18,15 +18,15 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
-from cephalo_lightning import CephaloStrategy, Plan
+from cephalo_lightning import CephaloStrategy
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.lightning.strategy.fabric import CephaloFabricStrategy
-from cephalo_lightning.planner import RankPlan
 from tests.distributed import run_distributed
 from tests.helpers import NUM_SAMPLES
 from tests.lightning_models import TinyLayered, loader, token_data
 from tests.models import TinyLM
 from tests.plans import plan_of
+from tests.reference import cut, sliced, train_steps
 
 GLOBAL = 12
 STEPS = 3
@@ -53,20 +53,11 @@ def _reference(split: tuple[int, ...] = (GLOBAL,), steps: int = STEPS, accumulat
                clip: float | None = None) -> dict[str, torch.Tensor]:
     """One process, the global batches in order (``accumulate`` of them per optimizer step), each
     cut into ``split`` (weighted by size)."""
-    data = token_data(NUM_SAMPLES)
     model = TinyLM()
-    optimizer = _optimizer(model.parameters())
-    for batch in range(steps * accumulate):
-        start = batch * GLOBAL
-        for size in split:
-            (_loss(model, data[start : start + size]) * (size / GLOBAL / accumulate)).backward()
-            start += size
-        if (batch + 1) % accumulate:
-            continue
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad()
+    parts = sliced(token_data(NUM_SAMPLES), steps * accumulate, GLOBAL)
+    accumulated = [[(piece, weight / accumulate) for batch in parts[s * accumulate : (s + 1) * accumulate]
+                    for piece, weight in cut(batch, split, GLOBAL)] for s in range(steps)]
+    train_steps(_optimizer(model.parameters()), lambda batch: _loss(model, batch), accumulated, clip)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -172,7 +163,7 @@ def test_a_layered_plan_is_refused_with_the_reason():
 
 
 def test_a_plan_with_shard_groups_is_refused_not_flattened():
-    grouped = Plan(GLOBAL, "uniform", (RankPlan(0, "a", 4, 1, 4, 1.0), RankPlan(1, "b", 8, 1, 8, 1.0, shard_group=1)))
+    grouped = plan_of(batches=[4, 8], micro=[1, 1], shares=[1.0, 1.0], mode="uniform", groups=[0, 1])
     with pytest.raises(UnsupportedError, match=r"2 shard groups \[\[0\], \[1\]\].*groupings=\('full',\)"):
         CephaloFabricStrategy(plan=grouped)
 

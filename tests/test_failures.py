@@ -16,12 +16,13 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
 from cephalo_lightning.lightning.fit.nonfinite import NonFiniteLossError
-from cephalo_lightning.planner import PlanningError, RankPlan
+from cephalo_lightning.planner import PlanningError
 from tests.conftest import HANG_TIMEOUT_S, clean_env
 from tests.distributed import run_distributed
 from tests.helpers import fit, max_error
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
 from tests.plans import plan_of
+from tests.reference import sliced, tiny_loss, train_steps, whole
 
 ROOT = Path(__file__).resolve().parents[1]
 POISON = 22  # sample 22: at step 1, in rank 1's slice of the plan below
@@ -65,15 +66,8 @@ def nan_run():
 def _skipping_step_1() -> dict[str, torch.Tensor]:
     """Single-process training on the same 3 global batches, step 1 skipped (no update at all)."""
     model = NaNOnPoison()
-    optimizer = model.configure_optimizers()
-    data = poisoned_data()
-    for step in range(3):
-        if step == 1:
-            continue  # the poisoned step: no update at all, as Cephalo skips it
-        x, y = data[step * 12 : (step + 1) * 12]
-        model.model.loss(model.model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    unpoisoned = [batch for step, batch in enumerate(sliced(poisoned_data(), 3, 12)) if step != 1]  # as Cephalo skips it
+    train_steps(model.configure_optimizers(), tiny_loss(model.model), whole(unpoisoned))
     return {f"model.{k}": v for k, v in model.model.state_dict().items()}
 
 
@@ -96,8 +90,7 @@ def test_too_many_non_finite_steps_in_a_row_stop_training_clearly(nan_run):
 # Groups of one rank (data parallelism): every rank holds the whole reduced gradient, the step's
 # all-reduce is started before the backward and each rank checks the gradient itself (step_sync.StepSync).
 SINGLES = Plan(12, "layered", tuple(dataclasses.replace(r, state_share=1.0, shard_group=r.rank) for r in PLAN.ranks))
-SINGLES_UNIFORM = Plan(12, "uniform", (RankPlan(0, "a", 9, 2, 5, 1.0, shard_group=0),
-                                       RankPlan(1, "b", 3, 2, 2, 1.0, shard_group=1)))
+SINGLES_UNIFORM = plan_of(batches=[9, 3], micro=[2, 2], shares=[1.0, 1.0], mode="uniform", groups=[0, 1])
 
 
 def _nan_gradient(output: torch.Tensor) -> torch.Tensor:
@@ -167,9 +160,9 @@ def test_under_groups_of_one_rank_a_non_finite_loss_or_gradient_skips_the_step_o
 
 def _swapped(rank: int, world: int):
     warnings.simplefilter("ignore")
-    plan = Plan(12, "layered", (
-        RankPlan(0, "cpu (emulated x1.0, 0.5 GiB)", 8, 2, 4, 0.8, memory_capacity_gb=0.5, source="emulated"),
-        RankPlan(1, "cpu (emulated x3.0, 0.25 GiB)", 4, 1, 4, 0.2, memory_capacity_gb=0.25, source="emulated")))
+    plan = plan_of(batches=[8, 4], micro=[2, 1], shares=[0.8, 0.2],
+                   devices=["cpu (emulated x1.0, 0.5 GiB)", "cpu (emulated x3.0, 0.25 GiB)"],
+                   memory_capacity_gb=[0.5, 0.25], source=["emulated"] * 2)
     swapped = [{"slowdown": 3.0, "memory_gb": 0.25}, {"slowdown": 1.0, "memory_gb": 0.5}]
     out = {}
     try:
@@ -246,9 +239,9 @@ import logging, os, signal, sys, warnings
 warnings.simplefilter("ignore")
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from cephalo_lightning import CephaloStrategy, Plan
-from cephalo_lightning.planner import RankPlan
+from cephalo_lightning import CephaloStrategy
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
+from tests.plans import plan_of
 
 class Die(pl.Callback):
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
@@ -257,7 +250,7 @@ class Die(pl.Callback):
 
 rank = int(os.environ["RANK"])
 logging.getLogger("cephalo_lightning").addHandler(logging.FileHandler(f"{ckpt}/rank{{rank}}.log"))
-plan = Plan(12, "layered", (RankPlan(0, "a", 6, 1, 6, 0.5), RankPlan(1, "b", 6, 2, 3, 0.5)))
+plan = plan_of(batches=[6, 6], micro=[1, 2], shares=[0.5, 0.5])
 saver = ModelCheckpoint(dirpath={ckpt!r}, every_n_train_steps=1, save_last=True, save_top_k=0)
 t = pl.Trainer(strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=2, max_steps=10, logger=False,
                enable_progress_bar=False, enable_model_summary=False, callbacks=[saver, Die()],

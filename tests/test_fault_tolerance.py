@@ -1,6 +1,6 @@
 """Fault tolerance across shard groups with torchft (``cephalo_lightning.lightning.fit.fault_tolerance``).
 
-The scenario (one run for the module, tests/ft_worker.py): two shard groups of one gloo rank each
+The scenario (one run for the module, scenarios/ft_worker.py): two shard groups of one gloo rank each
 (8 and 4 of the 12 samples of every global batch), a torchft lighthouse on 127.0.0.1; group 1 is
 SIGKILLed in step 3 between its backward and the cross-group sum; group 0 goes on in the same
 process; group 1 is started again and recovers the live state from group 0. The final parameters
@@ -33,11 +33,11 @@ from cephalo_lightning.lightning.fit.fault_tolerance import (
     survivors_batches,
     torchft_available,
 )
-from cephalo_lightning.planner import Plan, RankPlan
 from tests.conftest import HANG_TIMEOUT_S
 from tests.distributed import run_distributed
 from tests.models import TinyLM, batches
-from tests.reference import make_optimizer
+from tests.plans import plan_of
+from tests.reference import make_optimizer, sliced, tiny_loss, train_steps, whole
 
 needs_torchft = pytest.mark.skipif(not torchft_available(),
                                    reason="torchft is not installed (pip install 'cephalo-lightning[ft]'); "
@@ -51,17 +51,13 @@ DEADLINE_S = 600  # the whole scenario, on a loaded 2-core machine (about 15 s i
 
 def replay(steps: int, global_batch: int) -> dict[str, torch.Tensor]:
     model = TinyLM().double()
-    optimizer = make_optimizer(model.parameters())
-    for x, y in batches(steps, global_batch):
-        model.loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_steps(make_optimizer(model.parameters()), tiny_loss(model), whole(batches(steps, global_batch)))
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
-    from tests.ft_worker import run_scenario
+    from scenarios.ft_worker import run_scenario
 
     return run_scenario(tmp_path_factory.mktemp("ft"), DEADLINE_S)
 
@@ -69,7 +65,7 @@ def scenario(tmp_path_factory):
 @needs_torchft
 @pytest.mark.multiprocess
 def test_the_surviving_group_redoes_the_interrupted_step_alone_in_the_same_process(scenario):
-    from tests.ft_worker import GLOBAL, KILL_AT, TOTAL
+    from scenarios.ft_worker import GLOBAL, KILL_AT, TOTAL
 
     assert len(scenario.lives(0)) == 1, scenario.logs  # never restarted: one pid for group 0
     (pid,) = scenario.lives(0)
@@ -88,7 +84,7 @@ def test_the_surviving_group_redoes_the_interrupted_step_alone_in_the_same_proce
 @needs_torchft
 @pytest.mark.multiprocess
 def test_the_killed_group_comes_back_with_the_live_state_and_takes_its_part_again(scenario):
-    from tests.ft_worker import KILL_AT, TOTAL, WAIT_AT
+    from scenarios.ft_worker import KILL_AT, TOTAL, WAIT_AT
 
     first, again = scenario.lives(1)
     assert scenario.exit_codes[1, first] == -signal.SIGKILL and scenario.exit_codes[1, again] == 0, scenario.logs
@@ -105,7 +101,7 @@ def test_the_killed_group_comes_back_with_the_live_state_and_takes_its_part_agai
 @needs_torchft
 @pytest.mark.multiprocess
 def test_both_groups_end_on_the_single_process_replay_of_the_same_global_batches(scenario):
-    from tests.ft_worker import GLOBAL, TOTAL
+    from scenarios.ft_worker import GLOBAL, TOTAL
 
     want = replay(TOTAL, GLOBAL)
     assert len(scenario.finals) == 2, scenario.logs  # group 0 and group 1's second life
@@ -118,8 +114,7 @@ def test_both_groups_end_on_the_single_process_replay_of_the_same_global_batches
 # ----------------------------------------------------------------------------- groups of two ranks (HSDP)
 
 # two groups of two ranks, each sharding the state 0.7 / 0.3 inside and taking 5 + 3 of the group's 8 samples
-PLAN4 = Plan(16, "layered", tuple(RankPlan(r, "cpu", (5, 3)[r % 2], 1, (5, 3)[r % 2], (0.7, 0.3)[r % 2],
-                                           shard_group=r // 2) for r in range(4)))
+PLAN4 = plan_of(batches=[5, 3, 5, 3], micro=[1] * 4, shares=[0.7, 0.3, 0.7, 0.3], devices=["cpu"] * 4, groups=[0, 0, 1, 1])
 HSDP_STEPS = 4
 
 
@@ -182,8 +177,7 @@ def test_the_survivors_take_the_global_batch_by_the_cluster_files_profiles_or_th
     from cephalo_lightning.planner import cluster_from_dict, plan
     from tests.test_elastic import BIG, CLUSTER3, MID, SMALL, _cluster, _device
 
-    three = Plan(12, "layered", (RankPlan(0, BIG, 6, 1, 6, 1.0, shard_group=0), RankPlan(1, MID, 4, 1, 4, 1.0, shard_group=1),
-                                 RankPlan(2, SMALL, 2, 1, 2, 1.0, shard_group=2)))
+    three = plan_of(batches=[6, 4, 2], micro=[1, 1, 1], shares=[1.0, 1.0, 1.0], devices=[BIG, MID, SMALL], groups=[0, 1, 2])
     batches, how = survivors_batches(three, (0, 2), cluster_from_dict(CLUSTER3))
     # independently: the planner on a file that lists only the two devices left
     want = plan(cluster_from_dict(_cluster([_device(BIG, 3.0, 1.0), _device(SMALL, 1.0, 6.0)])), 12, "layered")
@@ -198,18 +192,16 @@ def test_the_survivors_take_the_global_batch_by_the_cluster_files_profiles_or_th
 
 # ----------------------------------------------------------------------------- refusals (no processes)
 
-HSDP = Plan(16, "layered", (RankPlan(0, "a100", 4, 1, 4, 0.5, shard_group=0), RankPlan(1, "a100", 4, 1, 4, 0.5, shard_group=0),
-                            RankPlan(2, "a100", 4, 1, 4, 0.5, shard_group=1), RankPlan(3, "a100", 4, 1, 4, 0.5, shard_group=1)))
-UNEVEN = Plan(16, "layered", (RankPlan(0, "a100", 6, 1, 6, 0.6, shard_group=0), RankPlan(1, "v100", 2, 1, 2, 0.4, shard_group=0),
-                              RankPlan(2, "a100", 4, 1, 4, 0.5, shard_group=1), RankPlan(3, "a100", 4, 1, 4, 0.5, shard_group=1)))
+HSDP = plan_of(batches=[4, 4, 4, 4], micro=[1, 1, 1, 1], shares=[0.5, 0.5, 0.5, 0.5], devices=["a100"] * 4, groups=[0, 0, 1, 1])
+UNEVEN = plan_of(batches=[6, 2, 4, 4], micro=[1, 1, 1, 1], shares=[0.6, 0.4, 0.5, 0.5], devices=["a100", "v100", "a100", "a100"],
+                 groups=[0, 0, 1, 1])
 
 
 def test_groups_that_cut_the_units_differently_are_refused_with_their_shares():
     check_groups_cut_alike(HSDP)
     with pytest.raises(ConfigurationError, match=r"cut the units alike.*\[\[0, 1\], \[2, 3\]\].*\(0\.6, 0\.4\)"):
         check_groups_cut_alike(UNEVEN)
-    sizes = Plan(12, "layered", (RankPlan(0, "a100", 6, 1, 6, 1.0, shard_group=0), RankPlan(1, "a100", 3, 1, 3, 0.5, shard_group=1),
-                                 RankPlan(2, "a100", 3, 1, 3, 0.5, shard_group=1)))
+    sizes = plan_of(batches=[6, 3, 3], micro=[1, 1, 1], shares=[1.0, 0.5, 0.5], devices=["a100"] * 3, groups=[0, 1, 1])
     with pytest.raises(ConfigurationError, match=r"equal groups"):
         check_groups_cut_alike(sizes)
     assert group_plan(UNEVEN).batch_sizes == [8, 8] and group_plan(UNEVEN).shard_groups == ((0,), (1,))
@@ -247,8 +239,8 @@ def test_without_torchft_the_refusal_says_how_to_install_it(monkeypatch):
 
 def test_trainer_fit_under_fault_tolerance_is_refused_at_setup_without_the_whole_plan_or_the_group(monkeypatch):
     from cephalo_lightning.lightning.fit.fault_tolerant_fit import FitReplica
+    from scenarios.ft_worker import FIT_PLAN
     from tests import helpers
-    from tests.ft_worker import FIT_PLAN
     from tests.lightning_models import TinyLayered, token_data
 
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
@@ -282,7 +274,7 @@ def test_a_non_finite_sum_over_the_groups_is_skipped_by_every_groups_guard():
 
     from cephalo_lightning.lightning.fit.fault_tolerant_fit import FitReplica
     from cephalo_lightning.lightning.fit.nonfinite import NonFiniteGuard
-    from tests.ft_worker import FIT_PLAN
+    from scenarios.ft_worker import FIT_PLAN
 
     fit = FitReplica(FIT_PLAN, 1)
     weight = torch.nn.Parameter(torch.zeros(3))
@@ -302,14 +294,14 @@ def test_a_non_finite_sum_over_the_groups_is_skipped_by_every_groups_guard():
 
 @pytest.fixture(scope="module")
 def fit_scenario(tmp_path_factory):
-    from tests.ft_worker import run_scenario
+    from scenarios.ft_worker import run_scenario
 
     return run_scenario(tmp_path_factory.mktemp("ft-fit"), DEADLINE_S, fit=True)
 
 
 def fit_replay(steps: int, global_batch: int) -> dict[str, torch.Tensor]:
     """The same Llama trained alone in fp64 on the planned loader's global batches (unshuffled)."""
-    from tests.ft_worker import FIT_MODEL
+    from scenarios.ft_worker import FIT_MODEL
     from tests.library_models import PaddedTokens, reference
 
     state = reference(*FIT_MODEL, steps, global_batch, PaddedTokens(steps * global_batch), dtype=torch.float64)
@@ -319,7 +311,7 @@ def fit_replay(steps: int, global_batch: int) -> dict[str, torch.Tensor]:
 @needs_torchft
 @pytest.mark.multiprocess
 def test_under_trainer_fit_the_survivor_redoes_the_step_in_its_process_and_the_killed_group_rejoins(fit_scenario):
-    from tests.ft_worker import GLOBAL, KILL_AT, TOTAL, WAIT_AT
+    from scenarios.ft_worker import GLOBAL, KILL_AT, TOTAL, WAIT_AT
 
     scenario = fit_scenario
     (pid,) = scenario.lives(0)  # group 0 never restarted
@@ -344,7 +336,7 @@ def test_under_trainer_fit_the_survivor_redoes_the_step_in_its_process_and_the_k
 @needs_torchft
 @pytest.mark.multiprocess
 def test_under_trainer_fit_both_groups_end_on_the_single_process_replay(fit_scenario):
-    from tests.ft_worker import GLOBAL, TOTAL
+    from scenarios.ft_worker import GLOBAL, TOTAL
 
     want = fit_replay(TOTAL, GLOBAL)
     assert len(fit_scenario.finals) == 2, fit_scenario.logs
@@ -359,20 +351,14 @@ def tiny_replay(steps: int, global_batch: int) -> dict[str, torch.Tensor]:
     from tests.lightning_models import token_data
 
     model = TinyLM().double()
-    optimizer = make_optimizer(model.parameters())
-    data = token_data(steps * global_batch)
-    for step in range(steps):
-        x, y = data[step * global_batch:(step + 1) * global_batch]
-        model.loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_steps(make_optimizer(model.parameters()), tiny_loss(model), whole(sliced(token_data(steps * global_batch), steps, global_batch)))
     return {f"model.{name}": p.detach() for name, p in model.named_parameters()}
 
 
 @needs_torchft
 @pytest.mark.multiprocess
 def test_under_trainer_fit_groups_of_two_ranks_shard_inside_and_end_on_the_replay(tmp_path):
-    from tests.ft_worker import HSDP_PLAN, HSDP_STEPS, run_ranks
+    from scenarios.ft_worker import HSDP_PLAN, HSDP_STEPS, run_ranks
 
     finals = run_ranks(tmp_path, DEADLINE_S)
     want = tiny_replay(HSDP_STEPS, HSDP_PLAN.global_batch_size)

@@ -29,21 +29,22 @@ pytest.importorskip("peft")
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan  # noqa: E402
 from cephalo_lightning._common.units import GIB  # noqa: E402
-from cephalo_lightning.planner import RankPlan, cluster_from_dict  # noqa: E402
+from cephalo_lightning.planner import cluster_from_dict  # noqa: E402
 from cephalo_lightning.planner.cost.cluster_cost import evaluate  # noqa: E402
 from cephalo_lightning.planner.cost.device_cost import DeviceCost  # noqa: E402
 from cephalo_lightning.planner.planning import plan as make_plan  # noqa: E402
 from cephalo_lightning.planner.report import render_plan  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.library_models import PaddedTokens, loader, pieces, with_lora  # noqa: E402
+from tests.plans import plan_of
 
 STEPS = 3
 GLOBAL = 12
 PROMPT = [[1, 5, 9, 3]]
-LAYERED = Plan(GLOBAL, "layered", (RankPlan(0, "a", 9, 3, 3, 0.3), RankPlan(1, "b", 3, 1, 3, 0.7)))
-UNIFORM = Plan(GLOBAL, "uniform", (RankPlan(0, "a", 8, 2, 4, 0.6), RankPlan(1, "b", 4, 2, 2, 0.4)))
-SHARDED = (Plan(GLOBAL, "layered", (RankPlan(0, "a", 6, 1, 6, 0.5), RankPlan(1, "b", 6, 1, 6, 0.5))),
-           Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 1, GLOBAL, 0.003), RankPlan(1, "b", 0, 1, 0, 0.997))))
+LAYERED = plan_of(batches=[9, 3], micro=[3, 1], shares=[0.3, 0.7])
+UNIFORM = plan_of(batches=[8, 4], micro=[2, 2], shares=[0.6, 0.4], mode="uniform")
+SHARDED = (plan_of(batches=[6, 6], micro=[1, 1], shares=[0.5, 0.5]),
+           plan_of(batches=[GLOBAL, 0], micro=[1, 1], shares=[0.003, 0.997]))
 EMULATE = [{"slowdown": 1, "memory_gb": 0.05}, {"slowdown": 2, "memory_gb": 0.05}]
 FLOOR_FACTOR = 10  # as tests/test_models.py: [Note: tolerances from the noise floor]
 FLOOR_EPS = 1e-12

@@ -120,7 +120,7 @@ def test_layered_peak_memory_does_not_grow_with_micro_batches():
 
 def _layered_steps(unit_wise: bool) -> tuple[dict[str, torch.Tensor], int]:
     """3 layered steps of TinyLM, the optimizer stepped at the end or unit by unit; (params, peak)."""
-    from tests.unit_optimizers import UnitOptimizers
+    from scenarios.unit_optimizers import UnitOptimizers
 
     model = TinyLM(vocab=64, dim=32, depth=4)
     layers = layers_of(model)

@@ -11,13 +11,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from cephalo_lightning import CephaloStrategy, Plan, consolidated, full_shape
-from cephalo_lightning.planner import PlanningError, RankPlan
+from cephalo_lightning import CephaloStrategy, consolidated, full_shape
+from cephalo_lightning.planner import PlanningError
 from tests.distributed import run_distributed
 from tests.helpers import NUM_SAMPLES, fit, max_error, reference
 from tests.helpers import trainer as quiet_trainer
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
 from tests.plans import plan_of
+from tests.reference import sliced, tiny_loss, train_steps, whole
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,8 +66,8 @@ class EagerLlama(MetaLlama):
 def _meta_and_pretrained(rank: int, world: int, weights: dict[str, str]):
     warnings.simplefilter("ignore")
     out = {}
-    plan = Plan(12, "uniform", tuple(RankPlan(r, "a", 12 // world, 1, 12 // world, s)
-                                     for r, s in enumerate([0.3, 0.7] if world == 2 else [1.0])))
+    plan = plan_of(batches=[12 // world] * world, micro=[1] * world, shares=[0.3, 0.7] if world == 2 else [1.0],
+                   mode="uniform", devices=["a"] * world)
     for family in ("llama", "gpt2"):
         trainer = fit(MetaLlama(family), plan, world, steps=0)
         assert trainer.strategy.sharded.materialized_units == len(trainer.strategy.sharded.units)
@@ -225,13 +226,7 @@ def edges():
 
 def _single_process(model, steps: int = 2) -> dict:
     """The reference: ``model`` trained on the same global batches of 12 in one process."""
-    optimizer = model.configure_optimizers()
-    data = token_data(NUM_SAMPLES)
-    for step in range(steps):
-        x, y = data[step * 12 : (step + 1) * 12]
-        model.model.loss(model.model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train_steps(model.configure_optimizers(), tiny_loss(model.model), whole(sliced(token_data(NUM_SAMPLES), steps, 12)))
     return {f"model.{k}": v for k, v in model.model.state_dict().items()}
 
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 from lightning.pytorch import seed_everything
 
-from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan
+from cephalo_lightning import CephaloCallback, CephaloStrategy
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning.callback.callback_config import CallbackConfig
 from cephalo_lightning.lightning.fit.plan_resolution import data_seed
 from cephalo_lightning.lightning.strategy_config import MAX_SEED, StrategyConfig
-from cephalo_lightning.planner import RankPlan, Settings
+from cephalo_lightning.planner import Settings
 from tests.helpers import fit
 from tests.helpers import trainer as make_trainer
 from tests.library_models import LibraryLM, PaddedTokens
@@ -221,7 +221,7 @@ class Records(TinyUniform):
 
 def _order(reseed: int, **strategy) -> torch.Tensor:
     module = Records(reseed)
-    plan = Plan(GLOBAL_BATCH, "uniform", (RankPlan(0, "a", GLOBAL_BATCH, 1, GLOBAL_BATCH, 1.0),))
+    plan = plan_of(batches=[GLOBAL_BATCH], micro=[1], shares=[1.0], mode="uniform")
     data = token_data(SAMPLES)
     make_trainer(CephaloStrategy(plan=plan, mode="uniform", **strategy), 1, 2).fit(
         module, loader(data, GLOBAL_BATCH, shuffle=True))

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from cephalo_lightning._common.units import memory_text
-from cephalo_lightning.planner import Cluster, Plan, RankPlan, cluster_from_dict, load_cluster, plan
+from cephalo_lightning.planner import Cluster, Plan, cluster_from_dict, load_cluster, plan
 from cephalo_lightning.planner.command import main as plan_main
 from cephalo_lightning.planner.cost.cluster_cost import collective_ms
 from cephalo_lightning.planner.cost.device_cost import DeviceCost
@@ -33,6 +33,7 @@ from cephalo_lightning.planner.report import (
 )
 from cephalo_lightning.planner.schema.plan import Binding
 from cephalo_lightning.planner.search.peers import BASELINE_GROUPINGS, BASELINES
+from tests.plans import plan_of
 
 LAYERS = 4
 
@@ -180,8 +181,8 @@ def test_small_memory_figures_are_shown_in_a_unit_that_keeps_them_readable() -> 
 
     reason = even_baseline(tiny, 2).reason
     assert "0.0 " not in reason and "GiB of 51.2 MiB usable" in reason, reason
-    p = Plan(2, "layered", (RankPlan(0, "cpu", 1, 1, 1, 0.5, 0.1, 0.02, memory_limit_gb=0.04, memory_capacity_gb=0.05),
-                            RankPlan(1, "cpu", 1, 1, 1, 0.5, 0.1, 0.02, memory_limit_gb=0.04, memory_capacity_gb=0.05)))
+    p = plan_of(batches=[1, 1], micro=[1, 1], shares=[0.5, 0.5], devices=["cpu"] * 2, predicted_step_s=[0.1] * 2,
+                predicted_memory_gb=[0.02] * 2, memory_limit_gb=[0.04] * 2, memory_capacity_gb=[0.05] * 2)
     text = render_plan(p)
     assert "memory MiB" in text and "20.5/41/51.2" in text
 

@@ -15,8 +15,8 @@ import pytest
 from cephalo_lightning.planner import Cluster, PlanningError, cluster_from_dict, plan
 from cephalo_lightning.planner.planning import solved_plan, without_fixed_terms
 from cephalo_lightning.planner.search.problem import Problem
+from tests.planner_cases import check_plan
 from tests.planner_reference import brute_force
-from tests.test_planner import check_plan
 
 FULL = ("full",)  # one shard group of every rank, which the one-group references enumerate
 

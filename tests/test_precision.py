@@ -14,6 +14,7 @@ from tests.distributed import run_distributed
 from tests.lightning_models import TinyLayered, loader, token_data
 from tests.models import TinyLM
 from tests.plans import plan_of
+from tests.reference import sliced, tiny_loss, train_steps, whole
 
 PLAN = plan_of(batches=[8, 4], micro=[2, 1], shares=[0.7, 0.3])
 STEPS = 3
@@ -31,15 +32,8 @@ class SGDLayered(TinyLayered):
 
 
 def reference() -> dict[str, torch.Tensor]:
-    data = token_data(48)
     model = TinyLM()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(STEPS):
-        x, y = data[step * 12 : (step + 1) * 12]
-        model.loss(model(x), y).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        optimizer.zero_grad()
+    train_steps(torch.optim.SGD(model.parameters(), lr=LR), tiny_loss(model), whole(sliced(token_data(48), STEPS, 12)), clip=0.5)
     return {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
 
 

@@ -24,12 +24,13 @@ from tests import helpers
 from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
 from tests.distributed import run_distributed
 from tests.helpers import max_error
-from tests.test_checkpoints import PLAN2, SEED, TOTAL, SGDModule, data_loader, reference, trainer
+from tests.sgd_run import SEED, SGDModule, data_loader, reference
+from tests.test_checkpoints import PLAN2, TOTAL, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGNAL_AFTER = 2  # the signal arrives after this optimizer step's all-reduce: the next step carries it
 STOPS_AFTER = SIGNAL_AFTER + 1
-# fp64 SGD (see tests/test_checkpoints.py): a resume on wrong samples is off by ~1e-2, summation-order
+# fp64 SGD ([Note: fp64 SGD] in tests/sgd_run.py): a resume on wrong samples is off by ~1e-2, summation-order
 # noise is ~1e-15
 TOLERANCE = 1e-7
 ASYNC = "SIGTERM to rank 1, checkpoints written in the background"
@@ -158,12 +159,12 @@ from pathlib import Path
 warnings.simplefilter("ignore")
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from cephalo_lightning import Plan
 from cephalo_lightning._common import atomic_io
-from cephalo_lightning.planner import RankPlan
-from tests.test_checkpoints import GLOBAL, SGDModule, data_loader, trainer
+from tests.plans import plan_of
+from tests.sgd_run import GLOBAL, SGDModule, data_loader
+from tests.test_checkpoints import trainer
 
-PLAN1 = Plan(GLOBAL, "layered", (RankPlan(0, "a", GLOBAL, 2, 6, 1.0),))
+PLAN1 = plan_of(batches=[GLOBAL], micro=[2], shares=[1.0])
 work = Path({work!r})
 ckpt = work / "ckpt"
 exchange = atomic_io._exchange

@@ -70,10 +70,11 @@ def _read_records(path: Path) -> list:
 
 def test_rank_lines_name_device_batch_micro_batches_share_time_and_memory():
     plan = Plan(12, "layered", (
-        RankPlan(0, "a100", 9, 2, 5, 0.25, predicted_step_s=0.5, predicted_memory_gb=11.04, memory_limit_gb=30.0),
-        RankPlan(1, "cpu (emulated x3.0, 0.5 GiB)", 3, 1, 3, 0.5, predicted_step_s=0.25, predicted_memory_gb=0.2,
-                 source="emulated"),
-        RankPlan(2, "p40", 0, 1, 0, 0.25),
+        RankPlan(rank=0, device="a100", batch_size=9, num_micro_batches=2, micro_batch_size=5, state_share=0.25,
+                 predicted_step_s=0.5, predicted_memory_gb=11.04, memory_limit_gb=30.0),
+        RankPlan(rank=1, device="cpu (emulated x3.0, 0.5 GiB)", batch_size=3, num_micro_batches=1, micro_batch_size=3,
+                 state_share=0.5, predicted_step_s=0.25, predicted_memory_gb=0.2, source="emulated"),
+        RankPlan(rank=2, device="p40", batch_size=0, num_micro_batches=1, micro_batch_size=0, state_share=0.25),
     ))
     assert rank_lines(plan) == [
         "Cephalo rank 0: a100: batch 9 in 2 micro-batches of 4-5, state share 25.0%, "

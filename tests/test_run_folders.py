@@ -178,16 +178,16 @@ import os, signal, sys, warnings
 warnings.simplefilter("ignore")
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from cephalo_lightning import CephaloStrategy, Plan
-from cephalo_lightning.planner import RankPlan
+from cephalo_lightning import CephaloStrategy
 from tests.lightning_models import TinyLayered, loader, token_data
+from tests.plans import plan_of
 
 class Terminate(pl.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if batch_idx == 2:
             os.kill(os.getpid(), signal.SIGTERM)
 
-plan = Plan(12, "layered", (RankPlan(0, "a", 12, 2, 6, 1.0),))
+plan = plan_of(batches=[12], micro=[2], shares=[1.0])
 saver = ModelCheckpoint(dirpath={ckpt!r}, every_n_train_steps=1, save_last=True, save_top_k=0)
 t = pl.Trainer(strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=1, max_steps=10, logger=False,
                enable_progress_bar=False, enable_model_summary=False, callbacks=[Terminate(), saver],

@@ -17,8 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from cephalo_lightning import CephaloStrategy, Plan
-from cephalo_lightning.planner import RankPlan
+from cephalo_lightning import CephaloStrategy
 from cephalo_lightning.runtime import timing
 from cephalo_lightning.runtime.emulation import emulator as emulation
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker
@@ -99,7 +98,7 @@ def test_a_real_device_run_without_observers_reads_no_clock_and_keeps_no_state(m
                 snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, f"{PACKAGE}/*")])
                 allocated.append(snapshot)
 
-    plan = Plan(4, "layered", (RankPlan(0, "cpu", 4, 2, 2, 1.0),))
+    plan = plan_of(batches=[4], micro=[2], shares=[1.0], devices=["cpu"])
     trainer = pl.Trainer(strategy=CephaloStrategy(plan=plan), accelerator="cpu", devices=1, max_steps=1000,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[Probe()])

@@ -21,11 +21,11 @@ from cephalo_lightning.runtime.sharding.layout import (
     same_bounds,
 )
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+from scenarios.unit_optimizers import UnitOptimizers
 from tests.distributed import run_distributed
 from tests.models import TinyLM, batches
-from tests.reference import split
+from tests.reference import cut, split, tiny_loss, train_steps, whole
 from tests.test_layered import layers_of
-from tests.unit_optimizers import UnitOptimizers
 
 STEPS = 3
 GLOBAL_BATCH = 12
@@ -82,13 +82,7 @@ def reference(optimizer: str, steps: int = STEPS, clip: float | None = None) -> 
     """Single-process training on the global batches: the final parameters by name, flattened."""
     dtype, _ = OPTIMIZERS[optimizer]
     model = tiny(dtype)
-    opt = make(optimizer, model.parameters())
-    for x, y in batches(steps, GLOBAL_BATCH):
-        model.loss(model(x), y).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
+    train_steps(make(optimizer, model.parameters()), tiny_loss(model), whole(batches(steps, GLOBAL_BATCH)), clip)
     return {n: p.detach().reshape(-1).clone() for n, p in model.named_parameters()}
 
 
@@ -97,17 +91,9 @@ def cut_reference(optimizer: str, batch_sizes, micro_batches, clip: float | None
     micro-batch by micro-batch, every loss weighted by its share of the global batch."""
     dtype, _ = OPTIMIZERS[optimizer]
     model = tiny(dtype)
-    opt = make(optimizer, model.parameters())
-    for x, y in batches(STEPS, GLOBAL_BATCH):
-        lo = 0
-        for b, n in zip(batch_sizes, micro_batches):
-            for size in split(b, n):
-                (model.loss(model(x[lo: lo + size]), y[lo: lo + size]) * (size / GLOBAL_BATCH)).backward()
-                lo += size
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
+    sizes = [size for b, n in zip(batch_sizes, micro_batches) for size in split(b, n)]
+    steps = [cut(batch, sizes, GLOBAL_BATCH) for batch in batches(STEPS, GLOBAL_BATCH)]
+    train_steps(make(optimizer, model.parameters()), tiny_loss(model), steps, clip)
     return {n: p.detach().reshape(-1).clone() for n, p in model.named_parameters()}
 
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from cephalo_lightning import CephaloStrategy, Plan
-from cephalo_lightning.planner import RankPlan
 from tests.distributed import run_distributed
 from tests.helpers import NUM_SAMPLES, max_error, reference, trainer
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
@@ -25,8 +24,9 @@ TOL = 1e-5  # AdamW in fp32 through Lightning, as tests/test_strategy.py (the ru
 
 def _plan(mode: str, rows: list[tuple[int, int, float, int]]) -> Plan:
     """(batch size, micro-batches, share within the group, group) per rank."""
-    return Plan(12, mode, tuple(RankPlan(r, f"d{r}", b, n, -(-b // n) if b else 0, share, shard_group=g)
-                                for r, (b, n, share, g) in enumerate(rows)))
+    batches, micro, shares, groups = zip(*rows)
+    return plan_of(batches=batches, micro=micro, shares=shares, mode=mode, devices=[f"d{r}" for r in range(len(rows))],
+                   groups=groups)
 
 
 NODES = _plan("layered", [(2, 1, 0.7, 0), (5, 3, 0.3, 0), (4, 2, 0.45, 1), (1, 1, 0.55, 1)])

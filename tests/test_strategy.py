@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -15,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from cephalo_lightning import CephaloStrategy, Plan, PlanningError
-from cephalo_lightning.planner.schema.plan import ModelSummary, RankPlan
+from cephalo_lightning.planner.schema.plan import ModelSummary
 from cephalo_lightning.runtime import checkpoint
 from tests.conftest import clean_env, failure_report
 from tests.distributed import run_distributed
@@ -165,7 +166,7 @@ def test_plan_for_another_world_size_is_refused_before_training():
 
 
 def test_plan_for_another_model_is_refused():
-    plan = Plan(12, "layered", (RankPlan(0, "a", 12, 1, 12, 1.0),), model=ModelSummary("gpt-2.7b", 2_770_000_000))
+    plan = replace(plan_of(batches=[12], micro=[1], shares=[1.0]), model=ModelSummary("gpt-2.7b", 2_770_000_000))
     with pytest.raises(PlanningError, match="re-plan for this model"):
         _fit_one(CephaloStrategy(plan=plan))
 

@@ -2,7 +2,7 @@
 benchmarks/bench_fault_tolerance.py).
 
 :func:`run_scenario` runs the whole scenario (a lighthouse on 127.0.0.1, both groups, the kill,
-the return) and reads what the lives wrote. One life: ``python tests/ft_worker.py WORKDIR GROUP LIGHTHOUSE`` trains TinyLM in fp64 (sharded by the
+the return) and reads what the lives wrote. One life: ``python scenarios/ft_worker.py WORKDIR GROUP LIGHTHOUSE`` trains TinyLM in fp64 (sharded by the
 package in its group of one rank) for :data:`TOTAL` steps of :data:`GLOBAL` samples, each group on
 its part of every global batch (:class:`~cephalo_lightning.lightning.fit.fault_tolerance.ReplicaGroup`).
 Instrumented points, each a file in WORKDIR as well:
@@ -42,16 +42,16 @@ import torch
 from torch.distributed import TCPStore
 
 from cephalo_lightning.lightning.fit.fault_tolerance import ReplicaGroup, Settings
-from cephalo_lightning.planner import Plan, RankPlan
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 from tests.models import TinyLM, batches
+from tests.plans import plan_of
 from tests.reference import make_optimizer
 
 GLOBAL, TOTAL, KILL_AT, WAIT_AT = 12, 10, 3, 6
 WAIT_S = 120  # the longest any instrumented wait lasts; past it the life fails
 # two groups of one rank each: a big device (8 of 12 samples) and a small one (4 of 12)
-PLAN = Plan(GLOBAL, "layered", (RankPlan(0, "cpu (emulated big)", 8, 1, 8, 1.0, shard_group=0),
-                                RankPlan(1, "cpu (emulated small)", 4, 1, 4, 1.0, shard_group=1)))
+PLAN = plan_of(batches=[8, 4], micro=[1, 1], shares=[1.0, 1.0], devices=["cpu (emulated big)", "cpu (emulated small)"],
+               groups=[0, 1])
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,8 +199,7 @@ class Scenario:
 
 # Trainer.fit with groups of two ranks (no kill): each group shards TinyLayered 0.7 / 0.3 inside and takes
 # 5 + 3 of its samples; every rank's Trainer is started as a launcher would (LOCAL_RANK, MASTER_PORT)
-HSDP_PLAN = Plan(16, "layered", tuple(RankPlan(r, "cpu", (5, 3)[r % 2], 1, (5, 3)[r % 2], (0.7, 0.3)[r % 2],
-                                               shard_group=r // 2) for r in range(4)))
+HSDP_PLAN = plan_of(batches=[5, 3, 5, 3], micro=[1] * 4, shares=[0.7, 0.3, 0.7, 0.3], devices=["cpu"] * 4, groups=[0, 0, 1, 1])
 HSDP_STEPS = 3
 
 

@@ -1,6 +1,6 @@
 """A child that SIGKILLs itself at one named point of a checkpoint save or a top-k deletion.
 
-``python -m tests.kill_points`` imports Lightning and the package once, then serves requests read
+``python -m scenarios.kill_points`` imports Lightning and the package once, then serves requests read
 from stdin, one JSON object a line: ``{"point": ..., "ckpt": dir, "resume": path or "",
 "max_steps": n, "workdir": dir}``. Each request runs in a forked process: one-rank training that
 saves every step (``save_top_k=2`` by step, ``save_last``); after the optimizer step
@@ -176,7 +176,7 @@ class KillLoop:
 
 
 def kill_loop(workdir: Path, points: list[str], background: bool = False) -> KillLoop:
-    """One SIGKILL at each of ``points`` (served by a ``python -m tests.kill_points`` child), each
+    """One SIGKILL at each of ``points`` (served by a ``python -m scenarios.kill_points`` child), each
     run resuming from the previous one's ``last.ckpt``. After every kill: what the next run does
     first (``clean_stale``), then every directory that looks like a checkpoint must verify, and
     ``last.ckpt`` must be complete. Raises ``AssertionError`` naming the kill otherwise."""
@@ -188,7 +188,7 @@ def kill_loop(workdir: Path, points: list[str], background: bool = False) -> Kil
     resume, threads, saw_complete, interrupted = "", [], 0, 0
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
                                                              "LOCAL_RANK", "NODE_RANK")}
-    server = subprocess.Popen([sys.executable, "-m", "tests.kill_points"], cwd=Path(__file__).resolve().parents[1],
+    server = subprocess.Popen([sys.executable, "-m", "scenarios.kill_points"], cwd=Path(__file__).resolve().parents[1],
                               env={**env, "WANDB_MODE": "disabled"}, text=True, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE)
     try:

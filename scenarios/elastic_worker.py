@@ -1,6 +1,6 @@
 """One rank of the two-agent elastic run (tests/test_elastic_torchrun.py), started by torchrun.
 
-``python tests/elastic_worker.py WORKDIR``; the agent's environment says which "node" it is
+``python scenarios/elastic_worker.py WORKDIR``; the agent's environment says which "node" it is
 (``ELASTIC_NODE``: ``A``, two ranks, or ``B``, one). Every start resumes with
 ``fit(ckpt_path="last")`` under a plan pinned for 3 ranks and ``CephaloStrategy(elastic=True)``.
 Two instrumented points drive the run, each a file in WORKDIR as well:
@@ -30,10 +30,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from cephalo_lightning import CephaloStrategy, Plan
-from cephalo_lightning.planner import RankPlan
+from cephalo_lightning import CephaloStrategy
 from tests import helpers
-from tests.test_checkpoints import GLOBAL, SEED, SGDModule, data_loader
+from tests.plans import plan_of
+from tests.sgd_run import GLOBAL, SEED, SGDModule, data_loader
 
 KILL_AT, GROW_AT, TOTAL = 3, 5, 9
 WAIT_FOR_AGENT_S = 600  # the grow point's wait for the agent's stop; past it the run fails
@@ -45,9 +45,8 @@ def device_name(memory_gb: float) -> str:
     return f"cpu (emulated x1.0, {memory_gb:g} GiB)"
 
 
-PLAN3 = Plan(GLOBAL, "layered", (RankPlan(0, device_name(3.0), 6, 2, 3, 0.5),
-                                 RankPlan(1, device_name(2.0), 4, 2, 2, 0.3),
-                                 RankPlan(2, device_name(1.0), 2, 1, 2, 0.2)))
+PLAN3 = plan_of(batches=[6, 4, 2], micro=[2, 2, 1], shares=[0.5, 0.3, 0.2], devices=[device_name(m) for m in (3.0, 2.0, 1.0)])
+assert PLAN3.global_batch_size == GLOBAL
 
 
 class Instrumented(pl.Callback):

@@ -1,0 +1,83 @@
+"""The planner's test cases, shared by its test files: random small clusters (a measured-style profile
+with noise), the shipped example clusters, a small valid cluster to break one field of, and
+:func:`check_plan`, which checks a plan against the independent formulas of ``tests/planner_reference.py``."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cephalo_lightning.planner import Cluster, Plan, cluster_from_dict, evaluate
+from tests.planner_reference import memory_ok, rank_times
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTERS = ROOT / "configs" / "clusters"
+FULL = ("full",)  # one shard group of every rank, which brute_force enumerates
+
+
+def random_device(rng: random.Random) -> dict[str, Any]:
+    """A measured-style profile with noise (sometimes non-monotone, to exercise the running max)."""
+    k = rng.randint(1, 4)
+    first = rng.uniform(2, 20)
+    fwd, v = [], first
+    for _ in range(k):
+        fwd.append(v)
+        v += rng.uniform(-0.3, 1.2) * first
+    bwd = [x * rng.uniform(1.5, 2.5) for x in fwd]
+    per = rng.uniform(0.3, 3)
+    mem, v = [], rng.uniform(0.2, 2) + per
+    for _ in range(k):
+        mem.append(v)
+        v += per * rng.uniform(0.5, 1.5)
+    return {"name": f"gpu{rng.randint(0, 99)}", "memory_gb": rng.choice([8, 12, 16, 24, 40]), "layer_fwd_ms": fwd,
+            "layer_bwd_ms": bwd, "compute_memory_gb": mem, "count": rng.choice([1, 1, 1, 2])}
+
+
+def random_cluster(rng: random.Random, world: int) -> Cluster:
+    devices: list[dict[str, Any]] = []
+    while sum(d["count"] for d in devices) < world:
+        devices.append(random_device(rng))
+    devices[-1]["count"] -= sum(d["count"] for d in devices) - world
+    settings: dict[str, Any] = {"usable_memory_fraction": rng.uniform(0.7, 1.0),
+                                "reserved_memory_gb": rng.uniform(0, 2),
+                                "micro_batch_overhead_ms": rng.choice([0, 2, 10])}
+    if rng.random() < 0.5:  # collectives that matter, and that grow with the largest share
+        settings["allgather_ms"] = rng.uniform(0, 30)
+        settings["reduce_scatter_ms"] = rng.uniform(0, 30)
+    model = {"name": "m", "num_layers": rng.randint(1, 8), "parameters": int(rng.uniform(0.05, 2.0) * 1e9)}
+    return cluster_from_dict({"model": model, "settings": settings, "devices": devices})
+
+
+def check_plan(cluster: Cluster, p: Plan, global_batch: int) -> None:
+    """Sums, every rank's memory (by the independent formulas), and the recorded predictions."""
+    assert sum(p.batch_sizes) == global_batch
+    assert abs(sum(p.state_shares) - 1) < 1e-9
+    assert all(r.state_share >= 0 and r.batch_size >= 0 for r in p.ranks)
+    keep = [not r.recompute for r in p.ranks]
+    assert all(memory_ok(cluster, p.batch_sizes, p.num_micro_batches, p.state_shares, keep, p.mode))
+    assert all(c.fits for c in evaluate(cluster, p.batch_sizes, p.num_micro_batches, p.state_shares,
+                                        [r.recompute for r in p.ranks], p.mode))
+    times = rank_times(cluster, p.batch_sizes, p.num_micro_batches, p.state_shares, keep, p.mode)
+    assert p.predicted_step_s == pytest.approx(max(times), rel=1e-9)
+    for r, t in zip(p.ranks, times):
+        assert r.predicted_step_s == pytest.approx(t, rel=1e-9)
+        assert r.predicted_memory_gb <= r.memory_limit_gb * (1 + 1e-9)
+
+
+def small_cluster(**changes: Any) -> dict[str, Any]:
+    data = {"model": {"name": "m", "num_layers": 4, "parameters": 100_000_000},
+            "devices": [{"name": "a", "memory_gb": 16, "layer_fwd_ms": [5, 9], "layer_bwd_ms": [10, 18],
+                         "compute_memory_gb": [1, 1.5], "count": 2},
+                        {"name": "b", "memory_gb": 24, "layer_fwd_ms": [9], "layer_bwd_ms": [18],
+                         "compute_memory_gb": [2]}]}
+    for key, value in changes.items():
+        data[key] = value
+    return data
+
+
+def yaml_dict(name: str) -> dict[str, Any]:
+    return yaml.safe_load((CLUSTERS / name).read_text())
