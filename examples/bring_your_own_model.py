@@ -24,7 +24,7 @@ What Cephalo needs from an HF-style model:
   modules of two units goes to the root unit (gathered for the whole step, one gradient, reduced
   once). ``MyCausalLM`` has a head matrix of its own only so that (a) and (b) have the same
   parameters by the same names; tying it (``self.lm_head.weight = self.transformer.wte.weight``)
-  is supported (models with tied embeddings train in ``tests/test_discovery.py``);
+  is supported (models with tied embeddings train in ``tests/models/test_discovery.py``);
 * in (b), every module registered once: the adapters take the embedding and head modules over
   (same weights, new names, see ``LayeredLM``) rather than keeping the original tree beside them;
 * in (b), no parameters in ``cephalo_input``: nothing flows back past the first layer's input, so

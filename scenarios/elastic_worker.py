@@ -1,4 +1,4 @@
-"""One rank of the two-agent elastic run (tests/test_elastic_torchrun.py), started by torchrun.
+"""One rank of the two-agent elastic run (tests/lightning/fit/test_elastic_torchrun.py), started by torchrun.
 
 ``python scenarios/elastic_worker.py WORKDIR``; the agent's environment says which "node" it is
 (``ELASTIC_NODE``: ``A``, two ranks, or ``B``, one). Every start resumes with

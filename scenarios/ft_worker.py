@@ -1,4 +1,4 @@
-"""One life of one shard group (one rank) under fault tolerance (tests/test_fault_tolerance.py,
+"""One life of one shard group (one rank) under fault tolerance (tests/lightning/fit/test_fault_tolerance.py,
 benchmarks/bench_fault_tolerance.py).
 
 :func:`run_scenario` runs the whole scenario (a lighthouse on 127.0.0.1, both groups, the kill,
@@ -43,9 +43,9 @@ from torch.distributed import TCPStore
 
 from cephalo_lightning.lightning.fit.fault_tolerance import ReplicaGroup, Settings
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
-from tests.models import TinyLM, batches
 from tests.plans import plan_of
 from tests.reference import make_optimizer
+from tests.tiny_lm import TinyLM, batches
 
 GLOBAL, TOTAL, KILL_AT, WAIT_AT = 12, 10, 3, 6
 WAIT_S = 120  # the longest any instrumented wait lasts; past it the life fails

@@ -1,6 +1,6 @@
 """One optimizer per sharded unit, stepped as soon as the unit's gradient is reduced: what
-``LayeredSchedule(on_unit_reduced=...)`` is tested and measured with (``tests/test_layered.py``,
-``tests/test_shard_groups.py``, ``benchmarks/bench_layered.py``)."""
+``LayeredSchedule(on_unit_reduced=...)`` is tested and measured with (``tests/runtime/test_layered.py``,
+``tests/runtime/test_shard_groups.py``, ``benchmarks/bench_layered.py``)."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def _causal(family: str):  # noqa: ANN202 - (config class, model class)
                                                          attention_dropout=0.0)),
         "mixtral": (t.MixtralConfig, t.MixtralForCausalLM,
                     dict(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2)),
-        # named adapters (tests/test_meta_buffers.py builds them on the meta device beside the families above)
+        # named adapters (tests/runtime/test_meta_buffers.py builds them on the meta device beside the families above)
         "llama": (t.LlamaConfig, t.LlamaForCausalLM, dict(num_key_value_heads=1)),
         "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM, dict(num_key_value_heads=1, head_dim=8)),
         "gpt_neox": (t.GPTNeoXConfig, t.GPTNeoXForCausalLM, dict(rotary_pct=0.5)),

@@ -8,8 +8,8 @@ import torch
 
 from cephalo_lightning import CephaloStrategy, Plan
 from tests.lightning_models import loader, token_data
-from tests.models import TinyLM
 from tests.reference import make_optimizer, sliced, tiny_loss, train_steps
+from tests.tiny_lm import TinyLM
 
 NUM_SAMPLES = 48
 

@@ -6,8 +6,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.models import TinyLM
 from tests.reference import make_optimizer
+from tests.tiny_lm import TinyLM
 
 
 class TinyUniform(pl.LightningModule):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tests.models import TinyLM, batches
+from tests.tiny_lm import TinyLM, batches
 
 Piece = tuple[Any, "float | torch.Tensor"]  # a (micro-)batch and the weight its loss is multiplied by
 

@@ -2,7 +2,7 @@
 
 :class:`StrategyConfig`'s fields are the options of ``CephaloStrategy(...)``: the strategy's
 signature takes its defaults from :data:`DEFAULTS`, :meth:`StrategyConfig.build` checks and
-converts what was given, and ``tests/test_options.py`` holds the API reference's table (docs/reference/strategy.md) to the fields.
+converts what was given, and ``tests/lightning/test_options.py`` holds the API reference's table (docs/reference/strategy.md) to the fields.
 Every bad value is refused here, at ``CephaloStrategy(...)``, with a message that names the
 argument and the fix, before any process is launched or any data is read.
 

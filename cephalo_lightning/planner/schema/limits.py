@@ -2,7 +2,7 @@
 
 Within them every solve's memory is bounded (arrays grow at most with the global batch, option
 tables with the memory-feasible micro-batch sizes) and a plan takes seconds at worst
-(``tests/test_planner_scale.py`` checks both ends; ``benchmarks/bench_planner.py`` prints the
+(``tests/planner/test_planner_scale.py`` checks both ends; ``benchmarks/bench_planner.py`` prints the
 scaling).
 """
 

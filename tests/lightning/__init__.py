@@ -1,0 +1,1 @@
+"""The Lightning layer's tests: the strategy, its options, Fabric, the CLI, precision."""

@@ -1,0 +1,1 @@
+"""The callback's tests: profiling, the run model, adaptation, reporting."""

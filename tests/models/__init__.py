@@ -1,0 +1,1 @@
+"""Tests of how models are seen: the protocol, discovery, HF and litgpt models, LoRA."""

@@ -1,0 +1,1 @@
+"""The planner's tests (torch-free): schema, cost model, search, plans."""

@@ -1,0 +1,1 @@
+"""The profiler's tests."""

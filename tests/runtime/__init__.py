@@ -1,0 +1,1 @@
+"""The runtime's tests: sharding, collectives, the layered schedule, checkpoints, emulation."""
