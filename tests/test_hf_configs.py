@@ -99,16 +99,14 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
 def test_hf_config_builds_on_cpu_with_a_tiny_local_model(path, tiny, tmp_path, monkeypatch):
     from cephalo_lightning import CephaloCallback, CephaloStrategy
     from cephalo_lightning.demo.finetune import CausalLM, LoraCausalLM
-    from cephalo_lightning.lightning.cli import CephaloCLI
+    from cephalo_lightning.lightning.cli import run_cli
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    cli = CephaloCLI(
-        args=["--config", str(path), f"--vars.base={tiny['base']}", f"--vars.data={tiny['data']}",
-              f"--vars.out={tmp_path / 'out'}", "--trainer.accelerator=cpu", "--trainer.devices=1",
-              "--trainer.num_nodes=1"],
-        run=False, subclass_mode_model=True, subclass_mode_data=True, parser_kwargs={"parser_mode": "omegaconf"},
-    )
+    # the CLI's own settings (--vars overrides reach every interpolation), with run=False: build, do not fit
+    cli = run_cli(["--config", str(path), f"--vars.base={tiny['base']}", f"--vars.data={tiny['data']}",
+                   f"--vars.out={tmp_path / 'out'}", "--trainer.accelerator=cpu", "--trainer.devices=1",
+                   "--trainer.num_nodes=1"], run=False)
     strategy = cli.trainer.strategy
     assert isinstance(strategy, CephaloStrategy) and strategy.config.pretrained == tiny["base"]
     assert strategy._timeout == timedelta(minutes=30)

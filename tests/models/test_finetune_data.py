@@ -101,7 +101,7 @@ def test_instruction_records_mask_the_prompt_and_the_padding(tokenizer, tmp_path
 
 def test_a_record_whose_prompt_fills_seq_len_is_left_out_with_a_warning(tokenizer, tmp_path):
     path = _write(tmp_path, [QA, LONG], ".jsonl")
-    with pytest.warns(UserWarning, match=r"1 record\(s\) have a prompt of seq_len=9 tokens or more .*train.jsonl:2"):
+    with pytest.warns(UserWarning, match=r"1 record\(s\) have a prompt of seq_len=9 tokens or more, .*train.jsonl:2"):
         data = InstructionData(path, tokenizer, seq_len=SEQ)
     assert len(data) == 1
     with pytest.raises(ConfigurationError, match="no other record: raise seq_len"):
