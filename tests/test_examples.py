@@ -209,7 +209,7 @@ def test_slurm_script_asks_for_the_requeue_signal_and_resumes_from_last():
     script = (EXAMPLES / "slurm.sbatch").read_text()
     directives = [line.split("#", 2)[1].strip() for line in script.splitlines() if line.startswith("#SBATCH")]
     assert "SBATCH --signal=SIGUSR1@90" in directives and "SBATCH --requeue" in directives
-    # the strategy's stop saves last-preempted.ckpt, which only ckpt_path="last" resumes from
-    # (tests/test_slurm_example.py runs the script through the requeue)
-    assert "--ckpt_path=last" in script
+    # the strategy's stop saves last-preempted.ckpt, which only ckpt_path="last" resumes from: the job
+    # body the script sources launches with it (tests/test_slurm_example.py runs the script through the requeue)
+    assert "source examples/slurm_job.sh" in script and "--ckpt_path=last" in (EXAMPLES / "slurm_job.sh").read_text()
     assert subprocess.run(["bash", "-n", str(EXAMPLES / "slurm.sbatch")]).returncode == 0

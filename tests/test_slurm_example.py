@@ -2,10 +2,11 @@
 
 ``examples/slurm.sbatch`` runs as SLURM would run it, twice, on one CPU rank: ``srun``, ``scontrol``
 and ``nvidia-smi`` are stubs on ``PATH`` (``scontrol requeue`` records its call), the SLURM variables
-are those of a one-task job, and ``CONFIG`` points the script at a tiny CPU model. In the first run
-SIGUSR1 arrives after step 2 (the scheduler's ``--signal``, sent by ``tests/slurm_steps.py``): the job
-exits with the requeue status, having saved the preemption checkpoint and asked for the requeue. The
-second run is the requeued job, the same script with the same arguments: it must start at step 3, not
+are those of a one-task job, ``CONFIG`` points the script at a tiny CPU model, and
+``CEPHALO_ALLOW_CPU=1`` lets it run on this machine's CPU torch (over the loopback interface). In the
+first run SIGUSR1 arrives after step 2 (the scheduler's ``--signal``, sent by ``tests/slurm_steps.py``):
+the job exits with the requeue status, having saved the preemption checkpoint and asked for the
+requeue. The second run is the requeued job, the same script with the same arguments: it must start at step 3, not
 0, and train to ``max_steps``.
 """
 
@@ -92,7 +93,8 @@ def test_the_sbatch_script_resumes_a_requeued_job_at_the_saved_step(tmp_path):
     bin_dir = _stubs(tmp_path / "bin")
     env = clean_env(
         PATH=f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin", PYTHONPATH=str(ROOT),
-        CEPHALO_VENV=sys.prefix, CONFIG=str(config), SLURM_SUBMIT_DIR=str(ROOT), SCONTROL_LOG=str(scontrol_log),
+        CEPHALO_VENV=sys.prefix, CEPHALO_ALLOW_CPU="1", NCCL_SOCKET_IFNAME="lo", CONFIG=str(config),
+        SLURM_SUBMIT_DIR=str(ROOT), SCONTROL_LOG=str(scontrol_log),
         CEPHALO_TEST_STEPS=str(steps), SLURM_JOB_ID=JOB_ID, SLURM_JOB_NAME="cephalo-test", SLURM_NTASKS="1",
         SLURM_NTASKS_PER_NODE="1", SLURM_JOB_NUM_NODES="1", SLURM_NODEID="0", SLURM_PROCID="0", SLURM_LOCALID="0",
         SLURM_NODELIST="127.0.0.1", SLURM_JOB_NODELIST="127.0.0.1")

@@ -1,15 +1,17 @@
-"""The fine-tuning workload: a pretrained Hugging Face causal LM with peft LoRA adapters, local text files.
+"""The fine-tuning workload: a pretrained Hugging Face causal LM, trained whole or through peft LoRA adapters.
 
-``LoraCausalLM`` builds the model named by a local ``save_pretrained`` directory in
+``CausalLM`` builds the model named by a local ``save_pretrained`` directory in
 ``configure_model()`` (on the meta device under the Cephalo strategy; the weights then come from
-``CephaloStrategy(pretrained=DIR)``, each rank reading its shard's slices), wraps it with LoRA
-adapters (``peft.get_peft_model``; the base frozen, AdamW over the adapters alone) and may compile
-each decoder block in place. ``TextFilesDataModule`` tokenises local text files with the model's
-own tokenizer into a map-style dataset of fixed-length blocks (labels = the tokens; the last block
-padded, its padding ignored as -100). ``make_pretrained`` writes a tiny pretrained directory (a
-Llama config and a byte-level BPE tokenizer trained on the given files) for runs that must not
-download anything. Everything is imported lazily: ``transformers``, ``peft`` and ``tokenizers`` are
-the ``[hf]`` extra.
+``CephaloStrategy(pretrained=DIR)``, each rank reading its shard's slices) and trains every
+parameter: AdamW, the learning rate warmed up linearly over ``warmup_steps``::
+
+    lr(step) = lr x min(1, (step + 1) / (warmup_steps + 1))
+
+``LoraCausalLM`` wraps the same model with LoRA adapters (``peft.get_peft_model``; the base frozen,
+AdamW over the adapters alone). Both may compile each decoder block in place. The data modules are
+in :mod:`.finetune_data`. ``make_pretrained`` writes a tiny pretrained directory (a Llama config and
+a byte-level BPE tokenizer trained on the given files) for runs that must not download anything.
+Everything is imported lazily: ``transformers``, ``peft`` and ``tokenizers`` are the ``[hf]`` extra.
 """
 
 from __future__ import annotations
@@ -20,32 +22,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch import nn
 
-IGNORE = -100
-SAMPLE_TEXT = (
-    "Cephalo trains transformers on clusters of unlike GPUs: each GPU gets its own batch, its own number of "
-    "micro-batches and its own share of the sharded state. ",
-    "A pretrained model is fine-tuned with small LoRA adapters while its base weights stay frozen; the planner "
-    "charges the frozen weights their stored bytes and the adapters their full training state. ",
-    "After training, the adapters are saved on their own and a merged model is exported for inference. ",
-)
-
-
-def write_sample_texts(folder: str | Path, copies: int = 8) -> Path:
-    """A few local text files to fine-tune on (no download)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for i, text in enumerate(SAMPLE_TEXT):
-        (folder / f"part-{i}.txt").write_text(text * copies)
-    return folder
-
-
-def text_files(folder: str | Path) -> list[Path]:
-    files = sorted(Path(folder).glob("*.txt"))
-    if not files:
-        raise FileNotFoundError(f"{folder} holds no *.txt file; put the training text there")
-    return files
+from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning.demo.finetune_data import text_files
 
 
 def make_pretrained(path: str | Path, texts: str | Path, hidden_size: int = 64, layers: int = 2, seed: int = 0) -> Path:
@@ -73,63 +53,39 @@ def make_pretrained(path: str | Path, texts: str | Path, hidden_size: int = 64, 
     return path
 
 
-class TokenizedText(Dataset):
-    """Local text files tokenised and cut into ``seq_len``-token blocks (map-style)."""
+class CausalLM(pl.LightningModule):
+    """A pretrained causal LM (``base``: a local ``save_pretrained`` directory), every parameter trained;
+    the weights come from ``CephaloStrategy(pretrained=base)`` (or, without the strategy,
+    ``from_pretrained``). ``compile``: compile each decoder block in place."""
 
-    def __init__(self, folder: str | Path, tokenizer: str | Path, seq_len: int) -> None:
-        import transformers
-
-        tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer))
-        ids = [i for f in text_files(folder) for i in tok(f.read_text())["input_ids"] + [tok.eos_token_id]]
-        self.blocks = [ids[i : i + seq_len] for i in range(0, len(ids), seq_len)]
-        self.seq_len, self.pad = seq_len, tok.pad_token_id
-
-    def __len__(self) -> int:
-        return len(self.blocks)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        block = self.blocks[i]
-        pad = self.seq_len - len(block)
-        ids = torch.tensor(block + [self.pad] * pad)
-        mask = torch.tensor([1] * len(block) + [0] * pad)
-        return {"input_ids": ids, "attention_mask": mask, "labels": torch.where(mask.bool(), ids, IGNORE)}
-
-
-class TextFilesDataModule(pl.LightningDataModule):
-    """``TokenizedText`` of ``text_dir`` with the tokenizer saved in ``tokenizer`` (the pretrained directory)."""
-
-    def __init__(self, text_dir: str, tokenizer: str, seq_len: int = 32, batch_size: int = 8) -> None:
+    def __init__(self, base: str, lr: float = 1e-5, weight_decay: float = 0.0, warmup_steps: int = 0,
+                 compile: bool = False) -> None:
         super().__init__()
-        self.text_dir, self.tokenizer, self.seq_len, self.batch_size = text_dir, tokenizer, seq_len, batch_size
+        self.save_hyperparameters()  # a subclass's arguments too (Lightning collects every __init__'s)
+        if not Path(base).is_dir():
+            raise ConfigurationError(
+                f"{type(self).__name__}(base={base!r}) is not a local directory: give the model's save_pretrained "
+                "directory (download it once with `huggingface-cli download NAME --local-dir DIR`)")
+        self.base, self.lr, self.weight_decay, self.warmup_steps = base, lr, weight_decay, warmup_steps
+        self.compile_blocks = compile
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(TokenizedText(self.text_dir, self.tokenizer, self.seq_len), batch_size=self.batch_size,
-                          shuffle=False)
-
-
-class LoraCausalLM(pl.LightningModule):
-    """A pretrained causal LM (``base``: a ``save_pretrained`` directory) with LoRA adapters on
-    ``targets``; the base's weights come from ``CephaloStrategy(pretrained=base)`` (or, without the
-    strategy, ``from_pretrained``). ``compile``: compile each decoder block in place."""
-
-    def __init__(self, base: str, r: int = 8, alpha: int = 16, targets: Sequence[str] = ("q_proj", "v_proj"),
-                 lr: float = 1e-3, compile: bool = False) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.base, self.r, self.alpha, self.targets, self.lr, self.compile_blocks = base, r, alpha, list(targets), lr, compile
+    def wrap(self, lm: nn.Module) -> nn.Module:
+        """The module trained around the built model (here the model itself)."""
+        return lm
 
     def configure_model(self) -> None:
         import transformers
-        from peft import LoraConfig, get_peft_model
+
+        from cephalo_lightning.models.hf import FAMILIES
 
         if hasattr(self, "model"):
             return
-        config = transformers.AutoConfig.from_pretrained(self.base)
+        config = transformers.AutoConfig.from_pretrained(self.base, local_files_only=True)
         lm = transformers.AutoModelForCausalLM.from_config(config)  # weights: CephaloStrategy(pretrained=base)
-        self.model = get_peft_model(lm, LoraConfig(r=self.r, lora_alpha=self.alpha, target_modules=self.targets,
-                                                   lora_dropout=0.0))
-        if self.compile_blocks:
-            for block in self.model.base_model.model.model.layers:
+        self.model = self.wrap(lm)
+        family = FAMILIES.get(config.model_type)
+        if self.compile_blocks and family is not None:  # the blocks are lm's own, whatever wraps them
+            for block in getattr(getattr(lm, family.backbone), family.blocks):
                 block.compile()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -138,4 +94,25 @@ class LoraCausalLM(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+        optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr,
+                                      weight_decay=self.weight_decay)
+        if self.warmup_steps <= 0:
+            return optimizer
+        warmup = self.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class LoraCausalLM(CausalLM):
+    """``CausalLM`` with LoRA adapters on ``targets``: the base frozen, the adapters trained."""
+
+    def __init__(self, base: str, r: int = 8, alpha: int = 16, targets: Sequence[str] = ("q_proj", "v_proj"),
+                 lr: float = 1e-3, compile: bool = False, weight_decay: float = 0.0, warmup_steps: int = 0) -> None:
+        super().__init__(base, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, compile=compile)
+        self.r, self.alpha, self.targets = r, alpha, list(targets)
+
+    def wrap(self, lm: nn.Module) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(lm, LoraConfig(r=self.r, lora_alpha=self.alpha, target_modules=self.targets,
+                                             lora_dropout=0.0))
