@@ -24,8 +24,8 @@ from cephalo_lightning.planner.search.best_grouping import solve_groupings
 from cephalo_lightning.planner.search.input_checks import check_groupings, check_inputs, check_memory
 from cephalo_lightning.planner.search.peers import compute_baselines
 from cephalo_lightning.planner.search.problem import Problem
-from cephalo_lightning.planner.search.symmetry import symmetrised
 from cephalo_lightning.planner.search.shared_host import SHARED_HOST_REFINE_RANKS, refine_on_shared_host, shared_host_lower_ms
+from cephalo_lightning.planner.search.symmetry import symmetrised
 from cephalo_lightning.planner.why import explain
 
 

@@ -26,7 +26,7 @@ from cephalo_lightning.lightning.fit import elastic
 from cephalo_lightning.lightning.strategy_config import MAX_SEED, StrategyConfig
 from cephalo_lightning.planner import Cluster, Plan, PlanningError
 from cephalo_lightning.planner import plan as make_plan
-from cephalo_lightning.planner.schema.catalog import same_gpu
+from cephalo_lightning.planner.schema.catalog import lookup, same_gpu
 from cephalo_lightning.planner.schema.gpu_names import memory_agrees
 from cephalo_lightning.planner.schema.plan import UNPROFILED
 from cephalo_lightning.runtime.distributed import gather_objects, is_distributed
@@ -148,10 +148,24 @@ def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: vocabulary.
 
 def replanned(plan: Plan | None, cluster: Cluster | None, global_batch_size: int, mode: vocabulary.Schedule,
               identities: Callable[[], list[DeviceIdentity]]) -> Plan:
-    """An elastic restart: the plan for the devices present (:func:`.elastic.replan`), with a warning."""
-    new, warning = elastic.replan(plan, cluster, [i.name for i in identities()], global_batch_size, mode)
+    """An elastic restart: the plan for the devices present (:func:`.elastic.replan`), with a warning.
+    Each rank's device goes by the name the cluster file or the plan gives that card (:func:`planned_name`)."""
+    known = [(d.name, d.memory_gb) for d in cluster.devices] if cluster is not None else []
+    known += [(r.device, r.memory_capacity_gb) for r in plan.ranks] if plan is not None else []
+    names = [planned_name(i, known) for i in identities()]
+    new, warning = elastic.replan(plan, cluster, names, global_batch_size, mode)
     rank_zero_warn(warning)
     return new
+
+
+def planned_name(actual: DeviceIdentity, known: Sequence[tuple[str, float | None]]) -> str:
+    """The name a cluster file or plan gives this rank's card (``known``: (name, GiB) pairs): a name the
+    catalog reads as the same GPU ("rtx3090" for CUDA's "NVIDIA GeForce RTX 3090", :func:`.catalog.lookup`),
+    else the rank's own name; an emulated device goes by its own."""
+    card = None if actual.emulated else lookup(actual.name, actual.memory_gb)
+    if card is None or any(name == actual.name for name, _ in known):
+        return actual.name
+    return next((name for name, gib in known if getattr(lookup(name, gib), "key", None) == card.key), actual.name)
 
 
 def memory_proportional(plan: Plan, identities: list[DeviceIdentity]) -> Plan:

@@ -12,8 +12,8 @@ holding T samples and shares summing to R in the solved assignment gets::
     r = R / c on every one
     (n, keep) = the fewest micro-batches (at one, keeping the graph first) whose largest
                 micro-batch fits memory beside r and whose step is within S', the largest over the
-                classes of their fastest step at that b and r; the same on every rank of the class
-                (min(n, q) on a rank of q samples: no micro-batch runs empty)
+                ranks of their fastest step at these batches and shares (else the fastest); the same
+                on every rank of the class (min(n, q) on a rank of q samples: none runs empty)
 
 Every group still holds one replica (a group of a type holds the same number of ranks of each of
 its classes, so its shares sum to sum_classes R / copies = 1), and no group's largest share exceeds
@@ -74,15 +74,15 @@ def symmetrised(problem: Problem, source: Cluster, best: Assignment) -> Assignme
     def taken(candidate: Assignment | None) -> bool:
         return candidate is not None and _price(problem, source, candidate) <= limit
 
-    every = _evened(problem, best, classes, _sets(problem.W, classes))
-    if taken(every):
+    every = next((c for c in _evened(problem, best, classes, _sets(problem.W, classes)) if taken(c)), None)
+    if every is not None:
         return _priced(problem, every)
     current = best
     for _ in range(len(classes)):  # a class evened changes the prices the others see: again until none is
         evened = False
         for ranks in classes:
-            candidate = _evened(problem, current, [ranks], [ranks])
-            if taken(candidate) and not _same(candidate, current):
+            candidate = next((c for c in _evened(problem, current, [ranks], [ranks]) if taken(c)), None)
+            if candidate is not None and not _same(candidate, current):
                 current, evened = _priced(problem, candidate), True
         if not evened:
             break
@@ -96,23 +96,18 @@ def symmetrised(problem: Problem, source: Cluster, best: Assignment) -> Assignme
     return current
 
 
-def _evened(problem: Problem, a: Assignment, classes: list[np.ndarray], sets: list[np.ndarray]) -> Assignment | None:
+def _evened(problem: Problem, a: Assignment, classes: list[np.ndarray], sets: list[np.ndarray]) -> list[Assignment]:
     """``a`` with ``classes`` given even work (their samples split as evenly as whole samples allow, the
     remainder on their lowest ranks, one each; their shares averaged) and the ranks of ``sets`` their
-    micro-batch counts anew: the fewest within S', else the fastest, whichever is the faster plan
-    as the solve prices it. None where a set fits at no count."""
+    micro-batch counts anew: the fewest within S', then the fastest (none where a set fits at no count)."""
     batch, shares = a.batch.copy(), a.shares.copy()
     for ranks in classes:
         q, extra = divmod(int(batch[ranks].sum()), len(ranks))
         batch[ranks] = q
         batch[ranks[:extra]] += 1
         shares[ranks] = shares[ranks].mean()
-    found = [counts for fewest in (True, False)
-             if (counts := _counts(problem, a, sets, batch, shares, fewest)) is not None]
-    if not found:
-        return None
-    options = [replace(a, batch=batch, micro=micro, shares=shares, keep=keep) for micro, keep in found]
-    return min(options, key=lambda option: _price(problem, problem.cluster, option))
+    return [replace(a, batch=batch, micro=counts[0], shares=shares, keep=counts[1]) for fewest in (True, False)
+            if (counts := _counts(problem, a, sets, batch, shares, fewest)) is not None]
 
 
 def _same(a: Assignment, b: Assignment) -> bool:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cephalo_lightning.lightning.fit.plan_resolution import DeviceIdentity, check_devices
+from cephalo_lightning._common.vocabulary import Schedule
+from cephalo_lightning.lightning.fit.plan_resolution import DeviceIdentity, check_devices, replanned
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, plan
 from cephalo_lightning.planner.schema.catalog import CATALOG
 from tests.cuda_names import NEIGHBOURS, REPORTED
@@ -60,3 +61,12 @@ def test_a_neighbouring_card_is_refused(name: str, gib: float) -> None:
         with pytest.raises(PlanningError, match=f"rank {rank}:"):
             check_devices(pinned, real(*[(n, g) if r != rank else (name, gib)
                                          for r, (n, g, _) in enumerate(REPORTED)]))
+
+
+def test_an_elastic_restart_on_real_cards_replans_from_the_catalog_file() -> None:
+    """Six of the lab's eight cards come back: each is found in the cluster file by the catalog's name."""
+    present = real(*[("NVIDIA A100-SXM4-40GB", 39.59)] * 4, *[("NVIDIA GeForce RTX 3090", 23.69)] * 2)
+    with pytest.warns(UserWarning, match="from the cluster file's profiles"):
+        new = replanned(None, cluster_from_dict(LAB), 64, Schedule.LAYERED, lambda: present)
+    assert [r.device for r in new.ranks] == ["a100-40gb"] * 4 + ["rtx3090"] * 2
+    assert sum(new.batch_sizes) == 64
