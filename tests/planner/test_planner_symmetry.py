@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cephalo_lightning._common.vocabulary import Grouping
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, plan
 from cephalo_lightning.planner.cost.cluster_cost import evaluate_arrays
 from cephalo_lightning.planner.planning import without_fixed_terms
@@ -20,7 +21,7 @@ from cephalo_lightning.planner.search.problem import Problem
 from tests.planner_cases import random_device
 from tests.planner_reference import group_rank_times, memory_ok, memory_used
 
-GROUPINGS = ("full", "per-node", "node-halves", "node-pairs", "per-rank")
+GROUPINGS = tuple(Grouping)
 LLAMA_1B = {"name": "llama-1.1b", "num_layers": 22, "parameters": 1_100_048_384, "hidden_size": 2048,
             "seq_len": 2048}
 LLAMA_3_1B = {"name": "llama-3.2-1b", "num_layers": 16, "parameters": 1_235_814_400, "hidden_size": 2048,
