@@ -25,9 +25,9 @@ known) and both identify one catalog entry and it is the same; where either is n
 when their models are equal and the sizes they state (if both state one) too; a name without a model
 number ("cpu", a hand-written "fast") is told apart by its memory alone.
 
-[Note: stated sizes and reported memory. A card sold as N GB reports N GiB less what ECC and the
+[Note: stated sizes and reported memory] A card sold as N GB reports N GiB less what ECC and the
 driver keep: 0.88 N to N GiB over the catalog's cards (a T4 sold as 16 GB reports 14.6 GiB, an
-A100-40GB 39.4 GiB), which keeps the catalog's sizes of one model (V100 16/32, A100 40/80) apart.]
+A100-40GB 39.4 GiB), which keeps the catalog's sizes of one model (V100 16/32, A100 40/80) apart.
 """
 
 from __future__ import annotations

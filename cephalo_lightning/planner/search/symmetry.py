@@ -22,7 +22,7 @@ before. Where the link binds, more micro-batches buy nothing and each costs its 
 fewest that fit are taken (the solve's grouped path sizes micro-batches for the most share room its
 option table lists, not for the share a rank ends up holding).
 
-[Note: never slower. Each candidate is priced by the cost model as the plan is
+[Note: symmetry never slows a plan] Each candidate is priced by the cost model as the plan is
 (:func:`.cost.cluster_cost.evaluate_arrays` on the cluster with its fixed terms) and taken only when
 every rank fits and the step is no longer than the solved one's. In order: every class evened at
 once; else each class alone, round after round while one is taken (a class evened changes the
@@ -33,7 +33,7 @@ every rank's micro-batches chosen anew as above. A class no candidate evens keep
 the cost model prices it lower uneven, which happens where memory binds (one rank holding most of
 the state in small micro-batches beside one holding little in large ones beats two holding half,
 as each micro-batch costs its overhead). The certified gap is against a lower bound the pass does
-not touch, so it still holds.]
+not touch, so it still holds.
 """
 
 from __future__ import annotations
