@@ -18,7 +18,7 @@ from cephalo_lightning.planner.cost.cluster_cost import evaluate_arrays
 from cephalo_lightning.planner.planning import without_fixed_terms
 from cephalo_lightning.planner.search.best_grouping import solve_groupings
 from cephalo_lightning.planner.search.problem import Problem
-from tests.planner_cases import random_device
+from tests.planner_cases import random_around, random_device
 from tests.planner_reference import group_rank_times, memory_ok, memory_used
 
 GROUPINGS = tuple(Grouping)
@@ -79,14 +79,7 @@ def random_repeated_cluster(rng: random.Random) -> tuple[Any, list[int]]:
     order = [k for k, c in enumerate(repeats) for _ in range(c)]
     rng.shuffle(order)  # a random permutation of the device order
     devices = [{**kinds[k], "name": f"kind{k}", "count": 1} for k in order]
-    settings: dict[str, Any] = {"usable_memory_fraction": rng.uniform(0.7, 1.0),
-                                "reserved_memory_gb": rng.uniform(0, 2),
-                                "micro_batch_overhead_ms": rng.choice([0, 2, 10])}
-    if rng.random() < 0.7:  # collectives that matter, and that grow with the largest share
-        settings["allgather_ms"] = rng.uniform(0, 30)
-        settings["reduce_scatter_ms"] = rng.uniform(0, 30)
-    model = {"name": "m", "num_layers": rng.randint(1, 8), "parameters": int(rng.uniform(0.05, 2.0) * 1e9)}
-    return cluster_from_dict({"model": model, "settings": settings, "devices": devices}), order
+    return random_around(rng, devices, collectives=0.7), order
 
 
 def classes_of(order: list[int], groups: list[int]) -> list[list[int]]:
