@@ -91,11 +91,11 @@ def classes_of(order: list[int], groups: list[int]) -> list[list[int]]:
     return [ranks for ranks in out.values() if len(ranks) > 1]
 
 
-def reference_step(cluster, batch, micro, shares, groups) -> float | None:
+def reference_step(cluster, batch, micro, shares, groups, mode: str = "layered") -> float | None:
     """The step (s) by the reference formulas; None where a rank does not fit."""
-    if not all(memory_ok(cluster, batch, micro, shares)):
+    if not all(memory_ok(cluster, batch, micro, shares, None, mode)):
         return None
-    return max(group_rank_times(cluster, batch, micro, shares, groups))
+    return max(group_rank_times(cluster, batch, micro, shares, groups, mode))
 
 
 def evened(batch, micro, shares, ranks: list[int], n: int) -> tuple[list, list, list]:
@@ -110,13 +110,14 @@ def evened(batch, micro, shares, ranks: list[int], n: int) -> tuple[list, list, 
     return batch, micro, shares
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_identical_devices_get_identical_work(seed: int) -> None:
+@pytest.mark.parametrize("mode, seed", [*(("layered", s) for s in range(40)), *(("uniform", s) for s in range(20))])
+def test_identical_devices_get_identical_work(mode: str, seed: int) -> None:
+    """Uniform mode: one micro-batch count for every rank, so the even alternatives keep the plan's."""
     rng = random.Random(5300 + seed)
     cluster, order = random_repeated_cluster(rng)
     B = rng.randint(1, 24)
     try:
-        p = plan(cluster, B)
+        p = plan(cluster, B, mode=mode)
     except PlanningError:
         pytest.skip("nothing fits this random cluster")
     batch, micro, shares = p.batch_sizes, p.num_micro_batches, p.state_shares
@@ -124,10 +125,10 @@ def test_identical_devices_get_identical_work(seed: int) -> None:
     step = p.predicted_step_s
 
     # not slower than the solve before the pass, priced alike
-    problem = Problem(without_fixed_terms(cluster), B, "layered")
+    problem = Problem(without_fixed_terms(cluster), B, mode)
     solved, _, _ = solve_groupings(problem, GROUPINGS)
     before, _, _ = evaluate_arrays(cluster, solved.batch, np.where(solved.batch > 0, solved.micro, 1), solved.shares,
-                                   ~solved.keep | (solved.batch == 0), shard_groups=solved.groups)
+                                   ~solved.keep | (solved.batch == 0), mode, shard_groups=solved.groups)
     assert step <= float(before.max()) * (1 + 1e-9)
 
     for ranks in classes_of(order, groups):
@@ -140,11 +141,13 @@ def test_identical_devices_get_identical_work(seed: int) -> None:
         if identical:
             continue
         # uneven only where every even alternative for this class is slower or does not fit
-        for n in range(1, top + 2):
-            alternative = reference_step(cluster, *evened(batch, micro, shares, ranks, n), groups)
+        for n in range(1, top + 2) if mode == "layered" else [micro[0]]:
+            alternative = reference_step(cluster, *evened(batch, micro, shares, ranks, n), groups, mode)
             assert alternative is None or alternative > step * (1 + 1e-9), (ranks, n, alternative, step)
 
     # no fewer micro-batches fit within the step on any class (or rank alone)
+    if mode == "uniform":
+        return
     in_class = {r for ranks in classes_of(order, groups) for r in ranks}
     for ranks in [*classes_of(order, groups), *([r] for r in range(len(order)) if r not in in_class)]:
         n_top = max(micro[r] for r in ranks)
