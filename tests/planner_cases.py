@@ -42,10 +42,15 @@ def random_cluster(rng: random.Random, world: int) -> Cluster:
     while sum(d["count"] for d in devices) < world:
         devices.append(random_device(rng))
     devices[-1]["count"] -= sum(d["count"] for d in devices) - world
+    return random_around(rng, devices)
+
+
+def random_around(rng: random.Random, devices: list[dict[str, Any]], collectives: float = 0.5) -> Cluster:
+    """``devices`` in a cluster of random settings and model (measured collectives with chance ``collectives``)."""
     settings: dict[str, Any] = {"usable_memory_fraction": rng.uniform(0.7, 1.0),
                                 "reserved_memory_gb": rng.uniform(0, 2),
                                 "micro_batch_overhead_ms": rng.choice([0, 2, 10])}
-    if rng.random() < 0.5:  # collectives that matter, and that grow with the largest share
+    if rng.random() < collectives:  # collectives that matter, and that grow with the largest share
         settings["allgather_ms"] = rng.uniform(0, 30)
         settings["reduce_scatter_ms"] = rng.uniform(0, 30)
     model = {"name": "m", "num_layers": rng.randint(1, 8), "parameters": int(rng.uniform(0.05, 2.0) * 1e9)}

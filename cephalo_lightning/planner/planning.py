@@ -25,6 +25,7 @@ from cephalo_lightning.planner.search.input_checks import check_groupings, check
 from cephalo_lightning.planner.search.peers import compute_baselines
 from cephalo_lightning.planner.search.problem import Problem
 from cephalo_lightning.planner.search.shared_host import SHARED_HOST_REFINE_RANKS, refine_on_shared_host, shared_host_lower_ms
+from cephalo_lightning.planner.search.symmetry import symmetrised
 from cephalo_lightning.planner.why import explain
 
 
@@ -60,6 +61,7 @@ def solved_plan(source: Cluster, problem: Problem, groupings: tuple[str, ...]) -
     chosen = problem.for_groups(best.groups)  # the chosen grouping's prices (a refinement keeps the groups)
     if cluster.settings.host_cores and problem.W <= SHARED_HOST_REFINE_RANKS:
         best = refine_on_shared_host(chosen, source, best)
+    best = symmetrised(chosen, source, best)  # identical ranks, identical work, where no slower
     # the shared-host bound is left out of the solve: it enters the plan's price and the lower bound
     lower_s = max(contention * lower_s + fixed_s, shared_host_lower_ms(problem, cluster) / 1e3)
     ranks, step = rank_plans(source, best.batch, best.micro, best.shares, ~best.keep, mode,

@@ -345,5 +345,5 @@ def test_the_rank_lines_of_a_plan_nothing_priced_read_as_information_not_errors(
     assert lines[0] == ("Cephalo rank 0: device not profiled: batch 4 in 2 micro-batches of 2, state share 50.0%, "
                         "not priced (a plan given as it is, without a cluster file to predict it from)")
     assert not [line for line in lines if "?" in line or "unprofiled:" in line]
-    explained = rank_lines(plan(FAST, 3))
-    assert explained[0].endswith(", bound by granularity") and explained[1].endswith(", bound by compute")
+    explained = rank_lines(plan(FAST, 3))  # two identical ranks: the odd sample goes to the lower one
+    assert explained[0].endswith(", bound by compute") and explained[1].endswith(", bound by granularity")

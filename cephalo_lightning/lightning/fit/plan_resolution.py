@@ -9,7 +9,6 @@ compares every rank's actual device with the plan's before anything is trained.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,6 +26,8 @@ from cephalo_lightning.lightning.fit import elastic
 from cephalo_lightning.lightning.strategy_config import MAX_SEED, StrategyConfig
 from cephalo_lightning.planner import Cluster, Plan, PlanningError
 from cephalo_lightning.planner import plan as make_plan
+from cephalo_lightning.planner.schema.catalog import lookup, same_gpu
+from cephalo_lightning.planner.schema.gpu_names import memory_agrees
 from cephalo_lightning.planner.schema.plan import UNPROFILED
 from cephalo_lightning.runtime.distributed import gather_objects, is_distributed
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
@@ -147,10 +148,24 @@ def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: vocabulary.
 
 def replanned(plan: Plan | None, cluster: Cluster | None, global_batch_size: int, mode: vocabulary.Schedule,
               identities: Callable[[], list[DeviceIdentity]]) -> Plan:
-    """An elastic restart: the plan for the devices present (:func:`.elastic.replan`), with a warning."""
-    new, warning = elastic.replan(plan, cluster, [i.name for i in identities()], global_batch_size, mode)
+    """An elastic restart: the plan for the devices present (:func:`.elastic.replan`), with a warning.
+    Each rank's device goes by the name the cluster file or the plan gives that card (:func:`planned_name`)."""
+    known = [(d.name, d.memory_gb) for d in cluster.devices] if cluster is not None else []
+    known += [(r.device, r.memory_capacity_gb) for r in plan.ranks] if plan is not None else []
+    names = [planned_name(i, known) for i in identities()]
+    new, warning = elastic.replan(plan, cluster, names, global_batch_size, mode)
     rank_zero_warn(warning)
     return new
+
+
+def planned_name(actual: DeviceIdentity, known: Sequence[tuple[str, float | None]]) -> str:
+    """The name a cluster file or plan gives this rank's card (``known``: (name, GiB) pairs): a name the
+    catalog reads as the same GPU ("rtx3090" for CUDA's "NVIDIA GeForce RTX 3090", :func:`.catalog.lookup`),
+    else the rank's own name; an emulated device goes by its own."""
+    card = None if actual.emulated else lookup(actual.name, actual.memory_gb)
+    if card is None or any(name == actual.name for name, _ in known):
+        return actual.name
+    return next((name for name, gib in known if getattr(lookup(name, gib), "key", None) == card.key), actual.name)
 
 
 def memory_proportional(plan: Plan, identities: list[DeviceIdentity]) -> Plan:
@@ -179,26 +194,26 @@ def check_model(plan: Plan, module: nn.Module) -> None:
             )
 
 
-def _model_tokens(name: str) -> set[str]:
-    """The parts of a device name that tell models apart ('a100', '80gb', 'l4', 'x3.0', ...)."""
-    words = re.findall(r"[a-z0-9.]+", name.lower().replace("nvidia", " ").replace("geforce", " "))
-    return {w for w in words if any(c.isdigit() for c in w)}
+def _with_memory(name: str, memory_gb: float | None) -> str:
+    return f"{name!r}" if memory_gb is None else f"{name!r} ({memory_gb:.3g} GiB)"
 
 
 def _mismatch(expected_name: str, expected_memory: float | None, actual: DeviceIdentity) -> str | None:
+    """Why a rank's device is not the plan's (None: it is). Real GPUs are compared by the catalog's
+    name matcher (:func:`.catalog.same_gpu`: "rtx3090" is "NVIDIA GeForce RTX 3090"), emulated
+    devices by their full name; both by memory where the plan records it."""
     if expected_name in (UNPROFILED, "") or expected_name == actual.name:
         return None
     if "(emulated" in expected_name or actual.emulated:
         if "(emulated" in expected_name and expected_name.lower() != actual.name.lower():
             return f"the plan expects {expected_name!r}, this rank is {actual.name!r}"
-    else:
-        wanted, got = _model_tokens(expected_name), _model_tokens(actual.name)
-        if wanted and got and not wanted & got:
-            return f"the plan expects a {expected_name!r}, this rank has a {actual.name!r}"
-    if expected_memory is not None and actual.memory_gb is not None:
-        if abs(expected_memory - actual.memory_gb) > 0.05 * expected_memory + 0.25:
-            return (f"the plan expects {expected_memory:.3g} GiB of device memory ({expected_name!r}), this rank has "
-                    f"{actual.memory_gb:.3g} GiB ({actual.name!r})")
+    elif not same_gpu(expected_name, expected_memory, actual.name, actual.memory_gb):
+        return (f"the plan expects a {_with_memory(expected_name, expected_memory)}, this rank has a "
+                f"{_with_memory(actual.name, actual.memory_gb)}")
+    if expected_memory is not None and actual.memory_gb is not None and not memory_agrees(expected_memory,
+                                                                                          actual.memory_gb):
+        return (f"the plan expects {expected_memory:.3g} GiB of device memory ({expected_name!r}), this rank has "
+                f"{actual.memory_gb:.3g} GiB ({actual.name!r})")
     return None
 
 

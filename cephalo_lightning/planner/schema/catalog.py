@@ -33,12 +33,12 @@ datasheet's GB on most cards). Estimates are labelled ``source="catalog"`` every
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning._common.vocabulary import ProfileSource
 from cephalo_lightning.planner.schema.cluster_spec import DeviceProfile, ModelSpec, Settings
+from cephalo_lightning.planner.schema.gpu_names import identify, same_device
 from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 PROFILE_SIZES = 8  # micro-batch sizes 1..8 are estimated; the cost model extrapolates beyond
@@ -76,39 +76,21 @@ CATALOG: tuple[GpuSpec, ...] = (
     GpuSpec("p40", 22.4, 12, 346, ("p4024",), "no tensor cores: fp32 peak"),
 )
 
-_VENDOR_WORDS = ("nvidia", "tesla", "geforce", "quadro")
-_FORM_FACTORS = re.compile(r"sxm\d?|pcie|nvl")
-
-
-def _normalise(name: str) -> str:
-    key = name.lower()
-    for word in _VENDOR_WORDS:
-        key = key.replace(word, "")
-    return _FORM_FACTORS.sub("", re.sub(r"[^a-z0-9]", "", key))
-
-
-def _build_index() -> dict[str, GpuSpec]:
-    index: dict[str, GpuSpec] = {}
-    for spec in CATALOG:
-        for alias in (spec.key, *spec.aliases):
-            index[re.sub(r"[^a-z0-9]", "", alias.lower())] = spec
-    return index
-
-
-_INDEX: dict[str, GpuSpec] = _build_index()
-
-
 def known_names() -> list[str]:
     return [spec.key for spec in CATALOG]
 
 
-def lookup(name: str) -> GpuSpec | None:
-    """The catalog entry for a GPU name, case-insensitively ("A100-80GB", "a100_80g", "Tesla T4")."""
-    key = _normalise(name)
-    if key in _INDEX:
-        return _INDEX[key]
-    stripped = re.sub(r"(?<=\d)(gb|g)$", "", key)  # "a10080gb" -> "a10080", not "a10g" -> "a10"
-    return _INDEX.get(stripped)
+def lookup(name: str, memory_gb: float | None = None) -> GpuSpec | None:
+    """The catalog entry for a GPU name as a person or CUDA writes it ("A100-80GB", "a100_80g",
+    "Tesla T4", "NVIDIA A100-SXM4-40GB"), narrowed by its memory in GiB where known
+    (:func:`.gpu_names.identify`)."""
+    return identify(name, CATALOG, memory_gb)
+
+
+def same_gpu(expected: str, expected_gb: float | None, actual: str, actual_gb: float | None) -> bool:
+    """Whether two GPU names (each with its memory in GiB, where known) denote the same card, read
+    against this catalog (:func:`.gpu_names.same_device`)."""
+    return same_device(expected, expected_gb, actual, actual_gb, CATALOG)
 
 
 def layer_forward_flops(hidden_size: int, seq_len: int) -> float:
@@ -130,7 +112,7 @@ def estimate_profile(name: str, model: ModelSpec, settings: Settings, where: str
     if spec is None:
         raise PlanningError(
             f"{where}: {name!r} is not in the GPU catalog, so it cannot be estimated; use one of "
-            f"{', '.join(known_names())} (case and separators are ignored, e.g. 'A100-80GB', 'a100_80g'), "
+            f"{', '.join(known_names())} (case and separators are ignored, e.g. 'A100-80GB', 'a100_80g', 'NVIDIA A100-SXM4-80GB'), "
             f"or give measured memory_gb, layer_fwd_ms, layer_bwd_ms and compute_memory_gb"
         )
     missing = [k for k in ("hidden_size", "seq_len") if getattr(model, k) is None]
