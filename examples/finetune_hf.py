@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     checkpoints = out / "checkpoints"
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, max_steps=args.steps, precision=args.precision,
-        strategy=CephaloStrategy(pretrained=str(base), emulate=emulate),
+        # only rank 0 uses the module after the fit: the whole model is gathered there alone
+        strategy=CephaloStrategy(pretrained=str(base), emulate=emulate, gather_on_teardown="rank0"),
         callbacks=[CephaloCallback(max_micro_batch=2, cache_dir=str(out / "profiles"), quiet=True),
                    ModelCheckpoint(dirpath=checkpoints, save_last=True, save_top_k=0)],
         logger=WandbLogger(project="cephalo-finetune", save_dir=str(out), offline=True),
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     tokenizer = transformers.AutoTokenizer.from_pretrained(base)
     prompt = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
-    # the module holds the whole trained model after the fit: peft writes the adapters alone
+    # rank 0's module holds the whole trained model after the fit: peft writes the adapters alone
     module.model.save_pretrained(out / "adapters")
     tuned = module.model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
     merged = out / "merged"
