@@ -14,7 +14,10 @@ says:
   an ordinary model on every rank, tied parameters still tied; the hooks stand aside
   (``Driver.HANDED_BACK``);
 * ``RANK0``: the same on global rank 0 alone, each unit sent to it piece by piece (no other rank
-  allocates a unit); every other rank keeps its pieces, refused as below;
+  allocates a unit); every other rank keeps its pieces, refused as below (they are what it held
+  while training, so dropping them would free nothing new, and a later ``validate``/``test`` of the
+  same module shards from them again; rank 0's whole copy is dropped then, edits and all: they could
+  reach only its own shards);
 * ``NONE``: every rank keeps its pieces (for a model too big to hold whole) and refuses every
   forward through a module holding them and every ``state_dict()`` of the model with an error that
   says what to do (``Driver.PARKED``).
