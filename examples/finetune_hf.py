@@ -94,7 +94,9 @@ def build_trainer(args: argparse.Namespace, base: Path, out: Path):  # noqa: ANN
     return pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, max_steps=args.steps,
         precision=args.precision,
-        strategy=CephaloStrategy(pretrained=str(base), emulate=emulate, timeout=timedelta(minutes=args.timeout_min)),
+        # only rank 0 uses the module after the fit: the whole model is gathered there alone
+        strategy=CephaloStrategy(pretrained=str(base), emulate=emulate, gather_on_teardown="rank0",
+                                 timeout=timedelta(minutes=args.timeout_min)),
         callbacks=[CephaloCallback(max_micro_batch=2, cache_dir=str(out / "profiles"), quiet=True),
                    ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0)],
         logger=WandbLogger(project="cephalo-finetune", save_dir=str(out), offline=True),
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     tokenizer = transformers.AutoTokenizer.from_pretrained(base, local_files_only=True)
     prompt = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
-    # the module holds the whole trained model after the fit: peft writes the adapters alone
+    # rank 0's module holds the whole trained model after the fit: peft writes the adapters alone
     if not args.full:
         module.model.save_pretrained(out / "adapters")
         print(f"adapters: {sorted(p.name for p in (out / 'adapters').iterdir())}")

@@ -16,6 +16,8 @@ from cephalo_lightning._common.vocabulary import (
     Collective,
     CollectiveChoice,
     Grouping,
+    Handback,
+    HandbackChoice,
     Planner,
     ProfileSource,
     Schedule,
@@ -27,7 +29,7 @@ from cephalo_lightning.lightning.callback.callback_config import MODES as CALLBA
 from cephalo_lightning.lightning.callback.callback_config import CallbackConfig
 from cephalo_lightning.lightning.strategy.cephalo_strategy import CephaloStrategy
 from cephalo_lightning.lightning.strategy.fabric import CephaloFabricStrategy
-from cephalo_lightning.lightning.strategy_config import COLLECTIVES, MODES, StrategyConfig
+from cephalo_lightning.lightning.strategy_config import COLLECTIVES, HANDBACKS, MODES, StrategyConfig
 from cephalo_lightning.planner import (
     Plan,
     PlanningError,
@@ -51,13 +53,14 @@ def test_members_are_the_strings_files_and_options_carry():
     assert [v.value for v in Verdict] == ["feasible", "infeasible", "unknown"]
     assert [s.value for s in ProfileSource] == ["measured", "catalog", "emulated"]
     assert [g.value for g in Grouping] == ["full", "per-node", "node-halves", "node-pairs", "per-rank"]
+    assert [h.value for h in Handback] == ["all", "rank0", "none"]
     assert [p.value for p in Planner][: len(PLANNERS)] == list(PLANNERS)
     assert list(BASELINES) == list(PLANNERS[1:])
     assert {p.value for p in Planner} - set(PLANNERS) == {"elastic", "provisional"}
 
 
 def test_a_member_equals_its_string_and_prints_as_it():
-    for member in (*Schedule, *Collective, *Planner, *Verdict, *ProfileSource, *Grouping):
+    for member in (*Schedule, *Collective, *Planner, *Verdict, *ProfileSource, *Grouping, *Handback):
         assert member == member.value and hash(member) == hash(member.value)
         assert str(member) == f"{member}" == member.value and json.dumps(member) == json.dumps(member.value)
     assert {"even": 1}[Planner.EVEN] == 1
@@ -132,9 +135,12 @@ def test_a_cluster_read_from_a_file_holds_members_and_writes_yaml(tmp_path):
 def test_every_user_facing_choice_lists_exactly_its_vocabulary_and_auto():
     assert get_args(ScheduleChoice) == (AUTO, *values_of(Schedule)) == MODES
     assert get_args(CollectiveChoice) == (AUTO, *values_of(Collective)) == COLLECTIVES
+    assert get_args(HandbackChoice) == (AUTO, *values_of(Handback)) == HANDBACKS
     strategy = inspect.signature(CephaloStrategy.__init__).parameters
     fabric = inspect.signature(CephaloFabricStrategy.__init__).parameters
     hints = typing.get_type_hints(CephaloStrategy.__init__)
     assert hints["mode"] is ScheduleChoice and hints["collective"] is CollectiveChoice
+    assert hints["gather_on_teardown"] == HandbackChoice | bool  # True and False: what it took before its choices
+    assert strategy["gather_on_teardown"].default == AUTO
     assert typing.get_type_hints(CephaloFabricStrategy.__init__)["collective"] is CollectiveChoice
     assert strategy["mode"].default == AUTO and strategy["collective"].default == AUTO == fabric["collective"].default

@@ -7,9 +7,9 @@ equal to it (``Schedule.LAYERED == "layered"``) and serialises as it (``json.dum
 (``Schedule(raw)``, once the value is known to be one of :func:`values_of`), the package's records
 hold members, and only the writers of files that need the plain ``str`` (YAML, whose safe dumper
 refuses a ``str`` subclass) write ``member.value``. The user-facing choices that add ``auto``
-(:data:`ScheduleChoice`, :data:`CollectiveChoice`) are spelled out as ``Literal`` types, which type
-checkers and LightningCLI read (it matches an ``Enum`` by member *name*, ``LAYERED``, not by the
-value a YAML file writes); ``tests/test_vocabulary.py`` holds each to ``(AUTO, *values_of(...))``.
+(:data:`ScheduleChoice`, :data:`CollectiveChoice`, :data:`HandbackChoice`) are spelled out as
+``Literal`` types, which type checkers and LightningCLI read (it matches an ``Enum`` by member
+*name*, ``LAYERED``, not by the value a YAML file writes); ``tests/test_vocabulary.py`` holds each to ``(AUTO, *values_of(...))``.
 """
 
 from __future__ import annotations
@@ -69,6 +69,16 @@ class Grouping(StrEnum):
     PER_RANK = "per-rank"
 
 
+class Handback(StrEnum):
+    """What the user's module holds once a fit, validation or test returns: the whole trained
+    parameters on every rank (``all``), on global rank 0 only (``rank0``; the others keep their
+    shard pieces and refuse use), or nowhere (``none``: every rank keeps its pieces)."""
+
+    ALL = "all"
+    RANK0 = "rank0"
+    NONE = "none"
+
+
 class Verdict(StrEnum):
     """What the planner's feasibility check concludes: a plan exists, none can (a proof), or the
     check could not tell."""
@@ -92,6 +102,7 @@ Auto = Literal["auto"]
 # the user's words for an option that is a member or decided at setup (a YAML file writes the value)
 ScheduleChoice = Literal["auto", "layered", "uniform"]  # AUTO or a Schedule
 CollectiveChoice = Literal["auto", "padded", "exact"]  # AUTO or a Collective
+HandbackChoice = Literal["auto", "all", "rank0", "none"]  # AUTO (decided by the model's size) or a Handback
 
 
 def values_of(vocabulary: type[StrEnum]) -> tuple[str, ...]:
@@ -119,5 +130,5 @@ def hold_member(record: Any, name: str, vocabulary: type[StrEnum], error: type[E
     object.__setattr__(record, name, vocabulary(value))
 
 
-__all__ = ["AUTO", "Auto", "Collective", "CollectiveChoice", "Grouping", "Planner", "ProfileSource", "Schedule",
-           "ScheduleChoice", "StrEnum", "Verdict", "hold_member", "member_of", "values_of"]
+__all__ = ["AUTO", "Auto", "Collective", "CollectiveChoice", "Grouping", "Handback", "HandbackChoice", "Planner",
+           "ProfileSource", "Schedule", "ScheduleChoice", "StrEnum", "Verdict", "hold_member", "member_of", "values_of"]

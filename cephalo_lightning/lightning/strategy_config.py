@@ -28,7 +28,14 @@ from torch import nn
 
 from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning._common.vocabulary import AUTO, Auto, CollectiveChoice, ScheduleChoice, member_of
+from cephalo_lightning._common.vocabulary import (
+    AUTO,
+    Auto,
+    CollectiveChoice,
+    HandbackChoice,
+    ScheduleChoice,
+    member_of,
+)
 from cephalo_lightning.planner import Cluster, Plan, load_cluster
 
 # the choices as the user writes them (LightningCLI checks YAML strings against them); ``mode`` and
@@ -38,6 +45,7 @@ LossWeightingChoice = Literal["auto", "samples", "tokens"]  # "tokens" is LossWe
 
 MODES: tuple[str, ...] = get_args(ScheduleChoice)
 COLLECTIVES: tuple[str, ...] = get_args(CollectiveChoice)
+HANDBACKS: tuple[str, ...] = get_args(HandbackChoice)
 STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictType)
 LOSS_WEIGHTINGS: tuple[str, ...] = get_args(LossWeightingChoice)
 RouterAuxLoss = Literal["keep", "exclude"]
@@ -79,8 +87,13 @@ class StrategyConfig:
     pretrained: Path | None = option(None, "a `save_pretrained` directory or a `state_dict` file, read into the shards")
     loss_weighting: str = option("auto", "`tokens` (items of the model's loss), `samples`, or what the model's loss averages over")
     router_aux_loss: str = option("keep", "an MoE model's router auxiliary loss: `keep` (per micro-batch) or `exclude`")
-    gather_on_teardown: bool = option(True, "after fit/validate/test the module holds whole trained parameters on "
-                                            "every rank (False: it stays sharded and refuses use)")
+    gather_on_teardown: vocabulary.Handback | Auto = option(
+        AUTO, "after fit/validate/test the module holds the whole trained model on every rank (`all`), on global rank 0 "
+        "only (`rank0`), or stays sharded and refuses use (`none`); auto: `all` for a model of at most 8 GiB in its "
+        "master dtype, else `none` (`True`: `all`, `False`: `none`)")
+    checkpoint_frozen: bool = option(
+        True, "checkpoints hold the frozen parameters (False: the trainable ones, their optimizer state and the loops, "
+        "with the frozen base's path and fingerprint; resumed from the same `pretrained=`)")
     verify_loss: bool = option(True, "a recognised library model: check once that `training_step` returns its loss")
     max_nonfinite_skips: int = option(
         5, "consecutive non-finite steps skipped before training stops; 0 = no guard")
@@ -108,6 +121,7 @@ class StrategyConfig:
         # a mode given as its string is held as its member (build refuses any other value)
         object.__setattr__(self, "mode", member_of(vocabulary.Schedule, self.mode))
         object.__setattr__(self, "collective", member_of(vocabulary.Collective, self.collective))
+        object.__setattr__(self, "gather_on_teardown", member_of(vocabulary.Handback, self.gather_on_teardown))
 
     @classmethod
     def build(cls, **given: Any) -> StrategyConfig:
@@ -152,7 +166,8 @@ class StrategyConfig:
             pretrained=Path(o["pretrained"]) if o["pretrained"] is not None else None,
             loss_weighting=_choice("loss_weighting", o["loss_weighting"], LOSS_WEIGHTINGS),
             router_aux_loss=_choice("router_aux_loss", o["router_aux_loss"], ROUTER_AUX_LOSSES),
-            gather_on_teardown=o["gather_on_teardown"],
+            gather_on_teardown=_handback(o["gather_on_teardown"]),
+            checkpoint_frozen=o["checkpoint_frozen"],
             verify_loss=o["verify_loss"],
             max_nonfinite_skips=_integer("max_nonfinite_skips", o["max_nonfinite_skips"], 0),
             check_devices=o["check_devices"],
@@ -170,6 +185,7 @@ class StrategyConfig:
                 "CephaloStrategy(async_checkpoint=True, state_dict_type='full'): a single-file checkpoint is "
                 "consolidated on rank 0 after the save; use state_dict_type='sharded' (consolidate offline with "
                 "`python -m cephalo_lightning consolidate`) or async_checkpoint=False")
+        _check_frozen_checkpoints(checked)
         plan, cluster = _plan_source(o["plan"], o["cluster"], o["global_batch_size"], checked.elastic)
         if not checked.fault_tolerance and checked.replica_group is not None:
             raise ConfigurationError(
@@ -188,6 +204,32 @@ def _choice(name: str, value: Any, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ConfigurationError(f"CephaloStrategy({name}={value!r}): choose one of {', '.join(map(repr, choices))}")
     return value
+
+
+def _handback(value: Any) -> vocabulary.Handback | Auto:
+    """``gather_on_teardown``: a choice's string, or the bool it was before it had choices."""
+    if value is True or value is False:
+        return vocabulary.Handback.ALL if value else vocabulary.Handback.NONE
+    if isinstance(value, str) and value in HANDBACKS:
+        return value if value == AUTO else vocabulary.Handback(value)
+    raise ConfigurationError(
+        f"CephaloStrategy(gather_on_teardown={value!r}): choose one of {', '.join(map(repr, HANDBACKS))} (True is "
+        f"{vocabulary.Handback.ALL.value!r}, False {vocabulary.Handback.NONE.value!r})")
+
+
+def _check_frozen_checkpoints(config: StrategyConfig) -> None:
+    """``checkpoint_frozen=False`` saves no frozen parameter: a resume reads them from ``pretrained=``."""
+    if config.checkpoint_frozen:
+        return
+    if config.pretrained is None:
+        raise ConfigurationError(
+            "CephaloStrategy(checkpoint_frozen=False) saves the trainable parameters only, and a resume reads the "
+            "frozen ones from pretrained=, which is not given: add pretrained=PATH (the base the frozen parameters "
+            "come from) or drop checkpoint_frozen=False")
+    if config.state_dict_type != "sharded":
+        raise ConfigurationError(
+            f"CephaloStrategy(checkpoint_frozen=False, state_dict_type={config.state_dict_type!r}): a single-file "
+            "checkpoint is the whole model; use state_dict_type='sharded' (the default) or checkpoint_frozen=True")
 
 
 def _integer(name: str, value: Any, minimum: int) -> int:

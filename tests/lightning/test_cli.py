@@ -44,6 +44,12 @@ def test_vars_from_the_command_line_keep_their_yaml_types(tmp_path):
     assert parsed["trainer"]["max_steps"] == 40
 
 
+@pytest.mark.parametrize(("written", "read"), [("rank0", "rank0"), ("none", "none"), ("false", False), ("true", True)])
+def test_gather_on_teardown_is_read_from_yaml_as_its_choice_or_a_bool(written, read):
+    parsed = _print_config("--config", str(TINY), f"--trainer.strategy.init_args.gather_on_teardown={written}")
+    assert parsed["trainer"]["strategy"]["init_args"]["gather_on_teardown"] == read
+
+
 def test_a_misspelt_var_is_an_error_naming_the_known_ones(capsys):
     err = _error(capsys, "--config", str(TINY), "--vars.stepz=99")
     assert err.startswith("error: unknown var in --vars.stepz") and "batch, steps" in err

@@ -29,7 +29,7 @@ from tests.plans import plan_of
 # ----------------------------------------------------------------------------- the strategy's options
 
 STRATEGY_BOOLS = ("prefetch", "overlap", "verify_loss", "check_devices", "verify_checksums", "async_checkpoint",
-                  "elastic", "gather_on_teardown", "fault_tolerance")
+                  "elastic", "checkpoint_frozen", "fault_tolerance")
 CALLBACK_BOOLS = ("force_profile", "replan", "adapt", "print_plan", "quiet")
 
 
@@ -65,11 +65,34 @@ def test_a_strategy_bool_option_takes_only_true_or_false(name: str, given: objec
     ({"max_nonfinite_skips": 2.5}, r"max_nonfinite_skips=2\.5\) must be an integer >= 0"),
     ({"param_dtype": ["bf16"]}, r"param_dtype=\['bf16'\]\): choose one of"),
     ({"pretrained": 3}, r"pretrained=3\) must be a path"),
+    ({"gather_on_teardown": "yes"}, r"gather_on_teardown='yes'\): choose one of 'auto', 'all', 'rank0', 'none' \(True is "
+                                    r"'all', False 'none'\)"),
+    ({"gather_on_teardown": 1}, r"gather_on_teardown=1\): choose one of"),
+    ({"gather_on_teardown": None}, r"gather_on_teardown=None\): choose one of"),
+    ({"checkpoint_frozen": False}, r"checkpoint_frozen=False\) saves the trainable parameters only, and a resume reads "
+                                   r"the frozen ones from pretrained=, which is not given: add pretrained=PATH"),
 ])
 def test_bad_strategy_options_are_refused_with_the_fix(arguments: dict, message: str) -> None:
     with pytest.raises(ConfigurationError) as refused:
         CephaloStrategy(**arguments)
     assert re.search(message, str(refused.value)), str(refused.value)
+
+
+def test_a_checkpoint_of_the_trainable_parameters_is_a_sharded_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match=r"checkpoint_frozen=False, state_dict_type='full'\): a single-file "
+                                                 r"checkpoint is the whole model; use state_dict_type='sharded'"):
+        CephaloStrategy(checkpoint_frozen=False, pretrained=tmp_path, state_dict_type="full")
+    assert CephaloStrategy(checkpoint_frozen=False, pretrained=tmp_path).config.checkpoint_frozen is False
+
+
+def test_gather_on_teardown_takes_its_choices_and_the_bools_it_took_before() -> None:
+    from cephalo_lightning._common.vocabulary import AUTO, Handback
+
+    taken = {given: CephaloStrategy(gather_on_teardown=given).config.gather_on_teardown
+             for given in (True, False, "auto", "all", "rank0", "none")}
+    assert taken == {True: Handback.ALL, False: Handback.NONE, "auto": AUTO, "all": Handback.ALL,
+                     "rank0": Handback.RANK0, "none": Handback.NONE}
+    assert type(taken["rank0"]) is Handback and CephaloStrategy().config.gather_on_teardown == AUTO
 
 
 def test_good_strategy_options_are_still_taken(tmp_path: Path) -> None:

@@ -29,11 +29,15 @@ pytest.importorskip("peft")
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan  # noqa: E402
 from cephalo_lightning._common.units import GIB  # noqa: E402
+from cephalo_lightning.lightning.fit import checkpoint_io  # noqa: E402
 from cephalo_lightning.planner import cluster_from_dict  # noqa: E402
 from cephalo_lightning.planner.cost.cluster_cost import evaluate  # noqa: E402
 from cephalo_lightning.planner.cost.device_cost import DeviceCost  # noqa: E402
 from cephalo_lightning.planner.planning import plan as make_plan  # noqa: E402
 from cephalo_lightning.planner.report import render_plan  # noqa: E402
+from cephalo_lightning.runtime.checkpoint import CheckpointError, read_info, read_meta  # noqa: E402
+from cephalo_lightning.runtime.checkpoint.export import export_hf  # noqa: E402
+from cephalo_lightning.runtime.checkpoint.safe_load import read_dcp_metadata  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.library_models import PaddedTokens, loader, pieces, with_lora  # noqa: E402
 from tests.plans import plan_of
@@ -111,12 +115,12 @@ def _config():
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
 
 
-def pretrained_dir(root: Path) -> Path:
+def pretrained_dir(root: Path, name: str = "base", seed: int = 7) -> Path:
     """A local ``save_pretrained`` directory of a tiny Llama (no download)."""
     import transformers
 
-    torch.manual_seed(7)
-    path = root / "base"
+    torch.manual_seed(seed)
+    path = root / name
     transformers.LlamaForCausalLM(_config()).save_pretrained(path)
     return path
 
@@ -219,6 +223,28 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
     trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL),
                 ckpt_path=str(root_path / "lora.ckpt"))
     out["resumed"] = seen
+    # checkpoint_frozen=False: an uninterrupted run that saves a checkpoint of the adapters at step STEPS and
+    # trains on to STEPS + 1; a resume from that checkpoint to STEPS + 1; and one over another base
+    adapters_only = str(root_path / "adapters-only.ckpt")
+
+    class SaveAt(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == STEPS:
+                trainer.save_checkpoint(adapters_only)
+
+    trainer = _trainer(LAYERED, root_path, STEPS + 1, [SaveAt()], pretrained=str(base), checkpoint_frozen=False)
+    trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
+    out["uninterrupted"] = pieces(trainer.strategy)
+    trainer = _trainer(LAYERED, root_path, STEPS + 1, pretrained=str(base), checkpoint_frozen=False)
+    trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL), ckpt_path=adapters_only)
+    out["resumed adapters-only"] = (pieces(trainer.strategy), trainer.global_step)
+    other = root_path / "other"
+    try:
+        _trainer(LAYERED, root_path, STEPS + 1, pretrained=str(other)).fit(
+            LoraFromPretrained(str(other)), loader(tokens(), GLOBAL), ckpt_path=adapters_only)
+        out["other base"] = ""
+    except CheckpointError as err:
+        out["other base"] = str(err)
     # profiled and planned under emulated memory: the prediction against the measured peak
     watcher = CephaloCallback(max_micro_batch=3, cache_dir=None, watch_every_n_steps=1, print_plan=False, quiet=True,
                               calibrate_after_windows=0, adapt=False)
@@ -248,6 +274,7 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
 def lora_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     pretrained_dir(root)
+    pretrained_dir(root, "other", seed=8)  # the same shapes, other weights
     return root, run_distributed(_lora_ranks, 2, str(root))
 
 
@@ -437,3 +464,87 @@ def test_blocks_compiled_in_configure_model_train_as_uncompiled(lora_runs, mode)
         for name, (start, value) in plain.items():
             assert compiled["pieces"][name][0] == start
             assert torch.equal(compiled["pieces"][name][1], value), f"{mode}: {name}"
+
+
+# ----------------------------------------------------------------------------- a checkpoint of the adapters alone
+
+def _lora_model():
+    import transformers
+
+    module = LoraFromPretrained("unused")
+    module.model = with_lora(transformers.LlamaForCausalLM(_config()))
+    return module
+
+
+def _fingerprint(path: Path) -> str:
+    """The frozen base's fingerprint as cephalo_lightning.runtime.checkpoint.frozen_base defines it, computed
+    here from the whole tensors of the base's file (numpy; no layout): the SHA-256 of the JSON list
+    [[name, shape, dtype, sum], ...] by name, sum = sum_k (w_k mod P)((k mod P) 48271 + 11 mod P) mod P."""
+    import hashlib
+
+    import numpy as np
+    from safetensors.torch import load_file
+
+    p = 2**31 - 1
+    stored = load_file(str(path / "model.safetensors"))
+    rows = []
+    for name, param in sorted(_lora_model().named_parameters()):
+        if param.requires_grad:
+            continue
+        value = stored[name.removeprefix("model.base_model.model.").replace(".base_layer.", ".")]
+        words = value.float().reshape(-1).numpy().view(np.uint32).astype(np.int64) % p
+        k = np.arange(words.size, dtype=np.int64) % p
+        rows.append([name, list(value.shape), "float32", int(((words * ((k * 48271 + 11) % p)) % p).sum()) % p])
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+def _stored_bytes(path: Path, prefix: str) -> int:
+    """The bytes of the tensors a checkpoint stores under ``prefix``, from DCP's metadata."""
+    stored = read_dcp_metadata(path).state_dict_metadata
+    return sum(md.properties.dtype.itemsize * int(torch.Size(md.size).numel())
+               for fqn, md in stored.items() if fqn.startswith(prefix) and hasattr(md, "size"))
+
+
+@pytest.mark.multiprocess
+def test_an_adapters_only_checkpoint_holds_the_trainable_state_and_names_its_base(lora_runs, capsys):
+    """checkpoint_frozen=False: the model's tensors in the checkpoint are the adapters alone (trainable
+    parameters x 4 bytes, fp32 masters), their AdamW moments as in a full checkpoint, the loops, and the
+    frozen base's path, count and fingerprint (the same as from the base's file, whole); a single
+    file or an export of the whole model is refused naming the base."""
+    root, _ = lora_runs
+    path = root / "adapters-only.ckpt"
+    params = dict(_lora_model().named_parameters())
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+    frozen = [p for p in params.values() if not p.requires_grad]
+    total = trainable + sum(p.numel() for p in frozen)
+    adapters, full = _stored_bytes(path, "model."), _stored_bytes(root / "lora.ckpt", "model.")
+    assert (adapters, full) == (4 * trainable, 4 * total)
+    assert _stored_bytes(path, "optimizer_0.state.") == _stored_bytes(root / "lora.ckpt", "optimizer_0.state.")
+    with capsys.disabled():
+        print(f"\nLoRA checkpoint, model tensors: {adapters:,} bytes adapters-only, {full:,} bytes full "
+              f"({full / adapters:.0f}x; {trainable:,} of {total:,} parameters trainable)")
+    info = read_info(path)
+    assert info["frozen_base"] == {"source": str(root / "base"), "fingerprint": _fingerprint(root / "base"),
+                                   "tensors": len(frozen), "numel": total - trainable}
+    assert read_meta(path)["global_step"] == STEPS
+    for refused in (lambda: export_hf(path, root / "merged-from-adapters"),
+                    lambda: checkpoint_io.consolidate(path, root / "adapters-only-single.ckpt")):
+        with pytest.raises(CheckpointError, match=rf"holds the trainable parameters only .*are in {root / 'base'}"):
+            refused()
+
+
+@pytest.mark.multiprocess
+def test_an_adapters_only_checkpoint_resumes_exactly_and_refuses_another_base(lora_runs):
+    """From the checkpoint of step STEPS, the base read from pretrained= again: every parameter (the frozen
+    ones from the file) and every moment at step STEPS + 1 bitwise those of the run that did not stop.
+    Over another base of the same shapes the resume is refused, naming both bases and fingerprints."""
+    root, results = lora_runs
+    for r in results:
+        resumed, step = r["resumed adapters-only"]
+        assert step == STEPS + 1
+        assert set(resumed) == set(r["uninterrupted"]) and any(".lora_" in k for k in resumed)
+        for name, (start, value) in r["uninterrupted"].items():
+            assert resumed[name][0] == start and torch.equal(resumed[name][1], value), name
+        message = r["other base"]
+        for named in (str(root / "base"), str(root / "other"), _fingerprint(root / "base"), _fingerprint(root / "other")):
+            assert named in message, (named, message)

@@ -36,6 +36,7 @@ from cephalo_lightning._common.errors import UnsupportedError  # noqa: E402
 from cephalo_lightning.models import resolve, weighting  # noqa: E402
 from cephalo_lightning.runtime.checkpoint import load_full_state_dict  # noqa: E402
 from cephalo_lightning.runtime.checkpoint.export import export_hf  # noqa: E402
+from cephalo_lightning.runtime.emulation.memory import MemoryTracker  # noqa: E402
 from tests import library_models  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.library_models import LibraryLM, PaddedTokens  # noqa: E402
@@ -95,10 +96,10 @@ def test_weighting_choices_for_heads_and_unknown_models():
     assert weighting.choose("samples", HFModule("bert"), None).weighting.kind == "samples"
 
 
-def _trainer(plan: Plan, steps: int = STEPS, **strategy) -> pl.Trainer:
+def _trainer(plan: Plan, steps: int = STEPS, callbacks=(), **strategy) -> pl.Trainer:
     return pl.Trainer(strategy=CephaloStrategy(plan=plan, **strategy), accelerator="cpu", devices=2, max_steps=steps,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      use_distributed_sampler=False)
+                      use_distributed_sampler=False, callbacks=list(callbacks))
 
 
 def _fit(module: pl.LightningModule, samples, **strategy) -> tuple[pl.Trainer, list[str]]:
@@ -125,6 +126,24 @@ def _refused(use) -> str:
     except UnsupportedError as err:
         return str(err)
     return ""
+
+
+class TeardownMemory(pl.Callback):
+    """The tensor bytes allocated from the end of training to the end of the fit (Lightning's
+    teardown, where the strategy hands the module back), counted by the runtime's memory tracker."""
+
+    def __init__(self) -> None:
+        self.tracker = MemoryTracker()
+
+    def on_train_end(self, trainer, pl_module):
+        self.tracker.__enter__()
+
+    def on_fit_end(self, trainer, pl_module):
+        self.tracker.__exit__(None, None, None)
+
+
+def _held_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 class EvaluatedLM(LibraryLM):
@@ -155,6 +174,17 @@ def _after_fit(rank: int, out_dir: str) -> dict:
     out["parked"] = [_refused(lambda: _generate(module.model)), _refused(module.state_dict),
                      _refused(lambda: module.model.save_pretrained(f"{out_dir}/parked")),
                      _refused(lambda: _trainer(PLAN, steps=1, mode="uniform").fit(module, library_models.loader(tokens, GLOBAL)))]
+    # the whole model on global rank 0 alone; the other rank keeps its pieces and allocates none of it
+    module, watch = LibraryLM("llama"), TeardownMemory()
+    trainer = _trainer(PLAN, steps=1, mode="uniform", gather_on_teardown="rank0", callbacks=[watch])
+    trainer.fit(module, library_models.loader(tokens, GLOBAL))
+    out["rank0"] = {"peak": watch.tracker.peak_bytes, "live": watch.tracker.current_bytes, "held": _held_bytes(module),
+                    "pieces": library_models.pieces(trainer.strategy), "state_dict": _refused(module.state_dict),
+                    "whole": dict(module.named_parameters(remove_duplicate=False)) if rank == 0 else None}
+    # the same model under the default ("auto", far below its limit): whole on every rank, as before
+    module = LibraryLM("llama")
+    _trainer(PLAN, steps=1, mode="uniform").fit(module, library_models.loader(tokens, GLOBAL))
+    out["auto"] = _held_bytes(module)
     return out
 
 
@@ -291,6 +321,28 @@ def test_pieces_left_sharded_are_refused_outside_the_strategy(results):
     for rank_result in results:
         generate, state_dict, save_pretrained, another_fit = rank_result["parked"]
         assert "cannot shard" in another_fit
-        assert "gather_on_teardown=False" in generate and "forward()" in generate
-        assert "state_dict()" in state_dict and "gather_on_teardown=True" in state_dict
+        assert "gather_on_teardown='none' or False" in generate and "forward()" in generate
+        assert "state_dict()" in state_dict and "gather_on_teardown='rank0'" in state_dict
         assert "state_dict()" in save_pretrained
+
+
+@pytest.mark.multiprocess
+def test_rank0_gathers_the_whole_model_on_rank_0_alone(results):
+    """gather_on_teardown="rank0": rank 0's module holds the whole trained model (the ranks' pieces put
+    together), allocated at teardown; rank 1 allocates none of it (its peak while tearing down is not
+    even 5% of the model) and keeps its pieces, refused with a message that says where the model is.
+    The default ("auto", a model far below 8 GiB) still hands it back whole on every rank."""
+    from tests.runtime.test_runtime import assemble
+
+    whole_bytes = 4 * sum(p.numel() for p in LibraryLM("llama").parameters())  # fp32 masters, tied ones once
+    first, second = results[0]["rank0"], results[1]["rank0"]
+    assert first["held"] == whole_bytes and first["live"] >= whole_bytes and first["state_dict"] == ""
+    moments = (".exp_avg", ".exp_avg_sq")  # library_models.pieces adds the optimizer's moments
+    pieces_bytes = 4 * sum(v.numel() for name, (_, v) in second["pieces"].items() if not name.endswith(moments))
+    assert second["held"] == pieces_bytes < whole_bytes
+    assert second["peak"] < 0.05 * whole_bytes, f"rank 1 allocated {second['peak']} bytes of a {whole_bytes}-byte model"
+    assert "gather_on_teardown='rank0': the whole model is on global rank 0 only" in second["state_dict"]
+    params = [{k: v for k, v in r["rank0"]["pieces"].items() if not k.endswith(moments)} for r in results]
+    for name, value in assemble(params).items():
+        assert torch.equal(first["whole"][name].detach().reshape(-1), value), name
+    assert [r["auto"] for r in results] == [whole_bytes, whole_bytes]

@@ -254,6 +254,54 @@ def test_a_persistent_buffer_the_checkpoint_lacks_is_an_error_not_left_as_it_was
         t.fit(WithBuffer(), data_loader(False), ckpt_path=str(ckpt))
 
 
+class FrozenBelowTheHead(SGDModule):
+    """A fine-tune: every layer but the head frozen (read from ``pretrained=``), SGD with momentum."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        for name, p in self.named_parameters():
+            p.requires_grad_(name.startswith("model.head."))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
+
+
+def test_a_checkpoint_of_the_trainable_parameters_resumes_exactly_over_its_base(tmp_path):
+    """checkpoint_frozen=False, one rank, fp64: the checkpoint's model tensors are the head's
+    (its parameters x 8 bytes); resumed from step 2 over the base read from pretrained= again, every
+    parameter at step 4 is bitwise the run's that did not stop; over another base it is refused,
+    naming both."""
+    from lightning.pytorch.callbacks import Callback
+
+    base, other, ckpt = tmp_path / "base.pt", tmp_path / "other.pt", str(tmp_path / "head.ckpt")
+    torch.save(FrozenBelowTheHead(seed=5).state_dict(), base)
+    torch.save(FrozenBelowTheHead(seed=6).state_dict(), other)
+
+    class SaveAt2(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2:
+                trainer.save_checkpoint(ckpt)
+
+    def run(pretrained: Path, callbacks=(), **resume) -> pl.Trainer:
+        strategy = CephaloStrategy(plan=plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]), seed=SEED,
+                                   pretrained=pretrained, checkpoint_frozen=False)
+        t = helpers.trainer(strategy, 1, 4, precision="64-true", callbacks=list(callbacks))
+        t.fit(FrozenBelowTheHead(seed=3), data_loader(True), **resume)  # another init: all from the files
+        return t
+
+    uninterrupted = run(base, [SaveAt2()]).strategy.sharded.full_state_dict()
+    resumed = run(base, ckpt_path=ckpt).strategy.sharded.full_state_dict()
+    assert set(resumed) == set(uninterrupted)
+    assert all(torch.equal(resumed[name], value) for name, value in uninterrupted.items())
+    stored = checkpoint.read_dcp_metadata(Path(ckpt)).state_dict_metadata
+    head = FrozenBelowTheHead().model.head.weight.numel()
+    assert sum(8 * torch.Size(md.size).numel() for fqn, md in stored.items() if fqn.startswith("model.")) == 8 * head
+    with pytest.raises(CheckpointError) as refused:
+        run(other, ckpt_path=ckpt)
+    assert f"trained over the frozen base {base} " in str(refused.value)
+    assert f"read from {other} " in str(refused.value)
+
+
 def test_a_pretrained_buffer_of_another_shape_is_refused(tmp_path):
     from cephalo_lightning.runtime.sharding.weights import WeightsError, open_weights
 

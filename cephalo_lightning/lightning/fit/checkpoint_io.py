@@ -2,7 +2,12 @@
 
 Each rank writes and reads its own pieces (:mod:`cephalo_lightning.runtime.checkpoint`); the
 optimizer state is saved with the model, by logical tensor, so a checkpoint loads back under any
-plan and world size.
+plan and world size. With ``checkpoint_frozen=False`` a checkpoint holds the trainable parameters
+alone (with their optimizer state and the loops) and what identifies the frozen base read from
+``pretrained=`` (:mod:`~cephalo_lightning.runtime.checkpoint.frozen_base`); a resume reads that base
+again and loads the rest:
+
+    checkpoint bytes = trainable parameters x (master bytes + optimizer state bytes) + the loops
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from cephalo_lightning.lightning.strategy_config import StrategyConfig
 from cephalo_lightning.planner import Plan
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.checkpoint.async_save import BackgroundWriter, writer_group
+from cephalo_lightning.runtime.checkpoint.frozen_base import INFO_KEY as FROZEN_BASE_KEY
+from cephalo_lightning.runtime.checkpoint.frozen_base import FrozenBase, identify_frozen
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
 LIGHTNING_SAFE_GLOBALS: tuple[Any, ...] = (AttributeDict,)  # Lightning's hyperparameter container
@@ -63,6 +70,7 @@ class FitCheckpoints:
         self.rank = rank
         self.plan = plan  # the plan the model is sharded under when a checkpoint is written
         self.writer: BackgroundWriter | None = None
+        self._frozen: FrozenBase | None = None  # this run's frozen base, once a save or a load asked for it
         if config.async_checkpoint:  # collective (the writer's own process group): at setup, on every rank
             self.writer = BackgroundWriter(sharded, writer_group(sharded.world_group))
             rank_zero_info("Cephalo: checkpoints are written in the background (async_checkpoint=True): training "
@@ -96,10 +104,13 @@ class FitCheckpoints:
         meta = {k: v for k, v in checkpoint_dict.items() if k not in ("state_dict", "optimizer_states")}
         info = {"plan": self.plan().to_dict(), "world_size": self.sharded.world_size, **self.model_info}
         optimizers = optimizers if "optimizer_states" in checkpoint_dict else []
+        trainable_only = not self.config.checkpoint_frozen
+        if trainable_only:  # the frozen parameters come from pretrained= at resume: say which ones
+            info[FROZEN_BASE_KEY] = self.frozen_base().to_dict()
         if self.writer is not None:
-            return self.writer.submit(path, optimizers, meta, info, self.safe_globals)
+            return self.writer.submit(path, optimizers, meta, info, self.safe_globals, trainable_only)
         if self.config.state_dict_type == "sharded":
-            return checkpoint.save(path, self.sharded, optimizers, meta, info, self.safe_globals)
+            return checkpoint.save(path, self.sharded, optimizers, meta, info, self.safe_globals, trainable_only)
         staging = checkpoint.single_file_staging(path)
         checkpoint.save(staging, self.sharded, optimizers, meta, info, self.safe_globals)
         checkpoint.on_first_rank(self.sharded.world_group, lambda: self._consolidate(staging, path))
@@ -114,13 +125,27 @@ class FitCheckpoints:
         finally:
             checkpoint.remove(staging)
 
+    def frozen_base(self) -> FrozenBase:
+        """Collective (the first time): what identifies this run's frozen parameters, read from
+        ``pretrained=``; they do not change while it trains (:meth:`forget_frozen_base` after edits)."""
+        if self._frozen is None:
+            self._frozen = identify_frozen(self.sharded, str(self.config.pretrained))
+        return self._frozen
+
+    def forget_frozen_base(self) -> None:
+        """The module's whole parameters went back into the shards (edits included): fingerprint again."""
+        self._frozen = None
+
+    def _pretrained_base(self) -> FrozenBase | None:
+        return self.frozen_base() if self.config.pretrained is not None else None
+
     def load(self, path: Path, optimizers: Sequence[Optimizer], weights_only: bool | None = None) -> dict[str, Any]:
         """Collective: a sharded directory (any layout) or a single file (weights only)."""
         trusted = weights_only is False  # an explicit opt-in to unpickling meta.pt (never DCP's metadata)
         self.wait()  # a checkpoint being written in the background is complete first
         if path.is_dir() or checkpoint.is_checkpoint(path) or not path.exists():
             meta, _ = checkpoint.load(path, self.sharded, optimizers, self.safe_globals,
-                                      self.config.verify_checksums, trusted=trusted)
+                                      self.config.verify_checksums, trusted=trusted, frozen=self._pretrained_base)
             return meta
         rank_zero_info("Cephalo: loading weights from a single-file checkpoint; optimizer state starts fresh.")
         return self.load_full(path, trusted)

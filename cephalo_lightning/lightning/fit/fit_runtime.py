@@ -69,8 +69,9 @@ from cephalo_lightning.runtime.liveness import (
 )
 from cephalo_lightning.runtime.observers import Observers
 from cephalo_lightning.runtime.plan_state import CutBatch, PlanState
+from cephalo_lightning.runtime.sharding import handback
 from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
-from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel, ShardSummary, UnitMaterializer
+from cephalo_lightning.runtime.sharding.sharded_model import Driver, ShardedModel, ShardSummary, UnitMaterializer
 from cephalo_lightning.runtime.sharding.weights import open_weights
 
 
@@ -217,10 +218,17 @@ class FitRuntime:
     def take_back(self) -> None:
         """The same module again (e.g. ``trainer.test`` after ``trainer.fit``): its whole parameters into the shards."""
         self.sharded.take_back()
+        self.checkpoints.forget_frozen_base()
 
-    def hand_back(self, whole: bool) -> None:
-        """The user's module after fit/validate/test (see :mod:`~.runtime.sharding.handback`)."""
-        self.sharded.hand_back(whole=whole)
+    def hand_back(self, choice: vocabulary.Handback | vocabulary.Auto, ranks_per_node: int) -> None:
+        """The user's module after fit/validate/test (see :mod:`~.runtime.sharding.handback`): the
+        choice decided for the model's size, said (with the memory it takes) before any gather."""
+        if self.sharded.driver in (Driver.HANDED_BACK, Driver.PARKED):
+            return  # handed back already (a second teardown)
+        decision = handback.decide(choice, handback.whole_bytes(self.sharded.units), ranks_per_node)
+        if choice == vocabulary.AUTO or decision.handback is not vocabulary.Handback.NONE:
+            rank_zero_info(decision.line)
+        self.sharded.hand_back(decision.handback)
 
     @contextlib.contextmanager
     def evaluation_step(self) -> Iterator[None]:

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from cephalo_lightning._common.errors import UnsupportedError
-from cephalo_lightning._common.vocabulary import CollectiveChoice, ScheduleChoice
+from cephalo_lightning._common.vocabulary import CollectiveChoice, Handback, HandbackChoice, ScheduleChoice
 from cephalo_lightning.lightning._private import (
     logging_as,
     module_hidden_from,
@@ -99,7 +99,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  overlap: bool = DEFAULTS.overlap, pretrained: str | Path | None = DEFAULTS.pretrained,
                  loss_weighting: LossWeightingChoice = DEFAULTS.loss_weighting,
                  router_aux_loss: RouterAuxLoss = DEFAULTS.router_aux_loss,
-                 gather_on_teardown: bool = DEFAULTS.gather_on_teardown, verify_loss: bool = DEFAULTS.verify_loss,
+                 gather_on_teardown: HandbackChoice | bool = DEFAULTS.gather_on_teardown,
+                 checkpoint_frozen: bool = DEFAULTS.checkpoint_frozen, verify_loss: bool = DEFAULTS.verify_loss,
                  max_nonfinite_skips: int = DEFAULTS.max_nonfinite_skips, check_devices: bool = DEFAULTS.check_devices,
                  safe_globals: Sequence[Any] = DEFAULTS.safe_globals, seed: int | None = DEFAULTS.seed,
                  verify_checksums: bool = DEFAULTS.verify_checksums, progress_every: int | None = DEFAULTS.progress_every,
@@ -113,7 +114,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             units=units, param_dtype=param_dtype, emulate=emulate, offload=offload,
             memory_check_every_n_steps=memory_check_every_n_steps, state_dict_type=state_dict_type,
             prefetch=prefetch, overlap=overlap, pretrained=pretrained, loss_weighting=loss_weighting,
-            router_aux_loss=router_aux_loss, gather_on_teardown=gather_on_teardown, verify_loss=verify_loss,
+            router_aux_loss=router_aux_loss, gather_on_teardown=gather_on_teardown,
+            checkpoint_frozen=checkpoint_frozen, verify_loss=verify_loss,
             max_nonfinite_skips=max_nonfinite_skips, check_devices=check_devices, safe_globals=safe_globals, seed=seed,
             verify_checksums=verify_checksums, progress_every=progress_every, async_checkpoint=async_checkpoint,
             elastic=elastic, fault_tolerance=fault_tolerance, replica_group=replica_group)
@@ -469,7 +471,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         finally:
             try:
                 if self.fit_runtime is not None:  # the user's module after fit/validate/test: see runtime.sharding.handback
-                    self.fit_runtime.hand_back(whole=self.config.gather_on_teardown and not self._failed)
+                    self.fit_runtime.hand_back(Handback.NONE if self._failed else self.config.gather_on_teardown,
+                                               ranks_per_node=self.num_processes)
             finally:
                 self._teardown_run()
 

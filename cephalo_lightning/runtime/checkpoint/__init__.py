@@ -42,7 +42,8 @@ The modules, one concern each: :mod:`.format` (file names, version, :class:`Chec
 stored under which key), :mod:`.safe_load` (unpickling without running code), :mod:`.manifest`
 (sizes, checksums, completeness, one save), :mod:`.save_load` (the collective save and load, over
 the model's process group), :mod:`.consolidate` (whole tensors and single-file checkpoints,
-offline), :mod:`.single_file` (a single file's own checksum).
+offline), :mod:`.single_file` (a single file's own checksum), :mod:`.frozen_base` (what identifies
+the frozen base of a checkpoint that holds the trainable parameters alone).
 """
 
 from cephalo_lightning.runtime.checkpoint.consolidate import (
@@ -69,6 +70,7 @@ from cephalo_lightning.runtime.checkpoint.format import (
     CheckpointError,
     NoSpaceError,
 )
+from cephalo_lightning.runtime.checkpoint.frozen_base import FrozenBase, identify_frozen
 from cephalo_lightning.runtime.checkpoint.manifest import (
     _sha256,  # noqa: F401 - the tests forge manifests with it
     is_checkpoint,
@@ -103,13 +105,11 @@ from cephalo_lightning.runtime.checkpoint.single_file import (
 )
 
 __all__ = [
-    "FORMAT", "INFO_FILE", "INTEGRITY_KEY", "MANIFEST_FILE", "META_FILE", "MODEL_PREFIX",
-    "Box", "CheckpointError", "NoSpaceError", "SAFE_GLOBALS", "SafeFileSystemReader", "SavedOptimizer",
-    "ShardLoadPlanner", "ShardSavePlanner", "boxes", "buffers", "check_loadable", "clean_stale", "consolidate",
-    "consolidated", "consolidated_dict", "content_sha256", "full_tensors", "is_checkpoint", "is_complete", "load",
+    "Box", "CheckpointError", "FORMAT", "FrozenBase", "INFO_FILE", "INTEGRITY_KEY", "MANIFEST_FILE", "META_FILE",
+    "MODEL_PREFIX", "NoSpaceError", "SAFE_GLOBALS", "SafeFileSystemReader", "SavedOptimizer", "ShardLoadPlanner",
+    "ShardSavePlanner", "boxes", "buffers", "check_loadable", "clean_stale", "consolidate", "consolidated",
+    "consolidated_dict", "content_sha256", "full_tensors", "identify_frozen", "is_checkpoint", "is_complete", "load",
     "load_file", "load_full_state_dict", "model_entries", "on_first_rank", "optimizer_entries", "read_dcp_metadata",
-    "read_info",
-    "read_manifest", "read_meta", "remove", "restore_sampler_states", "safe_load", "save", "set_aside_sampler_states",
-    "single_file_staging", "state_dict_aliases",
-    "verify", "verify_file", "write_file",
+    "read_info", "read_manifest", "read_meta", "remove", "restore_sampler_states", "safe_load", "save",
+    "set_aside_sampler_states", "single_file_staging", "state_dict_aliases", "verify", "verify_file", "write_file",
 ]

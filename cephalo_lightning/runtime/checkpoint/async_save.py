@@ -76,11 +76,12 @@ class BackgroundWriter:
         self._thread.start()
 
     def submit(self, path: Path, optimizers: Sequence[torch.optim.Optimizer], meta: dict[str, Any],
-               info: dict[str, Any], safe_globals: Sequence[Any] = ()) -> Path:
-        """Collective: snapshot the model now and write it in the background; returns ``path``."""
+               info: dict[str, Any], safe_globals: Sequence[Any] = (), trainable_only: bool = False) -> Path:
+        """Collective: snapshot the model now (``trainable_only``: no frozen parameter) and write it in
+        the background; returns ``path``."""
         self.wait()  # at most one save in flight
         started = time.perf_counter()
-        prepared = prepare(self.sharded, optimizers, meta, safe_globals, copy=True)
+        prepared = prepare(self.sharded, optimizers, meta, safe_globals, copy=True, trainable_only=trainable_only)
         snapshot_s = time.perf_counter() - started
         self._enqueue(lambda: self._write(path, prepared, info, snapshot_s))
         return path

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from cephalo_lightning.runtime.checkpoint.dcp_planners import Request, ShardLoadPlanner, dcp_call
 from cephalo_lightning.runtime.checkpoint.format import MODEL_PREFIX
+from cephalo_lightning.runtime.checkpoint.frozen_base import refuse_without_base
 from cephalo_lightning.runtime.checkpoint.manifest import verify
 from cephalo_lightning.runtime.checkpoint.portable import set_aside_sampler_states
 from cephalo_lightning.runtime.checkpoint.safe_load import SafeFileSystemReader, read_dcp_metadata
@@ -86,6 +87,7 @@ def consolidated_dict(path: str | Path, safe_globals: Iterable[Any] = (), verify
     path = Path(path)
     verify(path, checksums=verify_checksums, collective=False)
     info = read_info(path)
+    refuse_without_base(path, info, "write a single-file checkpoint")
     checkpoint = read_meta(path, safe_globals)
     tensors = _whole(path, read_dcp_metadata(path).state_dict_metadata, [MODEL_PREFIX, OPTIMIZER_PREFIX])
     checkpoint["state_dict"] = _with_aliases(tensors[MODEL_PREFIX], info)

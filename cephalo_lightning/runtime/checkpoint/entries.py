@@ -29,11 +29,13 @@ class SavedOptimizer:
     info: dict[str, Any] = field(default_factory=dict)  # param groups by name, scalars
 
 
-def local_pieces(sharded: ShardedModel) -> Iterator[tuple[str, nn.Parameter, tuple[int, ...], int]]:
-    """(name, local piece, original shape, start of the piece within the flattened parameter)."""
+def local_pieces(sharded: ShardedModel, trainable_only: bool = False) -> Iterator[tuple[str, nn.Parameter, tuple[int, ...], int]]:
+    """(name, local piece, original shape, start of the piece within the flattened parameter), of
+    every parameter or of the trainable ones."""
     for unit in sharded.units:
-        for index, (span, param) in enumerate(zip(unit.spans, unit.local_params)):
-            yield span.name, param, span.shape, unit.local_range(index)[0]
+        for index, (span, param, trainable) in enumerate(zip(unit.spans, unit.local_params, unit.requires_grad)):
+            if trainable or not trainable_only:
+                yield span.name, param, span.shape, unit.local_range(index)[0]
 
 
 def buffers(sharded: ShardedModel) -> dict[str, torch.Tensor]:
@@ -71,9 +73,9 @@ def state_dict_aliases(sharded: ShardedModel) -> dict[str, str]:
     return aliases
 
 
-def model_entries(sharded: ShardedModel) -> list[Entry]:
+def model_entries(sharded: ShardedModel, trainable_only: bool = False) -> list[Entry]:
     return [Entry(MODEL_PREFIX + name, shape, piece.dtype, piece.detach().reshape(-1), start)
-            for name, piece, shape, start in local_pieces(sharded)]
+            for name, piece, shape, start in local_pieces(sharded, trainable_only)]
 
 
 def optimizer_entries(sharded: ShardedModel, optimizer: torch.optim.Optimizer, prefix: str) -> SavedOptimizer:

@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from cephalo_lightning._common.atomic_io import publish_directory, remove_tree
 from cephalo_lightning.runtime.checkpoint.dcp_planners import Request, ShardLoadPlanner, dcp_call
 from cephalo_lightning.runtime.checkpoint.format import MODEL_PREFIX, CheckpointError
+from cephalo_lightning.runtime.checkpoint.frozen_base import refuse_without_base
 from cephalo_lightning.runtime.checkpoint.lora_merge import merge
 from cephalo_lightning.runtime.checkpoint.manifest import read_info, verify
 from cephalo_lightning.runtime.checkpoint.safe_load import SafeFileSystemReader, read_dcp_metadata
@@ -124,6 +125,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, *, config: str | Path 
         raise CheckpointError(f"{output} exists and is not empty; choose another output directory or remove it first")
     verify(source, checksums=verify_checksums, collective=False)
     info = read_info(source)
+    refuse_without_base(source, info, "export the whole model")
     document, chosen = _hf_source(info, config, prefix)
     metadata = read_dcp_metadata(source).state_dict_metadata
     stored = [fqn[len(MODEL_PREFIX):] for fqn in metadata if fqn.startswith(MODEL_PREFIX)]

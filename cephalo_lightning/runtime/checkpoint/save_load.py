@@ -52,6 +52,8 @@ from cephalo_lightning.runtime.checkpoint.format import (
     disk_full_cause,
     human_bytes,
 )
+from cephalo_lightning.runtime.checkpoint.frozen_base import INFO_KEY as FROZEN_BASE_KEY
+from cephalo_lightning.runtime.checkpoint.frozen_base import FrozenBase, check_same_base
 from cephalo_lightning.runtime.checkpoint.manifest import hash_files, is_complete, read_info, verify, write_manifest
 from cephalo_lightning.runtime.checkpoint.safe_load import (
     SafeFileSystemReader,
@@ -77,16 +79,20 @@ def _token(group: Group) -> str:
 
 
 def save(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.optim.Optimizer],
-         meta: dict[str, Any], info: dict[str, Any], safe_globals: Iterable[Any] = ()) -> Path:
+         meta: dict[str, Any], info: dict[str, Any], safe_globals: Iterable[Any] = (),
+         trainable_only: bool = False) -> Path:
     """Collective: write a checkpoint directory atomically (every rank calls it).
 
     ``meta``: plain data besides the tensors (for Lightning: loops, callbacks, ...), written as
     ``meta.pt`` and checked to be loadable without running code; ``info``: JSON-able extras
-    (the plan). Returns the published path. A save that fails (a full disk: :class:`NoSpaceError`)
-    removes what it wrote on every rank alike; the checkpoint already at ``path`` stays as it was.
+    (the plan). ``trainable_only``: no frozen parameter is written (``info`` then records the frozen
+    base, :mod:`.frozen_base`). Returns the published path. A save that fails (a full disk:
+    :class:`NoSpaceError`) removes what it wrote on every rank alike; the checkpoint already at
+    ``path`` stays as it was.
     """
     group = sharded.world_group
-    return write_prepared(path, prepare(sharded, optimizers, meta, safe_globals), info, group)
+    return write_prepared(path, prepare(sharded, optimizers, meta, safe_globals, trainable_only=trainable_only),
+                          info, group)
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,7 @@ class PreparedSave:
 
 
 def prepare(sharded: ShardedModel, optimizers: Sequence[torch.optim.Optimizer], meta: dict[str, Any],
-            safe_globals: Iterable[Any] = (), copy: bool = False) -> PreparedSave:
+            safe_globals: Iterable[Any] = (), copy: bool = False, trainable_only: bool = False) -> PreparedSave:
     """Collective (the token): what a save of the model as it is now writes. ``copy``: the tensors
     are copied to host memory (a snapshot that later optimizer steps do not change); otherwise
     they are views of the live pieces and must be written before the model changes."""
@@ -111,7 +117,7 @@ def prepare(sharded: ShardedModel, optimizers: Sequence[torch.optim.Optimizer], 
     token = _token(group)
     buffer_entries = replicated_entries({MODEL_PREFIX + k: v for k, v in buffers(sharded).items()}, rank)
     writes = sharded.group_index == 0  # one replica writes the pieces
-    entries = (model_entries(sharded) if writes else []) + buffer_entries
+    entries = (model_entries(sharded, trainable_only) if writes else []) + buffer_entries
     optimizer_info = []
     replicated: dict[str, torch.Tensor] = {}
     for i, optimizer in enumerate(optimizers):
@@ -127,7 +133,7 @@ def prepare(sharded: ShardedModel, optimizers: Sequence[torch.optim.Optimizer], 
     if rank == 0:
         torch.save({**meta, TOKEN_KEY: token}, buffer)
     document = {
-        "param_shapes": {name: list(shape) for name, _, shape, _ in local_pieces(sharded)},
+        "param_shapes": {name: list(shape) for name, _, shape, _ in local_pieces(sharded, trainable_only)},
         "units": [[span.name for span in unit.spans] for unit in sharded.units],  # an export reads unit by unit
         "aliases": state_dict_aliases(sharded),
         "optimizers": optimizer_info,
@@ -270,18 +276,24 @@ def _prepare(path: str | Path, verify_checksums: bool, group: Group) -> Path:
 
 def load(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.optim.Optimizer] = (),
          safe_globals: Iterable[Any] = (), verify_checksums: bool = True,
-         trusted: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+         trusted: bool = False, frozen: Callable[[], FrozenBase | None] = lambda: None,
+         ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Collective: fill the local pieces (and optimizer state) from a checkpoint of any layout.
 
+    A checkpoint of the trainable parameters alone fills those and leaves the frozen ones as they
+    are, once ``frozen()`` (collective: this run's frozen base) is the base it was trained over.
     Returns ``(meta, info)``: Lightning's state and the JSON extras.
     """
     group = sharded.world_group
     path = _prepare(path, verify_checksums, group)
     info = read_info(path)
     meta = read_meta(path, safe_globals, trusted)
+    saved_base = info.get(FROZEN_BASE_KEY)
+    if saved_base is not None:
+        check_same_base(path, saved_base, frozen)
     stored = read_dcp_metadata(path).state_dict_metadata
     requests: list[Request] = []
-    for name, piece, shape, start in local_pieces(sharded):
+    for name, piece, shape, start in local_pieces(sharded, trainable_only=saved_base is not None):
         requests.append(Request(MODEL_PREFIX + name, shape, piece.detach().view(-1), start))
     for name, buf in buffers(sharded).items():  # persistent buffers are saved: one missing is an error too
         requests.append(Request(MODEL_PREFIX + name, tuple(buf.shape), buf.detach().view(-1), 0))

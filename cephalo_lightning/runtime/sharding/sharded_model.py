@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from cephalo_lightning._common.vocabulary import AUTO, Auto, Collective
+from cephalo_lightning._common.vocabulary import AUTO, Auto, Collective, Handback
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Links
 from cephalo_lightning.runtime.observers import Observer, Observers
 from cephalo_lightning.runtime.sharding import handback
@@ -147,6 +147,7 @@ class ShardedModel:
         handback.check_not_pieces(module)
         self.module = module
         self.refusals: list[RemovableHandle] = []  # hooks refusing use of the pieces after a fit (handback, PARKED)
+        self.handed_back: Handback | None = None  # what the last hand_back did
         self.observers = Observers()
         for observer in observers:  # attached first, they also see the buffers sharding creates
             self.observers.attach(observer)
@@ -449,24 +450,36 @@ class ShardedModel:
     # ------------------------------------------------------------------ after a fit
 
     @torch.no_grad()
-    def hand_back(self, whole: bool = True) -> None:
-        """The end of a fit (collective with ``whole``): the modules hold whole copies of the trained
-        parameters, or keep the pieces and refuse to be used (see :mod:`.handback`)."""
+    def hand_back(self, gather: Handback = Handback.ALL) -> None:
+        """The end of a fit (collective unless ``NONE``): the modules hold whole copies of the trained
+        parameters on every rank or on global rank 0, or keep the pieces and refuse to be used
+        (see :mod:`.handback`)."""
         if self.driver in (Driver.HANDED_BACK, Driver.PARKED):
             return
         self.free_all()
+        whole = gather is Handback.ALL
         if whole:
             handback.put_whole(self.units, self.comm, self.device)
+        elif gather is Handback.RANK0 and self.group_index == 0:  # its first rank is rank 0 (groups list ranks ascending)
+            whole = handback.put_whole_on_first(self.units, self.comm, self.device)  # the other groups: replicas
+        self.handed_back = gather
+        if whole:
             self.driver = Driver.HANDED_BACK
         else:
-            self.refusals = handback.refuse_use(self.units, self.module)
+            why = handback.WHY_RANK0 if gather is Handback.RANK0 else handback.WHY_NONE
+            self.refusals = handback.refuse_use(self.units, self.module, why)
             self.driver = Driver.PARKED
 
     @torch.no_grad()
     def take_back(self) -> None:
-        """Before the next fit or evaluation of the same module: the whole parameters into the shards."""
-        if self.driver is Driver.HANDED_BACK:
+        """Before the next fit or evaluation of the same module: the whole parameters into the shards
+        (edits included) where every rank got them; rank 0's copy alone is dropped, its edits could
+        reach only its own shards."""
+        if self.driver is Driver.HANDED_BACK and self.handed_back is Handback.ALL:
             handback.copy_into_shards(self.units)
+        elif self.driver is Driver.HANDED_BACK:
+            for unit in self.units:
+                unit.use_local()
         for handle in self.refusals:
             handle.remove()
         self.refusals = []
