@@ -11,12 +11,14 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cephalo_lightning._common.units import memory_text
+from cephalo_lightning._common.vocabulary import Planner
 from cephalo_lightning.planner import Cluster, Plan, cluster_from_dict, load_cluster, plan
 from cephalo_lightning.planner.command import main as plan_main
 from cephalo_lightning.planner.cost.cluster_cost import collective_ms
@@ -341,9 +343,14 @@ def test_every_block_of_the_page_runs_and_shows_what_it_prints(tmp_path: Path) -
 def test_the_rank_lines_of_a_plan_nothing_priced_read_as_information_not_errors() -> None:
     from cephalo_lightning.lightning.fit.loggers import rank_lines
 
-    lines = rank_lines(Plan.even(2, 8, 2))
+    lines = rank_lines(Plan.even(2, 8, 2))  # what a fit without a plan or a profile runs: no plan was given
     assert lines[0] == ("Cephalo rank 0: device not profiled: batch 4 in 2 micro-batches of 2, state share 50.0%, "
-                        "not priced (a plan given as it is, without a cluster file to predict it from)")
+                        "not priced (an even split, made before anything was measured)")
+    assert not [line for line in lines if "given" in line]
+    given = replace(Plan.even(2, 8, 2), planner=Planner.CEPHALO)  # a plan file without predictions, given
+    assert rank_lines(given)[1].endswith("not priced (a plan given as it is, without a cluster file to predict it from)")
+    provisional = replace(Plan.even(2, 8, 2), planner=Planner.PROVISIONAL)  # the layout a profiling fit starts with
+    assert "given" not in rank_lines(provisional)[0] and "provisional" in rank_lines(provisional)[0]
     assert not [line for line in lines if "?" in line or "unprofiled:" in line]
     explained = rank_lines(plan(FAST, 3))
     assert explained[0].endswith(", bound by granularity") and explained[1].endswith(", bound by compute")
