@@ -47,8 +47,8 @@ def fair_baseline(cluster: Cluster, global_batch_size: int, mode: Schedule = Sch
         refused = str(err).splitlines()[0]
     else:
         micro = max(even.num_micro_batches)
-        split = f"{micro} micro-batches of up to {max(r.micro_batch_size for r in even.ranks)} to fit" if micro > 1 \
-            else "one micro-batch each"
+        sizes = "-".join(map(str, sorted({m for r in even.ranks for m in r.micro_batch_sizes if m})))
+        split = f"{micro} micro-batches of {sizes} samples to fit" if micro > 1 else "one micro-batch each"
         return Baseline(even, f"even plan (FSDP's: equal batches and state shares, {split})")
     fitting = []
     for name in BASELINES:
