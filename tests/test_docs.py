@@ -1,7 +1,8 @@
 """The user docs stay true: every fenced block of README.md and docs/**/*.md runs (or, marked as
-needing a GPU or a cluster, parses) per the convention in tests/docs_blocks.py; the README keeps its
-promises (two commands, short, maturity first); no page or example names a checkpoint file the code
-does not write; every CLI command has its reference; the site's navigation holds every page."""
+needing a GPU or a cluster, parses) per the convention in tests/docs_blocks.py, and prints exactly
+the output block shown after it; the README keeps its promises (two commands, short, maturity
+first) and lists the extras pyproject.toml declares; no page or example names a checkpoint file the
+code does not write; every CLI command has its reference; the site's navigation holds every page."""
 
 from __future__ import annotations
 
