@@ -5,8 +5,9 @@ The runner imports what the blocks import that is expensive (torch, Lightning, t
 then forks a child per block: the child starts in a fresh temporary folder, with the block saved
 there as ``block.py`` (``sys.argv[0]``, ``sys.path[0]``: as ``python block.py`` would have them) and
 runs it as ``__main__``; its stdout and stderr go to files. So every block runs as a standalone
-script would, without paying the imports again. RESULTS maps each id to ``{"status", "output"}``
-(status 0: success).
+script would, without paying the imports again. RESULTS maps each id to ``{"status", "output",
+"stdout", "folder"}`` (status 0: success; output: the end of stdout and stderr, for a failure's
+message; stdout whole, for a docs ``output`` block to be compared with; folder: the block's cwd).
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ def _preload(codes: list[str]) -> None:
 def _child(code: str, folder: Path) -> None:
     script = folder / "block.py"
     script.write_text(code)
-    out = os.open(folder / "output.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
+    for stream, name in ((1, "stdout.txt"), (2, "stderr.txt")):
+        os.dup2(os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), stream)
     os.chdir(folder)
     sys.argv = [str(script)]
     sys.path[0] = str(folder)
@@ -68,9 +68,10 @@ def run_block(code: str) -> dict[str, object]:
             status = -1
             break
         time.sleep(0.05)
-    output = (folder / "output.txt").read_text(errors="replace") if (folder / "output.txt").exists() else ""
+    stdout, stderr = ((folder / name).read_text(errors="replace") if (folder / name).exists() else ""
+                      for name in ("stdout.txt", "stderr.txt"))
     code_ = os.waitstatus_to_exitcode(status) if status != -1 else "timeout"
-    return {"status": code_, "output": output[-6000:]}
+    return {"status": code_, "output": (stdout + stderr)[-6000:], "stdout": stdout, "folder": str(folder)}
 
 
 def main(argv: list[str]) -> int:

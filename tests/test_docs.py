@@ -1,11 +1,13 @@
 """The user docs stay true: every fenced block of README.md and docs/**/*.md runs (or, marked as
-needing a GPU or a cluster, parses) per the convention in tests/docs_blocks.py; the README keeps its
-promises (two commands, short, maturity first); no page or example names a checkpoint file the code
-does not write; every CLI command has its reference; the site's navigation holds every page."""
+needing a GPU or a cluster, parses) per the convention in tests/docs_blocks.py, and prints exactly
+the output block shown after it; the README keeps its promises (two commands, short, maturity
+first) and lists the extras pyproject.toml declares; no page or example names a checkpoint file the
+code does not write; every CLI command has its reference; the site's navigation holds every page."""
 
 from __future__ import annotations
 
 import ast
+import difflib
 import json
 import re
 import subprocess
@@ -17,7 +19,7 @@ import yaml
 
 from cephalo_lightning.planner import cluster_from_dict, plan
 from tests.conftest import HANG_TIMEOUT_S, clean_env
-from tests.docs_blocks import ROOT, Block, Handling, all_blocks
+from tests.docs_blocks import ROOT, Block, DocsConventionError, Handling, all_blocks, normalised, page_blocks, pages
 
 README = (ROOT / "README.md").read_text()
 BLOCKS = all_blocks()
@@ -33,8 +35,18 @@ def _ids(blocks: list[Block]) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return clean_env(PYTHONPATH=str(ROOT), WANDB_MODE="offline", PATH=f"{Path(sys.executable).parent}:"
+    return clean_env(PYTHONPATH=str(ROOT), WANDB_MODE="offline", COLUMNS="120", PATH=f"{Path(sys.executable).parent}:"
                      f"{clean_env().get('PATH', '/usr/bin:/bin')}")
+
+
+def assert_prints(block: Block, stdout: str, folder: str | None = None) -> None:
+    """``block``'s stdout is its ``output`` block's text, as the convention compares them."""
+    if block.prints is None:
+        return
+    want, got = normalised(block.prints, folder), normalised(stdout, folder)
+    assert got == want, (f"{block.id} prints what its output block ({block.page}:{block.printed_at}) does not show; "
+                         "paste what it prints there:\n" + "\n".join(difflib.unified_diff(
+                             want.splitlines(), got.splitlines(), "the page", "printed", lineterm="")))
 
 
 def _git_status() -> set[str]:
@@ -66,6 +78,7 @@ def python_results(request, tmp_path_factory):
 def test_python_block_runs(block, python_results):
     result = python_results[block.id]
     assert result["status"] == 0, f"{block.id} exited with {result['status']}:\n{result['output']}"
+    assert_prints(block, result["stdout"], result["folder"])
 
 
 @pytest.mark.multiprocess
@@ -77,6 +90,7 @@ def test_shell_block_runs(block):
     assert done.returncode == 0, f"{block.id} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-4000:]}"
     left = _git_status() - before
     assert not left, f"{block.id} left files in the checkout (write under a mktemp -d folder): {sorted(left)}"
+    assert_prints(block, done.stdout)
 
 
 @pytest.mark.parametrize("block", PARSED, ids=_ids(PARSED))
@@ -90,6 +104,56 @@ def test_parse_only_block_parses(block):
         data = yaml.safe_load(block.code)
         if isinstance(data, dict) and "model" in data and ({"devices", "nodes"} & set(data)):
             cluster_from_dict(data)  # a cluster file example is a valid cluster file
+
+
+# ----------------------------------------------------------------------------- output blocks
+
+PRINTING_PAGE = """Plan it:
+
+```python
+print("187 s per step")
+```
+
+<!-- docs-test: output -->
+```console
+187 s per step
+```
+"""
+
+
+def test_an_output_block_belongs_to_the_block_right_before_it():
+    (block,) = page_blocks("page.md", PRINTING_PAGE)
+    assert (block.line, block.prints, block.printed_at) == (3, "187 s per step\n", 8)
+
+
+@pytest.mark.parametrize("page, says", [
+    ("Text.\n\n<!-- docs-test: output -->\n```\n187 s\n```\n", "must follow the python or bash block"),
+    ('```python\nprint(1)\n```\nSo:\n<!-- docs-test: output -->\n```\n1\n```\n', "only blank lines between"),
+    ("```text\nx\n```\n<!-- docs-test: output -->\n```\n1\n```\n", "must follow the python or bash block"),
+    ("```yaml\na: 1\n```\n<!-- docs-test: output -->\n```\n1\n```\n", "does not run"),
+    (PRINTING_PAGE + "<!-- docs-test: output -->\n```\nagain\n```\n", "must follow the python or bash block"),
+    ("<!-- docs-test: illustration -->\n```\n2.05s\n```\n", "needs its reason"),
+], ids=["after-prose", "text-between", "after-text", "after-yaml", "twice", "illustration-without-reason"])
+def test_output_a_test_cannot_produce_is_refused(page, says):
+    with pytest.raises(DocsConventionError, match=says):
+        page_blocks("page.md", page)
+
+
+def test_output_is_compared_exactly_but_for_paths_and_blank_edges(tmp_path):
+    """The rule of tests/docs_blocks.py, on printed text written by hand: numbers differ, it fails."""
+    (block,) = page_blocks("page.md", PRINTING_PAGE.replace("187 s per step\n```", "<repo>/x <tmp>/y 187 s \n```"))
+    assert_prints(block, f"\n{ROOT}/x {tmp_path}/y 187 s\n\n", str(tmp_path))
+    (block,) = page_blocks("page.md", PRINTING_PAGE)
+    with pytest.raises(AssertionError, match=r"-187 s per step\n\s*\+190 s per step"):
+        assert_prints(block, "190 s per step\n")
+
+
+def test_every_output_block_on_the_pages_is_compared():
+    """No marker outside the two kinds that a test reads: a page's output is compared or says why not."""
+    compared = [b for b in BLOCKS if b.prints is not None]
+    markers = sum(path.read_text().count("<!-- docs-test: output -->") for path in pages())
+    assert len(compared) == markers > 0
+    assert all(b.language in ("python", "bash") and b.handling is Handling.RUN for b in compared)
 
 
 # ----------------------------------------------------------------------------- the README
@@ -110,6 +174,28 @@ def test_the_readme_is_short_with_contents_and_says_what_never_ran_first():
     first_screen = "\n".join(lines[:40])
     assert "never" in first_screen and "GPU" in first_screen and "emulated" in first_screen.lower()
     assert "## Contents" in README
+
+
+def _requirement_name(requirement: str) -> str:
+    """A requirement's distribution name, normalised (``mkdocstrings[python]>=0.26`` -> ``mkdocstrings``)."""
+    return re.split(r"[\[<>=!~;\s]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_the_readme_names_every_extra_with_its_packages():
+    """The README's ``Extras:`` paragraph: every extra of pyproject.toml, each with exactly its packages
+    before the colon (an extra named there stands for its own packages)."""
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads TOML")
+    declared = {extra: {_requirement_name(r) for r in requirements} for extra, requirements in
+                tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"].items()}
+    paragraph = " ".join(README.split("\nExtras: ", 1)[1].split("\n\n", 1)[0].split())
+    listed = dict(re.findall(r"`\[([\w-]+)\]` \(([^)]*)\)", paragraph))
+    assert sorted(listed) == sorted(declared), f"README extras {sorted(listed)}, pyproject.toml {sorted(declared)}"
+    for extra, text in listed.items():
+        named: set[str] = set()
+        for item in text.split(":", 1)[0].split(","):
+            inner = re.fullmatch(r"`\[([\w-]+)\]`", item.strip())
+            named |= declared[inner.group(1)] if inner else {item.strip().lower()}
+        assert named == declared[extra], f"README: [{extra}] ({text}); pyproject.toml: {sorted(declared[extra])}"
 
 
 def test_the_readme_cluster_example_parses_and_plans():

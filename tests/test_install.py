@@ -181,7 +181,7 @@ def test_installed_demo_runs_to_the_end_without_extras(installed):
     env = {k: v for k, v in env.items() if k != "WANDB_MODE"}  # as a user's shell has it
     out = _run([bin_dir / "python", "-m", "cephalo_lightning", "demo", "--even-steps=1", "--vars.steps=2",
                 "--vars.profile_k=2", "--vars.out=demo", "--trainer.enable_progress_bar=false"], cwd=outside, env=env)
-    assert "Cephalo demo: done" in out and "even plan:" in out and "metrics.csv (for W&B" in out, out[-3000:]
+    assert "Cephalo demo: done" in out and "speed-up:" in out and "metrics.csv (for W&B" in out, out[-3000:]
     assert 'wandb is not installed' in out and 'pip install "cephalo-lightning[wandb]"' in out, out[-3000:]
     assert (outside / "demo" / "checkpoints" / "last.ckpt").is_dir()
     assert list((outside / "demo").glob("*/version_*/metrics.csv")), sorted(p.name for p in (outside / "demo").iterdir())

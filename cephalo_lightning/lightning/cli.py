@@ -20,7 +20,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import yaml
 from jsonargparse import DefaultHelpFormatter, Namespace
@@ -31,6 +31,7 @@ from typing_extensions import override
 from cephalo_lightning._common.errors import CephaloError, refused
 from cephalo_lightning._common.help_text import PlainHelp, PlainHelpFormatter
 from cephalo_lightning.configs import resolve as resolve_config
+from cephalo_lightning.lightning.cli_errors import CLIArgumentParser, fail
 from cephalo_lightning.lightning.cli_loggers import replace_missing_wandb
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,6 @@ DESCRIPTION = (
 
 class CLIHelpFormatter(PlainHelp, DefaultHelpFormatter):
     """jsonargparse's help formatter, the reST markup of the docstrings it prints removed."""
-
-
-def _fail(message: str) -> NoReturn:
-    """One line on stderr and exit status 2, as argparse does for a bad command line."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def resolve_configs(args: Sequence[str]) -> list[str]:
@@ -93,7 +88,7 @@ def check_vars(args: Sequence[str]) -> None:
     if unknown:
         flags = ", ".join(f"--vars.{name}" for name in unknown)
         where = f"the config defines {', '.join(known)}" if known else "the config files define no vars"
-        _fail(f"unknown var in {flags}: {where}. Fix the name, or add the var to the config's vars: block.")
+        fail(f"unknown var in {flags}: {where}. Fix the name, or add the var to the config's vars: block.")
 
 
 def interpolation_error(err: OmegaConfBaseException, args: Sequence[str]) -> str:
@@ -110,13 +105,23 @@ def interpolation_error(err: OmegaConfBaseException, args: Sequence[str]) -> str
 
 
 class CephaloCLI(LightningCLI):
-    """LightningCLI with a ``--vars`` block, packaged configs by name, one-line interpolation errors and
-    a CSV logger in place of a ``WandbLogger`` when wandb is not installed (:mod:`.cli_loggers`)."""
+    """LightningCLI with a ``--vars`` block, packaged configs by name, one-line interpolation and option
+    errors (:class:`CLIArgumentParser`, its default ``parser_class``) and a CSV logger in place of a
+    ``WandbLogger`` when wandb is not installed (:mod:`.cli_loggers`)."""
+
+    def __init__(self, *args: Any, parser_class: type[LightningArgumentParser] = CLIArgumentParser,
+                 **kwargs: Any) -> None:
+        self.parsers: list[LightningArgumentParser] = []  # the main parser and every subcommand's (init_parser)
+        super().__init__(*args, parser_class=parser_class, **kwargs)
 
     @override
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         kwargs.setdefault("formatter_class", CLIHelpFormatter)  # the main parser and every subcommand's
-        return super().init_parser(**kwargs)
+        if issubclass(self.parser_class, CLIArgumentParser):
+            kwargs.setdefault("option_parsers", self.parsers)
+        parser = super().init_parser(**kwargs)
+        self.parsers.append(parser)
+        return parser
 
     @override
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse's parser
@@ -132,7 +137,7 @@ class CephaloCLI(LightningCLI):
         try:  # None keeps LightningCLI reading sys.argv itself (and not warning about args)
             super().parse_arguments(parser, None if args is None and argv == sys.argv[1:] else argv)
         except OmegaConfBaseException as err:
-            _fail(interpolation_error(err, argv))
+            fail(interpolation_error(err, argv))
 
     @override
     def before_instantiate_classes(self) -> None:

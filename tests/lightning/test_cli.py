@@ -63,6 +63,39 @@ def test_an_unresolvable_interpolation_is_one_line(tmp_path, capsys):
                    "the config's vars are batch, steps.")
 
 
+# (where the typo is, how it is written, the typo, the option as the message names it, the option meant): by hand
+MISSPELT_OPTIONS = [
+    ("config", "max_steps: ${vars.steps}", "max_step: ${vars.steps}", "trainer.max_step", "trainer.max_steps"),
+    ("config", "enable_progress_bar: false", "enable_progres_bar: false", "trainer.enable_progres_bar",
+     "trainer.enable_progress_bar"),
+    ("config", "seed_everything: 0", "seed_everythin: 0", "seed_everythin", "seed_everything"),
+    ("config", "    preset: tiny", "    presett: tiny", "model.init_args.presett", "model.init_args.preset"),
+    ("config", "      mode: layered", "      mod: layered", "trainer.strategy.init_args.mod",
+     "trainer.strategy.init_args.mode"),
+    ("flag", None, "--trainer.max_stesp=5", "trainer.max_stesp", "trainer.max_steps"),
+]
+
+
+@pytest.mark.parametrize("where, written, typo, key, meant", MISSPELT_OPTIONS, ids=[m[3] for m in MISSPELT_OPTIONS])
+def test_a_misspelt_option_is_one_error_line_naming_it_and_the_nearest(tmp_path, capsys, where, written, typo, key,
+                                                                       meant):
+    """docs/reference/cli.md promises one ``error:`` line; jsonargparse prints the usage of every
+    option of the subcommand (a misspelt class_path argument: some 60 lines) above its message."""
+    if where == "config":
+        config = tmp_path / "typo.yaml"
+        config.write_text(TINY.read_text().replace(written, typo))
+        err = _error(capsys, "--config", str(config))
+    else:
+        err = _error(capsys, "--config", str(TINY), typo)
+    assert err.startswith(f"error: unknown option {key!r} ("), err
+    assert f"; did you mean {meant!r}? --" in err and err.endswith(("lists the options", "lists its options")), err
+
+
+def test_a_bad_value_is_one_error_line_naming_the_option(capsys):
+    err = _error(capsys, "--config", str(TINY), "--trainer.max_steps=many")
+    assert err.startswith("error: ") and "trainer.max_steps" in err and "many" in err, err
+
+
 def test_a_packaged_config_is_found_by_name_from_anywhere(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     by_name = _print_config("--config", "quickstart")

@@ -16,17 +16,15 @@ from cephalo_lightning.lightning.strategy.process_group import ProcessGroupStrat
 from cephalo_lightning.lightning.strategy_config import DEFAULTS, OPTION_NAMES, StrategyConfig
 
 README = Path(__file__).resolve().parents[2] / "docs" / "reference" / "strategy.md"  # the options table
-# pages that document their own options in a table under the same heading
+# pages that show some options again, in a table under the same heading: each row agrees with the declaration,
+# and the reference's table lists every option all the same (a page's rows never stand in for the reference's)
 OPTION_PAGES = (Path(__file__).resolve().parents[2] / "docs" / "fault-tolerance.md",)
 HEADING = "### `CephaloStrategy(...)`"
 
 
 def readme_table() -> dict[str, str]:
-    """``name -> default`` as the README's table and the option pages' tables state them (a row may
-    name several options)."""
-    rows: dict[str, str] = {}
-    for page in (README, *OPTION_PAGES):
-        rows.update(_table(page))
+    """``name -> default`` as the reference's table states them (a row may name several options)."""
+    rows = _table(README)
     assert rows, f"no option rows under {HEADING!r} in {README}"
     return rows
 
@@ -69,6 +67,14 @@ def test_the_readme_table_lists_exactly_the_declared_options_with_their_defaults
     for name in OPTION_NAMES:
         assert table[name].replace("`", "") == shown(name).replace("`", ""), (
             f"{name}: the README says {table[name]!r}, StrategyConfig says {shown(name)!r}")
+
+
+@pytest.mark.parametrize("page", OPTION_PAGES, ids=[p.name for p in OPTION_PAGES])
+def test_a_page_that_shows_options_again_shows_declared_ones_with_their_defaults(page):
+    rows = _table(page)
+    assert rows and set(rows) <= set(OPTION_NAMES), f"{page.name} names {sorted(set(rows) - set(OPTION_NAMES))}"
+    for name, default in rows.items():
+        assert default.replace("`", "") == shown(name).replace("`", ""), (name, page.name, default, shown(name))
 
 
 def test_the_strategy_signature_exposes_exactly_the_declared_options_with_their_defaults():

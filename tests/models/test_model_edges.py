@@ -4,6 +4,7 @@ wrap the model's own modules."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
 
@@ -63,6 +64,28 @@ class EagerLlama(MetaLlama):
         self.configure_model()
 
 
+class InfoLines(logging.Handler):
+    """The messages Lightning's rank-zero loggers emit (``rank_zero_info``), while attached."""
+
+    LOGGERS = ("lightning.pytorch", "lightning.fabric")
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> InfoLines:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeHandler(self)
+
+
 def _meta_and_pretrained(rank: int, world: int, weights: dict[str, str]):
     warnings.simplefilter("ignore")
     out = {}
@@ -72,11 +95,16 @@ def _meta_and_pretrained(rank: int, world: int, weights: dict[str, str]):
         trainer = fit(MetaLlama(family), plan, world, steps=0)
         assert trainer.strategy.sharded.materialized_units == len(trainer.strategy.sharded.units)
         out[f"init/{family}"] = trainer.strategy.sharded.full_state_dict()
-        trainer = fit(MetaLlama(family), plan, world, steps=0, pretrained=weights[family])
+        with InfoLines() as info:
+            trainer = fit(MetaLlama(family), plan, world, steps=0, pretrained=weights[family])
         out[f"pretrained/{family}"] = trainer.strategy.sharded.full_state_dict()
+        out[f"not used/{family}"] = [line for line in info.lines if "not used" in line]
         torch.manual_seed(100 + rank)  # eager weights unlike the files' (and unlike each other's)
         trainer = fit(EagerLlama(family), plan, world, steps=0, pretrained=weights[family])
         out[f"eager/{family}"] = trainer.strategy.sharded.full_state_dict()
+    with InfoLines() as info:  # the llama files and one tensor the model has no parameter for
+        fit(MetaLlama("llama"), plan, world, steps=0, pretrained=weights["llama+spare"])
+    out["not used/llama+spare"] = [line for line in info.lines if "not used" in line]
     return out
 
 
@@ -90,6 +118,12 @@ def saved(tmp_path_factory):
                               n_layer=2, n_embd=16, n_head=2, n_positions=16, vocab_size=17)))):
         model.save_pretrained(root / family)  # safetensors; GPT-2's tied head is not stored
         paths[family] = str(root / family)
+    from safetensors.torch import load_file, save_file
+
+    (root / "llama+spare").mkdir()
+    save_file({**load_file(root / "llama" / "model.safetensors"), "spare.weight": torch.ones(3)},
+              root / "llama+spare" / "model.safetensors")
+    paths["llama+spare"] = str(root / "llama+spare")
     one = run_distributed(_meta_and_pretrained, 1, paths)
     two = run_distributed(_meta_and_pretrained, 2, paths)
     return paths, one[0], two[0]
@@ -122,6 +156,24 @@ def test_pretrained_weights_land_in_the_shards_exactly(saved):
                         assert family == "gpt2" and torch.equal(value, stored["transformer.wte.weight"]), name
                         continue
                     assert torch.equal(value, stored[key]), f"{built} {family}: {name}"
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_load_reports_as_not_used_only_the_tensors_no_rank_read(saved):
+    """Under shares 0.3 / 0.7 rank 0 holds none of some tensors (the end of each unit is rank 1's):
+    they were read, by rank 1, and rank 0 (which prints) does not call them unused. The reference is
+    the files' keys against the names the trained model holds."""
+    from safetensors.torch import load_file
+
+    paths, one, two = saved
+    for family in ("llama", "gpt2", "llama+spare"):
+        stored = set(load_file(f"{paths[family]}/model.safetensors"))
+        held = {name[len("model."):] for name in one[f"pretrained/{family.split('+')[0]}"]}
+        unread = sorted(stored - held)
+        assert unread == (["spare.weight"] if family == "llama+spare" else []), family
+        for world, got in ((1, one), (2, two)):
+            want = [f"Cephalo: 1 tensor of {paths[family]} was not used by any rank, e.g. {unread}"] if unread else []
+            assert got[f"not used/{family}"] == want, (world, family)
 
 
 def test_safetensors_weights_without_safetensors_are_refused_at_setup_naming_the_extra(tmp_path, monkeypatch):

@@ -7,16 +7,16 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import re
-import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from cephalo_lightning._common.units import memory_text
+from cephalo_lightning._common.vocabulary import Planner
 from cephalo_lightning.planner import Cluster, Plan, cluster_from_dict, load_cluster, plan
 from cephalo_lightning.planner.command import main as plan_main
 from cephalo_lightning.planner.cost.cluster_cost import collective_ms
@@ -295,55 +295,31 @@ def test_plot_without_matplotlib_says_how_to_install_it_before_planning(
 # ----------------------------------------------------------------------------- docs/plan-reading.md
 
 PAGE = ROOT / "docs" / "plan-reading.md"
-FENCE = re.compile(r"(?:^<!-- docs-test: ([a-z-]+)[^>]*-->\n)?^```(\w+)[^\n]*\n(.*?)^```", re.M | re.S)
 
 
-def page_blocks() -> list[tuple[str, str, str]]:
-    """(marker, language, body) of every fenced block of the page, in order."""
-    return [(m.group(1) or "", m.group(2), m.group(3)) for m in FENCE.finditer(PAGE.read_text())]
+def test_every_output_block_of_the_page_is_compared_with_what_its_block_prints() -> None:
+    """tests/test_docs.py runs the page's blocks and compares what they print with the output blocks,
+    numbers included (a cost-model change that moves a figure fails until the page shows it)."""
+    from tests.docs_blocks import blocks
 
-
-def _run_block(language: str, body: str, tmp_path: Path) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    if language == "python":
-        script = tmp_path / "block.py"
-        script.write_text(body)
-        command, cwd = [sys.executable, str(script)], tmp_path
-    else:
-        command, cwd = ["bash", "-euo", "pipefail", "-c", body], ROOT
-    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"{language} block failed:\n{body}\n{done.stderr[-3000:]}"
-    return done.stdout
-
-
-def _figures_masked(text: str) -> list[str]:
-    """Lines with every number as #: the page shows the layout and wording, figures may move with the cost model."""
-    return [re.sub(r"\d+(\.\d+)?", "#", line.rstrip()) for line in text.strip("\n").splitlines()]
-
-
-@pytest.mark.multiprocess
-def test_every_block_of_the_page_runs_and_shows_what_it_prints(tmp_path: Path) -> None:
-    blocks = page_blocks()
-    assert [lang for _, lang, _ in blocks].count("python") >= 2 and len(blocks) >= 8
-    printed = None
-    for marker, language, body in blocks:
-        if marker == "output":  # the output of the block before it
-            assert printed is not None and _figures_masked(body) == _figures_masked(printed), body
-            printed = None
-        elif marker == "parse-only":
-            subprocess.run(["bash", "-n", "-c", body], check=True)
-        elif language in ("python", "bash"):
-            printed = _run_block(language, body, tmp_path)
+    shown = PAGE.read_text().count("<!-- docs-test: output -->")
+    compared = [b for b in blocks(PAGE) if b.prints is not None]
+    assert shown >= 3 and len(compared) == shown
+    assert [b.language for b in compared].count("python") >= 2
     assert _png_size(ROOT / "docs" / "img" / "plan-two-nodes.png")[0] >= 800  # the picture the page shows
 
 
 def test_the_rank_lines_of_a_plan_nothing_priced_read_as_information_not_errors() -> None:
     from cephalo_lightning.lightning.fit.loggers import rank_lines
 
-    lines = rank_lines(Plan.even(2, 8, 2))
+    lines = rank_lines(Plan.even(2, 8, 2))  # what a fit without a plan or a profile runs: no plan was given
     assert lines[0] == ("Cephalo rank 0: device not profiled: batch 4 in 2 micro-batches of 2, state share 50.0%, "
-                        "not priced (a plan given as it is, without a cluster file to predict it from)")
+                        "not priced (an even split, made before anything was measured)")
+    assert not [line for line in lines if "given" in line]
+    given = replace(Plan.even(2, 8, 2), planner=Planner.CEPHALO)  # a plan file without predictions, given
+    assert rank_lines(given)[1].endswith("not priced (a plan given as it is, without a cluster file to predict it from)")
+    provisional = replace(Plan.even(2, 8, 2), planner=Planner.PROVISIONAL)  # the layout a profiling fit starts with
+    assert "given" not in rank_lines(provisional)[0] and "provisional" in rank_lines(provisional)[0]
     assert not [line for line in lines if "?" in line or "unprofiled:" in line]
     explained = rank_lines(plan(FAST, 3))  # two identical ranks: the odd sample goes to the lower one
     assert explained[0].endswith(", bound by compute") and explained[1].endswith(", bound by granularity")

@@ -109,3 +109,61 @@ def test_unknown_mode_and_planner() -> None:
         plan(cluster, 4, mode="pipeline")
     with pytest.raises(PlanningError, match="planner must be one of"):
         plan(cluster, 4, planner="fastest")
+
+
+def _misspelt(section: str, typo: str) -> dict[str, Any]:
+    data = small_cluster()
+    if section == "cluster file":
+        data[typo] = data.pop("devices")
+    elif section == "settings":
+        data["settings"] = {typo: "10 Gbit/s per link"}
+    elif section == "model":
+        data["model"][typo] = 1
+    elif section == "devices[0]":
+        data["devices"][0][typo] = 1
+    else:  # an emulation spec
+        data["devices"][0]["emulate"] = {typo: 2}
+    return data
+
+
+# (section, the key as a person misspells it, the key meant): written by hand, not by the code's own list
+MISSPELT = [
+    ("settings", "inter_node_bandwith", "inter_node_bandwidth"),
+    ("settings", "link_bandwidht", "link_bandwidth"),
+    ("settings", "inter_node_bandwidth_gbp", "inter_node_bandwidth_gbps"),
+    ("settings", "usable_memory_fractoin", "usable_memory_fraction"),
+    ("model", "num_layer", "num_layers"),
+    ("model", "paramaters", "parameters"),
+    ("devices[0]", "memory_gib", "memory_gb"),
+    ("devices[0]", "layer_fwd", "layer_fwd_ms"),
+    ("devices[0].emulate", "slowdwn", "slowdown"),
+    ("cluster file", "device", "devices"),
+]
+
+
+@pytest.mark.parametrize("section, typo, meant", MISSPELT, ids=[m[1] for m in MISSPELT])
+def test_a_misspelt_key_names_the_key_meant(section: str, typo: str, meant: str) -> None:
+    with pytest.raises(PlanningError) as err:
+        cluster_from_dict(_misspelt(section, typo))
+    text = str(err.value)
+    assert text.startswith(f"{section}: unknown key(s) [{typo!r}] (did you mean {meant!r}?)"), text
+    assert "\n" not in text
+
+
+def test_a_misspelt_setting_lists_the_documented_bandwidth_keys() -> None:
+    """docs/cluster.md writes links as ``inter_node_bandwidth: 10 Gbit/s per link``: the list of
+    allowed settings names those keys, not only the numeric ``*_gbps`` ones the profiler writes."""
+    with pytest.raises(PlanningError) as err:
+        cluster_from_dict(small_cluster(settings={"bandwidth": "10 Gbit/s per link"}))
+    allowed = str(err.value).split("allowed: ", 1)[1]
+    for key in ("'inter_node_bandwidth'", "'link_bandwidth'", "'inter_node_bandwidth_gbps'", "'link_bandwidth_gbps'"):
+        assert key in allowed, allowed
+
+
+def test_two_misspelt_keys_get_a_match_each_and_a_stranger_none() -> None:
+    data = small_cluster()
+    data["model"].update(num_layer=2, paramaters=10, colour=1)
+    with pytest.raises(PlanningError) as err:
+        cluster_from_dict(data)
+    assert ("model: unknown key(s) ['colour', 'num_layer', 'paramaters'] (did you mean 'num_layers' for "
+            "'num_layer', 'parameters' for 'paramaters'?); allowed: ") in str(err.value)

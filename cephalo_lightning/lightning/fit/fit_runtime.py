@@ -379,7 +379,7 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
     if config.pretrained is not None:
         source = open_weights(config.pretrained, _prefix_of(module, resolution.model), lora.WRAPPED_SEGMENTS)
     try:
-        return ShardedModel(
+        sharded = ShardedModel(
             module, plan.state_shares, shard_groups=plan.shard_groups, links=links,
             units=layered.units if layered is not None else config.units,
             collective=collective, compute_dtype=config.param_dtype, prefetch=config.prefetch, device=device,
@@ -387,12 +387,16 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
             materializer=UnitMaterializer(device, init=resolution.init, source=source, seed=config.seed or 0,
                                           fresh=frozenset(lora.adapter_parameters(module)), construction=construction),
         )
+        # collective, once: each rank read only the tensors its shards hold part of
+        unused = source.unused(gather_objects(sorted(source.used))) if source is not None else []
     finally:
         if source is not None:
-            unused = source.unused()
             source.close()
-            if unused:
-                rank_zero_info(f"Cephalo: {len(unused)} tensors of {config.pretrained} were not used, e.g. {unused[:3]}")
+    if unused:
+        counted = "1 tensor" if len(unused) == 1 else f"{len(unused)} tensors"
+        rank_zero_info(f"Cephalo: {counted} of {config.pretrained} {'was' if len(unused) == 1 else 'were'} not used "
+                       f"by any rank, e.g. {unused[:3]}")
+    return sharded
 
 
 def _unpriced_room(held: ShardSummary, plan: Plan, rank: int) -> tuple[int, int, float | None]:

@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from cephalo_lightning._common.vocabulary import ProfileSource
+from cephalo_lightning._common.vocabulary import Planner, ProfileSource
 from cephalo_lightning.lightning import _private as _lightning_private
 from cephalo_lightning.planner import Cluster, Plan, save_cluster
 from cephalo_lightning.planner.schema.plan import UNPROFILED
@@ -138,6 +138,14 @@ def _gib(value: float | None) -> str:
     return "?" if value is None else f"{value:.3g}"
 
 
+# why a plan's ranks carry no prediction: the plans made at setup before anything was measured, else a given plan
+UNPRICED = {
+    Planner.EVEN: "not priced (an even split, made before anything was measured)",
+    Planner.PROVISIONAL: "not priced (a provisional layout by memory, until the profile's plan arrives)",
+}
+GIVEN_UNPRICED = "not priced (a plan given as it is, without a cluster file to predict it from)"
+
+
 def rank_lines(plan: Plan) -> list[str]:
     """One line per rank: device, batch and micro-batches, state share, predicted time and memory."""
     lines = []
@@ -148,7 +156,7 @@ def rank_lines(plan: Plan) -> list[str]:
         emulated = ", emulated" if r.source == ProfileSource.EMULATED else ""
         bound = f", bound by {r.binding}" if r.binding is not None else ""
         if r.predicted_step_s is None and r.predicted_memory_gb is None:
-            predicted = "not priced (a plan given as it is, without a cluster file to predict it from)"
+            predicted = UNPRICED.get(plan.planner, GIVEN_UNPRICED)
         else:
             step = f"{r.predicted_step_s:.4g} s/step" if r.predicted_step_s is not None else "? s/step"
             memory = f"{_gib(r.predicted_memory_gb)} GiB"

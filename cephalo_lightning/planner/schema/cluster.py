@@ -19,7 +19,7 @@ from typing import Any
 
 from cephalo_lightning._common.atomic_io import write_text_atomic
 from cephalo_lightning._common.vocabulary import Collective, ProfileSource, Schedule, values_of
-from cephalo_lightning.planner.schema.bandwidth import per_rank_gbps, split_spelled
+from cephalo_lightning.planner.schema.bandwidth import SPELLED_KEYS, per_rank_gbps, split_spelled
 from cephalo_lightning.planner.schema.calibration_terms import CALIBRATION_TERMS, Calibration
 from cephalo_lightning.planner.schema.catalog import estimate_profile
 from cephalo_lightning.planner.schema.cluster_fields import (
@@ -30,6 +30,7 @@ from cephalo_lightning.planner.schema.cluster_fields import (
     checked_mapping,
     checked_number,
     checked_series,
+    nearest_keys,
     reject_unknown_keys,
 )
 from cephalo_lightning.planner.schema.cluster_spec import Cluster, DeviceProfile, Emulation, ModelSpec, Settings
@@ -73,8 +74,8 @@ def parse_emulation_spec(data: Any, where: str = "emulate") -> Emulation | None:
     unknown = sorted(map(str, set(data) - set(EMULATION_KEYS)))
     if unknown:
         raise EmulationSpecError(
-            f"{where}: unknown key(s) {unknown}; an emulation spec has 'slowdown' (>= 1), 'memory_gb' (GiB), "
-            "'node' (an int >= 0) and 'inter_node_gbps' (GB/s per direction between emulated nodes)")
+            f"{where}: unknown key(s) {unknown}{nearest_keys(unknown, EMULATION_KEYS)}; an emulation spec has "
+            "'slowdown' (>= 1), 'memory_gb' (GiB), 'node' (an int >= 0) and 'inter_node_gbps' (GB/s per direction between emulated nodes)")
     slowdown = _spec_number(data.get("slowdown", 1.0), f"{where}.slowdown",
                             "Use 1 for full speed, 3 for three times slower.")
     if slowdown < 1.0:
@@ -366,6 +367,8 @@ def cluster_from_dict(data: Any) -> Cluster:
         raise PlanningError("the cluster file needs a 'devices:' list; add one in rank order, e.g. "
                             "devices: [{name: a100, count: 2}] (or a nodes: list, one {devices: [...]} per node)")
     model = parse_model(data["model"])
+    if isinstance(data.get("settings"), Mapping):  # a file's settings: the spelled bandwidths are its documented keys
+        reject_unknown_keys(data["settings"], {f.name for f in fields(Settings)} | set(SPELLED_KEYS), "settings")
     settings_data, spelled = split_spelled(data.get("settings"))  # "25 Gbit/s per link" (planner/bandwidth.py)
     settings = parse_settings(settings_data)
     devices = parse_devices(data.get("devices"), model, settings, nodes=data.get("nodes"))

@@ -7,8 +7,9 @@
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from cephalo_lightning.planner.schema.files import MAX_EXACT_INTEGER, shown_number
@@ -69,11 +70,25 @@ def checked_series(value: Any, where: str, *, strict: bool) -> tuple[float, ...]
     return tuple(checked_number(v, f"{where}[{i}]", strict=strict) for i, v in enumerate(value))
 
 
-def reject_unknown_keys(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    """Refuses keys outside ``allowed`` (a misspelt key would otherwise be ignored)."""
-    unknown = sorted(map(str, set(data) - allowed))  # str: YAML keys may be numbers, dates, ...
+def nearest_keys(unknown: Sequence[str], allowed: Collection[str]) -> str:
+    """`` (did you mean 'x'?)`` for the unknown keys that resemble an allowed one (difflib's ratio
+    >= 0.6), else empty: the fix for a typo, named beside the list of every key."""
+    pairs = [(key, difflib.get_close_matches(key, sorted(allowed), n=1)) for key in unknown]
+    found = [(key, near[0]) for key, near in pairs if near]
+    if not found:
+        return ""
+    if len(unknown) == 1:
+        return f" (did you mean {found[0][1]!r}?)"
+    return " (did you mean " + ", ".join(f"{near!r} for {key!r}" for key, near in found) + "?)"
+
+
+def reject_unknown_keys(data: Mapping[str, Any], allowed: Collection[str], where: str) -> None:
+    """Refuses keys outside ``allowed`` (a misspelt key would otherwise be ignored), naming the
+    nearest allowed key and every allowed one."""
+    unknown = sorted(map(str, set(data) - set(allowed)))  # str: YAML keys may be numbers, dates, ...
     if unknown:
-        raise PlanningError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}. Fix or remove them")
+        raise PlanningError(f"{where}: unknown key(s) {unknown}{nearest_keys(unknown, allowed)}; allowed: "
+                            f"{sorted(allowed)}. Fix or remove them")
 
 
 def checked_mapping(value: Any, where: str) -> Mapping[str, Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +96,12 @@ class WeightSource:
         self.used.add(key)
         return stored
 
-    def unused(self) -> list[str]:
-        return sorted(set(self.keys) - self.used)
+    def unused(self, used_by_ranks: Iterable[Iterable[str]] = ()) -> list[str]:
+        """The stored tensors no rank read, by this rank's ``used`` and every set in ``used_by_ranks``
+        (the other ranks', gathered): a rank reads only the tensors its shards hold part of, so under
+        uneven shares what one rank left unread another may have read."""
+        read = set(self.used).union(*map(set, used_by_ranks))
+        return sorted(set(self.keys) - read)
 
     def _read(self, key: str, shape: tuple[int, ...], start: int, stop: int) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError

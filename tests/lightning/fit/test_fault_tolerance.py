@@ -399,7 +399,7 @@ def test_the_pages_parse_only_and_output_blocks_are_marked_and_parse():
         elif language == "python":
             ast.parse(code)
         else:
-            assert "docs-test: output" in marker, (language, marker)
+            assert "docs-test: illustration" in marker, (language, marker)  # measured: shown, not compared
 
 
 @needs_torchft
