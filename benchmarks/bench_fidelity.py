@@ -242,10 +242,10 @@ def _profiled_collectives(calibrated: Any) -> Any:
     from cephalo_lightning.planner.cost.collective_prices import communication
 
     profile = replace(calibrated, calibration=None)
-    comm, overlap = communication(profile), profile.settings.overlap
+    comm = communication(profile)
     return replace(calibrated, calibration=replace(
         calibrated.calibration, allgather_ms=comm.allgather_ms, reduce_scatter_ms=comm.reduce_scatter_ms,
-        overlap=1.0 if overlap is None else overlap))
+        overlap=comm.overlap))
 
 
 def _plan_row(name: str, plan: Any, history: list[dict[str, Any]], profiled: Any, calibrated: Any,

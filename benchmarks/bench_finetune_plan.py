@@ -10,6 +10,8 @@ layers, 8.03e9 parameters, hidden 4096, sequence 2048) twice:
 * LoRA r = 16 on q_proj and v_proj (6.8e6 trainable parameters): the adapters cost 16 bytes each,
   the frozen base its stored fp32 weights, 4 bytes each (``model.trainable_parameters``).
 
+The cards of a setup share one host, each on its own PCIe 4.0 x16 link (``LINK``).
+
 Printed: feasible or why not, the predicted samples/s and every rank's predicted memory (GiB).
 These are PREDICTIONS of the cost model for catalog-estimated devices (datasheet figures), not
 measurements; torch is not imported.
@@ -27,6 +29,7 @@ PARAMETERS = 8_030_261_248
 LORA = 32 * (16 * 4096 + 4096 * 16 + 16 * 4096 + 1024 * 16)  # r=16 on q (4096->4096) and v (4096->1024)
 CARDS = ("l4", "a10g", "rtx3090", "rtx4090", "p40")
 MIXED = (("l4", 2), ("rtx4090", 2))
+LINK = "16 GB/s per rank"  # one box of cards on PCIe 4.0 x16, about half its 32 GB/s achieved
 
 
 def cluster(devices: tuple[tuple[str, int], ...], trainable: int | None) -> Any:
@@ -34,7 +37,8 @@ def cluster(devices: tuple[tuple[str, int], ...], trainable: int | None) -> Any:
                              "seq_len": 2048}
     if trainable is not None:
         model["trainable_parameters"] = trainable
-    return cluster_from_dict({"model": model, "devices": [{"name": n, "count": c} for n, c in devices]})
+    return cluster_from_dict({"model": model, "settings": {"link_bandwidth": LINK},
+                              "devices": [{"name": n, "count": c} for n, c in devices]})
 
 
 def row(devices: tuple[tuple[str, int], ...], batch: int, how: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ and its plots from that file alone (``make bench``).
     python -m benchmarks.report            # full runs (~10-15 min on 2 cores)
     python -m benchmarks.report --quick    # each benchmark's smoke-run flags (~4 min)
     python -m benchmarks.report --replot   # render the page and its plots from results.json, run nothing
+    python -m benchmarks.report --only lab_cluster   # run these alone, keep the others' stored results
 
 The benchmarks are the registry's entries with ``in_report`` (``benchmarks/registry.py``), each run as
 its command line would run it. ``results.json`` holds each one's result as its ``--json`` writes it, and
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.harness import to_json
+from benchmarks.harness import comma_list, to_json
 from benchmarks.registry import BENCHMARKS, Entry
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"  # the results page, its plots and results.json
@@ -201,6 +202,22 @@ def plot_strategies(rows: list[dict[str, Any]]) -> Figure:
     return Figure("strategies", "Trainer.fit step time on 2 gloo ranks, even plan (measured)", draw)
 
 
+def plot_lab_cluster(rows: list[dict[str, Any]]) -> Figure:
+    def draw(ax: Any) -> None:
+        variants = [key for key in rows[0] if key not in ("job", "batch")]
+        xs = range(len(rows))
+        width = 0.8 / len(variants)
+        for i, variant in enumerate(variants):
+            offset = (i - (len(variants) - 1) / 2) * width
+            ax.bar([x + offset for x in xs], [r[variant]["samples_per_s"] for r in rows], width=width, label=variant)
+        ax.set_xticks(list(xs), [f"{r['job']}\nB = {r['batch']}" for r in rows])
+        ax.set_yscale("log")
+        ax.set_ylabel("samples/s (predicted)")
+        ax.legend(fontsize=7)
+
+    return Figure("lab_cluster", "4x A100 + 4x RTX 3090 on 10 GbE: free links, overlap 1, overlap 0 (predicted)", draw)
+
+
 # ----------------------------------------------------------------------------- report
 
 PLOTS: dict[str, Callable[[Any], list[Figure]]] = {
@@ -211,6 +228,7 @@ PLOTS: dict[str, Callable[[Any], list[Figure]]] = {
     "strategy": lambda r: [plot_strategies(r["strategies"])],
     "emulated": lambda r: [plot_plans(r["plans"], "emulated_plans", "Emulated 2-rank CPU cluster: measured vs predicted")],
     "fidelity": lambda r: [plot_fidelity(r)],
+    "lab_cluster": lambda r: [plot_lab_cluster(r["rows"])],
 }
 
 RUNS = "_runs"  # results.json's record of each section's run: {name: {"date", "seconds", "quick"}}
@@ -278,13 +296,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="each benchmark's smoke-run flags")
     parser.add_argument("--replot", action="store_true",
                         help="render report.md and redraw the plots from docs/benchmarks/results.json, run nothing")
+    parser.add_argument("--only", type=comma_list([entry.name for entry in report_entries()]), metavar="NAMES",
+                        help="run only these benchmarks (comma-separated) and keep the other results as stored")
     args = parser.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     if args.replot:
         write_page((OUT / "results.json").read_text())
         return 0
     raw: dict[str, Any] = {RUNS: {}}
+    if args.only:
+        raw = json.loads((OUT / "results.json").read_text())
     for entry in report_entries():
+        if args.only and entry.name not in args.only:
+            continue
         print(f"== {entry.title}", flush=True)
         raw[entry.name], raw[RUNS][entry.name] = _run(entry, args.quick)
         print(printed_report(entry, raw[entry.name]), flush=True)

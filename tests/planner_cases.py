@@ -19,6 +19,16 @@ CLUSTERS = ROOT / "configs" / "clusters"
 FULL = ("full",)  # one shard group of every rank, which brute_force enumerates
 
 
+PRICES = ("link_bandwidth", "link_bandwidth_gbps", "inter_node_bandwidth", "inter_node_bandwidth_gbps", "allgather_ms",
+          "reduce_scatter_ms")
+
+
+def free_unless_priced(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with ``free_links`` where no key prices the links: the brute-force cases weigh
+    compute and memory alone unless they give the collectives a price, and say so."""
+    return settings if any(settings.get(key) for key in PRICES) else {**settings, "free_links": True}
+
+
 def random_device(rng: random.Random) -> dict[str, Any]:
     """A measured-style profile with noise (sometimes non-monotone, to exercise the running max)."""
     k = rng.randint(1, 4)
@@ -54,7 +64,7 @@ def random_around(rng: random.Random, devices: list[dict[str, Any]], collectives
         settings["allgather_ms"] = rng.uniform(0, 30)
         settings["reduce_scatter_ms"] = rng.uniform(0, 30)
     model = {"name": "m", "num_layers": rng.randint(1, 8), "parameters": int(rng.uniform(0.05, 2.0) * 1e9)}
-    return cluster_from_dict({"model": model, "settings": settings, "devices": devices})
+    return cluster_from_dict({"model": model, "settings": free_unless_priced(settings), "devices": devices})
 
 
 def check_plan(cluster: Cluster, p: Plan, global_batch: int) -> None:
@@ -81,6 +91,7 @@ def small_cluster(**changes: Any) -> dict[str, Any]:
                          "compute_memory_gb": [2]}]}
     for key, value in changes.items():
         data[key] = value
+    data["settings"] = free_unless_priced(dict(data.get("settings") or {}))
     return data
 
 

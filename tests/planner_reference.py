@@ -107,7 +107,7 @@ def layer_times(cluster: Cluster, batch, micro, rho: float, keep=None, mode: str
     slope = s.uneven_slope if s.uneven_slope is not None else UNEVEN_SLOPE[s.collective]
     factor = 1.0 + slope * max(0.0, w * rho - 1.0)
     ag, rs = ag0 * factor, rs0 * factor
-    overlap = 1.0 if s.overlap is None else s.overlap
+    overlap = 0.0 if s.overlap is None else s.overlap  # unmeasured: serial, as docs/cluster.md documents
     c = s.micro_batch_overhead_ms
     stash = cluster.model.stash_bytes_per_sample
     if stash is None and cluster.model.hidden_size and cluster.model.seq_len:
@@ -220,6 +220,7 @@ def calibrated_by_hand(data: dict, calibration: dict, groups=None) -> Cluster:
         settings["repeated_gather_fraction"] = min(1.0, profiled / fitted) if fitted > 0 else 1.0
         settings.pop("link_bandwidth_gbps", None)
         settings.update({k: calibration[k] for k in ("allgather_ms", "reduce_scatter_ms", "overlap")})
+        settings.pop("free_links", None)  # the calibration prices the collectives
     settings["host_contention"] = calibration.get("host_contention", 1.0)
     return cluster_from_dict({"model": data["model"], "settings": settings, "devices": entries})
 

@@ -205,6 +205,27 @@ def test_the_readme_cluster_example_parses_and_plans():
     assert plan(cluster, 64).global_batch_size == 64
 
 
+def _cluster_files() -> list[tuple[str, object]]:
+    """Every cluster file a reader may copy: the docs' yaml blocks that hold one, and configs/clusters/."""
+    files = [(b.id, yaml.safe_load(b.code)) for b in BLOCKS if b.language == "yaml"]
+    files += [(str(p.relative_to(ROOT)), yaml.safe_load(p.read_text())) for p in sorted((ROOT / "configs" / "clusters").glob("*.yaml"))]
+    return [(where, data) for where, data in files
+            if isinstance(data, dict) and "model" in data and ("devices" in data or "nodes" in data)]
+
+
+def test_every_cluster_file_of_the_docs_names_its_links():
+    """A cluster file of several ranks without a price for its links is refused; one a reader copies
+    from the docs plans as written (the README's and docs' yaml blocks, configs/clusters/)."""
+    from cephalo_lightning.planner.cost.collective_prices import check_priced
+
+    files = _cluster_files()
+    assert len(files) >= 8, [where for where, _ in files]
+    for where, data in files:
+        cluster = cluster_from_dict(data)
+        check_priced(cluster)  # raises, naming the keys to write, where a link has no price
+        assert not cluster.settings.free_links, where
+
+
 # ----------------------------------------------------------------------------- names the code writes
 
 CHECKPOINT_NAME = re.compile(r"[\w.=<>*{}\[\]-]*\.ckpt\b|\bhpc_ckpt\w*")

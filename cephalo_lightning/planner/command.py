@@ -74,6 +74,11 @@ def _convert_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cluster", help="the cluster key of model_memory.json (default: the only one)")
     parser.add_argument("--memory-gb", action="append", default=[], metavar="NAME=GB",
                         help="a GPU's memory in GiB (default: the GPU catalog's); repeatable")
+    parser.add_argument("--link-bandwidth", metavar="QUANTITY",
+                        help="the link inside a node, with its unit, per rank, e.g. '16 GB/s per rank' (the release's "
+                             "files have none; a cluster of several GPUs needs it to be planned)")
+    parser.add_argument("--inter-node-bandwidth", metavar="QUANTITY",
+                        help="the network between nodes, e.g. '10 Gbit/s per link' (with several nodes)")
     parser.add_argument("--cluster-output", default="cluster.yaml",
                         help="the cluster file to write (YAML, or JSON by suffix; default cluster.yaml)")
     _add_plan_options(parser, required=False)
@@ -89,6 +94,12 @@ def _memory_overrides(values: list[str]) -> dict[str, float]:
         except ValueError:
             raise PlanningError(f"--memory-gb {value!r}: expected NAME=GB, e.g. p40=22.4") from None
     return out
+
+
+def _links(args: argparse.Namespace) -> dict[str, str]:
+    """The converted file's settings: the bandwidths given on the command line, as written."""
+    given = {"link_bandwidth": args.link_bandwidth, "inter_node_bandwidth": args.inter_node_bandwidth}
+    return {key: value for key, value in given.items() if value is not None}
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
@@ -119,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
             data = convert_release(args.latencies, args.memory, model=args.model, num_layers=args.num_layers,
                                    gpus=parse_gpus(args.gpus), seq_len=args.seq_len, dtype=args.dtype,
-                                   cluster=args.cluster, memory_gb=_memory_overrides(args.memory_gb))
+                                   cluster=args.cluster, memory_gb=_memory_overrides(args.memory_gb),
+                                   settings=_links(args))
             cluster = cluster_from_dict(data)
             try:
                 save_cluster(cluster, args.cluster_output)
@@ -151,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(result.to_json())
     else:
+        from cephalo_lightning.planner.assumptions import assumption_lines
         from cephalo_lightning.planner.report import print_plan
 
-        print_plan(result, cluster, args.output)
+        print_plan(result, cluster, args.output, assumptions=assumption_lines(cluster, result, groupings))
         if cluster.calibration is not None:
             from cephalo_lightning.planner.cost.calibration import describe
 

@@ -181,9 +181,10 @@ def parameters_line(plan: Plan) -> str | None:
 
 
 def summary_lines(plan: Plan, cluster: Cluster | None = None, output: str | None = None,
-                  next_step: bool = False) -> list[str]:
+                  next_step: bool = False, assumptions: Sequence[str] = ()) -> list[str]:
     """The legend, why each rank binds, the shard groups, the throughput against the upper bound and
-    the optimum, each baseline, where the figures come from and (``next_step``) what to do next."""
+    the optimum, each baseline, where the figures come from (the ``assumptions`` nothing measured,
+    :func:`cephalo_lightning.planner.assumptions.assumption_lines`) and (``next_step``) what to do next."""
     emulated = " (emulated)" if plan.emulated else ""
     lines = [LEGEND + (LEGEND_BINDS if _explained(plan) else ""), *why_lines(plan)]
     if plan.num_shard_groups > 1:
@@ -203,6 +204,7 @@ def summary_lines(plan: Plan, cluster: Cluster | None = None, output: str | None
         lines.append("kept: that rank's one micro-batch keeps its autograd graph instead of recomputing")
     if any(r.source == ProfileSource.CATALOG for r in plan.ranks):
         lines.append(CATALOG)
+    lines += assumptions
     lines.append("figures are predictions of the planner's cost model" + (
         ", from profiles measured under CPU emulation" if plan.emulated else ""))
     if next_step:
@@ -211,17 +213,18 @@ def summary_lines(plan: Plan, cluster: Cluster | None = None, output: str | None
 
 
 def render_plan(plan: Plan, width: int = 120, cluster: Cluster | None = None, output: str | None = None,
-                next_step: bool = False) -> str:
+                next_step: bool = False, assumptions: Sequence[str] = ()) -> str:
     """The table and the lines after it as plain text (no colour codes, no trailing spaces), for
     terminals, logs and files; the table fits ``width``, the lines are whole."""
     buffer = io.StringIO()
     Console(file=buffer, width=width, color_system=None, force_terminal=False).print(rank_table(plan))
     table = [line.rstrip() for line in buffer.getvalue().splitlines()]
-    return "\n".join([*table, *summary_lines(plan, cluster, output, next_step)]) + "\n"
+    return "\n".join([*table, *summary_lines(plan, cluster, output, next_step, assumptions)]) + "\n"
 
 
-def print_plan(plan: Plan, cluster: Cluster | None = None, output: str | None = None, next_step: bool = True) -> None:
+def print_plan(plan: Plan, cluster: Cluster | None = None, output: str | None = None, next_step: bool = True,
+               assumptions: Sequence[str] = ()) -> None:
     """Print :func:`render_plan` at the terminal's width (120 columns for a pipe or a log file)."""
     console = Console()
     width = console.width if console.is_terminal else 120
-    print(render_plan(plan, width, cluster, output, next_step), end="")
+    print(render_plan(plan, width, cluster, output, next_step, assumptions), end="")

@@ -60,7 +60,8 @@ def _cluster(trainable: int | None, parameters: int = 8_030_261_248, devices: in
     model = {"name": "llama-8b", "num_layers": 32, "parameters": parameters, "hidden_size": 4096, "seq_len": 2048}
     if trainable is not None:
         model["trainable_parameters"] = trainable
-    return cluster_from_dict({"model": model, "devices": [{"name": name, "count": devices}]})
+    return cluster_from_dict({"model": model, "settings": {"link_bandwidth": "16 GB/s per rank"},  # PCIe 4.0
+                              "devices": [{"name": name, "count": devices}]})
 
 
 LORA_8B = 6_815_744  # r = 16 on q_proj and v_proj of Llama-3-8B's 32 layers

@@ -33,6 +33,7 @@ from cephalo_lightning.planner.report import (
 )
 from cephalo_lightning.planner.schema.plan import Binding
 from cephalo_lightning.planner.search.peers import BASELINE_GROUPINGS, BASELINES
+from tests.planner_cases import free_unless_priced
 from tests.plans import plan_of
 
 LAYERS = 4
@@ -50,7 +51,8 @@ def cluster(devices: list[dict[str, Any]], **settings: Any) -> Cluster:
     micro-batch overhead, all of every device's memory usable."""
     return cluster_from_dict({
         "model": {"name": "m", "num_layers": LAYERS, "parameters": 1_000_000_000},
-        "settings": {"reserved_memory_gb": 0, "micro_batch_overhead_ms": 0, "usable_memory_fraction": 1.0, **settings},
+        "settings": free_unless_priced({"reserved_memory_gb": 0, "micro_batch_overhead_ms": 0,
+                                        "usable_memory_fraction": 1.0, **settings}),
         "devices": devices})
 
 
@@ -169,9 +171,8 @@ def test_baselines_are_named_with_their_grouping_and_identical_ones_listed_once(
     for name in p.baselines:
         assert sum(bool(re.search(rf"(?<![\w-]){re.escape(name)} \(", line)) for line in lines) == 1
     assert set(BASELINE_GROUPINGS) == set(BASELINES)
-    # the 25 Gbit/s link shared by a node's ranks binds every full-shard baseline alike
-    assert "even (full shard), proportional (full shard), poplar (full shard), reference (full shard): 12.7 samples/s" \
-        in "\n".join(lines)
+    # the 25 Gbit/s link shared by a node's ranks prices every speed-aware full-shard baseline alike
+    assert "proportional (full shard), poplar (full shard), reference (full shard): 9.09 samples/s" in "\n".join(lines)
 
 
 def test_small_memory_figures_are_shown_in_a_unit_that_keeps_them_readable() -> None:

@@ -147,7 +147,7 @@ def test_the_planners_name_is_read_only_from_planner(tmp_path: Path) -> None:
 
 def test_recompute_false_round_trips_and_needs_one_micro_batch(tmp_path: Path) -> None:
     cluster = cluster_from_dict({"model": {"name": "m", "num_layers": 4, "parameters": 50_000_000},
-                                 "settings": {"reserved_memory_gb": 0},
+                                 "settings": {"reserved_memory_gb": 0, "free_links": True},
                                  "devices": [{"name": "a", "memory_gb": 24, "layer_fwd_ms": [5, 9],
                                               "layer_bwd_ms": [10, 18], "compute_memory_gb": [1, 1.5],
                                               "activation_memory_gb": [0.5, 1.0], "count": 2}]})
@@ -163,7 +163,7 @@ def test_recompute_false_round_trips_and_needs_one_micro_batch(tmp_path: Path) -
 
 
 def test_no_recompute_never_chosen_without_graph_memory() -> None:
-    data = {"model": {"name": "m", "num_layers": 4, "parameters": 50_000_000}, "settings": {"reserved_memory_gb": 0},
+    data = {"model": {"name": "m", "num_layers": 4, "parameters": 50_000_000}, "settings": {"reserved_memory_gb": 0, "free_links": True},
             "devices": [{"name": "a", "memory_gb": 24, "layer_fwd_ms": [5, 9], "layer_bwd_ms": [10, 18],
                          "compute_memory_gb": [1, 1.5], "count": 2}]}
     p = plan(cluster_from_dict(data), 4)
@@ -172,7 +172,7 @@ def test_no_recompute_never_chosen_without_graph_memory() -> None:
 
 
 def test_no_recompute_declined_when_the_graph_does_not_fit() -> None:
-    data = {"model": {"name": "m", "num_layers": 4, "parameters": 50_000_000}, "settings": {"reserved_memory_gb": 0},
+    data = {"model": {"name": "m", "num_layers": 4, "parameters": 50_000_000}, "settings": {"reserved_memory_gb": 0, "free_links": True},
             "devices": [{"name": "a", "memory_gb": 4, "layer_fwd_ms": [5, 9], "layer_bwd_ms": [10, 18],
                          "compute_memory_gb": [1, 1.5], "activation_memory_gb": [2.0, 4.0], "count": 2}]}
     p = plan(cluster_from_dict(data), 4)  # 3 GiB usable: 1.5 + 4 for the graph of 2 does not fit
@@ -223,7 +223,11 @@ def test_release_files_convert_to_a_cluster_that_plans(tmp_path: Path, capsys: p
     lat, mem = tmp_path / "model_latencies.json", tmp_path / "model_memory.json"
     lat.write_text(json.dumps(LATENCIES))
     mem.write_text(json.dumps(MEMORY))
-    cluster = release_cluster(lat, mem, model="gpt_tiny", num_layers=12, gpus=[("l4", 2), ("a6000", 1), ("p40", 1)])
+    gpus = [("l4", 2), ("a6000", 1), ("p40", 1)]
+    with pytest.raises(PlanningError, match="write link_bandwidth"):  # the release's files price no link
+        plan(release_cluster(lat, mem, model="gpt_tiny", num_layers=12, gpus=gpus), 64)
+    cluster = release_cluster(lat, mem, model="gpt_tiny", num_layers=12, gpus=gpus,
+                              settings={"link_bandwidth": "16 GB/s per rank"})
     assert cluster.world_size == 4 and [d.name for d in cluster.devices] == ["l4", "l4", "a6000", "p40"]
     assert cluster.model.parameters == 120_000_000 and cluster.model.num_layers == 12
     assert cluster.devices[2].memory_gb == pytest.approx(47.5)  # the catalog's A6000
@@ -232,7 +236,8 @@ def test_release_files_convert_to_a_cluster_that_plans(tmp_path: Path, capsys: p
     assert by["a6000"] > by["l4"] > by["p40"]
     out = tmp_path / "cluster.yaml"
     assert cli_main(["convert", str(lat), str(mem), "--model", "gpt_tiny", "--num-layers", "12",
-                     "--gpus", "l4:2,a6000,p40", "--cluster-output", str(out), "-b", "64"]) == 0
+                     "--gpus", "l4:2,a6000,p40", "--link-bandwidth", "16 GB/s per rank", "--cluster-output", str(out),
+                     "-b", "64"]) == 0
     text = capsys.readouterr().out
     assert "converted from the Cephalo release" in text and "samples/s" in text
     assert load_cluster(out) == cluster

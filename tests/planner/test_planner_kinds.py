@@ -15,7 +15,7 @@ import pytest
 from cephalo_lightning.planner import Cluster, PlanningError, cluster_from_dict, plan
 from cephalo_lightning.planner.planning import solved_plan, without_fixed_terms
 from cephalo_lightning.planner.search.problem import Problem
-from tests.planner_cases import check_plan
+from tests.planner_cases import check_plan, free_unless_priced
 from tests.planner_reference import brute_force
 
 FULL = ("full",)  # one shard group of every rank, which the one-group references enumerate
@@ -61,7 +61,7 @@ def random_cluster(rng: random.Random, counts: list[int], extras: bool) -> Clust
             settings["offload_stash"] = True
             settings["host_copy_gbps"] = rng.choice([1.0, 10.0])
             model["stash_bytes_per_sample"] = rng.choice([2**20, 2**24])
-    return cluster_from_dict({"model": model, "settings": settings,
+    return cluster_from_dict({"model": model, "settings": free_unless_priced(settings),
                               "devices": [kind(rng, c, extras) for c in counts]})
 
 
@@ -149,7 +149,7 @@ def test_relaxation_path_is_feasible_and_its_gap_honest(seed: int) -> None:
 def test_ranks_of_one_kind_may_differ() -> None:
     """Four identical GPUs and 6 samples: two take 2, two take 1 (b and b + 1 within a kind)."""
     cluster = cluster_from_dict({"model": {"name": "m", "num_layers": 2, "parameters": 10_000_000},
-                                 "settings": {"reserved_memory_gb": 0, "micro_batch_overhead_ms": 0},
+                                 "settings": {"reserved_memory_gb": 0, "micro_batch_overhead_ms": 0, "free_links": True},
                                  "devices": [{"name": "a", "memory_gb": 16, "layer_fwd_ms": [5, 10],
                                               "layer_bwd_ms": [10, 20], "compute_memory_gb": [1, 2], "count": 4}]})
     p = plan(cluster, 6, groupings=FULL)
@@ -165,7 +165,7 @@ def test_a_slow_optimizer_moves_state_off_its_gpu() -> None:
         if ns is not None:
             slow["optimizer_ns_per_param"] = ns
         return cluster_from_dict({"model": {"name": "m", "num_layers": 8, "parameters": 1_000_000_000},
-                                  "settings": {"reserved_memory_gb": 0, "micro_batch_overhead_ms": 0},
+                                  "settings": {"reserved_memory_gb": 0, "micro_batch_overhead_ms": 0, "free_links": True},
                                   "devices": [{"name": "fast", "memory_gb": 24, "layer_fwd_ms": [5, 10],
                                                "layer_bwd_ms": [10, 20], "compute_memory_gb": [2, 4]}, slow]})
     # 20 s for the whole state on "slow"; one shard group (with free collectives groups of one rank tie)

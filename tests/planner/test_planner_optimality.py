@@ -51,7 +51,7 @@ def test_repeated_gathers_at_a_fraction_optimal_against_brute_force(seed: int) -
         world = rng.choice([2, 3])
         base = random_cluster(rng, world)
         settings = replace(base.settings, allgather_ms=rng.uniform(1, 30), reduce_scatter_ms=rng.uniform(0, 30),
-                           repeated_gather_fraction=rng.choice([0.0, rng.uniform(0, 1)]))
+                           repeated_gather_fraction=rng.choice([0.0, rng.uniform(0, 1)]), free_links=False)
         cluster = replace(base, settings=settings)
         batch = rng.randint(world, 9 if world == 3 else 12)
         best = brute_force(cluster, batch, "uniform")
@@ -221,7 +221,7 @@ def test_synced_passes_price_a_group_by_its_slowest_forward_and_backward() -> No
     """Two ranks whose passes differ: one group pays the slowest forward plus the slowest backward
     (every rank the group's step); data parallelism (a group each) and sync_passes off pay the sums."""
     data = {"model": {"name": "m", "num_layers": 3, "parameters": 1000},
-            "settings": {"reserved_memory_gb": 0, "micro_batch_overhead_ms": 0, "sync_passes": True},
+            "settings": {"reserved_memory_gb": 0, "micro_batch_overhead_ms": 0, "sync_passes": True, "free_links": True},
             "devices": [{"name": "fwd-heavy", "memory_gb": 8, "layer_fwd_ms": [6.0], "layer_bwd_ms": [4.0],
                          "compute_memory_gb": [0.1]},
                         {"name": "bwd-heavy", "memory_gb": 8, "layer_fwd_ms": [2.0], "layer_bwd_ms": [8.0],

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from cephalo_lightning.planner.cost.collective_prices import communication, link_prices
+from cephalo_lightning.planner.cost.collective_prices import check_priced, communication, link_prices
 from cephalo_lightning.planner.schema.calibration_terms import Calibration
 from cephalo_lightning.planner.schema.cluster_spec import Cluster, Settings
 from cephalo_lightning.planner.schema.planning_error import PlanningError
@@ -45,12 +45,13 @@ FITTED_ZERO_MS = 1e-6  # a fitted collective time of 0 on a cluster of several n
 
 def calibrated(cluster: Cluster, shard_groups: Sequence[int] | None = None) -> Cluster:
     """The cluster with its calibration folded into profiles and settings (itself when it has none),
-    to price plans under ``shard_groups`` (None: the calibration's own; another grouping keeps the
+    once its collectives have a price (:func:`.check_priced`), to price plans under ``shard_groups`` (None: the calibration's own; another grouping keeps the
     profile's collective terms, see the module).
 
     Ranks with the same profile and the same scale keep one profile object, so the solver still
     groups them into one kind. The result carries no calibration: folding twice changes nothing.
     """
+    check_priced(cluster)
     cal = cluster.calibration
     if cal is None:
         return cluster
@@ -97,8 +98,9 @@ def _fitted_collectives(cluster: Cluster, settings: Settings, cal: Calibration) 
     ag = max(cal.allgather_ms, floor)
     # the fit scales the world's gather as the profile prices it (communication), so does this ratio
     repeated = min(1.0, communication(profile).allgather_ms / ag) if ag > 0 else 1.0
+    # the fitted terms are the collectives' price as run: a profile planned with free links is priced now
     return replace(settings, allgather_ms=ag, reduce_scatter_ms=rs, overlap=cal.overlap,
-                   repeated_gather_fraction=repeated, **links)
+                   repeated_gather_fraction=repeated, free_links=False, **links)
 
 
 def with_calibration(cluster: Cluster, calibration: Calibration | None) -> Cluster:

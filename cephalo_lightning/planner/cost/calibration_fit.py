@@ -64,7 +64,7 @@ class StepObservation:
 def _start(cluster: Cluster, observations: Sequence[StepObservation]) -> tuple[np.ndarray, np.ndarray]:
     s, world = cluster.settings, cluster.world_size
     wall = float(np.median([o.wall_s for o in observations])) * 1e3
-    theta0 = np.array([0.0, s.micro_batch_overhead_ms, 1.0, 1.0 if s.overlap is None else s.overlap, *([1.0] * world)])
+    theta0 = np.array([0.0, s.micro_batch_overhead_ms, 1.0, s.priced_overlap, *([1.0] * world)])
     scale = np.array([max(wall / 10, 1e-3), max(s.micro_batch_overhead_ms, 1e-3), 1.0, 1.0, *([1.0] * world)])
     return theta0, scale
 

@@ -13,6 +13,14 @@ largest share rho::
 priced from the same figures by :class:`LinkPrices`. The cluster is priced as it stands: a
 cluster's ``calibration:`` is folded into its settings first
 (:func:`cephalo_lightning.planner.cost.calibration.calibrated`), which the cost model does.
+
+[Note: no free links by default] A cluster of several ranks is priced only where its collectives
+have a price: a link bandwidth (the world's own link: ``link_bandwidth`` on one node,
+``inter_node_bandwidth`` across nodes), measured ``allgather_ms`` and ``reduce_scatter_ms``, or a
+calibration. Without one the collectives would cost 0 s and the plan would trade memory and compute
+as if communication were free, which a person reading its samples/s cannot see; so the cluster is
+refused (:func:`check_priced`) unless ``settings.free_links`` says a person chose exactly that, and
+the plan's output then names it (:mod:`cephalo_lightning.planner.assumptions`).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import numpy as np
 
 from cephalo_lightning._common.vocabulary import Collective
 from cephalo_lightning.planner.cost.prices import Prices
-from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.cluster_spec import UNMEASURED_OVERLAP, Cluster
 from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 # Extra time of an uneven collective per unit of imbalance: a collective whose largest shard is
@@ -74,7 +82,7 @@ class Communication:
     reduce_scatter_ms: float
     world_size: int
     uneven_slope: float
-    overlap: float = 1.0
+    overlap: float = UNMEASURED_OVERLAP
 
     def factor(self, max_share: float) -> float:
         return 1.0 + self.uneven_slope * max(0.0, self.world_size * max_share - 1.0)
@@ -196,6 +204,51 @@ def _check_folded(cluster: Cluster) -> None:
                             "cephalo_lightning.planner.cost.calibration.calibrated(cluster)")
 
 
+EXAMPLE_LINKS = "link_bandwidth: 16 GB/s per rank, inter_node_bandwidth: 10 Gbit/s per link"
+
+
+def check_priced(cluster: Cluster) -> None:
+    """Refuses a cluster of several ranks whose collectives have no price, naming what to write
+    ([Note: no free links by default])."""
+    s, world = cluster.settings, cluster.world_size
+    given = [name for name, value in (("link_bandwidth", s.link_bandwidth_gbps),
+                                      ("inter_node_bandwidth", s.inter_node_bandwidth_gbps),
+                                      ("allgather_ms", s.allgather_ms), ("reduce_scatter_ms", s.reduce_scatter_ms))
+             if value]
+    if s.free_links:
+        if given:
+            raise PlanningError(f"settings.free_links is true (collectives cost nothing) but settings also give "
+                                f"{', '.join(given)}, which price them; keep one: drop free_links to price the "
+                                f"collectives, or drop {', '.join(given)} to plan compute and memory alone")
+        return
+    if world == 1 or cluster.calibration is not None:
+        return
+    crosses = cluster.num_nodes > 1
+    own = s.inter_node_bandwidth_gbps if crosses else s.link_bandwidth_gbps
+    measured = bool(s.allgather_ms) and bool(s.reduce_scatter_ms)
+    if measured or own:
+        return
+    if bool(s.allgather_ms) != bool(s.reduce_scatter_ms):
+        missing = "reduce_scatter_ms" if s.allgather_ms else "allgather_ms"
+        raise PlanningError(f"settings give {'allgather_ms' if s.allgather_ms else 'reduce_scatter_ms'} but not "
+                            f"{missing}, so the {missing.split('_ms')[0].replace('_', '-')} would cost 0 s; give "
+                            f"{missing} too (as measured), or a link bandwidth to price it ({EXAMPLE_LINKS})")
+    if crosses and s.link_bandwidth_gbps:
+        raise PlanningError(
+            f"the cluster spans {cluster.num_nodes} nodes but settings give only link_bandwidth (the link inside a "
+            f"node, {s.link_bandwidth_gbps:g} GB/s per rank), so the network between the nodes would be priced as "
+            "fast as that; write its bandwidth, e.g. inter_node_bandwidth: 10 Gbit/s per link (10 GbE), or profile "
+            "the cluster (python -m cephalo_lightning profile)")
+    where = (f"between its {cluster.num_nodes} nodes: write inter_node_bandwidth, e.g. 10 Gbit/s per link (10 GbE), "
+             "and link_bandwidth inside a node, e.g. 16 GB/s per rank (PCIe 4.0)") if crosses else \
+        "of one node: write link_bandwidth, e.g. 16 GB/s per rank (PCIe 4.0) or 150 GB/s per rank (NVLink)"
+    raise PlanningError(
+        f"the cluster's {world} ranks exchange every layer's parameters and gradients, but settings give no link "
+        f"bandwidth and no measured allgather_ms / reduce_scatter_ms, so the collectives would cost 0 s; give the "
+        f"links {where}; or profile the cluster (python -m cephalo_lightning profile); or set free_links: true "
+        "to plan compute and memory alone")
+
+
 def link_prices(cluster: Cluster) -> LinkPrices:
     """The cluster's link classes and the world group's collective figures (see :class:`LinkPrices`)."""
     _check_folded(cluster)
@@ -232,8 +285,7 @@ def communication(cluster: Cluster) -> Communication:
     ag, rs = prices.allgather_ms, prices.reduce_scatter_ms
     if prices.world_crosses and cluster.world_size > 1:
         ag, rs = ag + prices.latency_ms, rs + prices.latency_ms
-    overlap = cluster.settings.overlap
-    return Communication(ag, rs, cluster.world_size, prices.uneven_slope, 1.0 if overlap is None else overlap)
+    return Communication(ag, rs, cluster.world_size, prices.uneven_slope, cluster.settings.priced_overlap)
 
 
 def single_group(shard_groups: Sequence[int] | np.ndarray | None) -> bool:

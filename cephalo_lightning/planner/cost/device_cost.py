@@ -6,7 +6,8 @@ micro-batch size m (the profiler's B is recompute-with-grad plus backward minus 
 all-gather and reduce-scatter of one layer (:mod:`cephalo_lightning.planner.cost.collective_prices`), c
 the overhead of one extra micro-batch, X the host copy of one sample's stashed layer input (zero
 unless ``settings.offload_stash``), and ``comb(comm, compute) = max + (1 - overlap) * min``
-(overlap 1: communication hides behind compute, ``max``; overlap 0: serial, ``comm + compute``)::
+(overlap 1: communication hides behind compute, ``max``; overlap 0: serial, ``comm + compute``; an
+unmeasured overlap is priced at 0, see [Note: an unmeasured overlap])::
 
     layered, recomputing (the default):
         fwd_i = comb(AG,      sum_k F(s_k) + b X)
@@ -98,7 +99,7 @@ class DeviceCost:
         s, model = cluster.settings, cluster.model
         self.overhead_ms = s.micro_batch_overhead_ms
         self.settings = s
-        self.overlap = 1.0 if s.overlap is None else s.overlap
+        self.overlap = s.priced_overlap
         self.num_layers = model.num_layers
         self.budget_gb = s.usable_memory_fraction * device.memory_gb - s.reserved_memory_gb
         self.state_gb = model.state_bytes / GIB

@@ -10,7 +10,7 @@ estimate is deliberately simple and documented, so a plan made from it can be ju
       flops_fwd = 24 * s * h**2 + 4 * s**2 * h
 
 * forward time of a micro-batch of ``m`` samples, at the model FLOP utilisation
-  ``settings.estimated_mfu`` of the dense bf16/fp16 tensor peak, plus a fixed launch overhead::
+  ``settings.estimated_mfu`` of the card's peak ``peak_tflops``, plus a fixed launch overhead::
 
       layer_fwd_ms(m) = m * flops_fwd / (peak_tflops * 1e12 * mfu) * 1e3 + LAUNCH_OVERHEAD_MS
       layer_bwd_ms(m) = 2 * layer_fwd_ms(m)                        # two matmuls per forward one
@@ -26,6 +26,16 @@ estimate is deliberately simple and documented, so a plan made from it can be ju
 
   The stashed layer inputs of the layered schedule are assumed offloaded to host memory (as the
   runtime does on CUDA), so they do not count.
+
+``peak_tflops`` is the throughput of the precision mixed-precision training runs in: dense (no
+structured sparsity) bf16 tensor math with fp32 accumulate, fp16 where the card has no bf16 (V100,
+T4: fp16 inputs, fp32 accumulate, at full rate), fp32 where it has no tensor cores (P40). The
+accumulate matters on GeForce cards: they run fp32 accumulate at half their fp16-accumulate rate
+(NVIDIA's GA102 and Ada whitepapers: RTX 3090 71 against 142, RTX 4090 165 against 330), which is
+the rate ``torch.autocast`` gets; data-center and professional cards (A100, H100, H200, L4, L40S,
+RTX A6000, and V100 and T4 in fp16) run it at full rate; the A10G's peak is unpublished (AWS's
+part). A card's figure is its SMs x its tensor FMAs per SM per clock x 2 x its boost clock, which
+``tests/planner/test_planner_catalog.py`` checks against the datasheets.
 
 Memory figures are GiB as ``torch.cuda`` reports a card's total memory (slightly under the
 datasheet's GB on most cards). Estimates are labelled ``source="catalog"`` everywhere downstream.
@@ -53,26 +63,27 @@ class GpuSpec:
 
     key: str  # canonical catalog name
     memory_gb: float  # GiB as torch.cuda reports it
-    tflops: float  # dense bf16/fp16 tensor peak (fp32 for cards without tensor cores)
+    tflops: float  # dense bf16 tensor peak, fp32 accumulate (fp16 without bf16; fp32 without tensor cores)
     memory_bandwidth_gbps: float
     aliases: tuple[str, ...] = ()
     note: str = ""
 
 
 CATALOG: tuple[GpuSpec, ...] = (
-    GpuSpec("v100-16gb", 15.8, 125, 900, ("v100", "v100sxm2", "v10016")),
-    GpuSpec("v100-32gb", 31.7, 125, 900, ("v10032",)),
-    GpuSpec("t4", 14.6, 65, 320, ("t416",)),
-    GpuSpec("a10g", 22.0, 70, 600, ("a10g24",), "peak unpublished; ~55 achieved"),
-    GpuSpec("l4", 22.0, 121, 300, ("l424",)),
-    GpuSpec("rtx3090", 24.0, 71, 936, ("3090", "rtx309024"), "fp16 accumulate; half with fp32"),
-    GpuSpec("rtx4090", 24.0, 165, 1008, ("4090", "rtx409024"), "fp16 accumulate; half with fp32"),
-    GpuSpec("a6000", 47.5, 155, 768, ("rtxa6000", "a600048")),
-    GpuSpec("l40s", 44.5, 362, 864, ("l40s48",)),
-    GpuSpec("a100-40gb", 39.4, 312, 1555, ("a100", "a10040")),
-    GpuSpec("a100-80gb", 79.2, 312, 2039, ("a10080",)),
-    GpuSpec("h100", 79.1, 989, 3350, ("h10080",)),
-    GpuSpec("h200", 139.8, 989, 4800, ("h200141",)),
+    GpuSpec("v100-16gb", 15.8, 125, 900, ("v100", "v100sxm2", "v10016"),
+            "fp16 (no bf16), fp32 accumulate at full rate; SXM2 (PCIe: 112)"),
+    GpuSpec("v100-32gb", 31.7, 125, 900, ("v10032",), "fp16 (no bf16), fp32 accumulate at full rate; SXM2"),
+    GpuSpec("t4", 14.6, 65, 320, ("t416",), "fp16 (no bf16), fp32 accumulate at full rate"),
+    GpuSpec("a10g", 22.0, 70, 600, ("a10g24",), "bf16, fp32 accumulate; peak unpublished; ~55 achieved"),
+    GpuSpec("l4", 22.0, 121, 300, ("l424",), "bf16, fp32 accumulate at full rate"),
+    GpuSpec("rtx3090", 24.0, 71, 936, ("3090", "rtx309024"), "bf16, fp32 accumulate: half the fp16-accumulate 142"),
+    GpuSpec("rtx4090", 24.0, 165, 1008, ("4090", "rtx409024"), "bf16, fp32 accumulate: half the fp16-accumulate 330"),
+    GpuSpec("a6000", 47.5, 155, 768, ("rtxa6000", "a600048"), "bf16, fp32 accumulate at full rate"),
+    GpuSpec("l40s", 44.5, 362, 864, ("l40s48",), "bf16, fp32 accumulate at full rate"),
+    GpuSpec("a100-40gb", 39.4, 312, 1555, ("a100", "a10040"), "bf16, fp32 accumulate at full rate"),
+    GpuSpec("a100-80gb", 79.2, 312, 2039, ("a10080",), "bf16, fp32 accumulate at full rate"),
+    GpuSpec("h100", 79.1, 989, 3350, ("h10080",), "bf16, fp32 accumulate at full rate; SXM (PCIe: 756)"),
+    GpuSpec("h200", 139.8, 989, 4800, ("h200141",), "bf16, fp32 accumulate at full rate"),
     GpuSpec("p40", 22.4, 12, 346, ("p4024",), "no tensor cores: fp32 peak"),
 )
 

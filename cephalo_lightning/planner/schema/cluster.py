@@ -172,6 +172,8 @@ def parse_settings(data: Any) -> Settings:
         values["stash_on_device"] = checked_flag(data["stash_on_device"], "settings.stash_on_device")
     if "sync_passes" in data:
         values["sync_passes"] = checked_flag(data["sync_passes"], "settings.sync_passes")
+    if "free_links" in data:
+        values["free_links"] = checked_flag(data["free_links"], "settings.free_links")
     if "repeated_gather_fraction" in data:
         values["repeated_gather_fraction"] = checked_fraction(
             data["repeated_gather_fraction"], "settings.repeated_gather_fraction",
@@ -425,7 +427,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
             settings.pop(term, None)
     if not settings.get("inter_node_latency_ms"):
         settings.pop("inter_node_latency_ms", None)
-    for flag in ("stash_on_device", "sync_passes"):
+    for flag in ("stash_on_device", "sync_passes", "free_links"):
         if not settings.get(flag):
             settings.pop(flag, None)
     data = {"model": model, "settings": settings, "devices": entries}

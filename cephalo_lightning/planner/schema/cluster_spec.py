@@ -14,6 +14,15 @@ from cephalo_lightning._common.vocabulary import Collective, ProfileSource, hold
 from cephalo_lightning.planner.schema.calibration_terms import Calibration
 from cephalo_lightning.planner.schema.planning_error import PlanningError
 
+# The overlap the cost model assumes where none was measured (no profile, no calibration):
+# collectives serial with compute, ``AG + F``.
+# [Note: an unmeasured overlap] comb(comm, compute) = max + (1 - overlap) min grows as the overlap
+# falls, so pricing an unmeasured overlap at 0 makes every predicted step an upper bound over the
+# overlaps a runtime may reach: a plan never looks faster than it runs for want of a measurement.
+# 0 is also the only overlap measured here (gloo on CPU: docs/fidelity.md); NCCL's side streams hide
+# more, which the profiler measures (``time_overlap``) and writes as ``settings.overlap``.
+UNMEASURED_OVERLAP = 0.0
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -138,7 +147,9 @@ class Settings:
     estimated_mfu: float = 0.4  # for catalog estimates only
     # None below: measured by the profiler when it writes the cluster, else the cost model's default (collective_prices, device_cost)
     uneven_slope: float | None = None  # extra collective time per unit of imbalance (UNEVEN_SLOPE)
-    overlap: float | None = None  # how much communication hides behind compute: 1 = max(AG, F), 0 = AG + F
+    # how much communication hides behind compute: 1 = max(AG, F), 0 = AG + F; None: not measured,
+    # priced at UNMEASURED_OVERLAP (0, an upper bound on the step); the profiler measures it
+    overlap: float | None = None
     optimizer_ns_per_param: float | None = None  # for devices without their own figure (else 0)
     offload_stash: bool = False  # the layered stash is copied to host memory and back (CUDA's default)
     # the layered stash stays in device memory (the runtime's offload=False: a CPU rank without an emulated
@@ -162,9 +173,18 @@ class Settings:
     # costs this fraction of the first, which also holds the ranks' wait for each other at the layer
     # (a calibration sets it: the profiled gather over the fitted one). 1: every gather as the first
     repeated_gather_fraction: float = 1.0
+    # collectives cost nothing: a what-if of compute and memory alone, chosen by a person (the plan's
+    # output says so). A cluster whose collectives have no price (no link bandwidth, no measured
+    # allgather_ms / reduce_scatter_ms, no calibration) is refused unless this says so
+    free_links: bool = False
 
     def __post_init__(self) -> None:
         hold_member(self, "collective", Collective, PlanningError, "write collective: padded or collective: exact")
+
+    @property
+    def priced_overlap(self) -> float:
+        """The overlap the cost model prices: the measured one, else :data:`UNMEASURED_OVERLAP`."""
+        return UNMEASURED_OVERLAP if self.overlap is None else self.overlap
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def _device(name: str, memory: float, ms: float) -> dict:
 def _cluster(devices: list[dict]) -> dict:
     parameters = sum(p.numel() for p in TinyLayered().parameters())
     return {"model": {"name": "tiny-layered", "num_layers": 4, "parameters": parameters},
-            "settings": {"reserved_memory_gb": 0.0}, "devices": devices}
+            "settings": {"reserved_memory_gb": 0.0, "free_links": True}, "devices": devices}
 
 
 CLUSTER3 = _cluster([_device(BIG, 3.0, 1.0), _device(MID, 2.0, 2.0), _device(SMALL, 1.0, 6.0)])
