@@ -30,7 +30,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-from cephalo_lightning import CephaloStrategy, Plan  # noqa: E402
 from cephalo_lightning.__main__ import main as cli  # noqa: E402
 from cephalo_lightning._common.errors import UnsupportedError  # noqa: E402
 from cephalo_lightning.models import resolve, weighting  # noqa: E402
@@ -38,6 +37,7 @@ from cephalo_lightning.runtime.checkpoint import load_full_state_dict  # noqa: E
 from cephalo_lightning.runtime.checkpoint.export import export_hf  # noqa: E402
 from tests import library_models  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
+from tests.helpers import fit  # noqa: E402
 from tests.library_models import LibraryLM, PaddedTokens  # noqa: E402
 from tests.loss_models import KINDS, HFModule, collate, data, reference  # noqa: E402
 from tests.plans import plan_of  # noqa: E402
@@ -95,18 +95,11 @@ def test_weighting_choices_for_heads_and_unknown_models():
     assert weighting.choose("samples", HFModule("bert"), None).weighting.kind == "samples"
 
 
-def _trainer(plan: Plan, steps: int = STEPS, **strategy) -> pl.Trainer:
-    return pl.Trainer(strategy=CephaloStrategy(plan=plan, **strategy), accelerator="cpu", devices=2, max_steps=steps,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      use_distributed_sampler=False)
-
-
-def _fit(module: pl.LightningModule, samples, **strategy) -> tuple[pl.Trainer, list[str]]:
-    trainer = _trainer(PLAN, mode="uniform", **strategy)
-    loader = torch.utils.data.DataLoader(samples, batch_size=GLOBAL, collate_fn=collate)
+def _fit_warned(module: pl.LightningModule, samples, **strategy) -> tuple[pl.Trainer, list[str]]:
+    """A fit under PLAN (uniform) and the warnings it gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, loader)
+        trainer = fit(module, PLAN, 2, STEPS, samples, mode="uniform", **strategy)
     return trainer, [str(w.message) for w in caught]
 
 
@@ -137,8 +130,7 @@ def _after_fit(rank: int, out_dir: str) -> dict:
     tokens = PaddedTokens(GLOBAL * STEPS)
     for mode, plan in (("uniform", PLAN), ("layered", LAYERED)):
         module = EvaluatedLM("llama")
-        trainer = _trainer(plan, mode=mode)
-        trainer.fit(module, library_models.loader(tokens, GLOBAL))
+        trainer = fit(module, plan, 2, STEPS, tokens, mode=mode)
         assert trainer.strategy.fit_runtime.schedule == mode
         whole = _whole(module.model)
         module.model.save_pretrained(f"{out_dir}/{mode}")  # Hugging Face writes on the main process only
@@ -151,10 +143,10 @@ def _after_fit(rank: int, out_dir: str) -> dict:
         trainer.test(module, library_models.loader(tokens, GLOBAL), verbose=False)
         out[mode] = (whole, generated, edited, _whole(module.model))
     module = LibraryLM("llama")
-    _trainer(PLAN, steps=1, mode="uniform", gather_on_teardown=False).fit(module, library_models.loader(tokens, GLOBAL))
+    fit(module, PLAN, 2, 1, tokens, mode="uniform", gather_on_teardown=False)
     out["parked"] = [_refused(lambda: _generate(module.model)), _refused(module.state_dict),
                      _refused(lambda: module.model.save_pretrained(f"{out_dir}/parked")),
-                     _refused(lambda: _trainer(PLAN, steps=1, mode="uniform").fit(module, library_models.loader(tokens, GLOBAL)))]
+                     _refused(lambda: fit(module, PLAN, 2, 1, tokens, mode="uniform"))]
     return out
 
 
@@ -162,12 +154,12 @@ def _all(rank: int, world: int, out_dir: str):
     warnings.simplefilter("ignore")
     out = {}
     for kind in KINDS:
-        trainer, _ = _fit(HFModule(kind), data(kind, GLOBAL * STEPS))
+        trainer, _ = _fit_warned(HFModule(kind), data(kind, GLOBAL * STEPS))
         out[kind] = (_whole(trainer.lightning_module), trainer.strategy.fit_runtime.describe())
     moe = [{k: v[i] for k, v in PaddedTokens(GLOBAL * STEPS).batch(0, GLOBAL * STEPS).items()} for i in range(GLOBAL * STEPS)]
-    trainer, caught = _fit(HFModule("mixtral"), moe, router_aux_loss="keep")
+    trainer, caught = _fit_warned(HFModule("mixtral"), moe, router_aux_loss="keep")
     out["mixtral-keep"] = (_whole(trainer.lightning_module), caught)
-    trainer, caught = _fit(HFModule("mixtral"), moe, router_aux_loss="exclude")
+    trainer, caught = _fit_warned(HFModule("mixtral"), moe, router_aux_loss="exclude")
     out["mixtral"] = (_whole(trainer.lightning_module), trainer.strategy.fit_runtime.describe())
     out.update(_after_fit(rank, out_dir))
     return out
