@@ -7,10 +7,14 @@ cross entropy itself). Batches are padded to random lengths where the model take
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+from tests.reference import steps_of, target_tokens, train_steps
 
 VOCAB = 64
 SEQ = 8
@@ -160,14 +164,14 @@ class Wrapped(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-def reference(family: str, steps: int, global_batch: int, data: Samples) -> dict[str, torch.Tensor]:
-    """Single-process SGD on the same global batches, whole batch at once."""
+def reference(family: str, steps: int, global_batch: int, data: Samples,
+              cuts: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """Single-process SGD on the same global batches: whole, or cut into ``cuts`` with each piece's loss
+    weighted by its share of the batch's (the same training, its sums re-associated)."""
     module = Wrapped(family)
-    opt = module.configure_optimizers()
-    for step in range(steps):
-        module.training_step(data.batch(step * global_batch, (step + 1) * global_batch), step).backward()
-        opt.step()
-        opt.zero_grad()
+    count = target_tokens if token_weighted(family) else (lambda batch: len(batch["labels"]))
+    train_steps(module.configure_optimizers(), lambda batch: module.training_step(batch, 0),
+                steps_of(data.batch, steps, global_batch, cuts, count))
     return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 

@@ -1,5 +1,5 @@
-"""What many test files share: a quiet CPU ``Trainer``, a fit on token data, the single-process
-AdamW reference those fits are compared with, and the largest elementwise difference."""
+"""What many test files share: a quiet CPU ``Trainer``, a fit on a dataset in a plan's global batches,
+the single-process AdamW reference those fits are compared with, and the largest elementwise difference."""
 
 from __future__ import annotations
 
@@ -12,22 +12,24 @@ from tests.reference import make_optimizer, sliced, tiny_loss, train_steps
 from tests.tiny_lm import TinyLM
 
 NUM_SAMPLES = 48
+QUIET = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False,
+         "use_distributed_sampler": False}
 
 
 def trainer(strategy: CephaloStrategy, world: int, steps: int, **kwargs) -> pl.Trainer:
-    """A CPU ``Trainer`` with no logger, progress bar, summary or (unless asked) checkpointing;
-    ``use_distributed_sampler=False`` keeps the DataLoader's own order."""
-    return pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        **{"enable_checkpointing": False, **kwargs},
-    )
+    """A CPU ``Trainer`` with no logger, progress bar, summary or checkpointing unless ``kwargs`` ask
+    (:data:`QUIET`); ``use_distributed_sampler=False`` keeps the DataLoader's own order."""
+    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=world, max_steps=steps, **{**QUIET, **kwargs})
 
 
-def fit(module: pl.LightningModule, plan: Plan, world: int, steps: int = 2, data=None, **strategy) -> pl.Trainer:
-    """``steps`` optimizer steps of ``module`` under ``plan`` on ``data`` (default: 48 token samples)."""
-    t = trainer(CephaloStrategy(plan=plan, **strategy), world, steps)
-    t.fit(module, loader(data if data is not None else token_data(NUM_SAMPLES), plan.global_batch_size))
+def fit(module: pl.LightningModule, plan: Plan, world: int, steps: int = 2, data=None, options: dict | None = None,
+        ckpt_path: str | None = None, **strategy) -> pl.Trainer:
+    """``steps`` optimizer steps of ``module`` under ``plan`` on ``data`` (a dataset, default: 48 token
+    samples) taken in order in the plan's global batches, from ``ckpt_path`` if given; ``options``:
+    the ``Trainer``'s beside :data:`QUIET`; ``strategy``: the ``CephaloStrategy``'s."""
+    t = trainer(CephaloStrategy(plan=plan, **strategy), world, steps, **(options or {}))
+    t.fit(module, loader(data if data is not None else token_data(NUM_SAMPLES), plan.global_batch_size),
+          ckpt_path=ckpt_path)
     return t
 
 

@@ -10,6 +10,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from tests.reference import steps_of, target_tokens, train_steps, with_moments
+
 VOCAB = 48
 SEQ = 12
 
@@ -128,29 +130,14 @@ def reference(family: str, optimizer: str, steps: int, global_batch: int, data: 
     fp64 only this cut keeps every per-token gradient the whole batch's."""
     module = LibraryLM(family, optimizer, tie).to(dtype)
     opt = module.configure_optimizers()
-    for step in range(steps):
-        start = step * global_batch
-        batch = data.batch(start, start + global_batch)
-        if micro_batches is None:
-            module.training_step(batch, step).backward()
-        else:
-            tokens = (batch["labels"][:, 1:] != -100).sum()
-            for size in micro_batches:
-                micro = data.batch(start, start + size)
-                if items_in_batch:
-                    module.model(**micro, num_items_in_batch=tokens).loss.backward()
-                else:
-                    weight = (micro["labels"][:, 1:] != -100).sum() / tokens
-                    (module.training_step(micro, step) * weight).backward()
-                start += size
-        opt.step()
-        opt.zero_grad()
-    out = {f"{name}": p.detach().clone() for name, p in module.named_parameters()}
-    for name, p in module.named_parameters():
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in opt.state.get(p, {}):
-                out[f"{name}.{key}"] = opt.state[p][key].clone()
-    return out
+    pieces = steps_of(data.batch, steps, global_batch, micro_batches, target_tokens)
+    if micro_batches is not None and items_in_batch:  # each micro-batch's summed loss over the batch's tokens
+        totals = [target_tokens(data.batch(s * global_batch, (s + 1) * global_batch)) for s in range(steps)]
+        pieces = [[({**micro, "num_items_in_batch": total}, 1.0) for micro, _ in step]
+                  for step, total in zip(pieces, totals)]
+    train_steps(opt, lambda batch: module.training_step(batch, 0), pieces)
+    return with_moments({name: p.detach().clone() for name, p in module.named_parameters()},
+                        module.named_parameters(), opt)
 
 
 def noise_floor(family: str, optimizer: str, steps: int, global_batch: int, data: PaddedTokens,
@@ -164,20 +151,3 @@ def noise_floor(family: str, optimizer: str, steps: int, global_batch: int, data
 
 def loader(data: PaddedTokens, batch_size: int) -> DataLoader:
     return DataLoader(data, batch_size=batch_size, shuffle=False)
-
-
-def pieces(strategy, trainable_only: bool = False) -> dict[str, tuple[int, torch.Tensor]]:
-    """This rank's pieces of every parameter (``trainable_only``: of the trainable ones) and Adam
-    moment of a fit under the Cephalo strategy: name -> (start, values)."""
-    out = {}
-    optimizer = strategy.optimizers[0]
-    for unit in strategy.sharded.units:
-        for index, (span, p) in enumerate(zip(unit.spans, unit.local_params)):
-            if trainable_only and not p.requires_grad:
-                continue
-            start, _ = unit.local_range(index)
-            out[span.name] = (start, p.detach().reshape(-1).clone())
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in optimizer.state.get(p, {}):
-                    out[f"{span.name}.{key}"] = (start, optimizer.state[p][key].reshape(-1).clone())
-    return out

@@ -11,6 +11,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from tests.reference import steps_of, train_steps
+
 VOCAB = 48
 SEQ = 10
 KINDS = ("bert", "t5", "bart", "per_sample")
@@ -110,17 +112,6 @@ def reference(kind: str, steps: int, global_batch: int, samples: list[dict[str, 
     """Single-process training on the global batches; with ``split`` the same maths micro-batched
     (each micro-batch's mean weighted by ``count``'s share), which differs only in summation order."""
     module = HFModule(kind, **overrides)
-    opt = module.configure_optimizers()
-    for step in range(steps):
-        batch = samples[step * global_batch : (step + 1) * global_batch]
-        if split is None:
-            module.training_step(collate(batch), step).backward()
-        else:
-            total, start = count(collate(batch)), 0
-            for size in split:
-                micro = collate(batch[start : start + size])
-                (module.training_step(micro, step) * (count(micro) / total)).backward()
-                start += size
-        opt.step()
-        opt.zero_grad()
+    train_steps(module.configure_optimizers(), lambda batch: module.training_step(batch, 0),
+                steps_of(lambda lo, hi: collate(samples[lo:hi]), steps, global_batch, split, count))
     return {name: p.detach().clone() for name, p in module.named_parameters()}

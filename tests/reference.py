@@ -4,7 +4,9 @@
 
 Every test that checks a distributed run compares it with :func:`train_steps`, the one loop here: a
 whole global batch is one piece of weight 1; a batch cut as a plan cuts it (or accumulated over several
-batches) is several pieces, each weighted by its share. Nothing here imports the code under test."""
+batches) is several pieces, each weighted by its share of the samples or of the label tokens
+(:func:`cut`, :func:`cut_by`); summed as data parallelism sums it, each rank's pieces accumulate apart
+(``per_rank``). Nothing here imports the code under test."""
 
 from __future__ import annotations
 
@@ -31,18 +33,28 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 
 
 def train_steps(optimizer: torch.optim.Optimizer, loss_of: Callable[[Any], torch.Tensor],
-                steps: Iterable[Sequence[Piece]], clip: float | None = None,
-                after_step: Callable[[], None] | None = None) -> list[float]:
+                steps: Iterable[Sequence[Any]], clip: float | None = None,
+                after_step: Callable[[], None] | None = None, per_rank: bool = False) -> list[float]:
     """One optimizer step per entry of ``steps``: every piece's ``loss_of(batch) * weight`` backward (the
     gradients add up), the gradients clipped to global norm ``clip`` (over the optimizer's parameters),
-    the step, the gradients cleared, then ``after_step`` (a scheduler's step). Returns each piece's loss."""
+    the step, the gradients cleared, then ``after_step`` (a scheduler's step). Returns each piece's loss.
+
+    ``per_rank``: each step is a list of ranks' pieces, as data parallelism sums them: each rank's
+    gradient accumulated alone, then the ranks' gradients added in rank order."""
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    losses = []
-    for pieces in steps:
-        for batch, weight in pieces:
-            loss = loss_of(batch)
-            losses.append(loss.item())
-            (loss * weight).backward()
+    losses: list[float] = []
+    for step in steps:
+        if per_rank:
+            summed = [torch.zeros_like(p) for p in parameters]
+            for pieces in step:
+                _backward(loss_of, pieces, losses)
+                for total, p in zip(summed, parameters):
+                    total += p.grad
+                    p.grad = None
+            for total, p in zip(summed, parameters):
+                p.grad = total
+        else:
+            _backward(loss_of, step, losses)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(parameters, clip)
         optimizer.step()
@@ -50,6 +62,13 @@ def train_steps(optimizer: torch.optim.Optimizer, loss_of: Callable[[Any], torch
         if after_step is not None:
             after_step()
     return losses
+
+
+def _backward(loss_of: Callable[[Any], torch.Tensor], pieces: Sequence[Piece], losses: list[float]) -> None:
+    for batch, weight in pieces:
+        loss = loss_of(batch)
+        losses.append(loss.item())
+        (loss * weight).backward()
 
 
 def whole(global_batches: Iterable[Any]) -> list[list[Piece]]:
@@ -61,6 +80,31 @@ def cut(batch: Any, sizes: Sequence[int], whole: int) -> list[Piece]:
     """``batch`` (a tuple of tensors) cut into consecutive pieces of ``sizes``, each weighted by ``size / whole``."""
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
     return [(tuple(t[lo : lo + size] for t in batch), size / whole) for lo, size in zip(starts, sizes)]
+
+
+def cut_by(batch_of: Callable[[int, int], Any], start: int, sizes: Sequence[int],
+           count: Callable[[Any], Any]) -> list[Piece]:
+    """Samples ``start ..`` cut into consecutive pieces of ``sizes`` (``batch_of(lo, hi)`` builds one),
+    each weighted by its share of the whole's ``count`` (its label tokens, its samples)."""
+    total, pieces = count(batch_of(start, start + sum(sizes))), []
+    for size in sizes:
+        piece = batch_of(start, start + size)
+        pieces.append((piece, count(piece) / total))
+        start += size
+    return pieces
+
+
+def steps_of(batch_of: Callable[[int, int], Any], steps: int, global_batch: int, cuts: Sequence[int] | None = None,
+             count: Callable[[Any], Any] | None = None) -> list[list[Piece]]:
+    """``steps`` global batches in order (``batch_of(lo, hi)`` builds one): each whole, one piece of weight
+    1, or cut into ``cuts`` weighted by ``count`` (:func:`cut_by`)."""
+    return [[(batch_of(s * global_batch, (s + 1) * global_batch), 1.0)] if cuts is None
+            else cut_by(batch_of, s * global_batch, cuts, count) for s in range(steps)]
+
+
+def target_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A causal LM batch's target tokens: the labels from position 1 on that are not -100."""
+    return (batch["labels"][:, 1:] != -100).sum()
 
 
 def sliced(data: Any, steps: int, global_batch: int, start: int = 0) -> list[Any]:

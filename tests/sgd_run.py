@@ -1,5 +1,6 @@
 """The fp64 SGD run the checkpoint, resume, preemption and elastic tests train and compare with:
-TinyLayered under SGD on :data:`SAMPLES` token samples in global batches of :data:`GLOBAL`, and its
+TinyLayered under SGD on :data:`SAMPLES` token samples in global batches of :data:`GLOBAL` (its
+``Trainer``: :func:`sgd_trainer`; the uninterrupted run: :data:`PLAN2` for :data:`TOTAL` steps), and its
 single-process reference on the sampler's documented order (``randperm(N, seed + epoch)`` per epoch).
 
 [Note: fp64 SGD] a resume on the wrong samples is off by ~1e-2, summation-order noise by ~1e-15, so
@@ -7,18 +8,32 @@ single-process reference on the sampler's documented order (``randperm(N, seed +
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 
+from cephalo_lightning import CephaloStrategy, Plan
+from tests import helpers
 from tests.lightning_models import TinyLayered, token_data
+from tests.plans import plan_of
 from tests.reference import tiny_loss, train_steps, whole
 
 SAMPLES, GLOBAL = 60, 12  # 5 steps per epoch
 SEED = 11
+PLAN2 = plan_of(batches=[8, 4], micro=[2, 1], shares=[0.3, 0.7])
+TOTAL = 8  # steps of every uninterrupted run: across an epoch boundary
 
 
 class SGDModule(TinyLayered):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def sgd_trainer(plan: Plan, world: int, steps: int, root: str | None = None, strategy: dict | None = None,
+                **kwargs) -> pl.Trainer:
+    """A quiet fp64 ``Trainer`` (:data:`tests.helpers.QUIET`) under ``plan`` with the run's seed and the
+    ``strategy`` options; ``kwargs``: the Trainer's."""
+    return helpers.trainer(CephaloStrategy(plan=plan, seed=SEED, **(strategy or {})), world, steps,
+                           **{"precision": "64-true", "default_root_dir": root, **kwargs})
 
 
 def data_loader(shuffle: bool) -> torch.utils.data.DataLoader:

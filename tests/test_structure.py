@@ -352,3 +352,34 @@ def test_every_lightning_override_carries_override():
                 if not getattr(function, "__override__", False):
                     missing.add(f"{own.__module__}.{own.__qualname__}.{name}")
     assert not missing, f"{len(missing)} Lightning override(s) without @override:\n" + "\n".join(sorted(missing))
+
+
+# ----------------------------------------------------------------------------- test modules stand alone
+
+
+def _imports_of_test_modules(root: Path) -> list[str]:
+    """``file:line: statement`` for every import of a test module (``tests....test_*``) under ``root``'s
+    tests/, scenarios/, benchmarks/ and examples/, in code or in a script a test writes out as a string."""
+    import re
+
+    statement = re.compile(r"^[ \t]*(?:from[ \t]+(tests(?:\.\w+)*)[ \t]+import[ \t]+(\([^)]*\)|[^\n]*)"
+                           r"|import[ \t]+(tests(?:\.\w+)+))", re.M)
+    found = []
+    for folder in ("tests", "scenarios", "benchmarks", "examples"):
+        for path in sorted((root / folder).rglob("*.py")):
+            text = path.read_text()
+            for match in statement.finditer(text):
+                module, names, plain = match.groups()
+                parts = (module or plain).split(".")[1:] + re.findall(r"\w+", names or "")
+                if any(part.startswith("test_") for part in parts):
+                    line = text.count("\n", 0, match.start()) + 1
+                    found.append(f"{path.relative_to(root)}:{line}: {match.group(0).strip()}")
+    return found
+
+
+def test_no_test_module_imports_another():
+    """What several test files share lives in the helper modules beside them (``tests/*.py`` without
+    the ``test_`` prefix): a test module imported by another would run its module-level code, and
+    collect its fixtures' state, twice, and a change to one test file would move another's."""
+    found = _imports_of_test_modules(PACKAGE.parent)
+    assert not found, "move what these take into a helper module (tests/helpers.py, ...):\n" + "\n".join(found)

@@ -39,6 +39,11 @@ class TinyLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def layers_of(model: TinyLM) -> list[nn.Module]:
+    """TinyLM's layers in the order the forward runs them: the units a layered schedule gathers."""
+    return [model.embed, *model.blocks, model.norm, model.head]
+
+
 def batches(steps: int, global_batch: int, seq: int = 5, vocab: int = 17, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     out = []

@@ -5,13 +5,13 @@ from __future__ import annotations
 import copy
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
-from cephalo_lightning import CephaloStrategy, Plan
+from cephalo_lightning import Plan
 from tests.distributed import run_distributed
-from tests.lightning_models import TinyLayered, loader, token_data
+from tests.helpers import fit
+from tests.lightning_models import TinyLayered, token_data
 from tests.plans import plan_of
 from tests.reference import sliced, tiny_loss, train_steps, whole
 from tests.tiny_lm import TinyLM
@@ -83,16 +83,11 @@ def same_precision_reference(precision: str, plan: Plan = PLAN, drop: int | None
     return {f"model.{k}": v.detach() for k, v in model.state_dict().items()}
 
 
-def _fit(rank: int, world: int):
+def _precision_ranks(rank: int, world: int):
     warnings.simplefilter("ignore")
     out = {}
     for precision in ("bf16-mixed", "bf16-true"):  # Lightning runs "16-mixed" as bf16-mixed on CPU
-        trainer = pl.Trainer(
-            strategy=CephaloStrategy(plan=PLAN), accelerator="cpu", devices=world, max_steps=STEPS,
-            precision=precision, gradient_clip_val=0.5, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        )
-        trainer.fit(SGDLayered(), loader(token_data(48), 12))
+        trainer = fit(SGDLayered(), PLAN, world, STEPS, token_data(48), {"precision": precision, "gradient_clip_val": 0.5})
         out[precision] = {
             "params": trainer.strategy.sharded.full_state_dict(),
             "master_dtypes": {u.master.dtype for u in trainer.strategy.sharded.units if u.spans},
@@ -102,7 +97,7 @@ def _fit(rank: int, world: int):
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_distributed(_fit, 2)
+    return run_distributed(_precision_ranks, 2)
 
 
 @pytest.mark.multiprocess

@@ -15,8 +15,8 @@ import torch
 
 from cephalo_lightning import CephaloStrategy, Plan
 from tests.distributed import run_distributed
-from tests.helpers import NUM_SAMPLES, max_error, reference, trainer
-from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
+from tests.helpers import fit, max_error, reference, trainer
+from tests.lightning_models import TinyLayered, TinyUniform
 from tests.plans import plan_of
 
 TOL = 1e-5  # AdamW in fp32 through Lightning, as tests/lightning/test_strategy.py (the runtime's tests hold the tighter bounds)
@@ -77,11 +77,9 @@ def _fit_four(rank: int, world: int, ckpt_dir: str):
 
     out = {}
     saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=2, save_top_k=-1, filename="{step}")
-    t = trainer(CephaloStrategy(plan=NODES), world, 3, callbacks=[saver], enable_checkpointing=True)
-    t.fit(TinyLayered(), loader(token_data(NUM_SAMPLES), 12))
+    t = fit(TinyLayered(), NODES, world, 3, options={"callbacks": [saver], "enable_checkpointing": True})
     out["nodes"] = (_states(t), t.strategy.sharded.shard_groups)
-    t = trainer(CephaloStrategy(plan=SINGLES), world, 2, gradient_clip_val=0.05)
-    t.fit(TinyUniform(), loader(token_data(NUM_SAMPLES), 12))
+    t = fit(TinyUniform(), SINGLES, world, 2, options={"gradient_clip_val": 0.05})
     out["singles"] = (_states(t), t.strategy.sharded.comm.log)
     switches = []
 
@@ -90,12 +88,10 @@ def _fit_four(rank: int, world: int, ckpt_dir: str):
             if trainer.global_step == 1:
                 switches.append(trainer.strategy.schedule_plan(SINGLES_LAYERED))
 
-    t = trainer(CephaloStrategy(plan=NODES), world, 3, callbacks=[Regroup()])
-    t.fit(TinyLayered(), loader(token_data(NUM_SAMPLES), 12))
+    t = fit(TinyLayered(), NODES, world, 3, options={"callbacks": [Regroup()]})
     out["regrouped"] = (_states(t), t.strategy.sharded.shard_groups)
     # resume the per-node run's step-2 checkpoint under groups of one rank
-    t = trainer(CephaloStrategy(plan=SINGLES_LAYERED), world, 3)
-    t.fit(TinyLayered(seed=7), loader(token_data(NUM_SAMPLES), 12), ckpt_path=f"{ckpt_dir}/step=2.ckpt")
+    t = fit(TinyLayered(seed=7), SINGLES_LAYERED, world, 3, ckpt_path=f"{ckpt_dir}/step=2.ckpt")
     out["resumed"] = (_states(t), t.global_step)
     # library models, built from configs, under the per-node groups (fp32 SGD and fp64 AdamW)
     for family, optimizer, precision in HF_CASES if importlib.util.find_spec("transformers") else ():
@@ -111,8 +107,7 @@ def _fit_four(rank: int, world: int, ckpt_dir: str):
 
 def _resume_two(rank: int, world: int, ckpt: str):
     warnings.simplefilter("ignore")
-    t = trainer(CephaloStrategy(plan=TWO_RANKS), world, 3)
-    t.fit(TinyLayered(seed=7), loader(token_data(NUM_SAMPLES), 12), ckpt_path=ckpt)
+    t = fit(TinyLayered(seed=7), TWO_RANKS, world, 3, ckpt_path=ckpt)
     return _states(t), t.global_step
 
 
@@ -179,27 +174,14 @@ def test_a_checkpoint_of_one_grouping_resumes_on_another_world_size(four):
 def _hf_reference(family: str, optimizer: str, dtype: torch.dtype, cuts: tuple[int, ...] | None = None):
     """Single-process training on the same global batches (the whole batch at once, or cut into
     ``cuts`` with each piece's loss weighted by its share of the batch's label tokens)."""
-    from tests.library_models import reference as library_reference
-
     if family == "llama":
-        return library_reference(family, optimizer, HF_STEPS, NODES.global_batch_size, _hf_data(family), dtype,
-                                 micro_batches=cuts, items_in_batch=dtype == torch.float64)
-    from tests.discovered_models import Wrapped
+        from tests.library_models import reference
 
-    data, batch = _hf_data(family), NODES.global_batch_size
-    module = Wrapped(family)
-    opt = module.configure_optimizers()
-    for step in range(HF_STEPS):
-        start = step * batch
-        whole = data.batch(start, start + batch)
-        tokens = (whole["labels"][:, 1:] != -100).sum()
-        for size in cuts or (batch,):
-            micro = data.batch(start, start + size)
-            (module.training_step(micro, step) * ((micro["labels"][:, 1:] != -100).sum() / tokens)).backward()
-            start += size
-        opt.step()
-        opt.zero_grad()
-    return {name: p.detach().clone() for name, p in module.named_parameters()}
+        return reference(family, optimizer, HF_STEPS, NODES.global_batch_size, _hf_data(family), dtype,
+                         micro_batches=cuts, items_in_batch=dtype == torch.float64)
+    from tests.discovered_models import reference
+
+    return reference(family, HF_STEPS, NODES.global_batch_size, _hf_data(family), cuts)
 
 
 # [Note: library-model bounds] As tests/models/test_discovery.py: 1e-7 for SGD in fp32 and four steps of

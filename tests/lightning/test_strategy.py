@@ -20,7 +20,7 @@ from cephalo_lightning.planner.schema.plan import ModelSummary
 from cephalo_lightning.runtime import checkpoint
 from tests.conftest import clean_env, failure_report
 from tests.distributed import run_distributed
-from tests.helpers import NUM_SAMPLES, max_error, reference, trainer
+from tests.helpers import NUM_SAMPLES, fit, max_error, reference, trainer
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
 from tests.plans import plan_of
 
@@ -46,16 +46,13 @@ def _fit_three(rank: int, world: int, ckpt_dir: str):
     t.fit(TinyLayered(), loader(token_data(NUM_SAMPLES), 12), loader(token_data(16, seed=5), 4))
     out["layered"] = (t.strategy.sharded.full_state_dict(), float(t.callback_metrics["train_loss_epoch"]))
     # uniform (the user's training_step), with gradient clipping and Lightning accumulation
-    t = trainer(CephaloStrategy(plan=UNIFORM_PLAN), world, 2, gradient_clip_val=0.05, accumulate_grad_batches=2)
-    t.fit(TinyUniform(), loader(token_data(NUM_SAMPLES), 12))
+    t = fit(TinyUniform(), UNIFORM_PLAN, world, 2, options={"gradient_clip_val": 0.05, "accumulate_grad_batches": 2})
     out["uniform"] = (t.strategy.sharded.full_state_dict(), float(t.callback_metrics["train_loss"]))
     # the layered schedule under Lightning's own accumulation: two batches per optimizer step
-    t = trainer(CephaloStrategy(plan=LAYERED_PLAN), world, 2, accumulate_grad_batches=2)
-    t.fit(TinyLayered(), loader(token_data(NUM_SAMPLES), 12))
+    t = fit(TinyLayered(), LAYERED_PLAN, world, 2, options={"accumulate_grad_batches": 2})
     out["layered_accumulate"] = t.strategy.sharded.full_state_dict()
     # a full single-file export
-    t = trainer(CephaloStrategy(plan=LAYERED_PLAN, state_dict_type="full"), world, 1)
-    t.fit(TinyLayered(), loader(token_data(NUM_SAMPLES), 12))
+    t = fit(TinyLayered(), LAYERED_PLAN, world, 1, state_dict_type="full")
     t.save_checkpoint(os.path.join(ckpt_dir, "export.ckpt"))
     out["export"] = t.strategy.sharded.full_state_dict()
     return out
@@ -102,8 +99,7 @@ def test_full_export_loads_with_plain_load_from_checkpoint(three):
 
 def _resume(rank: int, world: int, ckpt: str, plan_dict: dict, steps: int):
     warnings.simplefilter("ignore")
-    t = trainer(CephaloStrategy(plan=Plan.from_dict(plan_dict)), world, steps)
-    t.fit(TinyLayered(seed=7), loader(token_data(NUM_SAMPLES), 12), ckpt_path=ckpt)
+    t = fit(TinyLayered(seed=7), Plan.from_dict(plan_dict), world, steps, ckpt_path=ckpt)
     return t.strategy.sharded.full_state_dict(), t.global_step
 
 

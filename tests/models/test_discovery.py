@@ -20,16 +20,16 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from cephalo_lightning import CephaloStrategy  # noqa: E402
 from cephalo_lightning.lightning.steps.layered_steps import LayeredSteps  # noqa: E402
 from cephalo_lightning.lightning.steps.uniform_steps import UniformSteps  # noqa: E402
 from cephalo_lightning.models import resolve  # noqa: E402
 from cephalo_lightning.models.discovery import Discovery, block_list  # noqa: E402
-from tests.discovered_models import FAMILIES, Samples, Wrapped, loader, reference, token_weighted  # noqa: E402
+from tests.assembly import assemble, strategy_pieces  # noqa: E402
+from tests.discovered_models import FAMILIES, Samples, Wrapped, reference  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from tests.helpers import trainer  # noqa: E402
+from tests.helpers import fit  # noqa: E402
 from tests.plans import plan_of  # noqa: E402
-from tests.runtime.test_runtime import assemble  # noqa: E402
+from tests.reference import train_steps, whole  # noqa: E402
 
 STEPS = 2
 GLOBAL = 8
@@ -58,22 +58,13 @@ def _strategy_options(family: str) -> dict:
     return {"loss_weighting": "tokens"} if family == "bert_mlm" else {}
 
 
-def _pieces(strategy: CephaloStrategy) -> dict[str, tuple[int, torch.Tensor]]:
-    out = {}
-    for unit in strategy.sharded.units:
-        for index, (span, p) in enumerate(zip(unit.spans, unit.local_params)):
-            out[span.name] = (unit.local_range(index)[0], p.detach().reshape(-1).clone())
-    return out
-
-
 def _fit_all(rank: int, world: int) -> dict:
     warnings.simplefilter("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     out = {}
     for family in FAMILIES:
-        t = trainer(CephaloStrategy(plan=PLANS[world], **_strategy_options(family)), world, STEPS)
-        t.fit(Wrapped(family), loader(Samples(family, GLOBAL * STEPS), GLOBAL))
-        out[family] = (t.strategy.fit_runtime.schedule, _pieces(t.strategy))
+        t = fit(Wrapped(family), PLANS[world], world, STEPS, Samples(family, GLOBAL * STEPS), **_strategy_options(family))
+        out[family] = (t.strategy.fit_runtime.schedule, strategy_pieces(t.strategy))
     return out
 
 
@@ -82,32 +73,15 @@ def _reference(family: str) -> dict[str, torch.Tensor]:
     return reference(family, STEPS, GLOBAL, Samples(family, GLOBAL * STEPS))
 
 
-def _floor_bound(family: str, data: Samples, want: dict[str, torch.Tensor], cuts: list[int]) -> float:
+def _floor_bound(family: str, want: dict[str, torch.Tensor], cuts: list[int]) -> float:
     """FLOOR_FACTOR x how far single-process training cut into ``cuts`` lands from ``want``."""
-    module = Wrapped(family)
-    opt = module.configure_optimizers()
-    for step in range(STEPS):
-        start = step * GLOBAL
-        whole = data.batch(start, start + GLOBAL)
-        for size in cuts:
-            micro = data.batch(start, start + size)
-            start += size
-            (module.training_step(micro, step) * _share(family, micro, whole)).backward()
-        opt.step()
-        opt.zero_grad()
-    floor = max((p.detach() - want[n]).abs().max().item() for n, p in module.named_parameters())
+    cut = reference(family, STEPS, GLOBAL, Samples(family, GLOBAL * STEPS), cuts)
+    floor = max((value - want[n]).abs().max().item() for n, value in cut.items())
     return max(EXACT, FLOOR_FACTOR * floor)
 
 
 def _plan_cuts(world: int) -> list[int]:
     return [size for rank in PLANS[world].ranks for size in rank.micro_batch_sizes]
-
-
-def _share(family: str, micro: dict, whole: dict) -> float:
-    """A micro-batch's share of the global batch's mean loss (label tokens, or samples)."""
-    if not token_weighted(family):
-        return len(micro["labels"]) / len(whole["labels"])
-    return float((micro["labels"][:, 1:] != -100).sum() / (whole["labels"][:, 1:] != -100).sum())
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +101,7 @@ def test_discovered_family_trains_layered_exactly_like_single_process(runs, worl
     assert [r[family][0] for r in results] == ["layered"] * world
     got = assemble([r[family][1] for r in results], torch.float64)
     err = max((got[name].float() - value.reshape(-1)).abs().max().item() for name, value in want.items())
-    bound = EXACT if err <= EXACT else _floor_bound(family, Samples(family, GLOBAL * STEPS), want, _plan_cuts(world))
+    bound = EXACT if err <= EXACT else _floor_bound(family, want, _plan_cuts(world))
     print(f"{family} on {world} ranks: largest difference {err:.2e} (bound {bound:.2e})")
     assert err <= bound, f"{family} on {world} ranks: parameters differ by {err:.2e} > {bound:.2e}"
 
@@ -227,15 +201,10 @@ def test_observation_names_why_blocks_are_not_a_sequence(wiring, reason):
 def _toy_reference(wiring: str, steps: int, batch: int) -> tuple[dict[str, torch.Tensor], float]:
     """Single-process training: the parameters, and the last step's loss."""
     module, data = Toy(wiring), _toy_data()
-    opt = module.configure_optimizers()
-    for step in range(steps):
-        part = data[step * batch:(step + 1) * batch]
-        x, y = torch.stack([a for a, _ in part]), torch.stack([b for _, b in part])
-        loss = nn.functional.mse_loss(module(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach().clone() for n, p in module.named_parameters()}, loss.item()
+    parts = [data[step * batch : (step + 1) * batch] for step in range(steps)]
+    losses = train_steps(module.configure_optimizers(), lambda xy: nn.functional.mse_loss(module(xy[0]), xy[1]),
+                         whole((torch.stack([a for a, _ in part]), torch.stack([b for _, b in part])) for part in parts))
+    return {n: p.detach().clone() for n, p in module.named_parameters()}, losses[-1]
 
 
 @pytest.mark.parametrize("wiring, mode, reason", [
@@ -247,8 +216,7 @@ def test_discovered_toy_trains_exactly_or_falls_back_with_one_line(wiring, mode,
     plan = plan_of(batches=[4], micro=[2], shares=[1.0])
     module = Toy(wiring)
     with caplog.at_level(logging.INFO):
-        t = trainer(CephaloStrategy(plan=plan), 1, 2)
-        t.fit(module, torch.utils.data.DataLoader(_toy_data(), batch_size=4))
+        t = fit(module, plan, 1, 2, _toy_data())
     runtime = t.strategy.fit_runtime
     assert runtime.schedule == mode
     # the runtime owns its step runner: after a fallback it holds the uniform one, for every later step
@@ -306,13 +274,12 @@ def test_moe_with_router_aux_excluded_trains_layered_exactly(caplog):
     data = Samples("mixtral", GLOBAL * STEPS)
     plan = plan_of(batches=[GLOBAL], micro=[3], shares=[1.0])
     with caplog.at_level(logging.INFO):
-        t = trainer(CephaloStrategy(plan=plan, router_aux_loss="exclude"), 1, STEPS)
-        t.fit(module, loader(data, GLOBAL))
+        t = fit(module, plan, 1, STEPS, data, router_aux_loss="exclude")
     assert t.strategy.fit_runtime.schedule == "layered"
     assert module.model.config.output_router_logits is False
     assert any("output_router_logits=False" in r.getMessage() for r in caplog.records)
     want = _reference("mixtral")  # single-process training of the token loss (the flag off)
     with t.strategy.sharded.summon_full_params():
         err = max((p.detach() - want[n]).abs().max().item() for n, p in module.named_parameters())
-    bound = EXACT if err <= EXACT else _floor_bound("mixtral", data, want, [3, 3, 2])
+    bound = EXACT if err <= EXACT else _floor_bound("mixtral", want, [3, 3, 2])
     assert err <= bound, f"parameters differ by {err:.2e} > {bound:.2e}"

@@ -38,9 +38,12 @@ from cephalo_lightning.planner.report import render_plan  # noqa: E402
 from cephalo_lightning.runtime.checkpoint import CheckpointError, read_info, read_meta  # noqa: E402
 from cephalo_lightning.runtime.checkpoint.export import export_hf  # noqa: E402
 from cephalo_lightning.runtime.checkpoint.safe_load import read_dcp_metadata  # noqa: E402
+from tests import helpers  # noqa: E402
+from tests.assembly import assemble, strategy_pieces  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from tests.library_models import PaddedTokens, loader, pieces, with_lora  # noqa: E402
-from tests.plans import plan_of
+from tests.library_models import PaddedTokens, loader, with_lora  # noqa: E402
+from tests.plans import plan_of  # noqa: E402
+from tests.reference import steps_of, target_tokens, train_steps, with_moments  # noqa: E402
 
 STEPS = 3
 GLOBAL = 12
@@ -179,10 +182,8 @@ class Probe(pl.Callback):
 
 
 def _trainer(plan: Plan, root: Path, steps: int, callbacks=(), **strategy) -> pl.Trainer:
-    return pl.Trainer(strategy=CephaloStrategy(plan=plan, mode=plan.mode, **strategy), accelerator="cpu", devices=2,
-                      max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, use_distributed_sampler=False, callbacks=list(callbacks),
-                      default_root_dir=str(root))
+    return helpers.trainer(CephaloStrategy(plan=plan, mode=plan.mode, **strategy), 2, steps,
+                           callbacks=list(callbacks), default_root_dir=str(root))
 
 
 def _lora_ranks(rank: int, world: int, root: str) -> dict:
@@ -195,7 +196,7 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
         trainer = _trainer(plan, root_path, STEPS, [probe], pretrained=str(base))
         trainer.fit(module, loader(tokens(), GLOBAL))
         assert trainer.strategy.fit_runtime.schedule == plan.mode
-        adapters = pieces(trainer.strategy, trainable_only=True)
+        adapters = strategy_pieces(trainer.strategy, trainable_only=True)
         if plan is LAYERED:
             trainer.save_checkpoint(str(root_path / "lora.ckpt"))
             if rank == 0:
@@ -211,14 +212,14 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
         trainer = _trainer(plan, root_path, STEPS, pretrained=str(base))
         trainer.fit(module, loader(tokens(), GLOBAL))
         compiled = module.model.base_model.model.model.layers[0]
-        out[f"compiled {plan.mode}"] = {"pieces": pieces(trainer.strategy, trainable_only=True),
+        out[f"compiled {plan.mode}"] = {"pieces": strategy_pieces(trainer.strategy, trainable_only=True),
                                         "compiled": compiled._compiled_call_impl is not None}
     # resume: the adapters and their moments come back exactly as saved
     seen: dict = {}
 
     class AtResume(pl.Callback):
         def on_train_start(self, trainer, pl_module):
-            seen.update(pieces(trainer.strategy, trainable_only=True))
+            seen.update(strategy_pieces(trainer.strategy, trainable_only=True))
 
     trainer = _trainer(LAYERED, root_path, STEPS + 1, [AtResume()], pretrained=str(base))
     trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL),
@@ -235,10 +236,10 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
 
     trainer = _trainer(LAYERED, root_path, STEPS + 1, [SaveAt()], pretrained=str(base), checkpoint_frozen=False)
     trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
-    out["uninterrupted"] = pieces(trainer.strategy)
+    out["uninterrupted"] = strategy_pieces(trainer.strategy)
     trainer = _trainer(LAYERED, root_path, STEPS + 1, pretrained=str(base), checkpoint_frozen=False)
     trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL), ckpt_path=adapters_only)
-    out["resumed adapters-only"] = (pieces(trainer.strategy), trainer.global_step)
+    out["resumed adapters-only"] = (strategy_pieces(trainer.strategy), trainer.global_step)
     other = root_path / "other"
     try:
         _trainer(LAYERED, root_path, STEPS + 1, pretrained=str(other)).fit(
@@ -249,10 +250,8 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
     # profiled and planned under emulated memory: the prediction against the measured peak
     watcher = CephaloCallback(max_micro_batch=3, cache_dir=None, watch_every_n_steps=1, print_plan=False, quiet=True,
                               calibrate_after_windows=0, adapt=False)
-    trainer = pl.Trainer(strategy=CephaloStrategy(pretrained=str(base), emulate=EMULATE), accelerator="cpu", devices=2,
-                         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False, callbacks=[watcher],
-                         default_root_dir=str(root_path))
+    trainer = helpers.trainer(CephaloStrategy(pretrained=str(base), emulate=EMULATE), 2, STEPS, callbacks=[watcher],
+                              default_root_dir=str(root_path))
     trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
     module = trainer.lightning_module
     out["memory"] = {"model": watcher.cluster.model, "history": watcher.history, "plan": trainer.strategy.plan,
@@ -288,31 +287,10 @@ def reference(start: dict[str, torch.Tensor], data: PaddedTokens, micro: tuple[i
     module.model = with_lora(transformers.LlamaForCausalLM(_config()))
     module.load_state_dict(start)
     opt = module.configure_optimizers()
-    for step in range(STEPS):
-        begin = step * GLOBAL
-        batch = data.batch(begin, begin + GLOBAL)
-        if micro is None:
-            module.training_step(batch, step).backward()
-        else:
-            total = (batch["labels"][:, 1:] != -100).sum()
-            for size in micro:
-                part = data.batch(begin, begin + size)
-                (module.training_step(part, step) * (part["labels"][:, 1:] != -100).sum() / total).backward()
-                begin += size
-        opt.step()
-        opt.zero_grad()
-    out = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
-    for name, p in module.named_parameters():
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in opt.state.get(p, {}):
-                out[f"{name}.{key}"] = opt.state[p][key].clone()
-    return out, module
-
-
-def _assemble(per_rank):
-    from tests.runtime.test_runtime import assemble
-
-    return assemble(per_rank, torch.float64)
+    train_steps(opt, lambda batch: module.training_step(batch, 0),
+                steps_of(data.batch, STEPS, GLOBAL, micro, target_tokens))
+    trainable = {name: p.detach().clone() for name, p in module.named_parameters() if p.requires_grad}
+    return with_moments(trainable, module.named_parameters(), opt), module
 
 
 @pytest.mark.multiprocess
@@ -336,7 +314,7 @@ def test_lora_from_pretrained_in_configure_model_trains_like_single_process(lora
     for name in want:
         kind = name.rpartition(".")[2] if name.endswith(("exp_avg", "exp_avg_sq")) else "parameter"
         floor[kind] = max(floor.get(kind, 0.0), (want[name] - split[name]).abs().max().item())
-    got = _assemble([r[mode]["pieces"] for r in results])
+    got = assemble([r[mode]["pieces"] for r in results], torch.float64)
     assert set(got) == set(want)
     for name, value in want.items():
         kind = name.rpartition(".")[2] if name.endswith(("exp_avg", "exp_avg_sq")) else "parameter"

@@ -246,11 +246,8 @@ class ManualReplanned(Manual):
 def _edges(rank: int, world: int):
     warnings.simplefilter("ignore")
     out = {}
-    trainer = pl.Trainer(strategy=CephaloStrategy(plan=TWO), accelerator="cpu", devices=world, max_steps=2,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False, precision="64-true")
     module = DecayByDim()
-    trainer.fit(module, loader(token_data(NUM_SAMPLES), 12))
+    trainer = fit(module, TWO, world, 2, options={"precision": "64-true"})
     out["groups"] = module.groups
     out["decay"] = trainer.strategy.sharded.full_state_dict()
     trainer = fit(LogsLoss(), UNIFORM_TWO, world, steps=2)

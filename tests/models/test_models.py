@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("litgpt")
 
-from cephalo_lightning import CephaloStrategy, Plan  # noqa: E402
+from cephalo_lightning import Plan  # noqa: E402
+from tests.assembly import assemble, strategy_pieces  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
-from tests.library_models import LibraryLM, PaddedTokens, loader, noise_floor, pieces, reference  # noqa: E402
+from tests.helpers import fit  # noqa: E402
+from tests.library_models import LibraryLM, PaddedTokens, noise_floor, reference  # noqa: E402
 from tests.plans import plan_of  # noqa: E402
-from tests.runtime.test_runtime import assemble  # noqa: E402
 
 FAMILIES = ("gpt2", "llama", "qwen2", "gpt_neox", "litgpt")
 STEPS = 3
@@ -66,17 +66,12 @@ CHECKPOINTED = ("gpt2", "llama")
 UNIFORM = plan_of(batches=[7, 5], micro=[2, 2], shares=[0.4, 0.6], mode="uniform")
 
 
-def _fit(family: str, plan: Plan, world: int, optimizer: str, precision: str,
+def _fitted_pieces(family: str, plan: Plan, world: int, optimizer: str, precision: str,
          checkpointing: bool = False) -> dict[str, tuple[int, torch.Tensor]]:
-    data = PaddedTokens(GLOBAL * STEPS)
-    trainer = pl.Trainer(
-        strategy=CephaloStrategy(plan=plan, mode=plan.mode), accelerator="cpu", devices=world, max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, precision=precision,
-        use_distributed_sampler=False,  # keep the DataLoader's order (Lightning shuffles training data otherwise)
-    )
-    trainer.fit(LibraryLM(family, optimizer, checkpointing=checkpointing), loader(data, GLOBAL))
+    trainer = fit(LibraryLM(family, optimizer, checkpointing=checkpointing), plan, world, STEPS,
+                  PaddedTokens(GLOBAL * STEPS), {"precision": precision}, mode=plan.mode)
     assert trainer.strategy.fit_runtime.schedule == plan.mode
-    return pieces(trainer.strategy)
+    return strategy_pieces(trainer.strategy)
 
 
 def _all(rank: int, world: int):
@@ -84,15 +79,15 @@ def _all(rank: int, world: int):
     out = {}
     for family in FAMILIES:
         for index, plan in enumerate(PLANS[world]):
-            out[(family, "sgd", index)] = _fit(family, plan, world, "sgd", "32-true")
-        out[(family, "adamw", 0)] = _fit(family, PLANS[world][0], world, "adamw", "64-true")
+            out[(family, "sgd", index)] = _fitted_pieces(family, plan, world, "sgd", "32-true")
+        out[(family, "adamw", 0)] = _fitted_pieces(family, PLANS[world][0], world, "adamw", "64-true")
     for index, plan in enumerate(PLANS[world]):  # peft LoRA: adapters trained, the base frozen
-        out[("llama", "lora", index)] = _fit("llama", plan, world, "lora", "32-true")
+        out[("llama", "lora", index)] = _fitted_pieces("llama", plan, world, "lora", "32-true")
     if world == 2:
-        out[("llama", "lora", "uniform")] = _fit("llama", UNIFORM, world, "lora", "32-true")
+        out[("llama", "lora", "uniform")] = _fitted_pieces("llama", UNIFORM, world, "lora", "32-true")
         for family in CHECKPOINTED:
             for plan in (PLANS[2][0], UNIFORM):
-                out[(family, "checkpointed", plan.mode)] = _fit(family, plan, world, "sgd", "32-true", checkpointing=True)
+                out[(family, "checkpointed", plan.mode)] = _fitted_pieces(family, plan, world, "sgd", "32-true", checkpointing=True)
     return out
 
 

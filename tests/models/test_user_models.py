@@ -30,7 +30,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-from cephalo_lightning import CephaloStrategy, Plan  # noqa: E402
 from cephalo_lightning.__main__ import main as cli  # noqa: E402
 from cephalo_lightning._common.errors import UnsupportedError  # noqa: E402
 from cephalo_lightning.models import resolve, weighting  # noqa: E402
@@ -38,7 +37,9 @@ from cephalo_lightning.runtime.checkpoint import load_full_state_dict  # noqa: E
 from cephalo_lightning.runtime.checkpoint.export import export_hf  # noqa: E402
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker  # noqa: E402
 from tests import library_models  # noqa: E402
+from tests.assembly import strategy_pieces  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
+from tests.helpers import fit  # noqa: E402
 from tests.library_models import LibraryLM, PaddedTokens  # noqa: E402
 from tests.loss_models import KINDS, HFModule, collate, data, reference  # noqa: E402
 from tests.plans import plan_of  # noqa: E402
@@ -96,18 +97,11 @@ def test_weighting_choices_for_heads_and_unknown_models():
     assert weighting.choose("samples", HFModule("bert"), None).weighting.kind == "samples"
 
 
-def _trainer(plan: Plan, steps: int = STEPS, callbacks=(), **strategy) -> pl.Trainer:
-    return pl.Trainer(strategy=CephaloStrategy(plan=plan, **strategy), accelerator="cpu", devices=2, max_steps=steps,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      use_distributed_sampler=False, callbacks=list(callbacks))
-
-
-def _fit(module: pl.LightningModule, samples, **strategy) -> tuple[pl.Trainer, list[str]]:
-    trainer = _trainer(PLAN, mode="uniform", **strategy)
-    loader = torch.utils.data.DataLoader(samples, batch_size=GLOBAL, collate_fn=collate)
+def _fit_warned(module: pl.LightningModule, samples, **strategy) -> tuple[pl.Trainer, list[str]]:
+    """A fit under PLAN (uniform) and the warnings it gave."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, loader)
+        trainer = fit(module, PLAN, 2, STEPS, samples, mode="uniform", **strategy)
     return trainer, [str(w.message) for w in caught]
 
 
@@ -156,8 +150,7 @@ def _after_fit(rank: int, out_dir: str) -> dict:
     tokens = PaddedTokens(GLOBAL * STEPS)
     for mode, plan in (("uniform", PLAN), ("layered", LAYERED)):
         module = EvaluatedLM("llama")
-        trainer = _trainer(plan, mode=mode)
-        trainer.fit(module, library_models.loader(tokens, GLOBAL))
+        trainer = fit(module, plan, 2, STEPS, tokens, mode=mode)
         assert trainer.strategy.fit_runtime.schedule == mode
         whole = _whole(module.model)
         module.model.save_pretrained(f"{out_dir}/{mode}")  # Hugging Face writes on the main process only
@@ -170,20 +163,19 @@ def _after_fit(rank: int, out_dir: str) -> dict:
         trainer.test(module, library_models.loader(tokens, GLOBAL), verbose=False)
         out[mode] = (whole, generated, edited, _whole(module.model))
     module = LibraryLM("llama")
-    _trainer(PLAN, steps=1, mode="uniform", gather_on_teardown=False).fit(module, library_models.loader(tokens, GLOBAL))
+    fit(module, PLAN, 2, 1, tokens, mode="uniform", gather_on_teardown=False)
     out["parked"] = [_refused(lambda: _generate(module.model)), _refused(module.state_dict),
                      _refused(lambda: module.model.save_pretrained(f"{out_dir}/parked")),
-                     _refused(lambda: _trainer(PLAN, steps=1, mode="uniform").fit(module, library_models.loader(tokens, GLOBAL)))]
+                     _refused(lambda: fit(module, PLAN, 2, 1, tokens, mode="uniform"))]
     # the whole model on global rank 0 alone; the other rank keeps its pieces and allocates none of it
     module, watch = LibraryLM("llama"), TeardownMemory()
-    trainer = _trainer(PLAN, steps=1, mode="uniform", gather_on_teardown="rank0", callbacks=[watch])
-    trainer.fit(module, library_models.loader(tokens, GLOBAL))
+    trainer = fit(module, PLAN, 2, 1, tokens, options={"callbacks": [watch]}, mode="uniform", gather_on_teardown="rank0")
     out["rank0"] = {"peak": watch.tracker.peak_bytes, "live": watch.tracker.current_bytes, "held": _held_bytes(module),
-                    "pieces": library_models.pieces(trainer.strategy), "state_dict": _refused(module.state_dict),
+                    "pieces": strategy_pieces(trainer.strategy), "state_dict": _refused(module.state_dict),
                     "whole": dict(module.named_parameters(remove_duplicate=False)) if rank == 0 else None}
     # the same model under the default ("auto", far below its limit): whole on every rank, as before
     module = LibraryLM("llama")
-    _trainer(PLAN, steps=1, mode="uniform").fit(module, library_models.loader(tokens, GLOBAL))
+    fit(module, PLAN, 2, 1, tokens, mode="uniform")
     out["auto"] = _held_bytes(module)
     return out
 
@@ -192,12 +184,12 @@ def _all(rank: int, world: int, out_dir: str):
     warnings.simplefilter("ignore")
     out = {}
     for kind in KINDS:
-        trainer, _ = _fit(HFModule(kind), data(kind, GLOBAL * STEPS))
+        trainer, _ = _fit_warned(HFModule(kind), data(kind, GLOBAL * STEPS))
         out[kind] = (_whole(trainer.lightning_module), trainer.strategy.fit_runtime.describe())
     moe = [{k: v[i] for k, v in PaddedTokens(GLOBAL * STEPS).batch(0, GLOBAL * STEPS).items()} for i in range(GLOBAL * STEPS)]
-    trainer, caught = _fit(HFModule("mixtral"), moe, router_aux_loss="keep")
+    trainer, caught = _fit_warned(HFModule("mixtral"), moe, router_aux_loss="keep")
     out["mixtral-keep"] = (_whole(trainer.lightning_module), caught)
-    trainer, caught = _fit(HFModule("mixtral"), moe, router_aux_loss="exclude")
+    trainer, caught = _fit_warned(HFModule("mixtral"), moe, router_aux_loss="exclude")
     out["mixtral"] = (_whole(trainer.lightning_module), trainer.strategy.fit_runtime.describe())
     out.update(_after_fit(rank, out_dir))
     return out
@@ -337,7 +329,7 @@ def test_rank0_gathers_the_whole_model_on_rank_0_alone(results):
     whole_bytes = 4 * sum(p.numel() for p in LibraryLM("llama").parameters())  # fp32 masters, tied ones once
     first, second = results[0]["rank0"], results[1]["rank0"]
     assert first["held"] == whole_bytes and first["live"] >= whole_bytes and first["state_dict"] == ""
-    moments = (".exp_avg", ".exp_avg_sq")  # library_models.pieces adds the optimizer's moments
+    moments = (".exp_avg", ".exp_avg_sq")  # strategy_pieces adds the optimizer's moments
     pieces_bytes = 4 * sum(v.numel() for name, (_, v) in second["pieces"].items() if not name.endswith(moments))
     assert second["held"] == pieces_bytes < whole_bytes
     assert second["peak"] < 0.05 * whole_bytes, f"rank 1 allocated {second['peak']} bytes of a {whole_bytes}-byte model"

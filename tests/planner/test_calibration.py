@@ -17,7 +17,7 @@ from cephalo_lightning.planner.schema.calibration_terms import Calibration
 from cephalo_lightning.planner.schema.cluster import cluster_to_dict
 from cephalo_lightning.planner.schema.plan import Plan
 from cephalo_lightning.planner.search.assemble import rank_plans
-from tests.planner_cases import random_cluster
+from tests.planner_cases import INJECTED, calibration_cluster, calibration_device, random_cluster, random_grouped_cluster
 from tests.planner_reference import brute_force, calibrated_by_hand, rank_times
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,30 +29,13 @@ FIT_TOL = 1e-5
 FULL = ("full",)  # one shard group of every rank, which the one-group references enumerate
 
 
-def _device(name: str, fwd_ms: float, memory_gb: float) -> dict[str, Any]:
-    return {"name": name, "memory_gb": memory_gb, "layer_fwd_ms": [fwd_ms * k for k in (1.0, 1.9, 2.7, 3.6)],
-            "layer_bwd_ms": [fwd_ms * k for k in (2.0, 3.8, 5.5, 7.2)], "compute_memory_gb": [0.5, 0.8, 1.1, 1.4],
-            "optimizer_ns_per_param": 0.2}
-
-
-def _cluster() -> dict[str, Any]:
-    """Three ranks whose collectives outweigh a one-sample layer (so the collectives and the overlap
-    show apart in the step) and whose memory makes plans differ in batch, micro-batches and mode."""
-    return {"model": {"name": "m", "num_layers": 4, "parameters": 10_000_000},
-            "settings": {"reserved_memory_gb": 0, "usable_memory_fraction": 1.0, "micro_batch_overhead_ms": 1.0,
-                         "allgather_ms": 6.0, "reduce_scatter_ms": 6.0, "overlap": 0.6},
-            "devices": [_device("a", 2.0, 4), _device("b", 5.0, 4), _device("c", 3.0, 2.0)]}
-
-
-INJECTED = Calibration(step_overhead_ms=40.0, micro_batch_overhead_ms=2.5, allgather_ms=9.0, reduce_scatter_ms=9.0,
-                       overlap=0.3, compute_scale=(1.3, 0.9, 1.6), host_contention=1.25)
 PLANS = ((12, "layered"), (24, "layered"), (6, "uniform"), (18, "uniform"), (3, "layered"))
 
 
 @pytest.fixture(scope="module")
 def plans() -> list[Any]:
     """Plans of the profile alone that differ in batch, micro-batch counts, shares and mode (planned once)."""
-    cluster = cluster_from_dict(_cluster())
+    cluster = cluster_from_dict(calibration_cluster())
     return [plan(cluster, b, mode, groupings=FULL) for b, mode in PLANS]
 
 
@@ -68,7 +51,7 @@ def _observe(truth, plans) -> list[StepObservation]:
 
 @pytest.mark.parametrize("sync_passes", [False, True])
 def test_fit_recovers_injected_terms_exactly(plans: list[Any], sync_passes: bool) -> None:
-    data = _cluster()
+    data = calibration_cluster()
     data["settings"]["sync_passes"] = sync_passes
     cluster = cluster_from_dict(data)
     assert any(max(r.num_micro_batches for r in p.ranks) > 1 for p in plans)  # the overhead shows
@@ -77,7 +60,7 @@ def test_fit_recovers_injected_terms_exactly(plans: list[Any], sync_passes: bool
         # device's forward is the slowest, and four micro-batches' overheads make another's backward the slowest
         ranks, step = rank_plans(cluster, [11, 3, 5], [1, 1, 4], [0.34, 0.33, 0.33])
         plans = [*plans, Plan(19, "layered", ranks, step, 19 / step)]
-        summed = with_calibration(cluster_from_dict(_cluster()), INJECTED)
+        summed = with_calibration(cluster_from_dict(calibration_cluster()), INJECTED)
         assert predicted(truth, plans[-1])[0] > predicted(summed, plans[-1])[0] * 1.01
     fitted = fit_calibration(cluster, _observe(truth, plans))
     for name in ("step_overhead_ms", "micro_batch_overhead_ms", "allgather_ms", "reduce_scatter_ms", "overlap",
@@ -88,7 +71,7 @@ def test_fit_recovers_injected_terms_exactly(plans: list[Any], sync_passes: bool
 
 
 def test_fit_on_one_plan_predicts_it_and_keeps_the_profile_where_it_cannot_tell(plans: list[Any]) -> None:
-    cluster = cluster_from_dict(_cluster())
+    cluster = cluster_from_dict(calibration_cluster())
     truth = with_calibration(cluster, INJECTED)
     one = plans[0]
     fitted = fit_calibration(cluster, _observe(truth, [one]) * 3)
@@ -105,7 +88,7 @@ def test_measured_collectives_tell_them_from_a_fixed_cost_on_one_plan(plans: lis
     """One plan's steps fix the step overhead plus the exposed collectives, not the two apart; the
     time inside the collectives (the rank that waits least) does, so a plan whose compute hides less
     of them (one sample per rank) is predicted too."""
-    cluster = cluster_from_dict(_cluster())
+    cluster = cluster_from_dict(calibration_cluster())
     # the profile's overlap and micro-batch overhead: one plan of one micro-batch per rank cannot tell them
     truth = with_calibration(cluster, replace(INJECTED, overlap=0.6, micro_batch_overhead_ms=1.0))
     one, more = plans[2], plan(cluster, 3, "uniform", groupings=FULL)
@@ -129,7 +112,7 @@ def test_a_calibration_of_either_mode_prices_the_other_with_a_passs_later_gather
     each other) comes once per pass in both modes: a calibration fitted on either mode's steps prices
     the other's plans, a uniform pass's later gathers at the profiled gather. Priced by the reference
     on the cluster written out by hand, and apart from pricing every gather at the fitted figure."""
-    data = _cluster()
+    data = calibration_cluster()
     cluster = cluster_from_dict(data)
     layered, uniform = plans[0], plan(cluster, 24, "uniform", groupings=FULL)
     assert min(r.num_micro_batches for r in uniform.ranks) > 1  # later gathers to price
@@ -159,7 +142,7 @@ def test_old_cluster_files_price_as_before(plans: list[Any]) -> None:
         assert "calibration" not in data and "step_overhead_ms" not in data["settings"]
         assert cluster_from_dict(data) == cluster
     # a calibration that restates the profile changes no prediction
-    cluster = cluster_from_dict(_cluster())
+    cluster = cluster_from_dict(calibration_cluster())
     same = Calibration(0.0, 1.0, 6.0, 6.0, 0.6, (1.0, 1.0, 1.0))
     for p in plans:
         (step, busy), (step0, busy0) = predicted(with_calibration(cluster, same), p), predicted(cluster, p)
@@ -174,7 +157,7 @@ def test_collective_prices_refuse_a_cluster_still_carrying_its_calibration() -> 
     from cephalo_lightning.planner.cost.calibration import calibrated
     from cephalo_lightning.planner.cost.collective_prices import communication, link_prices
 
-    cluster = with_calibration(cluster_from_dict(_cluster()), INJECTED)
+    cluster = with_calibration(cluster_from_dict(calibration_cluster()), INJECTED)
     for price in (communication, link_prices):
         with pytest.raises(PlanningError, match="still carries its calibration"):
             price(cluster)
@@ -183,7 +166,7 @@ def test_collective_prices_refuse_a_cluster_still_carrying_its_calibration() -> 
 
 
 def test_calibration_block_round_trips_and_plans_the_same(tmp_path: Path) -> None:
-    cluster = with_calibration(cluster_from_dict(_cluster()),
+    cluster = with_calibration(cluster_from_dict(calibration_cluster()),
                                replace(INJECTED, steps=8, fitted_on="B=12 layered", mode="layered",
                                        shard_groups=(0, 0, 0)))
     path = tmp_path / "calibrated.yaml"
@@ -207,7 +190,7 @@ def test_calibration_block_round_trips_and_plans_the_same(tmp_path: Path) -> Non
     (lambda c: c.update(shard_groups=[0, -1, 1]), r"calibration.shard_groups\[1\] must be"),
 ])
 def test_bad_calibration_block_names_the_field(change, message: str) -> None:
-    data = _cluster()
+    data = calibration_cluster()
     block = INJECTED.as_dict()
     change(block)
     data["calibration"] = block
@@ -255,7 +238,6 @@ def test_a_calibration_of_one_grouping_plans_optimally_over_groupings_against_br
     """A calibration fitted on one grouping's steps prices that grouping's collectives; the planner,
     weighing every grouping, prices each as the calibration does (the others by the profile's
     collectives) and finds the optimum of enumeration over the groupings, each written out by hand."""
-    from tests.planner.test_planner_groups import random_grouped_cluster
     from tests.planner_reference import brute_force_groups, candidate_groupings
 
     rng = random.Random(7)
@@ -304,8 +286,8 @@ def test_a_calibration_across_nodes_keeps_each_group_on_its_own_link(groups: lis
     the price (a fitted 0 stays 0 and is not derived from a bandwidth)."""
     from cephalo_lightning.planner.cost.cluster_cost import collective_ms
 
-    data = _cluster()
-    data["devices"].append(_device("c", 3.0, 2.0))
+    data = calibration_cluster()
+    data["devices"].append(calibration_device("c", 3.0, 2.0))
     for device, node in zip(data["devices"], (0, 0, 1, 1)):
         device["node"] = node
     data["settings"].update(link_bandwidth_gbps=100.0, inter_node_bandwidth_gbps=5.0)
@@ -340,7 +322,7 @@ def test_a_data_parallel_plan_measures_its_all_reduce_not_the_gathers_of_one_gro
     is blocked for the rest. Fitted from such steps, the collectives keep their injected size, so
     another data-parallel plan is predicted as the truth prices it; a plan that shards (one group)
     issues other collectives, which no step measured: the profile's price them."""
-    cluster = cluster_from_dict(_cluster())
+    cluster = cluster_from_dict(calibration_cluster())
     # the profile's overlap and micro-batch overhead: one plan of one micro-batch per rank cannot tell them
     truth = with_calibration(cluster, replace(INJECTED, overlap=0.6, micro_batch_overhead_ms=1.0))
     replicas = plan(cluster, 12, "layered", groupings=("per-rank",))

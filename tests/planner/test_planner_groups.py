@@ -12,6 +12,7 @@ import pytest
 
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, evaluate, load_cluster, plan, save_cluster
 from cephalo_lightning.planner.cost.prices import Prices
+from tests.planner_cases import random_grouped_cluster
 from tests.planner_reference import brute_force_groups, candidate_groupings, group_rank_times, memory_ok
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -252,38 +253,6 @@ def test_without_an_inter_node_figure_two_nodes_are_refused() -> None:
 
 
 # ----------------------------------------------------------------------------- choosing the grouping
-
-
-def random_grouped_cluster(rng: random.Random, world: int):
-    """A small random cluster, on one node (collectives measured or from a bandwidth) or on two
-    (bandwidths per link class): the extended brute force prices all of them."""
-    devices = []
-    for _ in range(world):
-        k = rng.randint(1, 3)
-        first = rng.uniform(2, 20)
-        fwd = [first * (1 + i * rng.uniform(0.6, 1.2)) for i in range(k)]
-        per = rng.uniform(0.3, 3)
-        devices.append({"name": f"gpu{rng.randint(0, 3)}", "memory_gb": rng.choice([8, 12, 16, 24, 40]),
-                        "layer_fwd_ms": fwd, "layer_bwd_ms": [x * rng.uniform(1.5, 2.5) for x in fwd],
-                        "compute_memory_gb": [rng.uniform(0.2, 1) + per * (i + 1) for i in range(k)]})
-    settings: dict[str, Any] = {"usable_memory_fraction": rng.uniform(0.7, 1.0), "reserved_memory_gb": rng.uniform(0, 2),
-                                "micro_batch_overhead_ms": rng.choice([0, 2, 10]),
-                                "overlap": rng.choice([0.0, 0.5, 1.0])}
-    two_nodes = world >= 2 and rng.random() < 0.6
-    if two_nodes:
-        split = rng.randint(1, world - 1)
-        for i, d in enumerate(devices):
-            d["node"] = 0 if i < split else 1
-        settings["link_bandwidth_gbps"] = rng.uniform(5, 100)
-        settings["inter_node_bandwidth_gbps"] = rng.uniform(0.2, 5)
-        settings["inter_node_latency_ms"] = rng.choice([0.0, 0.5])
-    elif rng.random() < 0.5:
-        settings["allgather_ms"] = rng.uniform(0, 30)
-        settings["reduce_scatter_ms"] = rng.uniform(0, 30)
-    else:
-        settings["link_bandwidth_gbps"] = rng.uniform(0.5, 20)
-    model = {"name": "m", "num_layers": rng.randint(1, 6), "parameters": int(rng.uniform(0.02, 1.0) * 1e9)}
-    return cluster_from_dict({"model": model, "settings": settings, "devices": devices})
 
 
 def check_grouped(cluster, p, batch: int) -> None:

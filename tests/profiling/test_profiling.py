@@ -27,21 +27,13 @@ from cephalo_lightning.profiling import (
 from cephalo_lightning.profiling.model import ModelHooks, gathered_bytes
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, EmulationSpecError
 from tests.distributed import run_distributed
+from tests.tiny_gpt import sample_tokens, tiny_gpt
 
 # the cheapest profile that still runs every code path (for tests about plumbing, not timing)
 QUICK = ProfileOptions(max_micro_batch=3, warmup=0, repeats=1, min_region_ms=0.0)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread, as each CPU rank has
-
-
-def tiny_gpt(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(GPTConfig.preset("tiny", seq_len=32))
-
-
-def sample_tokens(rows: int = 2) -> torch.Tensor:
-    return torch.randint(0, 256, (rows, 32), generator=torch.Generator().manual_seed(1))
 
 
 class MLPBlock(nn.Module):

@@ -15,7 +15,7 @@ from cephalo_lightning.profiling.collective_timing import CollectiveProfile
 from cephalo_lightning.profiling.devices import measured_settings
 from cephalo_lightning.profiling.topology import LinkProfile, NodeClue, Topology, find_nodes, node_clue
 from tests.distributed import run_distributed
-from tests.profiling.test_profiling import sample_tokens, tiny_gpt
+from tests.tiny_gpt import sample_tokens, tiny_gpt
 
 # plumbing-cheap layer profiles; the links get a probe of 256 KiB per rank
 OPTIONS = ProfileOptions(max_micro_batch=2, warmup=0, repeats=1, min_region_ms=0.0, collective_repeats=5,

@@ -26,19 +26,11 @@ from tests.conftest import clean_env
 from tests.distributed import run_distributed
 from tests.helpers import max_error
 from tests.plans import plan_of
-from tests.sgd_run import GLOBAL, SEED, SGDModule, data_loader, reference, sgd_on
+from tests.sgd_run import GLOBAL, PLAN2, SEED, TOTAL, SGDModule, data_loader, reference, sgd_on, sgd_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
-PLAN2 = plan_of(batches=[8, 4], micro=[2, 1], shares=[0.3, 0.7])
 OTHER2 = plan_of(batches=[3, 9], micro=[3, 2], shares=[0.9, 0.1])
 PLAN3 = plan_of(batches=[5, 3, 4], micro=[1, 3, 2], shares=[0.2, 0.3, 0.5])
-TOTAL = 8  # steps of every uninterrupted run: across an epoch boundary
-
-
-def trainer(plan: Plan, world: int, steps: int, root: str | None = None, **kwargs) -> pl.Trainer:
-    # fp64 SGD: see [Note: fp64 SGD] in tests/sgd_run.py
-    return helpers.trainer(CephaloStrategy(plan=plan, seed=SEED), world, steps,
-                           precision=kwargs.pop("precision", "64-true"), default_root_dir=root, **kwargs)
 
 
 # ----------------------------------------------------------------------------- the resume matrix
@@ -54,10 +46,10 @@ def _first_halves(rank: int, world: int, root: str):
         tag = "shuffled" if shuffle else "ordered"
         # ModelCheckpoint mid-epoch (step 3) and at the epoch boundary (step 5)
         saver = ModelCheckpoint(dirpath=f"{root}/{tag}", every_n_train_steps=1, save_top_k=-1, filename="{step}")
-        t = trainer(PLAN2, world, 6, root, callbacks=[saver], enable_checkpointing=True)
+        t = sgd_trainer(PLAN2, world, 6, root, callbacks=[saver], enable_checkpointing=True)
         t.fit(SGDModule(), data_loader(shuffle))
         # fit() finished at max_steps mid-epoch, then trainer.save_checkpoint
-        t = trainer(PLAN2, world, 3, root)
+        t = sgd_trainer(PLAN2, world, 3, root)
         t.fit(SGDModule(), data_loader(shuffle))
         t.save_checkpoint(f"{root}/{tag}/after-fit-3.ckpt")
 
@@ -66,7 +58,7 @@ def _first_halves(rank: int, world: int, root: str):
                 if trainer.global_step == 2:
                     trainer.save_checkpoint(f"{root}/{tag}/inside-2.ckpt")
 
-        trainer(PLAN2, world, 4, root, callbacks=[SaveAt2()]).fit(SGDModule(), data_loader(shuffle))
+        sgd_trainer(PLAN2, world, 4, root, callbacks=[SaveAt2()]).fit(SGDModule(), data_loader(shuffle))
     return out
 
 
@@ -77,7 +69,7 @@ def _resume(rank: int, world: int, cases: list[tuple[str, str, dict, bool]]):
     out = {}
     for name, ckpt, plan, shuffle in cases:
         try:
-            t = trainer(Plan.from_dict(plan), world, TOTAL)
+            t = sgd_trainer(Plan.from_dict(plan), world, TOTAL)
             t.fit(SGDModule(seed=3), data_loader(shuffle), ckpt_path=ckpt)  # another init: all must come from the file
             out[name] = (t.strategy.sharded.full_state_dict(), t.global_step)
         except Exception:  # noqa: BLE001 - reported by the case's own test
@@ -163,7 +155,7 @@ class Hostile:
 
 def _single_rank_checkpoint(path: Path) -> None:
     warnings.simplefilter("ignore")
-    t = trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]), 1, 1, str(path.parent))
+    t = sgd_trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]), 1, 1, str(path.parent))
     t.fit(SGDModule(), data_loader(False))
     t.save_checkpoint(str(path))
 
@@ -181,9 +173,9 @@ def _hostile_bytes(marker: Path) -> bytes:
 
 
 LOAD_PATHS = {
-    "Trainer.fit(ckpt_path=dir)": lambda p: trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]),
+    "Trainer.fit(ckpt_path=dir)": lambda p: sgd_trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]),
                                                     1, 2).fit(SGDModule(), data_loader(False), ckpt_path=str(p)),
-    "Trainer.fit(weights_only=True)": lambda p: trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]),
+    "Trainer.fit(weights_only=True)": lambda p: sgd_trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]),
                                                         1, 2).fit(SGDModule(), data_loader(False), ckpt_path=str(p),
                                                                   weights_only=True),
     "load_full_state_dict": lambda p: checkpoint.load_full_state_dict(p),
@@ -249,7 +241,7 @@ class WithBuffer(SGDModule):
 def test_a_persistent_buffer_the_checkpoint_lacks_is_an_error_not_left_as_it_was(tmp_path):
     ckpt = tmp_path / "ckpt"
     _single_rank_checkpoint(ckpt)
-    t = trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]), 1, 2)
+    t = sgd_trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]), 1, 2)
     with pytest.raises(CheckpointError, match=r"lacks parameters or buffers \['counts'\]"):
         t.fit(WithBuffer(), data_loader(False), ckpt_path=str(ckpt))
 
@@ -426,6 +418,6 @@ def test_a_consolidated_checkpoint_resumes_under_a_plain_trainer(first_halves, t
     started, _, step = _plain_resume(files["shuffled/step=3.ckpt"], shuffle=True)
     assert step == TOTAL and max_error(started, reference(3, True)) <= 1e-7
     # and Cephalo itself, resuming from the consolidated file, continues on its own samples
-    t = trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]), 1, TOTAL)
+    t = sgd_trainer(plan_of(batches=[GLOBAL], micro=[2], shares=[1.0]), 1, TOTAL)
     t.fit(SGDModule(seed=3), data_loader(True), ckpt_path=str(files["shuffled/step=3.ckpt"]))
     assert t.global_step == TOTAL and max_error(t.strategy.sharded.full_state_dict(), reference(TOTAL, True)) <= 1e-7

@@ -10,16 +10,12 @@ import torch
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker
 from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+from tests.assembly import assemble, assert_matches, rank_pieces
 from tests.distributed import run_distributed
 from tests.reference import make_optimizer, reference_state, split, train_reference
-from tests.runtime.test_runtime import assemble, assert_matches, local_pieces
-from tests.tiny_lm import TinyLM, batches
+from tests.tiny_lm import TinyLM, batches, layers_of
 
 STEPS = 3
-
-
-def layers_of(model: TinyLM) -> list[torch.nn.Module]:
-    return [model.embed, *model.blocks, model.norm, model.head]
 
 
 def train_layered(rank: int, shares, batch_sizes, micro_batches, mode="padded", offload=False):
@@ -43,7 +39,7 @@ def train_layered(rank: int, shares, batch_sizes, micro_batches, mode="padded", 
         per_step.append(sharded.comm.log[before:])
         optimizer.step()
         optimizer.zero_grad()
-    return local_pieces(sharded, optimizer), per_step
+    return rank_pieces(sharded, optimizer), per_step
 
 
 CASES = {

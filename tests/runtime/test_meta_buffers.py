@@ -16,6 +16,7 @@ refuses a buffer two computations disagree on, and a buffer nothing gives a valu
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import warnings
 
@@ -24,17 +25,17 @@ import pytest
 import torch
 from torch import nn
 
-from cephalo_lightning import CephaloStrategy
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
 from cephalo_lightning.runtime.sharding.materialize import MetaBufferError
 from tests.distributed import run_distributed
-from tests.helpers import trainer
+from tests.helpers import fit
 
 transformers = pytest.importorskip("transformers")
 
-from tests.discovered_models import Samples, build, loader  # noqa: E402
+from tests.discovered_models import Samples, build  # noqa: E402
 from tests.plans import plan_of  # noqa: E402
+from tests.reference import steps_of, target_tokens, train_steps  # noqa: E402
 
 NAMED = ("llama", "qwen3", "gpt_neox")  # the named adapters' families
 BY_STRUCTURE = ("gemma", "phi3", "gptj")  # layered by the structure (no adapter knows them)
@@ -97,16 +98,15 @@ class Initial(pl.Callback):
         self.params = trainer.strategy.sharded.full_state_dict()
 
 
-def _fit(rank: int, world: int) -> dict:
+def _meta_ranks(rank: int, world: int) -> dict:
     warnings.simplefilter("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     out = {}
     for family in FAMILIES:
         for mode, plan in PLANS.items():
             initial = Initial()
-            t = trainer(CephaloStrategy(plan=plan, mode=mode), world, STEPS, callbacks=[initial])
             module = InitLikeTransformers4(family)
-            t.fit(module, loader(Samples(family, GLOBAL * STEPS), GLOBAL))
+            t = fit(module, plan, world, STEPS, Samples(family, GLOBAL * STEPS), {"callbacks": [initial]}, mode=mode)
             out[family, mode] = {
                 "schedule": str(t.strategy.fit_runtime.schedule),
                 "buffers": {n: b.clone() for n, b in module.model.named_buffers()},
@@ -114,45 +114,29 @@ def _fit(rank: int, world: int) -> dict:
                 "final": {n: p.detach().clone() for n, p in module.model.named_parameters()},
             }
         # the model's own initialisation (transformers 5 writes the rotary frequencies too: the guard compares)
-        t = trainer(CephaloStrategy(plan=PLANS["layered"]), world, 0)
         module = BuiltOnMeta(family)
-        t.fit(module, loader(Samples(family, GLOBAL), GLOBAL))
+        fit(module, PLANS["layered"], world, 0, Samples(family, GLOBAL))
         out[family, "own init"] = {"buffers": {n: b.clone() for n, b in module.model.named_buffers()}}
     return out
 
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict]:
-    return run_distributed(_fit, 2)
+    return run_distributed(_meta_ranks, 2)
 
 
-def _train(family: str, start: dict[str, torch.Tensor], ranks: list[list[int]] | None) -> dict[str, torch.Tensor]:
+def _reference(family: str, start: dict[str, torch.Tensor], ranks: list[list[int]] | None) -> dict[str, torch.Tensor]:
     """Single-process SGD from ``start`` on the same global batches: whole, or as data parallelism
     sums it (``ranks``: each rank's micro-batch sizes; a rank's gradient accumulated over its
     micro-batches, each loss weighted by its share of the global batch's label tokens, then the
     ranks' gradients added in rank order)."""
     model = build(family)
     model.load_state_dict(start, strict=False)  # the parameters; the buffers stay the fresh model's
-    params = list(model.parameters())
-    optimizer = torch.optim.SGD(params, lr=0.5)
-    data = Samples(family, GLOBAL * STEPS)
-    for step in range(STEPS):
-        first = step * GLOBAL
-        whole = data.batch(first, first + GLOBAL)
-        tokens = (whole["labels"][:, 1:] != -100).sum()
-        summed = [torch.zeros_like(p) for p in params]
-        for cuts in ranks or [[GLOBAL]]:
-            for size in cuts:
-                micro = data.batch(first, first + size)
-                first += size
-                (model(**micro).loss * (micro["labels"][:, 1:] != -100).sum() / tokens).backward()
-            for total, p in zip(summed, params):
-                total += p.grad
-                p.grad = None
-        for total, p in zip(summed, params):
-            p.grad = total
-        optimizer.step()
-        optimizer.zero_grad()
+    ranks = ranks or [[GLOBAL]]
+    pieces = steps_of(Samples(family, GLOBAL * STEPS).batch, STEPS, GLOBAL, [n for cuts in ranks for n in cuts],
+                      target_tokens)
+    steps = [[list(itertools.islice(step, len(cuts))) for cuts in ranks] for step in map(iter, pieces)]
+    train_steps(torch.optim.SGD(model.parameters(), lr=0.5), lambda batch: model(**batch).loss, steps, per_rank=True)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -182,9 +166,9 @@ def test_every_buffer_of_a_meta_built_model_is_a_fresh_models_on_every_rank(runs
 def test_a_meta_built_model_trains_as_single_process_training_from_its_materialised_parameters(runs, family, mode):
     result = runs[0][family, mode]
     assert result["schedule"] == mode
-    want = _train(family, result["initial"], None)
+    want = _reference(family, result["initial"], None)
     ranks = [list(rank.micro_batch_sizes) for rank in PLANS[mode].ranks]
-    floor = max((want[n] - v).abs().max().item() for n, v in _train(family, result["initial"], ranks).items())
+    floor = max((want[n] - v).abs().max().item() for n, v in _reference(family, result["initial"], ranks).items())
     largest = max(v.abs().max() for v in want.values())
     bound = max(torch.finfo(torch.float32).eps * 2 ** torch.floor(torch.log2(largest)).item(), FLOOR_FACTOR * floor)
     moved = max((want[n] - result["initial"][n]).abs().max().item() for n in want)
@@ -200,9 +184,7 @@ def test_a_meta_built_model_trains_as_single_process_training_from_its_materiali
 
 def _one_rank(module: pl.LightningModule, family: str = "llama") -> pl.Trainer:
     plan = plan_of(batches=[GLOBAL], micro=[1], shares=[1.0])
-    t = trainer(CephaloStrategy(plan=plan), 1, 0)
-    t.fit(module, loader(Samples(family, GLOBAL), GLOBAL))
-    return t
+    return fit(module, plan, 1, 0, Samples(family, GLOBAL))
 
 
 class WrongFrequencies(BuiltOnMeta):
@@ -287,9 +269,7 @@ class UserModel(pl.LightningModule):
 def _user_fit(module: UserModel) -> pl.Trainer:
     plan = plan_of(batches=[4], micro=[1], shares=[1.0])
     data = torch.utils.data.TensorDataset(torch.randint(0, 11, (4, 6)))
-    t = trainer(CephaloStrategy(plan=plan), 1, 0)
-    t.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
-    return t
+    return fit(module, plan, 1, 0, data)
 
 
 def test_a_users_constructor_computed_buffers_are_replayed_in_the_root_and_in_blocks():

@@ -12,37 +12,13 @@ from cephalo_lightning.runtime.observers import Observer
 from cephalo_lightning.runtime.sharding.layout import build_layout, quotas
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 from cephalo_lightning.runtime.sharding.wrap_policy import WrapPolicyError, find_units
+from tests.assembly import TOL, assemble, assert_matches, rank_pieces
 from tests.distributed import run_distributed
 from tests.reference import make_optimizer, reference_state, split, train_reference
 from tests.tiny_lm import TinyLM, batches
 
 GLOBAL_BATCH = 12
-TOL = 1e-5
-# Adam moments are compared relative to the tensor's largest entry: every second moment here is
-# below 1.6e-5, so an absolute bound of TOL would let a moment half its true value pass. The noise
-# floor, single-process training on the same batches cut rank by rank and micro-batch by
-# micro-batch (the same training, its sums re-associated), lands at most 6.4e-7 of the largest
-# entry from the whole-batch run, for every cut SHARE_CASES uses; the
-# runtime measured at most 8.6e-7. The bound is three times the floor.
-MOMENT_RTOL = 2e-6
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
 # ----------------------------------------------------------------------------- helpers run on ranks
-
-
-def local_pieces(sharded: ShardedModel, optimizer: torch.optim.Optimizer) -> dict[str, tuple[int, torch.Tensor]]:
-    """This rank's pieces of every parameter and Adam moment: name -> (start, values)."""
-    out = {}
-    for unit in sharded.units:
-        for span, p in zip(unit.spans, unit.local_params):
-            start, _ = unit.layout.param_piece(span, sharded.rank)
-            out[span.name] = (start, p.detach().reshape(-1).clone())
-            state = optimizer.state.get(p, {})
-            for key in MOMENTS:
-                if key in state:
-                    out[f"{span.name}.{key}"] = (start, state[key].detach().reshape(-1).clone())
-    return out
 
 
 def train_uniform(sharded: ShardedModel, model: TinyLM, optimizer, batch_sizes, n, steps, start=0, clip=None):
@@ -64,35 +40,6 @@ def train_uniform(sharded: ShardedModel, model: TinyLM, optimizer, batch_sizes, 
         optimizer.zero_grad()
 
 
-def assemble(per_rank: list[dict[str, tuple[int, torch.Tensor]]],
-             dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Full flattened tensors from every rank's pieces; each element must come exactly once."""
-    sizes: dict[str, int] = {}
-    for pieces in per_rank:
-        for name, (start, values) in pieces.items():
-            sizes[name] = max(sizes.get(name, 0), start + values.numel())
-    full = {name: torch.full((n,), float("nan"), dtype=dtype) for name, n in sizes.items()}
-    for pieces in per_rank:
-        for name, (start, values) in pieces.items():
-            window = full[name][start : start + values.numel()]
-            assert torch.isnan(window).all(), f"{name}: an element is owned twice"
-            window.copy_(values)
-    return full
-
-
-def assert_matches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert set(got) == set(want)
-    for name in want:
-        assert not torch.isnan(got[name]).any(), f"{name}: an element is owned by nobody"
-        err = (got[name] - want[name]).abs().max().item()
-        if name.rsplit(".", 1)[-1] in MOMENTS:
-            scale = want[name].abs().max().item()
-            assert err <= MOMENT_RTOL * scale, (
-                f"{name}: max abs difference {err:.2e} > {MOMENT_RTOL} x the largest entry {scale:.2e}")
-        else:
-            assert err <= TOL, f"{name}: max abs difference {err:.2e} > {TOL}"
-
-
 # ----------------------------------------------------------------------------- 3 ranks, one spawn
 
 SHARE_CASES = [
@@ -111,14 +58,14 @@ def _three_ranks(rank: int, world: int, ckpt_dir: str):
         sharded = ShardedModel(model, shares, collective=mode, record_collectives=True)
         optimizer = make_optimizer(model.parameters())
         train_uniform(sharded, model, optimizer, bs, n, STEPS)
-        out["cases"].append(local_pieces(sharded, optimizer))
+        out["cases"].append(rank_pieces(sharded, optimizer))
         out["logs"].append(sharded.comm.log)
     # gradient clipping across uneven shards
     model = TinyLM()
     sharded = ShardedModel(model, [0.5, 0.2, 0.3])
     optimizer = make_optimizer(model.parameters())
     train_uniform(sharded, model, optimizer, [3, 5, 4], 1, STEPS, clip=0.05)
-    out["clipped"] = local_pieces(sharded, optimizer)
+    out["clipped"] = rank_pieces(sharded, optimizer)
     # checkpoint after STEPS steps at shares [0.6, 0.3, 0.1]
     model = TinyLM()
     sharded = ShardedModel(model, [0.6, 0.3, 0.1])
@@ -303,7 +250,7 @@ def _random_shares(world: int):
         sharded = ShardedModel(model, shares, collective=mode)
         optimizer = make_optimizer(model.parameters())
         train_uniform(sharded, model, optimizer, sizes, 2, STEPS)
-        out.append(local_pieces(sharded, optimizer))
+        out.append(rank_pieces(sharded, optimizer))
     return out
 
 
@@ -317,7 +264,7 @@ def _resume(ckpt_dir: str, shares: list[float], batch_sizes: list[int]):
     meta, _ = checkpoint.load(ckpt_dir, sharded, [optimizer])
     assert meta["step"] == STEPS
     train_uniform(sharded, model, optimizer, batch_sizes, 1, 2, start=STEPS)
-    return local_pieces(sharded, optimizer)
+    return rank_pieces(sharded, optimizer)
 
 
 RESHARD = {2: ([0.25, 0.75], [9, 3]), 4: ([0.25, 0.25, 0.25, 0.25], [3, 3, 3, 3])}  # world -> shares, batch sizes
@@ -375,7 +322,7 @@ def _on_a_subgroup(rank: int, world: int, ckpt_dir: str):
         meta, _ = checkpoint.load(ckpt_dir, sharded, [optimizer])
         assert meta["step"] == STEPS
         train_uniform(sharded, model, optimizer, [5, 7], 1, 2, start=STEPS)
-        out = local_pieces(sharded, optimizer)
+        out = rank_pieces(sharded, optimizer)
     torch.distributed.barrier()  # the world meets only after the subgroup is done
     return out
 

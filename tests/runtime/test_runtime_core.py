@@ -23,11 +23,11 @@ from cephalo_lightning.runtime.emulation import emulator as emulation
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker
 from cephalo_lightning.runtime.layered import LayeredSchedule, plain_input
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+from tests.assembly import assemble, assert_matches, rank_pieces
 from tests.distributed import run_distributed
 from tests.lightning_models import TinyLayered, loader, token_data
 from tests.plans import plan_of
 from tests.reference import make_optimizer, reference_state, train_reference
-from tests.runtime.test_runtime import assemble, assert_matches, local_pieces
 from tests.tiny_lm import TinyLM, batches
 
 PACKAGE = Path(__file__).resolve().parents[2] / "cephalo_lightning"
@@ -246,7 +246,7 @@ def _reshard_and_switch(rank: int, world: int):
     out["memory"] = (tracker.peak_bytes, (old + new + largest_unit) * bytes_per, old, new)
     for x, y in data[2:]:
         step(x, y)
-    out["pieces"] = local_pieces(sharded, optimizer)
+    out["pieces"] = rank_pieces(sharded, optimizer)
     # 2. through Trainer.fit: a switch with a prefetching multi-worker DataLoader
     first = plan_of(batches=[9, 3], micro=[3, 1], shares=[0.7, 0.3])
     second = plan_of(batches=[2, 10], micro=[2, 4], shares=[0.1, 0.9])

@@ -24,8 +24,7 @@ from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 from scenarios.unit_optimizers import UnitOptimizers
 from tests.distributed import run_distributed
 from tests.reference import cut, split, tiny_loss, train_steps, whole
-from tests.runtime.test_layered import layers_of
-from tests.tiny_lm import TinyLM, batches
+from tests.tiny_lm import TinyLM, batches, layers_of
 
 STEPS = 3
 GLOBAL_BATCH = 12

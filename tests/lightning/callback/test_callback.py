@@ -11,30 +11,13 @@ import torch
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy
 from cephalo_lightning.runtime.emulation.memory import EmulatedOutOfMemoryError
+from tests.demo_run import SEQ, datamodule, emulated_trainer, module, reference_params
 from tests.distributed import run_distributed
 from tests.helpers import max_error
 from tests.plans import plan_of
 
-SEQ = 32
-GLOBAL_BATCH = 16
 STEPS = 14
 SWITCH_AT = 5  # rank 0 becomes slow from this step on
-# rank 0: fast with little memory; rank 1: twice as slow with plenty of memory (all emulated)
-EMULATE = [{"slowdown": 1.0, "memory_gb": 0.018}, {"slowdown": 2.0, "memory_gb": 0.5}]  # fp64 sizes
-
-
-def module(steps: int = STEPS) -> pl.LightningModule:
-    from cephalo_lightning.demo import GPTModule
-
-    built = GPTModule(preset="small", seq_len=SEQ, warmup_steps=2, lr_decay_steps=steps)
-    built.configure_model()  # now, from the seed: the single-process reference starts from the same weights
-    return built
-
-
-def datamodule(steps: int = STEPS) -> pl.LightningDataModule:
-    from cephalo_lightning.demo import TextDataModule
-
-    return TextDataModule(seq_len=SEQ, batch_size=GLOBAL_BATCH, max_train_samples=GLOBAL_BATCH * steps)
 
 
 def _replan_run(rank: int, world: int, root: str):
@@ -62,14 +45,9 @@ def _replan_run(rank: int, world: int, root: str):
                 seen_shares.append(list(trainer.strategy.plan.state_shares))
 
     logger = WandbLogger(save_dir=root, offline=True, project="cephalo-test")
-    trainer = pl.Trainer(
-        strategy=CephaloStrategy(emulate=EMULATE), accelerator="cpu", devices=world, max_steps=STEPS,
-        callbacks=[watcher, Throttle(), Record()], logger=logger, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-        limit_val_batches=0, default_root_dir=root, precision="64-true",
-    )
+    trainer = emulated_trainer(world, STEPS, root, [watcher, Throttle(), Record()], logger=logger)
     pl.seed_everything(0)
-    trainer.fit(module(), datamodule())
+    trainer.fit(module(STEPS), datamodule(STEPS))
     return {
         "plans": seen_plans,
         "initial": seen_plans[0],
@@ -79,28 +57,6 @@ def _replan_run(rank: int, world: int, root: str):
         "shares": trainer.strategy.plan.state_shares,
         "cluster_slowdowns": [d.emulate.slowdown for d in watcher.cluster.devices],
     }
-
-
-def reference_params(steps: int = STEPS) -> dict[str, torch.Tensor]:
-    """Single process on the same global batches: the sampler's documented order (seeded permutation)."""
-    pl.seed_everything(0)
-    model = module(steps).double()
-    data = datamodule(steps)
-    data.setup("fit")
-    dataset = data.train_dataset
-    optimizer_config = model.configure_optimizers()
-    optimizer, scheduler = optimizer_config["optimizer"], optimizer_config["lr_scheduler"]["scheduler"]
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))
-    for step in range(steps):
-        idx = order[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]
-        x = torch.stack([dataset[int(i)][0] for i in idx])
-        y = torch.stack([dataset[int(i)][1] for i in idx])
-        loss = model.model.loss(model(x), y)  # token ids: no dtype change needed
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
-    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +85,7 @@ def test_throttled_rank_is_detected_and_the_run_replans_without_losing_state(rep
     assert any(0 in h["drifting"] for h in results[0]["history"])
     assert results[0]["cluster_slowdowns"][0] == pytest.approx(6.0)  # re-profiled as emulated x6
     assert not (root / "cephalo-replan").exists(), "the re-plan moves state between ranks, not through files"
-    want = reference_params()
+    want = reference_params(STEPS)
     got = results[0]["params"]
     # fp64 on both sides: Adam's first steps are sign-like and would turn fp32 roundoff in
     # (near-)zero gradients into lr-sized differences between any two summation orders
@@ -161,5 +117,5 @@ def test_plan_beyond_an_emulated_capacity_raises_out_of_memory():
     from cephalo_lightning.demo import TextDataModule
 
     with pytest.raises(EmulatedOutOfMemoryError, match="Emulated out of memory on rank 0") as err:
-        trainer.fit(module(), TextDataModule(seq_len=SEQ, batch_size=8, max_train_samples=32))
+        trainer.fit(module(STEPS), TextDataModule(seq_len=SEQ, batch_size=8, max_train_samples=32))
     assert isinstance(err.value, torch.OutOfMemoryError)

@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from cephalo_lightning import CephaloStrategy
 from cephalo_lightning.lightning.callback.plain_progress import ProgressLines
-from tests.helpers import NUM_SAMPLES, reference
+from tests.helpers import NUM_SAMPLES, reference, trainer
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
 
 STEP_LINE = re.compile(r"^Epoch (\d+) \| step (\d+)/(\d+) \| (.*) \| ([0-9.e+-]+) s/step, ([0-9.e+-]+) samples/s$")
@@ -21,10 +21,11 @@ STEP_LINE = re.compile(r"^Epoch (\d+) \| step (\d+)/(\d+) \| (.*) \| ([0-9.e+-]+
 LOSS_TOL = 1e-5
 
 
-def _fit(module: pl.LightningModule, steps: int, logger=False, log_every_n_steps: int = 50, **options) -> pl.Trainer:
-    t = pl.Trainer(strategy=CephaloStrategy(**options), accelerator="cpu", devices=1, max_steps=steps, logger=logger,
-                   log_every_n_steps=log_every_n_steps, enable_model_summary=False, enable_checkpointing=False,
-                   use_distributed_sampler=False)
+def _fit_with_progress(module: pl.LightningModule, steps: int, logger=False, log_every_n_steps: int = 50,
+                       **options) -> pl.Trainer:
+    """A one-rank fit on token samples in batches of 12 with the progress display on (what these tests read)."""
+    t = trainer(CephaloStrategy(**options), 1, steps, logger=logger, log_every_n_steps=log_every_n_steps,
+                enable_progress_bar=True)
     t.fit(module, loader(token_data(NUM_SAMPLES), 12))
     return t
 
@@ -35,7 +36,7 @@ def _step_lines(out: str) -> list[re.Match]:
 
 def test_a_fit_whose_stdout_is_not_a_terminal_prints_a_plain_line_every_n_steps(capsys, caplog):
     caplog.set_level("INFO")
-    t = _fit(TinyLayered(), 6, progress_every=3)
+    t = _fit_with_progress(TinyLayered(), 6, progress_every=3)
     out = capsys.readouterr().out
     lines = _step_lines(out)
     assert [int(m[2]) for m in lines] == [3, 6], out  # each once: one bar, no duplicates
@@ -66,7 +67,7 @@ def test_a_fit_raises_no_warning_about_the_values_the_strategy_logs(tmp_path, ca
     for module, options in fits:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            t = _fit(module, 3, **options)
+            t = _fit_with_progress(module, 3, **options)
         about_logging = [str(w.message) for w in caught if "sync_dist" in str(w.message) or "train_loss" in str(w.message)]
         assert not about_logging, about_logging
         assert abs(float(t.callback_metrics["train_loss_epoch"]) - sum(want) / 3) <= LOSS_TOL

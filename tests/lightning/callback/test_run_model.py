@@ -108,10 +108,10 @@ def _windows(true_scales, jitter: float, count: int, seed: int = 0, mispriced: f
     from cephalo_lightning.planner import cluster_from_dict, plan
     from cephalo_lightning.planner.cost.calibration import with_calibration
     from cephalo_lightning.planner.cost.calibration_fit import predicted
-    from tests.planner.test_calibration import INJECTED, _cluster
+    from tests.planner_cases import INJECTED, calibration_cluster
 
     rng = random.Random(seed)
-    cluster = with_calibration(cluster_from_dict(_cluster()), INJECTED)
+    cluster = with_calibration(cluster_from_dict(calibration_cluster()), INJECTED)
     first = plan(cluster, 12)
     strategy, trainer = _Strategy(first), _Trainer()
     adapter = RunAdapter(CallbackConfig(calibrate_after_windows=0, min_dwell_windows=1))
@@ -163,17 +163,17 @@ def _plan_at(back: float):
 
     from cephalo_lightning.planner import cluster_from_dict, plan
     from cephalo_lightning.planner.cost.calibration import with_calibration
-    from tests.planner.test_calibration import INJECTED, _cluster
+    from tests.planner_cases import INJECTED, calibration_cluster
 
     scales = tuple(s * k for s, k in zip(INJECTED.compute_scale, (1.0, back, 1.0)))
-    return plan(with_calibration(cluster_from_dict(_cluster()), change(INJECTED, compute_scale=scales)), 12)
+    return plan(with_calibration(cluster_from_dict(calibration_cluster()), change(INJECTED, compute_scale=scales)), 12)
 
 
 def test_a_rank_back_near_its_calibrated_speed_takes_that_speed_and_the_plan_moves_back_exactly() -> None:
     """Rank 1 slows x3, then comes back 15% slower than calibrated (within the drift threshold): it
     is re-timed to its calibrated speed, not to the window's figure, so the plan is the first again,
     the one measured before the change (the window's own figure plans otherwise)."""
-    from tests.planner.test_calibration import INJECTED
+    from tests.planner_cases import INJECTED
 
     kept: list = []
     switches, first, last = _windows(_recovering(1.15), 0.0, 16, adapter_out=kept)
@@ -258,7 +258,7 @@ def test_every_re_shard_is_reported_to_the_fit() -> None:
     room): a switch in place tells it of the new plan after the re-shard."""
     from cephalo_lightning.lightning.fit.plan_switch import PlanSwitches
     from cephalo_lightning.planner import cluster_from_dict, plan
-    from tests.planner.test_calibration import _cluster
+    from tests.planner_cases import calibration_cluster
 
     class Sharded:
         def __init__(self) -> None:
@@ -267,7 +267,7 @@ def test_every_re_shard_is_reported_to_the_fit() -> None:
         def reshard(self, shares, optimizers, shard_groups=None) -> None:  # noqa: ANN001
             self.shares.append(list(shares))
 
-    cluster = cluster_from_dict(_cluster())
+    cluster = cluster_from_dict(calibration_cluster())
     first, even = plan(cluster, 12), plan(cluster, 12, planner="even")
     seen: list = []
     switches = PlanSwitches(first, Sharded(), check=lambda p: None, resharded=seen.append)

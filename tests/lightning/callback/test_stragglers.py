@@ -12,10 +12,10 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import Callback
 
-from cephalo_lightning import CephaloCallback, CephaloStrategy
+from cephalo_lightning import CephaloCallback
+from tests.demo_run import EMULATE, datamodule, emulated_trainer, module, reference_params
 from tests.distributed import run_distributed
 from tests.helpers import max_error
-from tests.lightning.callback.test_callback import EMULATE, datamodule, module, reference_params
 
 STEPS = 22
 WATCH = 2
@@ -24,7 +24,7 @@ WATCH = 2
 SLOW_FROM, SLOW_UNTIL = 5, 13
 
 
-def _fit(root: str, throttle: Callback) -> dict:
+def _straggler_run(root: str, throttle: Callback) -> dict:
     watcher = CephaloCallback(max_micro_batch=4, cache_dir=None, watch_every_n_steps=WATCH, calibrate_after_windows=1,
                               min_dwell_windows=1, settings={"usable_memory_fraction": 0.8}, print_plan=False,
                               quiet=True)
@@ -38,12 +38,7 @@ def _fit(root: str, throttle: Callback) -> dict:
             if watcher.plan is not trainer.strategy.plan:
                 stale.append(trainer.global_step)
 
-    trainer = pl.Trainer(
-        strategy=CephaloStrategy(emulate=EMULATE), accelerator="cpu", devices=2, max_steps=STEPS,
-        callbacks=[watcher, throttle, Record()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, limit_val_batches=0, default_root_dir=root,
-        precision="64-true",
-    )
+    trainer = emulated_trainer(2, STEPS, root, [watcher, throttle, Record()])
     pl.seed_everything(0)
     trainer.fit(module(STEPS), datamodule(STEPS))
     return {"plans": seen, "switches": [(s.reason, s.predicted_gain, s.measured_gain) for s in watcher._adapter.switches],
@@ -60,7 +55,7 @@ def _runs(rank: int, world: int, root: str) -> dict:
                 trainer.strategy.emulator.slowdown = 4.0 if trainer.global_step == SLOW_FROM else EMULATE[0]["slowdown"]
 
     Path(root, "straggler").mkdir(exist_ok=True)
-    return {"straggler": _fit(f"{root}/straggler", Throttle())}
+    return {"straggler": _straggler_run(f"{root}/straggler", Throttle())}
 
 
 @pytest.fixture(scope="module")

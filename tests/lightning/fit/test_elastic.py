@@ -16,6 +16,7 @@ from cephalo_lightning.lightning.fit.elastic import replan, replan_for_world
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, plan
 from tests import helpers
 from tests.distributed import run_distributed
+from tests.elastic_cluster import BIG, BIG_AND_SMALL, CLUSTER3, MID, SMALL, layered_cluster, layered_device
 from tests.lightning_models import TinyLayered, token_data
 from tests.plans import plan_of
 from tests.sgd_run import SEED
@@ -53,29 +54,13 @@ def test_the_samples_left_over_go_to_the_largest_remainders():
 
 # ----------------------------------------------------------------------------- re-planned from the cluster file
 
-BIG, MID, SMALL = "cpu (emulated x1.0, 3 GiB)", "cpu (emulated x1.0, 2 GiB)", "cpu (emulated x1.0, 1 GiB)"
-
-
-def _device(name: str, memory: float, ms: float) -> dict:
-    """A measured-style profile: ``ms`` per sample and layer forward, twice that backward."""
-    return {"name": name, "memory_gb": memory, "layer_fwd_ms": [ms, 2 * ms, 3 * ms],
-            "layer_bwd_ms": [2 * ms, 4 * ms, 6 * ms], "compute_memory_gb": [0.01, 0.02, 0.03]}
-
-
-def _cluster(devices: list[dict]) -> dict:
-    parameters = sum(p.numel() for p in TinyLayered().parameters())
-    return {"model": {"name": "tiny-layered", "num_layers": 4, "parameters": parameters},
-            "settings": {"reserved_memory_gb": 0.0, "free_links": True}, "devices": devices}
-
-
-CLUSTER3 = _cluster([_device(BIG, 3.0, 1.0), _device(MID, 2.0, 2.0), _device(SMALL, 1.0, 6.0)])
 PINNED3 = plan_of(batches=[6, 4, 2], micro=[2, 2, 1], shares=[1.0, 0.6, 0.4], devices=[BIG, MID, SMALL], groups=[0, 1, 1])
 
 
 def test_a_cluster_file_replans_the_devices_present_from_their_profiles_and_groups():
     new, warning = replan(PINNED3, cluster_from_dict(CLUSTER3), [BIG, SMALL], 12, "layered")
     # independently: the planner on a file that lists only the two devices present
-    want = plan(cluster_from_dict(_cluster([_device(BIG, 3.0, 1.0), _device(SMALL, 1.0, 6.0)])), 12, "layered")
+    want = plan(cluster_from_dict(BIG_AND_SMALL), 12, "layered")
     assert new.batch_sizes == want.batch_sizes and [r.state_share for r in new.ranks] == [r.state_share for r in want.ranks]
     assert [r.device for r in new.ranks] == [BIG, SMALL] and new.global_batch_size == 12
     assert new.shard_groups == want.shard_groups  # the planner's grouping for the two, not the pinned plan's
@@ -97,7 +82,7 @@ def test_a_device_the_cluster_file_does_not_profile_falls_back_to_the_plan_or_is
 
 
 def test_devices_present_that_cannot_hold_the_model_are_refused_with_the_planners_reason():
-    tiny = _cluster([_device(BIG, 3.0, 1.0), {**_device(SMALL, 1.0, 6.0), "memory_gb": 1e-6}])
+    tiny = layered_cluster([layered_device(BIG, 3.0, 1.0), {**layered_device(SMALL, 1.0, 6.0), "memory_gb": 1e-6}])
     with pytest.raises(PlanningError, match=r"re-planned from the cluster file failed for the devices present"):
         replan(None, cluster_from_dict(tiny), [SMALL], 12, "layered")
 
@@ -128,7 +113,7 @@ def test_an_elastic_start_on_fewer_ranks_than_the_cluster_file_plans_for_the_dev
     3-rank plan pinned beside it or the file alone: re-planned from the two devices' profiles, with
     the warning (rank 0's), and trained."""
     results = run_distributed(_two_of_three, 2, which)
-    want = plan(cluster_from_dict(_cluster([_device(BIG, 3.0, 1.0), _device(SMALL, 1.0, 6.0)])), 12, "layered")
+    want = plan(cluster_from_dict(BIG_AND_SMALL), 12, "layered")
     for rank, result in enumerate(results):
         got = Plan.from_dict(result["plan"])
         assert got.batch_sizes == want.batch_sizes and [r.device for r in got.ranks] == [BIG, SMALL], rank

@@ -175,12 +175,12 @@ def test_groups_of_two_ranks_shard_inside_and_sum_rank_by_rank_across_to_the_rep
 
 def test_the_survivors_take_the_global_batch_by_the_cluster_files_profiles_or_the_plans_figures():
     from cephalo_lightning.planner import cluster_from_dict, plan
-    from tests.lightning.fit.test_elastic import BIG, CLUSTER3, MID, SMALL, _cluster, _device
+    from tests.elastic_cluster import BIG, BIG_AND_SMALL, CLUSTER3, MID, SMALL
 
     three = plan_of(batches=[6, 4, 2], micro=[1, 1, 1], shares=[1.0, 1.0, 1.0], devices=[BIG, MID, SMALL], groups=[0, 1, 2])
     batches, how = survivors_batches(three, (0, 2), cluster_from_dict(CLUSTER3))
     # independently: the planner on a file that lists only the two devices left
-    want = plan(cluster_from_dict(_cluster([_device(BIG, 3.0, 1.0), _device(SMALL, 1.0, 6.0)])), 12, "layered")
+    want = plan(cluster_from_dict(BIG_AND_SMALL), 12, "layered")
     assert batches == tuple(want.batch_sizes) and sum(batches) == 12
     assert how == f"from the cluster file's profiles, predicted step {want.predicted_step_s:.3f} s"
     assert batches != survivors_batches(three, (0, 2))[0]  # the profiles decided, not the plan's 6 : 2

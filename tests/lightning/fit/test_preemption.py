@@ -16,16 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from cephalo_lightning import CephaloStrategy
 from cephalo_lightning.lightning.fit.preemption import CHECKPOINT_NAME, EXIT_REQUEUED, EXIT_STOPPED, Preemption
 from cephalo_lightning.lightning.steps.step_state import StepReport
 from cephalo_lightning.runtime import checkpoint
-from tests import helpers
 from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
 from tests.distributed import run_distributed
 from tests.helpers import max_error
-from tests.runtime.test_checkpoints import PLAN2, TOTAL, trainer
-from tests.sgd_run import SEED, SGDModule, data_loader, reference
+from tests.sgd_run import PLAN2, TOTAL, SGDModule, data_loader, reference, sgd_trainer
 
 ROOT = Path(__file__).resolve().parents[3]
 SIGNAL_AFTER = 2  # the signal arrives after this optimizer step's all-reduce: the next step carries it
@@ -72,9 +69,8 @@ def _scenarios(rank: int, world: int, root: str, fake_bin: str):
             saver = ModelCheckpoint(dirpath=str(folder / "ckpt"), save_top_k=0, save_last=background,
                                     every_n_train_steps=1 if background else None)
             plan = SINGLES_PLAN if name == SINGLES else PLAN2
-            t = helpers.trainer(CephaloStrategy(plan=plan, seed=SEED, async_checkpoint=background), world, TOTAL,
-                                precision="64-true", default_root_dir=str(folder), enable_checkpointing=True,
-                                callbacks=[saver, _signal_ranks(ranks, signum)])
+            t = sgd_trainer(plan, world, TOTAL, str(folder), {"async_checkpoint": background},
+                            enable_checkpointing=True, callbacks=[saver, _signal_ranks(ranks, signum)])
             environment = type(t.strategy.cluster_environment).__name__
             code = None
             try:
@@ -87,8 +83,8 @@ def _scenarios(rank: int, world: int, root: str, fake_bin: str):
                          "last": checkpoint.read_meta(last)["global_step"] if background else None,
                          "checkpoint": str(folder / "ckpt" / CHECKPOINT_NAME)}
             if name in RESUMED:
-                again = trainer(PLAN2, world, TOTAL, str(folder), enable_checkpointing=True,
-                                callbacks=[ModelCheckpoint(dirpath=str(folder / "ckpt"), save_top_k=0)])
+                again = sgd_trainer(PLAN2, world, TOTAL, str(folder), enable_checkpointing=True,
+                                    callbacks=[ModelCheckpoint(dirpath=str(folder / "ckpt"), save_top_k=0)])
                 again.fit(SGDModule(seed=3), data_loader(True), ckpt_path="last")
                 out[name].update(resumed=again.strategy.sharded.full_state_dict(), resumed_to=again.global_step)
         finally:
@@ -161,8 +157,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from cephalo_lightning._common import atomic_io
 from tests.plans import plan_of
-from tests.sgd_run import GLOBAL, SGDModule, data_loader
-from tests.runtime.test_checkpoints import trainer
+from tests.sgd_run import GLOBAL, SGDModule, data_loader, sgd_trainer
 
 PLAN1 = plan_of(batches=[GLOBAL], micro=[2], shares=[1.0])
 work = Path({work!r})
@@ -185,8 +180,8 @@ def run(mode, at):  # a forked child: resume from "last", SIGTERM after step `at
             if trainer.global_step == at:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    t = trainer(PLAN1, 1, 8, str(work), enable_checkpointing=True,
-                callbacks=[ModelCheckpoint(dirpath=str(ckpt), save_top_k=0), SignalAt()])
+    t = sgd_trainer(PLAN1, 1, 8, str(work), enable_checkpointing=True,
+                    callbacks=[ModelCheckpoint(dirpath=str(ckpt), save_top_k=0), SignalAt()])
     t.fit(SGDModule(), data_loader(True), ckpt_path="last")
 
 
@@ -301,10 +296,8 @@ def test_an_elastic_restart_on_fewer_ranks_replans_the_pinned_plan_and_resumes_e
     results, _ = stopped
     path = results[0]["SIGTERM to every rank"]["checkpoint"]
     with pytest.raises(PlanningError, match=r"elastic=True"):
-        helpers.trainer(CephaloStrategy(plan=PLAN2, seed=SEED), 1, TOTAL, precision="64-true",
-                        default_root_dir=str(tmp_path)).fit(SGDModule(), data_loader(True), ckpt_path=path)
-    t = helpers.trainer(CephaloStrategy(plan=PLAN2, seed=SEED, elastic=True), 1, TOTAL, precision="64-true",
-                        default_root_dir=str(tmp_path))
+        sgd_trainer(PLAN2, 1, TOTAL, str(tmp_path)).fit(SGDModule(), data_loader(True), ckpt_path=path)
+    t = sgd_trainer(PLAN2, 1, TOTAL, str(tmp_path), {"elastic": True})
     with pytest.warns(UserWarning, match=r"the plan is for 2 ranks but the job has 1 \(an elastic restart\)"):
         t.fit(SGDModule(seed=3), data_loader(True), ckpt_path=path)
     assert t.strategy.plan.batch_sizes == [PLAN2.global_batch_size] and t.global_step == TOTAL

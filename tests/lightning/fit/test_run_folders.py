@@ -19,14 +19,14 @@ from unittest import mock
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from cephalo_lightning import CephaloStrategy, Plan
+from cephalo_lightning import Plan
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.runtime.checkpoint import load_full_state_dict
 from cephalo_lightning.runtime.liveness import LOCK_NAME, FolderInUseError, Heartbeat
 from tests.conftest import HANG_TIMEOUT_S, clean_env
 from tests.distributed import run_distributed
-from tests.helpers import trainer
-from tests.lightning_models import TinyLayered, loader, token_data
+from tests.helpers import fit
+from tests.lightning_models import TinyLayered, token_data
 from tests.plans import plan_of
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -34,13 +34,11 @@ ONE_RANK = plan_of(batches=[12], micro=[2], shares=[1.0])
 TWO_RANKS = plan_of(batches=[6, 6], micro=[1, 2], shares=[0.5, 0.5])
 
 
-def _fit(plan: Plan, world: int, root: Path, ckpt: Path, steps: int = 2):
+def _fit_saving(plan: Plan, world: int, root: Path, ckpt: Path, steps: int = 2):
     warnings.simplefilter("ignore")
     saver = ModelCheckpoint(dirpath=str(ckpt), every_n_train_steps=1, save_last=True, save_top_k=0)
-    t = trainer(CephaloStrategy(plan=plan), world, steps, enable_checkpointing=True, callbacks=[saver],
-                default_root_dir=str(root))
-    t.fit(TinyLayered(), loader(token_data(48), plan.global_batch_size))
-    return t
+    return fit(TinyLayered(), plan, world, steps, token_data(48),
+               {"enable_checkpointing": True, "callbacks": [saver], "default_root_dir": str(root)})
 
 
 def _owner(pid: int, host: str | None = None) -> str:
@@ -69,7 +67,7 @@ def test_a_second_run_in_a_live_runs_folder_is_refused_before_touching_it(tmp_pa
     (staging / "__0_0.distcp").write_bytes(b"half written")
     (ckpt / LOCK_NAME).write_text(_owner(live))
     with pytest.raises(FolderInUseError) as refused:
-        _fit(ONE_RANK, 1, tmp_path, ckpt)
+        _fit_saving(ONE_RANK, 1, tmp_path, ckpt)
     message = str(refused.value)
     assert str(ckpt) in message and f"pid {live}" in message and "live run" in message, message
     assert "default_root_dir" in message and "dirpath" in message and str(ckpt / LOCK_NAME) in message, message
@@ -138,7 +136,7 @@ def test_stale_locks_and_heartbeats_of_dead_runs_are_removed_never_a_live_runs(t
             host = "another-host" if name == "elsewhere" else None
             (beats / f"heartbeat-{name}" / f"rank-{rank}.json").write_text(_owner(pid, host))
     with caplog.at_level(logging.INFO):
-        t = _fit(ONE_RANK, 1, tmp_path, ckpt)
+        t = _fit_saving(ONE_RANK, 1, tmp_path, ckpt)
     assert t.global_step == 2 and (ckpt / "last.ckpt").is_dir()
     assert any("took over the stale lock" in r.getMessage() and f"pid {dead}" in r.getMessage()
                for r in caplog.records), [r.getMessage() for r in caplog.records]
@@ -157,7 +155,7 @@ def _read_only_on_rank_1(rank: int, world: int, root: str) -> str:
 
     with mock.patch("os.open", refusing):
         try:
-            _fit(TWO_RANKS, world, Path(root) / f"rank{rank}", ckpt)
+            _fit_saving(TWO_RANKS, world, Path(root) / f"rank{rank}", ckpt)
         except ConfigurationError as err:
             return str(err)
     return "trained"
