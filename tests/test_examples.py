@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 import subprocess
 import sys
@@ -25,6 +23,7 @@ import pytest
 import yaml
 
 from cephalo_lightning import load_cluster, plan
+from tests.cli_config import print_config
 from tests.conftest import HANG_TIMEOUT_S, clean_env, failure_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,23 +86,6 @@ def test_cluster_file_loads_and_plans(path):
 
 
 # ----------------------------------------------------------------------------- LightningCLI configs
-
-
-def print_config(*configs: Path, overrides: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Parse like ``python -m cephalo_lightning fit --config A --config B ... --print_config``.
-
-    In-process (the parse takes a fraction of a second; a subprocess would import torch again):
-    jsonargparse resolves every class path and checks every value against the signatures, prints
-    the merged config and exits, without instantiating anything.
-    """
-    from cephalo_lightning.lightning.cli import main
-
-    argv = ["fit", *[arg for c in configs for arg in ("--config", str(c))], *overrides, "--print_config"]
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code in (0, None), out.getvalue()[-2000:]
-    return yaml.safe_load(out.getvalue())
 
 
 @pytest.mark.parametrize("path", CLI_CONFIGS, ids=_ids(CLI_CONFIGS))

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from cephalo_lightning import load_cluster
-from tests.test_examples import print_config
+from tests.cli_config import print_config
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")

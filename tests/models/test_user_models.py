@@ -37,7 +37,7 @@ from cephalo_lightning.runtime.checkpoint import load_full_state_dict  # noqa: E
 from cephalo_lightning.runtime.checkpoint.export import export_hf  # noqa: E402
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker  # noqa: E402
 from tests import library_models  # noqa: E402
-from tests.assembly import strategy_pieces  # noqa: E402
+from tests.assembly import assemble, strategy_pieces  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.helpers import fit  # noqa: E402
 from tests.library_models import LibraryLM, PaddedTokens  # noqa: E402
@@ -324,8 +324,6 @@ def test_rank0_gathers_the_whole_model_on_rank_0_alone(results):
     together), allocated at teardown; rank 1 allocates none of it (its peak while tearing down is not
     even 5% of the model) and keeps its pieces, refused with a message that says where the model is.
     The default ("auto", a model far below 8 GiB) still hands it back whole on every rank."""
-    from tests.runtime.test_runtime import assemble
-
     whole_bytes = 4 * sum(p.numel() for p in LibraryLM("llama").parameters())  # fp32 masters, tied ones once
     first, second = results[0]["rank0"], results[1]["rank0"]
     assert first["held"] == whole_bytes and first["live"] >= whole_bytes and first["state_dict"] == ""
