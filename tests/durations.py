@@ -26,10 +26,18 @@ def read(path: Path = LIST) -> dict[str, float]:
     return {name: float(seconds) for seconds, name in rows}
 
 
+def test_file(classname: str) -> str:
+    """The file of a JUnit classname (``tests.lightning.fit.test_x``, a class after it or not): its
+    dotted parts up to the first ``test_`` module, as a path."""
+    parts = classname.split(".")
+    module = next((i for i, part in enumerate(parts) if part.startswith("test_")), len(parts) - 1)
+    return "/".join(parts[: module + 1]) + ".py"
+
+
 def from_junit(report: Path) -> dict[str, float]:
     seconds: collections.Counter[str] = collections.Counter()
     for case in ET.parse(report).iter("testcase"):
-        seconds[case.get("classname", "").replace(".", "/", 1).split(".")[0] + ".py"] += float(case.get("time", 0))
+        seconds[test_file(case.get("classname", ""))] += float(case.get("time", 0))
     return dict(seconds)
 
 
