@@ -26,7 +26,7 @@ def read(path: Path = LIST) -> dict[str, float]:
     return {name: float(seconds) for seconds, name in rows}
 
 
-def test_file(classname: str) -> str:
+def file_of(classname: str) -> str:
     """The file of a JUnit classname (``tests.lightning.fit.test_x``, a class after it or not): its
     dotted parts up to the first ``test_`` module, as a path."""
     parts = classname.split(".")
@@ -37,7 +37,7 @@ def test_file(classname: str) -> str:
 def from_junit(report: Path) -> dict[str, float]:
     seconds: collections.Counter[str] = collections.Counter()
     for case in ET.parse(report).iter("testcase"):
-        seconds[test_file(case.get("classname", ""))] += float(case.get("time", 0))
+        seconds[file_of(case.get("classname", ""))] += float(case.get("time", 0))
     return dict(seconds)
 
 
