@@ -71,7 +71,8 @@ from cephalo_lightning.runtime.observers import Observers
 from cephalo_lightning.runtime.plan_state import CutBatch, PlanState
 from cephalo_lightning.runtime.sharding import handback
 from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
-from cephalo_lightning.runtime.sharding.sharded_model import Driver, ShardedModel, ShardSummary, UnitMaterializer
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel, ShardSummary, UnitMaterializer
+from cephalo_lightning.runtime.sharding.uniform_hooks import Driver
 from cephalo_lightning.runtime.sharding.weights import open_weights
 
 

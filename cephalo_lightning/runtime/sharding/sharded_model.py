@@ -88,7 +88,7 @@ from cephalo_lightning.runtime.sharding.reshard import reshard
 from cephalo_lightning.runtime.sharding.uniform_hooks import Driver, UniformHooks
 from cephalo_lightning.runtime.sharding.wrap_policy import WrapPolicy, check_units_disjoint
 
-__all__ = ["Driver", "ShardedModel", "UnitMaterializer", "clip_grad_norm_", "local_grad_norm"]
+__all__ = ["ShardedModel", "UnitMaterializer", "clip_grad_norm_", "local_grad_norm"]
 
 
 @dataclass(frozen=True)
