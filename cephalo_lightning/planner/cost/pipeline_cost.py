@@ -20,6 +20,7 @@ slowest rank's, and the pipelines advance together::
 
     t_s = max_{i in stage s} w_i
     step = contention * ((M + S - 1) * max_s t_s + max_i opt_i) + step_overhead
+    step >= step_overhead + sum_i busy_i / slowdown_i / host_cores   (ranks sharing a host's cores)
 
 (GPipe and 1F1B alike: the bubble is (S - 1) / (M + S - 1) of the step). ``opt_i`` is the
 optimizer step of the rank's share of its stage's state. Memory of rank i::
@@ -44,7 +45,7 @@ import numpy as np
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning._common.vocabulary import PipelineSchedule
 from cephalo_lightning.planner.cost.collective_prices import link_prices
-from cephalo_lightning.planner.cost.device_cost import DeviceCost, combine, kind_costs, step_ms
+from cephalo_lightning.planner.cost.device_cost import DeviceCost, combine, kind_costs, slowdown_of, step_ms
 from cephalo_lightning.planner.schema.cluster_spec import Cluster
 from cephalo_lightning.planner.schema.planning_error import PlanningError
 
@@ -117,6 +118,7 @@ class StagePrice:
     memory_gb: np.ndarray
     shares: np.ndarray
     optimizer_ms: np.ndarray
+    busy_ms: np.ndarray  # the step's compute alone (M micro-batches and the optimizer), for a shared host
     fits: bool
 
 
@@ -182,9 +184,10 @@ class PipelineCost:
         w = combine(p, u, s.priced_overlap)
         optimizer = np.array([[c.optimizer_ms_per_share] for c in costs]) * shares * fraction
         memory = used + s.reserved_memory_gb + shares * share_gb
+        busy = M * (l * (2 * f + b) + over) + optimizer
         p = np.broadcast_to(p, w.shape)
-        return [StagePrice(w[:, j], u[:, j], p[:, j], memory[:, j], shares[:, j], optimizer[:, j], bool(fits[j]))
-                for j in range(w.shape[1])]
+        return [StagePrice(w[:, j], u[:, j], p[:, j], memory[:, j], shares[:, j], optimizer[:, j], busy[:, j],
+                           bool(fits[j])) for j in range(w.shape[1])]
 
     def step_ms(self, stages: list[StagePrice]) -> float:
         """The step of every pipeline (they advance together): fill, M micro-steps of the slowest stage
@@ -192,7 +195,13 @@ class PipelineCost:
         M, S = self.shape.num_micro_batches, self.shape.num_stages
         slowest = max(float(p.micro_step_ms.max()) for p in stages)
         optimizer = max(float(p.optimizer_ms.max()) for p in stages)
-        return float(step_ms(self.cluster.settings, (M + S - 1) * slowest + optimizer))
+        step = float(step_ms(self.cluster.settings, (M + S - 1) * slowest + optimizer))
+        cores = self.cluster.settings.host_cores
+        if cores:  # ranks sharing one host's cores: their real compute spread over the cores
+            real = sum(float((p.busy_ms / [slowdown_of(self.cluster.devices[r]) for r in self.shape.stage_ranks(i)]).sum())
+                       for i, p in enumerate(stages))
+            step = max(step, real / cores + self.cluster.settings.step_overhead_ms)
+        return step
 
     def cross_node_bytes(self) -> float:
         """Bytes per step that cross between nodes: each cut between two nodes carries every sample's
