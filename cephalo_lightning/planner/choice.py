@@ -30,6 +30,7 @@ from cephalo_lightning.planner.search.pipeline.pipeline_search import PipelineCa
 from cephalo_lightning.planner.search.subsets import candidate_subsets, sub_cluster
 
 NO_PIPELINE, BEST_SUBSET, PIPELINED = "no pipeline", "best subset", "pipelined"
+MAX_SHAPE_RANKS = 64  # beyond, neither subsets nor pipelines are weighed (each subset is a solve of its own)
 
 
 def span_text(ranks: tuple[int, ...]) -> str:
@@ -92,6 +93,11 @@ def choose(cluster: Cluster, base: Plan, solve: Callable[[Cluster], Plan], pipel
     """The fastest of ``base`` (the plan over every rank), the best subset's and the best pipelined plan."""
     candidates: list[Plan] = [base]
     extra: dict[str, BaselineResult] = {NO_PIPELINE: _result(base, "the best shard grouping over every rank")}
+    if cluster.world_size > MAX_SHAPE_RANKS:
+        skipped = BaselineResult(None, False, reason=f"not weighed: {cluster.world_size} ranks, more than "
+                                 f"{MAX_SHAPE_RANKS}", skipped=True)
+        extra.update({name: skipped for name, asked in ((BEST_SUBSET, subsets), (PIPELINED, pipelines)) if asked})
+        return replace(base, baselines={**base.baselines, **extra})
     if subsets and cluster.world_size > 1:
         sub, kept = best_subset(cluster, solve, base.upper_bound_samples_per_s)
         idle = tuple(r for r in range(cluster.world_size) if r not in kept)

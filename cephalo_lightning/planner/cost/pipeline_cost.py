@@ -87,25 +87,18 @@ def activation_bytes(cluster: Cluster) -> float:
     return a
 
 
-def link_gbps(cluster: Cluster, a: int, b: int) -> float | None:
-    """GB/s per rank between two ranks: the intra-node link on one node, else the inter-node one."""
-    s = cluster.settings
-    if cluster.nodes[a] == cluster.nodes[b]:
-        return s.link_bandwidth_gbps
-    return s.inter_node_bandwidth_gbps or s.link_bandwidth_gbps
-
-
-def send_ms(cluster: Cluster, a: int, b: int, nbytes: float) -> float:
-    """One point-to-point message of ``nbytes`` from rank a to rank b (ms); 0 with ``free_links``."""
+def send_ms(cluster: Cluster, across: bool, nbytes: float) -> float:
+    """One point-to-point message of ``nbytes`` between two ranks (ms), ``across`` nodes or inside one:
+    over the inter-node link's share per rank plus its latency, or the intra-node link; 0 with
+    ``free_links``."""
     s = cluster.settings
     if s.free_links:
         return 0.0
-    gbps = link_gbps(cluster, a, b)
+    gbps = (s.inter_node_bandwidth_gbps or s.link_bandwidth_gbps) if across else s.link_bandwidth_gbps
     if not gbps:
         raise PlanningError("pricing a pipeline's point-to-point sends needs the link bandwidths: write "
                             "link_bandwidth (and inter_node_bandwidth between nodes) in the cluster file's settings")
-    latency = s.inter_node_latency_ms if cluster.nodes[a] != cluster.nodes[b] else 0.0
-    return nbytes / (gbps * 1e9) * 1e3 + latency
+    return nbytes / (gbps * 1e9) * 1e3 + (s.inter_node_latency_ms if across else 0.0)
 
 
 @dataclass(frozen=True)
@@ -134,6 +127,7 @@ class PipelineCost:
         self.act = activation_bytes(cluster)
         self.links = link_prices(cluster)
         self.micro = np.array([-(-b // shape.num_micro_batches) for b in shape.batches], dtype=np.int64)
+        self.nodes = cluster.nodes
 
     def _cost(self, rank: int) -> DeviceCost:
         return self.costs[int(self.of_rank[rank])]
@@ -144,10 +138,8 @@ class PipelineCost:
         for d, chain in enumerate(self.shape.chains):
             nbytes = self.micro[d] * self.act
             total = 0.0
-            if stage + 1 < S:
-                total += send_ms(self.cluster, chain[stage], chain[stage + 1], nbytes)
-            if stage > 0:
-                total += send_ms(self.cluster, chain[stage], chain[stage - 1], nbytes)
+            for other in ((chain[stage + 1],) if stage + 1 < S else ()) + ((chain[stage - 1],) if stage > 0 else ()):
+                total += send_ms(self.cluster, self.nodes[chain[stage]] != self.nodes[other], nbytes)
             out.append(total)
         return np.array(out)
 
@@ -157,7 +149,7 @@ class PipelineCost:
 
     def stage_table(self, stage: int, layers: np.ndarray) -> list[StagePrice]:
         """:meth:`stage` at every layer count of ``layers`` at once (arrays: the stage's ranks x counts)."""
-        cluster, model, s = self.cluster, self.cluster.model, self.cluster.settings
+        model, s = self.cluster.model, self.cluster.settings
         ranks = self.shape.stage_ranks(stage)
         M, S = self.shape.num_micro_batches, self.shape.num_stages
         k = in_flight(self.schedule, M, S, stage)
@@ -170,7 +162,7 @@ class PipelineCost:
         used = used + k * m * l * self.act / GIB
         budget = np.array([[c.budget_gb] for c in costs])
         shares, fits = water_fill_columns((budget - used) / share_gb)
-        nodes = np.array([cluster.nodes[i] for i in ranks])
+        nodes = np.array([self.nodes[i] for i in ranks])
         if s.free_links:
             ag = rs = np.zeros(l.shape)
         else:
@@ -209,7 +201,7 @@ class PipelineCost:
         total = 0.0
         for d, chain in enumerate(self.shape.chains):
             for a, b in zip(chain, chain[1:]):
-                if self.cluster.nodes[a] != self.cluster.nodes[b]:
+                if self.nodes[a] != self.nodes[b]:
                     total += 2 * self.shape.batches[d] * self.act
         return total
 

@@ -6,11 +6,13 @@ sit behind costs more than their compute brings. Weighed:
 
 * up to :data:`EVERY_SUBSET_RANKS` ranks: every non-empty proper subset (identical devices on one
   node counted once: a subset is known by how many ranks of each (device, node) it keeps);
-* beyond: every non-empty proper union of nodes, and the cluster with every rank of one device
-  kind left out.
+* beyond: every non-empty proper union of nodes (up to :data:`EVERY_UNION_NODES` nodes; beyond,
+  every node alone and the cluster without each node), and the cluster with every rank of one
+  device kind left out.
 
 [Note: subsets not searched] Beyond :data:`EVERY_SUBSET_RANKS` ranks, single devices left out of a
-node (and any subset other than those above) are not weighed.
+node (and any subset other than those above) are not weighed; beyond ``MAX_SHAPE_RANKS`` ranks
+(:mod:`cephalo_lightning.planner.choice`) no subset is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from itertools import combinations
 from cephalo_lightning.planner.schema.cluster_spec import Cluster
 
 EVERY_SUBSET_RANKS = 4
+EVERY_UNION_NODES = 4
 
 
 def _signature(cluster: Cluster, ranks: tuple[int, ...]) -> tuple:
@@ -43,7 +46,8 @@ def candidate_subsets(cluster: Cluster) -> list[tuple[int, ...]]:
         for rank, node in enumerate(cluster.nodes):
             nodes.setdefault(node, []).append(rank)
         groups = list(nodes.values())
-        for k in range(1, len(groups)):
+        sizes = range(1, len(groups)) if len(groups) <= EVERY_UNION_NODES else (1, len(groups) - 1)
+        for k in sizes:
             for chosen in combinations(groups, k):
                 found.append(tuple(sorted(r for g in chosen for r in g)))
         for name in sorted({d.name for d in cluster.devices}):

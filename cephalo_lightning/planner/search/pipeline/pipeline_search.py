@@ -71,12 +71,15 @@ def best_for(cluster: Cluster, layout: StageLayout, batches: tuple[int, ...], M:
     cost = PipelineCost(cluster, shape, schedule)
 
     counts = np.arange(1, cluster.model.num_layers - layout.num_stages + 2)
-    table = [[math.inf] + [float(p.micro_step_ms.max()) if p.fits else math.inf for p in cost.stage_table(s, counts)]
-             for s in range(layout.num_stages)]
-    found = best_cuts(cluster.model.num_layers, layout.num_stages, lambda s, layers: table[s][layers])
+    prices = [[None, *cost.stage_table(s, counts)] for s in range(layout.num_stages)]
+    found = best_cuts(cluster.model.num_layers, layout.num_stages,
+                      lambda s, layers: float(prices[s][layers].micro_step_ms.max()) if prices[s][layers].fits
+                      else math.inf)
     if found is None:
         return None
-    return price_cut(cluster, shape, schedule, found[0], layout)
+    stages = tuple(prices[s][layers] for s, layers in enumerate(found[0]))
+    return PipelineCandidate(layout, shape, schedule, found[0], stages, cost.step_ms(list(stages)),
+                             cost.cross_node_bytes())
 
 
 def search_pipelines(cluster: Cluster, global_batch: int) -> PipelineCandidate | None:
