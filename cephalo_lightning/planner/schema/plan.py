@@ -11,7 +11,6 @@ from typing import Any
 
 from cephalo_lightning._common.atomic_io import write_text_atomic
 from cephalo_lightning._common.vocabulary import (
-    Member,
     PipelineSchedule,
     Planner,
     ProfileSource,
@@ -21,7 +20,8 @@ from cephalo_lightning._common.vocabulary import (
     member_of,
     values_of,
 )
-from cephalo_lightning.planner.schema.files import MAX_EXACT_INTEGER, read_document, shown_number
+from cephalo_lightning.planner.schema.files import read_document
+from cephalo_lightning.planner.schema.plan_fields import field_member, finite, refuse_unknown, shown, text_field, whole
 from cephalo_lightning.planner.schema.plan_pipeline import pipeline_fields_from_dict, validate_pipeline
 from cephalo_lightning.planner.schema.planning_error import REMAKE, PlanningError
 
@@ -134,20 +134,20 @@ class ModelSummary:
     @classmethod
     def from_dict(cls, data: Any, where: str) -> ModelSummary:
         if not isinstance(data, Mapping):
-            raise PlanningError(f"{where}: 'model' must be an object, got {_shown(data)}; {REMAKE}")
-        _unknown(data, {f.name for f in fields(cls)}, f"{where}: model")
+            raise PlanningError(f"{where}: 'model' must be an object, got {shown(data)}; {REMAKE}")
+        refuse_unknown(data, {f.name for f in fields(cls)}, f"{where}: model")
         values: dict[str, Any] = {}
         for key, value in data.items():
             if value is None:
                 continue
             if key == "name":
                 if not isinstance(value, str):
-                    raise PlanningError(f"{where}: model.name must be a string, got {_shown(value)}; {REMAKE}")
+                    raise PlanningError(f"{where}: model.name must be a string, got {shown(value)}; {REMAKE}")
                 values[key] = value
             elif key.endswith("_per_param"):
-                values[key] = _finite(value, f"{where}: model.{key}", 0.0)
+                values[key] = finite(value, f"{where}: model.{key}", 0.0)
             else:
-                values[key] = _whole(value, f"{where}: model.{key}", 0)
+                values[key] = whole(value, f"{where}: model.{key}", 0)
         return cls(**values)
 
 
@@ -287,42 +287,42 @@ class Plan:
                 f"{where}: format_version {version!r} is not one this version reads "
                 f"({', '.join(map(str, READ_VERSIONS))}); {'upgrade cephalo-lightning or ' if newer else ''}{REMAKE}")
         new = set(PIPELINE_PLAN_FIELDS) if version == PLAN_FORMAT_VERSION else set()
-        _unknown(data, {f.name for f in fields(cls)} - set(PIPELINE_PLAN_FIELDS) | new | {"format_version"}, where)
+        refuse_unknown(data, {f.name for f in fields(cls)} - set(PIPELINE_PLAN_FIELDS) | new | {"format_version"}, where)
         for key in ("global_batch_size", "ranks"):
             if key not in data:
                 raise PlanningError(f"{where}: the field '{key}' is missing; {REMAKE}")
         ranks_data = data["ranks"]
         if not isinstance(ranks_data, list) or not ranks_data:
             raise PlanningError(f"{where}: 'ranks' must be a non-empty list of per-rank objects, got "
-                                f"{_shown(ranks_data)}; {REMAKE}")
+                                f"{shown(ranks_data)}; {REMAKE}")
         ranks = tuple(_rank_from_dict(r, i, where, version) for i, r in enumerate(ranks_data))
         baselines_data = data.get("baselines", {})
         if not isinstance(baselines_data, Mapping):
-            raise PlanningError(f"{where}: 'baselines' must be an object, got {_shown(baselines_data)}; {REMAKE}")
+            raise PlanningError(f"{where}: 'baselines' must be an object, got {shown(baselines_data)}; {REMAKE}")
         baselines = {}
         for name, b in baselines_data.items():
             if not isinstance(b, Mapping):
-                raise PlanningError(f"{where}: baselines.{name} must be an object, got {_shown(b)}; {REMAKE}")
-            _unknown(b, {f.name for f in fields(BaselineResult)} - {"ranks"}, f"{where}: baselines.{name}")
+                raise PlanningError(f"{where}: baselines.{name} must be an object, got {shown(b)}; {REMAKE}")
+            refuse_unknown(b, {f.name for f in fields(BaselineResult)} - {"ranks"}, f"{where}: baselines.{name}")
             baselines[name] = BaselineResult(**{"predicted_samples_per_s": None, "feasible": False, **b})
         extra: dict[str, Any] = {}
         for key in ("predicted_step_s", "predicted_samples_per_s", "upper_bound_samples_per_s", "optimality_gap"):
             if data.get(key) is not None:
-                extra[key] = _finite(data[key], f"{where}: {key}")
+                extra[key] = finite(data[key], f"{where}: {key}")
         if "model" in data:
             extra["model"] = ModelSummary.from_dict(data["model"], where)
         for key, kind in (("planner", str), ("emulated", bool)):
             if key in data:
                 if not isinstance(data[key], kind):
-                    raise PlanningError(f"{where}: '{key}' must be a {kind.__name__}, got {_shown(data[key])}; {REMAKE}")
+                    raise PlanningError(f"{where}: '{key}' must be a {kind.__name__}, got {shown(data[key])}; {REMAKE}")
                 extra[key] = data[key]
         if "planner" in extra:
-            extra["planner"] = _member(Planner, extra["planner"], f"{where}: 'planner'")
+            extra["planner"] = field_member(Planner, extra["planner"], f"{where}: 'planner'")
         extra.update(pipeline_fields_from_dict(data, where))
         mode = data.get("mode", Schedule.LAYERED)
         if not isinstance(mode, str):
-            raise PlanningError(f"{where}: 'mode' must be one of {values_of(Schedule)}, got {_shown(mode)}; {REMAKE}")
-        return cls(_whole(data["global_batch_size"], f"{where}: global_batch_size", 1), mode, ranks,
+            raise PlanningError(f"{where}: 'mode' must be one of {values_of(Schedule)}, got {shown(mode)}; {REMAKE}")
+        return cls(whole(data["global_batch_size"], f"{where}: global_batch_size", 1), mode, ranks,
                    baselines=baselines, **extra)
 
     @classmethod
@@ -369,95 +369,46 @@ def _rank_dict(r: RankPlan, version_5: bool) -> dict[str, Any]:
     return data
 
 
-def _member(vocabulary: type[Member], value: Any, where: str) -> Member:
-    """A file's string parsed into its member; any other string is refused naming the choices."""
-    if value not in values_of(vocabulary):
-        raise PlanningError(f"{where} must be one of {values_of(vocabulary)}, got {_shown(value)}; {REMAKE}")
-    return vocabulary(value)
-
-
-def _shown(value: Any) -> str:
-    kind = {str: "a string", list: "a list", dict: "an object", bool: "a boolean", type(None): "null"}
-    return f"{shown_number(value)} ({kind.get(type(value), type(value).__name__)})"
-
-
-def _too_large(value: Any) -> bool:
-    """An integer no float holds exactly (10**400 would overflow ``math.isfinite``)."""
-    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_EXACT_INTEGER
-
-
-def _unknown(data: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise PlanningError(f"{where}: unknown field(s) {unknown}; the fields are {sorted(allowed)}; {REMAKE}")
-
-
-def _whole(value: Any, where: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or _too_large(value) \
-            or not math.isfinite(value) or value != int(value) or value < minimum:
-        hint = f"; write it as a JSON number, e.g. {value.strip()}" if isinstance(value, str) and \
-            value.strip().isdigit() else ""
-        raise PlanningError(f"{where} must be a whole number >= {minimum}, got {_shown(value)}{hint}; or {REMAKE}")
-    return int(value)
-
-
-def _finite(value: Any, where: str, minimum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or _too_large(value) \
-            or not math.isfinite(value) or (minimum is not None and value < minimum):
-        bound = f" >= {minimum:g}" if minimum is not None else ""
-        raise PlanningError(f"{where} must be a finite number{bound}, got {_shown(value)}; {REMAKE}")
-    return float(value)
-
-
-def _name(value: Any, where: str, example: str) -> str:
-    """A non-empty string (a device name such as "a100-40gb"): a number or a list here is a broken
-    or hand-edited file, which the plan would otherwise carry on as the text "123"."""
-    if not isinstance(value, str) or not value.strip():
-        raise PlanningError(f"{where} must be a non-empty JSON string (e.g. \"{example}\"), got {_shown(value)}; "
-                            f"quote it in the file or {REMAKE}")
-    return value
-
-
 _RANK_REQUIRED = ("rank", "device", "batch_size", "num_micro_batches", "micro_batch_size", "state_share")
 
 
 def _rank_from_dict(data: Any, i: int, where: str, version: int) -> RankPlan:
     at = f"{where}: ranks[{i}]"
     if not isinstance(data, Mapping):
-        raise PlanningError(f"{at} must be an object with {list(_RANK_REQUIRED)}, got {_shown(data)}; {REMAKE}")
+        raise PlanningError(f"{at} must be an object with {list(_RANK_REQUIRED)}, got {shown(data)}; {REMAKE}")
     new = set(PIPELINE_RANK_FIELDS) if version == PLAN_FORMAT_VERSION else set()
-    _unknown(data, {f.name for f in fields(RankPlan)} - set(PIPELINE_RANK_FIELDS) | new, at)
+    refuse_unknown(data, {f.name for f in fields(RankPlan)} - set(PIPELINE_RANK_FIELDS) | new, at)
     missing = [k for k in _RANK_REQUIRED if k not in data]
     if missing:
         raise PlanningError(f"{at} (rank {data.get('rank', i)}) lacks {missing}; {REMAKE}")
     values: dict[str, Any] = {
-        "rank": _whole(data["rank"], f"{at}.rank", 0),
-        "device": _name(data["device"], f"{at}.device (rank {i})", "a100-40gb"),
-        "batch_size": _whole(data["batch_size"], f"{at}.batch_size (rank {i})", 0),
-        "num_micro_batches": _whole(data["num_micro_batches"], f"{at}.num_micro_batches (rank {i})", 1),
-        "micro_batch_size": _whole(data["micro_batch_size"], f"{at}.micro_batch_size (rank {i})", 0),
-        "state_share": _finite(data["state_share"], f"{at}.state_share (rank {i})", 0.0),
+        "rank": whole(data["rank"], f"{at}.rank", 0),
+        "device": text_field(data["device"], f"{at}.device (rank {i})", "a100-40gb"),
+        "batch_size": whole(data["batch_size"], f"{at}.batch_size (rank {i})", 0),
+        "num_micro_batches": whole(data["num_micro_batches"], f"{at}.num_micro_batches (rank {i})", 1),
+        "micro_batch_size": whole(data["micro_batch_size"], f"{at}.micro_batch_size (rank {i})", 0),
+        "state_share": finite(data["state_share"], f"{at}.state_share (rank {i})", 0.0),
     }
     for key in ("predicted_step_s", "predicted_memory_gb", "memory_limit_gb", "memory_capacity_gb"):
         if data.get(key) is not None:
-            values[key] = _finite(data[key], f"{at}.{key} (rank {i})")
+            values[key] = finite(data[key], f"{at}.{key} (rank {i})")
     if "source" in data:
-        source = _name(data["source"], f"{at}.source (rank {i})", ProfileSource.MEASURED)
-        values["source"] = _member(ProfileSource, source, f"{at}.source (rank {i})")
+        source = text_field(data["source"], f"{at}.source (rank {i})", ProfileSource.MEASURED)
+        values["source"] = field_member(ProfileSource, source, f"{at}.source (rank {i})")
     if data.get("binding") is not None:
         names = list(values_of(Binding))
         if data["binding"] not in names:
-            raise PlanningError(f"{at}.binding (rank {i}) must be one of {names}, got {_shown(data['binding'])}; {REMAKE}")
+            raise PlanningError(f"{at}.binding (rank {i}) must be one of {names}, got {shown(data['binding'])}; {REMAKE}")
         values["binding"] = Binding(data["binding"])
     if data.get("why") is not None:
-        values["why"] = _name(data["why"], f"{at}.why (rank {i})", "compute")
+        values["why"] = text_field(data["why"], f"{at}.why (rank {i})", "compute")
     for key in ("shard_group", "stage", "pipeline"):
         if key in data:
-            values[key] = _whole(data[key], f"{at}.{key} (rank {i})", 0)
+            values[key] = whole(data[key], f"{at}.{key} (rank {i})", 0)
     for key in ("recompute", "idle"):
         if key in data:
             if not isinstance(data[key], bool):
-                raise PlanningError(f"{at}.{key} (rank {i}) must be true or false, got {_shown(data[key])}; {REMAKE}")
+                raise PlanningError(f"{at}.{key} (rank {i}) must be true or false, got {shown(data[key])}; {REMAKE}")
             values[key] = data[key]
     return RankPlan(**values)
 
