@@ -206,3 +206,17 @@ def test_the_subsets_of_a_large_cluster_are_its_nodes_and_kinds() -> None:
 def test_pipelines_and_subsets_are_refused_in_the_uniform_mode() -> None:
     with pytest.raises(PlanningError, match="layered mode only"):
         plan(lab(LLAMA_1B), 64, mode="uniform", subsets=True)
+
+
+def test_a_pipelined_plan_predicts_each_rank_its_stage_compute_and_refuses_calibration() -> None:
+    from cephalo_lightning.planner.cost.calibration_fit import StepObservation, fit_calibration
+    from cephalo_lightning.planner.cost.cluster_cost import predicted_busy_s
+
+    c = lab(LLAMA_8B)
+    piped = plan(c, 64, pipelines=True)
+    busy = predicted_busy_s(c, piped)
+    # the A100 stages take 11 layers each, the RTX 3090 ones 5: each rank's compute is its stage's
+    assert piped.stage_layers == (11, 11, 5, 5) and busy[0] == busy[1] == busy[2] == busy[3] and busy[4] == busy[7]
+    assert all(b > 0 for b in busy) and max(busy) < piped.predicted_step_s
+    with pytest.raises(PlanningError, match="cannot calibrate it: calibrate on a plan without pipelines"):
+        fit_calibration(c, [StepObservation(piped, piped.predicted_step_s, tuple(busy))])

@@ -125,6 +125,10 @@ def fit_calibration(cluster: Cluster, observations: Sequence[StepObservation], f
         if len(o.busy_s) != world or len(o.plan.ranks) != world:
             raise PlanningError(f"a measured step has {len(o.busy_s)} ranks' busy times for a cluster of {world}; "
                                 "measure every rank")
+        if o.plan.pipelined:
+            raise PlanningError("a calibration fits the cost model of plans without pipelines; a measured step of a "
+                                "pipelined plan cannot calibrate it: calibrate on a plan without pipelines "
+                                "(plan with pipelines=False, or --no-pipelines)")
     base = with_calibration(cluster, None)
     comm = communication(base)
     even = Prices(comm.allgather_ms, comm.reduce_scatter_ms)  # the fitted factor scales both

@@ -41,6 +41,7 @@ from cephalo_lightning._common.vocabulary import Schedule
 from cephalo_lightning.planner.cost.calibration import calibrated
 from cephalo_lightning.planner.cost.collective_prices import communication, link_prices, single_group
 from cephalo_lightning.planner.cost.device_cost import DeviceCost, kind_costs, slowdown_of, step_ms
+from cephalo_lightning.planner.cost.pipeline_cost import busy_s as pipeline_busy_s
 from cephalo_lightning.planner.cost.prices import Prices
 from cephalo_lightning.planner.schema.cluster_spec import Cluster
 from cephalo_lightning.planner.schema.plan import Plan
@@ -166,8 +167,10 @@ def synced_group_ms(cluster: Cluster, fwd: np.ndarray, bwd: np.ndarray, optimize
 def predicted_busy_s(cluster: Cluster, plan: Plan) -> list[float]:
     """Each rank's predicted compute seconds per step: its layers' forward and backward passes (with
     any recompute) and its optimizer step, which is what the runtime counts as busy (everything
-    but collectives and waiting)."""
+    but collectives and waiting); a pipelined plan's from its stages (:func:`.pipeline_cost.busy_s`)."""
     cluster = calibrated(cluster)
+    if plan.pipelined:
+        return pipeline_busy_s(cluster, plan)
     out = []
     for device, rank in zip(cluster.devices, plan.ranks):
         cost = DeviceCost(device, cluster, plan.mode)

@@ -39,6 +39,7 @@ collectives price them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -222,3 +223,19 @@ def water_fill_columns(caps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     total = shares.sum(axis=0)
     shares = np.where(fits, shares / np.where(total > 0, total, 1.0), 1.0 / caps.shape[0])
     return shares, fits
+
+
+def busy_s(cluster: Cluster, plan: Any) -> list[float]:
+    """Every rank's predicted compute seconds per step under a pipelined ``plan`` (a
+    :class:`~cephalo_lightning.planner.schema.plan.Plan`): its stage's M micro-batches and its optimizer
+    step; 0 for an idle rank."""
+    chains = plan.pipelines
+    M = plan.ranks[chains[0][0]].num_micro_batches
+    shape = PipelineShape(chains, tuple(plan.ranks[c[0]].batch_size for c in chains), M)
+    cost = PipelineCost(cluster, shape, plan.pipeline_schedule)
+    out = [0.0] * len(plan.ranks)
+    for s, layers in enumerate(plan.stage_layers):
+        price = cost.stage(s, layers)
+        for d, rank in enumerate(shape.stage_ranks(s)):
+            out[rank] = float(price.busy_ms[d]) / 1e3
+    return out
