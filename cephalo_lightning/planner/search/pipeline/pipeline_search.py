@@ -2,7 +2,8 @@
 
 For every layout (:mod:`.layouts`) the D pipelines take near-equal batches B_d (the first
 ``B mod D`` one sample more), and every micro-batch count M with a distinct largest micro-batch
-``ceil(max_d B_d / M)``, M <= min_d B_d, is weighed; for each, the layer cut minimising the slowest
+``ceil(max_d B_d / M)``, M <= min_d B_d, is weighed (the fewest micro-batches of each size: [Note:
+the fewest micro-batches of a size]); for each, the layer cut minimising the slowest
 stage's micro-step (:func:`.cuts.best_cuts`, memory included) is priced as a whole step
 (:class:`~cephalo_lightning.planner.cost.pipeline_cost.PipelineCost`). The schedule is 1F1B: the cost
 model prices GPipe's step alike and its memory never lower, so GPipe is never the faster.
@@ -48,11 +49,15 @@ def near_equal(total: int, parts: int) -> tuple[int, ...]:
 
 
 def micro_batch_counts(batches: tuple[int, ...]) -> list[int]:
-    """The counts M <= min B_d, one per distinct largest micro-batch ceil(max B_d / M), fewest micro-batches last."""
+    """The counts M <= min B_d, one per distinct largest micro-batch ceil(max B_d / M): the fewest giving it.
+
+    [Note: the fewest micro-batches of a size] The micro-step is priced at the largest micro-batch,
+    so of the counts sharing it the fewest makes the shortest step, (M + S - 1) micro-steps, and
+    holds no more in flight (1F1B: min(M, S - s))."""
     top, low = max(batches), min(batches)
     by_size: dict[int, int] = {}
     for M in range(1, low + 1):
-        by_size[-(-top // M)] = M  # the largest M giving this micro-batch: the smallest bubble
+        by_size.setdefault(-(-top // M), M)
     return sorted(by_size.values())
 
 
