@@ -196,6 +196,11 @@ def baseline_lines(plan: Plan) -> list[str]:
 
 def next_line(plan: Plan, cluster: Cluster | None = None, output: str | None = None) -> str:
     """What to do with the plan: write it (``-o``), then train with it on the cluster's layout."""
+    if plan.idle_ranks:
+        busy = len(plan.active_ranks)
+        return (f"next: the plan leaves rank{'s' if len(plan.idle_ranks) > 1 else ''} {_span(plan.idle_ranks)} idle: "
+                f"train on the {busy} busy ranks alone, with a cluster file of their devices and nodes "
+                f"(plan it again), or plan with --no-subsets to use every GPU")
     path = output or "plan.json"
     first = "" if output else f"write the plan with -o {path}, then "
     if cluster is None:
