@@ -93,8 +93,9 @@ def reference(plan, reverse_ranks: bool = False) -> dict[str, torch.Tensor]:
 
 
 class GatherCheck(pl.Callback):
-    """Over the fit's steps: the elements every all-gather brought from the peers (the part's size less
-    this rank's shard of it, from the collectives' log) and the bytes this rank sent in all-gathers."""
+    """Over the fit's steps: the elements every all-gather brought from the peers (the unit's or the
+    part's size less this rank's shard of it, from the collectives' log) and the bytes this rank sent
+    in all-gathers."""
 
     def on_train_start(self, trainer, pl_module):
         comm = trainer.strategy.sharded.comm
@@ -103,7 +104,7 @@ class GatherCheck(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         sharded = trainer.strategy.sharded
         own = {(u.name, part.numel): part.shard_sizes[u.rank] for u in sharded.units
-               for part in (u.trainable_layout, u.frozen.layout if u.frozen else u.layout)}
+               for part in (u.layout, u.trainable_layout, u.frozen.layout if u.frozen else u.layout)}
         moved = sum(numel - own[(name, numel)] for op, name, numel in sharded.comm.log if op == "all_gather")
         self.figures = (moved, sharded.comm.sent_bytes.get("all_gather", 0) - self.before)
 

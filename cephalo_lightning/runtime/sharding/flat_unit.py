@@ -241,11 +241,13 @@ class FlatUnit:
         return out
 
     def _bind_full(self) -> None:
-        """Point the full parameters at their buffer, ``[trainable part | frozen part]``. A rank alone
-        in its shard group that computes in the master dtype holds the unit whole: the full
-        parameters are views of its storage itself (*resident*), and gathering is only the modules
-        switching to them (no copy, no collective: data parallelism's forward). Otherwise the buffer
-        is allocated while gathered."""
+        """Point the full parameters at their buffer. A rank alone in its shard group that computes in
+        the master dtype holds the unit whole: the full parameters are views of its storage itself
+        (*resident*, ``[trainable part | frozen part]``), and gathering is only the modules switching
+        to them (no copy, no collective: data parallelism's forward). Otherwise the buffer is
+        allocated while gathered: in the unit's order where the frozen part holds its values in the
+        compute dtype (one all-gather of the unit, see :meth:`start_gather`), else ``[trainable part
+        | frozen part]`` (one all-gather per part)."""
         resident = self.layout.world_size == 1 and self.compute_dtype == self.master.dtype and (
             self.frozen is None or self._storage is not None)
         if resident is self.resident and not resident:
@@ -255,12 +257,13 @@ class FlatUnit:
             self.full = self._storage if self._storage is not None else self.master
         else:
             self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
+        self.unit_order = not resident and (self.frozen is None or isinstance(self.frozen, ComputeDtypeStorage))
         trained = self.trainable_layout.numel
         t_spans = iter(self.trainable_layout.params)
         f_spans = iter(self.frozen.layout.params if self.frozen is not None else ())
-        for in_master, param in zip(self.trained_part, self.full_params):
+        for unit_span, in_master, param in zip(self.layout.params, self.trained_part, self.full_params):
             span = next(t_spans) if in_master else next(f_spans)
-            at = span.offset + (0 if in_master else trained)
+            at = unit_span.offset if self.unit_order else span.offset + (0 if in_master else trained)
             param.data = self.full[at : at + span.numel].view(span.shape)
         # Collectives write through this alias: it shares the storage but not the version counter,
         # so refilling the buffer for the backward pass does not trip autograd's in-place checks
@@ -321,11 +324,25 @@ class FlatUnit:
         return self.state is UnitState.GATHERED
 
     def start_gather(self, comm: Collectives) -> None:
-        """SHARDED -> GATHERING: begin filling the full buffer (one all-gather per part); overlaps
-        with compute where the backend allows. A unit already gathering or gathered stays as it is."""
+        """SHARDED -> GATHERING: begin filling the full buffer; overlaps with compute where the backend
+        allows. A unit already gathering or gathered stays as it is. A frozen part held in the compute
+        dtype is sent with the trainable one, the rank's range in the unit's order, in one all-gather
+        (a second collective per unit would cost a link's latency each time); another storage kind
+        gathers its part itself."""
         if self.state is not UnitState.SHARDED or self.resident:
             return
         self._resize(self.full.numel() * self.full.element_size())
+        if self.unit_order:
+            if self.frozen is None:
+                source = self.master
+            elif not any(self.trained_part):
+                source = self.frozen.values(self.compute_dtype)  # the storage itself: no copy
+            else:
+                source = self.shard_values(self.compute_dtype)
+            self._pending.append(comm.all_gather(source, self._full_raw, self.layout, async_op=True,
+                                                 dtype=self.compute_dtype))
+            self.state = UnitState.GATHERING
+            return
         trained = self.trainable_layout.numel
         if any(self.trained_part) or self.frozen is None:
             self._pending.append(comm.all_gather(self.master, self._full_raw[:trained], self.trainable_layout,
