@@ -2,8 +2,9 @@
 
 Outside compute, the unit's modules hold this rank's *local pieces*: one ``nn.Parameter`` per
 original parameter, a view into the rank's master shard (fp32, fp64 for an fp64 model; possibly
-empty) for a trainable parameter, a piece of the unit's frozen storage for a frozen one. That is what an optimizer built from ``model.parameters()`` sees, so optimizer state
-follows the plan's share. A piece keeps its parameter's number of dimensions (a ``[1, ..., 1, k]``
+empty) for a trainable parameter, a piece of the unit's frozen storage for a frozen one. That is
+what an optimizer built from ``model.parameters()`` sees, so optimizer state follows the plan's
+share. A piece keeps its parameter's number of dimensions (a ``[1, ..., 1, k]``
 view of its ``k`` elements), so optimizer groups chosen by ``p.dim()`` / ``p.ndim`` are the groups
 of the unsharded model; :func:`full_shape` gives the original shape.
 
@@ -12,8 +13,10 @@ of the unsharded model; :func:`full_shape` gives the original shape.
 optimizer steps and the only elements a gradient is reduced for, and the frozen ones, held by a
 :class:`~.frozen_storage.FrozenStorage` in the compute dtype (or another storage kind). The part
 layouts cut each rank's range of the unit where the unit's layout does, so the state share stays
-the plan's. The gathered buffer is ``[trainable part | frozen part]`` in the compute dtype, each
-filled by its own all-gather; a unit with one part is laid out and gathered as the unit itself.
+the plan's. A frozen part held in the compute dtype is gathered with the trainable one, in the
+unit's order, by one all-gather of the unit (each rank sends its range's values in the compute
+dtype); another storage kind gathers its own part, and the gathered buffer is then
+``[trainable part | frozen part]``.
 
 For compute, :meth:`FlatUnit.gather` fills a full flat buffer (in the compute dtype) and the
 modules are switched to *full parameters*: ordinary ``nn.Parameter`` views of that buffer, so user
@@ -205,11 +208,6 @@ class FlatUnit:
             self.local_params.append(piece)
         self._bind_full()
         self.use_local()
-
-    @property
-    def frozen_numel(self) -> int:
-        """The frozen part's elements (the whole unit's, not this rank's)."""
-        return self.layout.numel - self.trainable_layout.numel
 
     def local_bytes(self) -> tuple[int, int]:
         """(trainable master bytes, frozen storage bytes) this rank holds for the unit."""
