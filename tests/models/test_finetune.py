@@ -130,6 +130,7 @@ def test_an_8b_model_on_24gb_cards_fits_with_lora_and_not_fully():
         assert r.predicted_memory_gb - beside == pytest.approx(state, rel=1e-9)
     table = render_plan(plan)
     assert f"trainable {LORA_8B:,} of {8_030_261_248:,} parameters" in table
+    assert f"16 bytes each (master, gradient, optimizer state), the {8_030_261_248 - LORA_8B:,} frozen 4 bytes each" in table
 
 
 # ----------------------------------------------------------------------------- LoRA on 2 ranks
