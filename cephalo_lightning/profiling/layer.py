@@ -385,10 +385,10 @@ def _graph_bytes(work: _Runnable, x: torch.Tensor, side: Any, needs_grad: bool, 
 def _flat_gradient_bytes(params: Sequence[nn.Parameter]) -> int:
     """Bytes priced for the flat gradient the runtime reduces a unit of ``params`` from: every
     parameter in the master dtype (fp32; fp64 for an fp64 model), none without a trainable one (such
-    a unit is not reduced). The flat gradient itself holds the trainable parameters only ([Note: a
-    frozen part holds no gradient]); the frozen ones' place bounds what a prefetched all-gather of a
-    unit with frozen parameters holds beside it and no other term prices: its send buffer, this
-    rank's shard of the unit assembled in the compute dtype."""
+    a unit is not reduced). The flat gradient itself holds the trainable parameters only
+    ([Note: a frozen part holds no gradient]); the frozen ones' place bounds what a prefetched
+    all-gather of a unit with frozen parameters holds beside it and no other term prices: its send
+    buffer, this rank's shard of the unit assembled in the compute dtype."""
     if not any(p.requires_grad for p in params):
         return 0
     return sum(p.numel() * master_dtype_for(p.dtype).itemsize for p in params)

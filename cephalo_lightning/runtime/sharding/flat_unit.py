@@ -258,8 +258,8 @@ class FlatUnit:
             self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
         # one all-gather of the unit where its send buffer is a copy anyway (a cast to the compute dtype):
         # the frozen values join the trainable ones in it; computing in the master dtype, the parts are
-        # sent as they are stored, apart, and no send buffer is made ([Note: an exact all-gather holds
-        # no send buffer])
+        # sent as they are stored, apart, and no send buffer is made
+        # ([Note: an exact all-gather holds no send buffer])
         self.unit_order = not resident and (self.frozen is None or (
             isinstance(self.frozen, ComputeDtypeStorage) and self.compute_dtype != self.master_dtype))
         trained = self.trainable_layout.numel
