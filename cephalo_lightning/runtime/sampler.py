@@ -104,6 +104,16 @@ class PlannedBatchSampler(Sampler[list[int]]):
             else:  # a rank with no samples still takes every step: one placeholder, never computed on
                 yield [int(order[first])]
 
+    def seek(self, step: int) -> None:
+        """Start the next iteration at global batch ``step`` of the whole order (counted from data
+        epoch 0): data epoch ``step // n``, step ``step mod n`` of it (``n`` global batches per epoch),
+        Lightning's epoch counted from there."""
+        if step < 0:
+            raise ValueError(f"seek({step}): a step of the data order is >= 0")
+        self.epoch, self.consumed = divmod(step, len(self))
+        self._epoch_offset = 0
+        self._resume_at = self.consumed
+
     def mark_consumed(self, step: int) -> None:
         """The training loop took step ``step`` of the current data epoch."""
         self.consumed = step + 1

@@ -4,7 +4,7 @@ torchft's managed process group, and live recovery of a group that comes back.
 One step ``s`` trains on the global batch ``G_s`` (``B`` samples, fixed by the data order, never by
 which groups are up). At the step's start every group joins torchft's quorum; the quorum names the
 participating groups ``p_0 .. p_{n-1}`` (``n >= 1``, in the quorum's order). The global batch is
-split over them by the re-plan over the participants (:func:`~.elastic.replan_for_world` on the
+split over them by the re-plan over the participants (:mod:`cephalo_lightning.planner.replica_groups`: the
 group plan, one :class:`~cephalo_lightning.planner.RankPlan` per group, over the participants'
 devices): participant ``k`` trains on ``G_s[o_k : o_k + b_k]`` with ``b`` the re-plan's batches,
 ``o`` their prefix sums and ``Σ b = B``. Each group's loss is ``Σ_{i in its slice} ℓ_i / B``, so the
@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning.lightning.fit.elastic import apportion, replan, replan_for_world
-from cephalo_lightning.planner import Cluster, Plan, RankPlan
+from cephalo_lightning.planner import Cluster, Plan
+from cephalo_lightning.planner.replica_groups import StepSlice, check_groups_cut_alike, survivors_batches
 
 log = logging.getLogger(__name__)
 
@@ -66,19 +66,6 @@ def require_torchft() -> Any:
             f"fault tolerance runs on torchft, which is not installed ({err}); install it with "
             f"`pip install 'cephalo-lightning[ft]'` (torchft=={TORCHFT_VERSION})") from err
     return torchft
-
-
-def check_groups_cut_alike(plan: Plan) -> None:
-    """Refuse a plan whose shard groups cut the units at different points: torchft's replica groups
-    reduce rank ``i`` of every group with rank ``i`` of the others, so rank ``i`` must hold the same
-    range of every unit in every group (equal group sizes, equal shares in group order)."""
-    groups = plan.shard_groups
-    shares = [tuple(plan.ranks[r].state_share for r in g) for g in groups]  # a layout is a function of these
-    if len({len(g) for g in groups}) > 1 or len(set(shares)) > 1:
-        raise ConfigurationError(
-            f"fault tolerance needs every shard group to cut the units alike (rank i of every group holds the same "
-            f"range), but the plan's groups {[list(g) for g in groups]} have in-group shares {shares}; plan one "
-            "shard group per node of identical devices (equal groups, equal shares), or run without fault tolerance")
 
 
 def check_options(mode: vocabulary.Schedule | vocabulary.Auto, plan: Plan | None) -> None:
@@ -112,80 +99,10 @@ def check_fit(plan: Plan, group: int | None) -> None:
             "REPLICA_GROUP_ID environment variable)")
 
 
-def local_plan(plan: Plan, group: int) -> Plan:
-    """What one group's ``Trainer`` shards by: the group's ranks, numbered from 0 as one shard group,
-    their batches the global batch apportioned by the group's own (the loader gives every rank the
-    whole global batch; :func:`step_rank_plan` sizes each step's part once the quorum is known)."""
-    members = [plan.ranks[r] for r in plan.shard_groups[group]]
-    sizes = apportion(plan.global_batch_size, [r.batch_size for r in members])
-    ranks = tuple(step_rank_plan(replace(r, rank=i, shard_group=0), size) for i, (r, size) in enumerate(zip(members, sizes)))
-    return replace(plan, ranks=ranks)
-
-
-def step_rank_plan(rank: RankPlan, size: int) -> RankPlan:
-    """``rank`` training ``size`` samples this step: its micro-batch count kept where the samples allow it."""
-    count = min(max(rank.num_micro_batches, 1), size)
-    return replace(rank, batch_size=size, num_micro_batches=count, micro_batch_size=-(-size // count) if count else 0)
-
-
-def group_plan(plan: Plan) -> Plan:
-    """The plan seen one shard group at a time: one rank per group, named by the group's first rank's
-    device, with the group's batch; what the re-plan over the surviving groups starts from."""
-    ranks = []
-    for g, members in enumerate(plan.shard_groups):
-        first = plan.ranks[members[0]]
-        batch = sum(plan.ranks[r].batch_size for r in members)
-        ranks.append(RankPlan(g, first.device, batch, 1, batch, 1.0, shard_group=g))
-    return Plan(plan.global_batch_size, plan.mode, tuple(ranks), model=plan.model, planner=plan.planner,
-                emulated=plan.emulated)
-
-
 def _sum() -> dist.AllreduceOptions:
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
     return opts
-
-
-def survivors_batches(plan: Plan, participants: Sequence[int], cluster: Cluster | None = None) -> tuple[tuple[int, ...], str]:
-    """Each participating group's samples of the global batch (``participants``: group indices, in the
-    quorum's order; the sum is the global batch), and how they were planned, for the log.
-
-    With ``cluster`` profiling every device of the participants' ranks: the planner's plan for those
-    ranks (:func:`~.elastic.replan`, as an elastic restart re-plans), each group taking its ranks'
-    batches, with the planner's predicted step time (for its own sharding of those devices; the
-    groups keep theirs). Otherwise the plan's own per-group figures (:func:`~.elastic.replan_for_world`
-    on :func:`group_plan`)."""
-    members = [plan.shard_groups[g] for g in participants]
-    devices = [plan.ranks[r].device for ranks in members for r in ranks]
-    if cluster is not None and set(devices) <= {d.name for d in cluster.devices}:
-        new, _ = replan(None, cluster, devices, plan.global_batch_size, plan.mode)
-        batches, at = [], 0
-        for ranks in members:
-            batches.append(sum(r.batch_size for r in new.ranks[at:at + len(ranks)]))
-            at += len(ranks)
-        predicted = f", predicted step {new.predicted_step_s:.3f} s" if new.predicted_step_s is not None else ""
-        return tuple(batches), f"from the cluster file's profiles{predicted}"
-    groups = group_plan(plan)
-    new = replan_for_world(groups, [groups.ranks[g].device for g in participants])
-    return tuple(new.batch_sizes), "from the plan's own per-group figures"
-
-
-@dataclass(frozen=True)
-class StepSlice:
-    """This group's part of step ``step``'s global batch: samples ``[start, start + size)`` of it."""
-
-    step: int
-    start: int
-    size: int
-    participants: tuple[int, ...]  # the groups in the quorum, in its order
-    batches: tuple[int, ...]  # each participant's samples, the re-plan over them
-
-
-def rank_slice(part: StepSlice, weights: Sequence[float], rank: int) -> tuple[int, int]:
-    """This rank's samples of its group's ``part``: ``(start, size)`` in the global batch, the group's
-    samples apportioned over its ranks in proportion to ``weights`` (the in-group plan's batches)."""
-    sizes = apportion(part.size, weights)
-    return part.start + sum(sizes[:rank]), sizes[rank]
 
 
 @dataclass(frozen=True)

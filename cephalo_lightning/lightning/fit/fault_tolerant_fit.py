@@ -23,23 +23,19 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning._common.vocabulary import Schedule
-from cephalo_lightning.lightning.fit.fault_tolerance import (
-    ReplicaGroup,
-    Settings,
-    StepSlice,
-    check_fit,
-    local_plan,
-    rank_slice,
-    step_rank_plan,
-)
+from cephalo_lightning.lightning._private import set_steps_done
+from cephalo_lightning.lightning.fit.fault_tolerance import ReplicaGroup, Settings, check_fit
+from cephalo_lightning.lightning.fit.replication import OneReplica
 from cephalo_lightning.lightning.steps.step_state import StepReport
 from cephalo_lightning.models.protocol import LossWeighting
 from cephalo_lightning.planner import Plan, RankPlan
+from cephalo_lightning.planner.replica_groups import StepSlice, local_plan, rank_slice, step_rank_plan
 from cephalo_lightning.runtime.batching import slice_batch
 from cephalo_lightning.runtime.plan_state import CutBatch
 from cephalo_lightning.runtime.sampler import PlannedBatchSampler
@@ -47,8 +43,10 @@ from cephalo_lightning.runtime.sampler import PlannedBatchSampler
 GROUP_ENV = "REPLICA_GROUP_ID"  # the group index when CephaloStrategy(replica_group=...) is unset
 
 
-class FitReplica:
+class FitReplica(OneReplica):
     """One group's fit: its part of the plan, its replica group once the optimizer exists, and the step in progress."""
+
+    whole_batches = True  # every rank is given the whole global batch; its part is cut after the step's quorum
 
     def __init__(self, plan: Plan, group: int) -> None:
         self.plan = plan  # every group
@@ -100,6 +98,16 @@ class FitReplica:
                 "micro-batch counts); give the module the layered protocol (cephalo_layers, cephalo_input, "
                 "cephalo_loss) or a model the package adapts")
 
+    def shard_plan(self, plan: Plan | None) -> Plan:
+        return self.local
+
+    def check_refit(self, fitting: bool) -> None:
+        if fitting:
+            raise UnsupportedError(
+                "CephaloStrategy(fault_tolerance=True): a second fit of the same module with the same strategy is not "
+                "supported (its replica group ended with the first); start a new process, or a new "
+                "CephaloStrategy and Trainer")
+
     @staticmethod
     def check_data_seed(seed: int | None, shuffle: bool) -> None:
         """Every group must draw the same global batches: a shuffled order needs a seed every group is given."""
@@ -109,18 +117,33 @@ class FitReplica:
                 "each group would draw its own order (its own torch seed); give every group the same "
                 "CephaloStrategy(seed=...) or call lightning.seed_everything(...) with the same seed")
 
+    def start(self, trainer: pl.Trainer, sampler: PlannedBatchSampler) -> None:
+        """The fit's first quorum: Lightning's step counters start at its step (as a ``ckpt_path``
+        resume sets them)."""
+        set_steps_done(trainer, self.first_quorum(sampler))
+
     def first_quorum(self, sampler: PlannedBatchSampler) -> int:
         """The fit's first quorum (a group behind recovers the live state in it); the sampler is set to
-        the live step. Returns that step: Lightning's step counters start there."""
+        the live step. Returns that step."""
         assert self.replica is not None
         self._first = self.replica.start_step()
         step = self._first.step
         if step:
-            state = sampler.state_dict()
-            state["epoch"], state["consumed"] = divmod(step, len(sampler))
-            state["epoch_offset"] = 0
-            sampler.load_state_dict(state)
+            sampler.seek(step)
         return step
+
+    def step_batch(self, batch: Any, runtime: Any, sampler: PlannedBatchSampler) -> tuple[Any, RankPlan, float]:
+        """The step's quorum, then this rank's part of the global batch (a redone step: the same batch again)."""
+        if not self.redoing:
+            cut = runtime.next_batch()
+            sampler.mark_consumed(cut.step)
+            self.batch_cut(cut, len(sampler))
+        return self.this_ranks_part(batch, runtime.rank_plan, runtime.weighting)
+
+    def run_closure(self, closure: Callable[[], Any], optimizer: Any, rank: int) -> tuple[Any, StepReport | None]:
+        """The closure until torchft commits the step, and the summed gradient's non-finite report."""
+        result = self.until_committed(closure, optimizer)
+        return result, self.summed_gradient_report(rank)
 
     def batch_cut(self, cut: CutBatch, steps_per_epoch: int) -> None:
         """The loader's batch for the step that starts: global batch ``epoch * steps_per_epoch + step``."""

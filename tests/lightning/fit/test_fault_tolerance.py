@@ -25,14 +25,8 @@ import torch
 
 from cephalo_lightning import CephaloStrategy
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning.lightning.fit.fault_tolerance import (
-    check_fit,
-    check_groups_cut_alike,
-    group_plan,
-    require_torchft,
-    survivors_batches,
-    torchft_available,
-)
+from cephalo_lightning.lightning.fit.fault_tolerance import check_fit, require_torchft, torchft_available
+from cephalo_lightning.planner.replica_groups import check_groups_cut_alike, group_plan, survivors_batches
 from tests.conftest import HANG_TIMEOUT_S
 from tests.distributed import run_distributed
 from tests.plans import plan_of
@@ -122,7 +116,8 @@ def _two_groups_of_two(rank: int, world: int, lighthouse: str):
     import torch.distributed as dist
     from torch.distributed import TCPStore
 
-    from cephalo_lightning.lightning.fit.fault_tolerance import ReplicaGroup, Settings, rank_slice
+    from cephalo_lightning.lightning.fit.fault_tolerance import ReplicaGroup, Settings
+    from cephalo_lightning.planner.replica_groups import rank_slice
     from cephalo_lightning.runtime.distributed import broadcast_object
     from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
