@@ -9,8 +9,8 @@ The strategy asks the same questions of either, at the same points of the fit:
 * for the training loader: the data seed's check and whether every rank takes the whole global
   batch (:attr:`~OneReplica.whole_batches`);
 * at ``on_train_start``: the step the fit starts at (:meth:`~OneReplica.start`);
-* every step: this rank's part of the batch (:meth:`~OneReplica.step_batch`) and the closure run
-  until the step is committed (:meth:`~OneReplica.run_closure`);
+* every step: this rank's part of the batch (:meth:`~OneReplica.step_batch`, a :class:`StepPart`)
+  and the closure run until the step is committed (:meth:`~OneReplica.run_closure`);
 * at teardown: :meth:`~OneReplica.shutdown`.
 
 [Note: one replica] The whole job is one replica: every step commits, the loader already gives
@@ -20,6 +20,7 @@ each rank its planned slice, and nothing here issues a collective.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,6 +29,18 @@ import torch
 from cephalo_lightning.lightning.steps.step_state import StepReport
 from cephalo_lightning.planner import Plan, RankPlan
 from cephalo_lightning.runtime.sampler import PlannedBatchSampler
+
+
+@dataclass(frozen=True)
+class StepPart:
+    """What this rank trains on in the step that starts: ``batch``, its ``rank_plan`` and the global
+    batch's ``global_items`` (None: the plan's and the steps' own count); ``deferred_logs``: where the
+    step's logs wait until the step commits (None: logged at the step's all-reduce)."""
+
+    batch: Any
+    rank_plan: RankPlan | None = None
+    global_items: float | None = None
+    deferred_logs: list | None = None
 
 
 class OneReplica:
@@ -55,12 +68,11 @@ class OneReplica:
     def start(self, trainer: pl.Trainer, sampler: PlannedBatchSampler) -> None:
         """Training starts: the fit starts where its checkpoint (if any) put it."""
 
-    def step_batch(self, batch: Any, runtime: Any, sampler: PlannedBatchSampler) -> tuple[Any, RankPlan | None, float | None]:
-        """The step starts: the runtime cuts its next batch (the loader's, already this rank's slice).
-        Returns the batch, its rank plan (None: the runtime's) and the global batch's items (None: counted by the steps)."""
+    def step_batch(self, batch: Any, runtime: Any, sampler: PlannedBatchSampler) -> StepPart:
+        """The step starts: the runtime cuts its next batch (the loader's, already this rank's slice)."""
         cut = runtime.next_batch()
         sampler.mark_consumed(cut.step)
-        return batch, None, None
+        return StepPart(batch)
 
     def run_closure(self, closure: Callable[[], Any], optimizer: Any, rank: int) -> tuple[Any, StepReport | None]:
         """The step's closure, once (the step always commits); no report beyond the step's own."""

@@ -336,11 +336,12 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
         runtime = self.fit_runtime
-        batch, rank_plan, global_items = self._replication.step_batch(args[0], runtime, self._loader.batch_sampler)
+        part = self._replication.step_batch(args[0], runtime, self._loader.batch_sampler)
         signal = self._preemption.pending if self._preemption is not None else no_stop_signal
         with self.precision_plugin.train_step_context():
-            return runtime.forward(batch, args[1:], trainer, sync=self._sync, scaler=self._scaler, signal=signal,
-                                   rank_plan=rank_plan, global_items=global_items)
+            return runtime.forward(part.batch, args[1:], trainer, sync=self._sync, scaler=self._scaler, signal=signal,
+                                   rank_plan=part.rank_plan, global_items=part.global_items,
+                                   deferred_logs=part.deferred_logs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
