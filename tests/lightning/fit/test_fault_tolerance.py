@@ -545,9 +545,17 @@ def test_groups_drawing_other_samples_are_refused_naming_them():
 
 def test_a_group_returning_with_another_number_of_ranks_is_refused_before_it_joins():
     from cephalo_lightning.lightning.fit.fault_tolerant_fit import FitReplica
+    from tests import helpers
+    from tests.lightning_models import TinyLayered, loader, token_data
 
     with pytest.raises(ConfigurationError, match=r"replica group 1 started with 3 ranks, but the plan gives it 2"):
-        FitReplica(HSDP, 1).join([None], accumulate=1, rank=0, world_size=3)
+        FitReplica.for_plan(HSDP, 1, {}, world_size=3)
+    assert FitReplica.for_plan(HSDP, 1, {}, world_size=2).group == 1
+    # under Trainer.fit: the group of two started on one rank is refused at setup, before any step or quorum
+    trainer = helpers.trainer(CephaloStrategy(plan=HSDP, fault_tolerance=True, replica_group=1, check_devices=False), 1, 2)
+    with pytest.raises(ConfigurationError, match=r"replica group 1 started with 1 ranks, but the plan gives it 2"):
+        trainer.fit(TinyLayered(), loader(token_data(32), 16))
+    assert trainer.global_step == 0
 
 
 def test_a_returning_group_given_another_seed_is_told_the_live_one_and_keeps_its_own_for_the_quorum(caplog):
