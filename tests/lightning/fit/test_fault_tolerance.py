@@ -611,3 +611,22 @@ def test_a_shuffling_loader_without_a_seed_is_refused_under_trainer_fit(monkeypa
         assert trainer.global_step == 0
     finally:
         lighthouse.shutdown()
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_two_of_three_groups_lost_in_one_step_the_last_redoes_it_alone_and_ends_on_the_replay(tmp_path):
+    from scenarios.ft_worker import GLOBAL, KILL_AT, TOTAL, run_lost_together
+
+    scenario = run_lost_together(tmp_path, DEADLINE_S)
+    (pid,) = scenario.lives(0)
+    assert scenario.exit_codes[0, pid] == 0, scenario.logs
+    for group in (1, 2):
+        (lost,) = scenario.lives(group)
+        assert scenario.exit_codes[group, lost] == -signal.SIGKILL, scenario.logs
+    steps = [(e["step"], e["participants"], e["batches"], e["committed"]) for e in scenario.events[0, pid]]
+    three = ([0, 1, 2], [4, 4, 4])
+    assert steps[:KILL_AT + 1] == [*((s, *three, True) for s in range(KILL_AT)), (KILL_AT, *three, False)], steps
+    assert steps[KILL_AT + 1:] == [(s, [0], [GLOBAL], True) for s in range(KILL_AT, TOTAL)], steps  # one redo
+    got, want = scenario.finals[0, pid], replay(TOTAL, GLOBAL)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= TOLERANCE
