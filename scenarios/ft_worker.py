@@ -205,6 +205,19 @@ def metric_lines(path: Path):
     return Lines()
 
 
+def steps_and_epochs(lines: list[dict]) -> tuple[list[float], list[tuple[float, list[float]]]]:
+    """The logged ``train_loss_step`` values in order, and each ``train_loss_epoch`` with the step values since the last."""
+    steps, epochs, since = [], [], []
+    for line in lines:
+        if "train_loss_step" in line:
+            steps.append(line["train_loss_step"])
+            since.append(line["train_loss_step"])
+        if "train_loss_epoch" in line:
+            epochs.append((line["train_loss_epoch"], since))
+            since = []
+    return steps, epochs
+
+
 def fit_main(work: Path, group: int) -> None:
     """One life of one group under ``Trainer.fit``, with the instrumented points of :func:`main`
     as a callback (the kill in ``on_after_backward``: after the backward, before the cross-group sum)."""
