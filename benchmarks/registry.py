@@ -40,6 +40,8 @@ BENCHMARKS: tuple[Entry, ...] = (
     Entry("meta_init", "Meta-device init: peak host memory per rank while a 220M model is sharded", True),
     Entry("startup", "Planner CLI start-up beside `python -c pass`", True),
     Entry("fidelity", "Plan fidelity: predicted vs measured step time and peak memory per rank", True),
+    Entry("ft_overhead", "Fault tolerance's cost per step: the same 2-group plan with it on and off (emulated on CPU)",
+          True),
     Entry("lab_cluster", "A lab's two nodes (4x A100 + 4x RTX 3090, 10 GbE): plans under the old and new cost-model "
           "defaults (predicted)", True),
     # Not on the results page: each answers one question its docs page quotes, and most take minutes.
