@@ -43,6 +43,7 @@ from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning.lightning.fit.elastic import apportion, replan, replan_for_world
 from cephalo_lightning.planner import Cluster, Plan, RankPlan
+from cephalo_lightning.runtime.sharding.replicas import Bucket, gradient_buckets
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +248,7 @@ class ReplicaGroup:
         self._batches: tuple[int, ...] = ()  # their samples of every global batch
         self.redone = 0  # steps this group started and did not commit (redone at the next quorum)
         self._part: StepSlice | None = None  # the step in progress
+        self._buckets: list[Bucket] | None = None  # the gradient sum's buckets, cut at the first sum
         self.history: list[tuple[StepSlice, bool]] = []  # every step this group trained: its part, committed
 
     @property
@@ -290,15 +292,26 @@ class ReplicaGroup:
         self._part = StepSlice(self.step, sum(batches[:k]), batches[k], participants, batches)
         return self._part
 
+    @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Sum every local piece's gradient over the participating groups (the managed process group)."""
-        works = []
+        """Sum every local piece's gradient over the participating groups (the managed process group),
+        in buckets: [Note: gradient buckets] of the runtime's cut, one all-reduce each (a call through
+        torchft per bucket, not per piece), each bucket's sum copied back into its pieces' gradients."""
         for p in self.parameters:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            works.append(self.managed.allreduce([p.grad], _sum()))
-        for work in works:
+        if self._buckets is None:
+            self._buckets = gradient_buckets([p.numel() for p in self.parameters], [p.grad.dtype for p in self.parameters],
+                                             [str(i) for i in range(len(self.parameters))])
+        works = []
+        for bucket in self._buckets:
+            flat = torch.cat([self.parameters[u].grad.reshape(-1) for u in bucket.units])
+            works.append((bucket, flat, self.managed.allreduce([flat], _sum())))
+        for bucket, flat, work in works:
             work.wait()
+            for u, offset in zip(bucket.units, bucket.offsets):
+                grad = self.parameters[u].grad
+                grad.copy_(flat.narrow(0, offset, grad.numel()).view_as(grad))
 
     def agree(self) -> bool:
         """Whether every participating group finished this step (torchft's ``should_commit``, which
