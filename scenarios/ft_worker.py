@@ -132,6 +132,25 @@ FIT_MODEL = ("llama", "adamw")
 RETURN_GRACE_S = 2.0  # fit: group 0 waits this long after the return's `ready` (its quorum request follows the hook)
 
 
+def metric_lines(path: Path):
+    """A Lightning logger that writes every logged value to ``path``, one JSON line per call."""
+    from lightning.pytorch.loggers.logger import Logger
+
+    lines = open(path, "w")  # noqa: SIM115 (closed at exit)
+
+    class Lines(Logger):
+        name, version = "lines", 0
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+        def log_metrics(self, metrics, step=None):
+            lines.write(json.dumps({"step": step, **{k: float(v) for k, v in metrics.items()}}) + "\n")
+            lines.flush()
+
+    return Lines()
+
+
 def fit_main(work: Path, group: int) -> None:
     """One life of one group under ``Trainer.fit``, with the instrumented points of :func:`main`
     as a callback (the kill in ``on_after_backward``: after the backward, before the cross-group sum)."""
@@ -176,8 +195,8 @@ def fit_main(work: Path, group: int) -> None:
 
     module = LibraryLM(*FIT_MODEL)
     strategy = CephaloStrategy(plan=FIT_PLAN, fault_tolerance=True, replica_group=group, check_devices=False)
-    trainer = helpers.trainer(strategy, 1, TOTAL,
-                              precision="64-true", callbacks=[Instrumented()])
+    trainer = helpers.trainer(strategy, 1, TOTAL, precision="64-true", callbacks=[Instrumented()],
+                              logger=metric_lines(work / f"metrics-{group}-{pid}.jsonl"), log_every_n_steps=1)
     trainer.fit(module, loader(PaddedTokens(TOTAL * GLOBAL), GLOBAL))
     torch.save({name: p.detach().clone() for name, p in module.named_parameters()}, work / f"final-{group}-{pid}.pt")
 
@@ -191,6 +210,7 @@ class Scenario:
     finals: dict[tuple[int, int], dict[str, torch.Tensor]]
     exit_codes: dict[tuple[int, int], int]
     logs: str
+    metrics: dict[tuple[int, int], list[dict]]  # (group, pid) -> what its Trainer logged (Trainer.fit lives)
 
     def lives(self, group: int) -> list[int]:
         """The pids of ``group``'s lives, in start order."""
@@ -315,7 +335,11 @@ def run_scenario(work: Path, deadline_s: float, *, fit: bool = False) -> Scenari
     finals = {(int(p.stem.split("-")[1]), int(p.stem.split("-")[2])): torch.load(p) for p in work.glob("final-*.pt")}
     codes = {(g, life.pid): life.returncode for g, life in zip((0, 1, 1), lives)}
     killed = json.loads((work / "killed").read_text()) if (work / "killed").exists() else {}
-    return Scenario(events, killed, finals, codes, logs())
+    metrics = {}
+    for path in work.glob("metrics-*.jsonl"):
+        _, group, pid = path.stem.split("-")
+        metrics[int(group), int(pid)] = [json.loads(line) for line in path.read_text().splitlines()]
+    return Scenario(events, killed, finals, codes, logs(), metrics)
 
 
 if __name__ == "__main__":

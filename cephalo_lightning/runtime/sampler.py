@@ -16,6 +16,7 @@ one ahead of the data epochs; the samples trained on are the uninterrupted run's
 from __future__ import annotations
 
 import warnings
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,6 +59,7 @@ class PlannedBatchSampler(Sampler[list[int]]):
         self.consumed = 0  # steps of the data epoch the training loop has taken
         self._resume_at: int | None = None  # where the next iteration starts (a resumed position)
         self._epoch_offset = 0  # Lightning's epoch minus the data epoch (see the module note)
+        self._orders: tuple[int, int, torch.Tensor] | None = None  # (seed, data epoch, order): the last one drawn
         self.sampler = self  # Lightning calls set_epoch on ``batch_sampler.sampler``
 
     def set_epoch(self, epoch: int) -> None:
@@ -77,11 +79,25 @@ class PlannedBatchSampler(Sampler[list[int]]):
     def dropped_per_epoch(self) -> int:
         return self.num_samples - len(self) * self.global_batch_size
 
-    def order(self) -> torch.Tensor:
+    def order(self, epoch: int | None = None) -> torch.Tensor:
+        """The sample indices of data epoch ``epoch`` (default: the current one) in training order."""
+        epoch = self.epoch if epoch is None else epoch
         if not self.shuffle:
             return torch.arange(self.num_samples)
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_samples, generator=generator)
+        if self._orders is not None and self._orders[:2] == (self.seed, epoch):
+            return self._orders[2]
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(self.num_samples, generator=generator)
+        self._orders = (self.seed, epoch, order)
+        return order
+
+    def fingerprint(self, step: int) -> int:
+        """A fingerprint of global batch ``step`` of the whole order (counted from data epoch 0): the
+        CRC-32 of its sample indices, ``0 <= f < 2**32``. Two ranks drawing other samples for the
+        step (another seed, data size or global batch) differ but for a 2**-32 chance."""
+        epoch, at = divmod(step, len(self))
+        indices = self.order(epoch)[at * self.global_batch_size:(at + 1) * self.global_batch_size]
+        return zlib.crc32(indices.to(torch.int64).numpy().tobytes())
 
     def global_batch(self, step: int) -> list[int]:
         """Every rank's samples of step ``step`` of this epoch (the single-process batch)."""
@@ -103,6 +119,16 @@ class PlannedBatchSampler(Sampler[list[int]]):
                 yield order[first + offset : first + offset + size].tolist()
             else:  # a rank with no samples still takes every step: one placeholder, never computed on
                 yield [int(order[first])]
+
+    def seek(self, step: int) -> None:
+        """Start the next iteration at global batch ``step`` of the whole order (counted from data
+        epoch 0): data epoch ``step // n``, step ``step mod n`` of it (``n`` global batches per epoch),
+        Lightning's epoch counted from there."""
+        if step < 0:
+            raise ValueError(f"seek({step}): a step of the data order is >= 0")
+        self.epoch, self.consumed = divmod(step, len(self))
+        self._epoch_offset = 0
+        self._resume_at = self.consumed
 
     def mark_consumed(self, step: int) -> None:
         """The training loop took step ``step`` of the current data epoch."""

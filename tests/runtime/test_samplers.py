@@ -77,3 +77,44 @@ def test_a_fit_with_a_weighted_sampler_stops_at_setup_before_any_step():
     with pytest.raises(UnsupportedError, match="WeightedRandomSampler"):
         t.fit(TinyLayered(), DataLoader(DATA, batch_size=8, sampler=_weighted()))
     assert t.global_step == 0
+
+
+# ----------------------------------------------------------------------------- a position and a fingerprint
+
+def _sampler(shuffle: bool = True, seed: int = 3):
+    from cephalo_lightning.runtime.sampler import PlannedBatchSampler
+
+    return PlannedBatchSampler(len(DATA), PlanState(PLAN), 0, shuffle=shuffle, seed=seed, whole=True)
+
+
+def test_seek_starts_the_next_iteration_at_a_step_of_the_whole_order():
+    steps_per_epoch = len(DATA) // PLAN.global_batch_size  # 3
+    walked = _sampler()
+    drawn = []
+    for epoch in range(4):  # the order an uninterrupted run draws, epoch after epoch
+        walked.set_epoch(epoch)
+        drawn += list(walked)
+    for step in (0, 2, 3, 8):
+        moved = _sampler()
+        moved.seek(step)
+        assert (moved.epoch, moved.consumed) == divmod(step, steps_per_epoch)
+        end = (step // steps_per_epoch + 1) * steps_per_epoch  # the end of the data epoch it lands in
+        moved.set_epoch(4)  # Lightning's epoch number (any): the position stays
+        assert list(moved) == drawn[step:end]
+        moved.set_epoch(5)  # Lightning's next epoch: the data epoch after it
+        assert list(moved) == drawn[end:end + steps_per_epoch]
+    with pytest.raises(ValueError, match=r"seek\(-1\)"):
+        _sampler().seek(-1)
+
+
+def test_the_fingerprint_names_the_samples_of_a_global_batch():
+    import zlib
+
+    one, same, other = _sampler(seed=3), _sampler(seed=3), _sampler(seed=4)
+    for step in range(6):
+        epoch, at = divmod(step, 3)
+        want = one.order(epoch)[at * 8:(at + 1) * 8]  # an independent reading of the batch's indices
+        assert one.fingerprint(step) == zlib.crc32(want.to(torch.int64).numpy().tobytes())
+        assert one.fingerprint(step) == same.fingerprint(step)
+    assert [one.fingerprint(s) for s in range(6)] != [other.fingerprint(s) for s in range(6)]
+    assert _sampler(shuffle=False).fingerprint(4) == _sampler(shuffle=False, seed=9).fingerprint(4)

@@ -4,7 +4,7 @@ torchft's managed process group, and live recovery of a group that comes back.
 One step ``s`` trains on the global batch ``G_s`` (``B`` samples, fixed by the data order, never by
 which groups are up). At the step's start every group joins torchft's quorum; the quorum names the
 participating groups ``p_0 .. p_{n-1}`` (``n >= 1``, in the quorum's order). The global batch is
-split over them by the re-plan over the participants (:func:`~.elastic.replan_for_world` on the
+split over them by the re-plan over the participants (:mod:`cephalo_lightning.planner.replica_groups`: the
 group plan, one :class:`~cephalo_lightning.planner.RankPlan` per group, over the participants'
 devices): participant ``k`` trains on ``G_s[o_k : o_k + b_k]`` with ``b`` the re-plan's batches,
 ``o`` their prefix sums and ``Σ b = B``. Each group's loss is ``Σ_{i in its slice} ℓ_i / B``, so the
@@ -22,27 +22,42 @@ checkpoint transport sends it a live group's state (this rank's local pieces of 
 optimizer state and the step, i.e. the sampler position) before that step, and it trains on its
 slice of the very step the others are on.
 
+[Note: one data order] Every group draws global batch ``G_s`` from the same order: at each quorum
+the participants sum, besides their names, a fingerprint of the sample indices of the step each
+trains and their data seeds (:meth:`ReplicaGroup.start_step`); fingerprints that differ stop every
+group of the quorum with an error naming each group's fingerprint and seed (different seeds, data or
+global batch), before any gradient is summed. The data seed also travels with the recovered state:
+a group that comes back with another seed says which seed the live groups draw with, and the quorum
+stops the run (no group trains on a wrong order, none adopts another's seed silently).
+
+[Note: a lighthouse that comes back] The lighthouse is one process; while it is down no quorum
+forms. Each group's manager asks it again (``Settings.quorum_retries`` times, torchft's quorum
+retries) until the quorum timeout, so a lighthouse restarted at the same address within it is
+rejoined and the step goes on; past it every group fails with torchft's quorum timeout.
+
 What is not survived: a lost rank inside a group takes its whole group down (the in-group collectives
-are ordinary ones, and the group's other ranks must be restarted with it); the lighthouse is one
-process, and the quorum stops while it is down.
+are ordinary ones, and the group's other ranks must be restarted with it); every group lost at once
+(nothing holds the live state: resume from a checkpoint); the lighthouse down past the quorum timeout.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning.lightning.fit.elastic import apportion, replan, replan_for_world
-from cephalo_lightning.planner import Cluster, Plan, RankPlan
+from cephalo_lightning.planner import Cluster, Plan
+from cephalo_lightning.planner.replan import replan
+from cephalo_lightning.planner.replica_groups import StepSlice, check_groups_cut_alike, survivors_batches
 from cephalo_lightning.runtime.sharding.replicas import Bucket, gradient_buckets
 
 log = logging.getLogger(__name__)
@@ -67,19 +82,6 @@ def require_torchft() -> Any:
             f"fault tolerance runs on torchft, which is not installed ({err}); install it with "
             f"`pip install 'cephalo-lightning[ft]'` (torchft=={TORCHFT_VERSION})") from err
     return torchft
-
-
-def check_groups_cut_alike(plan: Plan) -> None:
-    """Refuse a plan whose shard groups cut the units at different points: torchft's replica groups
-    reduce rank ``i`` of every group with rank ``i`` of the others, so rank ``i`` must hold the same
-    range of every unit in every group (equal group sizes, equal shares in group order)."""
-    groups = plan.shard_groups
-    shares = [tuple(plan.ranks[r].state_share for r in g) for g in groups]  # a layout is a function of these
-    if len({len(g) for g in groups}) > 1 or len(set(shares)) > 1:
-        raise ConfigurationError(
-            f"fault tolerance needs every shard group to cut the units alike (rank i of every group holds the same "
-            f"range), but the plan's groups {[list(g) for g in groups]} have in-group shares {shares}; plan one "
-            "shard group per node of identical devices (equal groups, equal shares), or run without fault tolerance")
 
 
 def check_options(mode: vocabulary.Schedule | vocabulary.Auto, plan: Plan | None) -> None:
@@ -113,80 +115,57 @@ def check_fit(plan: Plan, group: int | None) -> None:
             "REPLICA_GROUP_ID environment variable)")
 
 
-def local_plan(plan: Plan, group: int) -> Plan:
-    """What one group's ``Trainer`` shards by: the group's ranks, numbered from 0 as one shard group,
-    their batches the global batch apportioned by the group's own (the loader gives every rank the
-    whole global batch; :func:`step_rank_plan` sizes each step's part once the quorum is known)."""
-    members = [plan.ranks[r] for r in plan.shard_groups[group]]
-    sizes = apportion(plan.global_batch_size, [r.batch_size for r in members])
-    ranks = tuple(step_rank_plan(replace(r, rank=i, shard_group=0), size) for i, (r, size) in enumerate(zip(members, sizes)))
-    return replace(plan, ranks=ranks)
-
-
-def step_rank_plan(rank: RankPlan, size: int) -> RankPlan:
-    """``rank`` training ``size`` samples this step: its micro-batch count kept where the samples allow it."""
-    count = min(max(rank.num_micro_batches, 1), size)
-    return replace(rank, batch_size=size, num_micro_batches=count, micro_batch_size=-(-size // count) if count else 0)
-
-
-def group_plan(plan: Plan) -> Plan:
-    """The plan seen one shard group at a time: one rank per group, named by the group's first rank's
-    device, with the group's batch; what the re-plan over the surviving groups starts from."""
-    ranks = []
-    for g, members in enumerate(plan.shard_groups):
-        first = plan.ranks[members[0]]
-        batch = sum(plan.ranks[r].batch_size for r in members)
-        ranks.append(RankPlan(g, first.device, batch, 1, batch, 1.0, shard_group=g))
-    return Plan(plan.global_batch_size, plan.mode, tuple(ranks), model=plan.model, planner=plan.planner,
-                emulated=plan.emulated)
-
-
 def _sum() -> dist.AllreduceOptions:
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
     return opts
 
 
-def survivors_batches(plan: Plan, participants: Sequence[int], cluster: Cluster | None = None) -> tuple[tuple[int, ...], str]:
-    """Each participating group's samples of the global batch (``participants``: group indices, in the
-    quorum's order; the sum is the global batch), and how they were planned, for the log.
+class DataOrder(Protocol):
+    """A group's data order as the quorum compares it (the planned loader's sampler is one)."""
 
-    With ``cluster`` profiling every device of the participants' ranks: the planner's plan for those
-    ranks (:func:`~.elastic.replan`, as an elastic restart re-plans), each group taking its ranks'
-    batches, with the planner's predicted step time (for its own sharding of those devices; the
-    groups keep theirs). Otherwise the plan's own per-group figures (:func:`~.elastic.replan_for_world`
-    on :func:`group_plan`)."""
+    seed: int
+
+    def fingerprint(self, step: int) -> int: ...
+
+
+def check_one_order(step: int, participants: Sequence[int], fingerprints: Sequence[int],
+                    seeds: Sequence[int]) -> None:
+    """Refuse a step whose participants draw different samples (see [Note: one data order]);
+    ``fingerprints[k]``, ``seeds[k]``: participant ``k``'s, -1 where it gave none."""
+    given = {g: f for g, f in zip(participants, fingerprints) if f >= 0}
+    if len(set(given.values())) > 1:
+        by_seed = {g: s for g, s, f in zip(participants, seeds, fingerprints) if f >= 0}
+        raise ConfigurationError(
+            f"Cephalo fault tolerance: at step {step} the groups draw different samples (data order fingerprints by "
+            f"group {given}, data seeds {by_seed}): their data seeds, training data or global batch differ, and no "
+            "group trains on another's order. Give every group the same CephaloStrategy(seed=...) (or "
+            "seed_everything), the same training set and the same plan")
+
+
+def predicted_step_s(plan: Plan, participants: Sequence[int], cluster: Cluster | None) -> float | None:
+    """The step time the re-plan predicts for ``participants``: the planner's for their devices (from
+    ``cluster``), else the plan's predicted step scaled by the throughput the participants keep
+    (``t * B / sum of their planned batches``); None when neither is known."""
     members = [plan.shard_groups[g] for g in participants]
     devices = [plan.ranks[r].device for ranks in members for r in ranks]
     if cluster is not None and set(devices) <= {d.name for d in cluster.devices}:
         new, _ = replan(None, cluster, devices, plan.global_batch_size, plan.mode)
-        batches, at = [], 0
-        for ranks in members:
-            batches.append(sum(r.batch_size for r in new.ranks[at:at + len(ranks)]))
-            at += len(ranks)
-        predicted = f", predicted step {new.predicted_step_s:.3f} s" if new.predicted_step_s is not None else ""
-        return tuple(batches), f"from the cluster file's profiles{predicted}"
-    groups = group_plan(plan)
-    new = replan_for_world(groups, [groups.ranks[g].device for g in participants])
-    return tuple(new.batch_sizes), "from the plan's own per-group figures"
+        return new.predicted_step_s
+    if plan.predicted_step_s is None:
+        return None
+    kept = sum(plan.ranks[r].batch_size for ranks in members for r in ranks)
+    return plan.predicted_step_s * plan.global_batch_size / kept if kept else None
 
 
-@dataclass(frozen=True)
-class StepSlice:
-    """This group's part of step ``step``'s global batch: samples ``[start, start + size)`` of it."""
-
-    step: int
-    start: int
-    size: int
-    participants: tuple[int, ...]  # the groups in the quorum, in its order
-    batches: tuple[int, ...]  # each participant's samples, the re-plan over them
-
-
-def rank_slice(part: StepSlice, weights: Sequence[float], rank: int) -> tuple[int, int]:
-    """This rank's samples of its group's ``part``: ``(start, size)`` in the global batch, the group's
-    samples apportioned over its ranks in proportion to ``weights`` (the in-group plan's batches)."""
-    sizes = apportion(part.size, weights)
-    return part.start + sum(sizes[:rank]), sizes[rank]
+def phase_line(participants: Sequence[int], groups: int, first: int, commits: int, measured: float,
+               predicted: float | None, global_batch: int) -> str:
+    """One phase of the fit over the same participants, for the log."""
+    kind = "all groups" if len(participants) == groups else f"degraded, {len(participants)} of {groups} groups"
+    guess = f"predicted {predicted:.4f} s by the re-plan" if predicted is not None else \
+        "no prediction (the plan carries no predicted step time; give a cluster file)"
+    return (f"steps {first}-{first + commits - 1} over groups {list(participants)} ({kind}): measured "
+            f"{measured:.4f} s per step ({global_batch / measured:.1f} samples/s), {guess}")
 
 
 @dataclass(frozen=True)
@@ -202,6 +181,7 @@ class Settings:
     connect_timeout: timedelta = timedelta(seconds=30)
     heartbeat_interval: timedelta = timedelta(milliseconds=100)
     hostname: str | None = None  # what this group's manager advertises to the others (unset: this host's name)
+    quorum_retries: int = 10  # a quorum request the lighthouse failed is asked again (a restarted lighthouse)
 
 
 class ReplicaGroup:
@@ -239,6 +219,7 @@ class ReplicaGroup:
             store_addr=settings.store_addr, store_port=settings.store_port,
             lighthouse_addr=settings.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE"),
             replica_id=f"cephalo_group_{group}", heartbeat_interval=settings.heartbeat_interval, init_sync=True,
+            quorum_retries=settings.quorum_retries,
             **({"hostname": settings.hostname} if settings.hostname else {}))
         self.manager.register_state_dict_fn("weights", self._load_weights, self._weights)
         self.manager.register_state_dict_fn("optimizer", self.optimizer.load_state_dict, self.optimizer.state_dict)
@@ -250,6 +231,7 @@ class ReplicaGroup:
         self._part: StepSlice | None = None  # the step in progress
         self._buckets: list[Bucket] | None = None  # the gradient sum's buckets, cut at the first sum
         self.history: list[tuple[StepSlice, bool]] = []  # every step this group trained: its part, committed
+        self._phase: tuple[int, float, int, float | None] | None = None  # the participants' phase: first step, time, commits, prediction
 
     @property
     def step(self) -> int:
@@ -267,36 +249,54 @@ class ReplicaGroup:
         for i, p in enumerate(self.parameters):
             p.copy_(state[str(i)])
 
-    def start_step(self) -> StepSlice:
+    def resume_at(self, step: int) -> None:
+        """This group starts at committed step ``step`` (a checkpoint's): the quorum compares it with the
+        others' (a group behind recovers the live state)."""
+        state = self.manager.state_dict()
+        self.manager.load_state_dict({**state, "step": step})
+
+    def start_step(self, order: DataOrder | None = None) -> StepSlice:
         """Join this step's quorum (recovering the live state first when this group is behind) and
-        return the part of the step's global batch this group trains on."""
+        return the part of the step's global batch this group trains on. ``order``: this group's data
+        order, whose fingerprint of the step and seed are compared over the participants (see the
+        module notes)."""
         self.manager.start_quorum()
         n, k = self.manager.num_participants(), self.manager.participating_rank()
-        who = torch.zeros(max(n, 1), dtype=torch.float64)
+        m = max(n, 1)
+        who = torch.zeros(3 * m, dtype=torch.float64)  # the groups' names, their fingerprints, their seeds
         if k is not None:
             who[k] = self.group + 1
+            if order is not None:
+                who[m + k], who[2 * m + k] = order.fingerprint(self.step) + 1, order.seed + 1
         self.managed.allreduce([who], _sum()).wait()
-        participants = tuple(int(v) - 1 for v in who.tolist())
+        participants = tuple(int(v) - 1 for v in who[:m].tolist())
+        if self.manager.errored() is None and k is not None and min(participants) >= 0:
+            check_one_order(self.step, participants, [int(v) - 1 for v in who[m:2 * m].tolist()],
+                            [int(v) - 1 for v in who[2 * m:].tolist()])
         if self.manager.errored() is not None or k is None or min(participants) < 0:
             # the quorum already broke: this step will not commit; train on the whole batch, dropped later
             self._part = StepSlice(self.step, 0, self.plan.global_batch_size, (self.group,), (self.plan.global_batch_size,))
             return self._part
         if participants != self._participants:
+            self._end_phase()
             self._batches, how = survivors_batches(self.plan, participants, self.cluster)
             if self.rank == 0:  # once per group
                 log.warning("Cephalo fault tolerance: from step %d the groups %s train the global batch of %d as %s "
                             "(re-planned over the groups present %s)", self.step, list(participants),
                             self.plan.global_batch_size, list(self._batches), how)
             self._participants = participants
+            self._phase = (self.step, time.perf_counter(), 0, predicted_step_s(self.plan, participants, self.cluster))
         batches = self._batches
         self._part = StepSlice(self.step, sum(batches[:k]), batches[k], participants, batches)
         return self._part
 
     @torch.no_grad()
-    def reduce_gradients(self) -> None:
+    def reduce_gradients(self, values: torch.Tensor | None = None) -> None:
         """Sum every local piece's gradient over the participating groups (the managed process group),
+        and ``values`` in place (the step's logged values, each group's part of them). The gradients go
         in buckets: [Note: gradient buckets] of the runtime's cut, one all-reduce each (a call through
         torchft per bucket, not per piece), each bucket's sum copied back into its pieces' gradients."""
+        value_work = self.managed.allreduce([values], _sum()) if values is not None and values.numel() else None
         for p in self.parameters:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -307,6 +307,8 @@ class ReplicaGroup:
         for bucket in self._buckets:
             flat = torch.cat([self.parameters[u].grad.reshape(-1) for u in bucket.units])
             works.append((bucket, flat, self.managed.allreduce([flat], _sum())))
+        if value_work is not None:
+            value_work.wait()
         for bucket, flat, work in works:
             work.wait()
             for u, offset in zip(bucket.units, bucket.offsets):
@@ -319,6 +321,9 @@ class ReplicaGroup:
         committed = self.manager.should_commit()
         if self._part is not None:
             self.history.append((self._part, committed))
+        if committed and self._phase is not None:
+            first, started, commits, predicted = self._phase
+            self._phase = (first, started, commits + 1, predicted)
         if not committed:
             self.redone += 1
             if self.rank == 0:
@@ -335,5 +340,18 @@ class ReplicaGroup:
         self.optimizer.zero_grad(set_to_none=False)
         return committed
 
+    def _end_phase(self) -> None:
+        """Log the steps committed over the last participants: the measured step beside the re-plan's prediction."""
+        if self._phase is None or self.rank != 0:
+            return
+        first, started, commits, predicted = self._phase
+        if commits:
+            measured = (time.perf_counter() - started) / commits
+            log.warning("Cephalo fault tolerance: %s", phase_line(self._participants, len(self.plan.shard_groups),
+                                                                  first, commits, measured, predicted,
+                                                                  self.plan.global_batch_size))
+
     def shutdown(self) -> None:
+        self._end_phase()
+        self._phase = None
         self.manager.shutdown(wait=False)

@@ -20,35 +20,38 @@ them), so it trains on ``G_S`` with the others and stops at the same ``max_steps
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning._common.vocabulary import Schedule
-from cephalo_lightning.lightning.fit.fault_tolerance import (
-    ReplicaGroup,
-    Settings,
-    StepSlice,
-    check_fit,
-    local_plan,
-    rank_slice,
-    step_rank_plan,
-)
+from cephalo_lightning.lightning._private import set_steps_done
+from cephalo_lightning.lightning.fit.fault_tolerance import ReplicaGroup, Settings, check_fit
+from cephalo_lightning.lightning.fit.replication import OneReplica, StepPart
+from cephalo_lightning.lightning.steps.log_relay import log_all
 from cephalo_lightning.lightning.steps.step_state import StepReport
 from cephalo_lightning.models.protocol import LossWeighting
 from cephalo_lightning.planner import Plan, RankPlan
+from cephalo_lightning.planner.replica_groups import StepSlice, local_plan, rank_slice, step_rank_plan
 from cephalo_lightning.runtime.batching import slice_batch
 from cephalo_lightning.runtime.plan_state import CutBatch
 from cephalo_lightning.runtime.sampler import PlannedBatchSampler
 
+log = logging.getLogger(__name__)
+
 GROUP_ENV = "REPLICA_GROUP_ID"  # the group index when CephaloStrategy(replica_group=...) is unset
 
 
-class FitReplica:
+class FitReplica(OneReplica):
     """One group's fit: its part of the plan, its replica group once the optimizer exists, and the step in progress."""
+
+    whole_batches = True  # every rank is given the whole global batch; its part is cut after the step's quorum
 
     def __init__(self, plan: Plan, group: int) -> None:
         self.plan = plan  # every group
@@ -59,6 +62,10 @@ class FitReplica:
         self.redoing = False  # the closure runs again on the same global batch (the step did not commit)
         self._first: StepSlice | None = None  # the first quorum's answer, for the first batch
         self._index: int | None = None  # the global batch the loader gave (its index in the whole order)
+        self._sampler: PlannedBatchSampler | None = None  # the training loader's, from on_train_start
+        self._module: Any = None  # the LightningModule the committed step's values are logged on
+        self._logs: list[tuple[str, Any, dict[str, Any]]] = []  # the attempt's logged values (this group's part)
+        self.live_seed: int | None = None  # the data seed of the live state this group recovered, if it did
 
     @classmethod
     def for_plan(cls, plan: Plan | None, group: int | None, environ: Mapping[str, str]) -> FitReplica:
@@ -85,10 +92,30 @@ class FitReplica:
             raise UnsupportedError(
                 f"CephaloStrategy(fault_tolerance=True): configure_optimizers returned {len(optimizers)} optimizers; "
                 "a replica group sums and recovers the state of one optimizer: return one")
+        planned = len(self.plan.shard_groups[self.group])
+        if world_size != planned:
+            raise ConfigurationError(
+                f"CephaloStrategy(fault_tolerance=True): replica group {self.group} started with {world_size} ranks, but "
+                f"the plan gives it {planned}; every group comes back with its planned ranks (torchft sums rank i of "
+                "every group with rank i of the others): start it with the plan's number of ranks, or plan again")
         optimizer = optimizers[0]
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.replica = ReplicaGroup(parameters, optimizer, self.plan, self.group, Settings(), rank=rank,
-                                    world_size=world_size)
+                                    world_size=world_size, sampler_state=self._sampler_state,
+                                    load_sampler_state=self._load_sampler_state)
+
+    def _sampler_state(self) -> dict[str, Any]:
+        """What a group that comes back takes with the weights: the data seed ([Note: one data order])."""
+        return {"seed": self._sampler.seed} if self._sampler is not None else {}
+
+    def _load_sampler_state(self, state: dict[str, Any]) -> None:
+        """The live state's seed: one that differs from this group's is said here, and the quorum's
+        comparison stops the run ([Note: one data order]); it is never adopted silently."""
+        self.live_seed = state.get("seed")
+        if self._sampler is not None and self.live_seed is not None and int(self.live_seed) != self._sampler.seed:
+            log.error("Cephalo fault tolerance: group %d was given data seed %d, but the live groups draw with seed %d; "
+                      "the quorum stops the run (give every group the same seed)", self.group, self._sampler.seed,
+                      int(self.live_seed))
 
     @staticmethod
     def check_schedule(schedule: str) -> None:
@@ -100,6 +127,16 @@ class FitReplica:
                 "micro-batch counts); give the module the layered protocol (cephalo_layers, cephalo_input, "
                 "cephalo_loss) or a model the package adapts")
 
+    def shard_plan(self, plan: Plan | None) -> Plan:
+        return self.local
+
+    def check_refit(self, fitting: bool) -> None:
+        if fitting:
+            raise UnsupportedError(
+                "CephaloStrategy(fault_tolerance=True): a second fit of the same module with the same strategy is not "
+                "supported (its replica group ended with the first); start a new process, or a new "
+                "CephaloStrategy and Trainer")
+
     @staticmethod
     def check_data_seed(seed: int | None, shuffle: bool) -> None:
         """Every group must draw the same global batches: a shuffled order needs a seed every group is given."""
@@ -109,18 +146,52 @@ class FitReplica:
                 "each group would draw its own order (its own torch seed); give every group the same "
                 "CephaloStrategy(seed=...) or call lightning.seed_everything(...) with the same seed")
 
-    def first_quorum(self, sampler: PlannedBatchSampler) -> int:
-        """The fit's first quorum (a group behind recovers the live state in it); the sampler is set to
-        the live step. Returns that step: Lightning's step counters start there."""
+    def start(self, trainer: pl.Trainer, sampler: PlannedBatchSampler) -> None:
+        """The fit's first quorum at the step this group starts at (a ``ckpt_path`` resume's, else 0):
+        Lightning's step counters start at the quorum's step (as a ``ckpt_path`` resume sets them).
+        Every group at step 0 while the run's checkpoint folder holds checkpoints is refused: the
+        run would start over silently."""
+        self._module = trainer.lightning_module
+        resumed = trainer.global_step
+        step = self.first_quorum(sampler, resumed)
+        if step == 0 and resumed == 0:
+            found = existing_checkpoints(trainer)
+            if found:
+                raise ConfigurationError(
+                    f"CephaloStrategy(fault_tolerance=True): every replica group starts at step 0, but the run has "
+                    f"checkpoints ({', '.join(str(p) for p in found[-3:])}): no live group holds the state, and "
+                    "starting over would discard them. Resume every group from one checkpoint (trainer.fit(..., "
+                    "ckpt_path=...) with the same path on every group, or ckpt_path='last'), or start over in an empty "
+                    "checkpoint folder")
+        set_steps_done(trainer, step)
+
+    def first_quorum(self, sampler: PlannedBatchSampler, resumed: int = 0) -> int:
+        """The fit's first quorum from committed step ``resumed`` (a checkpoint's; a group behind
+        recovers the live state in it); the sampler is set to the quorum's step. Returns that step."""
         assert self.replica is not None
-        self._first = self.replica.start_step()
+        self._sampler = sampler
+        if resumed:
+            self.replica.resume_at(resumed)
+        self._first = self.replica.start_step(sampler)
         step = self._first.step
-        if step:
-            state = sampler.state_dict()
-            state["epoch"], state["consumed"] = divmod(step, len(sampler))
-            state["epoch_offset"] = 0
-            sampler.load_state_dict(state)
+        if step != resumed:
+            sampler.seek(step)
         return step
+
+    def step_batch(self, batch: Any, runtime: Any, sampler: PlannedBatchSampler) -> StepPart:
+        """The step's quorum, then this rank's part of the global batch (a redone step: the same batch
+        again); the step's logs wait for its commit."""
+        if not self.redoing:
+            cut = runtime.next_batch()
+            sampler.mark_consumed(cut.step)
+            self.batch_cut(cut, len(sampler))
+        self._logs.clear()
+        return StepPart(*self.this_ranks_part(batch, runtime.rank_plan, runtime.weighting), deferred_logs=self._logs)
+
+    def run_closure(self, closure: Callable[[], Any], optimizer: Any, rank: int) -> tuple[Any, StepReport | None]:
+        """The closure until torchft commits the step, and the summed gradient's non-finite report."""
+        result = self.until_committed(closure, optimizer)
+        return result, self.summed_gradient_report(rank)
 
     def batch_cut(self, cut: CutBatch, steps_per_epoch: int) -> None:
         """The loader's batch for the step that starts: global batch ``epoch * steps_per_epoch + step``."""
@@ -130,12 +201,9 @@ class FitReplica:
         """The step's quorum, then this rank's samples of the global ``batch``, its rank plan for them,
         and the global batch's items (tokens for a per-token mean: counted here, on the whole batch)."""
         assert self.replica is not None
-        part, self._first = self._first or self.replica.start_step(), None
+        part, self._first = self._first or self.replica.start_step(self._sampler), None
         if part.step != self._index:
-            raise RuntimeError(
-                f"Cephalo fault tolerance: the quorum is at step {part.step} but the loader gave global batch "
-                f"{self._index}; the groups' data orders differ (the same training data, global batch and seed on "
-                "every group)")
+            raise RuntimeError(behind_message(self.group, part.step, self._index, self.redoing))
         start, size = rank_slice(part, self.weights, self.replica.rank)
         items = float(weighting.items(batch, self.plan.global_batch_size))
         return slice_batch(batch, start, start + size), step_rank_plan(rank_plan, size), items
@@ -147,10 +215,16 @@ class FitReplica:
         assert self.replica is not None
         inner = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer's torch optimizer
         while True:
+            self._logs.clear()
             result = closure()
-            self.replica.reduce_gradients()
+            values = torch.tensor([float(v) for _, v, _ in self._logs], dtype=torch.float64)
+            self.replica.reduce_gradients(values)  # each group's part of the logged values: summed, the step's
             if self.replica.agree():
                 self.redoing = False
+                if self._module is not None:  # the committed attempt's values, once (a failed one logs nothing)
+                    log_all(self._module, [(n, v, o) for (n, _, o), v in zip(self._logs, values.tolist())],
+                            self.plan.global_batch_size)
+                self._logs.clear()
                 return result
             self.redoing = True
             inner.zero_grad(set_to_none=True)
@@ -173,3 +247,25 @@ class FitReplica:
         if self.replica is not None:
             self.replica.shutdown()
             self.replica = None
+
+
+def behind_message(group: int, step: int, index: int | None, redoing: bool) -> str:
+    """Why the quorum's step and the loader's global batch differ: the group was healed past the step
+    it was redoing (the others committed it without it), or the loaders' positions differ."""
+    if redoing and index is not None and step > index:
+        return (f"Cephalo fault tolerance: group {group} fell behind while redoing step {index}: the other groups "
+                f"committed it without this group, which received their state at step {step}; Lightning's loader "
+                "cannot skip ahead inside a step, so the group stops here. Restarted (its torchrun agent's "
+                "--max-restarts), it rejoins with the live state; the other groups go on")
+    return (f"Cephalo fault tolerance: the quorum is at step {step} but the loader gave global batch {index}; the "
+            "groups' data orders differ (the same training data, global batch and seed on every group)")
+
+
+def existing_checkpoints(trainer: pl.Trainer) -> list[Path]:
+    """The checkpoints in the folders of the Trainer's checkpoint callbacks, oldest first."""
+    found: list[Path] = []
+    for callback in trainer.checkpoint_callbacks:
+        folder = getattr(callback, "dirpath", None)
+        if folder and Path(folder).is_dir():
+            found += [p for p in Path(folder).iterdir() if p.name.endswith(".ckpt")]
+    return sorted(found, key=lambda p: p.stat().st_mtime)

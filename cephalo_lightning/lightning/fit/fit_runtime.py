@@ -276,12 +276,13 @@ class FitRuntime:
 
     def forward(self, batch: Any, args: tuple, trainer: pl.Trainer, *, sync: bool, scaler: Any = None,
                 signal: StopSignalProbe = no_stop_signal, rank_plan: RankPlan | None = None,
-                global_items: float | None = None) -> Any:
+                global_items: float | None = None, deferred_logs: list | None = None) -> Any:
         """Collective: the training step's forward on this rank's part of the global batch; returns
         what Lightning's ``training_step`` returns. ``args``: training_step's after the batch;
         ``sync``: the gradients are reduced at the end of this batch; ``scaler``: a gradient scaler
         (16-mixed); ``signal()``: the stop signal this rank received, read at the step's all-reduce;
-        ``rank_plan``, ``global_items``: this rank's part where it is not the plan's (fault tolerance).
+        ``rank_plan``, ``global_items``: this rank's part where it is not the plan's (fault tolerance);
+        ``deferred_logs``: where the step's logs go instead of Lightning's (logged once committed).
         The step's state is held until its backward (see the module note)."""
         # the scale as a device tensor (scaler.scale multiplies on the device: no host sync per step)
         scale = scaler.scale(torch.ones((), device=self.sharded.device)) if scaler is not None else 1.0
@@ -289,7 +290,7 @@ class FitRuntime:
         context = StepContext(rank_plan=rank_plan if rank_plan is not None else plan.ranks[self.rank],
                               global_batch=plan.global_batch_size, accumulate=trainer.accumulate_grad_batches,
                               sync=sync, loss_scale=scale, args=args,
-                              pending_signal=signal, global_items=global_items)
+                              pending_signal=signal, global_items=global_items, deferred_logs=deferred_logs)
         try:
             with self.step_scope(trainer.global_step):
                 started = self.steps.start(batch, context)

@@ -22,10 +22,10 @@ from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.lightning._private import training_dataloader
-from cephalo_lightning.lightning.fit import elastic
 from cephalo_lightning.lightning.strategy_config import MAX_SEED, StrategyConfig
 from cephalo_lightning.planner import Cluster, Plan, PlanningError
 from cephalo_lightning.planner import plan as make_plan
+from cephalo_lightning.planner.replan import replan
 from cephalo_lightning.planner.schema.catalog import lookup, same_gpu
 from cephalo_lightning.planner.schema.gpu_names import memory_agrees
 from cephalo_lightning.planner.schema.plan import UNPROFILED
@@ -148,12 +148,12 @@ def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: vocabulary.
 
 def replanned(plan: Plan | None, cluster: Cluster | None, global_batch_size: int, mode: vocabulary.Schedule,
               identities: Callable[[], list[DeviceIdentity]]) -> Plan:
-    """An elastic restart: the plan for the devices present (:func:`.elastic.replan`), with a warning.
+    """An elastic restart: the plan for the devices present (:func:`cephalo_lightning.planner.replan.replan`), with a warning.
     Each rank's device goes by the name the cluster file or the plan gives that card (:func:`planned_name`)."""
     known = [(d.name, d.memory_gb) for d in cluster.devices] if cluster is not None else []
     known += [(r.device, r.memory_capacity_gb) for r in plan.ranks] if plan is not None else []
     names = [planned_name(i, known) for i in identities()]
-    new, warning = elastic.replan(plan, cluster, names, global_batch_size, mode)
+    new, warning = replan(plan, cluster, names, global_batch_size, mode)
     rank_zero_warn(warning)
     return new
 

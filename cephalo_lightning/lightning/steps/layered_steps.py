@@ -24,7 +24,7 @@ import torch
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning.lightning._private import captured_logs
 from cephalo_lightning.lightning.steps.discovered import LossPassLogs, discovered_check, user_code
-from cephalo_lightning.lightning.steps.log_relay import log_scalar, relog
+from cephalo_lightning.lightning.steps.log_relay import log_all, relayed
 from cephalo_lightning.lightning.steps.micro_batch_weights import micro_batch_weights
 from cephalo_lightning.lightning.steps.step_output import loss_or_refusal
 from cephalo_lightning.lightning.steps.step_state import LayeredStep, StepContext, StepReport
@@ -117,10 +117,13 @@ class LayeredSteps:
         with self._model_code():
             self.schedule.backward(forward_pass, context.loss_scale)
         report, values = sync.finish(context.sync)
+        entries = relayed(names, values)
         if "train_loss" not in {spec.name for spec in names}:  # the user's own train_loss is relayed instead
-            log_scalar(self.module, "train_loss", report.loss, context.global_batch, prog_bar=True, on_step=True,
-                       on_epoch=True)
-        relog(self.module, names, values, context.global_batch)
+            entries.insert(0, ("train_loss", report.loss, {"prog_bar": True, "on_step": True, "on_epoch": True}))
+        if context.deferred_logs is not None:  # logged when the step commits (fault tolerance)
+            context.deferred_logs.extend(entries)
+        else:
+            log_all(self.module, entries, context.global_batch)
         return report
 
     @torch.no_grad()

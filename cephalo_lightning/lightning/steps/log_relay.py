@@ -39,11 +39,22 @@ def log_scalar(module: pl.LightningModule, name: str, value: float, batch_size: 
                    batch_size=batch_size, **options)
 
 
+def relayed(names: list[LoggedValue], values: list[torch.Tensor]) -> list[tuple[str, torch.Tensor, dict[str, Any]]]:
+    """The user's values as ``(name, value, log options)``: their weighted global combination (already all-reduced)."""
+    return [(spec.name, value, {"prog_bar": spec.prog_bar, "logger": spec.logger, "on_step": spec.on_step,
+                                "on_epoch": spec.on_epoch, "reduce_fx": spec.reduction})
+            for spec, value in zip(names, values)]
+
+
+def log_all(module: pl.LightningModule, entries: list[tuple[str, Any, dict[str, Any]]], batch_size: int) -> None:
+    """Log every ``(name, value, options)`` as an already-global value (:func:`log_scalar`)."""
+    for name, value, options in entries:
+        log_scalar(module, name, float(value), batch_size, **options)
+
+
 def relog(module: pl.LightningModule, names: list[LoggedValue], values: list[torch.Tensor], batch_size: int) -> None:
     """Log the user's values with their weighted global combination (already all-reduced)."""
-    for spec, value in zip(names, values):
-        log_scalar(module, spec.name, float(value), batch_size, prog_bar=spec.prog_bar, logger=spec.logger,
-                   on_step=spec.on_step, on_epoch=spec.on_epoch, reduce_fx=spec.reduction)
+    log_all(module, relayed(names, values), batch_size)
 
 
 def relog_last(module: pl.LightningModule, logged: list[tuple[float, list[LoggedValue]]], done: set[str]) -> None:

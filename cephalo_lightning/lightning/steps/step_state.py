@@ -41,6 +41,8 @@ class StepContext:
     args: tuple = ()  # training_step's arguments after the batch (batch_idx, ...)
     pending_signal: StopSignalProbe = no_stop_signal  # read at the step's all-reduce (:mod:`.step_sync`)
     global_items: float | None = None  # the global batch's items where this rank holds all of it (fault tolerance)
+    # fault tolerance: the step's logs (name, value, options) go here, logged once the replica groups commit
+    deferred_logs: list[tuple[str, Any, dict[str, Any]]] | None = None
 
     @property
     def batch_idx(self) -> int:

@@ -37,7 +37,6 @@ from cephalo_lightning._common.vocabulary import CollectiveChoice, Handback, Han
 from cephalo_lightning.lightning._private import (
     logging_as,
     module_hidden_from,
-    set_steps_done,
     stop_at_batch_end,
     sync_ddp_if_available,
     user_sampler,
@@ -50,6 +49,7 @@ from cephalo_lightning.lightning.fit.fault_tolerance import check_options as che
 from cephalo_lightning.lightning.fit.fault_tolerant_fit import FitReplica
 from cephalo_lightning.lightning.fit.fit_runtime import FitRuntime, stash_offloaded
 from cephalo_lightning.lightning.fit.preemption import Preemption
+from cephalo_lightning.lightning.fit.replication import OneReplica
 from cephalo_lightning.lightning.fit.run_folders import FailureReport
 from cephalo_lightning.lightning.steps.log_relay import AlreadyGlobal
 from cephalo_lightning.lightning.steps.schedules import decide_schedule
@@ -131,7 +131,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         self._abandon_background_save = False  # the fit failed: teardown does not wait for a background save
         self._sync = True  # False while Lightning accumulates gradients over batches
         self._failed = False  # the current fit/evaluation raised (on_exception)
-        self._replica: FitReplica | None = None  # fault_tolerance: this group's torchft replica group, while fitting
+        self._replication = OneReplica()  # how the ranks take part in each step (fault_tolerance: a replica group)
 
     # from the configuration
 
@@ -180,7 +180,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     @property
     def replica(self) -> ReplicaGroup | None:
         """fault_tolerance: this group's torchft replica group while it fits (None otherwise)."""
-        return self._replica.replica if self._replica is not None else None
+        return self._replication.replica
 
     # --------------------------------------------------------------------------- Lightning plumbing
 
@@ -234,13 +234,12 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             with self.construction:  # a true precision casts the meta buffers: their values follow the cast
                 self.model = self.precision_plugin.convert_module(self.model)
             if self.config.fault_tolerance:  # this group's Trainer shards by the group's part of the plan
-                self._replica = FitReplica.for_plan(self.plan, self.config.replica_group, os.environ)
+                self._replication = FitReplica.for_plan(self.plan, self.config.replica_group, os.environ)
             resolution = resolve(module, self.config.router_aux_loss)
             schedule = decide_schedule(self.config.mode, resolution, module)
-            if self._replica is not None:
-                self._replica.check_schedule(schedule)
+            self._replication.check_schedule(schedule)
             plan = plan_resolution.resolve(
-                plan=self._replica.local if self._replica is not None else self.plan, cluster=self.cluster,
+                plan=self._replication.shard_plan(self.plan), cluster=self.cluster,
                 schedule=schedule, config=self.config, trainer=trainer, world_size=self.world_size,
                 identities=self._identities, provisional=self.plan_follows)
             plan_resolution.check_model(plan, module)
@@ -254,11 +253,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                 sharded = self.fit_runtime.sharded
                 self._precision_plugin.shard_over(sharded.world, contributes=sharded.group_index == 0)
         else:  # the same module again (e.g. trainer.test after trainer.fit): its whole parameters into the shards
-            if self.config.fault_tolerance and trainer.state.fn == TrainerFn.FITTING:
-                raise UnsupportedError(
-                    "CephaloStrategy(fault_tolerance=True): a second fit of the same module with the same strategy is not "
-                    "supported (its replica group ended with the first); start a new process, or a new "
-                    "CephaloStrategy and Trainer")
+            self._replication.check_refit(trainer.state.fn == TrainerFn.FITTING)
             self.fit_runtime.take_back()
         self._failed = False
         self.model = module
@@ -269,8 +264,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             self.setup_optimizers(trainer)
             self._failures = self.fit_runtime.start_fit(trainer, self.broadcast(os.urandom(6).hex()), self.cluster,
                                                         reported_elsewhere=_has_cephalo_callback(trainer))
-            if self._replica is not None:  # heartbeats from now; the first quorum is at on_train_start
-                self._replica.join(self.optimizers, accumulate=trainer.accumulate_grad_batches, rank=self.global_rank,
+            # fault tolerance: heartbeats from now; the first quorum is at on_train_start
+            self._replication.join(self.optimizers, accumulate=trainer.accumulate_grad_batches, rank=self.global_rank,
                                    world_size=self.world_size)
         self.setup_precision_plugin()
 
@@ -312,12 +307,11 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             return evaluation_loader(dataloader, self.world_size)
         plan_resolution.check_loader_batch(dataloader.batch_size, self.fit_runtime.plan, self.config.global_batch_size)
         seed = plan_resolution.data_seed(self.config.seed, os.environ)
+        self._replication.check_data_seed(seed, shuffles(dataloader))  # the seed given, before a fallback
         if self.config.seed is None:  # one order on every rank: rank 0's
             seed = int(self.broadcast(torch.initial_seed() % 2**31 if seed is None else seed))
-        if self._replica is not None:
-            self._replica.check_data_seed(seed, shuffles(dataloader))
         self._loader = planned_loader(dataloader, self.fit_runtime.plan_state, self.global_rank,
-                                      shuffle=shuffles(dataloader), seed=seed, whole=self._replica is not None,
+                                      shuffle=shuffles(dataloader), seed=seed, whole=self._replication.whole_batches,
                                       sampler=user_sampler(dataloader.sampler))
         return self._loader
 
@@ -326,9 +320,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         # after Lightning registered its own signal handlers (which ours replace while training)
         self._preemption = Preemption.for_trainer(self.lightning_module.trainer, self.cluster_environment)
         self._preemption.install()
-        if self._replica is not None:  # the first quorum: a group behind the others recovers the live state here
-            step = self._replica.first_quorum(self._loader.batch_sampler)
-            set_steps_done(self.lightning_module.trainer, step)  # Lightning's counters where the data order is
+        # fault tolerance: the first quorum; a group behind the others recovers the live state here
+        self._replication.start(self.lightning_module.trainer, self._loader.batch_sampler)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -343,18 +336,12 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
         runtime = self.fit_runtime
-        batch, rank_plan, global_items = args[0], None, None
-        if self._replica is None or not self._replica.redoing:
-            cut = runtime.next_batch()
-            self._loader.batch_sampler.mark_consumed(cut.step)
-            if self._replica is not None:
-                self._replica.batch_cut(cut, len(self._loader.batch_sampler))
-        if self._replica is not None:  # the step's quorum, then this rank's part of the global batch
-            batch, rank_plan, global_items = self._replica.this_ranks_part(batch, runtime.rank_plan, runtime.weighting)
+        part = self._replication.step_batch(args[0], runtime, self._loader.batch_sampler)
         signal = self._preemption.pending if self._preemption is not None else no_stop_signal
         with self.precision_plugin.train_step_context():
-            return runtime.forward(batch, args[1:], trainer, sync=self._sync, scaler=self._scaler, signal=signal,
-                                   rank_plan=rank_plan, global_items=global_items)
+            return runtime.forward(part.batch, args[1:], trainer, sync=self._sync, scaler=self._scaler, signal=signal,
+                                   rank_plan=part.rank_plan, global_items=part.global_items,
+                                   deferred_logs=part.deferred_logs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -374,12 +361,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         """The step's closure runs on every rank; the update is skipped on every rank if any went non-finite."""
         step = self.lightning_module.trainer.global_step
         with self.fit_runtime.step_scope(step):
-            summed = None
-            if self._replica is None:
-                result = closure()
-            else:  # the step's closure until torchft commits it; a non-finite sum is skipped by every group
-                result = self._replica.until_committed(closure, optimizer)
-                summed = self._replica.summed_gradient_report(self.global_rank)
+            # fault tolerance: the closure until torchft commits the step; a non-finite sum is skipped by every group
+            result, summed = self._replication.run_closure(closure, optimizer, self.global_rank)
             if not self.fit_runtime.before_optimizer_step(step, scaled=self._scaler is not None, summed=summed):
                 (optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer).zero_grad(set_to_none=True)
                 return result
@@ -478,9 +461,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
 
     def _teardown_run(self) -> None:
         self._abandon_background_save = False
-        if self._replica is not None:
-            self._replica.shutdown()
-            self._replica = None
+        self._replication.shutdown()
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None

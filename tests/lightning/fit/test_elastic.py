@@ -12,8 +12,8 @@ import torch
 
 from cephalo_lightning import CephaloStrategy, Plan
 from cephalo_lightning._common.errors import ConfigurationError
-from cephalo_lightning.lightning.fit.elastic import replan, replan_for_world
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, plan
+from cephalo_lightning.planner.replan import replan, replan_for_world
 from tests import helpers
 from tests.distributed import run_distributed
 from tests.elastic_cluster import BIG, BIG_AND_SMALL, CLUSTER3, MID, SMALL, layered_cluster, layered_device

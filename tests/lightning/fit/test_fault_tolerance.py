@@ -25,14 +25,8 @@ import torch
 
 from cephalo_lightning import CephaloStrategy
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning.lightning.fit.fault_tolerance import (
-    check_fit,
-    check_groups_cut_alike,
-    group_plan,
-    require_torchft,
-    survivors_batches,
-    torchft_available,
-)
+from cephalo_lightning.lightning.fit.fault_tolerance import check_fit, require_torchft, torchft_available
+from cephalo_lightning.planner.replica_groups import check_groups_cut_alike, group_plan, survivors_batches
 from tests.conftest import HANG_TIMEOUT_S
 from tests.distributed import run_distributed
 from tests.plans import plan_of
@@ -122,7 +116,8 @@ def _two_groups_of_two(rank: int, world: int, lighthouse: str):
     import torch.distributed as dist
     from torch.distributed import TCPStore
 
-    from cephalo_lightning.lightning.fit.fault_tolerance import ReplicaGroup, Settings, rank_slice
+    from cephalo_lightning.lightning.fit.fault_tolerance import ReplicaGroup, Settings
+    from cephalo_lightning.planner.replica_groups import rank_slice
     from cephalo_lightning.runtime.distributed import broadcast_object
     from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
@@ -418,3 +413,193 @@ def test_the_pages_python_blocks_run(tmp_path):
         assert printed in done.stdout, (name, done.stdout[-2000:])
     lighthouse = Path(sys.executable).parent / "torchft_lighthouse"  # the coordinator the page starts
     assert subprocess.run([str(lighthouse), "--help"], capture_output=True, timeout=60).returncode == 0
+
+
+# ----------------------------------------------------------------------------- the logged loss, the data order
+
+LOSS_TOLERANCE = 1e-5  # the logged value passes through float32 (relative 6e-8 of a loss near 3); a group's part is off by > 0.5
+
+
+def steps_and_epochs(lines: list[dict]) -> tuple[list[float], list[tuple[float, list[float]]]]:
+    """The logged ``train_loss_step`` values in order, and each ``train_loss_epoch`` with the step values since the last."""
+    steps, epochs, since = [], [], []
+    for line in lines:
+        if "train_loss_step" in line:
+            steps.append(line["train_loss_step"])
+            since.append(line["train_loss_step"])
+        if "train_loss_epoch" in line:
+            epochs.append((line["train_loss_epoch"], since))
+            since = []
+    return steps, epochs
+
+
+def fit_replay_losses(steps: int, global_batch: int) -> list[float]:
+    """Each step's loss of :func:`fit_replay`'s single-process run (the whole global batch's mean)."""
+    from scenarios.ft_worker import FIT_MODEL
+    from tests.library_models import LibraryLM, PaddedTokens, steps_of, target_tokens
+
+    module = LibraryLM(*FIT_MODEL).to(torch.float64)
+    data = PaddedTokens(steps * global_batch)
+    return train_steps(module.configure_optimizers(), lambda batch: module.training_step(batch, 0),
+                       steps_of(data.batch, steps, global_batch, None, target_tokens))
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_under_trainer_fit_the_logged_loss_is_the_steps_and_the_failed_attempt_is_not_averaged_in(fit_scenario):
+    from scenarios.ft_worker import GLOBAL, TOTAL
+
+    want = fit_replay_losses(TOTAL, GLOBAL)
+    (pid,) = fit_scenario.lives(0)  # the survivor: it redid step KILL_AT alone
+    steps, epochs = steps_and_epochs(fit_scenario.metrics[0, pid])
+    assert len(steps) == TOTAL, steps  # one value per committed step: the failed attempt logged nothing
+    assert max(abs(a - b) for a, b in zip(steps, want)) <= LOSS_TOLERANCE, (steps, want)
+    (epoch, since), = epochs
+    assert abs(epoch - sum(want) / TOTAL) <= LOSS_TOLERANCE and len(since) == TOTAL
+    _, again = fit_scenario.lives(1)  # the returned group logs the same values for the steps it trains
+    back, _ = steps_and_epochs(fit_scenario.metrics[1, again])
+    assert back and max(abs(a - b) for a, b in zip(back, want[-len(back):])) <= LOSS_TOLERANCE
+
+
+def shuffled_replay(steps: int, global_batch: int, samples: int, seed: int):
+    """TinyLayered's model trained alone in fp64 on the seeded shuffled order's global batches
+    (data epoch ``e``: ``randperm(samples)`` seeded ``seed + e``): parameters and each step's loss."""
+    from tests.lightning_models import token_data
+
+    data, per_epoch = token_data(samples), samples // global_batch
+    chosen = []
+    for step in range(steps):
+        epoch, at = divmod(step, per_epoch)
+        order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed + epoch))
+        chosen.append(data[order[at * global_batch:(at + 1) * global_batch]])
+    model = TinyLM().double()
+    losses = train_steps(make_optimizer(model.parameters()), tiny_loss(model), whole(chosen))
+    return {f"model.{name}": p.detach() for name, p in model.named_parameters()}, losses
+
+
+@pytest.fixture(scope="module")
+def restarts(tmp_path_factory):
+    from scenarios.ft_restarts import run_restarts
+
+    return run_restarts(tmp_path_factory.mktemp("ft-restarts"), DEADLINE_S)
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_every_group_lost_in_one_step_leaves_its_checkpoints_and_a_start_at_step_0_is_refused(restarts):
+    from scenarios.ft_restarts import RESUME_AT
+
+    for group in (0, 1):  # two groups lost in the same step: nothing live is left
+        assert restarts.exit_codes["both-lost", group] == -signal.SIGKILL, restarts.logs["both-lost", group]
+        assert f"step={RESUME_AT}.ckpt" in restarts.checkpoints[group], restarts.checkpoints
+        assert restarts.exit_codes["started-over", group] == 1, restarts.logs["started-over", group]
+        log = restarts.logs["started-over", group]
+        assert "every replica group starts at step 0, but the run has checkpoints" in log and "ckpt_path" in log, log
+        assert ("started-over", group) not in restarts.finals
+        assert not steps_and_epochs(restarts.metrics.get(("started-over", group), []))[0]  # not one step trained
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_every_group_resumed_from_one_checkpoint_ends_on_the_uninterrupted_replay_through_a_lighthouse_restart(restarts):
+    from scenarios.ft_restarts import RESUME_AT, SAMPLES, SEED, TOTAL
+    from scenarios.ft_worker import GLOBAL
+
+    want, losses = shuffled_replay(TOTAL, GLOBAL, SAMPLES, SEED)  # 8 steps over 3 seeded data epochs
+    assert restarts.lighthouse_restarted
+    for group in (0, 1):
+        assert restarts.exit_codes["resumed", group] == 0, restarts.logs["resumed", group]
+        got = restarts.finals["resumed", group]
+        error = max((got[k] - want[k]).abs().max().item() for k in want)
+        assert error <= TOLERANCE, (group, error)
+        steps, epochs = steps_and_epochs(restarts.metrics["resumed", group])
+        assert len(steps) == TOTAL - RESUME_AT, steps  # from the checkpoint's step on, each step once
+        assert max(abs(a - b) for a, b in zip(steps, losses[RESUME_AT:])) <= LOSS_TOLERANCE, (steps, losses)
+        assert epochs and all(abs(e - sum(s) / len(s)) <= LOSS_TOLERANCE for e, s in epochs), epochs
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_groups_given_different_seeds_are_stopped_at_the_first_quorum_naming_them(restarts):
+    for group in (0, 1):
+        log = restarts.logs["other-seeds", group]
+        assert restarts.exit_codes["other-seeds", group] == 1, log
+        assert "at step 0 the groups draw different samples (data order fingerprints by group {" in log, log
+        assert not steps_and_epochs(restarts.metrics.get(("other-seeds", group), []))[0]
+
+
+# ----------------------------------------------------------------------------- the gaps' refusals (no processes)
+
+ONE_GROUP = plan_of(batches=[12], micro=[1], shares=[1.0], devices=["cpu"], groups=[0])
+
+
+def test_groups_drawing_other_samples_are_refused_naming_them():
+    from cephalo_lightning.lightning.fit.fault_tolerance import check_one_order
+
+    check_one_order(3, (0, 1), [77, 77], [4, 4])
+    check_one_order(3, (0, 1), [77, -1], [4, -1])  # a group that gave none (the plain loop) is not compared
+    with pytest.raises(ConfigurationError, match=r"at step 3 the groups draw different samples.*\{1: 5, 0: 9\}, "
+                                                 r"data seeds \{1: 2, 0: 3\}.*seed="):
+        check_one_order(3, (1, 0), [5, 9], [2, 3])
+
+
+def test_a_group_returning_with_another_number_of_ranks_is_refused_before_it_joins():
+    from cephalo_lightning.lightning.fit.fault_tolerant_fit import FitReplica
+
+    with pytest.raises(ConfigurationError, match=r"replica group 1 started with 3 ranks, but the plan gives it 2"):
+        FitReplica(HSDP, 1).join([None], accumulate=1, rank=0, world_size=3)
+
+
+def test_a_returning_group_given_another_seed_is_told_the_live_one_and_keeps_its_own_for_the_quorum(caplog):
+    from cephalo_lightning.lightning.fit.fault_tolerant_fit import FitReplica
+    from cephalo_lightning.runtime.plan_state import PlanState
+    from cephalo_lightning.runtime.sampler import PlannedBatchSampler
+    from scenarios.ft_worker import FIT_PLAN
+
+    live, back = FitReplica(FIT_PLAN, 0), FitReplica(FIT_PLAN, 1)
+    for fit, seed in ((live, 7), (back, 8)):
+        fit._sampler = PlannedBatchSampler(24, PlanState(fit.local), 0, seed=seed, whole=True)
+    back._load_sampler_state(live._sampler_state())  # what torchft's recovery sends with the weights
+    assert back.live_seed == 7 and "group 1 was given data seed 8, but the live groups draw with seed 7" in caplog.text
+    assert back._sampler.seed == 8  # not adopted: the quorum compares the orders and stops the run
+    assert back._sampler.fingerprint(5) != live._sampler.fingerprint(5)
+
+
+def test_the_degraded_phase_is_logged_beside_the_replans_prediction():
+    from dataclasses import replace
+
+    from cephalo_lightning.lightning.fit.fault_tolerance import phase_line, predicted_step_s
+    from cephalo_lightning.planner import cluster_from_dict, plan
+    from tests.elastic_cluster import BIG, BIG_AND_SMALL, CLUSTER3, MID, SMALL
+
+    three = plan_of(batches=[6, 4, 2], micro=[1, 1, 1], shares=[1.0, 1.0, 1.0], devices=[BIG, MID, SMALL], groups=[0, 1, 2])
+    # from the cluster file: the planner's step for the devices left, computed independently
+    assert predicted_step_s(three, (0, 2), cluster_from_dict(CLUSTER3)) == plan(cluster_from_dict(BIG_AND_SMALL), 12,
+                                                                                "layered").predicted_step_s
+    assert predicted_step_s(three, (0, 2), None) is None  # the plan predicts no step time
+    timed = replace(three, predicted_step_s=0.3)
+    assert predicted_step_s(timed, (0, 2), None) == pytest.approx(0.3 * 12 / 8)  # groups 0 and 2 planned 8 of 12
+    line = phase_line((0, 2), 3, 4, 5, 0.5, 0.45, 12)
+    assert line == ("steps 4-8 over groups [0, 2] (degraded, 2 of 3 groups): measured 0.5000 s per step (24.0 samples/s), "
+                    "predicted 0.4500 s by the re-plan")
+
+
+@needs_torchft
+def test_a_shuffling_loader_without_a_seed_is_refused_under_trainer_fit(monkeypatch):
+    from torchft._torchft import LighthouseServer
+
+    from tests import helpers
+    from tests.lightning_models import TinyLayered, loader, token_data
+
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse.address())
+    try:
+        strategy = CephaloStrategy(plan=ONE_GROUP, fault_tolerance=True, replica_group=0, check_devices=False)
+        trainer = helpers.trainer(strategy, 1, 2, use_distributed_sampler=True)  # Lightning's default
+        with pytest.raises(ConfigurationError, match=r"shuffles, but no data seed"):
+            # shuffle=False, but Lightning's distributed sampler shuffles every training loader
+            trainer.fit(TinyLayered(), loader(token_data(24), 12))
+        assert trainer.global_step == 0
+    finally:
+        lighthouse.shutdown()

@@ -1,4 +1,4 @@
-"""Elastic restarts: a pinned plan made for another world size, re-planned for the ranks present.
+"""Re-plans: a pinned plan made for another world size, re-planned for the ranks present (torch-free).
 
 When an elastic launcher (torchrun ``--nnodes MIN:MAX``) restarts the job with fewer or more
 ranks, a plan pinned for the old membership no longer fits. With ``CephaloStrategy(elastic=True)``
@@ -25,8 +25,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from cephalo_lightning._common.vocabulary import Planner, Schedule
-from cephalo_lightning.planner import Cluster, Plan, PlanningError, RankPlan
-from cephalo_lightning.planner import plan as make_plan
+from cephalo_lightning.planner.planning import plan as make_plan
+from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.plan import Plan, RankPlan
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 
 def replan(plan: Plan | None, cluster: Cluster | None, devices: Sequence[str], global_batch_size: int,
