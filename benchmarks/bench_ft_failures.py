@@ -162,6 +162,8 @@ def print_report(result: dict[str, Any]) -> None:
         print(f"{r['way']:44s} {r['wall_s']:7.1f}s {r['kills']:6d} {r['steps']:6d} {r['completed_again']:16d} "
               f"{r['interrupted_redone']:19d} {r['processes']:10d}")
     ft, cr = result["rows"]
+    if ft.get("late_return"):
+        print("(group 1's last life came back after group 0 had finished and was stopped: the run was over)")
     print(f"\nfault tolerance / checkpoint-restart wall time: {ft['wall_s'] / cr['wall_s']:.2f}; steps trained twice "
           f"(completed again + interrupted redone): {ft['completed_again'] + ft['interrupted_redone']} against "
           f"{cr['completed_again'] + cr['interrupted_redone']}.")

@@ -120,9 +120,13 @@ def print_report(result: dict[str, Any]) -> None:
     for mode, name in (("off", "fault tolerance off"), ("ft", "fault tolerance on (torchft)")):
         print(f"{name:34s} {result['step_s'][mode] * 1e3:10.1f}ms "
               + " ".join(f"{result['phases_s'][mode][p] * 1e3:8.1f}ms" for p in PHASES))
+    own = result["phases_s"]["ft"]["quorum"] + result["phases_s"]["ft"]["commit"]
     print(f"\noverhead of fault tolerance: {result['overhead'] * 100:+.1f}% of the step "
           f"({result['overhead_s'] * 1e3:+.1f} ms per step); the final weights differ by at most "
           f"{result['max_weight_difference']:.1e}")
+    print(f"torchft's own steps (quorum + commit): {own * 1e3:.1f} ms, {own / result['step_s']['ft'] * 100:.1f}% of the "
+          "on-way's step; the rest of the difference is where the cross-group sum runs (after the backward with "
+          "fault tolerance, inside it without).")
     print("Phases (medians, so they need not add up to the step): quorum = torchft's quorum before the forward; "
           "compute = forward and backward (the off way's bucketed cross-group sum runs inside it); sum = waiting for "
           "the cross-group sum after the backward; commit = torchft's commit decision.")
