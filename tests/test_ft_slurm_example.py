@@ -89,7 +89,7 @@ def test_the_script_is_valid_bash_and_refuses_to_start_without_the_plan(tmp_path
 def test_a_group_whose_node_fails_is_started_again_and_both_groups_train_to_the_end(tmp_path):
     pytest.importorskip("torchft")
     env = _environment(tmp_path, FAIL_NODE_ONCE="node-b")
-    done = _submit(env, "--vars.steps=4")
+    done = _submit(env, f"--vars.out={tmp_path / 'run'}", "--vars.steps=4")
     out = done.stdout + done.stderr
     assert done.returncode == 0, failure_report(done)
     steps = (tmp_path / "srun.log").read_text().splitlines()
@@ -103,3 +103,4 @@ def test_a_group_whose_node_fails_is_started_again_and_both_groups_train_to_the_
     assert "group 0 (node-a) finished" in out and "group 1 (node-b) finished" in out
     assert "2 of 2 groups trained to the end" in out
     assert "lighthouse stopped" in out and not (tmp_path / "lighthouse.address").exists()
+    assert (tmp_path / "run" / "config.yaml").exists()  # each group's resolved config under vars.out, not the cwd
