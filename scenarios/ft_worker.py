@@ -124,6 +124,60 @@ def main(work: Path, group: int, lighthouse: str) -> None:
     ft.shutdown()
 
 
+# two of three groups lost in the same step (the plain loop): groups 1 and 2 SIGKILL themselves in step KILL_AT
+# after their backward; group 0 redoes the step alone and trains to TOTAL
+PLAN3 = plan_of(batches=[4, 4, 4], micro=[1, 1, 1], shares=[1.0, 1.0, 1.0], devices=["cpu"] * 3, groups=[0, 1, 2])
+
+
+def lost_together_main(work: Path, group: int, lighthouse: str) -> None:
+    """One life of one of three groups; see :data:`PLAN3`."""
+    torch.set_num_threads(1)
+    pid = os.getpid()
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    model = TinyLM().double()
+    sharded = ShardedModel(model, [1.0])
+    parameters = list(sharded.parameters())
+    settings = Settings(lighthouse=lighthouse, store_addr="127.0.0.1", store_port=store.port, hostname="127.0.0.1",
+                        timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=WAIT_S))
+    ft = ReplicaGroup(parameters, make_optimizer(parameters), PLAN3, group, settings)
+    (work / f"ready-{group}-{pid}").write_text(str(time.time()))
+    _wait_for(lambda: all(any(work.glob(f"ready-{g}-*")) for g in (0, 1, 2)), "start of the three groups")
+    data = batches(TOTAL, GLOBAL)
+    events = open(work / f"events-{group}-{pid}.jsonl", "a")  # noqa: SIM115 (closed at exit)
+    while ft.step < TOTAL:
+        part = ft.start_step()
+        x, y = data[part.step]
+        x, y = x[part.start:part.start + part.size], y[part.start:part.start + part.size]
+        sharded.backward(model.loss(model(x), y) * (part.size / GLOBAL))
+        if group > 0 and part.step == KILL_AT:
+            os.kill(pid, signal.SIGKILL)
+        ft.reduce_gradients()
+        committed = ft.commit()
+        events.write(json.dumps({"step": part.step, "participants": list(part.participants),
+                                 "batches": list(part.batches), "committed": committed, "time": time.time()}) + "\n")
+        events.flush()
+    torch.save({name: p.detach().clone() for name, p in sharded.full_state_dict().items()}, work / f"final-{group}-{pid}.pt")
+    ft.shutdown()
+
+
+def run_lost_together(work: Path, deadline_s: float) -> Scenario:
+    """Three groups on a loopback lighthouse, two lost in one step (:func:`lost_together_main`); every
+    process is ended before this returns."""
+    from torchft._torchft import LighthouseServer
+
+    work.mkdir(parents=True, exist_ok=True)
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
+                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    lives = [_start(work, g, lighthouse.address(), "lost-together", f"life-{g}-0.log") for g in (0, 1, 2)]
+    deadline = time.monotonic() + deadline_s
+    try:
+        while any(life.poll() is None for life in lives) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        _end(lives, lighthouse)
+    return _read(work, lives, (0, 1, 2))
+
+
 # Trainer.fit under CephaloStrategy(fault_tolerance=True): the same two groups, a tiny Hugging Face Llama
 # built from its config (tests/library_models.LibraryLM, AdamW) in fp64 on right-padded dict batches (the
 # planned loader's order over PaddedTokens(TOTAL * GLOBAL), unshuffled; a per-token mean loss)
@@ -149,6 +203,19 @@ def metric_lines(path: Path):
             lines.flush()
 
     return Lines()
+
+
+def steps_and_epochs(lines: list[dict]) -> tuple[list[float], list[tuple[float, list[float]]]]:
+    """The logged ``train_loss_step`` values in order, and each ``train_loss_epoch`` with the step values since the last."""
+    steps, epochs, since = [], [], []
+    for line in lines:
+        if "train_loss_step" in line:
+            steps.append(line["train_loss_step"])
+            since.append(line["train_loss_step"])
+        if "train_loss_epoch" in line:
+            epochs.append((line["train_loss_epoch"], since))
+            since = []
+    return steps, epochs
 
 
 def fit_main(work: Path, group: int) -> None:
@@ -328,12 +395,20 @@ def run_scenario(work: Path, deadline_s: float, *, fit: bool = False) -> Scenari
         wait("both groups to finish", lambda: lives[0].poll() is not None and lives[2].poll() is not None)
     finally:
         _end(lives, lighthouse)
+    return _read(work, lives, (0, 1, 1))
+
+
+def _read(work: Path, lives: list[subprocess.Popen], groups: tuple[int, ...]) -> Scenario:
+    """What the lives (of ``groups``, in order) wrote in ``work``."""
+    def logs() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(work.glob("life-*.log")))
+
     events = {}
     for path in work.glob("events-*.jsonl"):
         _, group, pid = path.stem.split("-")
         events[int(group), int(pid)] = [json.loads(line) for line in path.read_text().splitlines()]
     finals = {(int(p.stem.split("-")[1]), int(p.stem.split("-")[2])): torch.load(p) for p in work.glob("final-*.pt")}
-    codes = {(g, life.pid): life.returncode for g, life in zip((0, 1, 1), lives)}
+    codes = {(g, life.pid): life.returncode for g, life in zip(groups, lives)}
     killed = json.loads((work / "killed").read_text()) if (work / "killed").exists() else {}
     metrics = {}
     for path in work.glob("metrics-*.jsonl"):
@@ -345,6 +420,8 @@ def run_scenario(work: Path, deadline_s: float, *, fit: bool = False) -> Scenari
 if __name__ == "__main__":
     if sys.argv[4:] == ["fit"]:
         fit_main(Path(sys.argv[1]), int(sys.argv[2]))
+    elif sys.argv[4:] == ["lost-together"]:
+        lost_together_main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
     elif sys.argv[4:] == ["fit-ranks"]:
         fit_ranks_main(Path(sys.argv[1]), int(sys.argv[2]))
     else:

@@ -68,7 +68,10 @@ class FitReplica(OneReplica):
         self.live_seed: int | None = None  # the data seed of the live state this group recovered, if it did
 
     @classmethod
-    def for_plan(cls, plan: Plan | None, group: int | None, environ: Mapping[str, str]) -> FitReplica:
+    def for_plan(cls, plan: Plan | None, group: int | None, environ: Mapping[str, str],
+                 world_size: int | None = None) -> FitReplica:
+        """This group's fit under ``plan`` (every group's), refused where it cannot run: no whole plan,
+        no group index, ``world_size`` (this group's ranks, when given) not the plan's for the group."""
         if not isinstance(plan, Plan):
             raise ConfigurationError(
                 "CephaloStrategy(fault_tolerance=True): Trainer.fit needs plan= naming every group (each group's "
@@ -80,6 +83,13 @@ class FitReplica(OneReplica):
             except ValueError as err:
                 raise ConfigurationError(f"{GROUP_ENV}={environ[GROUP_ENV]!r} is not a group index") from err
         check_fit(plan, group)
+        planned = len(plan.shard_groups[group])
+        if world_size is not None and world_size != planned:
+            raise ConfigurationError(
+                f"CephaloStrategy(fault_tolerance=True): replica group {group} started with {world_size} ranks, but the "
+                f"plan gives it {planned}; every group starts (and comes back) with its planned ranks, as torchft sums "
+                "rank i of every group with rank i of the others: start it with the plan's number of ranks, or plan "
+                "again for every group")
         return cls(plan, group)
 
     def join(self, optimizers: Sequence[torch.optim.Optimizer], *, accumulate: int, rank: int, world_size: int) -> None:
@@ -92,12 +102,6 @@ class FitReplica(OneReplica):
             raise UnsupportedError(
                 f"CephaloStrategy(fault_tolerance=True): configure_optimizers returned {len(optimizers)} optimizers; "
                 "a replica group sums and recovers the state of one optimizer: return one")
-        planned = len(self.plan.shard_groups[self.group])
-        if world_size != planned:
-            raise ConfigurationError(
-                f"CephaloStrategy(fault_tolerance=True): replica group {self.group} started with {world_size} ranks, but "
-                f"the plan gives it {planned}; every group comes back with its planned ranks (torchft sums rank i of "
-                "every group with rank i of the others): start it with the plan's number of ranks, or plan again")
         optimizer = optimizers[0]
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.replica = ReplicaGroup(parameters, optimizer, self.plan, self.group, Settings(), rank=rank,

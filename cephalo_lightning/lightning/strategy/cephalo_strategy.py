@@ -234,7 +234,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             with self.construction:  # a true precision casts the meta buffers: their values follow the cast
                 self.model = self.precision_plugin.convert_module(self.model)
             if self.config.fault_tolerance:  # this group's Trainer shards by the group's part of the plan
-                self._replication = FitReplica.for_plan(self.plan, self.config.replica_group, os.environ)
+                self._replication = FitReplica.for_plan(self.plan, self.config.replica_group, os.environ,
+                                                        world_size=self.world_size)
             resolution = resolve(module, self.config.router_aux_loss)
             schedule = decide_schedule(self.config.mode, resolution, module)
             self._replication.check_schedule(schedule)

@@ -422,19 +422,6 @@ def test_the_pages_python_blocks_run(tmp_path):
 LOSS_TOLERANCE = 1e-5  # the logged value passes through float32 (relative 6e-8 of a loss near 3); a group's part is off by > 0.5
 
 
-def steps_and_epochs(lines: list[dict]) -> tuple[list[float], list[tuple[float, list[float]]]]:
-    """The logged ``train_loss_step`` values in order, and each ``train_loss_epoch`` with the step values since the last."""
-    steps, epochs, since = [], [], []
-    for line in lines:
-        if "train_loss_step" in line:
-            steps.append(line["train_loss_step"])
-            since.append(line["train_loss_step"])
-        if "train_loss_epoch" in line:
-            epochs.append((line["train_loss_epoch"], since))
-            since = []
-    return steps, epochs
-
-
 def fit_replay_losses(steps: int, global_batch: int) -> list[float]:
     """Each step's loss of :func:`fit_replay`'s single-process run (the whole global batch's mean)."""
     from scenarios.ft_worker import FIT_MODEL
@@ -449,7 +436,7 @@ def fit_replay_losses(steps: int, global_batch: int) -> list[float]:
 @needs_torchft
 @pytest.mark.multiprocess
 def test_under_trainer_fit_the_logged_loss_is_the_steps_and_the_failed_attempt_is_not_averaged_in(fit_scenario):
-    from scenarios.ft_worker import GLOBAL, TOTAL
+    from scenarios.ft_worker import GLOBAL, TOTAL, steps_and_epochs
 
     want = fit_replay_losses(TOTAL, GLOBAL)
     (pid,) = fit_scenario.lives(0)  # the survivor: it redid step KILL_AT alone
@@ -461,73 +448,6 @@ def test_under_trainer_fit_the_logged_loss_is_the_steps_and_the_failed_attempt_i
     _, again = fit_scenario.lives(1)  # the returned group logs the same values for the steps it trains
     back, _ = steps_and_epochs(fit_scenario.metrics[1, again])
     assert back and max(abs(a - b) for a, b in zip(back, want[-len(back):])) <= LOSS_TOLERANCE
-
-
-def shuffled_replay(steps: int, global_batch: int, samples: int, seed: int):
-    """TinyLayered's model trained alone in fp64 on the seeded shuffled order's global batches
-    (data epoch ``e``: ``randperm(samples)`` seeded ``seed + e``): parameters and each step's loss."""
-    from tests.lightning_models import token_data
-
-    data, per_epoch = token_data(samples), samples // global_batch
-    chosen = []
-    for step in range(steps):
-        epoch, at = divmod(step, per_epoch)
-        order = torch.randperm(samples, generator=torch.Generator().manual_seed(seed + epoch))
-        chosen.append(data[order[at * global_batch:(at + 1) * global_batch]])
-    model = TinyLM().double()
-    losses = train_steps(make_optimizer(model.parameters()), tiny_loss(model), whole(chosen))
-    return {f"model.{name}": p.detach() for name, p in model.named_parameters()}, losses
-
-
-@pytest.fixture(scope="module")
-def restarts(tmp_path_factory):
-    from scenarios.ft_restarts import run_restarts
-
-    return run_restarts(tmp_path_factory.mktemp("ft-restarts"), DEADLINE_S)
-
-
-@needs_torchft
-@pytest.mark.multiprocess
-def test_every_group_lost_in_one_step_leaves_its_checkpoints_and_a_start_at_step_0_is_refused(restarts):
-    from scenarios.ft_restarts import RESUME_AT
-
-    for group in (0, 1):  # two groups lost in the same step: nothing live is left
-        assert restarts.exit_codes["both-lost", group] == -signal.SIGKILL, restarts.logs["both-lost", group]
-        assert f"step={RESUME_AT}.ckpt" in restarts.checkpoints[group], restarts.checkpoints
-        assert restarts.exit_codes["started-over", group] == 1, restarts.logs["started-over", group]
-        log = restarts.logs["started-over", group]
-        assert "every replica group starts at step 0, but the run has checkpoints" in log and "ckpt_path" in log, log
-        assert ("started-over", group) not in restarts.finals
-        assert not steps_and_epochs(restarts.metrics.get(("started-over", group), []))[0]  # not one step trained
-
-
-@needs_torchft
-@pytest.mark.multiprocess
-def test_every_group_resumed_from_one_checkpoint_ends_on_the_uninterrupted_replay_through_a_lighthouse_restart(restarts):
-    from scenarios.ft_restarts import RESUME_AT, SAMPLES, SEED, TOTAL
-    from scenarios.ft_worker import GLOBAL
-
-    want, losses = shuffled_replay(TOTAL, GLOBAL, SAMPLES, SEED)  # 8 steps over 3 seeded data epochs
-    assert restarts.lighthouse_restarted
-    for group in (0, 1):
-        assert restarts.exit_codes["resumed", group] == 0, restarts.logs["resumed", group]
-        got = restarts.finals["resumed", group]
-        error = max((got[k] - want[k]).abs().max().item() for k in want)
-        assert error <= TOLERANCE, (group, error)
-        steps, epochs = steps_and_epochs(restarts.metrics["resumed", group])
-        assert len(steps) == TOTAL - RESUME_AT, steps  # from the checkpoint's step on, each step once
-        assert max(abs(a - b) for a, b in zip(steps, losses[RESUME_AT:])) <= LOSS_TOLERANCE, (steps, losses)
-        assert epochs and all(abs(e - sum(s) / len(s)) <= LOSS_TOLERANCE for e, s in epochs), epochs
-
-
-@needs_torchft
-@pytest.mark.multiprocess
-def test_groups_given_different_seeds_are_stopped_at_the_first_quorum_naming_them(restarts):
-    for group in (0, 1):
-        log = restarts.logs["other-seeds", group]
-        assert restarts.exit_codes["other-seeds", group] == 1, log
-        assert "at step 0 the groups draw different samples (data order fingerprints by group {" in log, log
-        assert not steps_and_epochs(restarts.metrics.get(("other-seeds", group), []))[0]
 
 
 # ----------------------------------------------------------------------------- the gaps' refusals (no processes)
@@ -547,9 +467,17 @@ def test_groups_drawing_other_samples_are_refused_naming_them():
 
 def test_a_group_returning_with_another_number_of_ranks_is_refused_before_it_joins():
     from cephalo_lightning.lightning.fit.fault_tolerant_fit import FitReplica
+    from tests import helpers
+    from tests.lightning_models import TinyLayered, loader, token_data
 
     with pytest.raises(ConfigurationError, match=r"replica group 1 started with 3 ranks, but the plan gives it 2"):
-        FitReplica(HSDP, 1).join([None], accumulate=1, rank=0, world_size=3)
+        FitReplica.for_plan(HSDP, 1, {}, world_size=3)
+    assert FitReplica.for_plan(HSDP, 1, {}, world_size=2).group == 1
+    # under Trainer.fit: the group of two started on one rank is refused at setup, before any step or quorum
+    trainer = helpers.trainer(CephaloStrategy(plan=HSDP, fault_tolerance=True, replica_group=1, check_devices=False), 1, 2)
+    with pytest.raises(ConfigurationError, match=r"replica group 1 started with 1 ranks, but the plan gives it 2"):
+        trainer.fit(TinyLayered(), loader(token_data(32), 16))
+    assert trainer.global_step == 0
 
 
 def test_a_returning_group_given_another_seed_is_told_the_live_one_and_keeps_its_own_for_the_quorum(caplog):
@@ -605,3 +533,22 @@ def test_a_shuffling_loader_without_a_seed_is_refused_under_trainer_fit(monkeypa
         assert trainer.global_step == 0
     finally:
         lighthouse.shutdown()
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_two_of_three_groups_lost_in_one_step_the_last_redoes_it_alone_and_ends_on_the_replay(tmp_path):
+    from scenarios.ft_worker import GLOBAL, KILL_AT, TOTAL, run_lost_together
+
+    scenario = run_lost_together(tmp_path, DEADLINE_S)
+    (pid,) = scenario.lives(0)
+    assert scenario.exit_codes[0, pid] == 0, scenario.logs
+    for group in (1, 2):
+        (lost,) = scenario.lives(group)
+        assert scenario.exit_codes[group, lost] == -signal.SIGKILL, scenario.logs
+    steps = [(e["step"], e["participants"], e["batches"], e["committed"]) for e in scenario.events[0, pid]]
+    three = ([0, 1, 2], [4, 4, 4])
+    assert steps[:KILL_AT + 1] == [*((s, *three, True) for s in range(KILL_AT)), (KILL_AT, *three, False)], steps
+    assert steps[KILL_AT + 1:] == [(s, [0], [GLOBAL], True) for s in range(KILL_AT, TOTAL)], steps  # one redo
+    got, want = scenario.finals[0, pid], replay(TOTAL, GLOBAL)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= TOLERANCE
