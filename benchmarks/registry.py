@@ -42,6 +42,12 @@ BENCHMARKS: tuple[Entry, ...] = (
     Entry("fidelity", "Plan fidelity: predicted vs measured step time and peak memory per rank", True),
     Entry("frozen_base", "LoRA over a slow link: collective bytes and step time, the frozen base before and now "
           "(emulated)", True),
+    Entry("ft_overhead", "Fault tolerance's cost per step: the same 2-group plan with it on and off (emulated on CPU)",
+          True),
+    Entry("ft_failures", "A run with failures: fault tolerance against checkpoint-restart, a group killed every K steps "
+          "(emulated on CPU)", True),
+    Entry("preemption", "The preemption budget: SIGUSR1 to a checkpoint on disk and the job exited, sync and async, "
+          "by state size (measured on CPU)", True),
     Entry("lab_cluster", "A lab's two nodes (4x A100 + 4x RTX 3090, 10 GbE): plans under the old and new cost-model "
           "defaults (predicted)", True),
     Entry("pipeline_plan", "The lab's two nodes with pipelines and idle GPUs weighed: the planner's choice vs the best "

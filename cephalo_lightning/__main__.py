@@ -1,4 +1,4 @@
-"""``python -m cephalo_lightning <command>``: plan | profile | demo | fit | validate | test | predict | consolidate | export."""
+"""``python -m cephalo_lightning <command>``: plan | profile | demo | fit | validate | test | predict | consolidate | export | lighthouse."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ commands:
   consolidate DIR [-o model.ckpt]           one ordinary Lightning checkpoint file from a sharded one
   export DIR --hf OUT                       a Hugging Face save_pretrained directory (safetensors) from a
                                             sharded checkpoint
+  lighthouse [--bind HOST:PORT]             torchft's lighthouse for CephaloStrategy(fault_tolerance=True):
+                                            the quorum every replica group asks each step
 """
 
 
@@ -49,6 +51,10 @@ def _run(command: str, rest: list[str]) -> int:
         return consolidate_main(rest)
     if command == "export":
         return export_main(rest)
+    if command == "lighthouse":
+        from cephalo_lightning.lighthouse import main as lighthouse_main
+
+        return lighthouse_main(rest)
     if command in ("fit", "validate", "test", "predict"):
         from cephalo_lightning.lightning.cli import main as cli_main
 

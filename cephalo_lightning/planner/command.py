@@ -14,6 +14,7 @@ from typing import Any
 from cephalo_lightning._common.help_text import PlainHelpFormatter
 from cephalo_lightning._common.vocabulary import Grouping, Planner, Schedule, values_of
 from cephalo_lightning.planner.planning import plan
+from cephalo_lightning.planner.replica_groups import replica_plan
 from cephalo_lightning.planner.schema.cluster import cluster_from_dict, load_cluster, save_cluster
 from cephalo_lightning.planner.schema.files import check_writable, write_error
 from cephalo_lightning.planner.schema.planning_error import PlanningError
@@ -43,6 +44,9 @@ def _add_plan_options(parser: argparse.ArgumentParser, required: bool) -> None:
                         help="weigh no pipelined plans (default: weigh them, layered mode)")
     parser.add_argument("--no-subsets", dest="subsets", action="store_false",
                         help="weigh no plans that leave devices idle (default: weigh them, layered mode)")
+    parser.add_argument("--fault-tolerance", action="store_true",
+                        help="plan for CephaloStrategy(fault_tolerance=True): two or more shard groups that cut the "
+                             "units alike (one replica group each), the fastest such grouping")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     parser.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
@@ -148,9 +152,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cluster = load_cluster(args.cluster_file)
         groupings = None if args.groupings is None else tuple(g.strip() for g in args.groupings.split(","))
-        shapes = args.mode == Schedule.LAYERED and args.planner == Planner.CEPHALO  # where pipelines and subsets run
-        result = plan(cluster, args.global_batch_size, mode=args.mode, planner=args.planner, groupings=groupings,
-                      pipelines=shapes and args.pipelines, subsets=shapes and args.subsets)
+        if args.fault_tolerance:
+            if args.planner != Planner.CEPHALO:
+                raise PlanningError(f"--fault-tolerance plans with the cephalo planner, not --planner {args.planner}")
+            result = replica_plan(cluster, args.global_batch_size, args.mode, groupings)
+        else:
+            shapes = args.mode == Schedule.LAYERED and args.planner == Planner.CEPHALO  # where pipelines and subsets run
+            result = plan(cluster, args.global_batch_size, mode=args.mode, planner=args.planner, groupings=groupings,
+                          pipelines=shapes and args.pipelines, subsets=shapes and args.subsets)
         if args.output:
             try:
                 result.save(args.output)

@@ -13,13 +13,17 @@ torchft reduces rank ``i`` of every group with rank ``i`` of the others.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning._common.vocabulary import Grouping, Schedule
+from cephalo_lightning.planner.planning import plan as make_plan
 from cephalo_lightning.planner.replan import apportion, replan, replan_for_world
 from cephalo_lightning.planner.schema.cluster_spec import Cluster
 from cephalo_lightning.planner.schema.plan import Plan, RankPlan
+from cephalo_lightning.planner.schema.planning_error import PlanningError
 
 
 def check_groups_cut_alike(plan: Plan) -> None:
@@ -33,6 +37,38 @@ def check_groups_cut_alike(plan: Plan) -> None:
             f"fault tolerance needs every shard group to cut the units alike (rank i of every group holds the same "
             f"range), but the plan's groups {[list(g) for g in groups]} have in-group shares {shares}; plan one "
             "shard group per node of identical devices (equal groups, equal shares), or run without fault tolerance")
+
+
+def replica_plan(cluster: Cluster, global_batch_size: int, mode: Schedule = Schedule.LAYERED,
+                 groupings: Sequence[str] | None = None) -> Plan:
+    """The fastest plan whose shard groups can be torchft's replica groups: two or more groups that
+    cut the units alike (:func:`check_groups_cut_alike`), over ``groupings`` (None: every grouping of
+    several groups; one group of every rank has no replica to survive its loss). Each grouping is
+    planned on its own and kept only if its groups cut alike (nodes of the same devices, in the same
+    order, do); a :class:`PlanningError` names why each was refused when none is."""
+    names = [g for g in (groupings or tuple(Grouping)) if g != Grouping.FULL]
+    if not names:
+        raise PlanningError("fault tolerance needs two or more shard groups, one replica each; weigh a grouping of "
+                            f"several groups ({', '.join(g for g in Grouping if g != Grouping.FULL)}), not only "
+                            f"{Grouping.FULL}")
+    best: Plan | None = None
+    refused: list[str] = []
+    for name in names:
+        try:
+            candidate = make_plan(cluster, global_batch_size, mode, groupings=(name,))
+            if len(candidate.shard_groups) < 2:
+                raise PlanningError("one shard group (the cluster has one node, or nodes too small to split)")
+            check_groups_cut_alike(candidate)
+        except (PlanningError, ConfigurationError) as err:
+            refused.append(f"{name}: {str(err).split(';')[0]}")
+            continue
+        if best is None or (candidate.predicted_step_s or math.inf) < (best.predicted_step_s or math.inf):
+            best = candidate
+    if best is None:
+        raise PlanningError("no plan of several shard groups cutting the units alike, as fault tolerance needs ("
+                            + "; ".join(refused) + "); give the nodes the same devices in the same order, or train "
+                            "without fault tolerance")
+    return best
 
 
 def local_plan(plan: Plan, group: int) -> Plan:

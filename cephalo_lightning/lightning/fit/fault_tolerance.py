@@ -8,7 +8,7 @@ split over them by the re-plan over the participants (:mod:`cephalo_lightning.pl
 group plan, one :class:`~cephalo_lightning.planner.RankPlan` per group, over the participants'
 devices): participant ``k`` trains on ``G_s[o_k : o_k + b_k]`` with ``b`` the re-plan's batches,
 ``o`` their prefix sums and ``Σ b = B``. Each group's loss is ``Σ_{i in its slice} ℓ_i / B``, so the
-sum of the participants' gradients (one all-reduce SUM per parameter over the managed process group)
+sum of the participants' gradients (all-reduce SUMs over the managed process group, in buckets)
 is ``∇ (1/B) Σ_{i ∈ G_s} ℓ_i`` whoever participates: the single-process step on the global batch.
 
 [Note: a group lost mid-step] The others' all-reduce of that step fails (the peer's sockets close) or
@@ -22,11 +22,13 @@ checkpoint transport sends it a live group's state (this rank's local pieces of 
 optimizer state and the step, i.e. the sampler position) before that step, and it trains on its
 slice of the very step the others are on.
 
-[Note: one data order] Every group draws global batch ``G_s`` from the same order: at each quorum
-the participants sum, besides their names, a fingerprint of the sample indices of the step each
-trains and their data seeds (:meth:`ReplicaGroup.start_step`); fingerprints that differ stop every
-group of the quorum with an error naming each group's fingerprint and seed (different seeds, data or
-global batch), before any gradient is summed. The data seed also travels with the recovered state:
+[Note: one data order] Every group draws global batch ``G_s`` from the same order: each step the
+participants sum, besides their names, a fingerprint of the sample indices of the step each trains
+and their data seeds (:meth:`ReplicaGroup.start_step` writes them, :meth:`ReplicaGroup.reduce_gradients`
+sums them in one small all-reduce beside the gradients', so the step waits for no exchange before its
+forward); fingerprints that differ stop every group of the quorum with an error naming each group's
+fingerprint and seed (different seeds, data or global batch) before the commit, so no optimizer steps
+on them. The data seed also travels with the recovered state:
 a group that comes back with another seed says which seed the live groups draw with, and the quorum
 stops the run (no group trains on a wrong order, none adopts another's seed silently).
 
@@ -58,6 +60,7 @@ from cephalo_lightning._common.errors import ConfigurationError, UnsupportedErro
 from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.planner.replan import replan
 from cephalo_lightning.planner.replica_groups import StepSlice, check_groups_cut_alike, survivors_batches
+from cephalo_lightning.runtime.sharding.replicas import Bucket, gradient_buckets
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +121,30 @@ def _sum() -> dist.AllreduceOptions:
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
     return opts
+
+
+def quorum_process_group(timeout: timedelta) -> Any:
+    """torchft's reconfigurable gloo group, recording the groups of each quorum it is configured for.
+
+    torchft configures it once per new quorum with ``global_ranks``: replica ``i`` of the quorum (its
+    replica id's trailing digits, ``cephalo_group_<g>``, times the group's size, plus the rank) in the
+    quorum's order, so ``global_ranks[k] // group_world_size`` is participant ``k``'s group: the
+    participants are known when the quorum is, with no exchange before the forward. The names are
+    still summed with the gradients and compared (:meth:`ReplicaGroup.reduce_gradients`)."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class QuorumGloo(ProcessGroupGloo):
+        groups: tuple[int, ...] | None = None  # the last quorum's groups, in its order
+
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
+                      group_rank: int | None = None, group_world_size: int | None = None,
+                      global_ranks: list[int] | None = None) -> None:
+            self.groups = (tuple(r // group_world_size for r in global_ranks)
+                           if global_ranks is not None and group_world_size else None)
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
+                              global_ranks)
+
+    return QuorumGloo(timeout=timeout)
 
 
 class DataOrder(Protocol):
@@ -199,7 +226,7 @@ class ReplicaGroup:
                  sampler_state: Callable[[], dict[str, Any]] = dict,
                  load_sampler_state: Callable[[dict[str, Any]], None] = lambda state: None) -> None:
         torchft = require_torchft()
-        from torchft.process_group import ManagedProcessGroup, ProcessGroupGloo
+        from torchft.process_group import ManagedProcessGroup
 
         if not 0 <= group < len(plan.shard_groups):
             raise ConfigurationError(f"group={group}: the plan has {len(plan.shard_groups)} shard groups (0 to "
@@ -211,8 +238,9 @@ class ReplicaGroup:
         self.cluster = cluster
         self.group, self.rank = group, rank
         self._sampler_state, self._load_sampler_state = sampler_state, load_sampler_state
+        self._pg = quorum_process_group(settings.timeout)
         self.manager = torchft.Manager(
-            pg=ProcessGroupGloo(timeout=settings.timeout), load_state_dict=None, state_dict=None, min_replica_size=1,
+            pg=self._pg, load_state_dict=None, state_dict=None, min_replica_size=1,
             use_async_quorum=False, timeout=settings.timeout, quorum_timeout=settings.quorum_timeout,
             connect_timeout=settings.connect_timeout, rank=rank, world_size=world_size,
             store_addr=settings.store_addr, store_port=settings.store_port,
@@ -228,6 +256,9 @@ class ReplicaGroup:
         self._batches: tuple[int, ...] = ()  # their samples of every global batch
         self.redone = 0  # steps this group started and did not commit (redone at the next quorum)
         self._part: StepSlice | None = None  # the step in progress
+        self._buckets: list[Bucket] | None = None  # the gradient sum's buckets, cut at the first sum
+        self._check: torch.Tensor | None = None  # the step's names, fingerprints and seeds, summed with the gradients
+        self._quorum: tuple[int, ...] | None = None  # the groups they must name (None: the step's quorum broke)
         self.history: list[tuple[StepSlice, bool]] = []  # every step this group trained: its part, committed
         self._phase: tuple[int, float, int, float | None] | None = None  # the participants' phase: first step, time, commits, prediction
 
@@ -261,20 +292,21 @@ class ReplicaGroup:
         self.manager.start_quorum()
         n, k = self.manager.num_participants(), self.manager.participating_rank()
         m = max(n, 1)
-        who = torch.zeros(3 * m, dtype=torch.float64)  # the groups' names, their fingerprints, their seeds
-        if k is not None:
-            who[k] = self.group + 1
-            if order is not None:
-                who[m + k], who[2 * m + k] = order.fingerprint(self.step) + 1, order.seed + 1
-        self.managed.allreduce([who], _sum()).wait()
-        participants = tuple(int(v) - 1 for v in who[:m].tolist())
-        if self.manager.errored() is None and k is not None and min(participants) >= 0:
-            check_one_order(self.step, participants, [int(v) - 1 for v in who[m:2 * m].tolist()],
-                            [int(v) - 1 for v in who[2 * m:].tolist()])
-        if self.manager.errored() is not None or k is None or min(participants) < 0:
+        errored = self.manager.errored() is not None
+        # the groups' names, their fingerprints, their seeds: summed with the gradients, compared before the commit
+        self._check = None if errored else torch.zeros(3 * m, dtype=torch.float64)
+        self._quorum = None
+        if errored or k is None:
             # the quorum already broke: this step will not commit; train on the whole batch, dropped later
             self._part = StepSlice(self.step, 0, self.plan.global_batch_size, (self.group,), (self.plan.global_batch_size,))
             return self._part
+        participants = self._pg.groups
+        if participants is None or len(participants) != n or participants[k] != self.group:
+            raise RuntimeError(f"Cephalo fault tolerance: torchft configured group {self.group} as participant {k} of "
+                               f"{n} in a quorum of groups {participants}; its replica ids must be cephalo_group_<g>")
+        self._check[k], self._quorum = self.group + 1, participants
+        if order is not None:
+            self._check[m + k], self._check[2 * m + k] = order.fingerprint(self.step) + 1, order.seed + 1
         if participants != self._participants:
             self._end_phase()
             self._batches, how = survivors_batches(self.plan, participants, self.cluster)
@@ -288,16 +320,49 @@ class ReplicaGroup:
         self._part = StepSlice(self.step, sum(batches[:k]), batches[k], participants, batches)
         return self._part
 
+    @torch.no_grad()
     def reduce_gradients(self, values: torch.Tensor | None = None) -> None:
         """Sum every local piece's gradient over the participating groups (the managed process group),
-        and ``values`` in place (the step's logged values, each group's part of them)."""
-        works = [self.managed.allreduce([values], _sum())] if values is not None and values.numel() else []
+        and ``values`` in place (the step's logged values, each group's part of them). The gradients go
+        in buckets: [Note: gradient buckets] of the runtime's cut, one all-reduce each (a call through
+        torchft per bucket, not per piece), each bucket's sum copied back into its pieces' gradients."""
+        small = [t for t in (self._check, values) if t is not None and t.numel()]
+        control = torch.cat([t.to(torch.float64) for t in small]) if small else None
+        value_work = self.managed.allreduce([control], _sum()) if control is not None else None
         for p in self.parameters:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            works.append(self.managed.allreduce([p.grad], _sum()))
-        for work in works:
+        if self._buckets is None:
+            self._buckets = gradient_buckets([p.numel() for p in self.parameters], [p.grad.dtype for p in self.parameters],
+                                             [str(i) for i in range(len(self.parameters))])
+        works = []
+        for bucket in self._buckets:
+            flat = torch.cat([self.parameters[u].grad.reshape(-1) for u in bucket.units])
+            works.append((bucket, flat, self.managed.allreduce([flat], _sum())))
+        if value_work is not None:
+            value_work.wait()
+            if self._check is not None:
+                self._compare(control[:self._check.numel()])
+            if values is not None and values.numel():
+                values.copy_(control[control.numel() - values.numel():].to(values.dtype))
+        for bucket, flat, work in works:
             work.wait()
+            for u, offset in zip(bucket.units, bucket.offsets):
+                grad = self.parameters[u].grad
+                grad.copy_(flat.narrow(0, offset, grad.numel()).view_as(grad))
+
+    def _compare(self, summed: torch.Tensor) -> None:
+        """The step's names, fingerprints and seeds as summed over the participants: the quorum's order
+        of groups as every participant saw it, and one data order (:func:`check_one_order`)."""
+        if self.manager.errored() is not None or self._quorum is None or self._part is None:
+            return  # the quorum or the sum broke: the step does not commit
+        n = summed.numel() // 3
+        names = tuple(int(v) - 1 for v in summed[:n].tolist())
+        if names != self._quorum:
+            raise RuntimeError(f"Cephalo fault tolerance: the quorum's groups {list(self._quorum)} (as torchft "
+                               f"configured this group) differ from the names the participants sent {list(names)}")
+        check_one_order(self._part.step, names, [int(v) - 1 for v in summed[n:2 * n].tolist()],
+                        [int(v) - 1 for v in summed[2 * n:].tolist()])
 
     def agree(self) -> bool:
         """Whether every participating group finished this step (torchft's ``should_commit``, which
