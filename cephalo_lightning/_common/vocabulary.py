@@ -97,6 +97,15 @@ class ProfileSource(StrEnum):
     EMULATED = "emulated"
 
 
+class BaseStorage(StrEnum):
+    """How a frozen base (LoRA's, QLoRA's) is stored: in fp32 (the master dtype), in bf16 (the compute
+    dtype), or as 4-bit NF4 blocks dequantised per unit for compute."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    NF4 = "nf4"
+
+
 AUTO = "auto"  # an option decided at setup: the schedule from the model, the collective from the backend
 Auto = Literal["auto"]
 # the user's words for an option that is a member or decided at setup (a YAML file writes the value)
