@@ -79,6 +79,13 @@ class Handback(StrEnum):
     NONE = "none"
 
 
+class BaseStorage(StrEnum):
+    """How a unit's frozen parameters are stored, sharded and gathered: in the compute dtype
+    (``compute``: bf16 / fp16 under those precisions, fp32 under fp32 training)."""
+
+    COMPUTE = "compute"
+
+
 class Verdict(StrEnum):
     """What the planner's feasibility check concludes: a plan exists, none can (a proof), or the
     check could not tell."""

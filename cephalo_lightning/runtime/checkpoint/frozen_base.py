@@ -4,7 +4,8 @@ from, and a fingerprint of its tensors that no plan, world size or grouping chan
     sum(t) = sum over the 32-bit words w_k of tensor t (k from its first word) of
              (w_k mod P) x ((k mod P) x A + B mod P)                         mod P,   P = 2**31 - 1
     fingerprint = the first 16 hex digits of the SHA-256 of json.dumps([[name, shape, dtype, sum(t)], ...])
-                  over the frozen parameters in name order (dtype: the master's, e.g. "float32")
+                  over the frozen parameters in name order (dtype: the master's, e.g. "float32"; a
+                  frozen parameter stored in bf16 is summed as its values in the master dtype)
 
 A checkpoint saved with ``CephaloStrategy(checkpoint_frozen=False)`` holds the trainable
 parameters, their optimizer state and the loops, and this record (``cephalo.json``'s
@@ -67,10 +68,11 @@ def identify_frozen(sharded: ShardedModel, source: str | Path) -> FrozenBase:
         for index, (span, piece, trainable) in enumerate(zip(unit.spans, unit.local_params, unit.requires_grad)):
             if trainable:
                 continue
-            described[span.name] = (list(span.shape), str(unit.master.dtype).removeprefix("torch."))
-            if sharded.group_index == 0:  # one replica's pieces
-                start = unit.local_range(index)[0] * piece.element_size() // 4
-                sums[span.name] = _weighted_sum(piece, start)
+            described[span.name] = (list(span.shape), str(unit.master_dtype).removeprefix("torch."))
+            if sharded.group_index == 0:  # one replica's pieces, as values in the master dtype whatever stores them
+                values = piece.detach().to(unit.master_dtype)
+                start = unit.local_range(index)[0] * values.element_size() // 4
+                sums[span.name] = _weighted_sum(values, start)
     total: dict[str, int] = {}
     for part in gather_objects(sums, sharded.world_group):
         for name, value in part.items():

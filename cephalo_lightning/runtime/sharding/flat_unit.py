@@ -2,10 +2,18 @@
 
 Outside compute, the unit's modules hold this rank's *local pieces*: one ``nn.Parameter`` per
 original parameter, a view into the rank's master shard (fp32, fp64 for an fp64 model; possibly
-empty). That is what an optimizer built from ``model.parameters()`` sees, so optimizer state
+empty) for a trainable parameter, a piece of the unit's frozen storage for a frozen one. That is what an optimizer built from ``model.parameters()`` sees, so optimizer state
 follows the plan's share. A piece keeps its parameter's number of dimensions (a ``[1, ..., 1, k]``
 view of its ``k`` elements), so optimizer groups chosen by ``p.dim()`` / ``p.ndim`` are the groups
 of the unsharded model; :func:`full_shape` gives the original shape.
+
+[Note: a unit's two parts] A unit's parameters are two parts, each packed in the unit's order
+(:meth:`~.layout.UnitLayout.part`): the trainable ones, whose shard is the master (fp32) that the
+optimizer steps and the only elements a gradient is reduced for, and the frozen ones, held by a
+:class:`~.frozen_storage.FrozenStorage` in the compute dtype (or another storage kind). The part
+layouts cut each rank's range of the unit where the unit's layout does, so the state share stays
+the plan's. The gathered buffer is ``[trainable part | frozen part]`` in the compute dtype, each
+filled by its own all-gather; a unit with one part is laid out and gathered as the unit itself.
 
 For compute, :meth:`FlatUnit.gather` fills a full flat buffer (in the compute dtype) and the
 modules are switched to *full parameters*: ordinary ``nn.Parameter`` views of that buffer, so user
@@ -29,8 +37,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from cephalo_lightning._common.vocabulary import BaseStorage
 from cephalo_lightning.runtime.collectives import Collectives, PendingGather
 from cephalo_lightning.runtime.observers import Observers
+from cephalo_lightning.runtime.sharding.frozen_storage import ComputeDtypeStorage, FrozenStorage, make_storage
 from cephalo_lightning.runtime.sharding.layout import ParamSpan, UnitLayout
 
 
@@ -96,9 +106,10 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
 class FlatUnit:
     """The parameters of one unit, sharded by ``layout`` onto ``rank``.
 
-    ``master`` is this rank's shard of the unit's flat parameters in the master dtype (fp32, or
-    fp64 for fp64 models): the truth the optimizer steps. The modules are switched to the local
-    pieces at construction.
+    ``shard`` is this rank's range of the unit's flat parameters in the master dtype (fp32, or fp64
+    for fp64 models), as built; the unit keeps its trainable elements as :attr:`master` (the truth
+    the optimizer steps) and hands its frozen ones to :attr:`frozen`, a storage of kind ``base``
+    ([Note: a unit's two parts]). The modules are switched to the local pieces at construction.
     """
 
     def __init__(
@@ -106,21 +117,23 @@ class FlatUnit:
         layout: UnitLayout,
         slots: list[ParamSlot],
         rank: int,
-        master: torch.Tensor,
+        shard: torch.Tensor,
         requires_grad: Sequence[bool],
         compute_dtype: torch.dtype,
         observers: Observers | None = None,
+        base: BaseStorage = BaseStorage.COMPUTE,
     ) -> None:
         if [s.name for s in slots] != [p.name for p in layout.params]:
             raise ValueError(f"unit {layout.name}: slots and layout disagree")
         lo, hi = layout.shard_range(rank)
-        if master.numel() != hi - lo:
-            raise ValueError(f"unit {layout.name}: a master shard of {master.numel()} elements for a range of {hi - lo}")
+        if shard.numel() != hi - lo:
+            raise ValueError(f"unit {layout.name}: a master shard of {shard.numel()} elements for a range of {hi - lo}")
         self.slots = slots
         self.rank = rank
-        self.device = master.device
+        self.device = shard.device
         self.compute_dtype = compute_dtype
-        self.master_dtype = master.dtype
+        self.master_dtype = shard.dtype
+        self.base = BaseStorage(base)
         self.requires_grad = [bool(r) for r in requires_grad]
         self.trainable = any(self.requires_grad)
         self.num_trainable = sum(self.requires_grad)
@@ -131,43 +144,116 @@ class FlatUnit:
         ]
         self.resident: bool | None = None  # set by _bind_full
         self.state = UnitState.SHARDED
-        self._pending: PendingGather | None = None  # the all-gather in flight while GATHERING
+        self._pending: list[PendingGather] = []  # the all-gathers in flight while GATHERING
         self.grad_state = GradState.IDLE
         self.grads_accumulated = 0  # trainable full parameters whose gradient autograd accumulated (COMPUTING)
-        self._install(layout, master)
+        self._install(layout, shard)
 
-    def _install(self, layout: UnitLayout, master: torch.Tensor) -> None:
+    def _install(self, layout: UnitLayout, shard: torch.Tensor) -> None:
         self.layout = layout
-        self.master = master
+        self.trainable_layout = layout.part(self.requires_grad)
+        frozen_layout = layout.part([not r for r in self.requires_grad])
         lo, _ = layout.shard_range(self.rank)
-        self.local_params: list[nn.Parameter] = []
-        self._piece_runs: list[tuple[int, int]] = []  # each local piece's (start, numel) in the master shard
+        trainable_runs, frozen_runs = [], []
         for span, requires_grad in zip(layout.params, self.requires_grad):
             a, b = layout.param_piece(span, self.rank)
-            start = span.offset + a - lo
-            self._piece_runs.append((start, b - a))
-            piece = nn.Parameter(master[start : start + b - a].view(piece_shape(span.shape, b - a)),
-                                 requires_grad=requires_grad)
+            (trainable_runs if requires_grad else frozen_runs).append((span.offset + a - lo, b - a))
+        # A rank alone in its group computing in the master dtype holds the unit whole: the full
+        # parameters are views of its storage itself (*resident*, see _bind_full).
+        resident = layout.world_size == 1 and self.compute_dtype == shard.dtype and self.base is BaseStorage.COMPUTE
+        if not frozen_runs:
+            storage = shard
+        else:
+            storage = torch.cat([shard[a : a + n] for a, n in trainable_runs + frozen_runs]) if resident else None
+        trained = sum(n for _, n in trainable_runs)
+        if storage is not None:
+            self.master = storage[:trained]
+        else:
+            self.master = torch.cat([shard[a : a + n] for a, n in trainable_runs]) if trainable_runs else shard[:0]
+        self.frozen: FrozenStorage | None = None
+        if frozen_runs:
+            if storage is not None:  # resident: the frozen values follow the master in one storage
+                self.frozen = ComputeDtypeStorage(frozen_layout, self.rank, self.compute_dtype, storage[trained:])
+            else:
+                values = torch.cat([shard[a : a + n] for a, n in frozen_runs])
+                self.frozen = make_storage(self.base, frozen_layout, self.rank, values, self.compute_dtype)
+        self._storage = storage  # the resident unit's one storage, [master | frozen values]
+        frozen_pieces = iter(self.frozen.pieces() if self.frozen is not None else ())
+        self.local_params: list[nn.Parameter] = []
+        self._piece_runs: list[tuple[int, int] | None] = []  # a trainable piece's (start, numel) in the master
+        t_lo, _ = self.trainable_layout.shard_range(self.rank)
+        t_spans = iter(self.trainable_layout.params)
+        for span, requires_grad in zip(layout.params, self.requires_grad):
+            a, b = layout.param_piece(span, self.rank)
+            if requires_grad:
+                packed = next(t_spans)
+                start = packed.offset + a - t_lo
+                self._piece_runs.append((start, b - a))
+                data = self.master[start : start + b - a]
+            else:
+                self._piece_runs.append(None)
+                data = next(frozen_pieces)
+            piece = nn.Parameter(data.view(piece_shape(span.shape, b - a)), requires_grad=requires_grad)
             piece._cephalo_full_shape = span.shape
             self.local_params.append(piece)
         self._bind_full()
         self.use_local()
 
+    @property
+    def frozen_numel(self) -> int:
+        """The frozen part's elements (the whole unit's, not this rank's)."""
+        return self.layout.numel - self.trainable_layout.numel
+
+    def local_bytes(self) -> tuple[int, int]:
+        """(trainable master bytes, frozen storage bytes) this rank holds for the unit."""
+        return (self.master.numel() * self.master.element_size(),
+                self.frozen.local_bytes() if self.frozen is not None else 0)
+
+    def shard_values(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This rank's range of the unit in the unit's order, as values in ``dtype`` (default the
+        master's): the master's elements and the frozen storage's values, put back in place. A
+        unit with one part returns its master (or its frozen values) without copying when the dtype matches."""
+        dtype = dtype or self.master_dtype
+        if self.frozen is None:
+            return self.master.to(dtype)
+        frozen = self.frozen.values(dtype)
+        if not self.trainable:
+            return frozen
+        out = torch.empty(self.master.numel() + frozen.numel(), dtype=dtype, device=self.device)
+        t = f = 0
+        for run, (span, requires_grad) in zip(self._piece_runs, zip(self.spans, self.requires_grad)):
+            a, b = self.layout.param_piece(span, self.rank)
+            at = span.offset + a - self.layout.shard_range(self.rank)[0]
+            if requires_grad:
+                out[at : at + b - a].copy_(self.master[t : t + b - a])
+                t += b - a
+            else:
+                out[at : at + b - a].copy_(frozen[f : f + b - a])
+                f += b - a
+        return out
+
     def _bind_full(self) -> None:
-        """Point the full parameters at their buffer. A rank alone in its shard group that computes
-        in the master dtype holds the unit whole: the full parameters are views of the master
-        itself (*resident*), and gathering is only the modules switching to them (no copy, no
-        collective: data parallelism's forward). Otherwise the buffer is allocated while gathered."""
-        resident = self.layout.world_size == 1 and self.compute_dtype == self.master.dtype
+        """Point the full parameters at their buffer, ``[trainable part | frozen part]``. A rank alone
+        in its shard group that computes in the master dtype holds the unit whole: the full
+        parameters are views of its storage itself (*resident*), and gathering is only the modules
+        switching to them (no copy, no collective: data parallelism's forward). Otherwise the buffer
+        is allocated while gathered."""
+        resident = self.layout.world_size == 1 and self.compute_dtype == self.master.dtype and (
+            self.frozen is None or self._storage is not None)
         if resident is self.resident and not resident:
             return  # keeps its (empty) buffer
         self.resident = resident
         if resident:
-            self.full = self.master
+            self.full = self._storage if self._storage is not None else self.master
         else:
             self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
-        for span, param in zip(self.layout.params, self.full_params):
-            param.data = self.full[span.offset : span.offset + span.numel].view(span.shape)
+        trained = self.trainable_layout.numel
+        t_spans = iter(self.trainable_layout.params)
+        f_spans = iter(self.frozen.layout.params if self.frozen is not None else ())
+        for requires_grad, param in zip(self.requires_grad, self.full_params):
+            span = next(t_spans) if requires_grad else next(f_spans)
+            at = span.offset + (0 if requires_grad else trained)
+            param.data = self.full[at : at + span.numel].view(span.shape)
         # Collectives write through this alias: it shares the storage but not the version counter,
         # so refilling the buffer for the backward pass does not trip autograd's in-place checks
         # on tensors it saved in the forward (they are views of the same storage).
@@ -175,10 +261,11 @@ class FlatUnit:
         if not resident:
             self._resize(0)
 
-    def relayout(self, layout: UnitLayout, master: torch.Tensor, rank: int | None = None) -> list[nn.Parameter]:
-        """Adopt a new layout of the same unit with this rank's new master shard (and its new place
-        ``rank`` in the unit's group, if it moved); returns the old local pieces (new ones replace
-        them; the full parameters and their hooks stay)."""
+    def relayout(self, layout: UnitLayout, shard: torch.Tensor, rank: int | None = None) -> list[nn.Parameter]:
+        """Adopt a new layout of the same unit with this rank's new range ``shard`` (its values in the
+        master dtype, :meth:`shard_values` of the new range) and its new place ``rank`` in the unit's
+        group, if it moved; returns the old local pieces (new ones replace them; the full parameters
+        and their hooks stay)."""
         if [s.name for s in layout.params] != [s.name for s in self.layout.params] or layout.numel != self.layout.numel:
             raise ValueError(f"unit {layout.name}: a new layout must describe the same parameters")
         if self.state is not UnitState.SHARDED:
@@ -186,7 +273,7 @@ class FlatUnit:
         if rank is not None:
             self.rank = rank
         old = self.local_params
-        self._install(layout, master)
+        self._install(layout, shard)
         return old
 
     # ------------------------------------------------------------------ parameters
@@ -226,12 +313,17 @@ class FlatUnit:
         return self.state is UnitState.GATHERED
 
     def start_gather(self, comm: Collectives) -> None:
-        """SHARDED -> GATHERING: begin filling the full buffer; overlaps with compute where the
-        backend allows. A unit already gathering or gathered stays as it is."""
+        """SHARDED -> GATHERING: begin filling the full buffer (one all-gather per part); overlaps
+        with compute where the backend allows. A unit already gathering or gathered stays as it is."""
         if self.state is not UnitState.SHARDED or self.resident:
             return
         self._resize(self.full.numel() * self.full.element_size())
-        self._pending = comm.all_gather(self.master, self._full_raw, self.layout, async_op=True, dtype=self.compute_dtype)
+        trained = self.trainable_layout.numel
+        if self.trainable or self.frozen is None:
+            self._pending.append(comm.all_gather(self.master, self._full_raw[:trained], self.trainable_layout,
+                                                 async_op=True, dtype=self.compute_dtype))
+        if self.frozen is not None:
+            self._pending.append(self.frozen.start_gather(comm, self._full_raw[trained:], async_op=True))
         self.state = UnitState.GATHERING
 
     def gather(self, comm: Collectives) -> None:
@@ -244,9 +336,9 @@ class FlatUnit:
         self.use_full()
 
     def _finish_gather(self) -> None:
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+        pending, self._pending = self._pending, []
+        for gather in pending:
+            gather.wait()
 
     def free(self) -> None:
         """-> SHARDED: release the full buffer; modules go back to the local pieces."""
@@ -261,22 +353,24 @@ class FlatUnit:
 
     def take_full_grad(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
                        padded: bool = False) -> torch.Tensor:
-        """The unit's full flat gradient (zeros where a parameter got none); clears the grads.
+        """The unit's full flat gradient of its trainable part (zeros where a parameter got none;
+        frozen parameters have no place in it); clears the grads.
 
         ``dtype`` defaults to the master's: gradients are reduced in fp32 (fp64 for fp64 models).
-        ``out`` (the unit's number of elements): written there instead of a new tensor (a bucket).
+        ``out`` (the trainable part's number of elements): written there instead of a new tensor (a bucket).
         ``padded``: laid out as the padded reduce-scatter takes it, each rank's range at the start of
         its own row of ``max_shard`` elements, so that the flat gradient is never held beside it.
         """
         if padded:
             return self._take_padded_grad(dtype or self.master_dtype)
+        layout = self.trainable_layout
         if out is None:
-            out = torch.empty(self.layout.numel, dtype=dtype or self.master_dtype, device=self.device)
-        grads = [param.grad for param in self.full_params]
+            out = torch.empty(layout.numel, dtype=dtype or self.master_dtype, device=self.device)
+        grads = [param.grad for param, rg in zip(self.full_params, self.requires_grad) if rg]
         if grads and all(g is not None for g in grads):  # the usual case: one copy (and cast) of them all
             torch.cat([g.reshape(-1) for g in grads], out=out)
         else:
-            for span, grad in zip(self.spans, grads):
+            for span, grad in zip(layout.params, grads):
                 view = out.narrow(0, span.offset, span.numel)
                 if grad is None:
                     view.zero_()
@@ -287,9 +381,10 @@ class FlatUnit:
         return out
 
     def _take_padded_grad(self, dtype: torch.dtype) -> torch.Tensor:
-        layout, chunk = self.layout, self.layout.max_shard
+        layout = self.trainable_layout
+        chunk = layout.max_shard
         out = torch.zeros(layout.world_size * chunk, dtype=dtype, device=self.device)
-        for span, param in zip(self.spans, self.full_params):
+        for span, param in zip(layout.params, [p for p, rg in zip(self.full_params, self.requires_grad) if rg]):
             if param.grad is None:
                 continue
             grad = param.grad.reshape(-1)
@@ -298,24 +393,21 @@ class FlatUnit:
                 if stop > start:
                     at = rank * chunk + span.offset + start - layout.bounds[rank]
                     out[at : at + stop - start].copy_(grad[start:stop])
+        for param in self.full_params:
             param.grad = None
         return out
 
     def add_local_grad(self, shard_grad: torch.Tensor) -> None:
-        """Accumulate a reduced shard gradient into the local pieces' ``.grad``. ``shard_grad`` is
-        the caller's to give (a fresh reduction result): a piece without a gradient takes a view of
-        it, not a copy, unless the unit has frozen parameters: a view would keep the whole shard's
-        gradient alive (frozen parameters' zeros included) until ``zero_grad``, so a frozen parameter
-        would cost gradient memory after all; their trainable pieces are copied out instead."""
-        copy = self.num_trainable < len(self.requires_grad)
-        for (start, numel), param in zip(self._piece_runs, self.local_params):
-            if not param.requires_grad:
+        """Accumulate a reduced shard gradient of the trainable part (this rank's range of it, the
+        master's elements) into the local pieces' ``.grad``. ``shard_grad`` is the caller's to give
+        (a fresh reduction result): a piece without a gradient takes a view of it, not a copy."""
+        for run, param in zip(self._piece_runs, self.local_params):
+            if run is None:
                 continue
+            start, numel = run
             piece = shard_grad[start : start + numel].view(param.shape)
             if piece.dtype != param.dtype:
                 piece = piece.to(param.dtype)
-            elif copy and param.grad is None:
-                piece = piece.clone()
             if param.grad is None:
                 param.grad = piece
             else:

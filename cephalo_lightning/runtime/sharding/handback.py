@@ -107,7 +107,7 @@ def put_whole(units: Sequence[FlatUnit], comm: Collectives, device: torch.device
     anyway, so the device never holds more than one unit."""
     for unit in units:
         flat = torch.empty(unit.layout.numel, dtype=unit.master.dtype, device=unit.device)
-        comm.all_gather(unit.master, flat, unit.layout).wait()
+        comm.all_gather(unit.shard_values(), flat, unit.layout).wait()
         _install(unit, flat.to(_home(device)))
 
 
@@ -121,12 +121,12 @@ def put_whole_on_first(units: Sequence[FlatUnit], comm: Collectives, device: tor
         if first:
             flat = torch.empty(layout.numel, dtype=unit.master.dtype, device=unit.device)
             lo, hi = layout.shard_range(0)
-            flat[lo:hi].copy_(unit.master)
+            flat[lo:hi].copy_(unit.shard_values())
             ops = [dist.P2POp(dist.irecv, flat[a:b], comm.global_ranks[r], comm.group)
                    for r, (a, b) in enumerate(zip(layout.bounds, layout.bounds[1:])) if r and b > a]
         else:
             lo, hi = layout.shard_range(comm.rank)
-            ops = [dist.P2POp(dist.isend, unit.master, comm.global_ranks[0], comm.group)] if hi > lo else []
+            ops = [dist.P2POp(dist.isend, unit.shard_values(), comm.global_ranks[0], comm.group)] if hi > lo else []
         for work in dist.batch_isend_irecv(ops) if ops else ():
             work.wait()
         if first:
@@ -148,7 +148,6 @@ def copy_into_shards(units: Sequence[FlatUnit]) -> None:
     """The modules' whole parameters (edited or not) into this rank's master shards; the modules
     hold the local pieces again."""
     for unit in units:
-        lo, _ = unit.layout.shard_range(unit.rank)
         for index, (slot, span) in enumerate(zip(unit.slots, unit.spans)):
             current = slot.current
             if tuple(current.shape) != tuple(span.shape):
@@ -156,8 +155,7 @@ def copy_into_shards(units: Sequence[FlatUnit]) -> None:
                     f"{span.name} is now {tuple(current.shape)}, was {tuple(span.shape)} when the model was sharded: "
                     "a module whose parameters changed shape cannot train on; build a new module")
             a, b = unit.local_range(index)
-            start = span.offset + a - lo
-            unit.master[start : start + b - a].copy_(current.detach().reshape(-1)[a:b])
+            unit.local_params[index].detach().view(-1).copy_(current.detach().reshape(-1)[a:b])  # a view of its storage
         unit.use_local()
 
 

@@ -58,6 +58,26 @@ class UnitLayout:
     def shard_range(self, rank: int) -> tuple[int, int]:
         return self.bounds[rank], self.bounds[rank + 1]
 
+    def part(self, keep: Sequence[bool]) -> UnitLayout:
+        """The sub-layout of the parameters where ``keep`` is true, packed one after another in
+        their order: a rank owns the kept elements of its own range, which are consecutive in the
+        packed order (packing keeps the order), so the part is sharded like the unit
+        ([Note: a unit's two parts])."""
+        if len(keep) != len(self.params):
+            raise ValueError(f"unit {self.name}: {len(keep)} flags for {len(self.params)} parameters")
+        if all(keep):
+            return self
+        kept = [span for span, k in zip(self.params, keep) if k]
+
+        def before(position: int) -> int:  # kept elements before ``position`` of the unit's flat buffer
+            return sum(min(max(position - s.offset, 0), s.numel) for s in kept)
+
+        spans, offset = [], 0
+        for span in kept:
+            spans.append(ParamSpan(span.name, span.shape, offset, span.numel))
+            offset += span.numel
+        return UnitLayout(self.name, tuple(before(b) for b in self.bounds), tuple(spans))
+
     def param_piece(self, span: ParamSpan, rank: int) -> tuple[int, int]:
         """The part of ``span`` rank owns, as [start, stop) within the flattened parameter."""
         lo, hi = self.shard_range(rank)

@@ -95,7 +95,8 @@ def reshard(model: Resharded, shares: Sequence[float], optimizers: Sequence[torc
         new_unit = new_layouts[new_group].units[u]
         lo, hi = new_unit.shard_range(new_place)
         master = torch.empty(hi - lo, dtype=unit.master.dtype, device=unit.device)
-        world.move(moves.outgoing(unit.master), master, moves.send_sizes, list(moves.receive_sizes), name=unit.name)
+        world.move(moves.outgoing(unit.shard_values()), master, moves.send_sizes, list(moves.receive_sizes),
+                   name=unit.name)
         old_pieces = list(unit.local_params)
         moved_state = _move_optimizer_state(unit, old_pieces, new_unit, new_place, moves, optimizers, world)
         unit.relayout(new_unit, master, rank=new_place)

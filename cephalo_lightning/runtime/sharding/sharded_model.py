@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from cephalo_lightning._common.vocabulary import AUTO, Auto, Collective, Handback
+from cephalo_lightning._common.vocabulary import AUTO, Auto, BaseStorage, Collective, Handback
 from cephalo_lightning.runtime.collectives import Collectives, CudaStreams, Links
 from cephalo_lightning.runtime.observers import Observer, Observers
 from cephalo_lightning.runtime.sharding import handback
@@ -143,6 +143,7 @@ class ShardedModel:
         overlap: bool = True,
         observers: Sequence[Observer] = (),
         bucket_bytes: tuple[int, int] | None = None,
+        base: BaseStorage = BaseStorage.COMPUTE,
     ) -> None:
         handback.check_not_pieces(module)
         self.module = module
@@ -174,7 +175,8 @@ class ShardedModel:
             [sum(s.numel for s in unit) for unit in spans], list(shares), self.shard_groups,
             unit_names(module, self.unit_groups), spans)
         self.layout: ShardLayout = self.layouts[self.group_index]  # this rank's group's
-        self.replicas = ReplicaReducer(self.layouts, self.shard_groups, self.world, replica)
+        self._trainable = [[slot.current.requires_grad for slot in slots] for slots in slot_groups]
+        self.replicas = ReplicaReducer(self.trainable_layouts(), self.shard_groups, self.world, replica)
         self.reduce_dtype = reduce_dtype
         self.bucket_bytes = bucket_bytes or (FIRST_BUCKET_BYTES, BUCKET_BYTES)
         materializer = materializer or UnitMaterializer(self.device)
@@ -184,9 +186,9 @@ class ShardedModel:
             originals = [slot.current for slot in slots]
             dtype = originals[0].dtype if originals else torch.float32
             master_dtype = master_dtype_for(dtype)
-            master = materializer.master(index, unit, slots, self.comm.rank, master_dtype, buffers[index])
-            self.units.append(FlatUnit(unit, slots, self.comm.rank, master, [p.requires_grad for p in originals],
-                                       compute_dtype or dtype, self.observers))
+            shard = materializer.master(index, unit, slots, self.comm.rank, master_dtype, buffers[index])
+            self.units.append(FlatUnit(unit, slots, self.comm.rank, shard, [p.requires_grad for p in originals],
+                                       compute_dtype or dtype, self.observers, base))
         self.materialized_units = materializer.materialized_units
         self._plan_buckets()
         self.root = self.units[0]
@@ -230,8 +232,19 @@ class ShardedModel:
             for span, param in zip(unit.spans, unit.local_params):
                 yield span.name, param
 
+    def trainable_layouts(self) -> tuple[ShardLayout, ...]:
+        """Every group's layout of the units' trainable parts: what gradients are reduced over
+        ([Note: a frozen part holds no gradient])."""
+        return tuple(ShardLayout(layout.shares, tuple(u.part(mask) for u, mask in zip(layout.units, self._trainable)))
+                     for layout in self.layouts)
+
     def local_state_numel(self) -> int:
-        return sum(u.master.numel() for u in self.units)
+        return sum(u.layout.shard_sizes[u.rank] for u in self.units)
+
+    def local_state_bytes(self) -> tuple[int, int]:
+        """(trainable master bytes, frozen storage bytes) this rank stores, over every unit."""
+        parts = [u.local_bytes() for u in self.units]
+        return sum(t for t, _ in parts), sum(f for _, f in parts)
 
     def summary(self) -> ShardSummary:
         """What this rank holds under the current layout (:class:`ShardSummary`)."""
@@ -270,9 +283,10 @@ class ShardedModel:
             return 0
         world = self.comm.world_size
         received = world if self.comm.on_gloo else 0
-        return max((((world + received + 1) * u.layout.max_shard - u.layout.numel)
+        return max((((world + received + 1) * u.trainable_layout.max_shard - u.trainable_layout.numel)
                     * (self.reduce_dtype or u.master_dtype).itemsize
-                    for u in self.units if u.trainable and u.layout.numel and not u.layout.is_even), default=0)
+                    for u in self.units if u.trainable and u.trainable_layout.numel and not u.trainable_layout.is_even),
+                   default=0)
 
     def gather_root(self) -> None:
         self.root.gather(self.comm)
@@ -329,17 +343,18 @@ class ShardedModel:
             return
         index = self._unit_index[id(unit)]
         if self.replicas.bucketed(index):  # a group of one rank: the whole gradient goes into its bucket
-            self.replicas.reduce_bucketed(index, unit.layout.numel, unit.device,
+            self.replicas.reduce_bucketed(index, unit.trainable_layout.numel, unit.device,
                                           fill=partial(unit.take_full_grad, self.reduce_dtype),
                                           consume=unit.add_local_grad)
             return
-        full_grad = unit.take_full_grad(self.reduce_dtype, padded=self.comm.pads_reduction(unit.layout))
-        summed = partial(self.replicas.reduce, index, unit.layout, consume=unit.add_local_grad)
-        self.comm.reduce_scatter_into(full_grad, unit.layout, summed)
+        layout = unit.trainable_layout  # [Note: a frozen part holds no gradient]
+        full_grad = unit.take_full_grad(self.reduce_dtype, padded=self.comm.pads_reduction(layout))
+        summed = partial(self.replicas.reduce, index, layout, consume=unit.add_local_grad)
+        self.comm.reduce_scatter_into(full_grad, layout, summed)
 
     def _plan_buckets(self) -> None:
         """Data parallelism's gradient buckets over the trainable units (see :mod:`.replicas`)."""
-        self.replicas.plan_buckets([u.layout.numel if u.trainable else None for u in self.units],
+        self.replicas.plan_buckets([u.trainable_layout.numel if u.trainable else None for u in self.units],
                                    [self.reduce_dtype or u.master_dtype for u in self.units],
                                    [u.name for u in self.units], *self.bucket_bytes)
 
@@ -442,7 +457,7 @@ class ShardedModel:
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
             full = torch.empty(unit.layout.numel, dtype=unit.master.dtype, device=unit.device)
-            self.comm.all_gather(unit.master, full, unit.layout).wait()
+            self.comm.all_gather(unit.shard_values(), full, unit.layout).wait()
             for span in unit.spans:
                 out[span.name] = full[span.offset : span.offset + span.numel].view(span.shape).clone()
         return out
@@ -503,7 +518,7 @@ class ShardedModel:
         replica = self.replicas.replica
         if regrouped:
             self.comm, replica = group_collectives(self.world, shard_groups, self.group_spec)
-        self.replicas = ReplicaReducer(layouts, shard_groups, self.world, replica)
+        self.replicas = ReplicaReducer(self.trainable_layouts(), shard_groups, self.world, replica)
         self._plan_buckets()
 
 
