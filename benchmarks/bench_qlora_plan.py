@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.harness import Benchmark
+from cephalo_lightning._common.vocabulary import BaseStorage
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, plan
 from cephalo_lightning.planner.cost.base_storage import llama_linear_fraction, weight_bytes_per_param
 
@@ -65,10 +66,11 @@ class Llama:
 
     def model(self, storage: str) -> dict[str, Any]:
         fraction = llama_linear_fraction(self.parameters, self.vocab, self.hidden, self.tied)
+        kind, compute_bytes = STORAGE_KINDS[storage]
         return {"name": f"{self.name}-lora-{storage}", "num_layers": self.layers, "parameters": self.parameters,
                 "hidden_size": self.hidden, "seq_len": 2048, "trainable_parameters": self.lora,
                 "largest_unit_parameters": self.vocab * self.hidden,
-                "weight_bytes_per_param": round(weight_bytes_per_param(storage, fraction), 6)}
+                "weight_bytes_per_param": round(weight_bytes_per_param(kind, compute_bytes, fraction), 6)}
 
 
 FAMILY = (
@@ -81,7 +83,9 @@ FAMILY = (
     Llama("llama-405b", 126, 405_853_388_800, 16384, 1024),
 )
 BY_NAME = {m.name: m for m in FAMILY}
-STORAGES = ("fp32", "bf16", "nf4")
+# a column's base: (storage kind, compute dtype bytes); "fp32" is the base kept at the master's 4 bytes
+STORAGE_KINDS = {"fp32": (BaseStorage.COMPUTE, 4.0), "bf16": (BaseStorage.COMPUTE, 2.0), "nf4": (BaseStorage.NF4, 2.0)}
+STORAGES = tuple(STORAGE_KINDS)
 CLUSTERS = {
     "4x RTX 4090": [{"devices": [{"name": "rtx4090", "count": 4}]}],
     "2x RTX 3090": [{"devices": [{"name": "rtx3090", "count": 2}]}],

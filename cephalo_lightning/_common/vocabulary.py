@@ -81,9 +81,11 @@ class Handback(StrEnum):
 
 class BaseStorage(StrEnum):
     """How a unit's frozen parameters are stored, sharded and gathered: in the compute dtype
-    (``compute``: bf16 / fp16 under those precisions, fp32 under fp32 training)."""
+    (``compute``: bf16 / fp16 under those precisions, fp32 under fp32 training), or their matrices
+    as 4-bit NF4 blocks with a scale each (``nf4``: QLoRA), dequantised per unit for compute."""
 
     COMPUTE = "compute"
+    NF4 = "nf4"
 
 
 class Verdict(StrEnum):
@@ -102,15 +104,6 @@ class ProfileSource(StrEnum):
     MEASURED = "measured"
     CATALOG = "catalog"
     EMULATED = "emulated"
-
-
-class BaseStorage(StrEnum):
-    """How a frozen base (LoRA's, QLoRA's) is stored: in fp32 (the master dtype), in bf16 (the compute
-    dtype), or as 4-bit NF4 blocks dequantised per unit for compute."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    NF4 = "nf4"
 
 
 AUTO = "auto"  # an option decided at setup: the schedule from the model, the collective from the backend
