@@ -40,6 +40,7 @@ from torch import nn
 from cephalo_lightning._common.vocabulary import BaseStorage
 from cephalo_lightning.runtime.collectives import Collectives, PendingGather
 from cephalo_lightning.runtime.observers import Observers
+from cephalo_lightning.runtime.quantized import nf4_storage  # noqa: F401 - registers BaseStorage.NF4
 from cephalo_lightning.runtime.sharding.frozen_storage import ComputeDtypeStorage, FrozenStorage, make_storage
 from cephalo_lightning.runtime.sharding.layout import ParamSpan, UnitLayout
 

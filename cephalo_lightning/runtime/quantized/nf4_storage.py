@@ -1,0 +1,184 @@
+"""A unit's frozen part stored as NF4 blocks: each rank quantises its own pieces, gathers 4-bit bytes.
+
+Per rank r and frozen parameter s, the layout gives r's piece ``[a, b)`` of s. A matrix (two or more
+dimensions: QLoRA's linear weights) is stored as NF4 blocks of its piece alone
+(:mod:`.nf4_blocks`), every other frozen parameter (norms, biases) in the compute dtype::
+
+    blocks(r, s) = ceil((b - a) / B)      codes: B / 2 bytes a block,  scales: one fp32 a block
+    stored(r)    = sum_s blocks(r, s) x (B / 2 + 4)  +  dense elements x compute size
+
+Every count above is a function of the layout alone, so every rank knows every rank's byte counts
+without talking: a gather is three uneven all-gathers (codes, scales, dense values), then each
+rank dequantises the gathered unit into the compute dtype, piece by piece, in place.
+
+[Note: NF4 blocks restart at every piece] A block never straddles two ranks' pieces, so a rank
+quantises what it holds without its neighbours' elements. The NF4 bytes therefore depend on the
+layout that cut the pieces: a single-process model is "the same quantised model" when it quantises
+each parameter in the same pieces (:func:`quantised_like`), and a re-sharded run re-quantises the
+dequantised values at the new cut points (exact where no cut moves).
+
+The modules' local pieces (what they hold outside compute, what checkpoints read) are the
+dequantised values of this rank's pieces in the compute dtype: :meth:`local_bytes` counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from cephalo_lightning._common.vocabulary import BaseStorage
+from cephalo_lightning.runtime.collectives import Collectives, PendingGather
+from cephalo_lightning.runtime.quantized.nf4_blocks import BLOCKSIZE, Nf4Blocks, concatenate, num_blocks, quantize
+from cephalo_lightning.runtime.sharding.frozen_storage import KINDS, FrozenStorage
+from cephalo_lightning.runtime.sharding.layout import ParamSpan, UnitLayout
+
+
+def quantised(span: ParamSpan) -> bool:
+    """A matrix is stored as NF4 blocks; a vector (norm, bias) in the compute dtype."""
+    return len(span.shape) >= 2
+
+
+@dataclass(frozen=True)
+class PieceCounts:
+    """Every rank's blocks and dense elements of a frozen part: the gathers' layouts."""
+
+    codes: UnitLayout
+    scales: UnitLayout
+    dense: UnitLayout
+
+    @staticmethod
+    def of(layout: UnitLayout, blocksize: int) -> PieceCounts:
+        blocks, dense = [], []
+        for r in range(layout.world_size):
+            pieces = [(span, layout.param_piece(span, r)) for span in layout.params]
+            blocks.append(sum(num_blocks(b - a, blocksize) for span, (a, b) in pieces if quantised(span)))
+            dense.append(sum(b - a for span, (a, b) in pieces if not quantised(span)))
+
+        def cut(sizes: list[int], tag: str) -> UnitLayout:
+            return UnitLayout(f"{layout.name}.{tag}", (0, *accumulate(sizes)))
+
+        return PieceCounts(cut([n * blocksize // 2 for n in blocks], "nf4-codes"), cut(blocks, "nf4-scales"),
+                           cut(dense, "dense"))
+
+
+class Nf4Storage(FrozenStorage):
+    """This rank's frozen pieces: matrices as NF4 blocks (``blocks``), vectors in the compute dtype (``dense``)."""
+
+    kind = BaseStorage.NF4
+
+    def __init__(self, layout: UnitLayout, rank: int, compute_dtype: torch.dtype, blocks: Nf4Blocks,
+                 dense: torch.Tensor) -> None:
+        super().__init__(layout, rank, compute_dtype)
+        self.blocksize = blocks.blocksize
+        self.counts = PieceCounts.of(layout, self.blocksize)
+        if blocks.num_blocks != self.counts.scales.shard_sizes[rank] or dense.numel() != self.counts.dense.shard_sizes[rank]:
+            raise ValueError(f"unit {layout.name}: {blocks.num_blocks} NF4 blocks and {dense.numel()} dense elements "
+                             f"for rank {rank}'s pieces, which take {self.counts.scales.shard_sizes[rank]} and "
+                             f"{self.counts.dense.shard_sizes[rank]}")
+        self.blocks, self.dense = blocks, dense
+        self._pieces = self._dequantised_pieces(self.blocks, self.dense, rank)
+
+    @classmethod
+    def from_values(cls, layout: UnitLayout, rank: int, values: torch.Tensor, compute_dtype: torch.dtype,
+                    blocksize: int = BLOCKSIZE) -> Nf4Storage:
+        lo, _ = layout.shard_range(rank)
+        flat = values.detach().reshape(-1)
+        parts, dense = [], []
+        for span in layout.params:
+            a, b = layout.param_piece(span, rank)
+            piece = flat[span.offset + a - lo: span.offset + b - lo]
+            if quantised(span):
+                parts.append(quantize(piece, blocksize))
+            else:
+                dense.append(piece.to(compute_dtype))
+        blocks = concatenate(parts) if parts else Nf4Blocks(torch.empty(0, dtype=torch.uint8), torch.empty(0), blocksize)
+        return cls(layout, rank, compute_dtype,
+                   Nf4Blocks(blocks.codes.to(flat.device), blocks.absmax.to(flat.device), blocksize),
+                   torch.cat(dense) if dense else flat.new_empty(0, dtype=compute_dtype))
+
+    def _dequantised_pieces(self, blocks: Nf4Blocks, dense: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        """Rank ``rank``'s piece of every frozen parameter in the compute dtype, from its blocks and dense values."""
+        out, block, at = [], 0, 0
+        for span in self.layout.params:
+            a, b = self.layout.param_piece(span, rank)
+            if quantised(span):
+                n = num_blocks(b - a, self.blocksize)
+                out.append(blocks.blocks(block, block + n).dequantize(self.compute_dtype, b - a))
+                block += n
+            else:
+                out.append(dense[at: at + b - a])
+                at += b - a
+        return out
+
+    def local_bytes(self) -> int:
+        held = sum(p.numel() * p.element_size() for span, p in zip(self.layout.params, self._pieces) if quantised(span))
+        return self.blocks.nbytes + self.dense.numel() * self.dense.element_size() + held
+
+    def gathered_bytes(self) -> int:
+        return self.counts.codes.numel + 4 * self.counts.scales.numel + self.counts.dense.numel * self.dense.element_size()
+
+    def pieces(self) -> list[torch.Tensor]:
+        return self._pieces
+
+    def values(self, dtype: torch.dtype) -> torch.Tensor:
+        if not self._pieces:
+            return self.dense.to(dtype)
+        return torch.cat([p.reshape(-1) for p in self._pieces]).to(dtype)
+
+    def start_gather(self, comm: Collectives, out: torch.Tensor, async_op: bool) -> GatheredNf4:
+        counts, device = self.counts, out.device
+        codes = torch.empty(counts.codes.numel, dtype=torch.uint8, device=device)
+        scales = torch.empty(counts.scales.numel, dtype=torch.float32, device=device)
+        dense = torch.empty(counts.dense.numel, dtype=self.compute_dtype, device=device)
+        pending = [comm.all_gather(self.blocks.codes, codes, counts.codes, async_op=async_op),
+                   comm.all_gather(self.blocks.absmax, scales, counts.scales, async_op=async_op),
+                   comm.all_gather(self.dense, dense, counts.dense, async_op=async_op)]
+        return GatheredNf4(self, out, codes, scales, dense, pending)
+
+
+@dataclass
+class GatheredNf4:
+    """The three gathers of an NF4 part in flight; ``wait()`` dequantises every rank's pieces into ``out``."""
+
+    storage: Nf4Storage
+    out: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    dense: torch.Tensor
+    pending: list[PendingGather]
+
+    def wait(self) -> torch.Tensor:
+        for p in self.pending:
+            p.wait()
+        s, counts = self.storage, self.storage.counts
+        for r in range(s.layout.world_size):
+            c_lo, c_hi = counts.codes.shard_range(r)
+            a_lo, a_hi = counts.scales.shard_range(r)
+            d_lo, d_hi = counts.dense.shard_range(r)
+            pieces = s._dequantised_pieces(Nf4Blocks(self.codes[c_lo:c_hi], self.scales[a_lo:a_hi], s.blocksize),
+                                           self.dense[d_lo:d_hi], r)
+            for span, piece in zip(s.layout.params, pieces):
+                a, b = s.layout.param_piece(span, r)
+                self.out[span.offset + a: span.offset + b].copy_(piece)
+        return self.out
+
+
+def quantised_like(weight: torch.Tensor, span: ParamSpan, layout: UnitLayout, compute_dtype: torch.dtype,
+                   blocksize: int = BLOCKSIZE) -> torch.Tensor:
+    """``weight`` (the whole frozen parameter ``span`` of ``layout``) as an NF4 unit of that layout
+    holds it, dequantised into ``compute_dtype``: quantised in the ranks' pieces, as the single-process
+    model that the sharded run equals (see [Note: NF4 blocks restart at every piece])."""
+    flat = weight.detach().reshape(-1)
+    if not quantised(span):
+        return flat.to(compute_dtype).view(weight.shape)
+    out = []
+    for r in range(layout.world_size):
+        a, b = layout.param_piece(span, r)
+        if b > a:
+            out.append(quantize(flat[a:b], blocksize).dequantize(compute_dtype, b - a))
+    return torch.cat(out).view(weight.shape)
+
+
+KINDS[BaseStorage.NF4] = Nf4Storage
