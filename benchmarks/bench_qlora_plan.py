@@ -10,8 +10,8 @@ AdamW moments); the frozen base is priced by how it is stored
 * ``fp32``: 4 bytes a frozen parameter (the master dtype: what LoRA stored before the base was stored
   in the compute dtype);
 * ``bf16``: 2 bytes (LoRA with the base in the compute dtype);
-* ``nf4``: QLoRA, the decoder blocks' linear weights as 4-bit NF4 blocks of 64 with an fp32 scale
-  each (0.5625 bytes), the embedding, head and norms in bf16.
+* ``nf4``: QLoRA, every frozen matrix (the embedding and head too) as 4-bit NF4 blocks of 64 with an
+  fp32 scale each (0.5625 bytes), the norms in bf16.
 
 Three parts:
 
@@ -24,7 +24,8 @@ Three parts:
   batch into micro-batches and stashes their activations in host memory, so a model that fits at
   all mostly fits at the cap).
 
-The cards of one box share a host, each on its own PCIe 4.0 x16 link. These are PREDICTIONS of the
+Only trainable gradients are reduced (the frozen base's are not), so the reduce-scatter's buffers
+are priced for one layer's adapters (``largest_unit_parameters``). The cards of one box share a host, each on its own PCIe 4.0 x16 link. These are PREDICTIONS of the
 cost model for catalog-estimated devices (datasheet figures), not measurements; torch is not imported.
 The cost model prices an NF4 unit's all-gather at bf16 bytes (an upper bound: it moves about a
 quarter of that), so the QLoRA step times are pessimistic on slow links.
@@ -39,7 +40,7 @@ from typing import Any
 from benchmarks.harness import Benchmark
 from cephalo_lightning._common.vocabulary import BaseStorage
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, plan
-from cephalo_lightning.planner.cost.base_storage import llama_linear_fraction, weight_bytes_per_param
+from cephalo_lightning.planner.cost.base_storage import llama_matrix_fraction, weight_bytes_per_param
 
 LINK = "16 GB/s per rank"  # one box of cards on PCIe 4.0 x16, about half its 32 GB/s achieved
 INTER_NODE = "10 Gbit/s per link"
@@ -49,15 +50,13 @@ RANK = 16
 
 @dataclass(frozen=True)
 class Llama:
-    """A Llama-3.x shape: layers, parameters, hidden size, key-value width, vocabulary, tied head."""
+    """A Llama shape: layers, parameters, hidden size, key-value width."""
 
     name: str
     layers: int
     parameters: int
     hidden: int
     kv: int
-    vocab: int = 128_256
-    tied: bool = False
 
     @property
     def lora(self) -> int:
@@ -65,20 +64,21 @@ class Llama:
         return self.layers * (RANK * self.hidden + self.hidden * RANK + RANK * self.hidden + self.kv * RANK)
 
     def model(self, storage: str) -> dict[str, Any]:
-        fraction = llama_linear_fraction(self.parameters, self.vocab, self.hidden, self.tied)
+        fraction = llama_matrix_fraction(self.parameters, self.layers, self.hidden)
         kind, compute_bytes = STORAGE_KINDS[storage]
         return {"name": f"{self.name}-lora-{storage}", "num_layers": self.layers, "parameters": self.parameters,
                 "hidden_size": self.hidden, "seq_len": 2048, "trainable_parameters": self.lora,
-                "largest_unit_parameters": self.vocab * self.hidden,
+                # only the adapters' gradients are reduced: the largest reduction is one layer's adapters
+                "largest_unit_parameters": self.lora // self.layers,
                 "weight_bytes_per_param": round(weight_bytes_per_param(kind, compute_bytes, fraction), 6)}
 
 
 FAMILY = (
-    Llama("llama-1b", 16, 1_235_814_400, 2048, 512, tied=True),
-    Llama("llama-3b", 28, 3_212_749_824, 3072, 1024, tied=True),
+    Llama("llama-1b", 16, 1_235_814_400, 2048, 512),
+    Llama("llama-3b", 28, 3_212_749_824, 3072, 1024),
     Llama("llama-8b", 32, 8_030_261_248, 4096, 1024),
-    Llama("llama-2-13b", 40, 13_015_864_320, 5120, 5120, vocab=32_000),
-    Llama("codellama-34b", 48, 33_743_970_304, 8192, 1024, vocab=32_000),
+    Llama("llama-2-13b", 40, 13_015_864_320, 5120, 5120),
+    Llama("codellama-34b", 48, 33_743_970_304, 8192, 1024),
     Llama("llama-70b", 80, 70_553_706_496, 8192, 1024),
     Llama("llama-405b", 126, 405_853_388_800, 16384, 1024),
 )
@@ -109,7 +109,11 @@ def job_row(cluster: str, name: str, storage: str, batch: int) -> dict[str, Any]
         p = planned(CLUSTERS[cluster], BY_NAME[name].model(storage), batch)
     except PlanningError as err:
         return {**row, "feasible": False, "why": str(err).split(";")[0]}
+    model = BY_NAME[name].model(storage)
+    state = model["trainable_parameters"] * 16 + (model["parameters"] - model["trainable_parameters"]) * \
+        model["weight_bytes_per_param"]
     return {**row, "feasible": True, "samples_per_s": p.predicted_samples_per_s,
+            "state_gb": [round(r.state_share * state / 2**30, 2) for r in p.ranks],
             "memory_gb": [round(r.predicted_memory_gb, 2) for r in p.ranks],
             "limit_gb": [round(r.memory_limit_gb, 2) for r in p.ranks]}
 
@@ -161,14 +165,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def print_report(result: dict[str, Any]) -> None:
     print(f"LoRA r={RANK} on q/v, global batch {result['batch']}, base stored as bf16 or NF4 (QLoRA); "
           "PREDICTED by the cost model, catalog devices")
-    print(f"{'cluster':<27} {'model':<10} {'base':<5} {'samples/s':>9}  predicted/limit GiB per rank")
+    print("per rank: the training state it stores (its share; GiB), then its predicted memory (the state, the "
+          "plan's batch and buffers) against its limit")
+    print(f"{'cluster':<27} {'model':<10} {'base':<5} {'samples/s':>9}  state | predicted/limit GiB per rank")
     for r in result["jobs"]:
         head = f"{r['cluster']:<27} {r['model']:<10} {r['base']:<5}"
         if not r["feasible"]:
             print(f"{head} {'-':>9}  infeasible: {r['why']}")
             continue
         memory = " ".join(f"{m:.1f}/{lim:.1f}" for m, lim in zip(r["memory_gb"], r["limit_gb"]))
-        print(f"{head} {r['samples_per_s']:>9.3g}  {memory}")
+        state = " ".join(f"{g:.1f}" for g in r["state_gb"])
+        print(f"{head} {r['samples_per_s']:>9.3g}  {state} | {memory}")
     print()
     print(f"The largest model of the Llama family that fits, and its largest global batch (capped at {MAX_BATCH}); "
           "PREDICTED")

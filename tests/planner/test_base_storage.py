@@ -6,7 +6,7 @@ import pytest
 
 from cephalo_lightning._common.vocabulary import BaseStorage
 from cephalo_lightning.planner import PlanningError, cluster_from_dict, plan
-from cephalo_lightning.planner.cost.base_storage import llama_linear_fraction, nf4_bytes_per_param, weight_bytes_per_param
+from cephalo_lightning.planner.cost.base_storage import llama_matrix_fraction, nf4_bytes_per_param, weight_bytes_per_param
 
 
 def test_each_storage_costs_what_it_holds() -> None:
@@ -19,9 +19,9 @@ def test_each_storage_costs_what_it_holds() -> None:
     # what is not quantised stays in bf16
     assert weight_bytes_per_param(BaseStorage.NF4, 2.0, 0.75) == pytest.approx(0.75 * 0.5625 + 0.25 * 2)
     assert weight_bytes_per_param(BaseStorage.NF4, 2.0, 0.0) == 2.0
-    # a Llama-3-8B's embedding and head (128256 x 4096 each) are outside the decoder blocks' linears
-    assert llama_linear_fraction(8_030_261_248, 128_256, 4096) == pytest.approx(1 - 2 * 128_256 * 4096 / 8_030_261_248)
-    assert llama_linear_fraction(1000, 10, 10, tied=True) == 0.9
+    # a Llama-3-8B's vectors are its 65 RMS norms of 4096
+    assert llama_matrix_fraction(8_030_261_248, 32, 4096) == 1 - 65 * 4096 / 8_030_261_248
+    assert llama_matrix_fraction(1000, 2, 10) == 0.95
 
 
 def test_bad_storage_input_is_refused() -> None:
@@ -33,8 +33,8 @@ def test_bad_storage_input_is_refused() -> None:
         weight_bytes_per_param("compute", 3.0)
     with pytest.raises(PlanningError, match="positive even"):
         nf4_bytes_per_param(63)
-    with pytest.raises(PlanningError, match="does not fit"):
-        llama_linear_fraction(100, 10, 10)
+    with pytest.raises(PlanningError, match="do not fit"):
+        llama_matrix_fraction(100, 10, 10)
 
 
 def test_the_planner_charges_a_smaller_base_less_memory() -> None:

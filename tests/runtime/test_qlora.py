@@ -18,6 +18,7 @@ from torch.func import functional_call
 pytest.importorskip("bitsandbytes")
 
 from cephalo_lightning._common.vocabulary import BaseStorage  # noqa: E402
+from cephalo_lightning.runtime import checkpoint  # noqa: E402
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.reference import make_optimizer, train_steps  # noqa: E402
@@ -34,8 +35,8 @@ NF4 = torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488
                     0.7229568362236023, 1.0])
 
 
-def model() -> TinyLM:
-    m = TinyLM(dim=16)
+def model(seed: int = 0) -> TinyLM:
+    m = TinyLM(dim=16, seed=seed)
     for name, p in m.named_parameters():
         p.requires_grad_(p.dim() < 2)  # the matrices frozen (the base), norms and biases trained
     return m
@@ -61,19 +62,35 @@ def stored(sharded: ShardedModel) -> dict[str, list]:
     return out
 
 
-def _ranks(rank: int, world: int):
-    m = model()
-    sharded = ShardedModel(m, SHARES, base=BaseStorage.NF4)
-    before = stored(sharded)
-    optimizer = make_optimizer([p for p in m.parameters() if p.requires_grad])
+def train(sharded: ShardedModel, m: TinyLM, optimizer, rank: int, steps: range) -> None:
     lo = sum(BATCHES[:rank])
-    for x, y in batches(STEPS, sum(BATCHES)):
+    for x, y in batches(steps.stop, sum(BATCHES))[steps.start:]:
         x, y = x[lo:lo + BATCHES[rank]], y[lo:lo + BATCHES[rank]]
         sharded.backward(m.loss(m(x), y) * (BATCHES[rank] / sum(BATCHES)))
         optimizer.step()
         optimizer.zero_grad()
-    return {"before": before, "after": stored(sharded), "state": sharded.full_state_dict(),
-            "bytes": sharded.local_state_bytes()}
+
+
+def _ranks(rank: int, world: int, root: str):
+    m = model()
+    sharded = ShardedModel(m, SHARES, base=BaseStorage.NF4)
+    before = stored(sharded)
+    optimizer = make_optimizer([p for p in m.parameters() if p.requires_grad])
+    train(sharded, m, optimizer, rank, range(0, STEPS - 1))
+    checkpoint.save(root, sharded, [optimizer], {"step": STEPS - 1}, {})
+    train(sharded, m, optimizer, rank, range(STEPS - 1, STEPS))
+    out = {"before": before, "after": stored(sharded), "state": sharded.full_state_dict(),
+           "bytes": sharded.local_state_bytes(),
+           "meta": sorted(n for n, p in sharded.named_parameters() if p.is_meta)}
+    # resume into a model built from another seed: the base and the adapters come from the checkpoint
+    m2 = model(seed=1)
+    resumed = ShardedModel(m2, SHARES, base=BaseStorage.NF4)
+    optimizer2 = make_optimizer([p for p in m2.parameters() if p.requires_grad])
+    checkpoint.load(root, resumed, [optimizer2])
+    out["reloaded"] = stored(resumed)
+    train(resumed, m2, optimizer2, rank, range(STEPS - 1, STEPS))
+    out["resumed"] = resumed.full_state_dict()
+    return out
 
 
 def by_hand(codes: torch.Tensor, absmax: torch.Tensor, blocksize: int, numel: int) -> torch.Tensor:
@@ -114,8 +131,8 @@ def reference(weights: dict[str, torch.Tensor], reverse: bool = False) -> dict[s
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_distributed(_ranks, 2)
+def runs(tmp_path_factory):
+    return run_distributed(_ranks, 2, str(tmp_path_factory.mktemp("qlora")))
 
 
 @pytest.mark.multiprocess
@@ -142,12 +159,23 @@ def test_the_quantised_base_stays_bitwise_frozen(runs) -> None:
 
 
 @pytest.mark.multiprocess
-def test_a_rank_stores_its_nf4_pieces_not_the_base_in_fp32(runs) -> None:
-    """The frozen part's stored bytes: 4-bit codes and fp32 scales, the dense vectors, and the modules'
-    dequantised local pieces (see nf4_storage), against 4 bytes a frozen element in fp32."""
+def test_a_rank_stores_its_nf4_pieces_and_no_copy_of_them(runs) -> None:
+    """The frozen part's stored bytes are the 4-bit codes, their fp32 scales and the frozen vectors
+    (none here: every vector trains); the modules hold each quantised piece on the meta device."""
     for r in runs:
-        master, frozen_bytes = r["bytes"]
+        _, frozen_bytes = r["bytes"]
         codes = sum(c.numel() + 4 * s.numel() for _, _, c, s in r["before"].values())
         elements = sum(b - a for a, b, _, _ in r["before"].values())
+        assert codes == frozen_bytes
         assert codes <= 0.5 * elements + 4 * elements / 64 + 36 * len(r["before"])  # a padded block a piece at most
-        assert codes + 4 * elements == frozen_bytes  # fp32 compute here: the local pieces at 4 bytes
+        assert r["meta"] == sorted(n for n, p in model().named_parameters() if p.dim() >= 2)
+
+
+@pytest.mark.multiprocess
+def test_a_qlora_run_resumes_exactly(runs) -> None:
+    for r in runs:
+        for name, (a, b, codes, absmax) in r["before"].items():  # the same bytes, from the checkpoint's values
+            a2, b2, codes2, absmax2 = r["reloaded"][name]
+            assert (a, b) == (a2, b2) and torch.equal(codes, codes2) and torch.equal(absmax, absmax2), name
+        for name, value in r["state"].items():
+            assert torch.equal(r["resumed"][name], value), name

@@ -9,10 +9,10 @@ and the compute dtype's size ``c`` set it::
                                                   a 4-bit code and one fp32 scale per block of B: 0.5625 at B = 64)
 
 An fp32 master copy of the base (what LoRA stored before the base followed the compute dtype) is
-``compute`` at ``c = 4``. NF4 quantises the frozen matrices (QLoRA's choice, and bitsandbytes'); embeddings,
-norms and biases stay in the compute dtype, so the mean over the frozen parameters needs the
-fraction that is quantised. For a Llama-shaped model the linear weights of the decoder blocks are
-all but the embedding and the head (``linear_fraction``).
+``compute`` at ``c = 4``. NF4 quantises every frozen matrix (the blocks' linear weights, the embedding and the head alike;
+bitsandbytes' ``Linear4bit`` leaves the last two in bf16, here they are matrices like the others);
+the vectors (norms, biases) stay in the compute dtype, so the mean over the frozen parameters needs
+the fraction in matrices (``llama_matrix_fraction`` for a Llama-shaped model: all but its norms).
 
 [Note: a gathered NF4 unit] An NF4 unit's all-gather moves its 4-bit bytes and scales; each rank then
 dequantises the gathered unit into the compute dtype for the unit's forward and backward, so the
@@ -52,11 +52,11 @@ def weight_bytes_per_param(storage: BaseStorage, compute_bytes: float = 2.0, qua
     return quantised_fraction * nf4_bytes_per_param(blocksize) + (1.0 - quantised_fraction) * compute_bytes
 
 
-def llama_linear_fraction(parameters: int, vocab_size: int, hidden_size: int, tied: bool = False) -> float:
-    """The fraction of a Llama-shaped model's parameters in its decoder blocks' linear layers: all but
-    the embedding and the head (one matrix if ``tied``; the norms are a rounding error)."""
-    outside = vocab_size * hidden_size * (1 if tied else 2)
-    if not 0 < outside < parameters:
-        raise PlanningError(f"a vocabulary of {vocab_size:,} at hidden size {hidden_size:,} does not fit in "
+def llama_matrix_fraction(parameters: int, num_layers: int, hidden_size: int) -> float:
+    """The fraction of a Llama-shaped model's parameters in matrices: all but its RMS norms (two a
+    layer and the final one, ``hidden_size`` each; a Llama has no biases)."""
+    vectors = (2 * num_layers + 1) * hidden_size
+    if not 0 <= vectors < parameters:
+        raise PlanningError(f"{num_layers} layers of norms at hidden size {hidden_size:,} do not fit in "
                             f"{parameters:,} parameters")
-    return (parameters - outside) / parameters
+    return (parameters - vectors) / parameters

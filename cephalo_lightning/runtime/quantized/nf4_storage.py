@@ -17,8 +17,12 @@ layout that cut the pieces: a single-process model is "the same quantised model"
 each parameter in the same pieces (:func:`quantised_like`), and a re-sharded run re-quantises the
 dequantised values at the new cut points (exact where no cut moves).
 
-The modules' local pieces (what they hold outside compute, what checkpoints read) are the
-dequantised values of this rank's pieces in the compute dtype: :meth:`local_bytes` counts them.
+[Note: a quantised piece holds no data] Outside compute the modules hold a quantised matrix's
+local piece on the meta device: its shape, no bytes (a dequantised copy would cost more than the 4-bit
+one saves). What reads values (checkpoints, the frozen base's fingerprint, hand-backs, re-sharding)
+asks the storage (:meth:`Nf4Storage.piece_values`: dequantised in fp32, where ``NF4[c] x absmax`` is
+exact, so quantising them again in the same pieces gives the same bytes) and stores loaded values
+again through ``FlatUnit.restore_frozen``.
 """
 
 from __future__ import annotations
@@ -78,7 +82,6 @@ class Nf4Storage(FrozenStorage):
                              f"for rank {rank}'s pieces, which take {self.counts.scales.shard_sizes[rank]} and "
                              f"{self.counts.dense.shard_sizes[rank]}")
         self.blocks, self.dense = blocks, dense
-        self._pieces = self._dequantised_pieces(self.blocks, self.dense, rank)
 
     @classmethod
     def from_values(cls, layout: UnitLayout, rank: int, values: torch.Tensor, compute_dtype: torch.dtype,
@@ -98,34 +101,51 @@ class Nf4Storage(FrozenStorage):
                    Nf4Blocks(blocks.codes.to(flat.device), blocks.absmax.to(flat.device), blocksize),
                    torch.cat(dense) if dense else flat.new_empty(0, dtype=compute_dtype))
 
-    def _dequantised_pieces(self, blocks: Nf4Blocks, dense: torch.Tensor, rank: int) -> list[torch.Tensor]:
-        """Rank ``rank``'s piece of every frozen parameter in the compute dtype, from its blocks and dense values."""
+    def _dequantised_pieces(self, blocks: Nf4Blocks, dense: torch.Tensor, rank: int,
+                            dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Rank ``rank``'s piece of every frozen parameter, from its blocks (dequantised into ``dtype``,
+        the compute dtype by default) and its dense values."""
         out, block, at = [], 0, 0
         for span in self.layout.params:
             a, b = self.layout.param_piece(span, rank)
             if quantised(span):
                 n = num_blocks(b - a, self.blocksize)
-                out.append(blocks.blocks(block, block + n).dequantize(self.compute_dtype, b - a))
+                out.append(blocks.blocks(block, block + n).dequantize(dtype or self.compute_dtype, b - a))
                 block += n
             else:
                 out.append(dense[at: at + b - a])
                 at += b - a
         return out
 
+    def quantised_names(self) -> list[str]:
+        """The frozen parameters this kind stores as NF4 blocks (the matrices)."""
+        return [span.name for span in self.layout.params if quantised(span)]
+
     def local_bytes(self) -> int:
-        held = sum(p.numel() * p.element_size() for span, p in zip(self.layout.params, self._pieces) if quantised(span))
-        return self.blocks.nbytes + self.dense.numel() * self.dense.element_size() + held
+        return self.blocks.nbytes + self.dense.numel() * self.dense.element_size()
 
     def gathered_bytes(self) -> int:
         return self.counts.codes.numel + 4 * self.counts.scales.numel + self.counts.dense.numel * self.dense.element_size()
 
     def pieces(self) -> list[torch.Tensor]:
-        return self._pieces
+        """A quantised matrix's piece on the meta device, a vector's a view of the dense values
+        (see [Note: a quantised piece holds no data])."""
+        out, at = [], 0
+        for span in self.layout.params:
+            a, b = self.layout.param_piece(span, self.rank)
+            if quantised(span):
+                out.append(torch.empty(b - a, dtype=self.compute_dtype, device="meta"))
+            else:
+                out.append(self.dense[at: at + b - a])
+                at += b - a
+        return out
+
+    def piece_values(self) -> list[torch.Tensor]:
+        return self._dequantised_pieces(self.blocks, self.dense, self.rank, torch.float32)
 
     def values(self, dtype: torch.dtype) -> torch.Tensor:
-        if not self._pieces:
-            return self.dense.to(dtype)
-        return torch.cat([p.reshape(-1) for p in self._pieces]).to(dtype)
+        pieces = self._dequantised_pieces(self.blocks, self.dense, self.rank, dtype)
+        return torch.cat([p.reshape(-1).to(dtype) for p in pieces]) if pieces else self.dense.to(dtype)
 
     def start_gather(self, comm: Collectives, out: torch.Tensor, async_op: bool) -> GatheredNf4:
         counts, device = self.counts, out.device

@@ -66,6 +66,12 @@ class FrozenStorage(abc.ABC):
         """This rank's piece of every frozen parameter, flat, in the part's order: the tensors the
         modules hold outside compute (views of the storage where it holds the values themselves)."""
 
+    def piece_values(self) -> list[torch.Tensor]:
+        """This rank's piece of every frozen parameter as values (flat, in the part's order): what a
+        checkpoint saves and loads. The pieces themselves where they hold the values; a kind whose
+        pieces hold no data (on the meta device) gives values exact enough to store it again."""
+        return self.pieces()
+
     @abc.abstractmethod
     def values(self, dtype: torch.dtype) -> torch.Tensor:
         """This rank's frozen elements as values in ``dtype`` (dequantised where stored otherwise):
