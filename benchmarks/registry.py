@@ -40,6 +40,8 @@ BENCHMARKS: tuple[Entry, ...] = (
     Entry("meta_init", "Meta-device init: peak host memory per rank while a 220M model is sharded", True),
     Entry("startup", "Planner CLI start-up beside `python -c pass`", True),
     Entry("fidelity", "Plan fidelity: predicted vs measured step time and peak memory per rank", True),
+    Entry("frozen_base", "LoRA over a slow link: collective bytes and step time, the frozen base before and now "
+          "(emulated)", True),
     Entry("lab_cluster", "A lab's two nodes (4x A100 + 4x RTX 3090, 10 GbE): plans under the old and new cost-model "
           "defaults (predicted)", True),
     Entry("qlora_plan", "LoRA and QLoRA at the cards' limit: a bf16 or 4-bit base on 24 GB cards and the lab cluster "

@@ -63,6 +63,7 @@ class ModelProfile:
     # layer), and of one sample's output of the last layer (held from the forward pass to the loss)
     input_bytes_per_sample: tuple[float, ...] = ()
     output_bytes_per_sample: float = 0.0
+    layer_trainable_numels: tuple[int, ...] = ()  # trainable parameters of every layer (what its reduce-scatter moves)
 
     @property
     def kept_bytes_per_sample(self) -> float:
@@ -310,6 +311,7 @@ def _per_average_layer(numels: Sequence[tuple[int, int]], sizes: tuple[int, ...]
                                       for j in range(len(sizes))) if all(of_layer[i].graph_bytes for i in of_layer) else (),
         parameters=sum(trainable for _, trainable in numels),
         layer_numels=tuple(total for total, _ in numels),
+        layer_trainable_numels=tuple(trainable for _, trainable in numels),
         kinds=kinds,
         seconds=seconds,
     )

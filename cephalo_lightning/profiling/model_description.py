@@ -60,4 +60,5 @@ class ModelDescription:
             stash_bytes_per_sample=sum(stashes) / len(stashes) if stashes else None,
             kept_bytes_per_sample=profile.kept_bytes_per_sample if stashes else None,
             largest_unit_parameters=max(profile.layer_numels) if profile.layer_numels else None,
+            largest_reduced_parameters=max(profile.layer_trainable_numels) if profile.layer_trainable_numels else None,
         )

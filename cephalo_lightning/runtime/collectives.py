@@ -213,6 +213,7 @@ class Collectives:
     observers: Observers = field(default_factory=Observers)
     streams: CudaStreams | None = None
     links: Links | None = None  # see [Note: emulated links]
+    sent_bytes: dict[str, int] = field(default_factory=dict)  # bytes this rank sent to its peers, by operation
 
     def __post_init__(self) -> None:
         self.mode = resolve_mode(self.mode, self.group)
@@ -231,9 +232,13 @@ class Collectives:
         if self.record:
             self.log.append((op, unit.name, unit.numel))
 
-    def _deadline(self, sent: list[int], element_size: int) -> float | None:
+    def _deadline(self, op: str, sent: list[int], element_size: int) -> float | None:
         """When a collective issued now, sending ``sent[q]`` elements to group rank q, is complete
-        over the links (None without links or when nothing leaves this rank)."""
+        over the links (None without links or when nothing leaves this rank); counts the bytes sent
+        in :attr:`sent_bytes` under ``op``."""
+        if self.world_size > 1:
+            out = sum(n for q, n in enumerate(sent) if q != self.rank) * element_size
+            self.sent_bytes[op] = self.sent_bytes.get(op, 0) + out
         if self.links is None or self.world_size == 1:
             return None
         start = time.perf_counter()
@@ -271,7 +276,7 @@ class Collectives:
             return PendingGather(out, source=shard)
         lo, hi = unit.shard_range(self.rank)
         per_peer = hi - lo if unit.is_even or self.mode == Collective.EXACT else unit.max_shard
-        deadline = self._deadline(self._equal_sends(per_peer), shard.element_size())
+        deadline = self._deadline("all_gather", self._equal_sends(per_peer), shard.element_size())
         pending = self._all_gather_issue(shard, out, unit, async_op)
         if async_op:
             pending.deadline = deadline
@@ -317,7 +322,7 @@ class Collectives:
         """
         self._note("reduce_scatter", unit)
         with self.observers.collective("reduce_scatter", unit.name, unit.numel):
-            deadline = self._deadline(self._reduce_scatter_sends(unit), full.element_size())
+            deadline = self._deadline("reduce_scatter", self._reduce_scatter_sends(unit), full.element_size())
             shard = self._reduce_scatter(full, unit)
             _sleep_until(deadline)
             return shard
@@ -430,7 +435,7 @@ class Collectives:
             self.log.append(("all_reduce", name, tensor.numel()))
         with self.observers.collective("all_reduce", name, tensor.numel()):
             per_peer = 2 * tensor.numel() // self.world_size
-            deadline = self._deadline(self._equal_sends(per_peer), tensor.element_size())
+            deadline = self._deadline("all_reduce", self._equal_sends(per_peer), tensor.element_size())
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         return PendingWork(work, deadline, WaitReport.of(self.observers, "all_reduce", name, tensor.numel()))
 
@@ -445,7 +450,7 @@ class Collectives:
             out.copy_(source)
             return
         with self.observers.collective("all_to_all", name, source.numel()):
-            deadline = self._deadline(list(send_sizes), source.element_size())
+            deadline = self._deadline("all_to_all", list(send_sizes), source.element_size())
             dist.all_to_all_single(out, source, output_split_sizes=receive_sizes, input_split_sizes=send_sizes,
                                    group=self.group)
             _sleep_until(deadline)

@@ -267,6 +267,14 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
         trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
         out["pinned"].append([max(w["ranks"][i]["peak_memory_gb"] for w in pinned.history) for i in range(2)])
     out["cluster"] = watcher.cluster
+    # the same under bf16-true: the frozen base stored in bf16, priced at 2 bytes
+    watcher = CephaloCallback(max_micro_batch=3, cache_dir=None, watch_every_n_steps=1, print_plan=False, quiet=True,
+                              calibrate_after_windows=0, adapt=False)
+    trainer = helpers.trainer(CephaloStrategy(pretrained=str(base), emulate=EMULATE), 2, STEPS, callbacks=[watcher],
+                              default_root_dir=str(root_path), precision="bf16-true")
+    trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
+    out["bf16 memory"] = {"model": watcher.cluster.model, "history": watcher.history, "plan": trainer.strategy.plan,
+                          "stored": trainer.strategy.sharded.local_state_bytes()}
     return out
 
 
@@ -527,3 +535,22 @@ def test_an_adapters_only_checkpoint_resumes_exactly_and_refuses_another_base(lo
         message = r["other base"]
         for named in (str(root / "base"), str(root / "other"), _fingerprint(root / "base"), _fingerprint(root / "other")):
             assert named in message, (named, message)
+
+
+@pytest.mark.multiprocess
+def test_a_bf16_base_is_priced_at_what_it_stores_and_never_above_the_prediction(lora_runs):
+    """Under bf16-true the frozen base is stored in bf16: the profiled model prices a frozen parameter
+    at 2 bytes, each rank holds 2 bytes per frozen element and 4 per trainable one, and every rank's
+    measured peak (emulated memory) stays at or below the plan's prediction."""
+    _, results = lora_runs
+    memory = results[0]["bf16 memory"]
+    model = memory["model"]
+    assert model.weight_bytes_per_param == 2.0
+    assert model.largest_reduced_parameters is not None and model.largest_reduced_parameters < model.largest_unit_parameters
+    for i, r in enumerate(memory["plan"].ranks):
+        trainable, frozen = results[i]["bf16 memory"]["stored"]
+        assert frozen > 0 and trainable > 0
+        peaks = [w["ranks"][i]["peak_memory_gb"] for w in memory["history"]]
+        print(f"rank {i}: measured peak {max(peaks) * GIB / 2**20:.3f} MiB, predicted {r.predicted_memory_gb * GIB / 2**20:.3f} "
+              f"MiB, stored {trainable / 2**20:.3f} MiB trainable + {frozen / 2**20:.3f} MiB frozen (emulated)")
+        assert max(peaks) <= r.predicted_memory_gb, f"rank {i}: measured {max(peaks):.4g} > predicted {r.predicted_memory_gb:.4g} GiB"

@@ -190,12 +190,14 @@ class CephaloCallback(Callback):
         compute_dtype = strategy.param_dtype or _TRUE_PRECISION_DTYPES.get(getattr(precision, "precision", ""))
         master = master_dtype_for(compute_dtype or (trainable[0].dtype if trainable else torch.float32))
         state_bytes = self.config.state_bytes_per_param or 4 * master.itemsize
+        # a frozen parameter costs what its storage holds (its compute dtype: bf16 2 bytes, fp32 4)
+        weight_bytes = strategy.frozen_bytes_per_param() or float(master.itemsize)
         with precision.forward_context():  # autocast for "*-mixed"
             cluster = profile_cluster(
                 layers, sample_input,
                 ModelDescription(name=type(module).__name__, parameters=parameters,
                                  trainable_parameters=trainable_parameters, state_bytes_per_param=state_bytes,
-                                 weight_bytes_per_param=float(master.itemsize)),
+                                 weight_bytes_per_param=weight_bytes),
                 hooks, emulator=strategy.emulator,  # its current state: a throttle shows
                 options=ProfileOptions(max_micro_batch=self.config.max_micro_batch, compute_dtype=compute_dtype,
                                        collective_modes=(strategy.collective,)),

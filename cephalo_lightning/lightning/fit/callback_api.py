@@ -7,6 +7,7 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 from cephalo_lightning.planner import Cluster, Plan
+from cephalo_lightning.runtime.sharding.frozen_storage import stored_bytes_per_element
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +62,14 @@ class CallbackAPI:
         """Collective: adopt ``plan``, made from the freshly profiled ``cluster``; re-shards at once."""
         self.cluster = cluster
         self.adopt_plan(plan)
+
+    def frozen_bytes_per_param(self) -> float | None:
+        """Bytes a frozen parameter's storage holds per element in this fit's sharded model (the same
+        on every rank), None where no parameter is frozen."""
+        for unit in self._fit_runtime().sharded.units:
+            if unit.frozen is not None:
+                return stored_bytes_per_element(unit.base, unit.compute_dtype)
+        return None
 
     @property
     def fit_mode(self) -> str:

@@ -6,7 +6,7 @@ A group of every rank pays the world's figures, given per layer (``settings.allg
 largest share rho::
 
     AG = (W - 1) / W x layer_parameters x compute_bytes_per_param / bandwidth   (+ latency across nodes)
-    RS = (W - 1) / W x layer_parameters x grad_bytes_per_param / bandwidth
+    RS = (W - 1) / W x layer_trainable_parameters x grad_bytes_per_param / bandwidth   (frozen ones: no gradient)
     AG(rho) = AG x (1 + slope x (W rho - 1)),  RS(rho) likewise
 
 (``settings.uneven_slope`` when measured, else :data:`UNEVEN_SLOPE`). Other shard groups are
@@ -263,7 +263,8 @@ def link_prices(cluster: Cluster) -> LinkPrices:
         moved = (world - 1) / world * model.layer_parameters
         bandwidth = own * 1e9  # bytes/s
         ag = ag or moved * model.compute_bytes_per_param / bandwidth * 1e3
-        rs = rs or moved * model.grad_bytes_per_param / bandwidth * 1e3
+        reduced = (world - 1) / world * model.layer_trainable_parameters
+        rs = rs or reduced * model.grad_bytes_per_param / bandwidth * 1e3
     if world == 1:
         ag = rs = 0.0
 
@@ -272,9 +273,9 @@ def link_prices(cluster: Cluster) -> LinkPrices:
 
     latency = 0.0 if measured_ag or measured_rs else s.inter_node_latency_ms
     slope = s.uneven_slope if s.uneven_slope is not None else UNEVEN_SLOPE[s.collective]
-    inter_layer_ms = (model.layer_parameters * model.grad_bytes_per_param / (s.inter_node_bandwidth_gbps * 1e9) * 1e3
-                      if crosses and s.inter_node_bandwidth_gbps else None)
-    exposed = exposed_bucket_fraction(model.num_layers, model.layer_parameters * model.grad_bytes_per_param)
+    inter_layer_ms = (model.layer_trainable_parameters * model.grad_bytes_per_param / (s.inter_node_bandwidth_gbps * 1e9)
+                      * 1e3 if crosses and s.inter_node_bandwidth_gbps else None)
+    exposed = exposed_bucket_fraction(model.num_layers, model.layer_trainable_parameters * model.grad_bytes_per_param)
     return LinkPrices(ag, rs, world, crosses, ratio(intra), ratio(inter), latency, slope, inter_layer_ms, exposed)
 
 

@@ -36,16 +36,16 @@ updates only the rank's own share); ``contention`` and ``step_overhead`` come fr
         + reserved + (state_bytes + reduction_bytes) * r_i  <=  usable_memory_fraction * memory_i
 
     state_bytes = state_bytes_per_param * trainable + weight_bytes_per_param * frozen
-    reduction_bytes = 2 * largest_unit_parameters * grad_bytes_per_param
+    reduction_bytes = 2 * largest_reduced_parameters * grad_bytes_per_param
 
 (:class:`~cephalo_lightning.planner.schema.cluster_spec.ModelSpec`): every parameter's stored weight, and the
 gradient and optimizer moments of the trainable ones only (LoRA: the frozen base costs its weights),
-and ``reduction_bytes`` what a unit's reduce-scatter holds per share: two shards of the largest unit
-(the exact one's receive buffer and sum; the padded one's sum and the copy of the rank's range; where
-every parameter trains the exact sum is the rank's gradient, so this is a shard over). Compute memory
-holds the unit's flat gradient itself.
-The all-gathers and reduce-scatters move every parameter of a layer (frozen ones included: the
-runtime reduces a unit's flat gradient whole). The shares r_i are water-filled under the memory's
+and ``reduction_bytes`` what a unit's reduce-scatter holds per share: two shards of the largest
+unit's trainable part (the exact one's receive buffer and sum; the padded one's sum and the copy of
+the rank's range; where every parameter trains the exact sum is the rank's gradient, so this is a
+shard over). Compute memory holds the unit's flat gradient itself. The all-gathers move every
+parameter of a layer, the reduce-scatters its trainable ones only (a frozen parameter has no
+gradient in the runtime's reduction). The shares r_i are water-filled under the memory's
 caps (:func:`water_fill`).
 
 Memory is in GiB (2**30 bytes), as ``torch.cuda`` reports it; times in milliseconds.

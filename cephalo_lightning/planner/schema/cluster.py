@@ -128,6 +128,8 @@ def parse_model(data: Any) -> ModelSpec:
         weight_bytes_per_param=checked_number(data.get("weight_bytes_per_param", 4), "model.weight_bytes_per_param"),
         largest_unit_parameters=None if data.get("largest_unit_parameters") is None else
         checked_integer(data["largest_unit_parameters"], "model.largest_unit_parameters"),
+        largest_reduced_parameters=None if data.get("largest_reduced_parameters") is None else
+        checked_integer(data["largest_reduced_parameters"], "model.largest_reduced_parameters", minimum=0),
         **optional_ints,
     )
 

@@ -36,7 +36,8 @@ class ModelSpec:
 
     a trainable parameter holds its weight, gradient and optimizer moments (``state_bytes_per_param``,
     16 for fp32 AdamW), a frozen one (LoRA's base model, frozen embeddings) only its stored weight
-    (``weight_bytes_per_param``: the shard's dtype, 4 for an fp32 master).
+    (``weight_bytes_per_param``: what its storage holds, 2 for a base in bf16, 4 in fp32). Only the
+    trainable parameters are reduced: a reduce-scatter moves and holds the trainable part of a unit.
     """
 
     name: str
@@ -53,16 +54,23 @@ class ModelSpec:
     # (measured by the profiler; absent: estimated, see kept_bytes)
     kept_bytes_per_sample: float | None = None
     trainable_parameters: int | None = None  # None: every parameter trains
-    weight_bytes_per_param: float = 4.0  # bytes of a frozen parameter's stored shard (the master dtype)
-    # the largest unit's parameters, frozen ones included: its gradient is reduced whole, and the
-    # reduction holds this rank's share of it (measured by the profiler; absent: parameters / num_layers)
+    weight_bytes_per_param: float = 4.0  # bytes of a frozen parameter's stored shard (its storage's: bf16 2, fp32 4)
+    # the largest unit's parameters, frozen ones included (measured by the profiler; absent:
+    # parameters / num_layers)
     largest_unit_parameters: int | None = None
+    # the largest unit's trainable parameters: the part its reduce-scatter moves and holds this rank's
+    # share of (measured by the profiler; absent: largest_unit_parameters, a unit reduced whole)
+    largest_reduced_parameters: int | None = None
 
     def __post_init__(self) -> None:
         if self.trainable_parameters is not None and not 0 <= self.trainable_parameters <= self.parameters:
             raise PlanningError(f"model.trainable_parameters ({self.trainable_parameters:,}) must be between 0 and "
                                 f"model.parameters ({self.parameters:,}, every parameter, frozen ones included); "
                                 "fix it in the cluster file")
+        if self.largest_reduced_parameters is not None and not 0 <= self.largest_reduced_parameters <= self.parameters:
+            raise PlanningError(f"model.largest_reduced_parameters ({self.largest_reduced_parameters:,}) must be between "
+                                f"0 and model.parameters ({self.parameters:,}); fix it in the cluster file or leave it "
+                                "out (the largest unit's parameters are used)")
         if self.largest_unit_parameters is not None and not 0 < self.largest_unit_parameters <= self.parameters:
             raise PlanningError(f"model.largest_unit_parameters ({self.largest_unit_parameters:,}) must be between 1 and "
                                 f"model.parameters ({self.parameters:,}); fix it in the cluster file or leave it out "
@@ -99,8 +107,16 @@ class ModelSpec:
         return self.parameters / self.num_layers
 
     @property
+    def layer_trainable_parameters(self) -> float:
+        """A layer's trainable parameters (the layers' mean): what its reduce-scatter moves."""
+        return self.trainable / self.num_layers
+
+    @property
     def reduced_unit_parameters(self) -> float:
-        """The unit whose reduction the memory model prices: the largest, measured, else the layers' mean."""
+        """The unit whose reduction the memory model prices: the largest trainable part, measured, else
+        the largest unit whole, else the layers' mean."""
+        if self.largest_reduced_parameters is not None:
+            return self.largest_reduced_parameters
         return self.largest_unit_parameters or self.layer_parameters
 
     @property

@@ -111,6 +111,9 @@ class FlatUnit:
     for fp64 models), as built; the unit keeps its trainable elements as :attr:`master` (the truth
     the optimizer steps) and hands its frozen ones to :attr:`frozen`, a storage of kind ``base``
     ([Note: a unit's two parts]). The modules are switched to the local pieces at construction.
+    ``trained_part`` (default ``requires_grad``): the parameters kept in the trainable part; every
+    parameter there reproduces how frozen parameters were held before the split (in the master,
+    their zero gradients reduced), which only a benchmark's before-and-after comparison asks for.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class FlatUnit:
         compute_dtype: torch.dtype,
         observers: Observers | None = None,
         base: BaseStorage = BaseStorage.COMPUTE,
+        trained_part: Sequence[bool] | None = None,
     ) -> None:
         if [s.name for s in slots] != [p.name for p in layout.params]:
             raise ValueError(f"unit {layout.name}: slots and layout disagree")
@@ -136,6 +140,9 @@ class FlatUnit:
         self.master_dtype = shard.dtype
         self.base = BaseStorage(base)
         self.requires_grad = [bool(r) for r in requires_grad]
+        self.trained_part = list(self.requires_grad if trained_part is None else [bool(t) for t in trained_part])
+        if any(r and not t for r, t in zip(self.requires_grad, self.trained_part)):
+            raise ValueError(f"unit {layout.name}: a trainable parameter must be in the trainable part")
         self.trainable = any(self.requires_grad)
         self.num_trainable = sum(self.requires_grad)
         self.observers = observers if observers is not None else Observers()
@@ -152,13 +159,13 @@ class FlatUnit:
 
     def _install(self, layout: UnitLayout, shard: torch.Tensor) -> None:
         self.layout = layout
-        self.trainable_layout = layout.part(self.requires_grad)
-        frozen_layout = layout.part([not r for r in self.requires_grad])
+        self.trainable_layout = layout.part(self.trained_part)
+        frozen_layout = layout.part([not t for t in self.trained_part])
         lo, _ = layout.shard_range(self.rank)
         trainable_runs, frozen_runs = [], []
-        for span, requires_grad in zip(layout.params, self.requires_grad):
+        for span, in_master in zip(layout.params, self.trained_part):
             a, b = layout.param_piece(span, self.rank)
-            (trainable_runs if requires_grad else frozen_runs).append((span.offset + a - lo, b - a))
+            (trainable_runs if in_master else frozen_runs).append((span.offset + a - lo, b - a))
         # A rank alone in its group computing in the master dtype holds the unit whole: the full
         # parameters are views of its storage itself (*resident*, see _bind_full).
         resident = layout.world_size == 1 and self.compute_dtype == shard.dtype and self.base is BaseStorage.COMPUTE
@@ -184,9 +191,9 @@ class FlatUnit:
         self._piece_runs: list[tuple[int, int] | None] = []  # a trainable piece's (start, numel) in the master
         t_lo, _ = self.trainable_layout.shard_range(self.rank)
         t_spans = iter(self.trainable_layout.params)
-        for span, requires_grad in zip(layout.params, self.requires_grad):
+        for span, requires_grad, in_master in zip(layout.params, self.requires_grad, self.trained_part):
             a, b = layout.param_piece(span, self.rank)
-            if requires_grad:
+            if in_master:
                 packed = next(t_spans)
                 start = packed.offset + a - t_lo
                 self._piece_runs.append((start, b - a))
@@ -242,14 +249,15 @@ class FlatUnit:
         if self.frozen is None:
             return self.master.to(dtype)
         frozen = self.frozen.values(dtype)
-        if not self.trainable:
+        if not any(self.trained_part):
             return frozen
         out = torch.empty(self.master.numel() + frozen.numel(), dtype=dtype, device=self.device)
         t = f = 0
-        for run, (span, requires_grad) in zip(self._piece_runs, zip(self.spans, self.requires_grad)):
+        lo, _ = self.layout.shard_range(self.rank)
+        for span, in_master in zip(self.spans, self.trained_part):
             a, b = self.layout.param_piece(span, self.rank)
-            at = span.offset + a - self.layout.shard_range(self.rank)[0]
-            if requires_grad:
+            at = span.offset + a - lo
+            if in_master:
                 out[at : at + b - a].copy_(self.master[t : t + b - a])
                 t += b - a
             else:
@@ -258,11 +266,13 @@ class FlatUnit:
         return out
 
     def _bind_full(self) -> None:
-        """Point the full parameters at their buffer, ``[trainable part | frozen part]``. A rank alone
-        in its shard group that computes in the master dtype holds the unit whole: the full
-        parameters are views of its storage itself (*resident*), and gathering is only the modules
-        switching to them (no copy, no collective: data parallelism's forward). Otherwise the buffer
-        is allocated while gathered."""
+        """Point the full parameters at their buffer. A rank alone in its shard group that computes in
+        the master dtype holds the unit whole: the full parameters are views of its storage itself
+        (*resident*, ``[trainable part | frozen part]``), and gathering is only the modules switching
+        to them (no copy, no collective: data parallelism's forward). Otherwise the buffer is
+        allocated while gathered: in the unit's order where the frozen part holds its values in the
+        compute dtype (one all-gather of the unit, see :meth:`start_gather`), else ``[trainable part
+        | frozen part]`` (one all-gather per part)."""
         resident = self.layout.world_size == 1 and self.compute_dtype == self.master.dtype and (
             self.frozen is None or self._storage is not None)
         if resident is self.resident and not resident:
@@ -272,12 +282,13 @@ class FlatUnit:
             self.full = self._storage if self._storage is not None else self.master
         else:
             self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
+        self.unit_order = not resident and (self.frozen is None or isinstance(self.frozen, ComputeDtypeStorage))
         trained = self.trainable_layout.numel
         t_spans = iter(self.trainable_layout.params)
         f_spans = iter(self.frozen.layout.params if self.frozen is not None else ())
-        for requires_grad, param in zip(self.requires_grad, self.full_params):
-            span = next(t_spans) if requires_grad else next(f_spans)
-            at = span.offset + (0 if requires_grad else trained)
+        for unit_span, in_master, param in zip(self.layout.params, self.trained_part, self.full_params):
+            span = next(t_spans) if in_master else next(f_spans)
+            at = unit_span.offset if self.unit_order else span.offset + (0 if in_master else trained)
             param.data = self.full[at : at + span.numel].view(span.shape)
         # Collectives write through this alias: it shares the storage but not the version counter,
         # so refilling the buffer for the backward pass does not trip autograd's in-place checks
@@ -338,13 +349,27 @@ class FlatUnit:
         return self.state is UnitState.GATHERED
 
     def start_gather(self, comm: Collectives) -> None:
-        """SHARDED -> GATHERING: begin filling the full buffer (one all-gather per part); overlaps
-        with compute where the backend allows. A unit already gathering or gathered stays as it is."""
+        """SHARDED -> GATHERING: begin filling the full buffer; overlaps with compute where the backend
+        allows. A unit already gathering or gathered stays as it is. A frozen part held in the compute
+        dtype is sent with the trainable one, the rank's range in the unit's order, in one all-gather
+        (a second collective per unit would cost a link's latency each time); another storage kind
+        gathers its part itself."""
         if self.state is not UnitState.SHARDED or self.resident:
             return
         self._resize(self.full.numel() * self.full.element_size())
+        if self.unit_order:
+            if self.frozen is None:
+                source = self.master
+            elif not any(self.trained_part):
+                source = self.frozen.values(self.compute_dtype)  # the storage itself: no copy
+            else:
+                source = self.shard_values(self.compute_dtype)
+            self._pending.append(comm.all_gather(source, self._full_raw, self.layout, async_op=True,
+                                                 dtype=self.compute_dtype))
+            self.state = UnitState.GATHERING
+            return
         trained = self.trainable_layout.numel
-        if self.trainable or self.frozen is None:
+        if any(self.trained_part) or self.frozen is None:
             self._pending.append(comm.all_gather(self.master, self._full_raw[:trained], self.trainable_layout,
                                                  async_op=True, dtype=self.compute_dtype))
         if self.frozen is not None:
@@ -391,7 +416,7 @@ class FlatUnit:
         layout = self.trainable_layout
         if out is None:
             out = torch.empty(layout.numel, dtype=dtype or self.master_dtype, device=self.device)
-        grads = [param.grad for param, rg in zip(self.full_params, self.requires_grad) if rg]
+        grads = [param.grad for param, t in zip(self.full_params, self.trained_part) if t]
         if grads and all(g is not None for g in grads):  # the usual case: one copy (and cast) of them all
             torch.cat([g.reshape(-1) for g in grads], out=out)
         else:
@@ -409,7 +434,7 @@ class FlatUnit:
         layout = self.trainable_layout
         chunk = layout.max_shard
         out = torch.zeros(layout.world_size * chunk, dtype=dtype, device=self.device)
-        for span, param in zip(layout.params, [p for p, rg in zip(self.full_params, self.requires_grad) if rg]):
+        for span, param in zip(layout.params, [p for p, t in zip(self.full_params, self.trained_part) if t]):
             if param.grad is None:
                 continue
             grad = param.grad.reshape(-1)
@@ -427,7 +452,7 @@ class FlatUnit:
         master's elements) into the local pieces' ``.grad``. ``shard_grad`` is the caller's to give
         (a fresh reduction result): a piece without a gradient takes a view of it, not a copy."""
         for run, param in zip(self._piece_runs, self.local_params):
-            if run is None:
+            if run is None or not param.requires_grad:
                 continue
             start, numel = run
             piece = shard_grad[start : start + numel].view(param.shape)

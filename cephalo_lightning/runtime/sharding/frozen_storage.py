@@ -53,6 +53,11 @@ class FrozenStorage(abc.ABC):
                     compute_dtype: torch.dtype) -> FrozenStorage:
         """Stored from ``values``: this rank's frozen elements (packed, any floating dtype)."""
 
+    @classmethod
+    @abc.abstractmethod
+    def bytes_per_element(cls, compute_dtype: torch.dtype) -> float:
+        """Bytes the kind stores per frozen element (what the memory model's ``weight_bytes_per_param`` is)."""
+
     @abc.abstractmethod
     def local_bytes(self) -> int:
         """Bytes this rank stores for the part (what the memory model prices)."""
@@ -100,6 +105,10 @@ class ComputeDtypeStorage(FrozenStorage):
                     compute_dtype: torch.dtype) -> ComputeDtypeStorage:
         return cls(layout, rank, compute_dtype, values.detach().to(compute_dtype).reshape(-1).clone())
 
+    @classmethod
+    def bytes_per_element(cls, compute_dtype: torch.dtype) -> float:
+        return float(compute_dtype.itemsize)
+
     def local_bytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
 
@@ -122,6 +131,11 @@ class ComputeDtypeStorage(FrozenStorage):
 
 
 KINDS: dict[BaseStorage, type[FrozenStorage]] = {BaseStorage.COMPUTE: ComputeDtypeStorage}
+
+
+def stored_bytes_per_element(kind: BaseStorage, compute_dtype: torch.dtype) -> float:
+    """Bytes a frozen element costs stored as ``kind`` under ``compute_dtype``."""
+    return KINDS[BaseStorage(kind)].bytes_per_element(compute_dtype)
 
 
 def make_storage(kind: BaseStorage, layout: UnitLayout, rank: int, values: torch.Tensor,

@@ -144,6 +144,7 @@ class ShardedModel:
         observers: Sequence[Observer] = (),
         bucket_bytes: tuple[int, int] | None = None,
         base: BaseStorage = BaseStorage.COMPUTE,
+        frozen_in_master: bool = False,
     ) -> None:
         handback.check_not_pieces(module)
         self.module = module
@@ -175,7 +176,9 @@ class ShardedModel:
             [sum(s.numel for s in unit) for unit in spans], list(shares), self.shard_groups,
             unit_names(module, self.unit_groups), spans)
         self.layout: ShardLayout = self.layouts[self.group_index]  # this rank's group's
-        self._trainable = [[slot.current.requires_grad for slot in slots] for slots in slot_groups]
+        # each unit's trainable part; frozen_in_master: every parameter (how frozen ones were held
+        # before the split; only benchmarks/bench_frozen_base.py's comparison asks for it)
+        self._trainable = [[frozen_in_master or slot.current.requires_grad for slot in slots] for slots in slot_groups]
         self.replicas = ReplicaReducer(self.trainable_layouts(), self.shard_groups, self.world, replica)
         self.reduce_dtype = reduce_dtype
         self.bucket_bytes = bucket_bytes or (FIRST_BUCKET_BYTES, BUCKET_BYTES)
@@ -188,7 +191,7 @@ class ShardedModel:
             master_dtype = master_dtype_for(dtype)
             shard = materializer.master(index, unit, slots, self.comm.rank, master_dtype, buffers[index])
             self.units.append(FlatUnit(unit, slots, self.comm.rank, shard, [p.requires_grad for p in originals],
-                                       compute_dtype or dtype, self.observers, base))
+                                       compute_dtype or dtype, self.observers, base, self._trainable[index]))
         self.materialized_units = materializer.materialized_units
         self._plan_buckets()
         self.root = self.units[0]

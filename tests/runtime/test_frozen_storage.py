@@ -1,0 +1,205 @@
+"""A frozen base stored, sharded and gathered in the compute dtype; only trainable parameters reduced.
+
+    stored bytes on a rank  = 4 x (its trainable elements) + 2 x (its frozen elements)       (bf16-true)
+    reduce-scatter bytes    = (W - 1) x 4 x trainable elements per step, summed over the ranks  (exact mode)
+    all-gather bytes        = 2 x (elements gathered - own shard) for every gather of either part
+
+A LoRA-shaped TinyLM (its big matrices frozen, biases and norms trained) under ``bf16-true`` on 2 gloo
+ranks, layered and uniform, against the single-process reference (:func:`tests.reference.train_steps`)
+of the same bf16-base model: fp32 masters of the trainable parameters, each cast to bf16 for the
+forward (the cast's gradient is the bf16 gradient in fp32), the ranks' gradients added in rank order.
+The plans give every rank one micro-batch, so the runtime accumulates nothing in bf16 and the two
+compute the same maths; the bound is 10x the measured floor (the reference with the ranks' sum in
+the other order). The base stays bitwise the bf16 values it started as, and a resumed run ends
+bitwise where an uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.func import functional_call
+
+from tests.distributed import run_distributed
+from tests.helpers import fit
+from tests.lightning_models import TinyLayered, TinyUniform, token_data
+from tests.plans import plan_of
+from tests.reference import sliced, train_steps
+from tests.tiny_lm import TinyLM
+
+STEPS = 3
+LR = 0.1
+DECAY = 0.1  # SGD's weight decay: a frozen parameter the optimizer were given would move even without a gradient
+CLIP = 0.5
+FLOOR = 10  # x the measured noise floor
+FLOOR_EPS = 1e-7  # the floor of two bitwise-equal references: a bf16 weight's last place near 1 is 8e-3
+PLANS = {"layered": plan_of(batches=[8, 4], micro=[1, 1], shares=[0.7, 0.3]),
+         "uniform": plan_of(batches=[8, 4], micro=[1, 1], shares=[0.7, 0.3], mode="uniform")}
+
+
+def frozen(name: str) -> bool:
+    """The base LoRA would freeze: the embedding, the blocks' matrices and the head."""
+    return name.endswith("weight") and any(k in name for k in ("embed", ".up.", ".down.", "head"))
+
+
+def _freeze(module):
+    for name, p in module.named_parameters():
+        p.requires_grad_(not frozen(name))
+    return module
+
+
+class SGDMixin:
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR, weight_decay=DECAY)
+
+
+class LoraLayered(SGDMixin, TinyLayered):
+    def __init__(self):
+        super().__init__()
+        _freeze(self)
+
+
+class LoraUniform(SGDMixin, TinyUniform):
+    def __init__(self):
+        super().__init__()
+        _freeze(self)
+
+
+MODULES = {"layered": LoraLayered, "uniform": LoraUniform}
+
+
+def reference(plan, reverse_ranks: bool = False) -> dict[str, torch.Tensor]:
+    """Single-process SGD of the bf16-base model on the plan's global batches, each rank's piece
+    weighted by its share of the samples (see the module docstring)."""
+    base = TinyLM().to(torch.bfloat16)
+    masters = {n: p.detach().float().clone().requires_grad_() for n, p in base.named_parameters() if not frozen(n)}
+    fixed = {n: p.detach() for n, p in base.named_parameters() if frozen(n)}
+
+    def loss_of(batch):
+        params = {**fixed, **{n: m.to(torch.bfloat16) for n, m in masters.items()}}
+        return base.loss(functional_call(base, params, (batch[0],)), batch[1])
+
+    steps = []
+    for x, y in sliced(token_data(48), STEPS, plan.global_batch_size):
+        starts = [sum(r.batch_size for r in plan.ranks[:k]) for k in range(len(plan.ranks))]
+        ranks = [[((x[s : s + r.batch_size], y[s : s + r.batch_size]), r.batch_size / plan.global_batch_size)]
+                 for s, r in zip(starts, plan.ranks)]
+        steps.append(ranks[::-1] if reverse_ranks else ranks)
+    train_steps(torch.optim.SGD(masters.values(), lr=LR, weight_decay=DECAY), loss_of, steps, clip=CLIP, per_rank=True)
+    return {**{f"model.{n}": m.detach() for n, m in masters.items()}, **{f"model.{n}": v.float() for n, v in fixed.items()}}
+
+
+class GatherCheck(pl.Callback):
+    """Over the fit's steps: the elements every all-gather brought from the peers (the unit's or the
+    part's size less this rank's shard of it, from the collectives' log) and the bytes this rank sent
+    in all-gathers."""
+
+    def on_train_start(self, trainer, pl_module):
+        comm = trainer.strategy.sharded.comm
+        comm.record, comm.log, self.before = True, [], comm.sent_bytes.get("all_gather", 0)
+
+    def on_train_end(self, trainer, pl_module):
+        sharded = trainer.strategy.sharded
+        own = {(u.name, part.numel): part.shard_sizes[u.rank] for u in sharded.units
+               for part in (u.layout, u.trainable_layout, u.frozen.layout if u.frozen else u.layout)}
+        moved = sum(numel - own[(name, numel)] for op, name, numel in sharded.comm.log if op == "all_gather")
+        self.figures = (moved, sharded.comm.sent_bytes.get("all_gather", 0) - self.before)
+
+
+def _ranks(rank: int, world: int, root: str):
+    warnings.simplefilter("ignore")
+    out = {}
+    options = {"precision": "bf16-true", "gradient_clip_val": CLIP}
+    for mode, plan in PLANS.items():
+        gathers = GatherCheck()
+        trainer = fit(MODULES[mode](), plan, world, STEPS, token_data(48), {**options, "callbacks": [gathers]},
+                      gather_on_teardown="none", mode=mode)
+        sharded = trainer.strategy.sharded
+        units = sharded.units
+        out[mode] = {
+            "driven": str(trainer.strategy.fit_mode),
+            "params": sharded.full_state_dict(),
+            "frozen_dtypes": {str(p.dtype) for u in units for p, rg in zip(u.local_params, u.requires_grad) if not rg},
+            "trainable_dtypes": {str(p.dtype) for u in units for p, rg in zip(u.local_params, u.requires_grad) if rg},
+            "stored": sharded.local_state_bytes(),
+            "local": [(sum(p.numel() for p, rg in zip(u.local_params, u.requires_grad) if rg),
+                       sum(p.numel() for p, rg in zip(u.local_params, u.requires_grad) if not rg)) for u in units],
+            "reduce_scatter_bytes": sharded.comm.sent_bytes.get("reduce_scatter", 0),
+            "all_gather": gathers.figures,
+        }
+    # resume: 2 steps, a checkpoint, 1 more step from it, against the 3 uninterrupted steps above
+    first = fit(LoraLayered(), PLANS["layered"], world, 2, token_data(48), options, gather_on_teardown="none")
+    path = f"{root}/step2.ckpt"
+    first.save_checkpoint(path)
+    resumed = fit(LoraLayered(), PLANS["layered"], world, STEPS, token_data(48), options, ckpt_path=path,
+                  gather_on_teardown="none")
+    out["resumed"] = resumed.strategy.sharded.full_state_dict()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_distributed(_ranks, 2, str(tmp_path_factory.mktemp("frozen")))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", list(PLANS))
+def test_lora_with_a_bf16_base_trains_like_single_process_on_the_global_batch(runs, mode):
+    plan = PLANS[mode]
+    want, other = reference(plan), reference(plan, reverse_ranks=True)
+    floor = max((want[k] - other[k]).abs().max().item() for k in want)
+    bound = FLOOR * max(floor, FLOOR_EPS)
+    for r in runs:
+        got = r[mode]["params"]
+        err = max((got[k].float() - v).abs().max().item() for k, v in want.items() if not frozen(k[len("model."):]))
+        print(f"{mode}: largest difference {err:.2e}, floor {floor:.2e}, bound {bound:.2e}")
+        assert err <= bound, (mode, err, bound)
+        base = TinyLM().to(torch.bfloat16)
+        for name, value in base.named_parameters():  # the base stays bitwise its bf16 values
+            if frozen(name):
+                assert torch.equal(got[f"model.{name}"], value.detach().float()), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", list(PLANS))
+def test_the_frozen_base_is_stored_in_bf16_and_only_trainable_state_in_fp32(runs, mode):
+    for r in runs:
+        got = r[mode]
+        assert got["driven"] == mode
+        assert got["frozen_dtypes"] == {"torch.bfloat16"}
+        assert got["trainable_dtypes"] == {"torch.float32"}
+        trainable, frozen_ = (sum(t for t, _ in got["local"]), sum(f for _, f in got["local"]))
+        assert frozen_ > 0
+        assert got["stored"] == (4 * trainable, 2 * frozen_)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", list(PLANS))
+def test_only_trainable_gradients_are_reduced(runs, mode):
+    """Exact reduce-scatters on gloo: a rank sends every peer its range of each trainable part, so the
+    ranks together send (W - 1) x 4 bytes per trainable element per step; a frozen element would add its own."""
+    world = len(runs)
+    trainable = sum(p.numel() for name, p in TinyLM().named_parameters() if not frozen(name))
+    total = sum(r[mode]["reduce_scatter_bytes"] for r in runs)
+    assert total == STEPS * (world - 1) * 4 * trainable
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", list(PLANS))
+def test_every_all_gather_moves_bf16(runs, mode):
+    """Exact all-gathers: a rank's shard to each peer; received = sent over the ranks, 2 bytes an element."""
+    moved = sum(r[mode]["all_gather"][0] for r in runs)
+    sent = sum(r[mode]["all_gather"][1] for r in runs)
+    assert moved > 0
+    assert sent == 2 * moved
+
+
+@pytest.mark.multiprocess
+def test_a_bf16_base_lora_run_resumes_exactly(runs):
+    for r in runs:
+        want, got = r["layered"]["params"], r["resumed"]
+        for name, value in want.items():
+            assert torch.equal(got[name], value), name
