@@ -25,7 +25,7 @@ Three parts:
   all mostly fits at the cap).
 
 Only trainable gradients are reduced (the frozen base's are not), so the reduce-scatter's buffers
-are priced for one layer's adapters (``largest_unit_parameters``). The cards of one box share a host, each on its own PCIe 4.0 x16 link. These are PREDICTIONS of the
+are priced for one layer's adapters (``largest_reduced_parameters``). The cards of one box share a host, each on its own PCIe 4.0 x16 link. These are PREDICTIONS of the
 cost model for catalog-estimated devices (datasheet figures), not measurements; torch is not imported.
 The cost model prices an NF4 unit's all-gather at bf16 bytes (an upper bound: it moves about a
 quarter of that), so the QLoRA step times are pessimistic on slow links.
@@ -69,7 +69,7 @@ class Llama:
         return {"name": f"{self.name}-lora-{storage}", "num_layers": self.layers, "parameters": self.parameters,
                 "hidden_size": self.hidden, "seq_len": 2048, "trainable_parameters": self.lora,
                 # only the adapters' gradients are reduced: the largest reduction is one layer's adapters
-                "largest_unit_parameters": self.lora // self.layers,
+                "largest_reduced_parameters": self.lora // self.layers,
                 "weight_bytes_per_param": round(weight_bytes_per_param(kind, compute_bytes, fraction), 6)}
 
 

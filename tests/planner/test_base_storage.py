@@ -53,3 +53,14 @@ def test_the_planner_charges_a_smaller_base_less_memory() -> None:
         assert a > b > c
     assert sum(fp32) - sum(bf16) == pytest.approx(frozen * 2 / 2**30, rel=1e-3)
     assert sum(bf16) - sum(nf4) == pytest.approx(frozen * (2 - 0.5625) / 2**30, rel=1e-3)
+
+
+def test_a_frozen_parameter_is_gathered_at_its_stored_bytes_where_fewer() -> None:
+    from dataclasses import replace
+
+    from cephalo_lightning.planner.schema.cluster_spec import ModelSpec
+
+    nf4 = ModelSpec(name="m", num_layers=2, parameters=1000, trainable_parameters=100, weight_bytes_per_param=0.5625)
+    assert nf4.gathered_bytes_per_param == (2 * 100 + 0.5625 * 900) / 1000
+    assert replace(nf4, weight_bytes_per_param=4.0).gathered_bytes_per_param == 2.0  # an fp32 copy: gathered in bf16
+    assert replace(nf4, trainable_parameters=None).gathered_bytes_per_param == 2.0  # nothing frozen

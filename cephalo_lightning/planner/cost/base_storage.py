@@ -14,11 +14,11 @@ bitsandbytes' ``Linear4bit`` leaves the last two in bf16, here they are matrices
 the vectors (norms, biases) stay in the compute dtype, so the mean over the frozen parameters needs
 the fraction in matrices (``llama_matrix_fraction`` for a Llama-shaped model: all but its norms).
 
-[Note: a gathered NF4 unit] An NF4 unit's all-gather moves its 4-bit bytes and scales; each rank then
-dequantises the gathered unit into the compute dtype for the unit's forward and backward, so the
-gathered unit's working memory is still ``compute_bytes_per_param`` a parameter (plus the gathered
-4-bit copy, freed with it). The cost model prices the gather at ``compute_bytes_per_param``, an upper
-bound for an NF4 unit (the bytes moved are about a quarter of it): a plan never runs slower for it.
+[Note: a gathered NF4 unit] An NF4 unit's all-gather moves its 4-bit bytes and scales
+(``ModelSpec.gathered_bytes_per_param`` prices a frozen parameter's gather at its stored bytes where
+they are fewer than the compute dtype's); each rank then dequantises the gathered unit into the
+compute dtype for the unit's forward and backward, so the gathered unit's working memory is still
+``compute_bytes_per_param`` a parameter (plus the gathered 4-bit copy, freed with it).
 """
 
 from __future__ import annotations

@@ -117,6 +117,17 @@ class Nf4Storage(FrozenStorage):
                 at += b - a
         return out
 
+    @classmethod
+    def bytes_per_element(cls, compute_dtype: torch.dtype) -> float:
+        """A quantised matrix's element: half a byte and its share of its block's fp32 scale (the
+        vectors and each piece's padding: :meth:`part_bytes`)."""
+        return 0.5 + 4 / BLOCKSIZE
+
+    def part_bytes(self) -> int:
+        """The whole part over its ranks: every rank's codes and scales, and its vectors in the compute dtype."""
+        return (self.counts.codes.numel + 4 * self.counts.scales.numel
+                + self.counts.dense.numel * torch.empty(0, dtype=self.compute_dtype).element_size())
+
     def quantised_names(self) -> list[str]:
         """The frozen parameters this kind stores as NF4 blocks (the matrices)."""
         return [span.name for span in self.layout.params if quantised(span)]
@@ -125,7 +136,7 @@ class Nf4Storage(FrozenStorage):
         return self.blocks.nbytes + self.dense.numel() * self.dense.element_size()
 
     def gathered_bytes(self) -> int:
-        return self.counts.codes.numel + 4 * self.counts.scales.numel + self.counts.dense.numel * self.dense.element_size()
+        return self.part_bytes()
 
     def pieces(self) -> list[torch.Tensor]:
         """A quantised matrix's piece on the meta device, a vector's a view of the dense values

@@ -58,6 +58,11 @@ class FrozenStorage(abc.ABC):
     def bytes_per_element(cls, compute_dtype: torch.dtype) -> float:
         """Bytes the kind stores per frozen element (what the memory model's ``weight_bytes_per_param`` is)."""
 
+    def part_bytes(self) -> int:
+        """Bytes the whole part takes over its ranks (the memory model's mean is this over its elements);
+        a kind whose cost depends on the layout (a quantised one: its padding, its unquantised vectors) says."""
+        return round(self.layout.numel * self.bytes_per_element(self.compute_dtype))
+
     @abc.abstractmethod
     def local_bytes(self) -> int:
         """Bytes this rank stores for the part (what the memory model prices)."""
