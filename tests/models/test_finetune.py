@@ -266,6 +266,8 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
                               callbacks=[watcher], default_root_dir=str(root_path))
     trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
     sharded = trainer.strategy.sharded
+    trainer.save_checkpoint(str(root_path / "qlora.ckpt"))
+    out["qlora final"] = {k: v.clone() for k, v in trainer.lightning_module.state_dict().items()}
     out["qlora memory"] = {"model": watcher.cluster.model, "history": watcher.history, "plan": trainer.strategy.plan,
                            "stored": sharded.local_state_bytes(),
                            "part_bytes": sum(u.frozen.part_bytes() for u in sharded.units if u.frozen is not None),
@@ -407,6 +409,34 @@ def test_adapters_save_with_peft_and_the_export_merges_them(lora_runs):
     assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     tokens_ = exported.generate(input_ids=torch.tensor(PROMPT), max_new_tokens=5, do_sample=False).tolist()
     assert tokens_ == results[0]["layered"]["generated"]
+
+
+@pytest.mark.multiprocess
+def test_a_qlora_export_merges_the_adapters_into_the_dequantised_base_in_bf16_and_says_so(lora_runs, tmp_path):
+    """The QLoRA fit's checkpoint exported: every tensor in bf16, what peft's merge_and_unload() gives
+    from the fit's final model (its base the dequantised NF4 values) cast to bf16, and the command
+    says the base was 4-bit."""
+    import transformers
+    from peft import PeftModel
+
+    root, results = lora_runs
+    final = results[0]["qlora final"]
+    base = transformers.LlamaForCausalLM(_config())
+    tuned = PeftModel(base, with_lora(transformers.LlamaForCausalLM(_config())).peft_config["default"])
+    tuned.load_state_dict({k[len("model."):]: v for k, v in final.items()})
+    want = {k: v.to(torch.bfloat16) for k, v in tuned.merge_and_unload().state_dict().items()}
+    done = subprocess.run([sys.executable, "-m", "cephalo_lightning", "export", str(root / "qlora.ckpt"), "--hf",
+                           str(tmp_path / "merged")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "the base was stored as 4-bit NF4 blocks" in done.stdout and "in bf16" in done.stdout
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert {t.dtype for t in got.values()} == {torch.bfloat16}
+    for name, value in want.items():
+        if name in got:
+            assert torch.equal(got[name], value), name
+    assert set(want) - set(got) <= {"lm_head.weight"}  # a tied head is stored once
 
 
 @pytest.mark.multiprocess
