@@ -101,7 +101,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  loss_weighting: LossWeightingChoice = DEFAULTS.loss_weighting,
                  router_aux_loss: RouterAuxLoss = DEFAULTS.router_aux_loss,
                  gather_on_teardown: HandbackChoice | bool = DEFAULTS.gather_on_teardown,
-                 base_storage: BaseStorageChoice = DEFAULTS.base_storage,
+                 base_storage: BaseStorageChoice = DEFAULTS.base_storage.value,
                  checkpoint_frozen: bool = DEFAULTS.checkpoint_frozen, verify_loss: bool = DEFAULTS.verify_loss,
                  max_nonfinite_skips: int = DEFAULTS.max_nonfinite_skips, check_devices: bool = DEFAULTS.check_devices,
                  safe_globals: Sequence[Any] = DEFAULTS.safe_globals, seed: int | None = DEFAULTS.seed,
