@@ -90,6 +90,12 @@ def _ranks(rank: int, world: int, root: str):
     out["reloaded"] = stored(resumed)
     train(resumed, m2, optimizer2, rank, range(STEPS - 1, STEPS))
     out["resumed"] = resumed.full_state_dict()
+    # bf16 compute: the base dequantised into bf16 for each unit, the adapters' fp32 masters cast to bf16
+    m3 = model()
+    bf16 = ShardedModel(m3, SHARES, base=BaseStorage.NF4, compute_dtype=torch.bfloat16)
+    out["bf16 before"] = stored(bf16)
+    train(bf16, m3, make_optimizer([p for p in m3.parameters() if p.requires_grad]), rank, range(0, STEPS))
+    out["bf16"] = bf16.full_state_dict()
     return out
 
 
@@ -98,7 +104,7 @@ def by_hand(codes: torch.Tensor, absmax: torch.Tensor, blocksize: int, numel: in
     return (NF4[nibbles] * absmax.repeat_interleave(blocksize))[:numel]
 
 
-def quantised_base(runs) -> dict[str, torch.Tensor]:
+def quantised_base(runs, key: str = "before") -> dict[str, torch.Tensor]:
     """Every frozen matrix as the ranks store it, decoded by hand, put together from their pieces."""
     base = dict(model().named_parameters())
     out = {}
@@ -107,19 +113,23 @@ def quantised_base(runs) -> dict[str, torch.Tensor]:
             continue
         flat = torch.empty(p.numel())
         for r in runs:
-            if name in r["before"]:
-                a, b, codes, absmax = r["before"][name]
+            if name in r[key]:
+                a, b, codes, absmax = r[key][name]
                 flat[a:b] = by_hand(codes, absmax, 64, b - a)
         out[name] = flat.view(p.shape)
     return out
 
 
-def reference(weights: dict[str, torch.Tensor], reverse: bool = False) -> dict[str, torch.Tensor]:
+def reference(weights: dict[str, torch.Tensor], reverse: bool = False,
+              dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Single-process training of the quantised model on the global batch, computing in ``dtype``
+    (the base's hand-decoded weights cast to it, the trainable fp32 masters cast to it for the forward)."""
     m = model()
     trained = {n: p for n, p in m.named_parameters() if p.requires_grad}
 
     def loss_of(batch):
-        return m.loss(functional_call(m, {**weights, **trained}, (batch[0],)), batch[1])
+        params = {**{n: w.to(dtype) for n, w in weights.items()}, **{n: p.to(dtype) for n, p in trained.items()}}
+        return m.loss(functional_call(m, params, (batch[0],)), batch[1])
 
     steps = []
     for x, y in batches(STEPS, sum(BATCHES)):
@@ -147,6 +157,22 @@ def test_qlora_trains_like_the_same_quantised_model_in_one_process(runs) -> None
         # the gathered base is the hand decode of the stored bytes: every block with its own scale
         for name, w in weights.items():
             assert torch.equal(r["state"][name], w), name
+
+
+@pytest.mark.multiprocess
+def test_qlora_computing_in_bf16_trains_like_the_same_quantised_model_in_bf16(runs) -> None:
+    """The same with bf16 compute: the bound is 10x the bf16 floor (the reference with the ranks'
+    pieces summed in the other order)."""
+    weights = quantised_base(runs, key="bf16 before")
+    want, other = reference(weights, dtype=torch.bfloat16), reference(weights, reverse=True, dtype=torch.bfloat16)
+    floor = max((want[k] - other[k]).abs().max().item() for k in want)
+    bound = FLOOR * max(floor, FLOOR_EPS)
+    for r in runs:
+        err = max((r["bf16"][k] - v).abs().max().item() for k, v in want.items())
+        print(f"bf16: largest difference {err:.2e}, floor {floor:.2e}, bound {bound:.2e}")
+        assert err <= bound, (err, bound)
+        for name, w in weights.items():  # the base: the hand decode of the bytes (fp32 values, exact)
+            assert torch.equal(r["bf16"][name], w), name
 
 
 @pytest.mark.multiprocess
