@@ -14,7 +14,7 @@ themselves, summed over the ranks), the median step time of each, and the ratios
 frozen fraction predicts for the reduce-scatters. EMULATED on CPU: the link is a sleep computed from the
 bytes, the compute is the host's.
 
-    python -m benchmarks.bench_frozen_base [--steps 8] [--gbps 0.1] [--world 3]
+    python -m benchmarks.bench_frozen_base [--steps 8] [--gbps 0.02] [--world 3]
     python -m benchmarks.bench_frozen_base --quick   # 3 timed steps
 """
 
@@ -86,7 +86,7 @@ def _rank(rank: int, world: int, steps: int, gbps: float) -> dict[str, Any]:
 
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="timed steps per variant (default 8; --quick 3)")
-    parser.add_argument("--gbps", type=float, default=0.1, help="the emulated link's bandwidth, GB/s per rank")
+    parser.add_argument("--gbps", type=float, default=0.02, help="the emulated link's bandwidth, GB/s per rank")
     parser.add_argument("--world", type=int, default=3, help="ranks, each on its own emulated node (2 or 3)")
 
 

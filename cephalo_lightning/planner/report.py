@@ -172,12 +172,18 @@ def next_line(plan: Plan, cluster: Cluster | None = None, output: str | None = N
 
 
 def parameters_line(plan: Plan) -> str | None:
-    """"trainable N of M parameters" where the plan records a model with frozen parameters (LoRA)."""
-    total, trainable = plan.model.parameters, plan.model.trainable_parameters
+    """"trainable N of M parameters" where the plan records a model with frozen parameters (LoRA), with
+    what each kind is charged where the plan records it: a trainable parameter its master, gradient and
+    optimizer state, a frozen one what its storage holds."""
+    model = plan.model
+    total, trainable = model.parameters, model.trainable_parameters
     if not total or trainable is None or trainable == total:
         return None
-    return (f"trainable {trainable:,} of {total:,} parameters ({100 * trainable / total:.2g}%): the frozen ones "
-            "are charged their stored weights only")
+    line = f"trainable {trainable:,} of {total:,} parameters ({100 * trainable / total:.2g}%): "
+    if model.state_bytes_per_param is None or model.weight_bytes_per_param is None:
+        return line + "the frozen ones are charged their stored weights only"
+    return line + (f"{model.state_bytes_per_param:g} bytes each (master, gradient, optimizer state), the "
+                   f"{total - trainable:,} frozen {model.weight_bytes_per_param:g} bytes each (their stored weights)")
 
 
 def summary_lines(plan: Plan, cluster: Cluster | None = None, output: str | None = None,

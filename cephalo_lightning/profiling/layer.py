@@ -25,8 +25,8 @@ Compute memory is the peak of a micro-batch's forward + backward of the layer, a
 training state, measured on the SECOND of two micro-batches, so that the layer's gradient
 accumulated from the first is resident as it is whenever a rank runs more than one: the layer's gathered parameters (in the compute dtype) and buffers, the
 micro-batch's input and upstream gradient, activations, temporaries, the input gradient and the
-full parameter gradients; plus the flat gradient the runtime reduces the unit from (every parameter,
-frozen ones included, in the master dtype), added to that peak: on CUDA the reduction runs on a side
+full parameter gradients; plus the flat gradient the runtime reduces the unit from (priced at every
+parameter in the master dtype, see :func:`_flat_gradient_bytes`), added to that peak: on CUDA the reduction runs on a side
 stream beside the next layer's backward, and a constant keeps the memory linear in m. On CPU it is
 counted by a :class:`~cephalo_lightning.runtime.emulation.memory.MemoryTracker` in a separate untimed
 pass (the accounting is slow); on CUDA it is the allocator's peak.
@@ -383,9 +383,12 @@ def _graph_bytes(work: _Runnable, x: torch.Tensor, side: Any, needs_grad: bool, 
 
 
 def _flat_gradient_bytes(params: Sequence[nn.Parameter]) -> int:
-    """Bytes of the flat gradient the runtime reduces for a unit of ``params``: every parameter,
-    frozen ones included, in the master dtype (fp32; fp64 for an fp64 model); none without a
-    trainable one (such a unit is not reduced)."""
+    """Bytes priced for the flat gradient the runtime reduces a unit of ``params`` from: every
+    parameter in the master dtype (fp32; fp64 for an fp64 model), none without a trainable one (such
+    a unit is not reduced). The flat gradient itself holds the trainable parameters only
+    ([Note: a frozen part holds no gradient]); the frozen ones' place bounds what a prefetched
+    all-gather of a unit with frozen parameters holds beside it and no other term prices: its send
+    buffer, this rank's shard of the unit assembled in the compute dtype."""
     if not any(p.requires_grad for p in params):
         return 0
     return sum(p.numel() * master_dtype_for(p.dtype).itemsize for p in params)

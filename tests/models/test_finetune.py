@@ -93,6 +93,28 @@ def test_frozen_parameters_are_charged_their_weights_and_trainable_ones_their_st
         _cluster(p + 1)
 
 
+def test_a_bf16_base_is_charged_what_it_stores_and_the_reduction_only_its_trainable_part():
+    """A base stored in bf16 (weight_bytes_per_param 2) and a largest unit of U parameters of which R
+    train: rank memory = compute + reserved + (16 trainable + 2 frozen + 2 x R x 4) x share, and one
+    layer's reduce-scatter moves (W - 1) / W of a layer's trainable parameters in fp32."""
+    from cephalo_lightning.planner.cost.collective_prices import link_prices
+
+    p, t, layers, world = 8_030_261_248, LORA_8B, 32, 4
+    unit, reduced = 218_112_000, LORA_8B // layers
+    model = {"name": "llama-8b", "num_layers": layers, "parameters": p, "trainable_parameters": t, "hidden_size": 4096,
+             "seq_len": 2048, "weight_bytes_per_param": 2, "largest_unit_parameters": unit, "largest_reduced_parameters": reduced}
+    cluster = cluster_from_dict({"model": model, "settings": {"link_bandwidth": "16 GB/s per rank"},
+                                 "devices": [{"name": "rtx4090", "count": world}]})
+    share = 0.25
+    cost = DeviceCost(cluster.devices[0], cluster)
+    reserved = cluster.settings.reserved_memory_gb
+    want = float(cost.compute_memory(2)) + reserved + (16 * t + 2 * (p - t) + 2 * reduced * 4) * share / GIB
+    assert cost.memory_gb(2, share, reserved) == pytest.approx(want, rel=1e-12)
+    assert evaluate(cluster, [2] * world, [1] * world, [share] * world)[0].memory_gb == pytest.approx(want, rel=1e-12)
+    rs_ms = (world - 1) / world * t / layers * 4 / 16e9 * 1e3
+    assert link_prices(cluster).reduce_scatter_ms == pytest.approx(rs_ms, rel=1e-12)
+
+
 def test_an_8b_model_on_24gb_cards_fits_with_lora_and_not_fully():
     """The shipped catalog's 24 GB cards: full fine-tuning of 8B needs 128 GB of state, which four
     cards do not have; LoRA needs the 32 GB of fp32 base weights plus the adapters' state, and fits."""
@@ -110,6 +132,7 @@ def test_an_8b_model_on_24gb_cards_fits_with_lora_and_not_fully():
         assert r.predicted_memory_gb - beside == pytest.approx(state, rel=1e-9)
     table = render_plan(plan)
     assert f"trainable {LORA_8B:,} of {8_030_261_248:,} parameters" in table
+    assert f"16 bytes each (master, gradient, optimizer state), the {8_030_261_248 - LORA_8B:,} frozen 4 bytes each" in table
 
 
 # ----------------------------------------------------------------------------- LoRA on 2 ranks

@@ -69,17 +69,23 @@ class LoraUniform(SGDMixin, TinyUniform):
 
 
 MODULES = {"layered": LoraLayered, "uniform": LoraUniform}
+# data parallelism (groups of one rank, gradients in buckets): in bf16, and in fp32, where a rank holds
+# each unit whole in one storage, master and frozen values side by side
+REPLICATED = {"bf16-true": plan_of(batches=[8, 4], micro=[1, 1], shares=[1.0, 1.0], groups=[0, 1]),
+              "32-true": plan_of(batches=[8, 4], micro=[1, 1], shares=[1.0, 1.0], groups=[0, 1])}
+DTYPES = {"bf16-true": torch.bfloat16, "32-true": torch.float32}
 
 
-def reference(plan, reverse_ranks: bool = False) -> dict[str, torch.Tensor]:
-    """Single-process SGD of the bf16-base model on the plan's global batches, each rank's piece
-    weighted by its share of the samples (see the module docstring)."""
-    base = TinyLM().to(torch.bfloat16)
+def reference(plan, reverse_ranks: bool = False, precision: str = "bf16-true") -> dict[str, torch.Tensor]:
+    """Single-process SGD of the bf16-base model (``precision`` 32-true: the fp32 model) on the plan's
+    global batches, each rank's piece weighted by its share of the samples (see the module docstring)."""
+    dtype = DTYPES[precision]
+    base = TinyLM().to(dtype)
     masters = {n: p.detach().float().clone().requires_grad_() for n, p in base.named_parameters() if not frozen(n)}
     fixed = {n: p.detach() for n, p in base.named_parameters() if frozen(n)}
 
     def loss_of(batch):
-        params = {**fixed, **{n: m.to(torch.bfloat16) for n, m in masters.items()}}
+        params = {**fixed, **{n: m.to(dtype) for n, m in masters.items()}}
         return base.loss(functional_call(base, params, (batch[0],)), batch[1])
 
     steps = []
@@ -130,6 +136,13 @@ def _ranks(rank: int, world: int, root: str):
             "reduce_scatter_bytes": sharded.comm.sent_bytes.get("reduce_scatter", 0),
             "all_gather": gathers.figures,
         }
+    for precision, plan in REPLICATED.items():
+        trainer = fit(LoraLayered(), plan, world, STEPS, token_data(48), {**options, "precision": precision},
+                      gather_on_teardown="none")
+        units = trainer.strategy.sharded.units
+        out[f"replicated {precision}"] = {
+            "params": trainer.strategy.sharded.full_state_dict(),
+            "resident": [u.resident for u in units if u.frozen is not None and u.trainable]}
     # resume: 2 steps, a checkpoint, 1 more step from it, against the 3 uninterrupted steps above
     first = fit(LoraLayered(), PLANS["layered"], world, 2, token_data(48), options, gather_on_teardown="none")
     path = f"{root}/step2.ckpt"
@@ -203,3 +216,20 @@ def test_a_bf16_base_lora_run_resumes_exactly(runs):
         want, got = r["layered"]["params"], r["resumed"]
         for name, value in want.items():
             assert torch.equal(got[name], value), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("precision", list(REPLICATED))
+def test_data_parallel_lora_trains_like_single_process(runs, precision):
+    """Groups of one rank: the trainable parts' gradients all-reduced in buckets; in fp32 every unit of
+    frozen and trainable parameters is held whole in one storage and computes from it (resident)."""
+    plan = REPLICATED[precision]
+    want, other = reference(plan, precision=precision), reference(plan, True, precision)
+    floor = max((want[k] - other[k]).abs().max().item() for k in want)
+    bound = FLOOR * max(floor, FLOOR_EPS)
+    for r in runs:
+        got = r[f"replicated {precision}"]
+        assert got["resident"] and set(got["resident"]) == {precision == "32-true"}
+        err = max((got["params"][k].float() - v).abs().max().item() for k, v in want.items())
+        print(f"{precision}: largest difference {err:.2e}, floor {floor:.2e}, bound {bound:.2e}")
+        assert err <= bound, (precision, err, bound)

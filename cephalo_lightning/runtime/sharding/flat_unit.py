@@ -2,8 +2,9 @@
 
 Outside compute, the unit's modules hold this rank's *local pieces*: one ``nn.Parameter`` per
 original parameter, a view into the rank's master shard (fp32, fp64 for an fp64 model; possibly
-empty) for a trainable parameter, a piece of the unit's frozen storage for a frozen one. That is what an optimizer built from ``model.parameters()`` sees, so optimizer state
-follows the plan's share. A piece keeps its parameter's number of dimensions (a ``[1, ..., 1, k]``
+empty) for a trainable parameter, a piece of the unit's frozen storage for a frozen one. That is
+what an optimizer built from ``model.parameters()`` sees, so optimizer state follows the plan's
+share. A piece keeps its parameter's number of dimensions (a ``[1, ..., 1, k]``
 view of its ``k`` elements), so optimizer groups chosen by ``p.dim()`` / ``p.ndim`` are the groups
 of the unsharded model; :func:`full_shape` gives the original shape.
 
@@ -12,8 +13,11 @@ of the unsharded model; :func:`full_shape` gives the original shape.
 optimizer steps and the only elements a gradient is reduced for, and the frozen ones, held by a
 :class:`~.frozen_storage.FrozenStorage` in the compute dtype (or another storage kind). The part
 layouts cut each rank's range of the unit where the unit's layout does, so the state share stays
-the plan's. The gathered buffer is ``[trainable part | frozen part]`` in the compute dtype, each
-filled by its own all-gather; a unit with one part is laid out and gathered as the unit itself.
+the plan's. Where the unit computes in a dtype other than the master's, a frozen part held in the
+compute dtype is gathered with the trainable one, in the unit's order, by one all-gather of the unit
+(each rank sends its range's values in the compute dtype: the copy the cast makes anyway); otherwise
+(fp32 training, or another storage kind) each part is gathered by its own all-gather, straight from
+its storage, and the gathered buffer is ``[trainable part | frozen part]``.
 
 For compute, :meth:`FlatUnit.gather` fills a full flat buffer (in the compute dtype) and the
 modules are switched to *full parameters*: ordinary ``nn.Parameter`` views of that buffer, so user
@@ -207,11 +211,6 @@ class FlatUnit:
         self._bind_full()
         self.use_local()
 
-    @property
-    def frozen_numel(self) -> int:
-        """The frozen part's elements (the whole unit's, not this rank's)."""
-        return self.layout.numel - self.trainable_layout.numel
-
     def local_bytes(self) -> tuple[int, int]:
         """(trainable master bytes, frozen storage bytes) this rank holds for the unit."""
         return (self.master.numel() * self.master.element_size(),
@@ -271,8 +270,8 @@ class FlatUnit:
         (*resident*, ``[trainable part | frozen part]``), and gathering is only the modules switching
         to them (no copy, no collective: data parallelism's forward). Otherwise the buffer is
         allocated while gathered: in the unit's order where the frozen part holds its values in the
-        compute dtype (one all-gather of the unit, see :meth:`start_gather`), else ``[trainable part
-        | frozen part]`` (one all-gather per part)."""
+        compute dtype and that differs from the master's (one all-gather of the unit, see
+        :meth:`start_gather`), else ``[trainable part | frozen part]`` (one all-gather per part)."""
         resident = self.layout.world_size == 1 and self.compute_dtype == self.master.dtype and (
             self.frozen is None or self._storage is not None)
         if resident is self.resident and not resident:
@@ -282,7 +281,12 @@ class FlatUnit:
             self.full = self._storage if self._storage is not None else self.master
         else:
             self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
-        self.unit_order = not resident and (self.frozen is None or isinstance(self.frozen, ComputeDtypeStorage))
+        # one all-gather of the unit where its send buffer is a copy anyway (a cast to the compute dtype):
+        # the frozen values join the trainable ones in it; computing in the master dtype, the parts are
+        # sent as they are stored, apart, and no send buffer is made
+        # ([Note: an exact all-gather holds no send buffer])
+        self.unit_order = not resident and (self.frozen is None or (
+            isinstance(self.frozen, ComputeDtypeStorage) and self.compute_dtype != self.master_dtype))
         trained = self.trainable_layout.numel
         t_spans = iter(self.trainable_layout.params)
         f_spans = iter(self.frozen.layout.params if self.frozen is not None else ())
@@ -350,10 +354,10 @@ class FlatUnit:
 
     def start_gather(self, comm: Collectives) -> None:
         """SHARDED -> GATHERING: begin filling the full buffer; overlaps with compute where the backend
-        allows. A unit already gathering or gathered stays as it is. A frozen part held in the compute
-        dtype is sent with the trainable one, the rank's range in the unit's order, in one all-gather
-        (a second collective per unit would cost a link's latency each time); another storage kind
-        gathers its part itself."""
+        allows. A unit already gathering or gathered stays as it is. In the unit's order (see
+        :meth:`_bind_full`) the rank's range is sent in one all-gather, its values in the compute
+        dtype (a second collective per unit would cost a link's latency each time); otherwise the
+        trainable part is gathered from the master and the frozen storage gathers its own part."""
         if self.state is not UnitState.SHARDED or self.resident:
             return
         self._resize(self.full.numel() * self.full.element_size())
