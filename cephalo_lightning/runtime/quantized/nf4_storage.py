@@ -27,6 +27,7 @@ again through ``FlatUnit.restore_frozen``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -105,17 +106,21 @@ class Nf4Storage(FrozenStorage):
                             dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """Rank ``rank``'s piece of every frozen parameter, from its blocks (dequantised into ``dtype``,
         the compute dtype by default) and its dense values."""
-        out, block, at = [], 0, 0
+        return list(self._each_piece(blocks, dense, rank, dtype))
+
+    def _each_piece(self, blocks: Nf4Blocks, dense: torch.Tensor, rank: int,
+                    dtype: torch.dtype | None = None) -> Iterator[torch.Tensor]:
+        """:meth:`_dequantised_pieces` one at a time (a gather copies each into place and frees it)."""
+        block, at = 0, 0
         for span in self.layout.params:
             a, b = self.layout.param_piece(span, rank)
             if quantised(span):
                 n = num_blocks(b - a, self.blocksize)
-                out.append(blocks.blocks(block, block + n).dequantize(dtype or self.compute_dtype, b - a))
+                yield blocks.blocks(block, block + n).dequantize(dtype or self.compute_dtype, b - a)
                 block += n
             else:
-                out.append(dense[at: at + b - a])
+                yield dense[at: at + b - a]
                 at += b - a
-        return out
 
     @classmethod
     def bytes_per_element(cls, compute_dtype: torch.dtype) -> float:
@@ -188,11 +193,12 @@ class GatheredNf4:
             c_lo, c_hi = counts.codes.shard_range(r)
             a_lo, a_hi = counts.scales.shard_range(r)
             d_lo, d_hi = counts.dense.shard_range(r)
-            pieces = s._dequantised_pieces(Nf4Blocks(self.codes[c_lo:c_hi], self.scales[a_lo:a_hi], s.blocksize),
-                                           self.dense[d_lo:d_hi], r)
+            pieces = s._each_piece(Nf4Blocks(self.codes[c_lo:c_hi], self.scales[a_lo:a_hi], s.blocksize),
+                                   self.dense[d_lo:d_hi], r)
             for span, piece in zip(s.layout.params, pieces):
                 a, b = s.layout.param_piece(span, r)
                 self.out[span.offset + a: span.offset + b].copy_(piece)
+        self.codes = self.scales = self.dense = self.out[:0]  # the gathered 4-bit copy, freed with the wait
         return self.out
 
 
