@@ -27,8 +27,9 @@ Three parts:
 Only trainable gradients are reduced (the frozen base's are not), so the reduce-scatter's buffers
 are priced for one layer's adapters (``largest_reduced_parameters``). The cards of one box share a host, each on its own PCIe 4.0 x16 link. These are PREDICTIONS of the
 cost model for catalog-estimated devices (datasheet figures), not measurements; torch is not imported.
-The cost model prices an NF4 unit's all-gather at bf16 bytes (an upper bound: it moves about a
-quarter of that), so the QLoRA step times are pessimistic on slow links.
+The cost model prices an NF4 base's all-gathers at its stored bytes (``gathered_bytes_per_param``), the
+adapters' at bf16; the per-rank state column shows the replicas a plan chooses (a shard group per rank
+holds the whole state on every rank).
 """
 
 from __future__ import annotations
