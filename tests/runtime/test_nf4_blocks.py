@@ -2,8 +2,8 @@
 
 The reference here is independent of bitsandbytes: QLoRA's 16 NormalFloat values (Dettmers et al.,
 2023, Appendix E), two codes a byte with the first element in the high nibble, each block scaled
-by its absolute maximum. The tests fail on a block dequantised with another block's scale, on a
-shard cut inside a block, and on scales that are not the blocks' maxima.
+by its absolute maximum. The tests fail on a block dequantised with another block's scale and on
+scales that are not the blocks' maxima.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ pytest.importorskip("bitsandbytes")
 from cephalo_lightning._common.errors import ConfigurationError  # noqa: E402
 from cephalo_lightning.runtime.quantized.nf4_blocks import (  # noqa: E402
     Nf4Blocks,
-    block_bounds,
     concatenate,
     num_blocks,
     quantize,
@@ -71,9 +70,7 @@ def test_any_run_of_whole_blocks_dequantises_alone_as_in_the_whole() -> None:
     unit = concatenate([quantize(w) for w in weights])
     assert unit.num_blocks == sum(num_blocks(w.numel(), 64) for w in weights)
     whole = unit.dequantize(torch.bfloat16)
-    element_bounds = (0, 100, 101, 450, unit.numel)  # uneven element cut points, one inside a block
-    cuts = block_bounds(element_bounds, unit.num_blocks)
-    assert cuts[0] == 0 and cuts[-1] == unit.num_blocks and list(cuts) == sorted(cuts)
+    cuts = (0, 1, 2, 7, unit.num_blocks)  # uneven runs of whole blocks
     pieces = [unit.blocks(a, b).dequantize(torch.bfloat16) for a, b in zip(cuts, cuts[1:])]
     assert torch.equal(torch.cat(pieces), whole)
     # each weight's elements are where its blocks put them, padding skipped
@@ -82,18 +79,6 @@ def test_any_run_of_whole_blocks_dequantises_alone_as_in_the_whole() -> None:
         n = num_blocks(w.numel(), 64)
         assert torch.equal(whole[start * 64:start * 64 + w.numel()], quantize(w).dequantize(torch.bfloat16, w.numel()))
         start += n
-
-
-def test_block_bounds_follow_the_element_shares_to_within_a_block() -> None:
-    assert block_bounds((0, 1000, 2500, 3000), 47) == (0, 16, 39, 47)
-    assert block_bounds((0, 0, 3000), 47) == (0, 0, 47)
-    assert block_bounds((0, 0), 0) == (0, 0)
-    for bounds in [(0, 1, 2, 3), (0, 640, 641, 6400), (0, 6399, 6400)]:
-        cuts = block_bounds(bounds, 100)
-        for e, b in zip(bounds, cuts):
-            assert abs(b - e / bounds[-1] * 100) <= 0.5
-    with pytest.raises(ConfigurationError, match="do not rise"):
-        block_bounds((0, 20, 10, 30), 5)
 
 
 def test_bad_input_is_refused_with_the_fix() -> None:

@@ -15,9 +15,8 @@ change no scale, and a block never straddles two weights.
 
 [Note: whole blocks] Blocks are independent: any contiguous run of whole blocks (its bytes, its
 scales) dequantises alone to exactly the elements the whole weight's dequantisation gives there.
-So a shard boundary on a block boundary (:func:`block_bounds`) lets every rank store, gather and
-dequantise its blocks without the others, and the gathered unit dequantises bit for bit as the
-single-process model does.
+So the blocks of several weights (or pieces) stored one after another (:func:`concatenate`) are
+sliced, gathered and dequantised run by run, bit for bit as each weight alone.
 
 **Why bitsandbytes** (``pip install "cephalo-lightning[qlora]"``, pinned in ``.ci/constraints.txt``):
 its ``quantize_4bit`` / ``dequantize_4bit`` run on the CPU (its own CPU kernels, no GPU needed) as on
@@ -136,16 +135,3 @@ def concatenate(parts: Sequence[Nf4Blocks]) -> Nf4Blocks:
     blocksize = sizes.pop() if sizes else BLOCKSIZE
     return Nf4Blocks(torch.cat([p.codes for p in parts]) if parts else torch.empty(0, dtype=torch.uint8),
                      torch.cat([p.absmax for p in parts]) if parts else torch.empty(0), blocksize)
-
-
-def block_bounds(element_bounds: Sequence[int], total_blocks: int) -> tuple[int, ...]:
-    """Cut points on whole blocks for a unit sharded at ``element_bounds`` (its elements' cut points):
-    rank r stores blocks ``[b[r], b[r+1])``, ``b[r] = round(element_bounds[r] / numel x total_blocks)``,
-    so each rank's 4-bit share follows its state share to within a block."""
-    numel = element_bounds[-1]
-    if numel <= 0:
-        return tuple(0 for _ in element_bounds)
-    cuts = tuple((2 * e * total_blocks + numel) // (2 * numel) for e in element_bounds)  # round half up, exact
-    if any(b < a for a, b in zip(cuts, cuts[1:])) or cuts[0] != 0 or cuts[-1] != total_blocks:
-        raise ConfigurationError(f"element bounds {tuple(element_bounds)} do not rise from 0: not a unit's cut points")
-    return cuts

@@ -1,7 +1,7 @@
 """A unit's frozen part stored as NF4 blocks: each rank quantises its own pieces, gathers 4-bit bytes.
 
 Per rank r and frozen parameter s, the layout gives r's piece ``[a, b)`` of s. A matrix (two or more
-dimensions: QLoRA's linear weights) is stored as NF4 blocks of its piece alone
+dimensions: the linear weights, the embedding, the head) is stored as NF4 blocks of its piece alone
 (:mod:`.nf4_blocks`), every other frozen parameter (norms, biases) in the compute dtype::
 
     blocks(r, s) = ceil((b - a) / B)      codes: B / 2 bytes a block,  scales: one fp32 a block
@@ -14,8 +14,9 @@ rank dequantises the gathered unit into the compute dtype, piece by piece, in pl
 [Note: NF4 blocks restart at every piece] A block never straddles two ranks' pieces, so a rank
 quantises what it holds without its neighbours' elements. The NF4 bytes therefore depend on the
 layout that cut the pieces: a single-process model is "the same quantised model" when it quantises
-each parameter in the same pieces (:func:`quantised_like`), and a re-sharded run re-quantises the
-dequantised values at the new cut points (exact where no cut moves).
+each parameter in the same pieces (tests/runtime/test_qlora.py decodes the ranks' bytes), and a
+re-sharded run re-quantises the dequantised values at the new cut points (the same bytes where no
+cut moves).
 
 [Note: a quantised piece holds no data] Outside compute the modules hold a quantised matrix's
 local piece on the meta device: its shape, no bytes (a dequantised copy would cost more than the 4-bit
@@ -200,22 +201,6 @@ class GatheredNf4:
                 self.out[span.offset + a: span.offset + b].copy_(piece)
         self.codes = self.scales = self.dense = self.out[:0]  # the gathered 4-bit copy, freed with the wait
         return self.out
-
-
-def quantised_like(weight: torch.Tensor, span: ParamSpan, layout: UnitLayout, compute_dtype: torch.dtype,
-                   blocksize: int = BLOCKSIZE) -> torch.Tensor:
-    """``weight`` (the whole frozen parameter ``span`` of ``layout``) as an NF4 unit of that layout
-    holds it, dequantised into ``compute_dtype``: quantised in the ranks' pieces, as the single-process
-    model that the sharded run equals (see [Note: NF4 blocks restart at every piece])."""
-    flat = weight.detach().reshape(-1)
-    if not quantised(span):
-        return flat.to(compute_dtype).view(weight.shape)
-    out = []
-    for r in range(layout.world_size):
-        a, b = layout.param_piece(span, r)
-        if b > a:
-            out.append(quantize(flat[a:b], blocksize).dequantize(compute_dtype, b - a))
-    return torch.cat(out).view(weight.shape)
 
 
 KINDS[BaseStorage.NF4] = Nf4Storage
