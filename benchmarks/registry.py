@@ -52,6 +52,8 @@ BENCHMARKS: tuple[Entry, ...] = (
           "defaults (predicted)", True),
     Entry("pipeline_plan", "The lab's two nodes with pipelines and idle GPUs weighed: the planner's choice vs the best "
           "shard grouping and the A100 node alone (predicted)", True),
+    Entry("qlora_plan", "LoRA and QLoRA at the cards' limit: a bf16 or 4-bit base on 24 GB cards and the lab cluster "
+          "(predicted)", True),
     # Not on the results page: each answers one question its docs page quotes, and most take minutes.
     Entry("finetune_plan", "Fine-tuning plans: an 8B model on 24 GB cards, full vs LoRA (predicted)", False),
     Entry("topology", "Shard groups over an emulated network topology: the planner's choice vs full shard, HSDP, DDP",

@@ -123,6 +123,8 @@ def export_main(argv: list[str]) -> int:
         return 1
     print(f"wrote {done.output}: {done.tensors} tensors in {len(done.files)} safetensors file(s)"
           + (f"; left out {len(done.skipped)} tensors outside the model (e.g. {done.skipped[0]})" if done.skipped else ""))
+    if done.note:
+        print(done.note)
     return 0
 
 

@@ -17,7 +17,8 @@ What it does, in order:
    ``--text`` (without it, a few sample files in ``OUT/text``) cut into fixed-length blocks; a
    tokenizer without a pad token pads with its end-of-sequence token, padding carries no loss;
 3. the fit: LoRA adapters on the attention's q/v projections (peft; ``--full``: every parameter),
-   the base read into the shards by ``CephaloStrategy(pretrained=BASE)``, ``bf16-mixed``, the
+   the base read into the shards by ``CephaloStrategy(pretrained=BASE)`` (``--quantize nf4``: its
+   matrices quantised to 4-bit NF4 blocks as each rank reads them, QLoRA), ``bf16-mixed``, the
    ``CephaloCallback`` profiling and planning the cluster (on CPU each rank stands in for a GPU of
    ``--emulate``), W&B offline, a checkpoint at the end (``OUT/checkpoints/last.ckpt``);
 4. the outputs (global rank 0): the adapters alone with peft's ``save_pretrained`` (``OUT/adapters``,
@@ -54,6 +55,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", default=None, help="instruction data: a .json/.jsonl file or a folder of them "
                         "(records {\"prompt\": ..., \"response\": ...}); replaces --text")
     parser.add_argument("--full", action="store_true", help="train every parameter instead of LoRA adapters")
+    parser.add_argument("--quantize", choices=("none", "nf4"), default="none",
+                        help="LoRA only: store the frozen base as 4-bit NF4 blocks (QLoRA; the `qlora` extra)")
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default: 1e-3 for LoRA, 1e-5 with --full)")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2, help="processes (GPUs) per node")
@@ -96,6 +99,7 @@ def build_trainer(args: argparse.Namespace, base: Path, out: Path):  # noqa: ANN
         precision=args.precision,
         # only rank 0 uses the module after the fit: the whole model is gathered there alone
         strategy=CephaloStrategy(pretrained=str(base), emulate=emulate, gather_on_teardown="rank0",
+                                 base_storage="nf4" if args.quantize == "nf4" else "compute",
                                  timeout=timedelta(minutes=args.timeout_min)),
         callbacks=[CephaloCallback(max_micro_batch=2, cache_dir=str(out / "profiles"), quiet=True),
                    ModelCheckpoint(dirpath=out / "checkpoints", save_last=True, save_top_k=0)],
@@ -106,6 +110,9 @@ def build_trainer(args: argparse.Namespace, base: Path, out: Path):  # noqa: ANN
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    if args.full and args.quantize != "none":
+        sys.exit("error: --quantize stores a frozen base, and --full freezes nothing: drop one of them")
+    import torch
     import transformers
 
     from cephalo_lightning.demo.finetune import CausalLM, LoraCausalLM, make_pretrained
@@ -140,11 +147,14 @@ def main(argv: list[str] | None = None) -> None:
     if not args.full:
         module.model.save_pretrained(out / "adapters")
         print(f"adapters: {sorted(p.name for p in (out / 'adapters').iterdir())}")
-    tuned = module.model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
     merged = out / "merged"
     if merged.exists():
         shutil.rmtree(merged)
-    export_hf(out / "checkpoints" / "last.ckpt", merged)  # = python -m cephalo_lightning export ... --hf OUT/merged
+    done = export_hf(out / "checkpoints" / "last.ckpt", merged)  # = python -m cephalo_lightning export ... --hf OUT/merged
+    if done.note:  # a 4-bit base is exported dequantised in bf16: the fine-tuned model is compared in bf16 too
+        print(done.note)
+        module.model.to(torch.bfloat16)
+    tuned = module.model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
     tokenizer.save_pretrained(merged)
     model = transformers.AutoModelForCausalLM.from_pretrained(merged, local_files_only=True)
     exported = model.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)

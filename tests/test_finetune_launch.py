@@ -96,3 +96,12 @@ def test_under_a_launcher_the_script_refuses_to_make_its_own_model(script, launc
                                          "give --base .* and --text or --data"):
         script.main(["--out", str(tmp_path), "--devices", "4", "--num-nodes", "2"])
     assert not any(tmp_path.iterdir()), "nothing may be written before the refusal"
+
+
+def test_the_script_stores_the_base_in_nf4_with_quantize(script, launched, tmp_path):
+    args = script.parse(["--out", str(tmp_path), "--base", str(tmp_path), "--quantize", "nf4", "--devices", "2"])
+    assert str(script.build_trainer(args, tmp_path, tmp_path).strategy.config.base_storage) == "nf4"
+    args = script.parse(["--out", str(tmp_path), "--base", str(tmp_path), "--devices", "2"])
+    assert str(script.build_trainer(args, tmp_path, tmp_path).strategy.config.base_storage) == "compute"
+    with pytest.raises(SystemExit, match="--quantize stores a frozen base, and --full freezes nothing"):
+        script.main(["--out", str(tmp_path), "--full", "--quantize", "nf4"])

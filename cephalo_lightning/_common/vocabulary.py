@@ -90,9 +90,11 @@ class Handback(StrEnum):
 
 class BaseStorage(StrEnum):
     """How a unit's frozen parameters are stored, sharded and gathered: in the compute dtype
-    (``compute``: bf16 / fp16 under those precisions, fp32 under fp32 training)."""
+    (``compute``: bf16 / fp16 under those precisions, fp32 under fp32 training), or their matrices
+    as 4-bit NF4 blocks with a scale each (``nf4``: QLoRA), dequantised per unit for compute."""
 
     COMPUTE = "compute"
+    NF4 = "nf4"
 
 
 class Verdict(StrEnum):

@@ -16,6 +16,7 @@ package the decided values are called ``schedule`` and ``collective``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, fields, replace
@@ -48,6 +49,8 @@ COLLECTIVES: tuple[str, ...] = get_args(CollectiveChoice)
 HANDBACKS: tuple[str, ...] = get_args(HandbackChoice)
 STATE_DICT_TYPES: tuple[str, ...] = get_args(StateDictType)
 LOSS_WEIGHTINGS: tuple[str, ...] = get_args(LossWeightingChoice)
+BaseStorageChoice = Literal["compute", "nf4"]  # a vocabulary.BaseStorage, as LightningCLI reads it
+BASE_STORAGES: tuple[str, ...] = get_args(BaseStorageChoice)
 RouterAuxLoss = Literal["keep", "exclude"]
 ROUTER_AUX_LOSSES: tuple[str, ...] = get_args(RouterAuxLoss)
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -91,6 +94,9 @@ class StrategyConfig:
         AUTO, "after fit/validate/test the module holds the whole trained model on every rank (`all`), on global rank 0 "
         "only (`rank0`), or stays sharded and refuses use (`none`); auto: `all` for a model of at most 8 GiB in its "
         "master dtype, else `none` (`True`: `all`, `False`: `none`)")
+    base_storage: vocabulary.BaseStorage = option(
+        vocabulary.BaseStorage.COMPUTE, "how frozen parameters are stored, sharded and gathered: `compute` (the compute "
+        "dtype) or `nf4` (their matrices as 4-bit NF4 blocks, dequantised per unit: QLoRA; needs the `qlora` extra)")
     checkpoint_frozen: bool = option(
         True, "checkpoints hold the frozen parameters (False: the trainable ones, their optimizer state and the loops, "
         "with the frozen base's path and fingerprint; resumed from the same `pretrained=`)")
@@ -167,6 +173,7 @@ class StrategyConfig:
             loss_weighting=_choice("loss_weighting", o["loss_weighting"], LOSS_WEIGHTINGS),
             router_aux_loss=_choice("router_aux_loss", o["router_aux_loss"], ROUTER_AUX_LOSSES),
             gather_on_teardown=_handback(o["gather_on_teardown"]),
+            base_storage=_base_storage(o["base_storage"]),
             checkpoint_frozen=o["checkpoint_frozen"],
             verify_loss=o["verify_loss"],
             max_nonfinite_skips=_integer("max_nonfinite_skips", o["max_nonfinite_skips"], 0),
@@ -198,6 +205,14 @@ OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(StrategyConfig))
 DEFAULTS = StrategyConfig()  # the strategy's signature takes every default from here
 # torch's seed range (a uint64), less room for the data epoch the sampler adds to the seed
 MAX_SEED = 2**63 - 1
+
+
+def _base_storage(value: Any) -> vocabulary.BaseStorage:
+    storage = vocabulary.BaseStorage(_choice("base_storage", value, BASE_STORAGES))
+    if storage is vocabulary.BaseStorage.NF4 and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigurationError("CephaloStrategy(base_storage='nf4') quantises the frozen base with bitsandbytes, which "
+                                 "is not installed: pip install \"cephalo-lightning[qlora]\", or use base_storage='compute'")
+    return storage
 
 
 def _choice(name: str, value: Any, choices: Sequence[str]) -> str:

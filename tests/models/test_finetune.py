@@ -3,7 +3,9 @@
 * The memory model charges every parameter its stored weight and only the trainable ones their
   gradient and optimizer moments (analytic check), the profiler records both counts, and an
   emulated LoRA run's measured peak memory per rank is never above the prediction; the runtime keeps
-  no gradient and no optimizer state for a frozen parameter (measured on the pieces).
+  no gradient and no optimizer state for a frozen parameter (measured on the pieces). The same
+  emulated run with the base's matrices stored as NF4 blocks (QLoRA) is priced at what they hold and
+  stays under its prediction too.
 * A peft LoRA model built in ``configure_model()`` (on the meta device) from ``pretrained=DIR`` (a
   ``save_pretrained`` directory of the base model, looked up by the original names): the base comes
   from the files bitwise, the adapters start as peft starts them (B = 0), training equals
@@ -280,6 +282,19 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
     out["memory"] = {"model": watcher.cluster.model, "history": watcher.history, "plan": trainer.strategy.plan,
                      "counts": (sum(p.numel() for p in module.parameters()),
                                 sum(p.numel() for p in module.parameters() if p.requires_grad))}
+    # QLoRA: the same profiled fit with the base's matrices stored as NF4 blocks
+    watcher = CephaloCallback(max_micro_batch=3, cache_dir=None, watch_every_n_steps=1, print_plan=False, quiet=True,
+                              calibrate_after_windows=0, adapt=False)
+    trainer = helpers.trainer(CephaloStrategy(pretrained=str(base), emulate=EMULATE, base_storage="nf4"), 2, STEPS,
+                              callbacks=[watcher], default_root_dir=str(root_path))
+    trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
+    sharded = trainer.strategy.sharded
+    trainer.save_checkpoint(str(root_path / "qlora.ckpt"))
+    out["qlora final"] = {k: v.clone() for k, v in trainer.lightning_module.state_dict().items()}
+    out["qlora memory"] = {"model": watcher.cluster.model, "history": watcher.history, "plan": trainer.strategy.plan,
+                           "stored": sharded.local_state_bytes(),
+                           "part_bytes": sum(u.frozen.part_bytes() for u in sharded.units if u.frozen is not None),
+                           "frozen_numel": sum(u.frozen.layout.numel for u in sharded.units if u.frozen is not None)}
     # pinned plans that shard the state, skewed as the planner may choose them (a rank with no samples
     # holding nearly all of it): their measured peaks, for the profiled cluster's prediction
     out["pinned"] = []
@@ -420,6 +435,34 @@ def test_adapters_save_with_peft_and_the_export_merges_them(lora_runs):
 
 
 @pytest.mark.multiprocess
+def test_a_qlora_export_merges_the_adapters_into_the_dequantised_base_in_bf16_and_says_so(lora_runs, tmp_path):
+    """The QLoRA fit's checkpoint exported: every tensor in bf16, what peft's merge_and_unload() gives
+    from the fit's final model (its base the dequantised NF4 values) cast to bf16, and the command
+    says the base was 4-bit."""
+    import transformers
+    from peft import PeftModel
+
+    root, results = lora_runs
+    final = results[0]["qlora final"]
+    base = transformers.LlamaForCausalLM(_config())
+    tuned = PeftModel(base, with_lora(transformers.LlamaForCausalLM(_config())).peft_config["default"])
+    tuned.load_state_dict({k[len("model."):]: v for k, v in final.items()})
+    want = {k: v.to(torch.bfloat16) for k, v in tuned.merge_and_unload().state_dict().items()}
+    done = subprocess.run([sys.executable, "-m", "cephalo_lightning", "export", str(root / "qlora.ckpt"), "--hf",
+                           str(tmp_path / "merged")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "the base was stored as 4-bit NF4 blocks" in done.stdout and "in bf16" in done.stdout
+    from safetensors.torch import load_file
+
+    got = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert {t.dtype for t in got.values()} == {torch.bfloat16}
+    for name, value in want.items():
+        if name in got:
+            assert torch.equal(got[name], value), name
+    assert set(want) - set(got) <= {"lm_head.weight"}  # a tied head is stored once
+
+
+@pytest.mark.multiprocess
 def test_an_emulated_lora_run_never_exceeds_its_predicted_memory(lora_runs):
     """The callback profiles the LoRA model: every parameter counted, the adapters as trainable, the
     frozen base at its fp32 master's 4 bytes; every rank's measured peak (emulated memory, counted by
@@ -436,6 +479,26 @@ def test_an_emulated_lora_run_never_exceeds_its_predicted_memory(lora_runs):
         peaks = [w["ranks"][i]["peak_memory_gb"] for w in memory["history"]]
         assert peaks and all(p is not None for p in peaks)
         print(f"rank {i}: measured peak {max(peaks) * GIB / 2**20:.3f} MiB, predicted {r.predicted_memory_gb * GIB / 2**20:.3f} MiB, frozen share {4 * (total - trainable) * r.state_share / 2**20:.3f} MiB (emulated)")
+        assert max(peaks) <= r.predicted_memory_gb, f"rank {i}: measured {max(peaks):.4g} > predicted {r.predicted_memory_gb:.4g} GiB"
+
+
+@pytest.mark.multiprocess
+def test_an_emulated_qlora_run_never_exceeds_its_predicted_memory(lora_runs):
+    """The same profiled LoRA fit with ``base_storage="nf4"``: the callback prices a frozen parameter at
+    what the NF4 storage holds (codes, scales, the unquantised vectors, over every frozen element), well
+    under bf16's 2 bytes, and every rank's measured peak (emulated) stays at or below the prediction."""
+    _, results = lora_runs
+    memory = results[0]["qlora memory"]
+    model, plan = memory["model"], memory["plan"]
+    assert model.weight_bytes_per_param == memory["part_bytes"] / memory["frozen_numel"]
+    assert 0.5 < model.weight_bytes_per_param < 1.0
+    for rank, r in enumerate(results):  # every rank's stored frozen bytes: the 4-bit share, not 2 bytes a parameter
+        assert 0 < r["qlora memory"]["stored"][1] < memory["frozen_numel"]
+    for i, r in enumerate(plan.ranks):
+        peaks = [w["ranks"][i]["peak_memory_gb"] for w in memory["history"]]
+        assert peaks and all(p is not None for p in peaks)
+        print(f"rank {i}: measured peak {max(peaks) * GIB / 2**20:.3f} MiB, predicted "
+              f"{r.predicted_memory_gb * GIB / 2**20:.3f} MiB (emulated, NF4 base)")
         assert max(peaks) <= r.predicted_memory_gb, f"rank {i}: measured {max(peaks):.4g} > predicted {r.predicted_memory_gb:.4g} GiB"
 
 

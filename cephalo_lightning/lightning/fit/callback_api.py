@@ -66,10 +66,12 @@ class CallbackAPI:
     def frozen_bytes_per_param(self) -> float | None:
         """Bytes a frozen parameter's storage holds per element in this fit's sharded model (the same
         on every rank), None where no parameter is frozen."""
-        for unit in self._fit_runtime().sharded.units:
-            if unit.frozen is not None:
-                return stored_bytes_per_element(unit.base, unit.compute_dtype)
-        return None
+        parts = [unit.frozen for unit in self._fit_runtime().sharded.units if unit.frozen is not None]
+        if not parts:
+            return None
+        numel = sum(part.layout.numel for part in parts)  # the mean over every frozen element, as stored
+        return sum(part.part_bytes() for part in parts) / numel if numel else stored_bytes_per_element(
+            parts[0].kind, parts[0].compute_dtype)
 
     @property
     def fit_mode(self) -> str:

@@ -98,7 +98,13 @@ class FitRuntime:
         self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links, construction)
         self.shard_summary = self.sharded.summary()  # what this rank holds under the plan in force
         self._warn_unpriced_buffers(plan, self.shard_summary)
-        module.to(device)  # buffers; the local pieces are already there
+        # buffers; the local pieces are already there. The modules hold the full parameters meanwhile:
+        # a quantised frozen piece lives on the meta device, which .to() cannot move
+        for unit in self.sharded.units:
+            unit.use_full()
+        module.to(device)
+        for unit in self.sharded.units:
+            unit.use_local()
         if emulator.is_emulated:  # a real device gets no observer at all (no clock, no state)
             self.sharded.observers.attach(emulator)
         self.memory = _memory_tracking(self.shard_summary, self.sharded.observers, emulator, device,
@@ -385,7 +391,7 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
             module, plan.state_shares, shard_groups=plan.shard_groups, links=links,
             units=layered.units if layered is not None else config.units,
             collective=collective, compute_dtype=config.param_dtype, prefetch=config.prefetch, device=device,
-            overlap=config.overlap,
+            overlap=config.overlap, base=config.base_storage,
             materializer=UnitMaterializer(device, init=resolution.init, source=source, seed=config.seed or 0,
                                           fresh=frozenset(lora.adapter_parameters(module)), construction=construction),
         )

@@ -58,6 +58,7 @@ from cephalo_lightning.lightning.strategy.precision import sharded_precision
 from cephalo_lightning.lightning.strategy.sharded_strategy import ShardedStrategy
 from cephalo_lightning.lightning.strategy_config import (
     DEFAULTS,
+    BaseStorageChoice,
     LossWeightingChoice,
     RouterAuxLoss,
     StateDictType,
@@ -100,6 +101,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  loss_weighting: LossWeightingChoice = DEFAULTS.loss_weighting,
                  router_aux_loss: RouterAuxLoss = DEFAULTS.router_aux_loss,
                  gather_on_teardown: HandbackChoice | bool = DEFAULTS.gather_on_teardown,
+                 base_storage: BaseStorageChoice = DEFAULTS.base_storage.value,
                  checkpoint_frozen: bool = DEFAULTS.checkpoint_frozen, verify_loss: bool = DEFAULTS.verify_loss,
                  max_nonfinite_skips: int = DEFAULTS.max_nonfinite_skips, check_devices: bool = DEFAULTS.check_devices,
                  safe_globals: Sequence[Any] = DEFAULTS.safe_globals, seed: int | None = DEFAULTS.seed,
@@ -115,7 +117,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             memory_check_every_n_steps=memory_check_every_n_steps, state_dict_type=state_dict_type,
             prefetch=prefetch, overlap=overlap, pretrained=pretrained, loss_weighting=loss_weighting,
             router_aux_loss=router_aux_loss, gather_on_teardown=gather_on_teardown,
-            checkpoint_frozen=checkpoint_frozen, verify_loss=verify_loss,
+            base_storage=base_storage, checkpoint_frozen=checkpoint_frozen, verify_loss=verify_loss,
             max_nonfinite_skips=max_nonfinite_skips, check_devices=check_devices, safe_globals=safe_globals, seed=seed,
             verify_checksums=verify_checksums, progress_every=progress_every, async_checkpoint=async_checkpoint,
             elastic=elastic, fault_tolerance=fault_tolerance, replica_group=replica_group)

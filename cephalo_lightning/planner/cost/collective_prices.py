@@ -5,7 +5,8 @@ A group of every rank pays the world's figures, given per layer (``settings.allg
 ``reduce_scatter_ms``, measured) or priced as bytes over the link bandwidth, and grows with the
 largest share rho::
 
-    AG = (W - 1) / W x layer_parameters x compute_bytes_per_param / bandwidth   (+ latency across nodes)
+    AG = (W - 1) / W x layer_parameters x gathered_bytes_per_param / bandwidth   (+ latency across nodes;
+         gathered_bytes_per_param: the compute dtype's, a frozen parameter's stored bytes where fewer: NF4)
     RS = (W - 1) / W x layer_trainable_parameters x grad_bytes_per_param / bandwidth   (frozen ones: no gradient)
     AG(rho) = AG x (1 + slope x (W rho - 1)),  RS(rho) likewise
 
@@ -268,7 +269,7 @@ def link_prices(cluster: Cluster) -> LinkPrices:
     if own and world > 1:
         moved = (world - 1) / world * model.layer_parameters
         bandwidth = own * 1e9  # bytes/s
-        ag = ag or moved * model.compute_bytes_per_param / bandwidth * 1e3
+        ag = ag or moved * model.gathered_bytes_per_param / bandwidth * 1e3
         reduced = (world - 1) / world * model.layer_trainable_parameters
         rs = rs or reduced * model.grad_bytes_per_param / bandwidth * 1e3
     if world == 1:

@@ -103,6 +103,14 @@ class ModelSpec:
                 f"{self.grad_bytes_per_param:g} bytes")
 
     @property
+    def gathered_bytes_per_param(self) -> float:
+        """Bytes an all-gather moves per parameter, the mean over the model: a trainable one in the
+        compute dtype, a frozen one as stored where that is smaller (an NF4 base's 4-bit bytes and
+        scales), else in the compute dtype."""
+        frozen_bytes = min(self.weight_bytes_per_param, self.compute_bytes_per_param)
+        return (self.compute_bytes_per_param * self.trainable + frozen_bytes * self.frozen) / self.parameters
+
+    @property
     def layer_parameters(self) -> float:
         return self.parameters / self.num_layers
 

@@ -32,8 +32,8 @@ class SavedOptimizer:
 def local_pieces(sharded: ShardedModel, trainable_only: bool = False) -> Iterator[tuple[str, nn.Parameter, tuple[int, ...], int]]:
     """(name, local piece, original shape, start of the piece within the flattened parameter), of
     every parameter or of the trainable ones."""
-    for unit in sharded.units:
-        for index, (span, param, trainable) in enumerate(zip(unit.spans, unit.local_params, unit.requires_grad)):
+    for unit in sharded.units:  # a quantised frozen piece as its values (see unit.local_values)
+        for index, (span, param, trainable) in enumerate(zip(unit.spans, unit.local_values(), unit.requires_grad)):
             if trainable or not trainable_only:
                 yield span.name, param, span.shape, unit.local_range(index)[0]
 

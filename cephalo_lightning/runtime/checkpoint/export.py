@@ -18,6 +18,11 @@ A fit of a peft LoRA model records its LoRA layers (key ``hf.lora``): their adap
 into the base weights unit by unit (:mod:`.lora_merge`), so the output is the plain model under
 its original names, what ``merge_and_unload()`` then ``save_pretrained`` would write
 (``merge_lora=False``, ``--no-merge``: the tensors as stored, peft's names and the adapters).
+
+A fit whose frozen matrices were stored as 4-bit NF4 blocks (QLoRA; ``cephalo.json`` key
+``nf4_base``) saved them dequantised (exact in fp32); the export merges the adapters into that
+dequantised base and writes every tensor in bf16 (``torch_dtype`` too): the 4-bit model is not
+written as such, and :attr:`Exported.dequantised` (printed by the command) says so.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 
 from cephalo_lightning._common.atomic_io import publish_directory, remove_tree
 from cephalo_lightning.runtime.checkpoint.dcp_planners import Request, ShardLoadPlanner, dcp_call
-from cephalo_lightning.runtime.checkpoint.format import MODEL_PREFIX, CheckpointError
+from cephalo_lightning.runtime.checkpoint.format import MODEL_PREFIX, NF4_KEY, CheckpointError
 from cephalo_lightning.runtime.checkpoint.frozen_base import refuse_without_base
 from cephalo_lightning.runtime.checkpoint.lora_merge import merge
 from cephalo_lightning.runtime.checkpoint.manifest import read_info, verify
@@ -51,6 +56,15 @@ class Exported:
     files: tuple[str, ...]
     tensors: int
     skipped: tuple[str, ...]  # stored tensors outside the Hugging Face model (other LightningModule parts)
+    dequantised: tuple[str, ...] = ()  # the base's matrices the fit stored as 4-bit NF4 blocks (written in bf16)
+
+    @property
+    def note(self) -> str | None:
+        """What the export did to a 4-bit base, for the command's output (None: nothing)."""
+        if not self.dequantised:
+            return None
+        return (f"the base was stored as 4-bit NF4 blocks ({len(self.dequantised)} matrices): exported dequantised, "
+                "with the adapters merged into it, in bf16")
 
 
 def _hf_source(info: dict[str, Any], config: str | Path | None, prefix: str | None) -> tuple[dict[str, Any], str]:
@@ -138,6 +152,9 @@ def export_hf(checkpoint: str | Path, output: str | Path, *, config: str | Path 
              for n in inside}
     batches = list(_batches(_groups(info, inside), sizes, max_shard_bytes))
     lora = (info.get("hf") or {}).get("lora") or {} if merge_lora else {}
+    dequantised = tuple(name for name in info.get(NF4_KEY, ()) if name.startswith(chosen))
+    if dequantised:
+        document = {**document, "torch_dtype": "bfloat16", "dtype": "bfloat16"}
     staging = output.with_name(output.name + ".exporting")
     if staging.exists():  # what an interrupted export left
         remove_tree(staging)
@@ -152,6 +169,8 @@ def export_hf(checkpoint: str | Path, output: str | Path, *, config: str | Path 
                     tensors[key[len(chosen):]] = tensor if key == name else tensor.clone()
             if lora:
                 tensors = merge(tensors, lora)
+            if dequantised:
+                tensors = {key: t.to(torch.bfloat16) if t.is_floating_point() else t for key, t in tensors.items()}
             save_file(tensors, str(staging / file), metadata={"format": "pt"})
             total += sum(t.numel() * t.element_size() for t in tensors.values())
             weight_map.update({key: file for key in tensors})
@@ -169,7 +188,7 @@ def export_hf(checkpoint: str | Path, output: str | Path, *, config: str | Path 
     except BaseException:
         remove_tree(staging)
         raise
-    return Exported(output, tuple(files), count, skipped)
+    return Exported(output, tuple(files), count, skipped, dequantised)
 
 
 def _numel(size: Sequence[int]) -> int:

@@ -14,6 +14,7 @@ INFO_FILE = "cephalo.json"
 MANIFEST_FILE = "manifest.json"
 DCP_METADATA_FILE = ".metadata"
 MODEL_PREFIX = "model."
+NF4_KEY = "nf4_base"  # in cephalo.json: the frozen matrices stored as 4-bit NF4 blocks, saved dequantised
 TOKEN_KEY = "cephalo_save_token"  # in meta.pt: which save wrote it (cephalo.json and the manifest say too)
 
 

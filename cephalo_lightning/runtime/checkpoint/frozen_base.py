@@ -65,7 +65,7 @@ def identify_frozen(sharded: ShardedModel, source: str | Path) -> FrozenBase:
     sums: dict[str, int] = {}
     described: dict[str, tuple[list[int], str]] = {}
     for unit in sharded.units:
-        for index, (span, piece, trainable) in enumerate(zip(unit.spans, unit.local_params, unit.requires_grad)):
+        for index, (span, piece, trainable) in enumerate(zip(unit.spans, unit.local_values(), unit.requires_grad)):
             if trainable:
                 continue
             described[span.name] = (list(span.shape), str(unit.master_dtype).removeprefix("torch."))

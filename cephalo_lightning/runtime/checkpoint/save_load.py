@@ -46,6 +46,7 @@ from cephalo_lightning.runtime.checkpoint.format import (
     INFO_FILE,
     META_FILE,
     MODEL_PREFIX,
+    NF4_KEY,
     TOKEN_KEY,
     CheckpointError,
     NoSpaceError,
@@ -69,6 +70,7 @@ from cephalo_lightning.runtime.distributed import (
     is_distributed,
     rank_and_size,
 )
+from cephalo_lightning.runtime.quantized.nf4_storage import Nf4Storage
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
 SINGLE_FILE_STAGING = "sharded"
@@ -138,6 +140,10 @@ def prepare(sharded: ShardedModel, optimizers: Sequence[torch.optim.Optimizer], 
         "aliases": state_dict_aliases(sharded),
         "optimizers": optimizer_info,
     }
+    quantised = [name for unit in sharded.units if isinstance(unit.frozen, Nf4Storage)
+                 for name in unit.frozen.quantised_names()]
+    if quantised:  # saved as their dequantised values; an export says so (see export.NF4_KEY)
+        document[NF4_KEY] = quantised
     return PreparedSave(token, entries, buffer.getvalue(), document, rank == 0)
 
 
@@ -293,8 +299,13 @@ def load(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
         check_same_base(path, saved_base, frozen)
     stored = read_dcp_metadata(path).state_dict_metadata
     requests: list[Request] = []
-    for name, piece, shape, start in local_pieces(sharded, trainable_only=saved_base is not None):
-        requests.append(Request(MODEL_PREFIX + name, shape, piece.detach().view(-1), start))
+    # a quantised frozen piece loads into its values, stored again below (restore_frozen)
+    values = {id(unit): unit.local_values() for unit in sharded.units}
+    for unit in sharded.units:
+        for index, (span, piece, trainable) in enumerate(zip(unit.spans, values[id(unit)], unit.requires_grad)):
+            if trainable or saved_base is None:
+                requests.append(Request(MODEL_PREFIX + span.name, span.shape, piece.detach().view(-1),
+                                        unit.local_range(index)[0]))
     for name, buf in buffers(sharded).items():  # persistent buffers are saved: one missing is an error too
         requests.append(Request(MODEL_PREFIX + name, tuple(buf.shape), buf.detach().view(-1), 0))
     missing = sorted(r.fqn[len(MODEL_PREFIX):] for r in requests if r.fqn not in stored)
@@ -329,6 +340,10 @@ def load(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
                                                  no_dist=not is_distributed(group)))
     for optimizer, p, state_key, target in restores:
         optimizer.state[p][state_key] = target
+    if saved_base is None:
+        for unit in sharded.units:
+            if any(p.is_meta for p in unit.local_params):
+                unit.restore_frozen([v for v, rg in zip(values[id(unit)], unit.requires_grad) if not rg])
     for i, optimizer in enumerate(optimizers):
         _restore_groups(optimizer, saved_optimizers[i], pieces, names)
     return meta, info

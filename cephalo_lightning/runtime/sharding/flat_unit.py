@@ -44,6 +44,7 @@ from torch import nn
 from cephalo_lightning._common.vocabulary import BaseStorage
 from cephalo_lightning.runtime.collectives import Collectives, PendingGather
 from cephalo_lightning.runtime.observers import Observers
+from cephalo_lightning.runtime.quantized import nf4_storage  # noqa: F401 - registers BaseStorage.NF4
 from cephalo_lightning.runtime.sharding.frozen_storage import ComputeDtypeStorage, FrozenStorage, make_storage
 from cephalo_lightning.runtime.sharding.layout import ParamSpan, UnitLayout
 
@@ -214,6 +215,30 @@ class FlatUnit:
         """(trainable master bytes, frozen storage bytes) this rank holds for the unit."""
         return (self.master.numel() * self.master.element_size(),
                 self.frozen.local_bytes() if self.frozen is not None else 0)
+
+    def local_values(self) -> list[torch.Tensor]:
+        """Every local piece as values: the piece itself, or for a piece that holds no data (a
+        quantised frozen matrix: on the meta device) its values from the frozen storage."""
+        if self.frozen is None or not any(p.is_meta for p in self.local_params):
+            return list(self.local_params)
+        frozen = iter(self.frozen.piece_values())
+        out = []
+        for param, requires_grad in zip(self.local_params, self.requires_grad):
+            value = param if requires_grad else next(frozen)
+            out.append(value.view(param.shape) if param.is_meta else param)
+        return out
+
+    def restore_frozen(self, values: Sequence[torch.Tensor]) -> None:
+        """Store the frozen part again from this rank's piece of every frozen parameter (``values``,
+        in the part's order: what :meth:`local_values` gave, refilled by a checkpoint load or a hand-back)."""
+        if self.frozen is None:
+            return
+        packed = torch.cat([v.detach().reshape(-1) for v in values]) if values else torch.empty(0)
+        self.frozen = make_storage(self.base, self.frozen.layout, self.rank, packed, self.compute_dtype)
+        pieces = iter(self.frozen.pieces())
+        for param, requires_grad in zip(self.local_params, self.requires_grad):
+            if not requires_grad:
+                param.data = next(pieces).view(param.shape)
 
     def shard_values(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """This rank's range of the unit in the unit's order, as values in ``dtype`` (default the

@@ -58,6 +58,11 @@ class FrozenStorage(abc.ABC):
     def bytes_per_element(cls, compute_dtype: torch.dtype) -> float:
         """Bytes the kind stores per frozen element (what the memory model's ``weight_bytes_per_param`` is)."""
 
+    def part_bytes(self) -> int:
+        """Bytes the whole part takes over its ranks (the memory model's mean is this over its elements);
+        a kind whose cost depends on the layout (a quantised one: its padding, its unquantised vectors) says."""
+        return round(self.layout.numel * self.bytes_per_element(self.compute_dtype))
+
     @abc.abstractmethod
     def local_bytes(self) -> int:
         """Bytes this rank stores for the part (what the memory model prices)."""
@@ -70,6 +75,12 @@ class FrozenStorage(abc.ABC):
     def pieces(self) -> list[torch.Tensor]:
         """This rank's piece of every frozen parameter, flat, in the part's order: the tensors the
         modules hold outside compute (views of the storage where it holds the values themselves)."""
+
+    def piece_values(self) -> list[torch.Tensor]:
+        """This rank's piece of every frozen parameter as values (flat, in the part's order): what a
+        checkpoint saves and loads. The pieces themselves where they hold the values; a kind whose
+        pieces hold no data (on the meta device) gives values exact enough to store it again."""
+        return self.pieces()
 
     @abc.abstractmethod
     def values(self, dtype: torch.dtype) -> torch.Tensor:

@@ -155,7 +155,11 @@ def copy_into_shards(units: Sequence[FlatUnit]) -> None:
                     f"{span.name} is now {tuple(current.shape)}, was {tuple(span.shape)} when the model was sharded: "
                     "a module whose parameters changed shape cannot train on; build a new module")
             a, b = unit.local_range(index)
-            unit.local_params[index].detach().view(-1).copy_(current.detach().reshape(-1)[a:b])  # a view of its storage
+            if not unit.local_params[index].is_meta:
+                unit.local_params[index].detach().view(-1).copy_(current.detach().reshape(-1)[a:b])  # a view of its storage
+        if any(p.is_meta for p in unit.local_params):  # a quantised base: stored again from the modules' values
+            unit.restore_frozen([slot.current.detach().reshape(-1)[slice(*unit.local_range(i))]
+                                 for i, (slot, rg) in enumerate(zip(unit.slots, unit.requires_grad)) if not rg])
         unit.use_local()
 
 
