@@ -36,6 +36,15 @@ class Schedule(StrEnum):
     UNIFORM = "uniform"
 
 
+class PipelineSchedule(StrEnum):
+    """The order a pipelined plan runs its micro-batches through the stages: every forward then every
+    backward (``gpipe``: a stage holds all M micro-batches' inputs), or one forward one backward once
+    the pipeline is full (``1f1b``: stage s of S holds about S - s of them)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+
 class Collective(StrEnum):
     """How an uneven shard is gathered and reduced: padded to the largest shard, or exact sizes."""
 
@@ -130,5 +139,5 @@ def hold_member(record: Any, name: str, vocabulary: type[StrEnum], error: type[E
     object.__setattr__(record, name, vocabulary(value))
 
 
-__all__ = ["AUTO", "Auto", "Collective", "CollectiveChoice", "Grouping", "Handback", "HandbackChoice", "Planner",
-           "ProfileSource", "Schedule", "ScheduleChoice", "StrEnum", "Verdict", "hold_member", "member_of", "values_of"]
+__all__ = ["AUTO", "Auto", "Collective", "CollectiveChoice", "Grouping", "Handback", "HandbackChoice",
+           "PipelineSchedule", "Planner", "ProfileSource", "Schedule", "ScheduleChoice", "StrEnum", "Verdict", "hold_member", "member_of", "values_of"]
