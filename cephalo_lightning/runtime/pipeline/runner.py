@@ -1,0 +1,239 @@
+"""One rank's stage of a pipelined plan: its layers sharded over its stage's ranks, run by a schedule.
+
+One optimizer step of rank (d, s) (pipeline d, stage s), its pipeline's micro-batches k = 0..M_d-1:
+
+    N       = all-reduce over every rank of the items (samples or tokens) of the pipelines' batches
+    gather  every unit of the stage, in order, over the stage's ranks (the stage's shard group)
+    F k     x = the micro-batch's input (s = 0) or the hidden state received from stage s-1;
+            run the stage's layers; send the output to stage s+1, or (last stage) compute
+            loss_k = (summed loss of micro-batch k) / N
+    B k     backpropagate loss_k (last stage) or the gradient received from stage s+1; send the
+            gradient of x to stage s-1 (s > 0)
+    reduce  every unit's gradient, from the last to the first, reduce-scattered over the stage's ranks
+    tied    a parameter held by several stages: its reduced pieces summed over those stages' ranks
+    loss    all-reduce of the last stages' sum over k of loss_k: every rank returns the global loss
+
+F and B come in the order of the schedule (:mod:`.schedule`); side inputs (attention masks, position
+ids, rotary embeddings) are recomputed on every stage from the micro-batch, which every rank of the
+pipeline holds, and never sent. Gradients add up over the micro-batches on the gathered parameters,
+so the result is d(sum over the global batch of the per-item losses / N) whatever the layout: the
+single-process gradient.
+
+[Note: collective order] Every rank of a stage gathers the same units in the same order, reduces
+them in the same (reverse) order and takes part in the same all-reduces (the item count, the tied
+parameters in a fixed order, the loss), whatever its micro-batch count, batch (zero too) or share.
+Point-to-point transfers pair within a pipeline (:mod:`.transfer`, each logged).
+
+[Note: a stage holds its units gathered for the step] A stage gathers each of its units once and
+keeps them for the step (its micro-batches' activations too, as the schedule holds them: all M under
+GPipe, at most S - s under 1F1B), then reduces each once: one all-gather and one reduce-scatter per
+unit per step, whatever M. The price is the stage's whole gathered state in memory during the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cephalo_lightning.runtime.collectives import Links
+from cephalo_lightning.runtime.layered import Layer, Side
+from cephalo_lightning.runtime.pipeline.schedule import Pass, stage_actions
+from cephalo_lightning.runtime.pipeline.stages import PipelineLayout
+from cephalo_lightning.runtime.pipeline.transfer import Transfers
+from cephalo_lightning.runtime.pipeline.views import module_paths, stage_view, tied_across
+from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+
+Prepare = Callable[[Any], tuple[torch.Tensor, Side]]
+# (last layer's output, micro-batch, side inputs, the global item count) -> the micro-batch's summed loss / count
+WeightedLoss = Callable[[torch.Tensor, Any, Side, float], torch.Tensor]
+Items = Callable[[Any], int]
+
+
+@dataclass(frozen=True)
+class _Tie:
+    stages: tuple[int, ...]
+    name: str  # the parameter's name in this rank's stage
+    group: dist.ProcessGroup | None
+    counted: bool  # this stage is the first holder: the parameter's norm is counted here
+
+
+class PipelineRunner:
+    """Rank ``dist.get_rank()``'s stage of ``layout`` over ``layers`` (the layered protocol's layers of
+    ``model``, in order). Every rank of the default process group builds one, alike (process groups are
+    created collectively). Build the optimizer from :meth:`parameters`."""
+
+    def __init__(self, model: nn.Module, layers: Sequence[Layer | nn.Module], layout: PipelineLayout, *,
+                 prepare: Prepare, loss: WeightedLoss, items: Items, compute_dtype: torch.dtype | None = None,
+                 links: Links | None = None, record_collectives: bool = False, device: torch.device | None = None) -> None:
+        layers = [Layer.of(layer) for layer in layers]
+        if sum(layout.stage_layers) != len(layers):
+            raise ValueError(f"the layout's stages cover {sum(layout.stage_layers)} layers, the model has {len(layers)}: "
+                             "re-plan for this model")
+        if dist.get_world_size() != layout.world_size:
+            raise ValueError(f"the layout has {layout.world_size} ranks, the world {dist.get_world_size()}: launch "
+                             "as many ranks as the plan has")
+        self.layout = layout
+        self.rank = dist.get_rank()
+        self.stage = layout.stage_of(self.rank)
+        self.pipeline = layout.pipeline_of(self.rank)
+        self.previous, self.next = layout.neighbours(self.rank)
+        self.layers = [layers[i] for i in layout.layer_range(self.stage)]
+        self.prepare, self.loss, self.items = prepare, loss, items
+        paths = module_paths(model)
+        views = [stage_view(model, [m for i in layout.layer_range(s) for m in layers[i].modules], paths)
+                 for s in range(layout.num_stages)]
+        groups = [dist.new_group(list(layout.stage_ranks(s))) for s in range(layout.num_stages)]
+        self.ties: list[_Tie] = []
+        for stages, names in tied_across(views):  # the same order on every rank: groups are made collectively
+            ranks = sorted(r for s in stages for r in layout.stage_ranks(s))
+            group = dist.new_group(ranks)
+            if self.stage in stages:
+                self.ties.append(_Tie(stages, names[stages.index(self.stage)], group, stages[0] == self.stage))
+        stage_ranks = layout.stage_ranks(self.stage)
+        self.sharded = ShardedModel(views[self.stage], [layout.shares[r] for r in stage_ranks],
+                                    units=[list(layer.modules) for layer in self.layers], group=groups[self.stage],
+                                    links=links, compute_dtype=compute_dtype, hooks=False,
+                                    record_collectives=record_collectives, device=device)
+        self.device = self.sharded.device
+        self.transfers = Transfers(self.device, links=links)
+
+    # ------------------------------------------------------------------ what the optimizer and checks see
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's pieces of its stage's state."""
+        return list(self.sharded.parameters())
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.sharded.named_parameters())
+
+    # ------------------------------------------------------------------ one step
+
+    def train_step(self, micro_batches: Sequence[Any]) -> torch.Tensor:
+        """Forward and backward of this pipeline's ``micro_batches`` (every rank of the pipeline passes
+        the same); leaves every piece's reduced gradient. Returns the global batch's loss."""
+        total = self._global_items(micro_batches)
+        return self._run(micro_batches, total, train=True)
+
+    def evaluate(self, micro_batches: Sequence[Any]) -> torch.Tensor:
+        """The global batch's loss, forward only (validation): the same gathers, transfers of hidden
+        states only, nothing reduced."""
+        total = self._global_items(micro_batches)
+        return self._run(micro_batches, total, train=False)
+
+    def _global_items(self, micro_batches: Sequence[Any]) -> float:
+        """N: every pipeline's items counted once (by its first stage), summed over the world."""
+        local = float(sum(self.items(mb) for mb in micro_batches)) if self.stage == 0 else 0.0
+        count = torch.tensor(local, dtype=torch.float64, device=self.device)
+        dist.all_reduce(count)
+        return count.item()
+
+    def _run(self, micro_batches: Sequence[Any], total: float, train: bool) -> torch.Tensor:
+        sharded, last = self.sharded, self.next is None
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        with sharded.scheduled():
+            for index in range(len(sharded.units)):
+                sharded.gather(index, prefetch=index + 1)
+            actions = stage_actions(self.layout.schedule, self.stage, self.layout.num_stages, len(micro_batches))
+            if not train:
+                actions = [a for a in actions if a.kind is Pass.FORWARD]
+            kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for action in actions:
+                k = action.micro_batch
+                if action.kind is Pass.FORWARD:
+                    with torch.set_grad_enabled(train):
+                        x, out = self._forward(k, micro_batches[k], total)
+                    if last:
+                        loss_sum += out.detach().double()
+                    else:
+                        self.transfers.send(out, self.next, Pass.FORWARD, k)
+                    if train:
+                        kept[k] = (x, out)
+                else:
+                    x, out = kept.pop(k)
+                    if last:
+                        out.backward()
+                    else:
+                        out.backward(self.transfers.recv(self.next, Pass.BACKWARD, k))
+                    if self.previous is not None:
+                        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                        self.transfers.send(grad, self.previous, Pass.BACKWARD, k)
+            self.transfers.flush()
+            if train:
+                for unit in reversed(sharded.units):  # [Note: collective order]
+                    sharded.reduce_unit(unit)
+                sharded.wait_reductions()
+            sharded.free_all()
+        if train:
+            self._sum_ties()
+        dist.all_reduce(loss_sum)  # the last stages' sums; the others add zero
+        return loss_sum
+
+    def _forward(self, k: int, micro_batch: Any, total: float) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            first_input, side = self.prepare(micro_batch)
+        if self.previous is None:
+            x = first_input
+        else:
+            x = self.transfers.recv(self.previous, Pass.FORWARD, k).requires_grad_(torch.is_grad_enabled())
+        h = x
+        for layer in self.layers:
+            h = layer(h, side)
+        if self.next is None:
+            h = self.loss(h, micro_batch, side, total)
+        return x, h
+
+    # ------------------------------------------------------------------ tied parameters, clipping
+
+    def _piece(self, name: str) -> tuple[nn.Parameter, int, int, int]:
+        for unit in self.sharded.units:
+            for index, span in enumerate(unit.spans):
+                if span.name == name:
+                    a, b = unit.local_range(index)
+                    return unit.local_params[index], a, b, span.numel
+        raise KeyError(name)
+
+    @torch.no_grad()
+    def _sum_ties(self) -> None:
+        """[Note: parameters tied across stages] Each holding stage reduced its own gradient onto its
+        pieces; one all-reduce over the holders' ranks of the pieces written into a zero full-size
+        buffer gives every holder the sum over the stages, the same bits on each (x + 0 is exact)."""
+        for tie in self.ties:
+            piece, a, b, numel = self._piece(tie.name)
+            full = torch.zeros(numel, dtype=piece.dtype, device=self.device)
+            if piece.grad is not None:
+                full[a:b] = piece.grad.reshape(-1)
+            dist.all_reduce(full, group=tie.group)
+            if b > a:
+                piece.grad = full[a:b].view(piece.shape).clone()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every piece's gradient so the whole model's gradient has norm at most ``max_norm``:
+        the norm over every stage's pieces, a tied parameter counted once (by its first stage)."""
+        skip = {tie.name for tie in self.ties if not tie.counted}
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, param in self.sharded.named_parameters():
+            if param.grad is not None and name not in skip:
+                local += param.grad.double().pow(2).sum()
+        dist.all_reduce(local)
+        norm = local.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for param in self.sharded.parameters():
+            if param.grad is not None:
+                param.grad.mul_(coef.to(param.grad.dtype))
+        return norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters, whole, under their original names (every rank of the stage)."""
+        return self.sharded.full_state_dict()
+
+    def grads_finite(self) -> bool:
+        flag = torch.tensor(float(all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in self.parameters())),
+                            device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())

@@ -1,0 +1,195 @@
+"""Pipelined plans in the runtime (no Lightning): stages of layers over gloo ranks train like one process.
+
+One spawn of four gloo ranks runs every scenario: Hugging Face Llama and GPT-2 (its embedding tied to
+its head, so held by the first and the last stage) built from tiny configs, on right-padded batches
+whose loss is a mean over the label tokens, AdamW in fp64; 2 stages x 2 pipelines with uneven
+batches, micro-batch counts and state shares inside each stage, and 4 stages x 1 pipeline; GPipe and
+1F1B. Each is compared with single-process training on the same global batches
+(tests/reference.train_steps through tests/library_models.reference), and every point-to-point
+transfer is matched with its pair.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cephalo_lightning._common.vocabulary import PipelineSchedule
+from cephalo_lightning.runtime.pipeline.schedule import Pass, in_flight, simulate, stage_actions
+from cephalo_lightning.runtime.pipeline.stages import PipelineLayout
+from tests.distributed import run_distributed
+
+STEPS, GLOBAL = 2, 8
+GPIPE, ONE_F_ONE_B = PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B
+# name: (family, stage_layers, pipelines (ranks by stage), shares (per rank), batches, micro-batches, schedule)
+# Llama and GPT-2 from tests/library_models.build have 4 layers as the layered protocol sees them:
+# the embedding, two blocks, the final norm with the head.
+SCENARIOS = {
+    "llama-2x2": ("llama", (1, 3), ((0, 2), (1, 3)), (0.3, 0.7, 0.6, 0.4), (5, 3), (3, 2), ONE_F_ONE_B),
+    "gpt2-2x2": ("gpt2", (3, 1), ((1, 3), (0, 2)), (0.55, 0.45, 0.2, 0.8), (2, 6), (2, 4), GPIPE),
+    "llama-4": ("llama", (1, 1, 1, 1), ((0, 1, 2, 3),), (1.0, 1.0, 1.0, 1.0), (8,), (3,), ONE_F_ONE_B),
+    "gpt2-4": ("gpt2", (1, 1, 1, 1), ((3, 2, 1, 0),), (1.0, 1.0, 1.0, 1.0), (8,), (4,), GPIPE),
+}
+# [Note: library-model bounds] as tests/lightning/test_shard_groups_fit.py: four steps of fp64's grid
+# above 1, or where larger FLOOR_FACTOR x the noise floor (single-process training cut into the
+# pipelines' micro-batches, each summed loss over the batch's tokens, against the whole batch).
+EXACT = 4 * torch.finfo(torch.float64).eps
+FLOOR_FACTOR = 2
+
+
+# ----------------------------------------------------------------------------- schedules and layouts
+
+
+@pytest.mark.parametrize("schedule", list(PipelineSchedule))
+def test_every_schedule_runs_each_micro_batch_once_each_way_without_deadlock(schedule):
+    for stages in range(1, 6):
+        for m in range(1, 7):
+            order = simulate(schedule, stages, m)
+            for s in range(stages):
+                actions = stage_actions(schedule, s, stages, m)
+                assert sorted((a.kind.value, a.micro_batch) for a in actions) == sorted(
+                    [("F", k) for k in range(m)] + [("B", k) for k in range(m)])
+                done = [a for stage, a in order if stage == s]
+                assert all(done.index(type(a)(Pass.FORWARD, a.micro_batch)) < done.index(a)
+                           for a in done if a.kind is Pass.BACKWARD)
+                bound = m if schedule is GPIPE else min(m, stages - s)
+                assert in_flight(actions) == bound
+
+
+def _plan(stage_layers, rows):
+    ranks = [SimpleNamespace(rank=i, stage=s, pipeline=d, batch_size=b, num_micro_batches=m, state_share=sh,
+                             shard_group=s, idle=False) for i, (s, d, b, m, sh) in enumerate(rows)]
+    return SimpleNamespace(stage_layers=stage_layers, ranks=ranks, pipeline_schedule=GPIPE)
+
+
+def test_a_layout_from_a_plan_puts_every_rank_and_layer_where_the_plan_says():
+    plan = _plan((2, 3), [(0, 0, 5, 2, 0.4), (0, 1, 3, 1, 0.6), (1, 0, 5, 2, 1.0 / 3), (1, 1, 3, 1, 2.0 / 3)])
+    layout = PipelineLayout.of(plan, 5)
+    assert layout.pipelines == ((0, 2), (1, 3)) and layout.batch_sizes == (5, 3) and layout.micro_batches == (2, 1)
+    assert list(layout.layer_range(0)) == [0, 1] and list(layout.layer_range(1)) == [2, 3, 4]
+    assert layout.stage_ranks(1) == (2, 3) and layout.samples(1) == range(5, 8)
+    assert layout.neighbours(2) == (0, None) and layout.micro_batch_sizes(0) == [3, 2]
+    assert layout.schedule is GPIPE
+
+
+@pytest.mark.parametrize(("rows", "layers", "problem"), [
+    ([(0, 0, 4, 2, 1.0), (1, 0, 4, 1, 1.0)], 5, "a pipeline's ranks share its batch"),
+    ([(0, 0, 4, 2, 1.0), (1, 0, 4, 2, 1.0)], 6, "re-plan for this model"),
+    ([(0, 0, 4, 2, 1.0), (0, 0, 4, 2, 1.0)], 5, "one rank per stage"),
+    ([(0, 0, 4, 2, 0.5), (1, 0, 4, 2, 1.0)], 5, "make them sum to 1"),
+])
+def test_a_plan_this_runtime_cannot_run_is_refused_with_the_fix(rows, layers, problem):
+    with pytest.raises(ValueError, match=problem):
+        PipelineLayout.of(_plan((2, 3), rows), layers)
+
+
+# ----------------------------------------------------------------------------- on the ranks
+
+
+def _train(rank: int, name: str) -> dict:
+    from cephalo_lightning.models.hf import adapt
+    from cephalo_lightning.runtime.batching import micro_batches
+    from cephalo_lightning.runtime.pipeline.runner import PipelineRunner
+    from tests.library_models import PaddedTokens, build
+    from tests.reference import make_optimizer
+
+    family, stage_layers, pipelines, shares, batches, micro, schedule = SCENARIOS[name]
+    layout = PipelineLayout(stage_layers, pipelines, shares, batches, micro, schedule)
+    lm = build(family).to(torch.float64)
+    layered, why = adapt(lm)
+    assert layered is not None, why
+    weighting = layered.weighting
+    runner = PipelineRunner(lm, layered.layers, layout, prepare=layered.prepare, loss=weighting.share,
+                            items=weighting.count)
+    optimizer = make_optimizer(runner.parameters())
+    data = PaddedTokens(GLOBAL * STEPS)
+    d = layout.pipeline_of(rank)
+    losses = []
+    for step in range(STEPS):
+        rows = layout.samples(d)
+        batch = data.batch(step * GLOBAL + rows.start, step * GLOBAL + rows.stop)
+        losses.append(runner.train_step(micro_batches(batch, layout.micro_batch_sizes(d))).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    ties = {tie.name: [p.detach().clone() for n, p in runner.named_parameters() if n == tie.name][0]
+            for tie in runner.ties}
+    return {"states": runner.full_state_dict(), "log": runner.transfers.log, "losses": losses, "stage": runner.stage,
+            "ties": ties}
+
+
+def _scenarios(rank: int, world: int) -> dict:
+    return {name: _train(rank, name) for name in SCENARIOS}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    pytest.importorskip("transformers")
+    return run_distributed(_scenarios, 4)
+
+
+def _reference(family: str, cuts: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+    from tests.library_models import PaddedTokens, reference
+
+    got = reference(family, "adamw", STEPS, GLOBAL, PaddedTokens(GLOBAL * STEPS), torch.float64,
+                    micro_batches=cuts, items_in_batch=cuts is not None)
+    return {name.removeprefix("model."): value for name, value in got.items()
+            if not name.endswith(("exp_avg", "exp_avg_sq"))}
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_pipelined_layout_trains_like_one_process(runs, name):
+    family, _, pipelines, _, batches, micro, _ = SCENARIOS[name]
+    layout = PipelineLayout(*SCENARIOS[name][1:])
+    want = _reference(family)
+    cut = _reference(family, tuple(n for d in range(len(pipelines)) for n in layout.micro_batch_sizes(d)))
+    floor = max((cut[k] - v).abs().max().item() for k, v in want.items())
+    bound = max(EXACT, FLOOR_FACTOR * floor)
+    got: dict[str, torch.Tensor] = {}
+    for result in runs:
+        for key, value in result[name]["states"].items():
+            if key in got:
+                assert torch.equal(got[key], value), f"{name}: the ranks of a stage disagree on {key}"
+            got[key] = value
+    if family == "gpt2":  # the head's weight is the embedding's: the last stage names it by its head
+        assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"]), "the tied copies differ"
+        want["lm_head.weight"] = want["transformer.wte.weight"]
+    assert set(got) == set(want), f"{name}: every parameter is held by its stage, under its own name"
+    err = max((got[k] - v).abs().max().item() for k, v in want.items())
+    print(f"{name}: largest difference {err:.3e} (noise floor {floor:.3e}, bound {bound:.3e})")
+    assert err <= bound, f"{name}: parameters differ from one process's by {err:.2e} > {bound:.2e} (floor {floor:.2e})"
+    losses = {tuple(r[name]["losses"]) for r in runs}
+    assert len(losses) == 1, f"{name}: every rank returns the same global loss, got {losses}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_every_transfer_is_received_once_by_its_neighbour(runs, name):
+    layout = PipelineLayout(*SCENARIOS[name][1:])
+    for rank, result in enumerate(runs):
+        before, after = layout.neighbours(rank)
+        log = result[name]["log"]
+        m = layout.micro_batches[layout.pipeline_of(rank)] * STEPS
+        expected = []
+        for peer, kind, sent in ((after, Pass.FORWARD, True), (after, Pass.BACKWARD, False),
+                                 (before, Pass.FORWARD, False), (before, Pass.BACKWARD, True)):
+            if peer is not None:
+                expected += [(sent, peer, kind)] * m
+        assert sorted(((t.sent, t.peer, t.kind.value) for t in log)) == sorted((s, p, k.value) for s, p, k in expected)
+        for t in log:  # its pair on the peer: the same micro-batch and shape, the other way
+            pair = [u for u in runs[t.peer][name]["log"] if u.peer == rank and u.kind is t.kind
+                    and u.micro_batch == t.micro_batch and u.sent is not t.sent]
+            assert pair and all(u.shape == t.shape for u in pair), f"{name}: rank {rank}'s {t} has no pair"
+
+
+@pytest.mark.multiprocess
+def test_a_weight_tied_across_the_first_and_last_stages_is_held_by_both_alike(runs):
+    for name in ("gpt2-2x2", "gpt2-4"):
+        held = {r[name]["stage"]: list(r[name]["ties"]) for r in runs if r[name]["ties"]}
+        layout = PipelineLayout(*SCENARIOS[name][1:])
+        assert set(held) == {0, layout.num_stages - 1}, f"{name}: the tie is held by stages {sorted(held)}"
