@@ -28,6 +28,15 @@ Point-to-point transfers pair within a pipeline (:mod:`.transfer`, each logged).
 keeps them for the step (its micro-batches' activations too, as the schedule holds them: all M under
 GPipe, at most S - s under 1F1B), then reduces each once: one all-gather and one reduce-scatter per
 unit per step, whatever M. The price is the stage's whole gathered state in memory during the step.
+
+[Note: why not torch.distributed.pipelining] Its ``PipelineStage`` composes with sharded units as far
+as gathering before the schedule and reducing after it goes, and its schedules are exact with
+``scale_grads=False``, but it infers one set of receive shapes for every micro-batch (from the first),
+while a plan's micro-batches differ in size (a batch of 5 in 2 is 3 + 2); it hands a later stage only
+what the stage before sent, so side inputs (masks, position ids, rotary tables) would have to travel
+as activations; and its loss sees ``(output, target)`` alone, not the global item count a padded
+batch's per-token mean needs. A schedule is two short lists per stage (:mod:`.schedule`), so this
+runtime keeps its own.
 """
 
 from __future__ import annotations
