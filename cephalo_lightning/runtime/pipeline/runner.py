@@ -143,6 +143,7 @@ class PipelineRunner:
 
     def _run(self, micro_batches: Sequence[Any], total: float, train: bool) -> torch.Tensor:
         sharded, last = self.sharded, self.next is None
+        observers = sharded.observers  # compute regions: an attached emulator stretches them (not the transfers)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         with sharded.scheduled():
             for index in range(len(sharded.units)):
@@ -154,8 +155,9 @@ class PipelineRunner:
             for action in actions:
                 k = action.micro_batch
                 if action.kind is Pass.FORWARD:
-                    with torch.set_grad_enabled(train):
-                        x, out = self._forward(k, micro_batches[k], total)
+                    received = None if self.previous is None else self.transfers.recv(self.previous, Pass.FORWARD, k)
+                    with torch.set_grad_enabled(train), observers.compute("stage_forward"):
+                        x, out = self._forward(received, micro_batches[k], total)
                     if last:
                         loss_sum += out.detach().double()
                     else:
@@ -164,10 +166,9 @@ class PipelineRunner:
                         kept[k] = (x, out)
                 else:
                     x, out = kept.pop(k)
-                    if last:
-                        out.backward()
-                    else:
-                        out.backward(self.transfers.recv(self.next, Pass.BACKWARD, k))
+                    upstream = None if last else self.transfers.recv(self.next, Pass.BACKWARD, k)
+                    with observers.compute("stage_backward"):
+                        out.backward(upstream)
                     if self.previous is not None:
                         grad = x.grad if x.grad is not None else torch.zeros_like(x)
                         self.transfers.send(grad, self.previous, Pass.BACKWARD, k)
@@ -182,13 +183,10 @@ class PipelineRunner:
         dist.all_reduce(loss_sum)  # the last stages' sums; the others add zero
         return loss_sum
 
-    def _forward(self, k: int, micro_batch: Any, total: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, received: torch.Tensor | None, micro_batch: Any, total: float) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             first_input, side = self.prepare(micro_batch)
-        if self.previous is None:
-            x = first_input
-        else:
-            x = self.transfers.recv(self.previous, Pass.FORWARD, k).requires_grad_(torch.is_grad_enabled())
+        x = first_input if received is None else received.requires_grad_(torch.is_grad_enabled())
         h = x
         for layer in self.layers:
             h = layer(h, side)
