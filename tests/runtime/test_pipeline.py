@@ -115,8 +115,12 @@ def _train(rank: int, name: str) -> dict:
         optimizer.zero_grad()
     ties = {tie.name: [p.detach().clone() for n, p in runner.named_parameters() if n == tie.name][0]
             for tie in runner.ties}
+    mine = {id(p) for p in runner.sharded.module.parameters()}
+    first = {id(p) for m in layered.layers[0].modules for p in m.parameters()}
+    foreign = [n for n, p in lm.named_parameters(remove_duplicate=False)
+               if not p.is_meta and id(p) not in mine and (runner.stage == 0 or id(p) not in first)]
     return {"states": runner.full_state_dict(), "log": runner.transfers.log, "losses": losses, "stage": runner.stage,
-            "ties": ties}
+            "ties": ties, "foreign": foreign}
 
 
 def _scenarios(rank: int, world: int) -> dict:
@@ -193,3 +197,23 @@ def test_a_weight_tied_across_the_first_and_last_stages_is_held_by_both_alike(ru
         held = {r[name]["stage"]: list(r[name]["ties"]) for r in runs if r[name]["ties"]}
         layout = PipelineLayout(*SCENARIOS[name][1:])
         assert set(held) == {0, layout.num_stages - 1}, f"{name}: the tie is held by stages {sorted(held)}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_rank_stores_no_other_stages_parameters(runs, name):
+    """Another stage's layers are meta on this rank (the first layer aside, which prepare may run)."""
+    for rank, result in enumerate(runs):
+        assert not result[name]["foreign"], f"{name}: rank {rank} holds {result[name]['foreign'][:3]}"
+
+
+def test_a_parameter_outside_every_layer_is_refused_by_name():
+    from torch import nn
+
+    from cephalo_lightning.runtime.pipeline.runner import PipelineRunner
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model.scale = nn.Parameter(torch.ones(1))
+    layout = PipelineLayout((1, 1), ((0, 1),), (1.0, 1.0), (2,), (1,))
+    with pytest.raises(ValueError, match=r"outside every layer \(\['scale'\]\).*put the modules"):
+        PipelineRunner(model, list(model), layout, prepare=None, loss=None, items=None)
