@@ -80,6 +80,11 @@ class PipelineRunner:
                  prepare: Prepare, loss: WeightedLoss, items: Items, compute_dtype: torch.dtype | None = None,
                  links: Links | None = None, record_collectives: bool = False, device: torch.device | None = None) -> None:
         layers = [Layer.of(layer) for layer in layers]
+        held = {id(p) for layer in layers for m in layer.modules for p in m.parameters()}
+        outside = [name for name, p in model.named_parameters() if id(p) not in held]
+        if outside:
+            raise ValueError(f"parameters outside every layer ({outside[:3]}{' ...' if len(outside) > 3 else ''}) would "
+                             "belong to no stage and never train: put the modules holding them into a layer")
         if sum(layout.stage_layers) != len(layers):
             raise ValueError(f"the layout's stages cover {sum(layout.stage_layers)} layers, the model has {len(layers)}: "
                              "re-plan for this model")
@@ -110,6 +115,7 @@ class PipelineRunner:
                                     record_collectives=record_collectives, device=device)
         self.device = self.sharded.device
         self.transfers = Transfers(self.device, links=links)
+        _free_other_stages(layers, views[self.stage])
 
     # ------------------------------------------------------------------ what the optimizer and checks see
 
@@ -244,3 +250,23 @@ class PipelineRunner:
                             device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
+
+
+def _free_other_stages(layers: Sequence[Layer], view: nn.Module) -> None:
+    """[Note: a rank holds its own stage only] Every parameter of another stage's layers becomes a meta
+    tensor of its shape (no storage; a use fails loudly), except the first layer's: a later stage's
+    ``prepare`` runs the model's input path for the side inputs (masks, position ids, rotary tables),
+    which the layered protocol lets use the first layer's modules. Those keep the values they were
+    built with and are never trained there: side inputs must not depend on the first layer's
+    parameter values (Hugging Face's do not; the hidden state ``prepare`` computes on a later stage is
+    discarded for the one received)."""
+    mine = {id(p) for p in view.parameters()}
+    for layer in layers[1:]:
+        for module in layer.modules:
+            for name, param in list(module.named_parameters(recurse=True)):
+                if id(param) in mine or param.is_meta:
+                    continue
+                owner, _, leaf = name.rpartition(".")
+                holder = module.get_submodule(owner) if owner else module
+                holder._parameters[leaf] = nn.Parameter(torch.empty_like(param, device="meta"),
+                                                        requires_grad=param.requires_grad)
