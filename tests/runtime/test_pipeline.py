@@ -32,6 +32,7 @@ SCENARIOS = {
     "llama-4": ("llama", (1, 1, 1, 1), ((0, 1, 2, 3),), (1.0, 1.0, 1.0, 1.0), (8,), (3,), ONE_F_ONE_B),
     "gpt2-4": ("gpt2", (1, 1, 1, 1), ((3, 2, 1, 0),), (1.0, 1.0, 1.0, 1.0), (8,), (4,), GPIPE),
 }
+CLIP = {"gpt2-2x2": 0.05, "llama-4": 0.05}  # global-norm clipping: over every stage, a tied weight once
 # [Note: library-model bounds] as tests/lightning/test_shard_groups_fit.py: four steps of fp64's grid
 # above 1, or where larger FLOOR_FACTOR x the noise floor (single-process training cut into the
 # pipelines' micro-batches, each summed loss over the batch's tokens, against the whole batch).
@@ -98,6 +99,7 @@ def _train(rank: int, name: str) -> dict:
     family, stage_layers, pipelines, shares, batches, micro, schedule = SCENARIOS[name]
     layout = PipelineLayout(stage_layers, pipelines, shares, batches, micro, schedule)
     lm = build(family).to(torch.float64)
+    initial = {n: p.detach().clone() for n, p in lm.named_parameters()}
     layered, why = adapt(lm)
     assert layered is not None, why
     weighting = layered.weighting
@@ -106,11 +108,15 @@ def _train(rank: int, name: str) -> dict:
     optimizer = make_optimizer(runner.parameters())
     data = PaddedTokens(GLOBAL * STEPS)
     d = layout.pipeline_of(rank)
+    rows = layout.samples(d)
+    parts = [micro_batches(data.batch(step * GLOBAL + rows.start, step * GLOBAL + rows.stop),
+                           layout.micro_batch_sizes(d)) for step in range(STEPS)]
+    evaluated = runner.evaluate(parts[0]).item()
     losses = []
     for step in range(STEPS):
-        rows = layout.samples(d)
-        batch = data.batch(step * GLOBAL + rows.start, step * GLOBAL + rows.stop)
-        losses.append(runner.train_step(micro_batches(batch, layout.micro_batch_sizes(d))).item())
+        losses.append(runner.train_step(parts[step]).item())
+        if name in CLIP:
+            runner.clip_grad_norm_(CLIP[name])
         optimizer.step()
         optimizer.zero_grad()
     ties = {tie.name: [p.detach().clone() for n, p in runner.named_parameters() if n == tie.name][0]
@@ -119,8 +125,12 @@ def _train(rank: int, name: str) -> dict:
     first = {id(p) for m in layered.layers[0].modules for p in m.parameters()}
     foreign = [n for n, p in lm.named_parameters(remove_duplicate=False)
                if not p.is_meta and id(p) not in mine and (runner.stage == 0 or id(p) not in first)]
-    return {"states": runner.full_state_dict(), "log": runner.transfers.log, "losses": losses, "stage": runner.stage,
-            "ties": ties, "foreign": foreign}
+    trained = runner.model_state_dict()
+    runner.load_model_state_dict(initial)
+    reloaded = runner.model_state_dict()
+    return {"states": trained, "log": runner.transfers.log, "losses": losses, "stage": runner.stage,
+            "ties": ties, "foreign": foreign, "evaluated": evaluated,
+            "reloaded": set(reloaded) == set(initial) and all(torch.equal(reloaded[k], v) for k, v in initial.items())}
 
 
 def _scenarios(rank: int, world: int) -> dict:
@@ -133,13 +143,20 @@ def runs():
     return run_distributed(_scenarios, 4)
 
 
-def _reference(family: str, cuts: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
-    from tests.library_models import PaddedTokens, reference
+def _reference(family: str, cuts: tuple[int, ...] | None = None, clip: float | None = None) -> dict[str, torch.Tensor]:
+    """Single-process training on the global batches (``cuts``: each cut into those micro-batches, each
+    summed loss over the batch's tokens), clipped to global norm ``clip``: the parameters by name."""
+    from tests.library_models import LibraryLM, PaddedTokens
+    from tests.reference import steps_of, target_tokens, train_steps
 
-    got = reference(family, "adamw", STEPS, GLOBAL, PaddedTokens(GLOBAL * STEPS), torch.float64,
-                    micro_batches=cuts, items_in_batch=cuts is not None)
-    return {name.removeprefix("model."): value for name, value in got.items()
-            if not name.endswith(("exp_avg", "exp_avg_sq"))}
+    data = PaddedTokens(GLOBAL * STEPS)
+    module = LibraryLM(family, "adamw").to(torch.float64)
+    pieces = steps_of(data.batch, STEPS, GLOBAL, cuts, target_tokens)
+    if cuts is not None:
+        totals = [target_tokens(data.batch(s * GLOBAL, (s + 1) * GLOBAL)) for s in range(STEPS)]
+        pieces = [[({**micro, "num_items_in_batch": total}, 1.0) for micro, _ in step] for step, total in zip(pieces, totals)]
+    train_steps(module.configure_optimizers(), lambda batch: module.training_step(batch, 0), pieces, clip)
+    return {name.removeprefix("model."): p.detach().clone() for name, p in module.named_parameters()}
 
 
 # ----------------------------------------------------------------------------- the checks
@@ -150,20 +167,16 @@ def _reference(family: str, cuts: tuple[int, ...] | None = None) -> dict[str, to
 def test_a_pipelined_layout_trains_like_one_process(runs, name):
     family, _, pipelines, _, batches, micro, _ = SCENARIOS[name]
     layout = PipelineLayout(*SCENARIOS[name][1:])
-    want = _reference(family)
-    cut = _reference(family, tuple(n for d in range(len(pipelines)) for n in layout.micro_batch_sizes(d)))
+    clip = CLIP.get(name)
+    want = _reference(family, clip=clip)
+    cut = _reference(family, tuple(n for d in range(len(pipelines)) for n in layout.micro_batch_sizes(d)), clip)
     floor = max((cut[k] - v).abs().max().item() for k, v in want.items())
     bound = max(EXACT, FLOOR_FACTOR * floor)
-    got: dict[str, torch.Tensor] = {}
-    for result in runs:
-        for key, value in result[name]["states"].items():
-            if key in got:
-                assert torch.equal(got[key], value), f"{name}: the ranks of a stage disagree on {key}"
-            got[key] = value
-    if family == "gpt2":  # the head's weight is the embedding's: the last stage names it by its head
-        assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"]), "the tied copies differ"
-        want["lm_head.weight"] = want["transformer.wte.weight"]
-    assert set(got) == set(want), f"{name}: every parameter is held by its stage, under its own name"
+    got = runs[0][name]["states"]
+    for rank, result in enumerate(runs):  # the whole model on every rank, the same bits
+        assert all(torch.equal(result[name]["states"][k], v) for k, v in got.items()), f"{name}: rank {rank} differs"
+    # every parameter once, under its name and shape in the model (GPT-2's head weight is its embedding's)
+    assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(v.shape) for k, v in want.items()}
     err = max((got[k] - v).abs().max().item() for k, v in want.items())
     print(f"{name}: largest difference {err:.3e} (noise floor {floor:.3e}, bound {bound:.3e})")
     assert err <= bound, f"{name}: parameters differ from one process's by {err:.2e} > {bound:.2e} (floor {floor:.2e})"
@@ -178,12 +191,13 @@ def test_every_transfer_is_received_once_by_its_neighbour(runs, name):
     for rank, result in enumerate(runs):
         before, after = layout.neighbours(rank)
         log = result[name]["log"]
-        m = layout.micro_batches[layout.pipeline_of(rank)] * STEPS
+        m = layout.micro_batches[layout.pipeline_of(rank)]
+        count = {Pass.FORWARD: m * (STEPS + 1), Pass.BACKWARD: m * STEPS}  # one evaluation, then the steps
         expected = []
         for peer, kind, sent in ((after, Pass.FORWARD, True), (after, Pass.BACKWARD, False),
                                  (before, Pass.FORWARD, False), (before, Pass.BACKWARD, True)):
             if peer is not None:
-                expected += [(sent, peer, kind)] * m
+                expected += [(sent, peer, kind)] * count[kind]
         assert sorted(((t.sent, t.peer, t.kind.value) for t in log)) == sorted((s, p, k.value) for s, p, k in expected)
         for t in log:  # its pair on the peer: the same micro-batch and shape, the other way
             pair = [u for u in runs[t.peer][name]["log"] if u.peer == rank and u.kind is t.kind
@@ -217,3 +231,18 @@ def test_a_parameter_outside_every_layer_is_refused_by_name():
     layout = PipelineLayout((1, 1), ((0, 1),), (1.0, 1.0), (2,), (1,))
     with pytest.raises(ValueError, match=r"outside every layer \(\['scale'\]\).*put the modules"):
         PipelineRunner(model, list(model), layout, prepare=None, loss=None, items=None)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_stage_loads_a_whole_model_state_and_the_pipeline_validates_like_one_process(runs, name):
+    """A non-pipelined run's parameters load into the stages (and come back the same bits); the
+    pipeline's forward alone gives every rank the global batch's loss under the initial parameters."""
+    from tests.library_models import LibraryLM, PaddedTokens
+
+    assert all(result[name]["reloaded"] for result in runs)
+    module = LibraryLM(SCENARIOS[name][0], "adamw").to(torch.float64)
+    with torch.no_grad():
+        want = module.training_step(PaddedTokens(GLOBAL * STEPS).batch(0, GLOBAL), 0).item()
+    for rank, result in enumerate(runs):  # Hugging Face's loss runs in fp32 whatever the model's dtype
+        assert result[name]["evaluated"] == pytest.approx(want, rel=1e-6), f"{name}: rank {rank}"

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cephalo_lightning.runtime.collectives import Links
+from cephalo_lightning.runtime.distributed import gather_objects
 from cephalo_lightning.runtime.layered import Layer, Side
 from cephalo_lightning.runtime.pipeline.schedule import Pass, stage_actions
 from cephalo_lightning.runtime.pipeline.stages import PipelineLayout
@@ -80,6 +81,7 @@ class PipelineRunner:
                  prepare: Prepare, loss: WeightedLoss, items: Items, compute_dtype: torch.dtype | None = None,
                  links: Links | None = None, record_collectives: bool = False, device: torch.device | None = None) -> None:
         layers = [Layer.of(layer) for layer in layers]
+        canonical = {id(p): name for name, p in model.named_parameters()}  # a tied parameter: its first name
         held = {id(p) for layer in layers for m in layer.modules for p in m.parameters()}
         outside = [name for name, p in model.named_parameters() if id(p) not in held]
         if outside:
@@ -108,6 +110,7 @@ class PipelineRunner:
             group = dist.new_group(ranks)
             if self.stage in stages:
                 self.ties.append(_Tie(stages, names[stages.index(self.stage)], group, stages[0] == self.stage))
+        self.canonical = {name: canonical[id(p)] for name, p in views[self.stage].named_parameters(remove_duplicate=False)}
         stage_ranks = layout.stage_ranks(self.stage)
         self.sharded = ShardedModel(views[self.stage], [layout.shares[r] for r in stage_ranks],
                                     units=[list(layer.modules) for layer in self.layers], group=groups[self.stage],
@@ -242,8 +245,35 @@ class PipelineRunner:
         return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's parameters, whole, under their original names (every rank of the stage)."""
+        """Collective over the stage: this stage's parameters, whole, under their names in the model."""
         return self.sharded.full_state_dict()
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective over every rank: the whole model's parameters, each once under its name in
+        ``model.named_parameters()`` (a tied one under its first name) and its shape, on every rank;
+        what a non-pipelined run of the same model holds (a consolidated checkpoint, an export)."""
+        stage = {self.canonical[name]: value for name, value in self.full_state_dict().items()}
+        first = self.rank == self.layout.stage_ranks(self.stage)[0]
+        out: dict[str, torch.Tensor] = {}
+        for part in gather_objects(stage if first else {}):
+            out.update(part)
+        return out
+
+    @torch.no_grad()
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """This rank's pieces of its stage set from a whole model's parameters (``model_state_dict``'s
+        names: a non-pipelined run's); every parameter of the stage must be there, with its shape."""
+        for unit in self.sharded.units:
+            for index, span in enumerate(unit.spans):
+                name = self.canonical[span.name]
+                whole = state.get(name)
+                if whole is None or tuple(whole.shape) != tuple(span.shape):
+                    got = "missing" if whole is None else f"of shape {tuple(whole.shape)}"
+                    raise ValueError(f"the state's {name} is {got}; stage {self.stage} needs {tuple(span.shape)}: load a "
+                                     "state of the same model")
+                a, b = unit.local_range(index)
+                piece = unit.local_params[index]
+                piece.copy_(whole.reshape(-1)[a:b].view(piece.shape).to(piece.dtype))
 
     def grads_finite(self) -> bool:
         flag = torch.tensor(float(all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in self.parameters())),
