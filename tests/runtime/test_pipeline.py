@@ -104,7 +104,7 @@ def _train(rank: int, name: str) -> dict:
     assert layered is not None, why
     weighting = layered.weighting
     runner = PipelineRunner(lm, layered.layers, layout, prepare=layered.prepare, loss=weighting.share,
-                            items=weighting.count)
+                            items=weighting.count, record_collectives=True)
     optimizer = make_optimizer(runner.parameters())
     data = PaddedTokens(GLOBAL * STEPS)
     d = layout.pipeline_of(rank)
@@ -125,11 +125,12 @@ def _train(rank: int, name: str) -> dict:
     first = {id(p) for m in layered.layers[0].modules for p in m.parameters()}
     foreign = [n for n, p in lm.named_parameters(remove_duplicate=False)
                if not p.is_meta and id(p) not in mine and (runner.stage == 0 or id(p) not in first)]
+    collectives = list(runner.sharded.comm.log)
     trained = runner.model_state_dict()
     runner.load_model_state_dict(initial)
     reloaded = runner.model_state_dict()
     return {"states": trained, "log": runner.transfers.log, "losses": losses, "stage": runner.stage,
-            "ties": ties, "foreign": foreign, "evaluated": evaluated,
+            "ties": ties, "foreign": foreign, "evaluated": evaluated, "collectives": collectives,
             "reloaded": set(reloaded) == set(initial) and all(torch.equal(reloaded[k], v) for k, v in initial.items())}
 
 
@@ -246,3 +247,16 @@ def test_a_stage_loads_a_whole_model_state_and_the_pipeline_validates_like_one_p
         want = module.training_step(PaddedTokens(GLOBAL * STEPS).batch(0, GLOBAL), 0).item()
     for rank, result in enumerate(runs):  # Hugging Face's loss runs in fp32 whatever the model's dtype
         assert result[name]["evaluated"] == pytest.approx(want, rel=1e-6), f"{name}: rank {rank}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_the_ranks_of_a_stage_issue_the_same_collectives_in_the_same_order(runs, name):
+    """Whatever their batches, micro-batch counts and shares (a stage of one rank gathers nothing)."""
+    layout = PipelineLayout(*SCENARIOS[name][1:])
+    for stage in range(layout.num_stages):
+        ranks = layout.stage_ranks(stage)
+        logs = [runs[r][name]["collectives"] for r in ranks]
+        assert all(log == logs[0] for log in logs), f"{name}: stage {stage}'s ranks {ranks} differ"
+        gathers = sum(1 for entry in logs[0] if entry[0] == "all_gather")
+        assert (gathers > 0) == (len(ranks) > 1), f"{name}: stage {stage} logged {gathers} all-gathers"
