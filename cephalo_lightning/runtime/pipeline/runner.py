@@ -275,12 +275,6 @@ class PipelineRunner:
                 piece = unit.local_params[index]
                 piece.copy_(whole.reshape(-1)[a:b].view(piece.shape).to(piece.dtype))
 
-    def grads_finite(self) -> bool:
-        flag = torch.tensor(float(all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in self.parameters())),
-                            device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
 
 def _free_other_stages(layers: Sequence[Layer], view: nn.Module) -> None:
     """[Note: a rank holds its own stage only] Every parameter of another stage's layers becomes a meta
