@@ -42,6 +42,8 @@ BENCHMARKS: tuple[Entry, ...] = (
     Entry("fidelity", "Plan fidelity: predicted vs measured step time and peak memory per rank", True),
     Entry("lab_cluster", "A lab's two nodes (4x A100 + 4x RTX 3090, 10 GbE): plans under the old and new cost-model "
           "defaults (predicted)", True),
+    Entry("pipeline_plan", "The lab's two nodes with pipelines and idle GPUs weighed: the planner's choice vs the best "
+          "shard grouping and the A100 node alone (predicted)", True),
     # Not on the results page: each answers one question its docs page quotes, and most take minutes.
     Entry("finetune_plan", "Fine-tuning plans: an 8B model on 24 GB cards, full vs LoRA (predicted)", False),
     Entry("topology", "Shard groups over an emulated network topology: the planner's choice vs full shard, HSDP, DDP",

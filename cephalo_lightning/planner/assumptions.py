@@ -34,8 +34,8 @@ def overlap_line(cluster: Cluster, plan: Plan, groupings: tuple[str, ...] | None
         return None
     line = (f"overlap not measured: priced at {UNMEASURED_OVERLAP:g} (collectives serial with compute, so the step is "
             f"an upper bound); {PROFILE} measures it")
-    if plan.planner != Planner.CEPHALO:
-        return line
+    if plan.planner != Planner.CEPHALO or plan.pipelined or plan.idle_ranks:
+        return line  # the grouping weighed at overlap 1 is of every rank, without pipelines
     hidden = solve(replace(cluster, settings=replace(s, overlap=1.0)), plan.global_batch_size, plan.mode,
                    groupings=groupings)
     if hidden.shard_groups == plan.shard_groups:

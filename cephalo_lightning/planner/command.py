@@ -39,6 +39,10 @@ def _add_plan_options(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument("--strategy", dest="planner", choices=PLANNERS, action=_DeprecatedAlias, help=argparse.SUPPRESS)
     parser.add_argument("--groupings", default=None, metavar="NAMES",
                         help=f"comma-separated shard groupings to weigh, of {','.join(Grouping)} (default: all)")
+    parser.add_argument("--no-pipelines", dest="pipelines", action="store_false",
+                        help="weigh no pipelined plans (default: weigh them, layered mode)")
+    parser.add_argument("--no-subsets", dest="subsets", action="store_false",
+                        help="weigh no plans that leave devices idle (default: weigh them, layered mode)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     parser.add_argument("-o", "--output", help="write the plan JSON here (atomically)")
     parser.add_argument("--plot", metavar="FILE.png", default=None,
@@ -144,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cluster = load_cluster(args.cluster_file)
         groupings = None if args.groupings is None else tuple(g.strip() for g in args.groupings.split(","))
-        result = plan(cluster, args.global_batch_size, mode=args.mode, planner=args.planner, groupings=groupings)
+        shapes = args.mode == Schedule.LAYERED and args.planner == Planner.CEPHALO  # where pipelines and subsets run
+        result = plan(cluster, args.global_batch_size, mode=args.mode, planner=args.planner, groupings=groupings,
+                      pipelines=shapes and args.pipelines, subsets=shapes and args.subsets)
         if args.output:
             try:
                 result.save(args.output)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cephalo_lightning._common.vocabulary import Planner, Schedule
+from cephalo_lightning.planner.choice import choose
 from cephalo_lightning.planner.cost.calibration import calibrated
 from cephalo_lightning.planner.schema.cluster_spec import Cluster
 from cephalo_lightning.planner.schema.plan import Plan
@@ -31,7 +32,7 @@ from cephalo_lightning.planner.why import explain
 
 def plan(cluster: Cluster, global_batch_size: int, mode: Schedule = Schedule.LAYERED,
          planner: Planner = Planner.CEPHALO,
-         groupings: tuple[str, ...] | None = None) -> Plan:
+         groupings: tuple[str, ...] | None = None, pipelines: bool = False, subsets: bool = False) -> Plan:
     """Plan a cluster: shard groups, per-rank batch, micro-batches and state share minimising the step time.
 
     ``groupings`` names the candidate groupings to weigh (members of
@@ -39,13 +40,25 @@ def plan(cluster: Cluster, global_batch_size: int, mode: Schedule = Schedule.LAY
     group of every rank). ``planner`` names a baseline (``even``, ``proportional``, ``poplar``,
     ``reference``, ``ddp-even``, ``hsdp-even``) to return that baseline as a plan instead. The cephalo plan carries every baseline's figures, the upper bound and its
     certified optimality gap (against the best plan over the groupings weighed).
+
+    ``pipelines`` weighs pipelined plans too, ``subsets`` plans that leave ranks idle (layered mode,
+    the cephalo planner): the plan is the fastest of those and the plan over every rank, and lists
+    each as a baseline (:mod:`.choice`).
     """
     B = check_inputs(cluster, global_batch_size, mode, planner)
     mode, planner = Schedule(mode), Planner(planner)  # their strings are taken too
     names = check_groupings(groupings)
     if planner != Planner.CEPHALO:
         return baseline_plan(cluster, B, mode, planner)
-    return solved_plan(cluster, Problem(without_fixed_terms(cluster), B, mode), names)
+    if (pipelines or subsets) and mode != Schedule.LAYERED:
+        raise PlanningError(f"pipelined plans and subsets are weighed in the layered mode only, not {mode}; plan with "
+                            "mode layered, or without pipelines and subsets")
+
+    def solve(over: Cluster) -> Plan:
+        return solved_plan(over, Problem(without_fixed_terms(over), B, mode), names)
+
+    base = solve(cluster)
+    return choose(cluster, base, solve, pipelines, subsets) if pipelines or subsets else base
 
 
 def solved_plan(source: Cluster, problem: Problem, groupings: tuple[str, ...]) -> Plan:

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cephalo_lightning._common.vocabulary import ProfileSource
+from cephalo_lightning.planner.choice import BEST_SUBSET, NO_PIPELINE, PIPELINED
 from cephalo_lightning.planner.schema.cluster_spec import Cluster
 from cephalo_lightning.planner.schema.plan import Binding, Plan, RankPlan
 from cephalo_lightning.planner.search.peers import BASELINE_GROUPINGS
@@ -26,6 +27,7 @@ LEGEND = ("legend: n x m = n micro-batches of m samples (kept: no recompute); st
 LEGEND_BINDS = "; binds = what keeps the rank from one sample more (why: below)"  # plans the planner explained
 CATALOG = ("catalog: figures estimated from the GPU's datasheet, not measured; profile the cluster before trusting "
            "them (python -m cephalo_lightning profile)")
+SHAPES = (NO_PIPELINE, BEST_SUBSET, PIPELINED)  # the baselines that name their shape
 MAX_WHY_LINES = 8  # distinct reasons shown; the plan JSON has every rank's
 
 
@@ -42,6 +44,8 @@ def _memory(r: RankPlan, scale: float) -> str:
 
 
 def _micro(r: RankPlan) -> str:
+    if r.idle:
+        return "idle"
     if not r.batch_size:
         return "-"
     sizes = sorted(set(r.micro_batch_sizes))
@@ -53,9 +57,14 @@ def _explained(plan: Plan) -> bool:
     return any(r.binding is not None for r in plan.ranks)
 
 
-def _row(r: RankPlan, scale: float, groups: bool = False, binds: bool = True) -> tuple[str, ...]:
+def _row(r: RankPlan, scale: float, groups: bool = False, binds: bool = True, stages: bool = False
+         ) -> tuple[str, ...]:
     step = f"{r.predicted_step_s:.4g}" if r.predicted_step_s is not None else "-"
-    group = (str(r.shard_group),) if groups else ()
+    group = ("-" if r.idle else str(r.shard_group),) if groups else ()
+    if stages:
+        group = ("-", "-", *group) if r.idle else (str(r.stage), str(r.pipeline), *group)
+    if r.idle:
+        step = "-"
     binding = ((r.binding if r.binding is not None else "-"),) if binds else ()
     return (*group, r.device, str(r.batch_size), _micro(r), f"{100 * r.state_share:.1f}%", step,
             _memory(r, scale), *binding, r.source)
@@ -91,7 +100,7 @@ def _runs(plan: Plan, scale: float) -> list[tuple[str, tuple[str, ...]]]:
     runs: list[tuple[int, int, tuple[str, ...]]] = []
     groups, binds = plan.num_shard_groups > 1, _explained(plan)
     for r in plan.ranks:
-        row = _row(r, scale, groups, binds)
+        row = _row(r, scale, groups, binds, plan.pipelined)
         if runs and runs[-1][2] == row:
             runs[-1] = (runs[-1][0], r.rank, row)
         else:
@@ -108,6 +117,8 @@ def rank_table(plan: Plan) -> Table:
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   collapse_padding=True)
     group = (("group", True),) if plan.num_shard_groups > 1 else ()
+    if plan.pipelined:
+        group = (("stage", True), ("pipe-\nline", True), *group)
     binds = (("binds", False),) if _explained(plan) else ()
     for header, right in (("rank", True), *group, ("device", False), ("batch", True), ("micro-\nbatches", True),
                           ("state\nshare", True), ("step s", True), (f"memory {unit}\nused/limit/cap", True),
@@ -134,6 +145,28 @@ def why_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def stage_lines(plan: Plan) -> list[str]:
+    """A pipelined plan's stages and pipelines, and the ranks a plan leaves idle, one line each."""
+    lines = []
+    if plan.pipelined:
+        spans, first = [], 0
+        for count in plan.stage_layers:
+            spans.append(f"{first}-{first + count - 1}")
+            first += count
+        chains = plan.pipelines
+        M = plan.ranks[chains[0][0]].num_micro_batches
+        S = plan.num_stages
+        lines.append(f"pipelined: {S} stages (layers {' | '.join(spans)}) x {len(chains)} pipeline(s) (ranks "
+                     f"{' | '.join(','.join(map(str, c)) for c in chains)}), {plan.pipeline_schedule}, {M} micro-batches "
+                     f"a pipeline; the fill and drain take {100 * (S - 1) / (M + S - 1):.0f}% of the step")
+    if plan.idle_ranks:
+        names = sorted({plan.ranks[r].device for r in plan.idle_ranks})
+        cost = plan.ranks[plan.idle_ranks[0]].why
+        lines.append(f"idle: rank{'s' if len(plan.idle_ranks) > 1 else ''} {_span(plan.idle_ranks)} "
+                     f"({', '.join(names)}) compute and store nothing" + (f"; {cost}" if cost else ""))
+    return lines
+
+
 def baseline_lines(plan: Plan) -> list[str]:
     """Each baseline with its shard grouping; baselines that predict the same throughput, listed once."""
     if not plan.baselines:
@@ -143,6 +176,8 @@ def baseline_lines(plan: Plan) -> list[str]:
     others = []
     for name, base in plan.baselines.items():
         named = f"{name} ({BASELINE_GROUPINGS[name]})" if name in BASELINE_GROUPINGS else name
+        if name in SHAPES and base.feasible and base.reason:
+            named = f"{name} ({base.reason})"
         if base.skipped:
             others.append(f"  {named}: {base.reason or 'not computed'}")
         elif not base.feasible or not base.predicted_samples_per_s:
@@ -151,7 +186,9 @@ def baseline_lines(plan: Plan) -> list[str]:
             same.setdefault(base.predicted_samples_per_s, []).append(named)
     for rate, names in sorted(same.items(), key=lambda item: -item[0]):
         line = f"  {', '.join(names)}: {rate:.3g} samples/s"
-        if plan.predicted_samples_per_s:
+        if plan.predicted_samples_per_s and abs(rate / plan.predicted_samples_per_s - 1) < 1e-9:
+            line += "; this plan"
+        elif plan.predicted_samples_per_s:
             line += f"; this plan is {plan.predicted_samples_per_s / rate:.2f}x faster"
         lines.append(line)
     return lines + others
@@ -187,6 +224,7 @@ def summary_lines(plan: Plan, cluster: Cluster | None = None, output: str | None
     :func:`cephalo_lightning.planner.assumptions.assumption_lines`) and (``next_step``) what to do next."""
     emulated = " (emulated)" if plan.emulated else ""
     lines = [LEGEND + (LEGEND_BINDS if _explained(plan) else ""), *why_lines(plan)]
+    lines += stage_lines(plan)
     if plan.num_shard_groups > 1:
         lines.append(groups_line(plan))
     lines += [line for line in (parameters_line(plan),) if line]
@@ -198,7 +236,12 @@ def summary_lines(plan: Plan, cluster: Cluster | None = None, output: str | None
                      f"{plan.upper_bound_samples_per_s:.3g} samples/s (every GPU computing alone, no collectives)")
         lines.append(line)
         if plan.optimality_gap is not None:
-            lines.append(f"within {100 * plan.optimality_gap:.2f}% of optimal (certified, over the shard groupings weighed)")
+            over = f" of ranks {_span([r.rank for r in plan.active_ranks])}" if plan.idle_ranks else ""
+            lines.append(f"within {100 * plan.optimality_gap:.2f}% of optimal (certified, over the shard groupings"
+                         f"{over} weighed)")
+        elif plan.pipelined:
+            lines.append("no certified gap: the best of the pipelined layouts, cuts and micro-batch counts weighed "
+                         "(docs/pipelining.md says which)")
     lines += baseline_lines(plan)
     if any(not r.recompute for r in plan.ranks):
         lines.append("kept: that rank's one micro-batch keeps its autograd graph instead of recomputing")

@@ -95,7 +95,7 @@ def test_a_plan_file_of_another_format_version_is_refused_with_the_fix(tmp_path:
     else:
         data["format_version"] = version
     with pytest.raises(PlanningError, match=rf"format_version {re.escape(repr(version))} is not one this version "
-                                            r"reads \(4\); re-make the plan"):
+                                            r"reads \(4, 5\); re-make the plan"):
         Plan.load(write(tmp_path, data))
 
 

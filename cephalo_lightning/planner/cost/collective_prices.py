@@ -163,6 +163,12 @@ class LinkPrices:
         ag, rs, exposed = self._per_group(np.array(size), np.array(crosses), np.array(rho), groups, far)
         return Prices(float(ag), float(rs)), float(exposed)
 
+    def one_group(self, size: int, crosses: bool, rho: np.ndarray) -> Prices:
+        """One layer's all-gather and reduce-scatter of a lone group (no replicas) at each of several
+        largest shares ``rho`` (arrays of ``rho``'s shape)."""
+        ag, rs, _ = self._per_group(np.array(size), np.array(crosses), np.asarray(rho, dtype=float), 1, 0.0)
+        return Prices(ag, rs)
+
     def ranks(self, group_of: np.ndarray, nodes: np.ndarray, shares: np.ndarray) -> tuple[Prices, np.ndarray]:
         """Every rank's (all-gather and reduce-scatter + cross-group, exposed) per layer under a grouping."""
         G = int(group_of.max()) + 1 if len(group_of) else 0

@@ -12,6 +12,7 @@ from typing import Any
 from cephalo_lightning._common.atomic_io import write_text_atomic
 from cephalo_lightning._common.vocabulary import (
     Member,
+    PipelineSchedule,
     Planner,
     ProfileSource,
     Schedule,
@@ -21,10 +22,13 @@ from cephalo_lightning._common.vocabulary import (
     values_of,
 )
 from cephalo_lightning.planner.schema.files import MAX_EXACT_INTEGER, read_document, shown_number
-from cephalo_lightning.planner.schema.planning_error import PlanningError
+from cephalo_lightning.planner.schema.plan_pipeline import pipeline_fields_from_dict, validate_pipeline
+from cephalo_lightning.planner.schema.planning_error import REMAKE, PlanningError
 
-PLAN_FORMAT_VERSION = 4  # the one version a plan file is read in (4: every rank's binding and why)
-REMAKE = "re-make the plan with `python -m cephalo_lightning plan`"
+PLAN_FORMAT_VERSION = 5  # 5: pipeline stages and idle ranks; a plan without them is written as version 4
+READ_VERSIONS = (4, 5)  # 4: every rank's binding and why (a version-4 file has none of version 5's fields)
+PIPELINE_RANK_FIELDS = ("stage", "pipeline", "idle")  # version 5's fields of a rank
+PIPELINE_PLAN_FIELDS = ("stage_layers", "pipeline_schedule")  # version 5's fields of a plan
 UNPROFILED = "unprofiled"  # the device name of a plan made before anything was measured (Plan.even)
 
 
@@ -79,6 +83,13 @@ class RankPlan:
     shard_group: int = 0
     binding: Binding | None = None  # what keeps the rank from one sample more (planner/why.py)
     why: str | None = None  # the same in one line, with the cost model's figures
+    # A pipelined plan (Plan.stage_layers): the stage the rank computes (0 = the first layers) and the
+    # pipeline (a chain of one rank per stage, a replica of the model) it belongs to.
+    stage: int = 0
+    pipeline: int = 0
+    # A rank left out: no samples, no state, in no shard group or pipeline (its shard_group, stage and
+    # pipeline stay 0 and mean nothing).
+    idle: bool = False
 
     def __post_init__(self) -> None:
         _builtin_numbers(self)
@@ -153,11 +164,18 @@ class Plan:
     planner: Planner = Planner.CEPHALO  # which planner made it: cephalo or a baseline (even, proportional, ...)
     emulated: bool = False
     optimality_gap: float | None = None  # certified: predicted step / proven lower bound - 1
+    # A pipelined plan: how many of the model's layers each stage computes, in order (they sum to the
+    # model's layer count), and the schedule of its micro-batches; () and None when not pipelined.
+    stage_layers: tuple[int, ...] = ()
+    pipeline_schedule: PipelineSchedule | None = None
 
     def __post_init__(self) -> None:
         _builtin_numbers(self)
         object.__setattr__(self, "mode", member_of(Schedule, self.mode))  # validate_plan refuses any other
         hold_member(self, "planner", Planner, PlanningError, REMAKE)
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+        if self.pipeline_schedule is not None:
+            hold_member(self, "pipeline_schedule", PipelineSchedule, PlanningError, REMAKE)
         validate_plan(self)
 
     @property
@@ -178,20 +196,49 @@ class Plan:
 
     @property
     def shard_groups(self) -> tuple[tuple[int, ...], ...]:
-        """The ranks of every shard group, groups in order of their index, ranks in order."""
+        """The ranks of every shard group (idle ranks in none), groups in order of their index, ranks in order."""
         groups: dict[int, list[int]] = {}
-        for r in self.ranks:
+        for r in self.active_ranks:
             groups.setdefault(r.shard_group, []).append(r.rank)
         return tuple(tuple(groups[g]) for g in sorted(groups))
 
     @property
     def num_shard_groups(self) -> int:
-        return len({r.shard_group for r in self.ranks})
+        return len({r.shard_group for r in self.active_ranks})
 
     def group_shares(self, rank: int) -> list[float]:
         """The state shares of the ranks in ``rank``'s shard group, in rank order (they sum to 1)."""
         group = self.ranks[rank].shard_group
-        return [r.state_share for r in self.ranks if r.shard_group == group]
+        return [r.state_share for r in self.active_ranks if r.shard_group == group]
+
+    @property
+    def active_ranks(self) -> tuple[RankPlan, ...]:
+        return tuple(r for r in self.ranks if not r.idle)
+
+    @property
+    def idle_ranks(self) -> tuple[int, ...]:
+        """The ranks the plan leaves out (no samples, no state)."""
+        return tuple(r.rank for r in self.ranks if r.idle)
+
+    @property
+    def pipelined(self) -> bool:
+        return bool(self.stage_layers)
+
+    @property
+    def num_stages(self) -> int:
+        """The stages of a pipelined plan; 1 for a plan that is not pipelined."""
+        return len(self.stage_layers) or 1
+
+    @property
+    def pipelines(self) -> tuple[tuple[int, ...], ...]:
+        """Every pipeline's ranks ordered by stage, pipelines in order of their index; a plan that is
+        not pipelined has one pipeline of one stage per active rank."""
+        if not self.pipelined:
+            return tuple((r.rank,) for r in self.active_ranks)
+        chains: dict[int, dict[int, int]] = {}
+        for r in self.active_ranks:
+            chains.setdefault(r.pipeline, {})[r.stage] = r.rank
+        return tuple(tuple(chains[d][s] for s in sorted(chains[d])) for d in sorted(chains))
 
     @property
     def fraction_of_upper_bound(self) -> float | None:
@@ -204,13 +251,20 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ranks", "baselines")}
         data.update(mode=self.mode.value, planner=self.planner.value, model=self.model.to_dict())
-        data["ranks"] = [_rank_dict(r) for r in self.ranks]
+        version_5 = self.pipelined or bool(self.idle_ranks)
+        data["ranks"] = [_rank_dict(r, version_5) for r in self.ranks]
+        if version_5:
+            data.update(stage_layers=list(self.stage_layers),
+                        pipeline_schedule=self.pipeline_schedule.value if self.pipeline_schedule else None)
+        else:
+            for key in PIPELINE_PLAN_FIELDS:
+                data.pop(key)
         data["baselines"] = {
             name: {f.name: getattr(b, f.name) for f in fields(b)
                    if f.name != "ranks" and getattr(b, f.name) is not None and (f.name != "skipped" or b.skipped)}
             for name, b in self.baselines.items()
         }
-        data["format_version"] = PLAN_FORMAT_VERSION
+        data["format_version"] = PLAN_FORMAT_VERSION if version_5 else 4
         return data
 
     def to_json(self) -> str:
@@ -227,12 +281,13 @@ class Plan:
                 f"{where}: a plan must be a JSON object with 'global_batch_size' and 'ranks', got a "
                 f"{type(data).__name__}; {REMAKE}")
         version = data.get("format_version")
-        if type(version) is not int or version != PLAN_FORMAT_VERSION:
+        if type(version) is not int or version not in READ_VERSIONS:
             newer = type(version) is int and version > PLAN_FORMAT_VERSION
             raise PlanningError(
-                f"{where}: format_version {version!r} is not one this version reads ({PLAN_FORMAT_VERSION}); "
-                f"{'upgrade cephalo-lightning or ' if newer else ''}{REMAKE}")
-        _unknown(data, {f.name for f in fields(cls)} | {"format_version"}, where)
+                f"{where}: format_version {version!r} is not one this version reads "
+                f"({', '.join(map(str, READ_VERSIONS))}); {'upgrade cephalo-lightning or ' if newer else ''}{REMAKE}")
+        new = set(PIPELINE_PLAN_FIELDS) if version == PLAN_FORMAT_VERSION else set()
+        _unknown(data, {f.name for f in fields(cls)} - set(PIPELINE_PLAN_FIELDS) | new | {"format_version"}, where)
         for key in ("global_batch_size", "ranks"):
             if key not in data:
                 raise PlanningError(f"{where}: the field '{key}' is missing; {REMAKE}")
@@ -240,7 +295,7 @@ class Plan:
         if not isinstance(ranks_data, list) or not ranks_data:
             raise PlanningError(f"{where}: 'ranks' must be a non-empty list of per-rank objects, got "
                                 f"{_shown(ranks_data)}; {REMAKE}")
-        ranks = tuple(_rank_from_dict(r, i, where) for i, r in enumerate(ranks_data))
+        ranks = tuple(_rank_from_dict(r, i, where, version) for i, r in enumerate(ranks_data))
         baselines_data = data.get("baselines", {})
         if not isinstance(baselines_data, Mapping):
             raise PlanningError(f"{where}: 'baselines' must be an object, got {_shown(baselines_data)}; {REMAKE}")
@@ -263,6 +318,7 @@ class Plan:
                 extra[key] = data[key]
         if "planner" in extra:
             extra["planner"] = _member(Planner, extra["planner"], f"{where}: 'planner'")
+        extra.update(pipeline_fields_from_dict(data, where))
         mode = data.get("mode", Schedule.LAYERED)
         if not isinstance(mode, str):
             raise PlanningError(f"{where}: 'mode' must be one of {values_of(Schedule)}, got {_shown(mode)}; {REMAKE}")
@@ -300,9 +356,13 @@ class Plan:
         return cls(global_batch_size, mode, tuple(ranks), planner=Planner.EVEN)
 
 
-def _rank_dict(r: RankPlan) -> dict[str, Any]:
-    """A rank's JSON form: a flat dataclass (vars() is asdict(), fast), the vocabularies as their strings."""
+def _rank_dict(r: RankPlan, version_5: bool) -> dict[str, Any]:
+    """A rank's JSON form: a flat dataclass (vars() is asdict(), fast), the vocabularies as their strings;
+    version 5's fields only in a version-5 file."""
     data = dict(vars(r))
+    if not version_5:
+        for key in PIPELINE_RANK_FIELDS:
+            data.pop(key)
     data["source"] = r.source.value
     if r.binding is not None:
         data["binding"] = r.binding.value
@@ -361,11 +421,12 @@ def _name(value: Any, where: str, example: str) -> str:
 _RANK_REQUIRED = ("rank", "device", "batch_size", "num_micro_batches", "micro_batch_size", "state_share")
 
 
-def _rank_from_dict(data: Any, i: int, where: str) -> RankPlan:
+def _rank_from_dict(data: Any, i: int, where: str, version: int) -> RankPlan:
     at = f"{where}: ranks[{i}]"
     if not isinstance(data, Mapping):
         raise PlanningError(f"{at} must be an object with {list(_RANK_REQUIRED)}, got {_shown(data)}; {REMAKE}")
-    _unknown(data, {f.name for f in fields(RankPlan)}, at)
+    new = set(PIPELINE_RANK_FIELDS) if version == PLAN_FORMAT_VERSION else set()
+    _unknown(data, {f.name for f in fields(RankPlan)} - set(PIPELINE_RANK_FIELDS) | new, at)
     missing = [k for k in _RANK_REQUIRED if k not in data]
     if missing:
         raise PlanningError(f"{at} (rank {data.get('rank', i)}) lacks {missing}; {REMAKE}")
@@ -390,13 +451,14 @@ def _rank_from_dict(data: Any, i: int, where: str) -> RankPlan:
         values["binding"] = Binding(data["binding"])
     if data.get("why") is not None:
         values["why"] = _name(data["why"], f"{at}.why (rank {i})", "compute")
-    if "shard_group" in data:
-        values["shard_group"] = _whole(data["shard_group"], f"{at}.shard_group (rank {i})", 0)
-    if "recompute" in data:
-        if not isinstance(data["recompute"], bool):
-            raise PlanningError(f"{at}.recompute (rank {i}) must be true or false, got {_shown(data['recompute'])}; "
-                                f"{REMAKE}")
-        values["recompute"] = data["recompute"]
+    for key in ("shard_group", "stage", "pipeline"):
+        if key in data:
+            values[key] = _whole(data[key], f"{at}.{key} (rank {i})", 0)
+    for key in ("recompute", "idle"):
+        if key in data:
+            if not isinstance(data[key], bool):
+                raise PlanningError(f"{at}.{key} (rank {i}) must be true or false, got {_shown(data[key])}; {REMAKE}")
+            values[key] = data[key]
     return RankPlan(**values)
 
 
@@ -409,8 +471,9 @@ def validate_plan(plan: Plan) -> None:
     if [r.rank for r in plan.ranks] != list(range(len(plan.ranks))):
         raise PlanningError(f"plan ranks must be listed as 0, 1, 2, ... in order, got {[r.rank for r in plan.ranks][:8]}; "
                             f"{REMAKE}")
+    validate_pipeline(plan)  # idle ranks, stages and pipelines; a pipelined plan's batch is its pipelines'
     total = sum(r.batch_size for r in plan.ranks)
-    if total != plan.global_batch_size:
+    if not plan.pipelined and total != plan.global_batch_size:
         raise PlanningError(f"plan batch sizes sum to {total}, not the global batch {plan.global_batch_size}; {REMAKE}")
     for r in plan.ranks:
         if not math.isfinite(r.state_share):
@@ -443,7 +506,7 @@ def validate_plan(plan: Plan) -> None:
 def _validate_shard_groups(plan: Plan) -> None:
     """Groups numbered 0, 1, ... in the order of their first rank; shares sum to 1 within each."""
     seen: list[int] = []
-    for r in plan.ranks:
+    for r in plan.active_ranks:
         if r.shard_group not in seen:
             if r.shard_group != len(seen):
                 raise PlanningError(

@@ -8,3 +8,6 @@ class PlanningError(CephaloError, ValueError):
 
     The message always says what is wrong or short, by how much, and what to change.
     """
+
+
+REMAKE = "re-make the plan with `python -m cephalo_lightning plan`"  # the fix for a plan file that is wrong

@@ -1,0 +1,208 @@
+"""Pipelined plans and subsets in the planner, against brute force and analytic values.
+
+Each test fails on a plausible mistake: a wrong stage boundary (the cuts against every cut), a
+mispriced bubble or in-flight stash (the closed forms), a pipelined plan chosen when slower, and a
+subset ignored when faster (every subset of a small cluster planned on its own).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import pytest
+
+from cephalo_lightning._common.units import GIB
+from cephalo_lightning._common.vocabulary import PipelineSchedule
+from cephalo_lightning.planner import Plan, PlanningError, cluster_from_dict, plan
+from cephalo_lightning.planner.cost.pipeline_cost import PipelineCost, PipelineShape, bubble_fraction, in_flight
+from cephalo_lightning.planner.search.pipeline.cuts import best_cuts
+from cephalo_lightning.planner.search.pipeline.layouts import StageLayout, stage_layouts
+from cephalo_lightning.planner.search.pipeline.pipeline_search import best_for, price_cut
+from cephalo_lightning.planner.search.subsets import candidate_subsets, sub_cluster
+
+FWD, BWD = [4.0, 7.0, 10.0], [8.0, 15.0, 21.0]  # one layer's ms at micro-batch 1, 2, 3 (linear beyond)
+
+
+def device(name: str, memory_gb: float = 16.0, scale: float = 1.0, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "memory_gb": memory_gb, "layer_fwd_ms": [scale * f for f in FWD],
+            "layer_bwd_ms": [scale * b for b in BWD], "compute_memory_gb": [0.5, 0.6, 0.7], **extra}
+
+
+def cluster(nodes: list[list[dict[str, Any]]], layers: int = 6, parameters: int = 60_000_000, **settings: Any):
+    links = {} if settings.get("free_links") else {"link_bandwidth": "16 GB/s per rank",
+                                                    "inter_node_bandwidth": "1 Gbit/s per link"}
+    return cluster_from_dict({
+        "model": {"name": "m", "num_layers": layers, "parameters": parameters, "hidden_size": 1024, "seq_len": 512},
+        "settings": {**links, "reserved_memory_gb": 0.5, **settings},
+        "nodes": [{"devices": node} for node in nodes]})
+
+
+# ----------------------------------------------------------------------------- the cuts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_dynamic_programme_finds_the_cut_every_cut_would(seed: int) -> None:
+    import random
+    rng = random.Random(seed)
+    L, S = 7, 3
+    table = {(s, n): (math.inf if rng.random() < 0.15 else rng.uniform(1, 10) * n) for s in range(S) for n in range(1, L)}
+    found = best_cuts(L, S, lambda s, n: table[s, n])
+    every = [c for c in itertools.product(range(1, L), repeat=S) if sum(c) == L]
+    best = min(max(table[s, n] for s, n in enumerate(c)) for c in every)
+    if math.isinf(best):
+        assert found is None
+    else:
+        assert found is not None and found[1] == best
+        assert max(table[s, n] for s, n in enumerate(found[0])) == best and sum(found[0]) == L
+
+
+def test_the_chosen_cut_prices_no_slower_than_any_other_cut_of_the_same_pipelines() -> None:
+    """Stage 0 on a device twice as slow: the best cut gives it fewer layers, and pricing every cut
+    whole (the step, memory included) finds none faster."""
+    c = cluster([[device("slow", scale=2.0)], [device("fast")]], layers=8, free_links=True)
+    layout = StageLayout(((0, 1),), ())
+    found = best_for(c, layout, (6,), 3)
+    assert found is not None and found.stage_layers[0] < found.stage_layers[1]
+    shape = found.shape
+    steps = {cut: price_cut(c, shape, found.schedule, cut, layout) for cut in
+             [(a, 8 - a) for a in range(1, 8)]}
+    fitting = [p.step_ms for p in steps.values() if all(s.fits for s in p.stages)]
+    assert found.step_ms == pytest.approx(min(fitting), rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- bubble and memory
+
+
+def test_the_step_is_the_bubble_times_the_slowest_micro_step() -> None:
+    """Two stages of 3 layers on identical devices, free links: every micro-step is
+    3 (F + F + B) + c at m = 2, and the step is (M + S - 1) of them."""
+    c = cluster([[device("a")], [device("a")]], free_links=True, micro_batch_overhead_ms=1.0)
+    M, S, m = 4, 2, 2
+    cost = PipelineCost(c, PipelineShape(((0, 1),), (M * m,), M), PipelineSchedule.ONE_F_ONE_B)
+    stages = [cost.stage(0, 3), cost.stage(1, 3)]
+    micro = 3 * (FWD[m - 1] + FWD[m - 1] + BWD[m - 1]) + 1.0
+    assert stages[0].micro_step_ms[0] == pytest.approx(micro)
+    assert cost.step_ms(stages) == pytest.approx((M + S - 1) * micro)
+    assert bubble_fraction(M, S) == pytest.approx(1 / 5)
+
+
+def test_in_flight_activations_follow_the_schedule() -> None:
+    """GPipe holds all M micro-batches' stash, 1F1B min(M, S - s) on stage s."""
+    c = cluster([[device("a", 40.0)], [device("a", 40.0)], [device("a", 40.0)]], layers=6, free_links=True)
+    M, m, layers = 5, 2, 2
+    shape = PipelineShape(((0, 1, 2),), (M * m,), M)
+    act = 512 * 1024 * 2  # seq_len x hidden x 2 bytes
+    assert [in_flight(PipelineSchedule.ONE_F_ONE_B, M, 3, s) for s in range(3)] == [3, 2, 1]
+    gpipe = PipelineCost(c, shape, PipelineSchedule.GPIPE)
+    ofob = PipelineCost(c, shape, PipelineSchedule.ONE_F_ONE_B)
+    for s, held in enumerate((3, 2, 1)):
+        difference = gpipe.stage(s, layers).memory_gb[0] - ofob.stage(s, layers).memory_gb[0]
+        assert difference == pytest.approx((M - held) * m * layers * act / GIB)
+    # the absolute figure: compute memory, the stash, the reserve and the stage's whole state (one rank)
+    state = (16 * 60_000_000 * layers / 6 + 2 * 10_000_000 * 4) / GIB
+    expected = 0.6 + 3 * m * layers * act / GIB + 0.5 + state
+    assert ofob.stage(0, layers).memory_gb[0] == pytest.approx(expected)
+
+
+def test_point_to_point_sends_cross_the_slow_link_at_its_price() -> None:
+    c = cluster([[device("a")], [device("a")]], inter_node_latency_ms=0.5)
+    M, m = 2, 3
+    cost = PipelineCost(c, PipelineShape(((0, 1),), (M * m,), M), PipelineSchedule.ONE_F_ONE_B)
+    act = 512 * 1024 * 2
+    per_rank = 1 / 8  # GB/s: 1 Gbit/s per link, one rank a node
+    one_way = m * act / (per_rank * 1e9) * 1e3 + 0.5
+    assert cost.sends_ms(0)[0] == pytest.approx(one_way)  # activations forward
+    assert cost.sends_ms(1)[0] == pytest.approx(one_way)  # their gradients back
+    assert cost.cross_node_bytes() == 2 * M * m * act
+
+
+# ----------------------------------------------------------------------------- the choice
+
+
+def lab(model: dict[str, Any], **settings: Any):
+    return cluster_from_dict({
+        "model": model, "settings": {"link_bandwidth": "16 GB/s per rank", "inter_node_bandwidth": "10 Gbit/s per link",
+                                     **settings},
+        "nodes": [{"devices": [{"name": "a100-40gb", "count": 4}]}, {"devices": [{"name": "rtx3090", "count": 4}]}]})
+
+
+LLAMA_8B = {"name": "llama-8b", "num_layers": 32, "parameters": 8_030_261_248, "hidden_size": 4096, "seq_len": 2048}
+LLAMA_1B = {"name": "llama-1b", "num_layers": 16, "parameters": 1_235_814_400, "hidden_size": 2048, "seq_len": 2048}
+
+
+def test_the_lab_case_pipelines_across_the_ethernet_and_beats_every_shard_grouping() -> None:
+    c = lab(LLAMA_8B)
+    chosen = plan(c, 64, pipelines=True, subsets=True)
+    shards = plan(c, 64)
+    assert chosen.pipelined and chosen.predicted_step_s < shards.predicted_step_s
+    assert chosen.baselines["no pipeline"].predicted_step_s == pytest.approx(shards.predicted_step_s)
+    # every stage inside one node: the cut between the nodes is a stage boundary
+    nodes = c.nodes
+    for group in chosen.shard_groups:
+        assert len({nodes[r] for r in group}) == 1
+    assert Plan.from_dict(chosen.to_dict()) == chosen
+
+
+def test_a_pipelined_plan_is_not_chosen_when_slower() -> None:
+    """The 1B model at batch 512 with the collectives hidden: the plan over every rank is the fastest,
+    and the pipelined candidate, priced slower, stays a baseline."""
+    c = lab(LLAMA_1B, overlap=1.0)
+    chosen = plan(c, 512, pipelines=True, subsets=True)
+    piped = chosen.baselines["pipelined"]
+    assert piped.feasible and piped.predicted_step_s > chosen.predicted_step_s
+    assert not chosen.pipelined and not chosen.idle_ranks
+    assert chosen.predicted_step_s == pytest.approx(plan(c, 512).predicted_step_s)
+
+
+@pytest.mark.parametrize("batch", [8, 24])
+def test_a_subset_is_chosen_exactly_when_some_subset_planned_alone_is_faster(batch: int) -> None:
+    """Brute force: every subset of a three-rank, two-node cluster planned on its own."""
+    c = cluster([[device("a"), device("a", scale=1.5)], [device("b", scale=3.0)]], layers=6)
+    chosen = plan(c, batch, subsets=True)
+    everyone = plan(c, batch)
+    alone = []
+    for k in range(1, 3):
+        for kept in itertools.combinations(range(3), k):
+            try:
+                alone.append((plan(sub_cluster(c, kept), batch).predicted_step_s, kept))
+            except PlanningError:
+                pass
+    best_step, best_kept = min(alone)
+    if best_step < everyone.predicted_step_s:
+        assert chosen.predicted_step_s == pytest.approx(best_step)
+        assert tuple(r.rank for r in chosen.active_ranks) == best_kept
+    else:
+        assert chosen.predicted_step_s == pytest.approx(everyone.predicted_step_s) and not chosen.idle_ranks
+    assert chosen.baselines["best subset"].predicted_step_s == pytest.approx(best_step)
+
+
+def test_the_slow_link_makes_the_lone_node_faster_and_the_plan_says_what_the_rest_would_cost() -> None:
+    c = lab(LLAMA_1B)
+    chosen = plan(c, 64, pipelines=True, subsets=True)
+    assert chosen.idle_ranks == (4, 5, 6, 7)
+    assert chosen.predicted_step_s <= plan(sub_cluster(c, (0, 1, 2, 3)), 64).predicted_step_s * (1 + 1e-9)
+    idle = chosen.ranks[4]
+    assert idle.batch_size == 0 and idle.state_share == 0 and "predicts" in idle.why
+
+
+def test_the_layouts_cut_at_the_node_boundary() -> None:
+    c = lab(LLAMA_8B)
+    for layout in stage_layouts(c):
+        stage_nodes = [{c.nodes[chain[s]] for chain in layout.chains} for s in range(layout.num_stages)]
+        assert all(len(n) == 1 for n in stage_nodes)  # a stage's group on one node
+        changes = sum(a != b for a, b in zip(stage_nodes, stage_nodes[1:]))
+        assert changes == 1  # the nodes are crossed once: at the slow link
+
+
+def test_the_subsets_of_a_large_cluster_are_its_nodes_and_kinds() -> None:
+    c = lab(LLAMA_1B)
+    assert candidate_subsets(c) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    small = cluster([[device("a"), device("a")], [device("b")]])
+    assert candidate_subsets(small) == [(0,), (2,), (0, 1), (0, 2)]  # the two lone A's are one subset
+
+
+def test_pipelines_and_subsets_are_refused_in_the_uniform_mode() -> None:
+    with pytest.raises(PlanningError, match="layered mode only"):
+        plan(lab(LLAMA_1B), 64, mode="uniform", subsets=True)
