@@ -22,7 +22,7 @@ Plans:
 
 * ``pipeline``: 2 stages (node 0 computes the first half of the blocks, node 1 the second), 2
   pipelines (ranks 0 -> 2 and 1 -> 3), each stage sharded over its node's two ranks
-  (:class:`~cephalo_lightning.runtime.pipeline.runner.PipelineRunner`), 1F1B, ``micro`` micro-batches
+  (:class:`~cephalo_lightning.runtime.pipelining.runner.PipelineRunner`), 1F1B, ``micro`` micro-batches
   per pipeline; only hidden states and their gradients cross the link;
 * ``full-shard``: one shard group of the 4 ranks (the layered schedule), every unit gathered and
   reduced across the link;
@@ -123,8 +123,8 @@ class _Plan:
         import torch.distributed as dist
 
         from cephalo_lightning.runtime.layered import LayeredSchedule
-        from cephalo_lightning.runtime.pipeline.runner import PipelineRunner
-        from cephalo_lightning.runtime.pipeline.stages import PipelineLayout
+        from cephalo_lightning.runtime.pipelining.runner import PipelineRunner
+        from cephalo_lightning.runtime.pipelining.stages import PipelineLayout
         from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
         self.name, self.rank, self.config = name, rank, config

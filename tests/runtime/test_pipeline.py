@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from cephalo_lightning._common.vocabulary import PipelineSchedule
-from cephalo_lightning.runtime.pipeline.schedule import Pass, in_flight, simulate, stage_actions
-from cephalo_lightning.runtime.pipeline.stages import PipelineLayout
+from cephalo_lightning.runtime.pipelining.schedule import Pass, in_flight, simulate, stage_actions
+from cephalo_lightning.runtime.pipelining.stages import PipelineLayout
 from tests.distributed import run_distributed
 
 STEPS, GLOBAL = 2, 8
@@ -92,7 +92,7 @@ def test_a_plan_this_runtime_cannot_run_is_refused_with_the_fix(rows, layers, pr
 def _train(rank: int, name: str) -> dict:
     from cephalo_lightning.models.hf import adapt
     from cephalo_lightning.runtime.batching import micro_batches
-    from cephalo_lightning.runtime.pipeline.runner import PipelineRunner
+    from cephalo_lightning.runtime.pipelining.runner import PipelineRunner
     from tests.library_models import PaddedTokens, build
     from tests.reference import make_optimizer
 
@@ -225,7 +225,7 @@ def test_a_rank_stores_no_other_stages_parameters(runs, name):
 def test_a_parameter_outside_every_layer_is_refused_by_name():
     from torch import nn
 
-    from cephalo_lightning.runtime.pipeline.runner import PipelineRunner
+    from cephalo_lightning.runtime.pipelining.runner import PipelineRunner
 
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     model.scale = nn.Parameter(torch.ones(1))

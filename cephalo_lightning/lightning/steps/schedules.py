@@ -65,7 +65,7 @@ def refuse_pipelined(plan: Plan, owner: str) -> None:
         raise UnsupportedError(
             f"the plan is pipelined ({len(stages)} stages of {list(stages)} layers), which {owner} cannot run yet: "
             "re-plan without pipeline stages for the strategy, or train the pipelined plan with "
-            "cephalo_lightning.runtime.pipeline.runner.PipelineRunner (PipelineLayout.of(plan, num_layers))")
+            "cephalo_lightning.runtime.pipelining.runner.PipelineRunner (PipelineLayout.of(plan, num_layers))")
 
 
 def loss_weighting(requested: str, resolution: Resolution, module: pl.LightningModule) -> Decision:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cephalo_lightning.runtime.collectives import Links
-from cephalo_lightning.runtime.pipeline.schedule import Pass
+from cephalo_lightning.runtime.pipelining.schedule import Pass
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _DIMS = 8

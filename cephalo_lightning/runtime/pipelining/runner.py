@@ -52,10 +52,10 @@ from torch import nn
 from cephalo_lightning.runtime.collectives import Links
 from cephalo_lightning.runtime.distributed import gather_objects
 from cephalo_lightning.runtime.layered import Layer, Side
-from cephalo_lightning.runtime.pipeline.schedule import Pass, stage_actions
-from cephalo_lightning.runtime.pipeline.stages import PipelineLayout
-from cephalo_lightning.runtime.pipeline.transfer import Transfers
-from cephalo_lightning.runtime.pipeline.views import module_paths, stage_view, tied_across
+from cephalo_lightning.runtime.pipelining.schedule import Pass, stage_actions
+from cephalo_lightning.runtime.pipelining.stages import PipelineLayout
+from cephalo_lightning.runtime.pipelining.transfer import Transfers
+from cephalo_lightning.runtime.pipelining.views import module_paths, stage_view, tied_across
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
 Prepare = Callable[[Any], tuple[torch.Tensor, Side]]
