@@ -65,14 +65,31 @@ def _plan(stage_layers, rows):
     return SimpleNamespace(stage_layers=stage_layers, ranks=ranks, pipeline_schedule=GPIPE)
 
 
+def _plan_file(idle: bool = False):
+    """A plan file's plan (format 5): two pipelines of two stages, stage 0 on ranks 0, 1, stage 1 on 2, 3."""
+    from cephalo_lightning.planner import ModelSummary, Plan, RankPlan
+
+    rows = [(5, 2, 0.4, 0, 0), (3, 1, 0.6, 0, 1), (5, 2, 1.0 / 3, 1, 0), (3, 1, 2.0 / 3, 1, 1)]
+    ranks = [RankPlan(i, "a100-40gb", b, m, -(-b // m), share, stage=stage, pipeline=d, shard_group=stage)
+             for i, (b, m, share, stage, d) in enumerate(rows)]
+    if idle:
+        ranks.append(RankPlan(4, "rtx3090", 0, 1, 0, 0.0, idle=True))
+    return Plan(8, "layered", tuple(ranks), stage_layers=(2, 3), pipeline_schedule=GPIPE,
+                model=ModelSummary(num_layers=5))
+
+
 def test_a_layout_from_a_plan_puts_every_rank_and_layer_where_the_plan_says():
-    plan = _plan((2, 3), [(0, 0, 5, 2, 0.4), (0, 1, 3, 1, 0.6), (1, 0, 5, 2, 1.0 / 3), (1, 1, 3, 1, 2.0 / 3)])
-    layout = PipelineLayout.of(plan, 5)
+    layout = PipelineLayout.of(_plan_file(), 5)
     assert layout.pipelines == ((0, 2), (1, 3)) and layout.batch_sizes == (5, 3) and layout.micro_batches == (2, 1)
     assert list(layout.layer_range(0)) == [0, 1] and list(layout.layer_range(1)) == [2, 3, 4]
     assert layout.stage_ranks(1) == (2, 3) and layout.samples(1) == range(5, 8)
     assert layout.neighbours(2) == (0, None) and layout.micro_batch_sizes(0) == [3, 2]
     assert layout.schedule is GPIPE
+
+
+def test_a_plan_with_idle_ranks_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"ranks \[4\] are idle.*launch only the plan's busy ranks"):
+        PipelineLayout.of(_plan_file(idle=True), 5)
 
 
 @pytest.mark.parametrize(("rows", "layers", "problem"), [
