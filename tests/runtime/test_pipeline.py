@@ -25,14 +25,18 @@ STEPS, GLOBAL = 2, 8
 GPIPE, ONE_F_ONE_B = PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B
 # name: (family, stage_layers, pipelines (ranks by stage), shares (per rank), batches, micro-batches, schedule)
 # Llama and GPT-2 from tests/library_models.build have 4 layers as the layered protocol sees them:
-# the embedding, two blocks, the final norm with the head.
+# the embedding, two blocks, the final norm with the head. Pipelines with one micro-batch count run layer
+# by layer (each layer gathered, recomputed and reduced per micro-batch), the others gather each stage
+# once a step.
 SCENARIOS = {
     "llama-2x2": ("llama", (1, 3), ((0, 2), (1, 3)), (0.3, 0.7, 0.6, 0.4), (5, 3), (3, 2), ONE_F_ONE_B),
     "gpt2-2x2": ("gpt2", (3, 1), ((1, 3), (0, 2)), (0.55, 0.45, 0.2, 0.8), (2, 6), (2, 4), GPIPE),
+    "llama-2x2-layers": ("llama", (2, 2), ((0, 2), (1, 3)), (0.3, 0.7, 0.6, 0.4), (5, 3), (2, 2), ONE_F_ONE_B),
+    "gpt2-2x2-layers": ("gpt2", (3, 1), ((1, 3), (0, 2)), (0.55, 0.45, 0.2, 0.8), (3, 5), (3, 3), GPIPE),
     "llama-4": ("llama", (1, 1, 1, 1), ((0, 1, 2, 3),), (1.0, 1.0, 1.0, 1.0), (8,), (3,), ONE_F_ONE_B),
     "gpt2-4": ("gpt2", (1, 1, 1, 1), ((3, 2, 1, 0),), (1.0, 1.0, 1.0, 1.0), (8,), (4,), GPIPE),
 }
-CLIP = {"gpt2-2x2": 0.05, "llama-4": 0.05}  # global-norm clipping: over every stage, a tied weight once
+CLIP = {"gpt2-2x2": 0.05, "llama-4": 0.05, "gpt2-2x2-layers": 0.05}  # global-norm clipping: over every stage, a tied weight once
 # [Note: library-model bounds] as tests/lightning/test_shard_groups_fit.py: four steps of fp64's grid
 # above 1, or where larger FLOOR_FACTOR x the noise floor (single-process training cut into the
 # pipelines' micro-batches, each summed loss over the batch's tokens, against the whole batch).
@@ -225,7 +229,7 @@ def test_every_transfer_is_received_once_by_its_neighbour(runs, name):
 
 @pytest.mark.multiprocess
 def test_a_weight_tied_across_the_first_and_last_stages_is_held_by_both_alike(runs):
-    for name in ("gpt2-2x2", "gpt2-4"):
+    for name in ("gpt2-2x2", "gpt2-2x2-layers", "gpt2-4"):
         held = {r[name]["stage"]: list(r[name]["ties"]) for r in runs if r[name]["ties"]}
         layout = PipelineLayout(*SCENARIOS[name][1:])
         assert set(held) == {0, layout.num_stages - 1}, f"{name}: the tie is held by stages {sorted(held)}"
@@ -277,3 +281,7 @@ def test_the_ranks_of_a_stage_issue_the_same_collectives_in_the_same_order(runs,
         assert all(log == logs[0] for log in logs), f"{name}: stage {stage}'s ranks {ranks} differ"
         gathers = sum(1 for entry in logs[0] if entry[0] == "all_gather")
         assert (gathers > 0) == (len(ranks) > 1), f"{name}: stage {stage} logged {gathers} all-gathers"
+        # each layer's gradient reduced once a step, or once a micro-batch where the stage runs layer by layer
+        per_step = layout.micro_batches[0] if len(set(layout.micro_batches)) == 1 and len(ranks) > 1 else 1
+        reductions = sum(1 for entry in logs[0] if entry[0] == "reduce_scatter")
+        assert reductions == STEPS * per_step * layout.stage_layers[stage], f"{name}: stage {stage}: {reductions}"

@@ -29,6 +29,15 @@ keeps them for the step (its micro-batches' activations too, as the schedule hol
 GPipe, at most S - s under 1F1B), then reduces each once: one all-gather and one reduce-scatter per
 unit per step, whatever M. The price is the stage's whole gathered state in memory during the step.
 
+[Note: layer by layer] With ``layer_by_layer`` (the default where every pipeline has the same
+micro-batch count, the shape the planner prices) a stage instead gathers each layer for each
+micro-batch: F k runs the layers without a graph, keeping each layer's input (and the random state);
+B k gathers them again in reverse, recomputes each from its input, backpropagates and reduce-scatters
+that micro-batch's gradient of the layer at once. A rank then holds one gathered layer (and the next,
+prefetched) and, per micro-batch in flight, its layers' inputs; every rank of a stage issues the same
+collectives, M x (2 all-gathers + 1 reduce-scatter) per layer, since its pipelines share M. The root
+unit (parameters tied inside the stage) stays gathered for the step and is reduced once.
+
 [Note: why not torch.distributed.pipelining] Its ``PipelineStage`` composes with sharded units as far
 as gathering before the schedule and reducing after it goes, and its schedules are exact with
 ``scale_grads=False``, but it infers one set of receive shapes for every micro-batch (from the first),
@@ -79,7 +88,9 @@ class PipelineRunner:
 
     def __init__(self, model: nn.Module, layers: Sequence[Layer | nn.Module], layout: PipelineLayout, *,
                  prepare: Prepare, loss: WeightedLoss, items: Items, compute_dtype: torch.dtype | None = None,
-                 links: Links | None = None, record_collectives: bool = False, device: torch.device | None = None) -> None:
+                 links: Links | None = None, record_collectives: bool = False, device: torch.device | None = None,
+                 layer_by_layer: bool | None = None) -> None:
+        """``layer_by_layer``: [Note: layer by layer]; None: where every pipeline has the same micro-batch count."""
         layers = [Layer.of(layer) for layer in layers]
         canonical = {id(p): name for name, p in model.named_parameters()}  # a tied parameter: its first name
         held = {id(p) for layer in layers for m in layer.modules for p in m.parameters()}
@@ -93,6 +104,12 @@ class PipelineRunner:
         if dist.get_world_size() != layout.world_size:
             raise ValueError(f"the layout has {layout.world_size} ranks, the world {dist.get_world_size()}: launch "
                              "as many ranks as the plan has")
+        same_count = len(set(layout.micro_batches)) == 1
+        if layer_by_layer and not same_count:
+            raise ValueError(f"layer_by_layer needs one micro-batch count in every pipeline (the stage's ranks gather "
+                             f"together per micro-batch), the layout has {list(layout.micro_batches)}: pass "
+                             "layer_by_layer=False (each stage gathered once a step) or re-plan")
+        self.layer_by_layer = same_count if layer_by_layer is None else layer_by_layer
         self.layout = layout
         self.rank = dist.get_rank()
         self.stage = layout.stage_of(self.rank)
@@ -117,6 +134,7 @@ class PipelineRunner:
                                     links=links, compute_dtype=compute_dtype, hooks=False,
                                     record_collectives=record_collectives, device=device)
         self.device = self.sharded.device
+        self._cuda_devices = [self.device.index or 0] if self.device.type == "cuda" else []
         self.transfers = Transfers(self.device, links=links)
         _free_other_stages(layers, views[self.stage])
 
@@ -151,17 +169,28 @@ class PipelineRunner:
         return count.item()
 
     def _run(self, micro_batches: Sequence[Any], total: float, train: bool) -> torch.Tensor:
+        if self.layer_by_layer:
+            loss_sum = self._run_layers(micro_batches, total, train)
+        else:
+            loss_sum = self._run_gathered(micro_batches, total, train)
+        if train:
+            self._sum_ties()
+        dist.all_reduce(loss_sum)  # the last stages' sums; the others add zero
+        return loss_sum
+
+    def _actions(self, count: int, train: bool) -> list[Any]:
+        actions = stage_actions(self.layout.schedule, self.stage, self.layout.num_stages, count)
+        return actions if train else [a for a in actions if a.kind is Pass.FORWARD]
+
+    def _run_gathered(self, micro_batches: Sequence[Any], total: float, train: bool) -> torch.Tensor:
         sharded, last = self.sharded, self.next is None
         observers = sharded.observers  # compute regions: an attached emulator stretches them (not the transfers)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         with sharded.scheduled():
             for index in range(len(sharded.units)):
                 sharded.gather(index, prefetch=index + 1)
-            actions = stage_actions(self.layout.schedule, self.stage, self.layout.num_stages, len(micro_batches))
-            if not train:
-                actions = [a for a in actions if a.kind is Pass.FORWARD]
             kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            for action in actions:
+            for action in self._actions(len(micro_batches), train):
                 k = action.micro_batch
                 if action.kind is Pass.FORWARD:
                     received = None if self.previous is None else self.transfers.recv(self.previous, Pass.FORWARD, k)
@@ -187,9 +216,69 @@ class PipelineRunner:
                     sharded.reduce_unit(unit)
                 sharded.wait_reductions()
             sharded.free_all()
-        if train:
-            self._sum_ties()
-        dist.all_reduce(loss_sum)  # the last stages' sums; the others add zero
+        return loss_sum
+
+    def _run_layers(self, micro_batches: Sequence[Any], total: float, train: bool) -> torch.Tensor:
+        """[Note: layer by layer]"""
+        sharded, units, last = self.sharded, self.sharded.units, self.next is None
+        observers, devices = sharded.observers, self._cuda_devices
+        per_micro_batch = sharded.comm.world_size > 1  # a stage of one rank holds its units whole: reduce once
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        kept: dict[int, tuple[list[tuple[torch.Tensor, Any]], Any]] = {}
+        with sharded.scheduled():
+            sharded.gather_root()
+            for action in self._actions(len(micro_batches), train):
+                k = action.micro_batch
+                micro_batch = micro_batches[k]
+                if action.kind is Pass.FORWARD:
+                    received = None if self.previous is None else self.transfers.recv(self.previous, Pass.FORWARD, k)
+                    sharded.gather(1, prefetch=2)
+                    with torch.no_grad():
+                        first_input, side = self.prepare(micro_batch)
+                        h = first_input if received is None else received
+                        stash = []
+                        for index, layer in enumerate(self.layers, start=1):
+                            sharded.gather(index, prefetch=index + 1)
+                            stash.append((h, (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])))
+                            with observers.compute("stage_forward"):
+                                h = layer(h, side)
+                            units[index].free()
+                        if last:
+                            with observers.compute("stage_forward"):
+                                loss_sum += self.loss(h, micro_batch, side, total).double()
+                        else:
+                            self.transfers.send(h, self.next, Pass.FORWARD, k)
+                    if train:
+                        kept[k] = (stash, side)
+                    continue
+                stash, side = kept.pop(k)
+                upstream = None if last else self.transfers.recv(self.next, Pass.BACKWARD, k)
+                for index in range(len(self.layers), 0, -1):
+                    sharded.gather(index, prefetch=index - 1)
+                    x, (cpu_rng, cuda_rng) = stash.pop()
+                    needs = x.is_floating_point() and (index > 1 or self.previous is not None)
+                    x = x.detach().requires_grad_(needs)
+                    with torch.enable_grad(), torch.random.fork_rng(devices), observers.compute("stage_backward"):
+                        torch.set_rng_state(cpu_rng)
+                        for device, state in zip(devices, cuda_rng):
+                            torch.cuda.set_rng_state(state, device)
+                        out = self.layers[index - 1](x, side)
+                        if last and index == len(self.layers):
+                            out = self.loss(out, micro_batch, side, total)
+                        out.backward(upstream)
+                    upstream = x.grad if needs else None
+                    units[index].free()
+                    if per_micro_batch:
+                        sharded.reduce_unit(units[index])
+                if self.previous is not None:
+                    self.transfers.send(upstream if upstream is not None else torch.zeros_like(x), self.previous,
+                                        Pass.BACKWARD, k)
+            self.transfers.flush()
+            if train:
+                for unit in reversed(units if not per_micro_batch else units[:1]):  # [Note: collective order]
+                    sharded.reduce_unit(unit)
+                sharded.wait_reductions()
+            sharded.free_all()
         return loss_sum
 
     def _forward(self, received: torch.Tensor | None, micro_batch: Any, total: float) -> tuple[torch.Tensor, torch.Tensor]:
