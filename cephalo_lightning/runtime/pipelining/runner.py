@@ -169,6 +169,11 @@ class PipelineRunner:
         return count.item()
 
     def _run(self, micro_batches: Sequence[Any], total: float, train: bool) -> torch.Tensor:
+        expected = self.layout.micro_batches[self.pipeline] if self.layout.batch_sizes[self.pipeline] else 0
+        if len(micro_batches) != expected:
+            raise ValueError(f"rank {self.rank} (pipeline {self.pipeline}, stage {self.stage}) got {len(micro_batches)} "
+                             f"micro-batches, the layout gives its pipeline {expected}: cut the pipeline's batch with "
+                             "layout.micro_batch_sizes(pipeline)")
         if self.layer_by_layer:
             loss_sum = self._run_layers(micro_batches, total, train)
         else:
@@ -181,6 +186,16 @@ class PipelineRunner:
     def _actions(self, count: int, train: bool) -> list[Any]:
         actions = stage_actions(self.layout.schedule, self.stage, self.layout.num_stages, count)
         return actions if train else [a for a in actions if a.kind is Pass.FORWARD]
+
+    def _agree(self, count: int) -> None:
+        """Layer by layer, a stage's ranks gather and reduce once per action: one small all-reduce first
+        makes a rank whose action count differs from the others' an error instead of a hang."""
+        counts = torch.tensor([count, -count], dtype=torch.float64, device=self.device)
+        self.sharded.comm.all_reduce_max(counts)
+        if counts.tolist() != [count, -count]:
+            raise RuntimeError(f"rank {self.rank} (stage {self.stage}) runs {count} forward and backward actions this "
+                               f"step, another rank of its stage between {-counts[1].item():g} and {counts[0].item():g}: "
+                               "the pipelines of a stage run layer by layer need one micro-batch count")
 
     def _run_gathered(self, micro_batches: Sequence[Any], total: float, train: bool) -> torch.Tensor:
         sharded, last = self.sharded, self.next is None
@@ -225,9 +240,11 @@ class PipelineRunner:
         per_micro_batch = sharded.comm.world_size > 1  # a stage of one rank holds its units whole: reduce once
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         kept: dict[int, tuple[list[tuple[torch.Tensor, Any]], Any]] = {}
+        actions = self._actions(len(micro_batches), train)
+        self._agree(len(actions))
         with sharded.scheduled():
             sharded.gather_root()
-            for action in self._actions(len(micro_batches), train):
+            for action in actions:
                 k = action.micro_batch
                 micro_batch = micro_batches[k]
                 if action.kind is Pass.FORWARD:
