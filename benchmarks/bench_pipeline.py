@@ -23,7 +23,10 @@ Plans:
 * ``pipeline``: 2 stages (node 0 computes the first half of the blocks, node 1 the second), 2
   pipelines (ranks 0 -> 2 and 1 -> 3), each stage sharded over its node's two ranks
   (:class:`~cephalo_lightning.runtime.pipelining.runner.PipelineRunner`), 1F1B, ``micro`` micro-batches
-  per pipeline; only hidden states and their gradients cross the link;
+  per pipeline, layer by layer (each layer gathered, recomputed and reduced per micro-batch, as the
+  planner prices it); only hidden states and their gradients cross the link;
+* ``pipeline-gathered``: the same, each stage gathered once a step and its gradient reduced once
+  (no recomputation; the stage's whole state and the in-flight activations held);
 * ``full-shard``: one shard group of the 4 ranks (the layered schedule), every unit gathered and
   reduced across the link;
 * ``hsdp``: a shard group per node, the replicas' gradients summed across the link;
@@ -32,7 +35,7 @@ Plans:
 
 Figures: MEASURED step = wall time of one optimizer step (forward, backward, reduction, optimizer),
 max over the ranks, median over the measured steps of every round; samples/s = global batch / step.
-The headline is the pipelined plan's throughput over the best non-pipelined plan's (goal >= 1.5).
+The headline is the faster pipelined plan's throughput over the best non-pipelined plan's (goal >= 1.5).
 PREDICTED step: the planner's pipeline cost is not wired in here yet (``predicted`` is null): it
 lives on the planner's side of pipelined plans, which this benchmark does not import.
 """
@@ -49,7 +52,8 @@ from benchmarks.harness import Benchmark
 
 WORLD = 4
 NODES = (0, 0, 1, 1)
-PLANS = ("pipeline", "full-shard", "hsdp", "ddp", "node-alone")
+PLANS = ("pipeline", "pipeline-gathered", "full-shard", "hsdp", "ddp", "node-alone")
+PIPELINED = ("pipeline", "pipeline-gathered")
 GOAL = 1.5
 
 
@@ -132,14 +136,15 @@ class _Plan:
         self.runner = self.schedule = None
         self.active = True
         half = config.global_batch // 2
-        if name == "pipeline":
+        if name in PIPELINED:
             layout = PipelineLayout((config.layers // 2, config.layers - config.layers // 2), ((0, 2), (1, 3)),
                                     (0.5, 0.5, 0.5, 0.5), (half, config.global_batch - half),
                                     (config.micro, config.micro), "1f1b")
             self.layout = layout
             self.runner = PipelineRunner(model, list(model), layout, prepare=lambda mb: (mb[0], None),
                                          loss=lambda out, mb, side, total: ((out - mb[1]) ** 2).mean(dim=(1, 2)).sum() / total,
-                                         items=lambda mb: len(mb[0]), links=links)
+                                         items=lambda mb: len(mb[0]), links=links,
+                                         layer_by_layer=name == "pipeline")
             self.runner.sharded.observers.attach(emulator)
             self.sharded = self.runner.sharded
             params = self.runner.parameters()
@@ -229,11 +234,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for name in PLANS:
         step = common.median(first["steps"][name])
         rows.append({"plan": name, "step_s": step, "samples_per_s": config.global_batch / step})
-    best = max((r for r in rows if r["plan"] != "pipeline"), key=lambda r: r["samples_per_s"])
-    pipeline = next(r for r in rows if r["plan"] == "pipeline")
+    best = max((r for r in rows if r["plan"] not in PIPELINED), key=lambda r: r["samples_per_s"])
+    pipeline = max((r for r in rows if r["plan"] in PIPELINED), key=lambda r: r["samples_per_s"])
     return {
         "config": asdict(config), "parameters": params, "host_gbps": first["host_gbps"], "link_gbps": first["link_gbps"],
-        "rows": rows, "best_non_pipelined": best["plan"], "ratio": pipeline["samples_per_s"] / best["samples_per_s"],
+        "rows": rows, "best_non_pipelined": best["plan"], "best_pipelined": pipeline["plan"], "ratio": pipeline["samples_per_s"] / best["samples_per_s"],
         "goal": GOAL, "predicted": None, "environment": common.environment_note(),
         "load": common.load_span(before),
     }
@@ -249,7 +254,8 @@ def print_report(result: dict[str, Any]) -> None:
                        [(r["plan"], f"{r['step_s']:.3f}", f"{r['samples_per_s']:.2f}") for r in result["rows"]],
                        title="MEASURED (emulated on CPU), median step over the rounds")
     verdict = "meets" if result["ratio"] >= result["goal"] else "MISSES"
-    print(f"pipeline / best non-pipelined ({result['best_non_pipelined']}): {result['ratio']:.2f}x "
+    print(f"best pipelined ({result['best_pipelined']}) / best non-pipelined ({result['best_non_pipelined']}): "
+          f"{result['ratio']:.2f}x "
           f"({verdict} the goal of {result['goal']:g}x)")
     print("predicted step: not available (the planner's pipeline cost is not wired into this benchmark)")
     print(common.load_note(*result["load"]))
