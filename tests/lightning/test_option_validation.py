@@ -275,3 +275,16 @@ def test_the_data_seed_convention() -> None:
     assert data_seed(None, {}) is None  # the caller takes torch.initial_seed() at setup
     with pytest.raises(ConfigurationError, match=r"PL_GLOBAL_SEED='seven' is not a seed .*seed_everything\(42\)"):
         data_seed(None, {"PL_GLOBAL_SEED": "seven"})
+
+
+@pytest.mark.parametrize("owner", ["trainer", "fabric"])
+def test_a_pipelined_plan_is_refused_at_setup_with_what_runs_it(owner):
+    from types import SimpleNamespace
+
+    from cephalo_lightning._common.errors import UnsupportedError
+    from cephalo_lightning.lightning.steps.schedules import check_plan
+    from cephalo_lightning.lightning.strategy.fabric import _check_plan
+
+    plan = SimpleNamespace(stage_layers=(2, 3))  # what a pipelined plan adds; the check reads nothing else first
+    with pytest.raises(UnsupportedError, match=r"pipelined \(2 stages of \[2, 3\] layers\).*PipelineRunner"):
+        check_plan(plan, None, None, None) if owner == "trainer" else _check_plan(plan, None)

@@ -41,6 +41,7 @@ def decide_schedule(requested: vocabulary.Schedule | vocabulary.Auto, resolution
 def check_plan(plan: Plan, schedule: vocabulary.Schedule, resolution: Resolution, module: pl.LightningModule) -> None:
     """What the schedule can run: every plan a fit adopts (given, planned at setup, or re-planned)
     passes here, so none can train on part of its batches."""
+    refuse_pipelined(plan, "Trainer(strategy='cephalo')")
     manual = not module.automatic_optimization
     if schedule == vocabulary.Schedule.UNIFORM and len(set(plan.num_micro_batches)) > 1:
         raise PlanningError(
@@ -52,6 +53,19 @@ def check_plan(plan: Plan, schedule: vocabulary.Schedule, resolution: Resolution
             f"manual optimization runs your training_step once per step on each rank, but the plan gives ranks "
             f"{plan.num_micro_batches} micro-batches; re-plan with one micro-batch per rank or use automatic optimization"
         )
+
+
+def refuse_pipelined(plan: Plan, owner: str) -> None:
+    """A pipelined plan (stages of layers, ``plan.stage_layers``) is refused by the Lightning strategies,
+    naming what runs it instead: the runtime's pipeline runner trains such a plan exactly, but no step
+    runner of the Trainer or Fabric drives it (its optimizer over one stage's pieces, its checkpoints of
+    one stage's names, its validation through the stages)."""
+    stages = tuple(getattr(plan, "stage_layers", ()) or ())
+    if stages:
+        raise UnsupportedError(
+            f"the plan is pipelined ({len(stages)} stages of {list(stages)} layers), which {owner} cannot run yet: "
+            "re-plan without pipeline stages for the strategy, or train the pipelined plan with "
+            "cephalo_lightning.runtime.pipelining.runner.PipelineRunner (PipelineLayout.of(plan, num_layers))")
 
 
 def loss_weighting(requested: str, resolution: Resolution, module: pl.LightningModule) -> Decision:
