@@ -288,3 +288,27 @@ def test_a_pipelined_plan_is_refused_at_setup_with_what_runs_it(owner):
     plan = SimpleNamespace(stage_layers=(2, 3))  # what a pipelined plan adds; the check reads nothing else first
     with pytest.raises(UnsupportedError, match=r"pipelined \(2 stages of \[2, 3\] layers\).*PipelineRunner"):
         check_plan(plan, None, None, None) if owner == "trainer" else _check_plan(plan, None)
+
+
+def _subset_plan():
+    """A plan over two ranks that leaves rank 1 idle (the planner's subset plans): rank 0 computes alone."""
+    from cephalo_lightning.planner import Plan, RankPlan
+
+    return Plan(4, "layered", (RankPlan(0, "a100-40gb", 4, 2, 2, 1.0), RankPlan(1, "rtx3090", 0, 1, 0, 0.0, idle=True)))
+
+
+def test_a_plan_with_idle_ranks_is_refused_at_setup_naming_them_and_the_fix(tmp_path) -> None:
+    from cephalo_lightning._common.errors import UnsupportedError
+    from cephalo_lightning.lightning.steps.schedules import check_plan
+    from cephalo_lightning.lightning.strategy.fabric import _check_plan
+
+    plan = _subset_plan()
+    fix = r"ranks \[1\] idle .*ranks \[0\] alone.*Launch only the busy GPUs with a plan made for them.*--no-subsets"
+    # the busy GPU launched alone with the subset plan: named before the world size, which would send it elsewhere
+    plan.save(tmp_path / "plan.json")
+    with pytest.raises(UnsupportedError, match=fix):
+        make_trainer(CephaloStrategy(plan=tmp_path / "plan.json"), 1, 1).fit(TinyUniform(), loader(token_data(8), 4))
+    for check in (lambda p: check_plan(p, None, None, None), lambda p: _check_plan(p, None)):  # re-plans, Fabric
+        with pytest.raises(UnsupportedError, match=fix):
+            check(plan)
+    check_plan(replace(plan, ranks=plan.ranks[:1]), "layered", None, TinyUniform())  # its busy rank alone runs

@@ -22,6 +22,7 @@ from cephalo_lightning._common import vocabulary
 from cephalo_lightning._common.errors import ConfigurationError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.lightning._private import training_dataloader
+from cephalo_lightning.lightning.steps.schedules import refuse_idle
 from cephalo_lightning.lightning.strategy_config import MAX_SEED, StrategyConfig
 from cephalo_lightning.planner import Cluster, Plan, PlanningError
 from cephalo_lightning.planner import plan as make_plan
@@ -133,6 +134,7 @@ def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: vocabulary.
         rank_zero_info("Cephalo: no plan or profile given; using an even split (equal batches and shares). "
                        "Add CephaloCallback() to profile and plan for heterogeneous devices.")
         return plan
+    refuse_idle(plan, "Trainer(strategy='cephalo')")  # before the world size: launched busy ranks only, it names the fix
     if plan.world_size != world_size:
         if config.elastic:
             return replanned(plan, None, plan.global_batch_size, plan.mode, identities)

@@ -42,6 +42,7 @@ def check_plan(plan: Plan, schedule: vocabulary.Schedule, resolution: Resolution
     """What the schedule can run: every plan a fit adopts (given, planned at setup, or re-planned)
     passes here, so none can train on part of its batches."""
     refuse_pipelined(plan, "Trainer(strategy='cephalo')")
+    refuse_idle(plan, "Trainer(strategy='cephalo')")
     manual = not module.automatic_optimization
     if schedule == vocabulary.Schedule.UNIFORM and len(set(plan.num_micro_batches)) > 1:
         raise PlanningError(
@@ -66,6 +67,20 @@ def refuse_pipelined(plan: Plan, owner: str) -> None:
             f"the plan is pipelined ({len(stages)} stages of {list(stages)} layers), which {owner} cannot run yet: "
             "re-plan without pipeline stages for the strategy, or train the pipelined plan with "
             "cephalo_lightning.runtime.pipelining.runner.PipelineRunner (PipelineLayout.of(plan, num_layers))")
+
+
+def refuse_idle(plan: Plan, owner: str) -> None:
+    """A plan that leaves ranks idle (``RankPlan.idle``: no samples, no state; the planner's subsets)
+    is refused by name: every rank a strategy launches holds a share of the state and takes part in
+    every collective, so such a plan runs only where the idle GPUs are not launched at all."""
+    idle = list(getattr(plan, "idle_ranks", ()) or ())
+    if idle:
+        busy = [r for r in range(len(plan.ranks)) if r not in idle]
+        raise UnsupportedError(
+            f"the plan leaves ranks {idle} idle (no samples, no state: it is faster on ranks {busy} alone), which "
+            f"{owner} cannot run: every launched rank computes and holds state. Launch only the busy GPUs with a "
+            "plan made for them (a cluster file listing those GPUs alone, `python -m cephalo_lightning plan`), or "
+            "re-plan over every rank with `python -m cephalo_lightning plan --no-subsets`")
 
 
 def loss_weighting(requested: str, resolution: Resolution, module: pl.LightningModule) -> Decision:

@@ -47,7 +47,7 @@ from cephalo_lightning._common.errors import ConfigurationError, UnsupportedErro
 from cephalo_lightning._common.vocabulary import AUTO, Collective, CollectiveChoice, Schedule, member_of
 from cephalo_lightning.lightning._private import BackwardSyncControl, user_sampler
 from cephalo_lightning.lightning.fit.plan_resolution import check_loader_batch, data_seed
-from cephalo_lightning.lightning.steps.schedules import refuse_pipelined
+from cephalo_lightning.lightning.steps.schedules import refuse_idle, refuse_pipelined
 from cephalo_lightning.lightning.strategy_config import COLLECTIVES, check_flag
 from cephalo_lightning.planner import Plan
 from cephalo_lightning.runtime.collectives import resolve_mode
@@ -315,6 +315,7 @@ class _ShardedBackwardSync(BackwardSyncControl):
 
 def _check_plan(plan: Plan, global_batch_size: int | None) -> None:
     refuse_pipelined(plan, "CephaloFabricStrategy")
+    refuse_idle(plan, "CephaloFabricStrategy")
     if plan.mode != Schedule.UNIFORM:
         raise UnsupportedError(
             "CephaloFabricStrategy runs uniform plans: the layered schedule runs the model's layers itself and owns "
