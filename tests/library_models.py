@@ -140,6 +140,21 @@ def reference(family: str, optimizer: str, steps: int, global_batch: int, data: 
                         module.named_parameters(), opt)
 
 
+def pipeline_reference(family: str, steps: int, global_batch: int, cuts: tuple[int, ...] | None = None,
+                       clip: float | None = None) -> dict[str, torch.Tensor]:
+    """Single-process AdamW training in fp64 on :class:`PaddedTokens`' global batches (``cuts``: each
+    cut into those micro-batches, each summed loss over the batch's tokens, Hugging Face's
+    ``num_items_in_batch``), clipped to global norm ``clip``: the parameters by their model names."""
+    data = PaddedTokens(global_batch * steps)
+    module = LibraryLM(family, "adamw").to(torch.float64)
+    pieces = steps_of(data.batch, steps, global_batch, cuts, target_tokens)
+    if cuts is not None:
+        totals = [target_tokens(data.batch(s * global_batch, (s + 1) * global_batch)) for s in range(steps)]
+        pieces = [[({**micro, "num_items_in_batch": total}, 1.0) for micro, _ in step] for step, total in zip(pieces, totals)]
+    train_steps(module.configure_optimizers(), lambda batch: module.training_step(batch, 0), pieces, clip)
+    return {name.removeprefix("model."): p.detach().clone() for name, p in module.named_parameters()}
+
+
 def noise_floor(family: str, optimizer: str, steps: int, global_batch: int, data: PaddedTokens,
                 dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Per tensor: how far apart two single-process runs of the same maths land when only the

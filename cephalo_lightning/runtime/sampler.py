@@ -110,8 +110,7 @@ class PlannedBatchSampler(Sampler[list[int]]):
         self._resume_at = None
         self.plan_state.restart_cutting()
         for step in range(start, len(self)):
-            sizes = self.plan_state.cut(self.epoch, step).plan.batch_sizes
-            size, offset = sizes[self.rank], sum(sizes[: self.rank])
+            offset, size = self.plan_state.cut(self.epoch, step).plan.samples_of(self.rank)
             if self.whole:
                 size, offset = self.global_batch_size, 0
             first = step * self.global_batch_size

@@ -277,17 +277,23 @@ def test_the_data_seed_convention() -> None:
         data_seed(None, {"PL_GLOBAL_SEED": "seven"})
 
 
-@pytest.mark.parametrize("owner", ["trainer", "fabric"])
-def test_a_pipelined_plan_is_refused_at_setup_with_what_runs_it(owner):
+def test_a_pipelined_plan_is_refused_where_it_cannot_run_naming_the_fix():
     from types import SimpleNamespace
 
     from cephalo_lightning._common.errors import UnsupportedError
     from cephalo_lightning.lightning.steps.schedules import check_plan
     from cephalo_lightning.lightning.strategy.fabric import _check_plan
 
-    plan = SimpleNamespace(stage_layers=(2, 3))  # what a pipelined plan adds; the check reads nothing else first
-    with pytest.raises(UnsupportedError, match=r"pipelined \(2 stages of \[2, 3\] layers\).*PipelineRunner"):
-        check_plan(plan, None, None, None) if owner == "trainer" else _check_plan(plan, None)
+    plan = SimpleNamespace(stage_layers=(2, 3), pipelined=True, idle_ranks=())  # what a pipelined plan adds
+    with pytest.raises(UnsupportedError, match=r"pipelined \(2 stages of \[2, 3\] layers\).*CephaloFabricStrategy cannot "
+                                               r"run.*Trainer\(strategy=CephaloStrategy\(plan=\.\.\.\)\).*--no-pipelines"):
+        _check_plan(plan, None)
+    manual = TinyUniform()
+    manual.automatic_optimization = False
+    for mode, module, why in (("uniform", TinyUniform(), "the uniform mode"), ("layered", manual, "manual")):
+        with pytest.raises(UnsupportedError, match=rf"runs in the layered mode only \({why}.*--no-pipelines"):
+            check_plan(plan, mode, None, module)
+    check_plan(plan, "layered", None, TinyUniform())  # the Trainer's layered steps run it
 
 
 def _subset_plan():

@@ -20,6 +20,7 @@ from cephalo_lightning._common.vocabulary import PipelineSchedule
 from cephalo_lightning.runtime.pipelining.schedule import Pass, in_flight, simulate, stage_actions
 from cephalo_lightning.runtime.pipelining.stages import PipelineLayout
 from tests.distributed import run_distributed
+from tests.library_models import pipeline_reference
 
 STEPS, GLOBAL = 2, 8
 GPIPE, ONE_F_ONE_B = PipelineSchedule.GPIPE, PipelineSchedule.ONE_F_ONE_B
@@ -165,22 +166,6 @@ def runs():
     return run_distributed(_scenarios, 4)
 
 
-def _reference(family: str, cuts: tuple[int, ...] | None = None, clip: float | None = None) -> dict[str, torch.Tensor]:
-    """Single-process training on the global batches (``cuts``: each cut into those micro-batches, each
-    summed loss over the batch's tokens), clipped to global norm ``clip``: the parameters by name."""
-    from tests.library_models import LibraryLM, PaddedTokens
-    from tests.reference import steps_of, target_tokens, train_steps
-
-    data = PaddedTokens(GLOBAL * STEPS)
-    module = LibraryLM(family, "adamw").to(torch.float64)
-    pieces = steps_of(data.batch, STEPS, GLOBAL, cuts, target_tokens)
-    if cuts is not None:
-        totals = [target_tokens(data.batch(s * GLOBAL, (s + 1) * GLOBAL)) for s in range(STEPS)]
-        pieces = [[({**micro, "num_items_in_batch": total}, 1.0) for micro, _ in step] for step, total in zip(pieces, totals)]
-    train_steps(module.configure_optimizers(), lambda batch: module.training_step(batch, 0), pieces, clip)
-    return {name.removeprefix("model."): p.detach().clone() for name, p in module.named_parameters()}
-
-
 # ----------------------------------------------------------------------------- the checks
 
 
@@ -190,8 +175,9 @@ def test_a_pipelined_layout_trains_like_one_process(runs, name):
     family, _, pipelines, _, batches, micro, _ = SCENARIOS[name]
     layout = PipelineLayout(*SCENARIOS[name][1:])
     clip = CLIP.get(name)
-    want = _reference(family, clip=clip)
-    cut = _reference(family, tuple(n for d in range(len(pipelines)) for n in layout.micro_batch_sizes(d)), clip)
+    want = pipeline_reference(family, STEPS, GLOBAL, clip=clip)
+    cut = pipeline_reference(family, STEPS, GLOBAL, tuple(n for d in range(len(pipelines)) for n in layout.micro_batch_sizes(d)),
+                             clip)
     floor = max((cut[k] - v).abs().max().item() for k, v in want.items())
     bound = max(EXACT, FLOOR_FACTOR * floor)
     got = runs[0][name]["states"]

@@ -18,6 +18,14 @@ backward and optimizer step run inside the user's ``training_step``).
 step finds that a discovered block sequence does not hold, the layered runner's ``start`` returns a
 :class:`~.layered_steps.FallBack` instead of a step, and :meth:`FitRuntime.forward` swaps in the
 uniform runner (:meth:`FitRuntime._fall_back`), whose ``start`` then begins the same step.
+
+[Note: a pipelined plan's runtime] A plan with stages (``plan.stage_layers``) builds this rank's
+stage (:class:`~cephalo_lightning.runtime.pipelining.runner.PipelineRunner`) over the layered form's
+layers instead of sharding the whole module: :attr:`FitRuntime.sharded` is the stage's, spanning the
+stage's ranks; the step (:class:`~.pipeline_steps.PipelineSteps`) agrees over the whole world; the
+optimizers keep the stage's pieces (:meth:`FitRuntime.keep_stage_pieces`); clipping is the runner's
+global norm. What it cannot run yet (checkpoints, validation, plan switches, accumulation, fault
+tolerance, elastic restarts) is refused at setup, naming the fix.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from cephalo_lightning._common import vocabulary
-from cephalo_lightning._common.errors import ConfigurationError
+from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning.lightning.fit import loggers
 from cephalo_lightning.lightning.fit.checkpoint_io import FitCheckpoints, globals_with_lightning
@@ -43,6 +51,7 @@ from cephalo_lightning.lightning.fit.plan_switch import PlanSwitches
 from cephalo_lightning.lightning.fit.run_folders import FailureReport, checkpoint_folders, claim_folders
 from cephalo_lightning.lightning.steps.discovered import LossPassLogs
 from cephalo_lightning.lightning.steps.layered_steps import FallBack, LayeredSteps
+from cephalo_lightning.lightning.steps.pipeline_steps import PipelineSteps, item_count, weighted_loss
 from cephalo_lightning.lightning.steps.schedules import check_plan, loss_weighting
 from cephalo_lightning.lightning.steps.step_state import (
     LayeredStep,
@@ -68,6 +77,8 @@ from cephalo_lightning.runtime.liveness import (
     remove_stale_heartbeats,
 )
 from cephalo_lightning.runtime.observers import Observers
+from cephalo_lightning.runtime.pipelining.runner import PipelineRunner
+from cephalo_lightning.runtime.pipelining.stages import PipelineLayout
 from cephalo_lightning.runtime.plan_state import CutBatch, PlanState
 from cephalo_lightning.runtime.sharding import handback
 from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
@@ -95,14 +106,25 @@ class FitRuntime:
         self.layered_model = resolution.layered if schedule == vocabulary.Schedule.LAYERED else None
         if self.layered_model is not None and (note := recomputed_twice(module)):
             rank_zero_info(note)
-        self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links, construction)
+        self.world_size = plan.world_size
+        self.pipeline: PipelineRunner | None = None
+        if plan.pipelined:  # [Note: a pipelined plan's runtime]
+            refuse_pipelined_options(config)
+            self.pipeline = _pipeline(module, plan, config, self.layered_model, self.weighting, device, links)
+            self.sharded = self.pipeline.sharded
+        else:
+            self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links,
+                                  construction)
         self.shard_summary = self.sharded.summary()  # what this rank holds under the plan in force
         self._warn_unpriced_buffers(plan, self.shard_summary)
         # buffers; the local pieces are already there. The modules hold the full parameters meanwhile:
         # a quantised frozen piece lives on the meta device, which .to() cannot move
         for unit in self.sharded.units:
             unit.use_full()
-        module.to(device)
+        if self.pipeline is None:
+            module.to(device)
+        else:  # other stages' parameters are meta (no storage): they stay so
+            module._apply(lambda t: t if t.is_meta else t.to(device))
         for unit in self.sharded.units:
             unit.use_local()
         if emulator.is_emulated:  # a real device gets no observer at all (no clock, no state)
@@ -113,9 +135,19 @@ class FitRuntime:
         self.steps = self._steps(device, emulator)
         self._step: LayeredStep | UniformStep | None = None  # the step in progress (see the module note)
         self.guard = NonFiniteGuard(config.max_nonfinite_skips)
-        self.switches = PlanSwitches(plan, self.sharded, lambda p: check_plan(p, self.schedule, resolution, module),
+        self.switches = PlanSwitches(plan, self.sharded, lambda p: self._check_switch(p, resolution),
                                      resharded=self._resharded)
         self.checkpoints = FitCheckpoints(self.sharded, config, rank, lambda: self.plan, hf.checkpoint_info(module))
+
+    def _check_switch(self, plan: Plan, resolution: Resolution) -> None:
+        """A plan the fit would switch to (a re-plan, the callback's): what the schedule runs, and no
+        switch to or from a pipelined plan (its stages are built once, at setup)."""
+        if self.pipeline is not None or plan.pipelined:
+            raise UnsupportedError(
+                "a plan switch to or from a pipelined plan is not possible: a pipelined plan's stages are built once, "
+                "at setup. Give the pipelined plan at setup (CephaloStrategy(plan=...)) without CephaloCallback "
+                "re-planning, or re-plan without pipelines (`python -m cephalo_lightning plan --no-pipelines`)")
+        check_plan(plan, self.schedule, resolution, self.module)
 
     def _resharded(self, plan: Plan) -> None:
         """Collective, after a plan switch re-sharded the model: what this rank holds now, checked."""
@@ -129,8 +161,10 @@ class FitRuntime:
         if warning:
             rank_zero_warn(warning)
 
-    def _steps(self, device: torch.device, emulator: DeviceEmulator) -> LayeredSteps | UniformSteps:
+    def _steps(self, device: torch.device, emulator: DeviceEmulator) -> LayeredSteps | UniformSteps | PipelineSteps:
         layered, config = self.layered_model, self.config
+        if self.pipeline is not None:
+            return PipelineSteps(self.module, self.pipeline)
         if layered is None:
             return UniformSteps(self.module, self.sharded, self._training_step, self.weighting)
         offload = stash_offloaded(config.offload, device, emulator)
@@ -203,6 +237,7 @@ class FitRuntime:
                         wait: bool) -> Path | None:
         """Collective: save (:meth:`~.checkpoint_io.FitCheckpoints.save`), waiting for a background
         write where ``wait``; returns the newest checkpoint known to be complete."""
+        self._refuse_pipelined_checkpoint("save")
         submitted = self.checkpoints.save(path, checkpoint_dict, optimizers)
         if wait:
             self.checkpoints.wait()
@@ -218,7 +253,29 @@ class FitRuntime:
 
     def load_checkpoint(self, path: Path, optimizers: Sequence[Optimizer], weights_only: bool | None) -> dict[str, Any]:
         """Collective: a sharded directory (any layout) or a single file (weights only)."""
+        self._refuse_pipelined_checkpoint("load")
         return self.checkpoints.load(path, optimizers, weights_only)
+
+    def _refuse_pipelined_checkpoint(self, what: str) -> None:
+        if self.pipeline is not None:
+            raise UnsupportedError(
+                f"cannot {what} a checkpoint under a pipelined plan yet (a stage's ranks hold that stage's pieces only, "
+                "which the checkpoint format does not gather across stages); train it with "
+                "Trainer(enable_checkpointing=False) and no ckpt_path, or re-plan without pipelines")
+
+    def keep_stage_pieces(self, optimizers: Sequence[Optimizer]) -> None:
+        """A pipelined plan: each optimizer keeps this rank's pieces of its stage only (the module's other
+        parameters are another stage's, meta here, or the first layer's copy a later stage's input path uses)."""
+        if self.pipeline is None:
+            return
+        mine = {id(p) for p in self.pipeline.parameters()}
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) in mine]
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor | None:
+        """A pipelined plan's global-norm clipping (every stage, a tied parameter once); None: not pipelined."""
+        return self.pipeline.clip_grad_norm_(max_norm) if self.pipeline is not None else None
 
     # ------------------------------------------------------------------ the module between fits
 
@@ -240,6 +297,11 @@ class FitRuntime:
     @contextlib.contextmanager
     def evaluation_step(self) -> Iterator[None]:
         """The ``with`` block around a validation, test or predict step: the root unit gathered for it."""
+        if self.pipeline is not None:
+            raise UnsupportedError(
+                "validation, test and predict steps do not run under a pipelined plan yet (the user's step would run "
+                "the whole model, which a stage holds a part of): Trainer(limit_val_batches=0), no val_dataloaders, "
+                "and test or predict under a plan without pipelines")
         self.sharded.gather_root()
         try:
             yield
@@ -259,6 +321,8 @@ class FitRuntime:
         claim the run's folders (:func:`claim_folders`), clean up what an interrupted save or a killed
         run left, start the heartbeat, report the run to the loggers (unless ``reported_elsewhere``:
         a callback reports it with its profile)."""
+        if self.pipeline is not None:
+            refuse_pipelined_fit(trainer, reported_elsewhere)
         for hparams in (self.module.hparams, getattr(trainer.datamodule, "hparams", {})):
             checkpoint.check_loadable(dict(hparams), globals_with_lightning(self.config.safe_globals), "the hyperparameters")
         root = Path(trainer.default_root_dir) / ".cephalo"
@@ -271,7 +335,7 @@ class FitRuntime:
                     rank_zero_info(f"Cephalo: removed {directory}, the heartbeats of a run whose processes are gone")
             if not reported_elsewhere:
                 loggers.log_run(trainer, self.plan, cluster)
-            heartbeat = Heartbeat(root / f"heartbeat-{token}", self.rank, self.sharded.world_size).start()
+            heartbeat = Heartbeat(root / f"heartbeat-{token}", self.rank, self.world_size).start()
         except BaseException:
             for lock in locks:  # no FailureReport holds them yet
                 lock.release()
@@ -405,6 +469,47 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
         rank_zero_info(f"Cephalo: {counted} of {config.pretrained} {'was' if len(unused) == 1 else 'were'} not used "
                        f"by any rank, e.g. {unused[:3]}")
     return sharded
+
+
+def refuse_pipelined_options(config: StrategyConfig) -> None:
+    """What a pipelined plan cannot run with, refused at setup with the fix."""
+    refused = [(config.fault_tolerance, "fault_tolerance=True", "replica groups recover a stage's pieces from no peer"),
+               (config.elastic, "elastic=True", "an elastic restart re-plans for the ranks present, without stages"),
+               (config.async_checkpoint, "async_checkpoint=True", "a pipelined plan saves no checkpoints yet")]
+    for on, option, why in refused:
+        if on:
+            raise UnsupportedError(f"CephaloStrategy({option}) cannot run a pipelined plan ({why}): drop {option}, or "
+                                   "re-plan without pipelines (`python -m cephalo_lightning plan --no-pipelines`)")
+
+
+def refuse_pipelined_fit(trainer: pl.Trainer, callback: bool) -> None:
+    """What a pipelined fit cannot do yet, refused before it trains: checkpoints, validation, gradient
+    accumulation, the callback's re-planning."""
+    if trainer.checkpoint_callbacks:
+        raise UnsupportedError("a pipelined plan cannot save checkpoints yet: Trainer(enable_checkpointing=False), or "
+                               "re-plan without pipelines (`python -m cephalo_lightning plan --no-pipelines`)")
+    if trainer.accumulate_grad_batches != 1:
+        raise UnsupportedError(f"a pipelined plan runs each step whole (accumulate_grad_batches="
+                               f"{trainer.accumulate_grad_batches}): give the plan the larger global batch instead")
+    if callback:
+        raise UnsupportedError("CephaloCallback re-plans by switching plans, which a pipelined plan cannot: drop the "
+                               "callback and give the pipelined plan to CephaloStrategy(plan=...)")
+
+
+def _pipeline(module: pl.LightningModule, plan: Plan, config: StrategyConfig, layered: Any, loss: Any,
+              device: torch.device, links: Links | None) -> PipelineRunner:
+    """[Note: a pipelined plan's runtime] This rank's stage of ``plan`` over the layered form's layers."""
+    if layered is None:
+        raise UnsupportedError("a pipelined plan runs in the layered mode (the strategy runs the model's layers, a "
+                               "stage's on each rank): give the model a layered form (the layered protocol, a "
+                               "Hugging Face model, a discovered block sequence) or re-plan without pipelines")
+    if config.pretrained is not None:
+        raise UnsupportedError("pretrained= under a pipelined plan is not supported yet: load the weights into the "
+                               "module before fit, or re-plan without pipelines")
+    layered = dataclasses.replace(layered, weighting=loss)
+    layout = PipelineLayout.of(plan, len(layered.layers))
+    return PipelineRunner(module, layered.layers, layout, prepare=layered.prepare, loss=weighted_loss(layered),
+                          items=item_count(layered), compute_dtype=config.param_dtype, links=links, device=device)
 
 
 def _unpriced_room(held: ShardSummary, plan: Plan, rank: int) -> tuple[int, int, float | None]:

@@ -41,9 +41,17 @@ def decide_schedule(requested: vocabulary.Schedule | vocabulary.Auto, resolution
 def check_plan(plan: Plan, schedule: vocabulary.Schedule, resolution: Resolution, module: pl.LightningModule) -> None:
     """What the schedule can run: every plan a fit adopts (given, planned at setup, or re-planned)
     passes here, so none can train on part of its batches."""
-    refuse_pipelined(plan, "Trainer(strategy='cephalo')")
     refuse_idle(plan, "Trainer(strategy='cephalo')")
     manual = not module.automatic_optimization
+    if getattr(plan, "pipelined", False):
+        if schedule != vocabulary.Schedule.LAYERED or manual:
+            why = "manual optimization runs your training_step itself" if manual else "the uniform mode runs your " \
+                "training_step on the whole model"
+            raise UnsupportedError(
+                f"a pipelined plan ({len(plan.stage_layers)} stages of {list(plan.stage_layers)} layers) runs in the "
+                f"layered mode only ({why}): use mode='layered' with automatic optimization and a model with a layered "
+                "form, or re-plan without pipelines (`python -m cephalo_lightning plan --no-pipelines`)")
+        return
     if schedule == vocabulary.Schedule.UNIFORM and len(set(plan.num_micro_batches)) > 1:
         raise PlanningError(
             f"the plan gives ranks different micro-batch counts {plan.num_micro_batches}, which needs the layered mode "
@@ -57,16 +65,16 @@ def check_plan(plan: Plan, schedule: vocabulary.Schedule, resolution: Resolution
 
 
 def refuse_pipelined(plan: Plan, owner: str) -> None:
-    """A pipelined plan (stages of layers, ``plan.stage_layers``) is refused by the Lightning strategies,
-    naming what runs it instead: the runtime's pipeline runner trains such a plan exactly, but no step
-    runner of the Trainer or Fabric drives it (its optimizer over one stage's pieces, its checkpoints of
-    one stage's names, its validation through the stages)."""
+    """A pipelined plan (stages of layers, ``plan.stage_layers``) is refused where the loop is the
+    user's (Fabric): a stage runs one part of the model and the schedule interleaves forward and
+    backward passes across ranks, which only the Trainer's layered steps drive."""
     stages = tuple(getattr(plan, "stage_layers", ()) or ())
     if stages:
         raise UnsupportedError(
-            f"the plan is pipelined ({len(stages)} stages of {list(stages)} layers), which {owner} cannot run yet: "
-            "re-plan without pipeline stages for the strategy, or train the pipelined plan with "
-            "cephalo_lightning.runtime.pipelining.runner.PipelineRunner (PipelineLayout.of(plan, num_layers))")
+            f"the plan is pipelined ({len(stages)} stages of {list(stages)} layers), which {owner} cannot run: the "
+            "forward and backward loop is yours, while a pipeline interleaves them across ranks. Train it with "
+            "Trainer(strategy=CephaloStrategy(plan=...)), or re-plan without pipeline stages "
+            "(`python -m cephalo_lightning plan --no-pipelines`)")
 
 
 def refuse_idle(plan: Plan, owner: str) -> None:

@@ -255,6 +255,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             if self._precision_plugin is not None:  # always one of ours (the setter converts it)
                 sharded = self.fit_runtime.sharded
                 self._precision_plugin.shard_over(sharded.world, contributes=sharded.group_index == 0)
+                if self.fit_runtime.pipeline is not None:  # the norm over every stage, a tied weight once
+                    self._precision_plugin.clip_with(self.fit_runtime.clip_gradients)
         else:  # the same module again (e.g. trainer.test after trainer.fit): its whole parameters into the shards
             self._replication.check_refit(trainer.state.fn == TrainerFn.FITTING)
             self.fit_runtime.take_back()
@@ -265,6 +267,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             use_progress_lines(trainer, self.config.progress_every,
                                self.plan.global_batch_size * trainer.accumulate_grad_batches)
             self.setup_optimizers(trainer)
+            self.fit_runtime.keep_stage_pieces(self.optimizers)
             self._failures = self.fit_runtime.start_fit(trainer, self.broadcast(os.urandom(6).hex()), self.cluster,
                                                         reported_elsewhere=_has_cephalo_callback(trainer))
             # fault tolerance: heartbeats from now; the first quorum is at on_train_start

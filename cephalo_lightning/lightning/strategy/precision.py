@@ -8,6 +8,9 @@ agreed by all ranks (one rank skipping a step alone would desynchronise the mode
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -28,13 +31,23 @@ class _ShardedClipping(Precision):
     comm: Collectives | None = None  # the sharded model's world collectives; None: the world group
     contributes: bool = True  # this rank's replica is the one whose norm every replica uses
 
+    clipper: Callable[[float], Any] | None = None  # a pipelined plan's clip over every stage
+
     def shard_over(self, comm: Collectives, contributes: bool = True) -> None:
         """Clip over the ranks of ``comm``'s group, every replica's; with shard groups only one
         replica's ranks ``contribute`` their shards' norm, so every replica scales alike."""
         self.comm, self.contributes = comm, contributes
 
+    def clip_with(self, clipper: Callable[[float], Any]) -> None:
+        """Clip by norm with ``clipper(max_norm)`` instead (a pipelined plan's runner: the norm over
+        every stage's pieces, a parameter tied across stages counted once)."""
+        self.clipper = clipper
+
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        if self.clipper is not None:
+            self.clipper(float(clip_val))
+            return
         clip_grad_norm_(self.main_params(optimizer), float(clip_val), comm=self.comm, contributes=self.contributes)
 
     # clipping by value is elementwise, so each rank clipping its own pieces is already exact

@@ -240,6 +240,21 @@ class Plan:
             chains.setdefault(r.pipeline, {})[r.stage] = r.rank
         return tuple(tuple(chains[d][s] for s in sorted(chains[d])) for d in sorted(chains))
 
+    def samples_of(self, rank: int) -> tuple[int, int]:
+        """(offset, count) of ``rank``'s samples within each global batch: the ranks' batches end to
+        end in rank order, or, in a pipelined plan, the pipelines' in pipeline order, every rank of a
+        pipeline taking its pipeline's (the global batch is the sum over pipelines)."""
+        if not self.pipelined:
+            sizes = self.batch_sizes
+            return sum(sizes[:rank]), sizes[rank]
+        offset = 0
+        for chain in self.pipelines:
+            size = self.ranks[chain[0]].batch_size
+            if rank in chain:
+                return offset, size
+            offset += size
+        return 0, 0  # an idle rank
+
     @property
     def fraction_of_upper_bound(self) -> float | None:
         if not self.predicted_samples_per_s or not self.upper_bound_samples_per_s:
