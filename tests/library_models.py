@@ -141,17 +141,20 @@ def reference(family: str, optimizer: str, steps: int, global_batch: int, data: 
 
 
 def pipeline_reference(family: str, steps: int, global_batch: int, cuts: tuple[int, ...] | None = None,
-                       clip: float | None = None) -> dict[str, torch.Tensor]:
+                       clip: float | None = None, losses: list | None = None) -> dict[str, torch.Tensor]:
     """Single-process AdamW training in fp64 on :class:`PaddedTokens`' global batches (``cuts``: each
     cut into those micro-batches, each summed loss over the batch's tokens, Hugging Face's
-    ``num_items_in_batch``), clipped to global norm ``clip``: the parameters by their model names."""
+    ``num_items_in_batch``), clipped to global norm ``clip``: the parameters by their model names
+    (``losses``: each step's loss appended)."""
     data = PaddedTokens(global_batch * steps)
     module = LibraryLM(family, "adamw").to(torch.float64)
     pieces = steps_of(data.batch, steps, global_batch, cuts, target_tokens)
     if cuts is not None:
         totals = [target_tokens(data.batch(s * global_batch, (s + 1) * global_batch)) for s in range(steps)]
         pieces = [[({**micro, "num_items_in_batch": total}, 1.0) for micro, _ in step] for step, total in zip(pieces, totals)]
-    train_steps(module.configure_optimizers(), lambda batch: module.training_step(batch, 0), pieces, clip)
+    trained = train_steps(module.configure_optimizers(), lambda batch: module.training_step(batch, 0), pieces, clip)
+    if losses is not None:
+        losses.extend(trained)
     return {name.removeprefix("model."): p.detach().clone() for name, p in module.named_parameters()}
 
 

@@ -44,9 +44,20 @@ def _plan(stage_layers, rows, schedule):
                 model=ModelSummary(num_layers=sum(stage_layers)))
 
 
+def _validated(family: str):  # noqa: ANN202 - a LightningModule
+    from tests.library_models import LibraryLM
+
+    class Validated(LibraryLM):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.model(**batch).loss)
+
+    return Validated(family, "adamw")
+
+
 def _fit(rank: int, world: int, folder: str) -> dict:
     warnings.simplefilter("ignore")
     from cephalo_lightning import CephaloStrategy
+    from cephalo_lightning._common.errors import UnsupportedError
     from tests.helpers import trainer
     from tests.library_models import LibraryLM, PaddedTokens, loader
 
@@ -63,6 +74,13 @@ def _fit(rank: int, world: int, folder: str) -> dict:
         states = {k.removeprefix("model."): v for k, v in runner.model_state_dict().items()}
         out[name] = {"states": states, "loss": float(t.callback_metrics["train_loss_step"]),
                      "steps": t.global_step}
+    t = trainer(CephaloStrategy(plan=path), world, STEPS, precision="64-true")  # a validation loop: refused before training
+    try:
+        data = loader(PaddedTokens(GLOBAL * STEPS), GLOBAL)
+        t.fit(_validated(family), data, val_dataloaders=data)
+        out["validation"] = None
+    except UnsupportedError as refused:
+        out["validation"] = (str(refused), t.global_step)
     return out
 
 
@@ -77,7 +95,8 @@ def runs(tmp_path_factory):
 def test_a_pipelined_plan_file_trains_in_lightning_like_one_process(runs, name):
     family, stage_layers, rows, _, clip = SCENARIOS[name]
     plan = _plan(stage_layers, rows, SCENARIOS[name][3])
-    want = pipeline_reference(family, STEPS, GLOBAL, clip=clip)
+    losses: list[float] = []
+    want = pipeline_reference(family, STEPS, GLOBAL, clip=clip, losses=losses)
     cuts = tuple(n for chain in plan.pipelines for n in plan.ranks[chain[0]].micro_batch_sizes)
     cut = pipeline_reference(family, STEPS, GLOBAL, cuts, clip)
     floor = max((cut[k] - v).abs().max().item() for k, v in want.items())
@@ -88,5 +107,14 @@ def test_a_pipelined_plan_file_trains_in_lightning_like_one_process(runs, name):
     err = max((got[k] - v).abs().max().item() for k, v in want.items())
     print(f"{name}: largest difference {err:.3e} (noise floor {floor:.3e}, bound {bound:.3e})")
     assert err <= bound, f"{name}: parameters differ from one process's by {err:.2e} > {bound:.2e}"
-    losses = {r[name]["loss"] for r in runs}  # the last stage's loss, logged alike on every rank
-    assert len(losses) == 1, f"{name}: the ranks logged {losses}"
+    logged = {r[name]["loss"] for r in runs}  # the last stage's loss, logged alike on every rank
+    assert len(logged) == 1, f"{name}: the ranks logged {logged}"
+    assert logged.pop() == pytest.approx(float(losses[-1]), rel=1e-6), f"{name}: the logged loss is not the global one"
+
+
+@pytest.mark.multiprocess
+def test_a_validation_loop_under_a_pipelined_plan_is_refused_before_any_step(runs):
+    for result in runs:
+        assert result["validation"] is not None, "a validation loop ran the whole model on a stage"
+        message, steps = result["validation"]
+        assert "limit_val_batches=0" in message and steps == 0
