@@ -92,6 +92,16 @@ def test_a_layout_from_a_plan_puts_every_rank_and_layer_where_the_plan_says():
     assert layout.schedule is GPIPE
 
 
+def test_every_rank_of_a_pipeline_samples_its_pipelines_part_of_the_global_batch():
+    """What the planned sampler cuts for each rank (Plan.samples_of) is the layout's pipeline's range."""
+    plan = _plan_file()
+    layout = PipelineLayout.of(plan, 5)
+    for rank in range(4):
+        rows = layout.samples(layout.pipeline_of(rank))
+        assert plan.samples_of(rank) == (rows.start, len(rows))
+    assert sum(plan.samples_of(chain[0])[1] for chain in plan.pipelines) == plan.global_batch_size
+
+
 def test_a_plan_with_idle_ranks_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"ranks \[4\] are idle.*launch only the plan's busy ranks"):
         PipelineLayout.of(_plan_file(idle=True), 5)
