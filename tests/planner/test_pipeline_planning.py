@@ -143,6 +143,12 @@ def test_the_lab_case_pipelines_across_the_ethernet_and_beats_every_shard_groupi
     for group in chosen.shard_groups:
         assert len({nodes[r] for r in group}) == 1
     assert Plan.from_dict(chosen.to_dict()) == chosen
+    from cephalo_lightning.planner.report import next_line
+
+    said = next_line(chosen, c, "p.json")  # how the Trainer runs it, and what it cannot run yet
+    assert said.startswith('next: train with Trainer(strategy=CephaloStrategy(plan="p.json"), devices=4, num_nodes=2, '
+                           "enable_checkpointing=False)") and f"between its {len(chosen.pipelines)} pipelines" in said
+    assert "--no-pipelines" in said
 
 
 def test_a_pipelined_plan_is_not_chosen_when_slower() -> None:
