@@ -345,3 +345,16 @@ def test_what_a_pipelined_fit_cannot_do_yet_is_refused_before_it_trains() -> Non
     for trainer, callback, problem in cases:
         with pytest.raises(UnsupportedError, match=problem):
             refuse_pipelined_fit(trainer, callback)
+
+
+def test_a_pipelined_plan_needs_layers_the_strategy_knows() -> None:
+    from types import SimpleNamespace
+
+    from cephalo_lightning._common.errors import UnsupportedError
+    from cephalo_lightning.lightning.fit.fit_runtime import _pipeline
+
+    config = CephaloStrategy().config
+    discovered = SimpleNamespace(name="Olmo2ForCausalLM", discovery=object())
+    for layered, problem in ((None, "runs in the layered mode"), (discovered, r"Olmo2ForCausalLM's layers were discovered")):
+        with pytest.raises(UnsupportedError, match=problem + r".*re-plan without pipelines"):
+            _pipeline(TinyUniform(), None, config, layered, None, torch.device("cpu"), None)

@@ -503,6 +503,12 @@ def _pipeline(module: pl.LightningModule, plan: Plan, config: StrategyConfig, la
         raise UnsupportedError("a pipelined plan runs in the layered mode (the strategy runs the model's layers, a "
                                "stage's on each rank): give the model a layered form (the layered protocol, a "
                                "Hugging Face model, a discovered block sequence) or re-plan without pipelines")
+    if layered.discovery is not None:
+        raise UnsupportedError(
+            f"{layered.name}'s layers were discovered from its structure, which the first step checks against your "
+            "training_step on the whole model; no rank holds the whole model under a pipelined plan: give the "
+            "LightningModule the layered protocol (cephalo_layers, cephalo_input, cephalo_loss), or re-plan without "
+            "pipelines")
     if config.pretrained is not None:
         raise UnsupportedError("pretrained= under a pipelined plan is not supported yet: load the weights into the "
                                "module before fit, or re-plan without pipelines")
