@@ -67,7 +67,7 @@ def _fit(rank: int, world: int, folder: str) -> dict:
         if rank == 0:
             _plan(stage_layers, rows, schedule).save(path)
         torch.distributed.barrier() if torch.distributed.is_initialized() else None
-        t = trainer(CephaloStrategy(plan=path, gather_on_teardown="none"), world, STEPS, precision="64-true",
+        t = trainer(CephaloStrategy(plan=path), world, STEPS, precision="64-true",
                     gradient_clip_val=clip)
         t.fit(LibraryLM(family, "adamw"), loader(PaddedTokens(GLOBAL * STEPS), GLOBAL))
         runner = t.strategy.fit_runtime.pipeline

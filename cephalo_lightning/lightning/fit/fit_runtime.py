@@ -289,6 +289,14 @@ class FitRuntime:
         choice decided for the model's size, said (with the memory it takes) before any gather."""
         if self.sharded.driver in (Driver.HANDED_BACK, Driver.PARKED):
             return  # handed back already (a second teardown)
+        if self.pipeline is not None:  # no rank holds the whole model: each keeps its stage's pieces
+            if choice not in (vocabulary.AUTO, vocabulary.Handback.NONE):
+                rank_zero_warn(f"Cephalo: gather_on_teardown={choice!r} is not possible under a pipelined plan (each "
+                               "rank holds one stage); every rank keeps its stage's pieces")
+            rank_zero_info("Cephalo: under a pipelined plan no rank holds the whole model: after fit the module "
+                           "keeps each rank's stage pieces (gather_on_teardown='none')")
+            self.sharded.hand_back(vocabulary.Handback.NONE)
+            return
         decision = handback.decide(choice, handback.whole_bytes(self.sharded.units), ranks_per_node)
         if choice == vocabulary.AUTO or decision.handback is not vocabulary.Handback.NONE:
             rank_zero_info(decision.line)
