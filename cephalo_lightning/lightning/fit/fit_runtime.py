@@ -22,10 +22,11 @@ uniform runner (:meth:`FitRuntime._fall_back`), whose ``start`` then begins the 
 [Note: a pipelined plan's runtime] A plan with stages (``plan.stage_layers``) builds this rank's
 stage (:class:`~cephalo_lightning.runtime.pipelining.runner.PipelineRunner`) over the layered form's
 layers instead of sharding the whole module: :attr:`FitRuntime.sharded` is the stage's, spanning the
-stage's ranks; the step (:class:`~.pipeline_steps.PipelineSteps`) agrees over the whole world; the
-optimizers keep the stage's pieces (:meth:`FitRuntime.keep_stage_pieces`); clipping is the runner's
-global norm. What it cannot run yet (checkpoints, validation, plan switches, accumulation, fault
-tolerance, elastic restarts) is refused at setup, naming the fix.
+stage's ranks; the step (:class:`~cephalo_lightning.lightning.steps.pipeline_steps.PipelineSteps`)
+agrees over the whole world; the optimizers keep the stage's pieces
+(:meth:`FitRuntime.keep_stage_pieces`); clipping is the runner's global norm. What it cannot run yet
+(checkpoints, validation, plan switches, accumulation, fault tolerance, elastic restarts) is refused
+at setup, naming the fix.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class PipelineStep(MicroBatchStep):
     """A pipelined step: this pipeline's micro-batches and, after the forward, the global loss."""
 
     loss: torch.Tensor | None = None
-    grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] | None = None  # set aside ([Note: the step ...])
+    grads: list[tuple[torch.nn.Parameter, torch.Tensor | None]] | None = None  # set aside ([Note: the step runs in the forward])
 
 
 class _World:
