@@ -344,7 +344,8 @@ class FitRuntime:
                     rank_zero_info(f"Cephalo: removed {directory}, the heartbeats of a run whose processes are gone")
             if not reported_elsewhere:
                 loggers.log_run(trainer, self.plan, cluster)
-            heartbeat = Heartbeat(root / f"heartbeat-{token}", self.rank, self.world_size).start()
+            world = self.world_size if self.pipeline is not None else self.sharded.world_size  # a stage spans part of it
+            heartbeat = Heartbeat(root / f"heartbeat-{token}", self.rank, world).start()
         except BaseException:
             for lock in locks:  # no FailureReport holds them yet
                 lock.release()
