@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -42,6 +43,53 @@ def _plan(stage_layers, rows, schedule):
                   for i, (b, m, share, stage, d) in enumerate(rows))
     return Plan(GLOBAL, "layered", ranks, stage_layers=stage_layers, pipeline_schedule=schedule,
                 model=ModelSummary(num_layers=sum(stage_layers)))
+
+
+FLAT = ((3, 2, 1, 2), (2, 1, 1, 1), (0.1, 0.4, 0.3, 0.2))  # a plan without pipelines: batches, micro-batches, shares
+
+
+def _states(t) -> dict:  # noqa: ANN001 - a Trainer after fit
+    runner = t.strategy.fit_runtime.pipeline
+    states = runner.model_state_dict() if runner is not None else t.strategy.sharded.full_state_dict()
+    return {k.removeprefix("model."): v for k, v in states.items()}
+
+
+def _checkpoints(rank: int, world: int, folder: str, scenario: str) -> dict:
+    """Save under the pipelined plan after step 1, resume under it, and under a plan without pipelines;
+    save under that plan, resume under the pipelined one."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from cephalo_lightning import CephaloStrategy
+    from tests.helpers import trainer
+    from tests.library_models import LibraryLM, PaddedTokens, loader
+    from tests.plans import plan_of
+
+    family, clip = SCENARIOS[scenario][0], SCENARIOS[scenario][4]
+    folder = f"{folder}/{scenario}"
+    piped, flat = f"{folder}.json", plan_of(batches=FLAT[0], micro=FLAT[1], shares=FLAT[2])
+    out = {}
+
+    class Trained(pl.Callback):
+        batches = 0
+
+        def on_train_batch_end(self, *args) -> None:  # noqa: ANN002 - Lightning's
+            self.batches += 1
+
+    def run(plan, steps: int, name: str, ckpt: str | None = None):  # noqa: ANN202 - (parameters, batches trained)
+        saver = ModelCheckpoint(dirpath=f"{folder}/{name}", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        counted = Trained()
+        t = trainer(CephaloStrategy(plan=plan), world, steps, precision="64-true", callbacks=[saver, counted],
+                    enable_checkpointing=True, gradient_clip_val=clip)
+        t.fit(LibraryLM(family, "adamw"), loader(PaddedTokens(GLOBAL * STEPS), GLOBAL), ckpt_path=ckpt)
+        return _states(t), counted.batches
+
+    out["straight"] = run(piped, STEPS, "piped")
+    if family == "llama":
+        out["piped-piped"] = run(piped, STEPS, "again", f"{folder}/piped/step=1.ckpt")
+    out["piped-flat"] = run(flat, STEPS, "to-flat", f"{folder}/piped/step=1.ckpt")
+    run(flat, 1, "flat")
+    out["flat-piped"] = run(piped, STEPS, "to-piped", f"{folder}/flat/step=1.ckpt")
+    return out
 
 
 def _validated(family: str):  # noqa: ANN202 - a LightningModule
@@ -81,6 +129,7 @@ def _fit(rank: int, world: int, folder: str) -> dict:
         out["validation"] = None
     except UnsupportedError as refused:
         out["validation"] = (str(refused), t.global_step)
+    out["checkpoints"] = {name: _checkpoints(rank, world, folder, name) for name in SCENARIOS}
     return out
 
 
@@ -118,3 +167,34 @@ def test_a_validation_loop_under_a_pipelined_plan_is_refused_before_any_step(run
         assert result["validation"] is not None, "a validation loop ran the whole model on a stage"
         message, steps = result["validation"]
         assert "limit_val_batches=0" in message and steps == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("name", "resume"), [("llama-1f1b", "piped-piped"), ("llama-1f1b", "piped-flat"),
+                                              ("llama-1f1b", "flat-piped"), ("gpt2-gpipe-clip", "piped-flat"),
+                                              ("gpt2-gpipe-clip", "flat-piped")])
+def test_a_checkpoint_resumes_across_pipelined_and_flat_plans_like_one_process(runs, name, resume):
+    """Saved after step 1 under one plan (pipelined or not), resumed under another for step 2: the
+    parameters and AdamW's moments under their names, so step 2 lands where one process's does."""
+    from tests.plans import plan_of
+
+    runs_ = runs[0]["checkpoints"][name]
+    got = {name: states for name, (states, _) in runs_.items()}
+    assert runs_[resume][1] == STEPS - 1, f"{resume}: trained {runs_[resume][1]} batches after the resume"
+    if resume == "piped-piped":  # the same plan: the uninterrupted run's bits
+        assert all(torch.equal(got[resume][k], v) for k, v in got["straight"].items())
+        return
+    family, stage_layers, rows, schedule, clip = SCENARIOS[name]
+    plan = _plan(stage_layers, rows, schedule)
+    flat = plan_of(batches=FLAT[0], micro=FLAT[1], shares=FLAT[2])
+    want = pipeline_reference(family, STEPS, GLOBAL, clip=clip)
+    floors = []
+    for cuts in (tuple(n for chain in plan.pipelines for n in plan.ranks[chain[0]].micro_batch_sizes),
+                 tuple(n for r in flat.ranks for n in r.micro_batch_sizes)):
+        cut = pipeline_reference(family, STEPS, GLOBAL, cuts, clip)
+        floors.append(max((cut[k] - v).abs().max().item() for k, v in want.items()))
+    bound = max(EXACT, FLOOR_FACTOR * max(floors))
+    assert set(got[resume]) == set(want)
+    err = max((got[resume][k] - v).abs().max().item() for k, v in want.items())
+    print(f"{resume}: largest difference {err:.3e} (noise floors {floors}, bound {bound:.3e})")
+    assert err <= bound, f"{resume}: {err:.2e} > {bound:.2e}"

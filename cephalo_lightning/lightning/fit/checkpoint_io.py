@@ -28,6 +28,9 @@ from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.checkpoint.async_save import BackgroundWriter, writer_group
 from cephalo_lightning.runtime.checkpoint.frozen_base import INFO_KEY as FROZEN_BASE_KEY
 from cephalo_lightning.runtime.checkpoint.frozen_base import FrozenBase, identify_frozen
+from cephalo_lightning.runtime.checkpoint.save_load import write_prepared
+from cephalo_lightning.runtime.pipelining.runner import PipelineRunner
+from cephalo_lightning.runtime.pipelining.stage_checkpoint import prepare_stages
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 
 LIGHTNING_SAFE_GLOBALS: tuple[Any, ...] = (AttributeDict,)  # Lightning's hyperparameter container
@@ -62,8 +65,9 @@ class FitCheckpoints:
     ``async_checkpoint`` the saves are written in the background (:class:`~.checkpoint.BackgroundWriter`)."""
 
     def __init__(self, sharded: ShardedModel, config: StrategyConfig, rank: int, plan: Callable[[], Plan],
-                 model_info: dict[str, Any] | None = None) -> None:
+                 model_info: dict[str, Any] | None = None, stage: PipelineRunner | None = None) -> None:
         self.sharded = sharded
+        self.stage = stage  # a pipelined plan's: the checkpoint is written over every stage
         self.model_info = model_info or {}  # recorded in cephalo.json (a Hugging Face model's config, for export)
         self.config = config
         self.safe_globals = globals_with_lightning(config.safe_globals)
@@ -102,11 +106,13 @@ class FitCheckpoints:
         (consolidated on rank 0 from a sharded one written beside it). ``checkpoint_dict`` without
         ``optimizer_states`` (``save_weights_only``) saves no optimizer state."""
         meta = {k: v for k, v in checkpoint_dict.items() if k not in ("state_dict", "optimizer_states")}
-        info = {"plan": self.plan().to_dict(), "world_size": self.sharded.world_size, **self.model_info}
+        info = {"plan": self.plan().to_dict(), "world_size": self.plan().world_size, **self.model_info}
         optimizers = optimizers if "optimizer_states" in checkpoint_dict else []
         trainable_only = not self.config.checkpoint_frozen
         if trainable_only:  # the frozen parameters come from pretrained= at resume: say which ones
             info[FROZEN_BASE_KEY] = self.frozen_base().to_dict()
+        if self.stage is not None:  # every stage's pieces under their names in the model, in one save
+            return write_prepared(path, prepare_stages(self.stage, optimizers, meta, self.safe_globals), info, None)
         if self.writer is not None:
             return self.writer.submit(path, optimizers, meta, info, self.safe_globals, trainable_only)
         if self.config.state_dict_type == "sharded":
@@ -145,8 +151,13 @@ class FitCheckpoints:
         self.wait()  # a checkpoint being written in the background is complete first
         if path.is_dir() or checkpoint.is_checkpoint(path) or not path.exists():
             meta, _ = checkpoint.load(path, self.sharded, optimizers, self.safe_globals,
-                                      self.config.verify_checksums, trusted=trusted, frozen=self._pretrained_base)
+                                      self.config.verify_checksums, trusted=trusted, frozen=self._pretrained_base,
+                                      rename=self.stage.canonical if self.stage is not None else None)
             return meta
+        if self.stage is not None:
+            raise checkpoint.CheckpointError(f"{path} is a single-file checkpoint, which a pipelined plan does not load "
+                                             "yet: resume from a sharded checkpoint directory, or under a plan without "
+                                             "pipelines")
         rank_zero_info("Cephalo: loading weights from a single-file checkpoint; optimizer state starts fresh.")
         return self.load_full(path, trusted)
 

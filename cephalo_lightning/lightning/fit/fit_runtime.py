@@ -138,7 +138,8 @@ class FitRuntime:
         self.guard = NonFiniteGuard(config.max_nonfinite_skips)
         self.switches = PlanSwitches(plan, self.sharded, lambda p: self._check_switch(p, resolution),
                                      resharded=self._resharded)
-        self.checkpoints = FitCheckpoints(self.sharded, config, rank, lambda: self.plan, hf.checkpoint_info(module))
+        self.checkpoints = FitCheckpoints(self.sharded, config, rank, lambda: self.plan, hf.checkpoint_info(module),
+                                          stage=self.pipeline)
 
     def _check_switch(self, plan: Plan, resolution: Resolution) -> None:
         """A plan the fit would switch to (a re-plan, the callback's): what the schedule runs, and no
@@ -238,7 +239,6 @@ class FitRuntime:
                         wait: bool) -> Path | None:
         """Collective: save (:meth:`~.checkpoint_io.FitCheckpoints.save`), waiting for a background
         write where ``wait``; returns the newest checkpoint known to be complete."""
-        self._refuse_pipelined_checkpoint("save")
         submitted = self.checkpoints.save(path, checkpoint_dict, optimizers)
         if wait:
             self.checkpoints.wait()
@@ -254,15 +254,7 @@ class FitRuntime:
 
     def load_checkpoint(self, path: Path, optimizers: Sequence[Optimizer], weights_only: bool | None) -> dict[str, Any]:
         """Collective: a sharded directory (any layout) or a single file (weights only)."""
-        self._refuse_pipelined_checkpoint("load")
         return self.checkpoints.load(path, optimizers, weights_only)
-
-    def _refuse_pipelined_checkpoint(self, what: str) -> None:
-        if self.pipeline is not None:
-            raise UnsupportedError(
-                f"cannot {what} a checkpoint under a pipelined plan yet (a stage's ranks hold that stage's pieces only, "
-                "which the checkpoint format does not gather across stages); train it with "
-                "Trainer(enable_checkpointing=False) and no ckpt_path, or re-plan without pipelines")
 
     def keep_stage_pieces(self, optimizers: Sequence[Optimizer]) -> None:
         """A pipelined plan: each optimizer keeps this rank's pieces of its stage only (the module's other
@@ -485,7 +477,10 @@ def refuse_pipelined_options(config: StrategyConfig) -> None:
     """What a pipelined plan cannot run with, refused at setup with the fix."""
     refused = [(config.fault_tolerance, "fault_tolerance=True", "replica groups recover a stage's pieces from no peer"),
                (config.elastic, "elastic=True", "an elastic restart re-plans for the ranks present, without stages"),
-               (config.async_checkpoint, "async_checkpoint=True", "a pipelined plan saves no checkpoints yet")]
+               (config.async_checkpoint, "async_checkpoint=True", "a pipelined plan's save is written in the step"),
+               (config.state_dict_type != "sharded", f"state_dict_type={config.state_dict_type!r}",
+                "its checkpoints are sharded directories"),
+               (not config.checkpoint_frozen, "checkpoint_frozen=False", "its checkpoints hold every parameter")]
     for on, option, why in refused:
         if on:
             raise UnsupportedError(f"CephaloStrategy({option}) cannot run a pipelined plan ({why}): drop {option}, or "
@@ -493,11 +488,8 @@ def refuse_pipelined_options(config: StrategyConfig) -> None:
 
 
 def refuse_pipelined_fit(trainer: pl.Trainer, callback: bool) -> None:
-    """What a pipelined fit cannot do yet, refused before it trains: checkpoints, validation, gradient
-    accumulation, the callback's re-planning."""
-    if trainer.checkpoint_callbacks:
-        raise UnsupportedError("a pipelined plan cannot save checkpoints yet: Trainer(enable_checkpointing=False), or "
-                               "re-plan without pipelines (`python -m cephalo_lightning plan --no-pipelines`)")
+    """What a pipelined fit cannot do yet, refused before it trains: gradient accumulation, the
+    callback's re-planning."""
     if trainer.accumulate_grad_batches != 1:
         raise UnsupportedError(f"a pipelined plan runs each step whole (accumulate_grad_batches="
                                f"{trainer.accumulate_grad_batches}): give the plan the larger global batch instead")

@@ -283,14 +283,20 @@ def _prepare(path: str | Path, verify_checksums: bool, group: Group) -> Path:
 def load(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.optim.Optimizer] = (),
          safe_globals: Iterable[Any] = (), verify_checksums: bool = True,
          trusted: bool = False, frozen: Callable[[], FrozenBase | None] = lambda: None,
-         ) -> tuple[dict[str, Any], dict[str, Any]]:
+         rename: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Collective: fill the local pieces (and optimizer state) from a checkpoint of any layout.
 
     A checkpoint of the trainable parameters alone fills those and leaves the frozen ones as they
     are, once ``frozen()`` (collective: this run's frozen base) is the base it was trained over.
-    Returns ``(meta, info)``: Lightning's state and the JSON extras.
+    Returns ``(meta, info)``: Lightning's state and the JSON extras. ``rename``: a piece's name in
+    ``sharded`` -> its name in the checkpoint (a pipeline stage's pieces, :mod:`~.pipelining.stage_checkpoint`).
     """
     group = sharded.world_group
+    renamed = rename or {}
+
+    def named(name: str) -> str:
+        return renamed.get(name, name)
+
     path = _prepare(path, verify_checksums, group)
     info = read_info(path)
     meta = read_meta(path, safe_globals, trusted)
@@ -304,7 +310,7 @@ def load(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
     for unit in sharded.units:
         for index, (span, piece, trainable) in enumerate(zip(unit.spans, values[id(unit)], unit.requires_grad)):
             if trainable or saved_base is None:
-                requests.append(Request(MODEL_PREFIX + span.name, span.shape, piece.detach().view(-1),
+                requests.append(Request(MODEL_PREFIX + named(span.name), span.shape, piece.detach().view(-1),
                                         unit.local_range(index)[0]))
     for name, buf in buffers(sharded).items():  # persistent buffers are saved: one missing is an error too
         requests.append(Request(MODEL_PREFIX + name, tuple(buf.shape), buf.detach().view(-1), 0))
@@ -318,7 +324,7 @@ def load(path: str | Path, sharded: ShardedModel, optimizers: Sequence[torch.opt
     if len(saved_optimizers) < len(optimizers):
         raise CheckpointError(f"checkpoint {path} has {len(saved_optimizers)} optimizer(s), the run has {len(optimizers)}")
     restores: list[tuple[torch.optim.Optimizer, nn.Parameter, str, torch.Tensor]] = []
-    pieces = {name: (piece, shape, start) for name, piece, shape, start in local_pieces(sharded)}
+    pieces = {named(name): (piece, shape, start) for name, piece, shape, start in local_pieces(sharded)}
     names = {id(piece): name for name, (piece, _, _) in pieces.items()}
     for i, optimizer in enumerate(optimizers):
         for param_group in optimizer.param_groups:
