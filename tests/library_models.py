@@ -141,12 +141,13 @@ def reference(family: str, optimizer: str, steps: int, global_batch: int, data: 
 
 
 def pipeline_reference(family: str, steps: int, global_batch: int, cuts: tuple[int, ...] | None = None,
-                       clip: float | None = None, losses: list | None = None) -> dict[str, torch.Tensor]:
+                       clip: float | None = None, losses: list | None = None,
+                       samples: int | None = None) -> dict[str, torch.Tensor]:
     """Single-process AdamW training in fp64 on :class:`PaddedTokens`' global batches (``cuts``: each
     cut into those micro-batches, each summed loss over the batch's tokens, Hugging Face's
     ``num_items_in_batch``), clipped to global norm ``clip``: the parameters by their model names
-    (``losses``: each step's loss appended)."""
-    data = PaddedTokens(global_batch * steps)
+    (``losses``: each step's loss appended; ``samples``: the dataset's size, by default the steps')."""
+    data = PaddedTokens(samples or global_batch * steps)
     module = LibraryLM(family, "adamw").to(torch.float64)
     pieces = steps_of(data.batch, steps, global_batch, cuts, target_tokens)
     if cuts is not None:

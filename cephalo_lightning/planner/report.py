@@ -210,11 +210,11 @@ def next_line(plan: Plan, cluster: Cluster | None = None, output: str | None = N
         layout = (f"devices={per_node[0]}, num_nodes={len(per_node)}" if len(set(per_node)) == 1 else
                   f"num_nodes={len(per_node)} with {'/'.join(map(str, per_node))} devices (uneven nodes)")
     if plan.pipelined:
-        return (f"next: {first}train with Trainer(strategy=CephaloStrategy(plan=\"{path}\"), {layout}, "
-                f"enable_checkpointing=False) and a DataLoader of batch_size={plan.global_batch_size}, the global batch, "
+        return (f"next: {first}train with Trainer(strategy=CephaloStrategy(plan=\"{path}\"), {layout}) "
+                f"and a DataLoader of batch_size={plan.global_batch_size}, the global batch, "
                 f"which the plan splits between its {len(plan.pipelines)} pipeline{'s' if len(plan.pipelines) > 1 else ''}; "
-                "a pipelined plan runs in the layered mode, without checkpoints, validation, CephaloCallback or Fabric "
-                "yet: plan with --no-pipelines for those")
+                "a pipelined plan runs in the layered mode, without validation, CephaloCallback or Fabric yet: plan "
+                "with --no-pipelines for those")
     return (f"next: {first}train with Trainer(strategy=CephaloStrategy(plan=\"{path}\"), {layout}) and a DataLoader "
             f"of batch_size={plan.global_batch_size}, the global batch, which the plan splits between the ranks")
 

@@ -134,9 +134,14 @@ def _fit(rank: int, world: int, folder: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("plans")
+
+
+@pytest.fixture(scope="module")
+def runs(folder):
     pytest.importorskip("transformers")
-    return run_distributed(_fit, 4, str(tmp_path_factory.mktemp("plans")))
+    return run_distributed(_fit, 4, str(folder))
 
 
 @pytest.mark.multiprocess
@@ -198,3 +203,18 @@ def test_a_checkpoint_resumes_across_pipelined_and_flat_plans_like_one_process(r
     err = max((got[resume][k] - v).abs().max().item() for k, v in want.items())
     print(f"{resume}: largest difference {err:.3e} (noise floors {floors}, bound {bound:.3e})")
     assert err <= bound, f"{resume}: {err:.2e} > {bound:.2e}"
+
+
+@pytest.mark.multiprocess
+def test_a_pipelined_checkpoint_consolidates_into_the_whole_models_state_dict(runs, folder):
+    """GPT-2's checkpoint after step 1 under 2 stages: one Lightning file whose state_dict is the
+    model's (its head under its own key too), as one process's after the same step."""
+    from cephalo_lightning.lightning.fit.checkpoint_io import consolidated
+    from tests.library_models import LibraryLM
+
+    family, _, _, _, clip = SCENARIOS["gpt2-gpipe-clip"]
+    state = torch.load(consolidated(folder / "gpt2-gpipe-clip" / "piped" / "step=1.ckpt"), weights_only=False)["state_dict"]
+    assert set(state) == set(LibraryLM(family).state_dict())  # every key of the model's own state dict
+    want = pipeline_reference(family, 1, GLOBAL, clip=clip, samples=GLOBAL * STEPS)
+    err = max((state[f"model.{k}"] - v).abs().max().item() for k, v in want.items())
+    assert err <= 4 * EXACT, f"the consolidated parameters differ from one process's by {err:.2e}"

@@ -24,9 +24,10 @@ stage (:class:`~cephalo_lightning.runtime.pipelining.runner.PipelineRunner`) ove
 layers instead of sharding the whole module: :attr:`FitRuntime.sharded` is the stage's, spanning the
 stage's ranks; the step (:class:`~cephalo_lightning.lightning.steps.pipeline_steps.PipelineSteps`)
 agrees over the whole world; the optimizers keep the stage's pieces
-(:meth:`FitRuntime.keep_stage_pieces`); clipping is the runner's global norm. What it cannot run yet
-(checkpoints, validation, plan switches, accumulation, fault tolerance, elastic restarts) is refused
-at setup, naming the fix.
+(:meth:`FitRuntime.keep_stage_pieces`); clipping is the runner's global norm; a checkpoint is one
+save over every stage (:mod:`~cephalo_lightning.runtime.pipelining.stage_checkpoint`), loaded into a
+stage by the names in the model. What it cannot run yet (validation, plan switches, accumulation,
+fault tolerance, elastic restarts) is refused at setup, naming the fix.
 """
 
 from __future__ import annotations
