@@ -359,3 +359,16 @@ def test_a_pipelined_plan_needs_layers_the_strategy_knows() -> None:
     for layered, problem in ((None, "runs in the layered mode"), (discovered, r"Olmo2ForCausalLM's layers were discovered")):
         with pytest.raises(UnsupportedError, match=problem + r".*re-plan without pipelines"):
             _pipeline(TinyUniform(), None, config, layered, None, torch.device("cpu"), None)
+
+
+def test_a_plan_switch_to_or_from_a_pipelined_plan_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from cephalo_lightning._common.errors import UnsupportedError
+    from cephalo_lightning.lightning.fit.fit_runtime import FitRuntime
+
+    runtime = FitRuntime.__new__(FitRuntime)  # what _check_switch reads: the stage this fit runs, if any
+    for held, new in ((None, SimpleNamespace(pipelined=True)), (object(), SimpleNamespace(pipelined=False))):
+        runtime.pipeline = held
+        with pytest.raises(UnsupportedError, match=r"plan switch to or from a pipelined plan.*--no-pipelines"):
+            runtime._check_switch(new, None)
