@@ -326,6 +326,7 @@ def test_a_plan_with_idle_ranks_is_refused_at_setup_naming_them_and_the_fix(tmp_
     ({"async_checkpoint": True}, r"async_checkpoint=True\) cannot run a pipelined plan"),
     ({"state_dict_type": "full"}, r"state_dict_type='full'\) cannot run a pipelined plan"),
     ({"checkpoint_frozen": False}, r"checkpoint_frozen=False\) cannot run a pipelined plan"),
+    ({"gather_on_teardown": "all"}, r"gather_on_teardown='all'\) cannot run a pipelined plan .*consolidate"),
 ])
 def test_what_a_pipelined_plan_cannot_run_with_is_refused_at_setup(options, problem) -> None:
     from cephalo_lightning._common.errors import UnsupportedError

@@ -284,9 +284,6 @@ class FitRuntime:
         if self.sharded.driver in (Driver.HANDED_BACK, Driver.PARKED):
             return  # handed back already (a second teardown)
         if self.pipeline is not None:  # no rank holds the whole model: each keeps its stage's pieces
-            if choice not in (vocabulary.AUTO, vocabulary.Handback.NONE):
-                rank_zero_warn(f"Cephalo: gather_on_teardown={choice!r} is not possible under a pipelined plan (each "
-                               "rank holds one stage); every rank keeps its stage's pieces")
             rank_zero_info("Cephalo: under a pipelined plan no rank holds the whole model: after fit the module "
                            "keeps each rank's stage pieces (gather_on_teardown='none')")
             self.sharded.hand_back(vocabulary.Handback.NONE)
@@ -481,7 +478,10 @@ def refuse_pipelined_options(config: StrategyConfig) -> None:
                (config.async_checkpoint, "async_checkpoint=True", "a pipelined plan's save is written in the step"),
                (config.state_dict_type != "sharded", f"state_dict_type={config.state_dict_type!r}",
                 "its checkpoints are sharded directories"),
-               (not config.checkpoint_frozen, "checkpoint_frozen=False", "its checkpoints hold every parameter")]
+               (not config.checkpoint_frozen, "checkpoint_frozen=False", "its checkpoints hold every parameter"),
+               (config.gather_on_teardown not in (vocabulary.AUTO, vocabulary.Handback.NONE),
+                f"gather_on_teardown='{config.gather_on_teardown}'", "no rank holds the whole model: each keeps its "
+                "stage's pieces after fit; consolidate a checkpoint for the whole model")]
     for on, option, why in refused:
         if on:
             raise UnsupportedError(f"CephaloStrategy({option}) cannot run a pipelined plan ({why}): drop {option}, or "
