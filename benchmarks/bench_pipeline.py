@@ -1,43 +1,43 @@
 """Pipelined plan vs every non-pipelined one on an emulated 2-node cluster with a slow link between the nodes.
 
     python -m benchmarks.bench_pipeline              # 3 rounds of 3 measured steps per plan; minutes on 2 cores
-    python -m benchmarks.bench_pipeline --quick      # a smaller model, 1 round of 2 steps
-    python -m benchmarks.bench_pipeline --link-ratio 20  # the inter-node link 20x slower than the host's (default)
+    python -m benchmarks.bench_pipeline --quick      # a smaller model, 1 round of 2 steps (about a minute)
+    python -m benchmarks.bench_pipeline --link-ratio 40  # the inter-node link 40x slower than the host's (default 20)
     python -m benchmarks.bench_pipeline --json -     # the result as JSON on stdout
 
 THE CLUSTER IS EMULATED ON CPU: 4 gloo ranks on this machine stand for 2 nodes x 2 GPUs (ranks 0, 1 on
 node 0; 2, 3 on node 1). Every rank's compute regions are stretched to ``slowdown`` x their compute on
-the contention-free clock (:class:`~cephalo_lightning.runtime.emulation.emulator.DeviceEmulator`;
-slowdown 2 so that 4 ranks on 2 cores do not wait for each other's compute), and what a rank sends to
-the other node is held to an emulated link (:class:`~cephalo_lightning.runtime.emulation.links.EmulatedLinks`)
-``link_ratio`` times slower than the host's own link between two ranks, MEASURED first (an
-all-reduce of 16 MiB between ranks 0 and 1) and printed beside it. No GPU is involved.
+the contention-free clock (:class:`~cephalo_lightning.runtime.emulation.emulator.DeviceEmulator`), what
+a rank sends to the other node is held to an emulated link
+(:class:`~cephalo_lightning.runtime.emulation.links.EmulatedLinks`) ``link_ratio`` times slower than the
+host's own link between two ranks, MEASURED first (an all-reduce of 16 MiB between ranks 0 and 1) and
+printed beside it, and every rank's memory is emulated at ``memory_fraction`` of the model's training
+state (16 bytes a parameter), so that one node's two ranks cannot hold it (each would need half, HSDP
+and DDP too) and the four ranks can: the lab case, where the fast node alone cannot train the model.
+No GPU is involved.
 
 The model is a stack of residual MLP blocks (``layers`` of width ``hidden``) on (batch, tokens, hidden)
-inputs with a per-sample mean-squared error, run by the runtime directly (no Lightning): each plan is
-one step loop over the same global batches, every plan built in the same spawned group, measured in
-rounds with the order rotated each round.
+inputs with a per-sample mean-squared error, run by the runtime directly (no Lightning). In one spawned
+group of ranks:
 
-Plans:
-
-* ``pipeline``: 2 stages (node 0 computes the first half of the blocks, node 1 the second), 2
-  pipelines (ranks 0 -> 2 and 1 -> 3), each stage sharded over its node's two ranks
-  (:class:`~cephalo_lightning.runtime.pipelining.runner.PipelineRunner`), 1F1B, ``micro`` micro-batches
-  per pipeline, layer by layer (each layer gathered, recomputed and reduced per micro-batch, as the
-  planner prices it); only hidden states and their gradients cross the link;
-* ``pipeline-gathered``: the same, each stage gathered once a step and its gradient reduced once
-  (no recomputation; the stage's whole state and the in-flight activations held);
-* ``full-shard``: one shard group of the 4 ranks (the layered schedule), every unit gathered and
-  reduced across the link;
-* ``hsdp``: a shard group per node, the replicas' gradients summed across the link;
-* ``ddp``: groups of one rank, every gradient all-reduced across the link;
-* ``node-alone``: node 0's two ranks alone (full shard inside the node), node 1 idle: the best subset.
+1. profile: :func:`~cephalo_lightning.profiling.profile_cluster` on the emulated ranks (compute,
+   memory, the links inside and between the emulated nodes) gives the planner's cluster;
+2. plan: the planner's best pipelined plan (:mod:`cephalo_lightning.planner.search.pipeline`, the
+   plan the planner would pick over the others when faster), its best shard grouping over the four
+   ranks, its best plan of full shard, of HSDP (a group per node) and of DDP alone, and its best
+   subset; each with its predicted step, or the planner's reason it is infeasible;
+3. measure: every feasible plan run in rounds with the order rotated each round, over the same
+   global batches: ``pipeline`` as the planner prices it (layer by layer: each layer gathered,
+   recomputed and reduced per micro-batch; :class:`~cephalo_lightning.runtime.pipelining.runner.PipelineRunner`),
+   ``pipeline-gathered`` the same plan with each stage gathered once a step (not priced), and
+   ``node-alone`` (node 0's two ranks, full shard, past the emulated memory: the emulated capacity is
+   not enforced here) for reference, never counted as a feasible plan.
 
 Figures: MEASURED step = wall time of one optimizer step (forward, backward, reduction, optimizer),
 max over the ranks, median over the measured steps of every round; samples/s = global batch / step.
-The headline is the faster pipelined plan's throughput over the best non-pipelined plan's (goal >= 1.5).
-PREDICTED step: the planner's pipeline cost is not wired in here yet (``predicted`` is null): it
-lives on the planner's side of pipelined plans, which this benchmark does not import.
+PREDICTED step: the planner's, from the profile alone (no calibration). The headline is the
+pipelined plan's throughput over the best feasible non-pipelined plan's (goal >= 1.5), and each
+plan's predicted / measured step.
 """
 
 from __future__ import annotations
@@ -277,7 +277,6 @@ def _on_rank(rank: int, world: int, config: Config) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from cephalo_lightning.planner.schema.cluster import cluster_to_dict
     from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator
     from cephalo_lightning.runtime.emulation.links import EmulatedLinks
 
@@ -309,8 +308,7 @@ def _on_rank(rank: int, world: int, config: Config) -> dict[str, Any]:
     plans = {n: {"what": what, "predicted_s": p.predicted_step_s if priced(n, p) else None,
                  "predicted_memory_gb": None if p is None else max((r.predicted_memory_gb or 0.0) for r in p.ranks)}
              for n, (p, what) in planned.items()}
-    return {"host_gbps": host_gbps, "link_gbps": link_gbps, "memory_gb": memory_gb, "steps": steps, "plans": plans,
-            "profiled": cluster_to_dict(cluster) if rank == 0 else None}
+    return {"host_gbps": host_gbps, "link_gbps": link_gbps, "memory_gb": memory_gb, "steps": steps, "plans": plans}
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -346,7 +344,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ratio": None if pipeline is None else pipeline["samples_per_s"] / best["samples_per_s"],
         "ratio_any": None if pipeline is None else pipeline["samples_per_s"] / anyway["samples_per_s"],
         "fastest_non_pipelined_any": anyway["plan"],
-        "goal": GOAL, "profiled": first["profiled"], "environment": common.environment_note(),
+        "goal": GOAL, "environment": common.environment_note(),
         "load": common.load_span(before),
     }
 

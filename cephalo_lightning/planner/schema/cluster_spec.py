@@ -41,7 +41,7 @@ class ModelSpec:
     """
 
     name: str
-    num_layers: int
+    num_layers: int  # the layers the layered schedule runs, as profiling counts them (a Hugging Face LM: embedding, blocks, norm with head); a pipelined plan's stage_layers cover them
     parameters: int
     state_bytes_per_param: float = 16.0
     hidden_size: int | None = None
