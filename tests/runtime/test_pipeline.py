@@ -285,3 +285,17 @@ def test_the_ranks_of_a_stage_issue_the_same_collectives_in_the_same_order(runs,
         per_step = layout.micro_batches[0] if len(set(layout.micro_batches)) == 1 and len(ranks) > 1 else 1
         reductions = sum(1 for entry in logs[0] if entry[0] == "reduce_scatter")
         assert reductions == STEPS * per_step * layout.stage_layers[stage], f"{name}: stage {stage}: {reductions}"
+        if len(ranks) > 1:  # an evaluation and STEPS training steps
+            assert gathers == _gathers(layout, stage, per_step > 1), f"{name}: stage {stage} logged {gathers} all-gathers"
+
+
+def _gathers(layout: PipelineLayout, stage: int, layer_by_layer: bool) -> int:
+    """All-gathers of a stage's layers in one evaluation and STEPS training steps: once a step gathered
+    once; layer by layer, each layer twice a micro-batch (once forward only) less one at every turn of the
+    schedule between a forward and a backward ([Note: a layer kept over a turn])."""
+    layers, M = layout.stage_layers[stage], layout.micro_batches[0]
+    if not layer_by_layer:
+        return (1 + STEPS) * layers
+    actions = stage_actions(layout.schedule, stage, layout.num_stages, M)
+    turns = sum(1 for a, b in zip(actions, actions[1:]) if a.kind is not b.kind)
+    return layers * M + STEPS * (2 * layers * M - turns)
