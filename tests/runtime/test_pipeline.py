@@ -63,6 +63,21 @@ def test_every_schedule_runs_each_micro_batch_once_each_way_without_deadlock(sch
                 assert in_flight(actions) == bound
 
 
+@pytest.mark.parametrize("schedule", list(PipelineSchedule))
+def test_the_planner_prices_the_turns_the_runtime_takes(schedule):
+    """The planner's count of a stage's forward-to-backward and backward-to-forward turns (where the
+    runtime keeps a layer gathered) is the runtime schedule's, for every stage, stage count and M."""
+    from cephalo_lightning.planner.cost.pipeline_cost import turns
+
+    for S in range(1, 6):
+        for M in range(1, 8):
+            for stage in range(S):
+                kinds = [a.kind for a in stage_actions(schedule, stage, S, M)]
+                pairs = list(zip(kinds, kinds[1:]))
+                want = (pairs.count((Pass.FORWARD, Pass.BACKWARD)), pairs.count((Pass.BACKWARD, Pass.FORWARD)))
+                assert turns(schedule, M, S, stage) == want, (schedule, S, M, stage)
+
+
 def _plan(stage_layers, rows):
     ranks = [SimpleNamespace(rank=i, stage=s, pipeline=d, batch_size=b, num_micro_batches=m, state_share=sh,
                              shard_group=s, idle=False) for i, (s, d, b, m, sh) in enumerate(rows)]
