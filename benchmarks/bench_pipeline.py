@@ -34,10 +34,14 @@ group of ranks:
    not enforced here) for reference, never counted as a feasible plan.
 
 Figures: MEASURED step = wall time of one optimizer step (forward, backward, reduction, optimizer),
-max over the ranks, median over the measured steps of every round; samples/s = global batch / step.
-PREDICTED step: the planner's, from the profile alone (no calibration). The headline is the
-pipelined plan's throughput over the best feasible non-pipelined plan's (goal >= 1.5), and each
-plan's predicted / measured step.
+max over the ranks, median over the measured steps of every round; samples/s = global batch / step;
+busy = the busiest rank's seconds a step in compute regions (emulated stretch included), median.
+PREDICTED step: the planner's, from the profile alone (before calibration), and by the cost model
+calibrated (:func:`~cephalo_lightning.planner.cost.calibration_fit.fit_calibration`, as
+``CephaloCallback`` calibrates) on the measured steps of the plans of ``CALIBRATE_ON`` alone (marked
+fitted): for every other plan, the pipelined one first, a prediction of steps that never entered the
+fit. The headline is the pipelined plan's throughput over the best feasible non-pipelined plan's
+(goal >= 1.5), and each plan's predicted / measured step, before and after calibration.
 """
 
 from __future__ import annotations
@@ -187,6 +191,7 @@ class _Run:
         from cephalo_lightning.runtime.pipelining.runner import PipelineRunner
         from cephalo_lightning.runtime.pipelining.stages import PipelineLayout
         from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
+        from cephalo_lightning.runtime.timing import BusyTime
 
         self.name, self.rank, self.config = name, rank, config
         model = _model(config)
@@ -229,6 +234,12 @@ class _Run:
             self.schedule = LayeredSchedule(self.sharded, list(model))
             params = list(self.sharded.parameters())
         self.optimizer = torch.optim.AdamW(params, lr=1e-3)
+        self.busy = BusyTime()  # outside the emulator: its stretch counts, as the profile's figures do
+        self.sharded.observers.attach(self.busy, outermost=True)
+
+    def busy_now(self) -> tuple[float, float]:
+        """This rank's seconds in compute regions so far: contention-free and on the wall clock."""
+        return (self.busy.seconds, self.busy.wall_seconds) if self.active else (0.0, 0.0)
 
     def step(self, x, y) -> None:
         import torch
@@ -291,6 +302,7 @@ def _on_rank(rank: int, world: int, config: Config) -> dict[str, Any]:
     names = [n for n in PLANS if n == "node-alone" or planned[n][0] is not None]
     runs = {n: _Run(n, None if n == "node-alone" else planned[n][0], rank, config, links, emulator) for n in names}
     steps: dict[str, list[float]] = {name: [] for name in names}
+    busy: dict[str, list[list[list[float]]]] = {name: [] for name in names}  # per step: every rank's (busy, busy wall)
     counter = 0
     for round_index in range(config.rounds):
         for name in common.rotated(names, round_index):
@@ -298,17 +310,68 @@ def _on_rank(rank: int, world: int, config: Config) -> dict[str, Any]:
                 x, y = _data(config, counter)
                 counter += 1
                 dist.barrier()
+                before = runs[name].busy_now()
                 start = time.perf_counter()
                 runs[name].step(x, y)
                 elapsed = torch.tensor(time.perf_counter() - start)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                spent = torch.tensor([a - b for a, b in zip(runs[name].busy_now(), before)], dtype=torch.float64)
+                every = [torch.zeros_like(spent) for _ in range(WORLD)]
+                dist.all_gather(every, spent)
                 if i:  # the first step of each plan's turn warms it up
                     steps[name].append(elapsed.item())
+                    busy[name].append([t.tolist() for t in every])
     priced = lambda n, p: p is not None and n != "pipeline-gathered"  # noqa: E731 - the planner prices layer by layer
+    after = _calibrated_predictions(cluster, planned, steps, busy) if rank == 0 else {}
     plans = {n: {"what": what, "predicted_s": p.predicted_step_s if priced(n, p) else None,
+                 "predicted_busy_s": max(_predicted_busy(cluster, p)) if priced(n, p) else None,
+                 "calibrated_s": after.get(n) if priced(n, p) else None,
                  "predicted_memory_gb": None if p is None else max((r.predicted_memory_gb or 0.0) for r in p.ranks)}
              for n, (p, what) in planned.items()}
-    return {"host_gbps": host_gbps, "link_gbps": link_gbps, "memory_gb": memory_gb, "steps": steps, "plans": plans}
+    measured_busy = {n: common.median([max(b for b, _ in step) for step in busy[n]]) for n in names if busy[n]}
+    return {"host_gbps": host_gbps, "link_gbps": link_gbps, "memory_gb": memory_gb, "steps": steps, "plans": plans,
+            "busy_s": measured_busy, "fitted_on": CALIBRATE_ON}
+
+
+CALIBRATE_ON = ("best-grouping", "full-shard")  # plans without pipelines whose measured steps calibrate the cost model
+
+
+def _predicted_busy(cluster: Any, plan: Any) -> list[float]:
+    """Every rank's predicted seconds in compute regions per step under ``plan``."""
+    from cephalo_lightning.planner.cost.calibration_fit import predicted
+    from cephalo_lightning.planner.cost.pipeline_cost import busy_s
+
+    return busy_s(cluster, plan) if plan.pipelined else predicted(cluster, plan)[1]
+
+
+def _calibrated_predictions(cluster: Any, planned: dict[str, tuple[Any, str]], steps: dict[str, list[float]],
+                            busy: dict[str, list[list[list[float]]]]) -> dict[str, float]:
+    """Every plan's step predicted by the cost model calibrated (as ``CephaloCallback`` calibrates) on the
+    measured steps of the plans of ``CALIBRATE_ON`` alone: for the others, the pipelined plan first, a
+    prediction of a plan no measured step of which entered the fit."""
+    from cephalo_lightning.planner.cost.calibration import calibrated, with_calibration
+    from cephalo_lightning.planner.cost.calibration_fit import StepObservation, fit_calibration, predicted
+    from cephalo_lightning.planner.cost.pipeline_cost import PipelineCost, PipelineShape
+
+    observations = [StepObservation(planned[n][0], wall, tuple(b for b, _ in ranks), tuple(w for _, w in ranks))
+                    for n in CALIBRATE_ON if planned.get(n, (None,))[0] is not None and n in steps
+                    for wall, ranks in zip(steps[n], busy[n])]
+    if not observations:
+        return {}
+    model = with_calibration(cluster, fit_calibration(cluster, observations, fitted_on="bench_pipeline"))
+    out = {}
+    for name, (plan, _) in planned.items():
+        if plan is None:
+            continue
+        if plan.pipelined:
+            chains = plan.pipelines
+            shape = PipelineShape(chains, tuple(plan.ranks[c[0]].batch_size for c in chains),
+                                  plan.ranks[chains[0][0]].num_micro_batches)
+            cost = PipelineCost(calibrated(model), shape, plan.pipeline_schedule)
+            out[name] = cost.step_ms([cost.stage(s, layers) for s, layers in enumerate(plan.stage_layers)]) / 1e3
+        else:
+            out[name] = predicted(model, plan)[0]
+    return out
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -324,7 +387,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for name in PLANS:
         info = first["plans"].get(name, {"what": "node 0's two ranks, full shard (over the emulated memory: "
                                                  "the planner prices it out; run for reference)",
-                                         "predicted_s": None, "predicted_memory_gb": None})
+                                         "predicted_s": None, "predicted_memory_gb": None,
+                                         "predicted_busy_s": None, "calibrated_s": None})
         measured = first["steps"].get(name)
         step = common.median(measured) if measured else None
         feasible = name != "node-alone" and name in first["steps"]
@@ -332,7 +396,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                      "samples_per_s": None if step is None else config.global_batch / step,
                      "predicted_s": info["predicted_s"], "predicted_memory_gb": info["predicted_memory_gb"],
                      "predicted_over_measured": None if step is None or info["predicted_s"] is None
-                     else info["predicted_s"] / step})
+                     else info["predicted_s"] / step,
+                     "calibrated_s": info["calibrated_s"],
+                     "calibrated_over_measured": None if step is None or info["calibrated_s"] is None
+                     else info["calibrated_s"] / step,
+                     "fitted": name in first["fitted_on"],
+                     "busy_s": first["busy_s"].get(name), "predicted_busy_s": info["predicted_busy_s"]})
     measured_rows = [r for r in rows if r["step_s"] is not None]
     best = max((r for r in measured_rows if r["plan"] not in PIPELINED and r["feasible"]), key=lambda r: r["samples_per_s"])
     pipeline = next((r for r in measured_rows if r["plan"] == "pipeline"), None)
@@ -362,10 +431,15 @@ def print_report(result: dict[str, Any]) -> None:
           f"state), global batch {config['global_batch']} x {config['tokens']} tokens. Every rank's emulated memory: "
           f"{result['memory_gb'] * 1024:.0f} MiB ({config['memory_fraction']:g} of the state: one node cannot hold it).")
     common.print_table(
-        ["plan", "step (s)", "samples/s", "predicted (s)", "pred/meas", "plan"],
+        ["plan", "step (s)", "samples/s", "predicted (s)", "pred/meas", "calibrated pred/meas", "busy (s)",
+         "pred busy (s)", "plan"],
         [(r["plan"], _fmt(r["step_s"], ".3f"), _fmt(r["samples_per_s"], ".2f"), _fmt(r["predicted_s"], ".3f"),
-          _fmt(r["predicted_over_measured"], ".2f"), r["what"]) for r in result["rows"]],
-        title="MEASURED (emulated on CPU), median step over the rounds; PREDICTED by the planner from the profile")
+          _fmt(r["predicted_over_measured"], ".2f"),
+          _fmt(r["calibrated_over_measured"], ".2f") + (" (fitted)" if r["fitted"] and r["calibrated_s"] else ""),
+          _fmt(r["busy_s"], ".3f"), _fmt(r["predicted_busy_s"], ".3f"), r["what"]) for r in result["rows"]],
+        title="MEASURED (emulated on CPU), median step over the rounds; PREDICTED by the planner from the profile "
+              "(pred/meas), and by the cost model calibrated on the steps of the plans marked fitted; busy: the "
+              "busiest rank's seconds in compute regions a step, measured and predicted")
     if result["ratio"] is None:
         print("the planner found no pipelined plan that fits: nothing to compare")
     else:
@@ -377,6 +451,11 @@ def print_report(result: dict[str, Any]) -> None:
     ratios = [r["predicted_over_measured"] for r in result["rows"] if r["predicted_over_measured"] is not None]
     if ratios:
         print(f"predicted / measured step: {min(ratios):.2f} to {max(ratios):.2f} over the plans priced (before calibration)")
+    unfitted = [r["calibrated_over_measured"] for r in result["rows"]
+                if r["calibrated_over_measured"] is not None and not r["fitted"]]
+    if unfitted:
+        print(f"calibrated on {', '.join(r['plan'] for r in result['rows'] if r['fitted'] and r['calibrated_s'])}: "
+              f"predicted / measured step of the plans not fitted {min(unfitted):.2f} to {max(unfitted):.2f}")
     print(common.load_note(*result["load"]))
     print(result["environment"])
 
