@@ -14,7 +14,8 @@ and reduce-scatter over the stage's group, :mod:`.collective_prices`)::
 
 where t_fb and t_bf count the stage's turns from a forward to a backward and back in one step (the
 runtime keeps the layer at a turn gathered: the backward starts on the layer the forward ended on,
-and the forward on the one the backward ended on; :func:`turns`), and ``a`` is one sample's activation at a stage boundary (``model.stash_bytes``: seq_len x
+and the forward on the one the backward ended on; :func:`turns`), and ``a`` is one sample's
+activation at a stage boundary (``model.stash_bytes``: seq_len x
 hidden_size x compute bytes), sent forward and its gradient backward, over the intra-node link or,
 between nodes, the inter-node one (GB/s per rank, as the collectives price them). The gathers and
 the reduction run per micro-batch: the stage's ranks never hold the stage's whole gradient. The

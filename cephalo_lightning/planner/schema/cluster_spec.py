@@ -41,7 +41,9 @@ class ModelSpec:
     """
 
     name: str
-    num_layers: int  # the layers the layered schedule runs, as profiling counts them (a Hugging Face LM: embedding, blocks, norm with head); a pipelined plan's stage_layers cover them
+    # the layers the layered schedule runs, as profiling counts them (a Hugging Face causal LM: the
+    # embedding, every block, the norm with the head); a pipelined plan's stage_layers cover them
+    num_layers: int
     parameters: int
     state_bytes_per_param: float = 16.0
     hidden_size: int | None = None
