@@ -29,10 +29,11 @@ from cephalo_lightning.planner.search.subsets import sub_cluster
 
 LINKS = {"link_bandwidth": "16 GB/s per rank", "inter_node_bandwidth": "10 Gbit/s per link"}
 NODES = [{"devices": [{"name": "a100-40gb", "count": 4}]}, {"devices": [{"name": "rtx3090", "count": 4}]}]
-FULL_8B = {"name": "llama-8b", "num_layers": 32, "parameters": 8_030_261_248, "hidden_size": 4096, "seq_len": 2048}
+# num_layers: what the layered schedule runs (embedding, every decoder block, norm with head), as profiling counts it
+FULL_8B = {"name": "llama-8b", "num_layers": 34, "parameters": 8_030_261_248, "hidden_size": 4096, "seq_len": 2048}
 LORA_8B = {**FULL_8B, "name": "llama-8b-lora",
            "trainable_parameters": 32 * (16 * 4096 + 4096 * 16 + 16 * 4096 + 1024 * 16)}
-FULL_1B = {"name": "llama-1b", "num_layers": 16, "parameters": 1_235_814_400, "hidden_size": 2048, "seq_len": 2048}
+FULL_1B = {"name": "llama-1b", "num_layers": 18, "parameters": 1_235_814_400, "hidden_size": 2048, "seq_len": 2048}
 JOBS = (("8B full", FULL_8B, 64), ("1B full", FULL_1B, 64), ("1B full", FULL_1B, 512), ("8B LoRA", LORA_8B, 64))
 OVERLAPS = (1.0, 0.0)
 A100_NODE = (0, 1, 2, 3)

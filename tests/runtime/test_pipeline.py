@@ -64,6 +64,21 @@ def test_every_schedule_runs_each_micro_batch_once_each_way_without_deadlock(sch
                 assert in_flight(actions) == bound
 
 
+@pytest.mark.parametrize("schedule", list(PipelineSchedule))
+def test_the_planner_prices_the_turns_the_runtime_takes(schedule):
+    """The planner's count of a stage's forward-to-backward and backward-to-forward turns (where the
+    runtime keeps a layer gathered) is the runtime schedule's, for every stage, stage count and M."""
+    from cephalo_lightning.planner.cost.pipeline_cost import turns
+
+    for S in range(1, 6):
+        for M in range(1, 8):
+            for stage in range(S):
+                kinds = [a.kind for a in stage_actions(schedule, stage, S, M)]
+                pairs = list(zip(kinds, kinds[1:]))
+                want = (pairs.count((Pass.FORWARD, Pass.BACKWARD)), pairs.count((Pass.BACKWARD, Pass.FORWARD)))
+                assert turns(schedule, M, S, stage) == want, (schedule, S, M, stage)
+
+
 def _plan(stage_layers, rows):
     ranks = [SimpleNamespace(rank=i, stage=s, pipeline=d, batch_size=b, num_micro_batches=m, state_share=sh,
                              shard_group=s, idle=False) for i, (s, d, b, m, sh) in enumerate(rows)]
@@ -281,3 +296,17 @@ def test_the_ranks_of_a_stage_issue_the_same_collectives_in_the_same_order(runs,
         per_step = layout.micro_batches[0] if len(set(layout.micro_batches)) == 1 and len(ranks) > 1 else 1
         reductions = sum(1 for entry in logs[0] if entry[0] == "reduce_scatter")
         assert reductions == STEPS * per_step * layout.stage_layers[stage], f"{name}: stage {stage}: {reductions}"
+        if len(ranks) > 1:  # an evaluation and STEPS training steps
+            assert gathers == _gathers(layout, stage, per_step > 1), f"{name}: stage {stage} logged {gathers} all-gathers"
+
+
+def _gathers(layout: PipelineLayout, stage: int, layer_by_layer: bool) -> int:
+    """All-gathers of a stage's layers in one evaluation and STEPS training steps: once a step gathered
+    once; layer by layer, each layer twice a micro-batch (once forward only) less one at every turn of the
+    schedule between a forward and a backward ([Note: a layer kept over a turn])."""
+    layers, M = layout.stage_layers[stage], layout.micro_batches[0]
+    if not layer_by_layer:
+        return (1 + STEPS) * layers
+    actions = stage_actions(layout.schedule, stage, layout.num_stages, M)
+    turns = sum(1 for a, b in zip(actions, actions[1:]) if a.kind is not b.kind)
+    return layers * M + STEPS * (2 * layers * M - turns)

@@ -7,11 +7,15 @@ shares r_i of the stage's state). Per micro-batch, rank i of stage s (F, B one l
 backward at m_d, :mod:`.device_cost`; c the overhead of a micro-batch; AG, RS one layer's all-gather
 and reduce-scatter over the stage's group, :mod:`.collective_prices`)::
 
-    u_i = comb(l_s AG, l_s F) + comb(l_s (AG + RS), l_s (F + B) + c)     (each layer recomputed)
+    u_i = comb((l_s - t_bf / M) AG, l_s F) + comb((l_s - t_fb / M) AG + l_s RS, l_s (F + B) + c)
+                                                                  (each layer recomputed)
     p_i = m_d a / link(i, prev) + m_d a / link(i, next)  [+ latency per message crossing nodes]
     w_i = comb(p_i, u_i)
 
-where ``a`` is one sample's activation at a stage boundary (``model.stash_bytes``: seq_len x
+where t_fb and t_bf count the stage's turns from a forward to a backward and back in one step (the
+runtime keeps the layer at a turn gathered: the backward starts on the layer the forward ended on,
+and the forward on the one the backward ended on; :func:`turns`), and ``a`` is one sample's
+activation at a stage boundary (``model.stash_bytes``: seq_len x
 hidden_size x compute bytes), sent forward and its gradient backward, over the intra-node link or,
 between nodes, the inter-node one (GB/s per rank, as the collectives price them). The gathers and
 the reduction run per micro-batch: the stage's ranks never hold the stage's whole gradient. The
@@ -72,6 +76,15 @@ def in_flight(schedule: PipelineSchedule, num_micro_batches: int, num_stages: in
     if schedule == PipelineSchedule.GPIPE:
         return num_micro_batches
     return min(num_micro_batches, num_stages - stage)
+
+
+def turns(schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, stage: int) -> tuple[int, int]:
+    """How often stage ``stage`` turns from a forward to a backward, and from a backward to a forward,
+    in one step: GPipe once and never; 1F1B, after w = min(M, S - 1 - s) warm-up forwards, M - w and
+    M - w - 1 (once and never where w = M)."""
+    M = num_micro_batches
+    warmup = M if schedule == PipelineSchedule.GPIPE else min(M, num_stages - 1 - stage)
+    return (1, 0) if warmup >= M else (M - warmup, M - warmup - 1)
 
 
 def bubble_fraction(num_micro_batches: int, num_stages: int) -> float:
@@ -172,7 +185,9 @@ class PipelineCost:
         f = np.array([[float(c.fwd(self.micro[d]))] for d, c in enumerate(costs)])
         b = np.array([[float(c.bwd(self.micro[d]))] for d, c in enumerate(costs)])
         over = np.array([[c.overhead_ms] for c in costs])
-        u = combine(l * ag, l * f, s.priced_overlap) + combine(l * (ag + rs), l * (f + b) + over, s.priced_overlap)
+        fb, bf = turns(self.schedule, M, S, stage)
+        u = (combine((l - bf / M) * ag, l * f, s.priced_overlap)
+             + combine((l - fb / M) * ag + l * rs, l * (f + b) + over, s.priced_overlap))
         p = self.sends_ms(stage)[:, None]
         w = combine(p, u, s.priced_overlap)
         optimizer = np.array([[c.optimizer_ms_per_share] for c in costs]) * shares * fraction

@@ -41,6 +41,8 @@ class ModelSpec:
     """
 
     name: str
+    # the layers the layered schedule runs, as profiling counts them (a Hugging Face causal LM: the
+    # embedding, every block, the norm with the head); a pipelined plan's stage_layers cover them
     num_layers: int
     parameters: int
     state_bytes_per_param: float = 16.0

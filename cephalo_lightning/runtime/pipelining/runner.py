@@ -35,8 +35,16 @@ micro-batch: F k runs the layers without a graph, keeping each layer's input (an
 B k gathers them again in reverse, recomputes each from its input, backpropagates and reduce-scatters
 that micro-batch's gradient of the layer at once. A rank then holds one gathered layer (and the next,
 prefetched) and, per micro-batch in flight, its layers' inputs; every rank of a stage issues the same
-collectives, M x (2 all-gathers + 1 reduce-scatter) per layer, since its pipelines share M. The root
-unit (parameters tied inside the stage) stays gathered for the step and is reduced once.
+collectives, M x (2 all-gathers + 1 reduce-scatter) per layer less one all-gather per turn (below),
+since its pipelines share M and so their actions. The root unit (parameters tied inside the stage)
+stays gathered for the step and is reduced once.
+
+[Note: a layer kept over a turn] A forward ends on the stage's last layer, where a backward starts,
+and a backward ends on its first layer, where a forward starts: at such a turn of the schedule the
+layer stays gathered instead of being freed and gathered again (still one gathered layer, as while
+it computes). The stage's ranks run the same actions, so they skip the same gathers. 1F1B turns
+2 (M - w) - 1 times on a stage with w warm-up forwards (w = min(M, S - s - 1); once where w = M), GPipe
+once; the planner's price counts the gathers so (:mod:`cephalo_lightning.planner.cost.pipeline_cost`).
 
 [Note: why not torch.distributed.pipelining] Its ``PipelineStage`` composes with sharded units as far
 as gathering before the schedule and reducing after it goes, and its schedules are exact with
@@ -242,9 +250,13 @@ class PipelineRunner:
         kept: dict[int, tuple[list[tuple[torch.Tensor, Any]], Any]] = {}
         actions = self._actions(len(micro_batches), train)
         self._agree(len(actions))
+        # [Note: a layer kept over a turn] the kind of the action after each: a forward ending on the
+        # last layer before a backward (which starts there), or a backward ending on the first layer
+        # before a forward, keeps that layer gathered
+        following = [b.kind for b in actions[1:]] + [None]
         with sharded.scheduled():
             sharded.gather_root()
-            for action in actions:
+            for action, after in zip(actions, following):
                 k = action.micro_batch
                 micro_batch = micro_batches[k]
                 if action.kind is Pass.FORWARD:
@@ -259,7 +271,8 @@ class PipelineRunner:
                             stash.append((h, (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices])))
                             with observers.compute("stage_forward"):
                                 h = layer(h, side)
-                            units[index].free()
+                            if not (index == len(self.layers) and after is Pass.BACKWARD):
+                                units[index].free()
                         if last:
                             with observers.compute("stage_forward"):
                                 loss_sum += self.loss(h, micro_batch, side, total).double()
@@ -284,7 +297,8 @@ class PipelineRunner:
                             out = self.loss(out, micro_batch, side, total)
                         out.backward(upstream)
                     upstream = x.grad if needs else None
-                    units[index].free()
+                    if not (index == 1 and after is Pass.FORWARD):
+                        units[index].free()
                     if per_micro_batch:
                         sharded.reduce_unit(units[index])
                 if self.previous is not None:
