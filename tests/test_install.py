@@ -189,22 +189,22 @@ def test_installed_demo_runs_to_the_end_without_extras(installed):
 
 @pytest.mark.multiprocess
 def test_installed_hf_extra_runs_the_finetune_recipe_and_its_cli_config(wheel, tmp_path_factory):
-    """``pip install "cephalo-lightning[hf,wandb]"`` in a fresh venv, outside the repository:
+    """``pip install "cephalo-lightning[hf,wandb,qlora]"`` in a fresh venv, outside the repository:
     examples/finetune_hf.py end to end on 2 emulated ranks (a local pretrained directory, tokenised local
-    text, peft LoRA, bf16-mixed, W&B offline, a checkpoint, adapters and merged model exported,
+    text, peft LoRA over a 4-bit NF4 base (``--quantize nf4``), bf16-mixed, W&B offline, a checkpoint, adapters and merged model exported,
     generate()), then configs/finetune-lora.yaml through the CLI on the pretrained directory and text it
     wrote. The merged model is read back here, with this environment's transformers."""
     transformers = pytest.importorskip("transformers")
 
-    bin_dir, outside, env = install(wheel, tmp_path_factory, ("hf", "wandb"))
+    bin_dir, outside, env = install(wheel, tmp_path_factory, ("hf", "wandb", "qlora"))
     env = {**env, "WANDB_MODE": "offline"}
     for source in ("examples/finetune_hf.py", "configs/finetune-lora.yaml"):
         (outside / source).parent.mkdir(exist_ok=True)
         shutil.copy2(ROOT / source, outside / source)
     out = outside / "ft"
-    printed = _run([bin_dir / "python", outside / "examples" / "finetune_hf.py", "--out", out, "--steps", "2"],
-                   cwd=outside, env=env)
-    assert "same tokens" in printed, printed[-3000:]
+    printed = _run([bin_dir / "python", outside / "examples" / "finetune_hf.py", "--out", out, "--steps", "2",
+                    "--quantize", "nf4"], cwd=outside, env=env)
+    assert "same tokens" in printed and "4-bit" in printed, printed[-3000:]
     assert sorted(p.name for p in (out / "adapters").iterdir() if p.suffix in (".json", ".safetensors")) == [
         "adapter_config.json", "adapter_model.safetensors"]
     merged = transformers.AutoModelForCausalLM.from_pretrained(out / "merged")
