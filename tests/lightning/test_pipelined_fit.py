@@ -6,7 +6,9 @@ the layers), on right-padded batches whose loss is a mean over the label tokens,
 2 stages x 2 pipelines from a plan file (uneven batches, micro-batch counts and shares), 1F1B and
 GPipe, one with gradient clipping. Each is compared with single-process training on the same global
 batches (tests/reference.train_steps, tests/library_models.pipeline_reference), within the
-bounds the runtime's tests use.
+bounds the runtime's tests use. Their validation loops (the sanity check and one after training)
+and a ``trainer.test`` log the loss one process computes on the whole validation batch; predict is
+refused.
 """
 
 from __future__ import annotations
@@ -100,6 +102,9 @@ def _validated(family: str):  # noqa: ANN202 - a LightningModule
         def validation_step(self, batch, batch_idx):  # what a user writes; under a pipeline the strategy's runs
             self.log("val_loss", self.model(**batch).loss)
 
+        def test_step(self, batch, batch_idx):
+            self.log("test_loss", self.model(**batch).loss)
+
         def predict_step(self, batch, batch_idx):
             return self.model(**batch).logits
 
@@ -138,6 +143,8 @@ def _fit(rank: int, world: int, folder: str) -> dict:
         states = {k.removeprefix("model."): v for k, v in runner.model_state_dict().items()}
         out[name] = {"states": states, "loss": float(t.callback_metrics["train_loss_step"]),
                      "steps": t.global_step, "val": val.seen}
+    t.test(t.lightning_module, loader(PaddedTokens(VAL, seed=VAL_SEED), VAL))  # the trained module again
+    out["test"] = float(t.callback_metrics["test_loss"])
     t = trainer(CephaloStrategy(plan=path), world, STEPS, precision="64-true")  # predict: refused
     try:
         t.predict(_validated(family), loader(PaddedTokens(GLOBAL), GLOBAL))
@@ -201,6 +208,8 @@ def test_a_validation_loop_under_a_pipelined_plan_logs_one_process_loss_on_every
     # Hugging Face's loss runs in fp32 whatever the model's dtype
     assert seen[0][0][1] == pytest.approx(initial, rel=1e-6), f"{name}: the sanity check's val_loss"
     assert seen[0][1][1] == pytest.approx(trained, rel=1e-6), f"{name}: the val_loss after training"
+    if name == list(SCENARIOS)[-1]:  # trainer.test after its fit: the same loss as test_loss
+        assert all(r["test"] == pytest.approx(trained, rel=1e-6) for r in runs), [r["test"] for r in runs]
 
 
 @pytest.mark.multiprocess
