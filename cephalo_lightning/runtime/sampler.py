@@ -15,6 +15,8 @@ one ahead of the data epochs; the samples trained on are the uninterrupted run's
 
 from __future__ import annotations
 
+import copy
+import math
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -266,3 +268,52 @@ def evaluation_loader(dataloader: DataLoader, world_size: int) -> DataLoader:
         return dataloader
     return DataLoader(dataloader.dataset, batch_size=size, sampler=dataloader.sampler, drop_last=dataloader.drop_last,
                       **loading_settings(dataloader))
+
+
+class _PipelineSlices(Sampler[list[int]]):
+    """Pipeline ``pipeline``'s slice of every evaluation batch of ``batch_size`` samples of ``order``
+    (one order on every rank): the batch cut into ``pipelines`` consecutive slices as even as can be."""
+
+    def __init__(self, order: Sampler, batch_size: int, pipelines: int, pipeline: int) -> None:
+        self.order, self.batch_size, self.pipelines, self.pipeline = order, batch_size, pipelines, pipeline
+
+    def __len__(self) -> int:
+        return -(-len(self.order) // self.batch_size)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        indices = list(self.order)
+        for start in range(0, len(indices), self.batch_size):
+            batch = indices[start:start + self.batch_size]
+            sizes = [len(batch) // self.pipelines + (d < len(batch) % self.pipelines) for d in range(self.pipelines)]
+            first = sum(sizes[:self.pipeline])
+            yield batch[first:first + sizes[self.pipeline]]
+
+
+def pipelined_evaluation_loader(dataloader: DataLoader, pipelines: int, pipeline: int) -> DataLoader:
+    """Under a pipelined plan every rank of pipeline ``pipeline`` takes the pipeline's samples of each
+    evaluation batch (one collated batch, which its stages cut into micro-batches): a distributed
+    sampler dealt out to the ``pipelines`` pipelines instead of the ranks, with ``batch_size / pipelines``
+    samples per step; a sampler of one order on every rank cut per batch into the pipelines' slices."""
+    if dataloader.batch_size is None:
+        raise UnsupportedError("a pipelined plan deals each evaluation batch out to its pipelines, which a DataLoader "
+                               "with a custom batch_sampler does not let it do: give the DataLoader a batch_size")
+    sampler = dataloader.sampler
+    if isinstance(sampler, DistributedSampler):
+        dealt = copy.copy(sampler)
+        dealt.num_replicas, dealt.rank = pipelines, pipeline
+        if sampler.drop_last and len(sampler.dataset) % pipelines:  # type: ignore[arg-type]
+            dealt.num_samples = math.ceil((len(sampler.dataset) - pipelines) / pipelines)  # type: ignore[arg-type]
+        else:
+            dealt.num_samples = math.ceil(len(sampler.dataset) / pipelines)  # type: ignore[arg-type]
+        dealt.total_size = dealt.num_samples * pipelines
+        return DataLoader(dataloader.dataset, batch_size=-(-dataloader.batch_size // pipelines), sampler=dealt,
+                          drop_last=dataloader.drop_last, **loading_settings(dataloader))
+    if dataloader.drop_last:
+        raise UnsupportedError("a pipelined plan cuts each evaluation batch into its pipelines' slices, and does not "
+                               "drop a partial last batch: give the evaluation DataLoader drop_last=False")
+    if isinstance(sampler, RandomSampler):
+        raise UnsupportedError("a pipelined plan cuts each evaluation batch into its pipelines' slices of one order on "
+                               "every rank, which a RandomSampler draws apart on each: give the evaluation DataLoader "
+                               "shuffle=False")
+    slices = _PipelineSlices(sampler, dataloader.batch_size, pipelines, pipeline)
+    return DataLoader(dataloader.dataset, batch_sampler=slices, **loading_settings(dataloader))

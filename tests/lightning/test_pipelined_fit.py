@@ -6,7 +6,9 @@ the layers), on right-padded batches whose loss is a mean over the label tokens,
 2 stages x 2 pipelines from a plan file (uneven batches, micro-batch counts and shares), 1F1B and
 GPipe, one with gradient clipping. Each is compared with single-process training on the same global
 batches (tests/reference.train_steps, tests/library_models.pipeline_reference), within the
-bounds the runtime's tests use.
+bounds the runtime's tests use. Their validation loops (the sanity check and one after training)
+and a ``trainer.test`` log the loss one process computes on the whole validation batch; predict is
+refused.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tests.distributed import run_distributed
 from tests.library_models import pipeline_reference
 
 STEPS, GLOBAL = 2, 8
+VAL, VAL_SEED = 7, 5  # one validation batch of 7 samples: uneven over the pipelines and the ranks
 # [Note: library-model bounds] as tests/runtime/test_pipeline.py: four steps of fp64's grid above 1, or
 # where larger FLOOR_FACTOR x the noise floor (single-process training cut into the pipelines' micro-batches)
 EXACT = 4 * torch.finfo(torch.float64).eps
@@ -96,10 +99,26 @@ def _validated(family: str):  # noqa: ANN202 - a LightningModule
     from tests.library_models import LibraryLM
 
     class Validated(LibraryLM):
-        def validation_step(self, batch, batch_idx):
+        def validation_step(self, batch, batch_idx):  # what a user writes; under a pipeline the strategy's runs
             self.log("val_loss", self.model(**batch).loss)
 
+        def test_step(self, batch, batch_idx):
+            self.log("test_loss", self.model(**batch).loss)
+
+        def predict_step(self, batch, batch_idx):
+            return self.model(**batch).logits
+
     return Validated(family, "adamw")
+
+
+class _ValLosses(pl.Callback):
+    """Each validation run's logged ``val_loss``: (sanity check?, value)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[bool, float]] = []
+
+    def on_validation_end(self, trainer, pl_module) -> None:  # noqa: ANN001 - Lightning's
+        self.seen.append((trainer.sanity_checking, float(trainer.callback_metrics["val_loss"])))
 
 
 def _fit(rank: int, world: int, folder: str) -> dict:
@@ -107,7 +126,7 @@ def _fit(rank: int, world: int, folder: str) -> dict:
     from cephalo_lightning import CephaloStrategy
     from cephalo_lightning._common.errors import UnsupportedError
     from tests.helpers import trainer
-    from tests.library_models import LibraryLM, PaddedTokens, loader
+    from tests.library_models import PaddedTokens, loader
 
     out = {}
     for name, (family, stage_layers, rows, schedule, clip) in SCENARIOS.items():
@@ -115,20 +134,23 @@ def _fit(rank: int, world: int, folder: str) -> dict:
         if rank == 0:
             _plan(stage_layers, rows, schedule).save(path)
         torch.distributed.barrier() if torch.distributed.is_initialized() else None
+        val = _ValLosses()  # a validation loop too (Lightning's sanity check before training, one after)
         t = trainer(CephaloStrategy(plan=path), world, STEPS, precision="64-true",
-                    gradient_clip_val=clip)
-        t.fit(LibraryLM(family, "adamw"), loader(PaddedTokens(GLOBAL * STEPS), GLOBAL))
+                    gradient_clip_val=clip, callbacks=[val], num_sanity_val_steps=1)
+        t.fit(_validated(family), loader(PaddedTokens(GLOBAL * STEPS), GLOBAL),
+              val_dataloaders=loader(PaddedTokens(VAL, seed=VAL_SEED), VAL))
         runner = t.strategy.fit_runtime.pipeline
         states = {k.removeprefix("model."): v for k, v in runner.model_state_dict().items()}
         out[name] = {"states": states, "loss": float(t.callback_metrics["train_loss_step"]),
-                     "steps": t.global_step}
-    t = trainer(CephaloStrategy(plan=path), world, STEPS, precision="64-true")  # a validation loop: refused before training
+                     "steps": t.global_step, "val": val.seen}
+    t.test(t.lightning_module, loader(PaddedTokens(VAL, seed=VAL_SEED), VAL))  # the trained module again
+    out["test"] = float(t.callback_metrics["test_loss"])
+    t = trainer(CephaloStrategy(plan=path), world, STEPS, precision="64-true")  # predict: refused
     try:
-        data = loader(PaddedTokens(GLOBAL * STEPS), GLOBAL)
-        t.fit(_validated(family), data, val_dataloaders=data)
-        out["validation"] = None
+        t.predict(_validated(family), loader(PaddedTokens(GLOBAL), GLOBAL))
+        out["predict"] = None
     except UnsupportedError as refused:
-        out["validation"] = (str(refused), t.global_step)
+        out["predict"] = str(refused)
     out["checkpoints"] = {name: _checkpoints(rank, world, folder, name) for name in SCENARIOS}
     return out
 
@@ -167,11 +189,34 @@ def test_a_pipelined_plan_file_trains_in_lightning_like_one_process(runs, name):
 
 
 @pytest.mark.multiprocess
-def test_a_validation_loop_under_a_pipelined_plan_is_refused_before_any_step(runs):
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_validation_loop_under_a_pipelined_plan_logs_one_process_loss_on_every_rank(runs, name):
+    """The sanity check (the initial model) and the validation after training (the trained
+    parameters) log, on every rank, the loss one process computes on the whole validation batch."""
+    from tests.library_models import LibraryLM, PaddedTokens
+
+    batch = PaddedTokens(VAL, seed=VAL_SEED).batch(0, VAL)
+    seen = [r[name]["val"] for r in runs]
+    assert all(s == seen[0] for s in seen), f"{name}: the ranks logged {seen}"
+    assert [sanity for sanity, _ in seen[0]] == [True, False], f"{name}: validation runs {seen[0]}"
+    module = LibraryLM(SCENARIOS[name][0], "adamw").to(torch.float64)
+    with torch.no_grad():
+        initial = module.training_step(batch, 0).item()
+        missing, unexpected = module.model.load_state_dict(runs[0][name]["states"], strict=False)
+        assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+        trained = module.training_step(batch, 0).item()
+    # Hugging Face's loss runs in fp32 whatever the model's dtype
+    assert seen[0][0][1] == pytest.approx(initial, rel=1e-6), f"{name}: the sanity check's val_loss"
+    assert seen[0][1][1] == pytest.approx(trained, rel=1e-6), f"{name}: the val_loss after training"
+    if name == list(SCENARIOS)[-1]:  # trainer.test after its fit: the same loss as test_loss
+        assert all(r["test"] == pytest.approx(trained, rel=1e-6) for r in runs), [r["test"] for r in runs]
+
+
+@pytest.mark.multiprocess
+def test_predict_under_a_pipelined_plan_is_refused_naming_what_runs(runs):
     for result in runs:
-        assert result["validation"] is not None, "a validation loop ran the whole model on a stage"
-        message, steps = result["validation"]
-        assert "limit_val_batches=0" in message and steps == 0
+        assert result["predict"] is not None, "a predict step ran the whole model on a stage"
+        assert "val_loss" in result["predict"] and "without pipelines" in result["predict"]
 
 
 @pytest.mark.multiprocess

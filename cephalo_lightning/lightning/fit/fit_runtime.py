@@ -298,14 +298,21 @@ class FitRuntime:
         """The ``with`` block around a validation, test or predict step: the root unit gathered for it."""
         if self.pipeline is not None:
             raise UnsupportedError(
-                "validation, test and predict steps do not run under a pipelined plan yet (the user's step would run "
-                "the whole model, which a stage holds a part of): Trainer(limit_val_batches=0), no val_dataloaders, "
-                "and test or predict under a plan without pipelines")
+                "predict steps do not run under a pipelined plan yet (the user's step would run the whole model, "
+                "which a stage holds a part of): predict under a plan without pipelines (validation and test "
+                "steps run: the model's loss through the pipeline, logged as val_loss and test_loss)")
         self.sharded.gather_root()
         try:
             yield
         finally:
             self.sharded.free_all()
+
+    def pipelined_evaluation(self, batch: Any, hook: str) -> torch.Tensor:
+        """A validation or test step under a pipelined plan: the model's loss through the pipeline
+        (:meth:`~.pipeline_steps.PipelineSteps.evaluate`); the user's step, which would run the whole
+        model, is not called."""
+        assert isinstance(self.steps, PipelineSteps)
+        return self.steps.evaluate(batch, hook)
 
     def describe(self) -> str:
         what = self.layered_model.name if self.layered_model is not None else type(self.module).__name__

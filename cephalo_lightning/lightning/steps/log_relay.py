@@ -30,11 +30,13 @@ class AlreadyGlobal:
 ALREADY_GLOBAL = AlreadyGlobal()
 
 
-def log_scalar(module: pl.LightningModule, name: str, value: float, batch_size: int, **options: Any) -> None:
-    """Log an already-global value from inside the strategy (synchronised already, see :class:`AlreadyGlobal`);
-    to the loggers unless ``logger`` says otherwise, when there are any (else Lightning warns of none)."""
+def log_scalar(module: pl.LightningModule, name: str, value: float, batch_size: int, hook: str = "training_step",
+               **options: Any) -> None:
+    """Log an already-global value from inside the strategy's ``hook`` (synchronised already, see
+    :class:`AlreadyGlobal`); to the loggers unless ``logger`` says otherwise, when there are any (else
+    Lightning warns of none)."""
     options.setdefault("logger", module.trainer.logger is not None)
-    with logging_as(module, "training_step"):
+    with logging_as(module, hook):
         module.log(name, torch.tensor(value, dtype=torch.float32), sync_dist=True, sync_dist_group=ALREADY_GLOBAL,
                    batch_size=batch_size, **options)
 

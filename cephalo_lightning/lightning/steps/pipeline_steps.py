@@ -11,6 +11,11 @@ planned sampler gives every rank of pipeline d the pipeline's samples, cut here 
               flag of its pieces' gradient and its stop signal; ``train_loss`` = L is logged alike
               on every rank
 
+    evaluate  a validation or test step: every rank of pipeline d holds the pipeline's samples of the
+              evaluation batch, cut into at most M_d micro-batches; runner.evaluate(micro-batches)
+              runs the forward passes only and returns the loss over every pipeline's samples /
+              their item count, the same on every rank, logged as ``val_loss`` (``test_loss``)
+
 [Note: the step runs in the forward] Lightning calls ``training_step`` then ``backward``; under a
 pipeline a stage's backward of one micro-batch comes before its forward of a later one (1F1B), so
 both run inside ``training_step`` and ``backward`` only agrees on the report. What Lightning gets
@@ -26,11 +31,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 
-from cephalo_lightning.lightning.steps.log_relay import log_all
+from cephalo_lightning._common.errors import UnsupportedError
+from cephalo_lightning.lightning.steps.log_relay import log_all, log_scalar
 from cephalo_lightning.lightning.steps.step_state import MicroBatchStep, StepContext, StepReport
 from cephalo_lightning.lightning.steps.step_sync import start_step
 from cephalo_lightning.models.protocol import LayeredModel
+from cephalo_lightning.planner.schema.plan import split_sizes
 from cephalo_lightning.runtime.batching import leading_size, micro_batches
 from cephalo_lightning.runtime.pipelining.runner import PipelineRunner, WeightedLoss
 
@@ -112,3 +120,24 @@ class PipelineSteps:
         else:
             log_all(self.module, entries, context.global_batch)
         return report
+
+    def evaluate(self, batch: Any, hook: str) -> torch.Tensor:
+        """A validation or test step (``hook``): the pipeline's samples in at most its micro-batch count,
+        forward only; the global loss, the same on every rank, logged as ``val_loss`` or ``test_loss``."""
+        runner = self.runner
+        samples = leading_size(batch) or 0
+        count = min(samples, runner.layout.micro_batches[runner.pipeline])
+        # the global batch's samples (each pipeline's counted by its first stage) and the ranks without
+        # any, in one all-reduce: every rank refuses alike, before the pipeline's transfers
+        counts = torch.tensor([float(samples if runner.stage == 0 else 0), float(count < 1)], dtype=torch.float64,
+                              device=runner.device)
+        dist.all_reduce(counts)
+        if counts[1].item() > 0:
+            raise UnsupportedError(f"a pipelined plan's {hook} deals each batch out to its {len(runner.layout.pipelines)} "
+                                   "pipelines, and a pipeline got no sample: give the evaluation DataLoader a "
+                                   f"batch_size of at least {len(runner.layout.pipelines)} samples per batch")
+        with torch.no_grad():
+            loss = runner.evaluate(micro_batches(batch, split_sizes(samples, count))).detach().float()
+        name = "val_loss" if hook == "validation_step" else "test_loss"
+        log_scalar(self.module, name, loss.item(), int(counts[0].item()), hook=hook, prog_bar=True)
+        return loss

@@ -70,7 +70,7 @@ from cephalo_lightning.runtime.collectives import resolve_mode
 from cephalo_lightning.runtime.emulation.emulator import DeviceEmulator, emulator_for_rank, parse_emulation_specs
 from cephalo_lightning.runtime.emulation.links import EmulatedLinks, links_from_emulation
 from cephalo_lightning.runtime.emulation.memory import MemoryTracker
-from cephalo_lightning.runtime.sampler import evaluation_loader, planned_loader, shuffles
+from cephalo_lightning.runtime.sampler import evaluation_loader, pipelined_evaluation_loader, planned_loader, shuffles
 from cephalo_lightning.runtime.sharding.construction import ConstructionRecord
 from cephalo_lightning.runtime.sharding.sharded_model import ShardedModel
 from cephalo_lightning.runtime.sharding.weights import check_readable
@@ -310,6 +310,9 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
         if trainer is None or not isinstance(dataloader, DataLoader):
             return dataloader
         if trainer.state.stage != RunningStage.TRAINING:
+            runner = self.fit_runtime.pipeline if self.fit_runtime is not None else None
+            if runner is not None and trainer.state.stage != RunningStage.PREDICTING:  # a pipeline's ranks its samples
+                return pipelined_evaluation_loader(dataloader, len(runner.layout.pipelines), runner.pipeline)
             return evaluation_loader(dataloader, self.world_size)
         plan_resolution.check_loader_batch(dataloader.batch_size, self.fit_runtime.plan, self.config.global_batch_size)
         seed = plan_resolution.data_seed(self.config.seed, os.environ)
@@ -376,6 +379,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                 return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
     def _eval_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name != "predict_step" and self.fit_runtime.pipeline is not None:
+            return self.fit_runtime.pipelined_evaluation(args[0], name)
         with self.fit_runtime.evaluation_step():
             return getattr(super(), name)(*args, **kwargs)
 

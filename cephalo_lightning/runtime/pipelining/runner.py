@@ -165,7 +165,9 @@ class PipelineRunner:
 
     def evaluate(self, micro_batches: Sequence[Any]) -> torch.Tensor:
         """The global batch's loss, forward only (validation): the same gathers, transfers of hidden
-        states only, nothing reduced."""
+        states only, nothing reduced. A pipeline may evaluate in fewer micro-batches than it trains
+        in (an evaluation batch of fewer samples), at least one; layer by layer, every pipeline of a
+        stage in the same count."""
         total = self._global_items(micro_batches)
         return self._run(micro_batches, total, train=False)
 
@@ -178,7 +180,7 @@ class PipelineRunner:
 
     def _run(self, micro_batches: Sequence[Any], total: float, train: bool) -> torch.Tensor:
         expected = self.layout.micro_batches[self.pipeline] if self.layout.batch_sizes[self.pipeline] else 0
-        if len(micro_batches) != expected:
+        if len(micro_batches) != expected and (train or not 0 < len(micro_batches) <= expected):
             raise ValueError(f"rank {self.rank} (pipeline {self.pipeline}, stage {self.stage}) got {len(micro_batches)} "
                              f"micro-batches, the layout gives its pipeline {expected}: cut the pipeline's batch with "
                              "layout.micro_batch_sizes(pipeline)")
