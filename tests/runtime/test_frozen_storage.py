@@ -178,6 +178,12 @@ def _ranks(rank: int, world: int, root: str):
     resumed = fit(LoraLayered(), PLANS["layered"], world, STEPS, token_data(48), options, ckpt_path=path,
                   gather_on_teardown="none")
     out["resumed"] = resumed.strategy.sharded.full_state_dict()
+    mixed = {**options, "precision": MIXED}
+    first = fit(LoraLayered(), PLANS["layered"], world, 2, token_data(48), mixed, gather_on_teardown="none")
+    first.save_checkpoint(f"{root}/mixed-step2.ckpt")
+    resumed = fit(LoraLayered(), PLANS["layered"], world, STEPS, token_data(48), mixed,
+                  ckpt_path=f"{root}/mixed-step2.ckpt", gather_on_teardown="none")
+    out[f"resumed {MIXED}"] = resumed.strategy.sharded.full_state_dict()
     return out
 
 
@@ -287,6 +293,14 @@ def test_bf16_mixed_stores_the_base_in_bf16_and_trains_like_single_process(runs,
         for name, value in want.items():
             if frozen(name[len("model."):]):
                 assert torch.equal(got["params"][name], value), name
+
+
+@pytest.mark.multiprocess
+def test_a_bf16_mixed_lora_run_resumes_exactly(runs):
+    for r in runs:
+        want, got = r[f"{MIXED} layered"]["params"], r[f"resumed {MIXED}"]
+        for name, value in want.items():
+            assert torch.equal(got[name], value), name
 
 
 @pytest.mark.multiprocess
