@@ -279,6 +279,7 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
     trainer = helpers.trainer(CephaloStrategy(pretrained=str(base), emulate=EMULATE), 2, STEPS, callbacks=[watcher],
                               default_root_dir=str(root_path))
     trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
+    profiled = watcher.cluster  # the fp32 base's profile: what the pinned plans below are priced from
     module = trainer.lightning_module
     out["memory"] = {"model": watcher.cluster.model, "history": watcher.history, "plan": trainer.strategy.plan,
                      "counts": (sum(p.numel() for p in module.parameters()),
@@ -305,7 +306,7 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
         trainer = _trainer(plan, root_path, STEPS, [pinned], pretrained=str(base), emulate=EMULATE)
         trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
         out["pinned"].append([max(w["ranks"][i]["peak_memory_gb"] for w in pinned.history) for i in range(2)])
-    out["cluster"] = watcher.cluster
+    out["cluster"] = profiled
     # the same under bf16-true and bf16-mixed: the frozen base stored in bf16, priced at 2 bytes
     for precision in BF16:
         watcher = CephaloCallback(max_micro_batch=3, cache_dir=None, watch_every_n_steps=1, print_plan=False,
