@@ -46,7 +46,6 @@ from cephalo_lightning.planner.cost.base_storage import llama_matrix_fraction, w
 LINK = "16 GB/s per rank"  # one box of cards on PCIe 4.0 x16, about half its 32 GB/s achieved
 INTER_NODE = "10 Gbit/s per link"
 MAX_BATCH = 1024
-SMALL = (1, 2, 4, 8)  # the batches tried first for a model's fit
 RANK = 16
 
 
@@ -129,11 +128,10 @@ def fits(nodes: list[dict[str, Any]], model: dict[str, Any], batch: int) -> bool
 
 
 def largest_batch(nodes: list[dict[str, Any]], model: dict[str, Any]) -> int:
-    """The largest global batch (at most MAX_BATCH) that fits, 0 if none: the smallest of ``SMALL`` that
-    fits, doubling from there, then bisection."""
-    low = next((b for b in SMALL if fits(nodes, model, b)), 0)
-    if not low:
+    """The largest global batch (at most MAX_BATCH) that fits, 0 if none: doubling from 1, then bisection."""
+    if not fits(nodes, model, 1):
         return 0
+    low = 1
     while low < MAX_BATCH and fits(nodes, model, min(2 * low, MAX_BATCH)):
         low = min(2 * low, MAX_BATCH)
     high = min(2 * low, MAX_BATCH + 1)  # high does not fit (or is past the cap)

@@ -18,7 +18,8 @@ What it does, in order:
    tokenizer without a pad token pads with its end-of-sequence token, padding carries no loss;
 3. the fit: LoRA adapters on the attention's q/v projections (peft; ``--full``: every parameter),
    the base read into the shards by ``CephaloStrategy(pretrained=BASE)`` (``--quantize nf4``: its
-   matrices quantised to 4-bit NF4 blocks as each rank reads them, QLoRA), ``bf16-mixed``, the
+   matrices quantised to 4-bit NF4 blocks as each rank reads them, QLoRA; else stored in bf16),
+   ``bf16-mixed`` (fp32 adapters under autocast), the
    ``CephaloCallback`` profiling and planning the cluster (on CPU each rank stands in for a GPU of
    ``--emulate``), W&B offline, a checkpoint at the end (``OUT/checkpoints/last.ckpt``);
 4. the outputs (global rank 0): the adapters alone with peft's ``save_pretrained`` (``OUT/adapters``,
@@ -67,7 +68,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8, help="the global batch (samples per step, all ranks together)")
     parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--precision", default="bf16-mixed",
+                        help="bf16-mixed / bf16-true store the frozen base in bf16, 32-true in fp32")
     parser.add_argument("--compile", action="store_true", help="compile each decoder block in configure_model()")
     parser.add_argument("--emulate", default="1,2", help="CPU only: each rank's emulated slowdown, comma separated")
     parser.add_argument("--prompt", default="Cephalo trains")

@@ -41,7 +41,7 @@ DESCRIPTION = (
     "cephalo-train (cephalo-lightning): LightningCLI with the Cephalo strategy, for training transformers with "
     "PyTorch Lightning on heterogeneous GPU clusters: per-GPU batch sizes, gradient accumulation and uneven "
     "state sharding from a profiled plan. Try: cephalo-train fit --config quickstart (the packaged demo on an "
-    "emulated 2-rank CPU cluster). The other commands (plan, profile, demo, consolidate, export): "
+    "emulated 2-rank CPU cluster). The other commands (plan, profile, demo, consolidate, export, lighthouse): "
     "python -m cephalo_lightning --help."
 )
 

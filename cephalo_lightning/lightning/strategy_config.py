@@ -173,7 +173,7 @@ class StrategyConfig:
             loss_weighting=_choice("loss_weighting", o["loss_weighting"], LOSS_WEIGHTINGS),
             router_aux_loss=_choice("router_aux_loss", o["router_aux_loss"], ROUTER_AUX_LOSSES),
             gather_on_teardown=_handback(o["gather_on_teardown"]),
-            base_storage=_base_storage(o["base_storage"]),
+            base_storage=base_storage_of(o["base_storage"]),
             checkpoint_frozen=o["checkpoint_frozen"],
             verify_loss=o["verify_loss"],
             max_nonfinite_skips=_integer("max_nonfinite_skips", o["max_nonfinite_skips"], 0),
@@ -207,10 +207,13 @@ DEFAULTS = StrategyConfig()  # the strategy's signature takes every default from
 MAX_SEED = 2**63 - 1
 
 
-def _base_storage(value: Any) -> vocabulary.BaseStorage:
-    storage = vocabulary.BaseStorage(_choice("base_storage", value, BASE_STORAGES))
+def base_storage_of(value: Any, owner: str = "CephaloStrategy") -> vocabulary.BaseStorage:
+    """``base_storage`` checked: one of :data:`BASE_STORAGES`, and ``nf4`` only where bitsandbytes is installed."""
+    if value not in BASE_STORAGES:
+        raise ConfigurationError(f"{owner}(base_storage={value!r}): choose one of {', '.join(map(repr, BASE_STORAGES))}")
+    storage = vocabulary.BaseStorage(value)
     if storage is vocabulary.BaseStorage.NF4 and importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigurationError("CephaloStrategy(base_storage='nf4') quantises the frozen base with bitsandbytes, which "
+        raise ConfigurationError(f"{owner}(base_storage='nf4') quantises the frozen base with bitsandbytes, which "
                                  "is not installed: pip install \"cephalo-lightning[qlora]\", or use base_storage='compute'")
     return storage
 

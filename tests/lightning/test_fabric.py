@@ -39,6 +39,11 @@ FLOOR_FACTOR = 10
 FLOOR_EPS = 1e-12
 
 
+def _frozen(name: str) -> bool:
+    """A LoRA-like base: the embedding, the blocks' matrices and the head frozen."""
+    return name.endswith("weight") and any(k in name for k in ("embed", ".up.", ".down.", "head"))
+
+
 def _optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)  # momentum: the optimizer state matters on resume
 
@@ -108,6 +113,32 @@ def _fabric_loop(rank: int, world: int, folder: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     out["accumulated"] = fabric.strategy.sharded.full_state_dict()
+    # a frozen base under bf16-mixed, stored as the compute dtype says (bf16) and as NF4 blocks
+    for storage in ("compute", "nf4"):
+        fabric = Fabric(strategy=CephaloFabricStrategy(plan=PLAN, base_storage=storage), accelerator="cpu",
+                        devices=world, precision="bf16-mixed")
+        fabric.launch()
+        model = TinyLM()
+        for name, p in model.named_parameters():
+            p.requires_grad_(not _frozen(name))
+        model, optimizer = fabric.setup(model, _optimizer([p for p in model.parameters() if p.requires_grad]))
+        with fabric.autocast():
+            loss = _loss(model, next(iter(fabric.setup_dataloaders(DataLoader(token_data(NUM_SAMPLES),
+                                                                              batch_size=GLOBAL)))))
+        fabric.backward(loss)
+        optimizer.step()
+        units = fabric.strategy.sharded.units
+        try:
+            fabric.save(f"{folder}-{storage}", {"model": model})
+            refused = ""
+        except UnsupportedError as err:
+            refused = str(err)
+        out[f"frozen {storage}"] = {
+            "kinds": {str(u.frozen.kind) for u in units if u.frozen is not None},
+            "frozen_dtypes": {str(p.dtype) for u in units for p, rg in zip(u.local_params, u.requires_grad)
+                              if not rg and not p.is_meta},
+            "trainable_dtypes": {str(p.dtype) for u in units for p, rg in zip(u.local_params, u.requires_grad) if rg},
+            "full": fabric.strategy.sharded.full_state_dict(), "refused": refused}
     # the same two ranks, a Trainer fit whose stdout is not a terminal (see tests/lightning/callback/test_cluster_logs.py)
     with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()) as text:
         warnings.simplefilter("always")
@@ -154,6 +185,29 @@ def test_a_two_rank_trainer_fit_prints_progress_lines_once_and_warns_nothing_abo
     assert steps == [[2, 4], []]  # rank 0 only, each step once
     for r in two_ranks:
         assert not [w for w in r["trainer_warnings"] if "sync_dist" in w or "train_loss" in w], r["trainer_warnings"]
+
+
+@pytest.mark.multiprocess
+def test_fabric_stores_a_frozen_base_in_bf16_under_bf16_mixed_or_as_nf4(two_ranks):
+    """base_storage reaches the sharded model: under bf16-mixed a frozen parameter is a bf16 piece
+    (the trainable ones fp32) and stays bitwise its bf16 value through a step; ``nf4`` stores the
+    base as NF4 blocks, and fabric.save refuses it by name rather than save pieces that hold no values."""
+    start = TinyLM().state_dict()
+    for r in two_ranks:
+        bf16 = r["frozen compute"]
+        assert bf16["kinds"] == {"compute"} and bf16["refused"] == ""
+        assert bf16["frozen_dtypes"] == {"torch.bfloat16"} and bf16["trainable_dtypes"] == {"torch.float32"}
+        for name, value in start.items():
+            if _frozen(name):
+                assert torch.equal(bf16["full"][name], value.to(torch.bfloat16).float()), name
+        nf4 = r["frozen nf4"]
+        assert nf4["kinds"] == {"nf4"} and nf4["trainable_dtypes"] == {"torch.float32"}
+        assert "stored as nf4" in nf4["refused"], nf4["refused"]
+
+
+def test_an_unknown_base_storage_is_refused_by_name():
+    with pytest.raises(ConfigurationError, match=r"CephaloFabricStrategy\(base_storage='int8'\): choose one of"):
+        CephaloFabricStrategy(global_batch_size=GLOBAL, base_storage="int8")
 
 
 def test_a_layered_plan_is_refused_with_the_reason():

@@ -57,6 +57,7 @@ SHARDED = (plan_of(batches=[6, 6], micro=[1, 1], shares=[0.5, 0.5]),
 EMULATE = [{"slowdown": 1, "memory_gb": 0.05}, {"slowdown": 2, "memory_gb": 0.05}]
 FLOOR_FACTOR = 10  # as tests/models/test_models.py: [Note: tolerances from the noise floor]
 FLOOR_EPS = 1e-12
+BF16 = ("bf16-true", "bf16-mixed")  # the precisions that store the frozen base in bf16
 
 
 # ----------------------------------------------------------------------------- pricing, analytic
@@ -278,6 +279,7 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
     trainer = helpers.trainer(CephaloStrategy(pretrained=str(base), emulate=EMULATE), 2, STEPS, callbacks=[watcher],
                               default_root_dir=str(root_path))
     trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
+    profiled = watcher.cluster  # the fp32 base's profile: what the pinned plans below are priced from
     module = trainer.lightning_module
     out["memory"] = {"model": watcher.cluster.model, "history": watcher.history, "plan": trainer.strategy.plan,
                      "counts": (sum(p.numel() for p in module.parameters()),
@@ -304,15 +306,19 @@ def _lora_ranks(rank: int, world: int, root: str) -> dict:
         trainer = _trainer(plan, root_path, STEPS, [pinned], pretrained=str(base), emulate=EMULATE)
         trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
         out["pinned"].append([max(w["ranks"][i]["peak_memory_gb"] for w in pinned.history) for i in range(2)])
-    out["cluster"] = watcher.cluster
-    # the same under bf16-true: the frozen base stored in bf16, priced at 2 bytes
-    watcher = CephaloCallback(max_micro_batch=3, cache_dir=None, watch_every_n_steps=1, print_plan=False, quiet=True,
-                              calibrate_after_windows=0, adapt=False)
-    trainer = helpers.trainer(CephaloStrategy(pretrained=str(base), emulate=EMULATE), 2, STEPS, callbacks=[watcher],
-                              default_root_dir=str(root_path), precision="bf16-true")
-    trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
-    out["bf16 memory"] = {"model": watcher.cluster.model, "history": watcher.history, "plan": trainer.strategy.plan,
-                          "stored": trainer.strategy.sharded.local_state_bytes()}
+    out["cluster"] = profiled
+    # the same under bf16-true and bf16-mixed: the frozen base stored in bf16, priced at 2 bytes
+    for precision in BF16:
+        watcher = CephaloCallback(max_micro_batch=3, cache_dir=None, watch_every_n_steps=1, print_plan=False,
+                                  quiet=True, calibrate_after_windows=0, adapt=False)
+        trainer = helpers.trainer(CephaloStrategy(pretrained=str(base), emulate=EMULATE), 2, STEPS,
+                                  callbacks=[watcher], default_root_dir=str(root_path), precision=precision)
+        trainer.fit(LoraFromPretrained(str(base)), loader(tokens(), GLOBAL))
+        sharded = trainer.strategy.sharded
+        out[f"{precision} memory"] = {
+            "model": watcher.cluster.model, "history": watcher.history, "plan": trainer.strategy.plan,
+            "stored": sharded.local_state_bytes(),
+            "frozen_numel": sum(u.frozen.local_numel for u in sharded.units if u.frozen is not None)}
     return out
 
 
@@ -624,18 +630,19 @@ def test_an_adapters_only_checkpoint_resumes_exactly_and_refuses_another_base(lo
 
 
 @pytest.mark.multiprocess
-def test_a_bf16_base_is_priced_at_what_it_stores_and_never_above_the_prediction(lora_runs):
-    """Under bf16-true the frozen base is stored in bf16: the profiled model prices a frozen parameter
-    at 2 bytes, each rank holds 2 bytes per frozen element and 4 per trainable one, and every rank's
-    measured peak (emulated memory) stays at or below the plan's prediction."""
+@pytest.mark.parametrize("precision", BF16)
+def test_a_bf16_base_is_priced_at_what_it_stores_and_never_above_the_prediction(lora_runs, precision):
+    """Under bf16-true and bf16-mixed the frozen base is stored in bf16: the profiled model prices a
+    frozen parameter at 2 bytes, each rank holds 2 bytes per frozen element and 4 per trainable one,
+    and every rank's measured peak (emulated memory) stays at or below the plan's prediction."""
     _, results = lora_runs
-    memory = results[0]["bf16 memory"]
+    memory = results[0][f"{precision} memory"]
     model = memory["model"]
     assert model.weight_bytes_per_param == 2.0
     assert model.largest_reduced_parameters is not None and model.largest_reduced_parameters < model.largest_unit_parameters
     for i, r in enumerate(memory["plan"].ranks):
-        trainable, frozen = results[i]["bf16 memory"]["stored"]
-        assert frozen > 0 and trainable > 0
+        trainable, frozen = results[i][f"{precision} memory"]["stored"]
+        assert frozen > 0 and trainable > 0 and frozen == 2 * results[i][f"{precision} memory"]["frozen_numel"]
         peaks = [w["ranks"][i]["peak_memory_gb"] for w in memory["history"]]
         print(f"rank {i}: measured peak {max(peaks) * GIB / 2**20:.3f} MiB, predicted {r.predicted_memory_gb * GIB / 2**20:.3f} "
               f"MiB, stored {trainable / 2**20:.3f} MiB trainable + {frozen / 2**20:.3f} MiB frozen (emulated)")

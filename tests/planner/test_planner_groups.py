@@ -383,3 +383,19 @@ def test_a_grouped_plan_round_trips_through_its_file(tmp_path: Path) -> None:
     loaded = Plan.load(tmp_path / "plan.json")
     assert loaded.shard_groups == p.shard_groups == ((0, 1), (2, 3)) and loaded.group_shares(2) == [0.5, 0.5]
     assert loaded.to_dict() == p.to_dict()
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_a_grouping_whose_choice_jumps_with_the_step_time_still_plans_its_batch(batch: int) -> None:
+    # codellama-34b with a 4-bit base on four 24 GB cards: a group of two holds its replica at 0
+    # samples, and the whole-device choice takes its first samples only past a step time that the
+    # search brackets; the bisection must keep the feasible end (it once kept the infeasible one,
+    # and the plan took 0 samples of the batch)
+    model = {"name": "codellama-34b-lora-nf4", "num_layers": 48, "parameters": 33743970304, "hidden_size": 8192,
+             "seq_len": 2048, "trainable_parameters": 19660800, "largest_reduced_parameters": 409600,
+             "weight_bytes_per_param": 0.562534}
+    cluster = cluster_from_dict({"model": model, "settings": {"link_bandwidth": "16 GB/s per rank"},
+                                 "nodes": [{"devices": [{"name": "rtx4090", "count": 4}]}]})
+    p = plan(cluster, batch)
+    assert sum(r.batch_size for r in p.ranks) == batch
+    assert all(r.batch_size >= 0 for r in p.ranks)

@@ -12,6 +12,10 @@ The plans give every rank one micro-batch, so the runtime accumulates nothing in
 compute the same maths; the bound is 10x the measured floor (the reference with the ranks' sum in
 the other order). The base stays bitwise the bf16 values it started as, and a resumed run ends
 bitwise where an uninterrupted one does.
+
+Under ``bf16-mixed`` (autocast) the same holds: the frozen base is stored, gathered (2 bytes an
+element) and computed from in bf16, the trainable part gathered in fp32, against the single-process
+bf16-mixed model whose frozen parameters were cast to bf16.
 """
 
 from __future__ import annotations
@@ -73,20 +77,24 @@ MODULES = {"layered": LoraLayered, "uniform": LoraUniform}
 # each unit whole in one storage, master and frozen values side by side
 REPLICATED = {"bf16-true": plan_of(batches=[8, 4], micro=[1, 1], shares=[1.0, 1.0], groups=[0, 1]),
               "32-true": plan_of(batches=[8, 4], micro=[1, 1], shares=[1.0, 1.0], groups=[0, 1])}
-DTYPES = {"bf16-true": torch.bfloat16, "32-true": torch.float32}
+DTYPES = {"bf16-true": torch.bfloat16, "32-true": torch.float32, "bf16-mixed": torch.bfloat16}
+MIXED = "bf16-mixed"  # autocast: trainable parameters gathered and computed from fp32, the frozen base in bf16
 
 
 def reference(plan, reverse_ranks: bool = False, precision: str = "bf16-true") -> dict[str, torch.Tensor]:
     """Single-process SGD of the bf16-base model (``precision`` 32-true: the fp32 model) on the plan's
-    global batches, each rank's piece weighted by its share of the samples (see the module docstring)."""
-    dtype = DTYPES[precision]
-    base = TinyLM().to(dtype)
+    global batches, each rank's piece weighted by its share of the samples (see the module docstring).
+    ``bf16-mixed``: the fp32 model with its frozen parameters cast to bf16, its trainable ones fp32, the
+    forward and the loss under CPU autocast to bf16."""
+    dtype, mixed = DTYPES[precision], precision == MIXED
+    base = TinyLM() if mixed else TinyLM().to(dtype)
     masters = {n: p.detach().float().clone().requires_grad_() for n, p in base.named_parameters() if not frozen(n)}
-    fixed = {n: p.detach() for n, p in base.named_parameters() if frozen(n)}
+    fixed = {n: p.detach().to(dtype) for n, p in base.named_parameters() if frozen(n)}
 
     def loss_of(batch):
-        params = {**fixed, **{n: m.to(dtype) for n, m in masters.items()}}
-        return base.loss(functional_call(base, params, (batch[0],)), batch[1])
+        params = {**fixed, **{n: m if mixed else m.to(dtype) for n, m in masters.items()}}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+            return base.loss(functional_call(base, params, (batch[0],)), batch[1])
 
     steps = []
     for x, y in sliced(token_data(48), STEPS, plan.global_batch_size):
@@ -111,8 +119,11 @@ class GatherCheck(pl.Callback):
         sharded = trainer.strategy.sharded
         own = {(u.name, part.numel): part.shard_sizes[u.rank] for u in sharded.units
                for part in (u.layout, u.trainable_layout, u.frozen.layout if u.frozen else u.layout)}
-        moved = sum(numel - own[(name, numel)] for op, name, numel in sharded.comm.log if op == "all_gather")
-        self.figures = (moved, sharded.comm.sent_bytes.get("all_gather", 0) - self.before)
+        frozen_parts = {(u.name, u.frozen.layout.numel) for u in sharded.units if u.frozen is not None}
+        gathers = [(name, numel) for op, name, numel in sharded.comm.log if op == "all_gather"]
+        moved = sum(key[1] - own[key] for key in gathers)
+        moved_frozen = sum(key[1] - own[key] for key in gathers if key in frozen_parts)
+        self.figures = (moved, sharded.comm.sent_bytes.get("all_gather", 0) - self.before, moved_frozen)
 
 
 def _ranks(rank: int, world: int, root: str):
@@ -136,6 +147,23 @@ def _ranks(rank: int, world: int, root: str):
             "reduce_scatter_bytes": sharded.comm.sent_bytes.get("reduce_scatter", 0),
             "all_gather": gathers.figures,
         }
+    for mode, plan in PLANS.items():  # bf16-mixed: the base in bf16, trainable parameters gathered in fp32
+        gathers = GatherCheck()
+        trainer = fit(MODULES[mode](), plan, world, STEPS, token_data(48),
+                      {**options, "precision": MIXED, "callbacks": [gathers]}, gather_on_teardown="none", mode=mode)
+        sharded = trainer.strategy.sharded
+        out[f"{MIXED} {mode}"] = {
+            "params": sharded.full_state_dict(),
+            "frozen_dtypes": {str(p.dtype) for u in sharded.units for p in u.full_params if not p.requires_grad}
+            | {str(p.dtype) for u in sharded.units for p, rg in zip(u.local_params, u.requires_grad) if not rg},
+            "trainable_dtypes": {str(p.dtype) for u in sharded.units for p in u.full_params if p.requires_grad},
+            "stored": sharded.local_state_bytes(),
+            "local": [(sum(p.numel() for p, rg in zip(u.local_params, u.requires_grad) if rg),
+                       sum(p.numel() for p, rg in zip(u.local_params, u.requires_grad) if not rg))
+                      for u in sharded.units],
+            "frozen_bytes_per_param": trainer.strategy.frozen_bytes_per_param(),
+            "all_gather": gathers.figures,
+        }
     for precision, plan in REPLICATED.items():
         trainer = fit(LoraLayered(), plan, world, STEPS, token_data(48), {**options, "precision": precision},
                       gather_on_teardown="none")
@@ -150,6 +178,12 @@ def _ranks(rank: int, world: int, root: str):
     resumed = fit(LoraLayered(), PLANS["layered"], world, STEPS, token_data(48), options, ckpt_path=path,
                   gather_on_teardown="none")
     out["resumed"] = resumed.strategy.sharded.full_state_dict()
+    mixed = {**options, "precision": MIXED}
+    first = fit(LoraLayered(), PLANS["layered"], world, 2, token_data(48), mixed, gather_on_teardown="none")
+    first.save_checkpoint(f"{root}/mixed-step2.ckpt")
+    resumed = fit(LoraLayered(), PLANS["layered"], world, STEPS, token_data(48), mixed,
+                  ckpt_path=f"{root}/mixed-step2.ckpt", gather_on_teardown="none")
+    out[f"resumed {MIXED}"] = resumed.strategy.sharded.full_state_dict()
     return out
 
 
@@ -233,3 +267,47 @@ def test_data_parallel_lora_trains_like_single_process(runs, precision):
         err = max((got["params"][k].float() - v).abs().max().item() for k, v in want.items())
         print(f"{precision}: largest difference {err:.2e}, floor {floor:.2e}, bound {bound:.2e}")
         assert err <= bound, (precision, err, bound)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", list(PLANS))
+def test_bf16_mixed_stores_the_base_in_bf16_and_trains_like_single_process(runs, mode):
+    """Under autocast the frozen base is stored, gathered and computed from in bf16 and the trainable
+    parameters in fp32: the same maths as the single-process bf16-mixed model whose frozen parameters
+    were cast to bf16, within 10x the floor; the base stays bitwise its bf16 values."""
+    plan = PLANS[mode]
+    want, other = reference(plan, precision=MIXED), reference(plan, True, MIXED)
+    floor = max((want[k] - other[k]).abs().max().item() for k in want)
+    bound = FLOOR * max(floor, FLOOR_EPS)
+    for r in runs:
+        got = r[f"{MIXED} {mode}"]
+        assert got["frozen_dtypes"] == {"torch.bfloat16"}
+        assert got["trainable_dtypes"] == {"torch.float32"}
+        trainable, frozen_ = (sum(t for t, _ in got["local"]), sum(f for _, f in got["local"]))
+        assert frozen_ > 0 and got["stored"] == (4 * trainable, 2 * frozen_)
+        assert got["frozen_bytes_per_param"] == 2.0  # what the memory model is given
+        err = max((got["params"][k].float() - v).abs().max().item() for k, v in want.items()
+                  if not frozen(k[len("model."):]))
+        print(f"{MIXED} {mode}: largest difference {err:.2e}, floor {floor:.2e}, bound {bound:.2e}")
+        assert err <= bound, (mode, err, bound)
+        for name, value in want.items():
+            if frozen(name[len("model."):]):
+                assert torch.equal(got["params"][name], value), name
+
+
+@pytest.mark.multiprocess
+def test_a_bf16_mixed_lora_run_resumes_exactly(runs):
+    for r in runs:
+        want, got = r[f"{MIXED} layered"]["params"], r[f"resumed {MIXED}"]
+        for name, value in want.items():
+            assert torch.equal(got[name], value), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", list(PLANS))
+def test_bf16_mixed_gathers_the_base_in_bf16_and_the_trainable_part_in_fp32(runs, mode):
+    moved = sum(r[f"{MIXED} {mode}"]["all_gather"][0] for r in runs)
+    sent = sum(r[f"{MIXED} {mode}"]["all_gather"][1] for r in runs)
+    moved_frozen = sum(r[f"{MIXED} {mode}"]["all_gather"][2] for r in runs)
+    assert 0 < moved_frozen < moved
+    assert sent == 2 * moved_frozen + 4 * (moved - moved_frozen)

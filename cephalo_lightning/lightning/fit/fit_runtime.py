@@ -95,7 +95,7 @@ class FitRuntime:
     def __init__(self, module: pl.LightningModule, plan: Plan, config: StrategyConfig, *, schedule: vocabulary.Schedule,
                  resolution: Resolution, rank: int, device: torch.device, emulator: DeviceEmulator,
                  collective: str, training_step: Callable[..., Any], links: Links | None = None,
-                 construction: ConstructionRecord | None = None) -> None:
+                 construction: ConstructionRecord | None = None, frozen_dtype: torch.dtype | None = None) -> None:
         check_plan(plan, schedule, resolution, module)  # before any shard is built
         self.module = module
         self.config = config
@@ -116,7 +116,7 @@ class FitRuntime:
             self.sharded = self.pipeline.sharded
         else:
             self.sharded = _shard(module, plan, config, resolution, device, collective, self.layered_model, links,
-                                  construction)
+                                  construction, frozen_dtype)
         self.shard_summary = self.sharded.summary()  # what this rank holds under the plan in force
         self._warn_unpriced_buffers(plan, self.shard_summary)
         # buffers; the local pieces are already there. The modules hold the full parameters meanwhile:
@@ -450,10 +450,12 @@ def recomputed_twice(module: torch.nn.Module) -> str | None:
 
 def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resolution: Resolution,
            device: torch.device, collective: str, layered: Any, links: Links | None,
-           construction: ConstructionRecord | None) -> ShardedModel:
+           construction: ConstructionRecord | None, frozen_dtype: torch.dtype | None = None) -> ShardedModel:
     """The module sharded by ``plan``'s shard groups and state shares (each group holds a replica),
     a meta-device model materialised unit by unit (its buffers from ``construction`` where nothing
-    else gives them); ``links`` slows the collectives crossing emulated links."""
+    else gives them); ``links`` slows the collectives crossing emulated links. ``frozen_dtype``: the
+    autocast dtype under ``*-mixed`` precision, which frozen parameters are stored and gathered in
+    (``param_dtype``, where given, is the compute dtype of both parts)."""
     source = None
     if config.pretrained is not None:
         source = open_weights(config.pretrained, _prefix_of(module, resolution.model), lora.WRAPPED_SEGMENTS)
@@ -462,7 +464,7 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
             module, plan.state_shares, shard_groups=plan.shard_groups, links=links,
             units=layered.units if layered is not None else config.units,
             collective=collective, compute_dtype=config.param_dtype, prefetch=config.prefetch, device=device,
-            overlap=config.overlap, base=config.base_storage,
+            overlap=config.overlap, base=config.base_storage, frozen_dtype=config.param_dtype or frozen_dtype,
             materializer=UnitMaterializer(device, init=resolution.init, source=source, seed=config.seed or 0,
                                           fresh=frozenset(lora.adapter_parameters(module)), construction=construction),
         )

@@ -54,7 +54,7 @@ from cephalo_lightning.lightning.fit.run_folders import FailureReport
 from cephalo_lightning.lightning.steps.log_relay import AlreadyGlobal
 from cephalo_lightning.lightning.steps.schedules import decide_schedule
 from cephalo_lightning.lightning.steps.step_state import no_stop_signal
-from cephalo_lightning.lightning.strategy.precision import sharded_precision
+from cephalo_lightning.lightning.strategy.precision import autocast_dtype, sharded_precision
 from cephalo_lightning.lightning.strategy.sharded_strategy import ShardedStrategy
 from cephalo_lightning.lightning.strategy_config import (
     DEFAULTS,
@@ -249,7 +249,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             self.fit_runtime = FitRuntime(
                 module, plan, self.config, schedule=schedule, resolution=resolution, rank=self.global_rank,
                 device=self.root_device, emulator=self.emulator, collective=self.collective,
-                training_step=self._user_training_step, links=self.links, construction=self.construction)
+                training_step=self._user_training_step, links=self.links, construction=self.construction,
+                frozen_dtype=autocast_dtype(self.precision_plugin))
             self.construction = ConstructionRecord()  # the model is materialised: nothing left to replay
             self._adopted(self.fit_runtime.plan)
             if self._precision_plugin is not None:  # always one of ours (the setter converts it)

@@ -23,8 +23,14 @@ the user: ``scale_loss=False`` and multiply by the rank's share of the global it
 
 Boundaries, refused with the reason: the layered mode (its schedule runs the model's layers and
 owns the forward and backward loop, which under Fabric is the user's), precisions other than
-``32-true`` and ``bf16-mixed`` (a loss scaler would skip steps rank by rank), and checkpoints
-under another plan (``fabric.save`` writes each rank's own shard; the Trainer's checkpoints reshard).
+``32-true`` and ``bf16-mixed`` (a loss scaler would skip steps rank by rank), checkpoints
+under another plan (``fabric.save`` writes each rank's own shard; the Trainer's checkpoints reshard),
+and ``fabric.save`` / ``fabric.load`` of a model whose base is stored as NF4 (its pieces hold no
+values; the Trainer's checkpoints store the blocks).
+
+Frozen parameters (``requires_grad=False``) are stored as the Trainer's strategy stores them:
+``base_storage="compute"`` keeps them in the compute dtype (bf16 under ``bf16-mixed``, where the
+trainable ones stay fp32), ``"nf4"`` as 4-bit NF4 blocks (QLoRA, the ``qlora`` extra).
 """
 
 from __future__ import annotations
@@ -44,11 +50,11 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
-from cephalo_lightning._common.vocabulary import AUTO, Collective, CollectiveChoice, Schedule, member_of
+from cephalo_lightning._common.vocabulary import AUTO, BaseStorage, Collective, CollectiveChoice, Schedule, member_of
 from cephalo_lightning.lightning._private import BackwardSyncControl, user_sampler
 from cephalo_lightning.lightning.fit.plan_resolution import check_loader_batch, data_seed
 from cephalo_lightning.lightning.steps.schedules import refuse_idle, refuse_pipelined
-from cephalo_lightning.lightning.strategy_config import COLLECTIVES, check_flag
+from cephalo_lightning.lightning.strategy_config import COLLECTIVES, BaseStorageChoice, base_storage_of, check_flag
 from cephalo_lightning.planner import Plan
 from cephalo_lightning.runtime.collectives import resolve_mode
 from cephalo_lightning.runtime.plan_state import PlanState
@@ -65,12 +71,14 @@ class CephaloFabricStrategy(DDPStrategy):
     ``plan``: a uniform :class:`~cephalo_lightning.planner.Plan` or its JSON path; ``None`` with
     ``global_batch_size``: an even plan. ``units``: the wrap policy (module classes; default the
     largest ``nn.ModuleList``). ``scale_loss``: ``fabric.backward`` weights the loss by b_r / B
-    (see the module note). ``seed``: the data order's (default rank 0's torch seed).
+    (see the module note). ``seed``: the data order's (default rank 0's torch seed). ``base_storage``:
+    how frozen parameters are stored, sharded and gathered (``compute`` or ``nf4``, see the module).
     """
 
     def __init__(self, plan: Plan | str | Path | None = None, global_batch_size: int | None = None, *,
                  units: Sequence[type[nn.Module]] | None = None, collective: CollectiveChoice = AUTO, prefetch: bool = True,
-                 scale_loss: bool = True, seed: int | None = None, **kwargs: Any) -> None:
+                 scale_loss: bool = True, seed: int | None = None, base_storage: BaseStorageChoice = "compute",
+                 **kwargs: Any) -> None:
         owner = "CephaloFabricStrategy"
         if kwargs.pop("fault_tolerance", False):  # CephaloStrategy's option, refused here by name
             raise UnsupportedError(
@@ -94,6 +102,7 @@ class CephaloFabricStrategy(DDPStrategy):
         self.prefetch = prefetch
         self.scale_loss = scale_loss
         self.seed = seed
+        self.base_storage = base_storage_of(base_storage, owner)
         self.sharded: ShardedModel | None = None
         self._backward_sync_control = _ShardedBackwardSync(self)
 
@@ -150,9 +159,11 @@ class CephaloFabricStrategy(DDPStrategy):
         if self.sharded is not None:
             raise UnsupportedError("CephaloFabricStrategy shards one model per Fabric: set up one model, or use "
                                    "one Fabric per model")
+        # bf16-mixed: the frozen parameters in bf16 (autocast's dtype), the trainable ones fp32
+        frozen_dtype = torch.bfloat16 if getattr(self.precision, "precision", None) == "bf16-mixed" else None
         self.sharded = ShardedModel(module, self._state_shares(), units=self.units,
                                     collective=resolve_mode(self.collective), prefetch=self.prefetch,
-                                    device=self.root_device)
+                                    device=self.root_device, base=self.base_storage, frozen_dtype=frozen_dtype)
         return module
 
     @override
@@ -235,6 +246,7 @@ class CephaloFabricStrategy(DDPStrategy):
         and the other entries (on every rank alike). Loads back under the same plan."""
         if storage_options is not None or filter is not None:
             raise UnsupportedError("CephaloFabricStrategy.save_checkpoint: storage_options and filter are not supported")
+        self._check_checkpointable("fabric.save")
         folder = Path(self.broadcast(str(path)))
         converted = {key: self._saved(key, value) for key, value in state.items()}
         if self.is_global_zero:
@@ -243,6 +255,13 @@ class CephaloFabricStrategy(DDPStrategy):
         torch.save({"format": CHECKPOINT_FORMAT, "state_shares": self._state_shares(), "state": converted},
                    _rank_file(folder, self.global_rank, self.world_size))
         self.barrier()
+
+    def _check_checkpointable(self, what: str) -> None:
+        if self.sharded is not None and self.base_storage is not BaseStorage.COMPUTE:
+            raise UnsupportedError(
+                f"{what}: a Fabric checkpoint holds each rank's parameter pieces, and a base stored as "
+                f"{self.base_storage} holds none (its blocks live in the storage): save the trainable parameters "
+                "yourself, or train under the Trainer's CephaloStrategy, whose checkpoints store the blocks")
 
     def _saved(self, key: str, value: Any) -> Any:
         if isinstance(value, nn.Module):
@@ -262,6 +281,7 @@ class CephaloFabricStrategy(DDPStrategy):
         if not isinstance(state, dict):
             raise UnsupportedError("CephaloFabricStrategy loads into a state dict: fabric.load(path, {'model': model, "
                                    "'optimizer': optimizer, ...}), not fabric.load_raw or a bare object")
+        self._check_checkpointable("fabric.load")
         folder = Path(self.broadcast(str(path)))
         file = _rank_file(folder, self.global_rank, self.world_size)
         if not file.is_file():

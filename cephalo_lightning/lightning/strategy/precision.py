@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -75,6 +76,15 @@ class CephaloMixedPrecision(_ShardedClipping, MixedPrecision):
 
             scaler = ShardedGradScaler(device=device)
         super().__init__(precision, device, scaler)  # type: ignore[arg-type]
+
+
+def autocast_dtype(plugin: Precision) -> torch.dtype | None:
+    """The dtype autocast computes in under ``bf16-mixed`` / ``16-mixed`` (bf16 / fp16), None under any
+    other precision: what a frozen parameter is stored and gathered in while the trainable ones stay
+    fp32 (:class:`~cephalo_lightning.runtime.sharding.flat_unit.FlatUnit`'s ``frozen_dtype``)."""
+    if not isinstance(plugin, MixedPrecision):
+        return None
+    return torch.bfloat16 if str(plugin.precision).startswith("bf16") else torch.float16
 
 
 def sharded_precision(plugin: Precision) -> Precision:

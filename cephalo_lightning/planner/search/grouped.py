@@ -313,10 +313,10 @@ class GroupedProblem:
                 return None, proven
             S = min(top, hi * (1 + step))
             step *= 2
-        hi = S
+        hi = S  # choose(hi) >= B, choose(lo) < B: the bisection keeps both (hi is what is assigned)
         while hi > lo * (1 + BISECTION_TOL):
             mid = math.sqrt(lo * hi)
-            lo, hi = (lo, mid) if self.choose(mid, n_fixed) < B else (mid, hi)
+            lo, hi = (mid, hi) if self.choose(mid, n_fixed) < B else (lo, mid)
         return self.assign(hi, n_fixed), proven
 
     def assign(self, S: float, n_fixed: int | None) -> Assignment:

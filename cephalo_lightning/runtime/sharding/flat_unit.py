@@ -118,6 +118,9 @@ class FlatUnit:
     ``trained_part`` (default ``requires_grad``): the parameters kept in the trainable part; every
     parameter there reproduces how frozen parameters were held before the split (in the master,
     their zero gradients reduced), which only a benchmark's before-and-after comparison asks for.
+    ``frozen_dtype`` (default ``compute_dtype``): the dtype the frozen part is stored, gathered and
+    computed in where it differs from the compute dtype (autocast's ``bf16-mixed`` / ``16-mixed``:
+    trainable parameters gathered in fp32, frozen ones in bf16 / fp16; [Note: a mixed-dtype buffer]).
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class FlatUnit:
         observers: Observers | None = None,
         base: BaseStorage = BaseStorage.COMPUTE,
         trained_part: Sequence[bool] | None = None,
+        frozen_dtype: torch.dtype | None = None,
     ) -> None:
         if [s.name for s in slots] != [p.name for p in layout.params]:
             raise ValueError(f"unit {layout.name}: slots and layout disagree")
@@ -141,6 +145,7 @@ class FlatUnit:
         self.rank = rank
         self.device = shard.device
         self.compute_dtype = compute_dtype
+        self.frozen_dtype = frozen_dtype or compute_dtype
         self.master_dtype = shard.dtype
         self.base = BaseStorage(base)
         self.requires_grad = [bool(r) for r in requires_grad]
@@ -151,8 +156,9 @@ class FlatUnit:
         self.num_trainable = sum(self.requires_grad)
         self.observers = observers if observers is not None else Observers()
         self.full_params = [
-            nn.Parameter(torch.empty(s.shape, dtype=compute_dtype, device=self.device), requires_grad=rg)
-            for s, rg in zip(layout.params, self.requires_grad)
+            nn.Parameter(torch.empty(s.shape, dtype=compute_dtype if t else self.frozen_dtype, device=self.device),
+                         requires_grad=rg)
+            for s, rg, t in zip(layout.params, self.requires_grad, self.trained_part)
         ]
         self.resident: bool | None = None  # set by _bind_full
         self.state = UnitState.SHARDED
@@ -172,7 +178,8 @@ class FlatUnit:
             (trainable_runs if in_master else frozen_runs).append((span.offset + a - lo, b - a))
         # A rank alone in its group computing in the master dtype holds the unit whole: the full
         # parameters are views of its storage itself (*resident*, see _bind_full).
-        resident = layout.world_size == 1 and self.compute_dtype == shard.dtype and self.base is BaseStorage.COMPUTE
+        resident = (layout.world_size == 1 and self.compute_dtype == shard.dtype == self.frozen_dtype
+                    and self.base is BaseStorage.COMPUTE)
         if not frozen_runs:
             storage = shard
         else:
@@ -188,7 +195,7 @@ class FlatUnit:
                 self.frozen = ComputeDtypeStorage(frozen_layout, self.rank, self.compute_dtype, storage[trained:])
             else:
                 values = torch.cat([shard[a : a + n] for a, n in frozen_runs])
-                self.frozen = make_storage(self.base, frozen_layout, self.rank, values, self.compute_dtype)
+                self.frozen = make_storage(self.base, frozen_layout, self.rank, values, self.frozen_dtype)
         self._storage = storage  # the resident unit's one storage, [master | frozen values]
         frozen_pieces = iter(self.frozen.pieces() if self.frozen is not None else ())
         self.local_params: list[nn.Parameter] = []
@@ -234,7 +241,7 @@ class FlatUnit:
         if self.frozen is None:
             return
         packed = torch.cat([v.detach().reshape(-1) for v in values]) if values else torch.empty(0)
-        self.frozen = make_storage(self.base, self.frozen.layout, self.rank, packed, self.compute_dtype)
+        self.frozen = make_storage(self.base, self.frozen.layout, self.rank, packed, self.frozen_dtype)
         pieces = iter(self.frozen.pieces())
         for param, requires_grad in zip(self.local_params, self.requires_grad):
             if not requires_grad:
@@ -277,29 +284,53 @@ class FlatUnit:
         if resident is self.resident and not resident:
             return  # keeps its (empty) buffer
         self.resident = resident
+        trained = self.trainable_layout.numel
+        mixed = self.frozen is not None and self.frozen_dtype != self.compute_dtype
         if resident:
             self.full = self._storage if self._storage is not None else self.master
+        elif mixed:  # [Note: a mixed-dtype buffer]
+            nbytes = trained * self.compute_dtype.itemsize + self.frozen.layout.numel * self.frozen_dtype.itemsize
+            self.full = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         else:
             self.full = torch.empty(self.layout.numel, dtype=self.compute_dtype, device=self.device)
         # one all-gather of the unit where its send buffer is a copy anyway (a cast to the compute dtype):
         # the frozen values join the trainable ones in it; computing in the master dtype, the parts are
         # sent as they are stored, apart, and no send buffer is made
         # ([Note: an exact all-gather holds no send buffer])
-        self.unit_order = not resident and (self.frozen is None or (
+        self.unit_order = not resident and not mixed and (self.frozen is None or (
             isinstance(self.frozen, ComputeDtypeStorage) and self.compute_dtype != self.master_dtype))
-        trained = self.trainable_layout.numel
+        parts = self._parts(self.full, trained, mixed)
         t_spans = iter(self.trainable_layout.params)
         f_spans = iter(self.frozen.layout.params if self.frozen is not None else ())
         for unit_span, in_master, param in zip(self.layout.params, self.trained_part, self.full_params):
             span = next(t_spans) if in_master else next(f_spans)
-            at = unit_span.offset if self.unit_order else span.offset + (0 if in_master else trained)
-            param.data = self.full[at : at + span.numel].view(span.shape)
-        # Collectives write through this alias: it shares the storage but not the version counter,
+            if self.unit_order:
+                param.data = self.full[unit_span.offset : unit_span.offset + span.numel].view(span.shape)
+            else:
+                param.data = parts[0 if in_master else 1][span.offset : span.offset + span.numel].view(span.shape)
+        # Collectives write through these aliases: they share the storage but not the version counter,
         # so refilling the buffer for the backward pass does not trip autograd's in-place checks
         # on tensors it saved in the forward (they are views of the same storage).
         self._full_raw = self.full.data
+        self._raw_parts = self._parts(self._full_raw, trained, mixed)
         if not resident:
             self._resize(0)
+
+    def _parts(self, full: torch.Tensor, trained: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gathered buffer's trainable and frozen parts (packed order), each in its own dtype.
+
+        [Note: a mixed-dtype buffer] Under autocast (``bf16-mixed`` / ``16-mixed``) the trainable part
+        is gathered in the compute dtype (fp32) and the frozen part in the frozen dtype (bf16 / fp16):
+        one byte buffer holds both, ``[trainable x compute size | frozen x frozen size]``, so one
+        allocation and one free serve the unit as before; the frozen part starts at a multiple of its
+        element size (the compute dtype's size is one of it)."""
+        if not mixed:
+            return full[:trained], full[trained:]
+        at = trained * self.compute_dtype.itemsize
+        if at % self.frozen_dtype.itemsize:
+            raise ValueError(f"unit {self.name}: a {self.frozen_dtype} frozen part cannot follow {trained} "
+                             f"{self.compute_dtype} elements")
+        return full[:at].view(self.compute_dtype), full[at:].view(self.frozen_dtype)
 
     def relayout(self, layout: UnitLayout, shard: torch.Tensor, rank: int | None = None) -> list[nn.Parameter]:
         """Adopt a new layout of the same unit with this rank's new range ``shard`` (its values in the
@@ -372,12 +403,12 @@ class FlatUnit:
                                                  dtype=self.compute_dtype))
             self.state = UnitState.GATHERING
             return
-        trained = self.trainable_layout.numel
+        trainable, frozen = self._raw_parts
         if any(self.trained_part) or self.frozen is None:
-            self._pending.append(comm.all_gather(self.master, self._full_raw[:trained], self.trainable_layout,
+            self._pending.append(comm.all_gather(self.master, trainable, self.trainable_layout,
                                                  async_op=True, dtype=self.compute_dtype))
         if self.frozen is not None:
-            self._pending.append(self.frozen.start_gather(comm, self._full_raw[trained:], async_op=True))
+            self._pending.append(self.frozen.start_gather(comm, frozen, async_op=True))
         self.state = UnitState.GATHERING
 
     def gather(self, comm: Collectives) -> None:

@@ -145,6 +145,7 @@ class ShardedModel:
         bucket_bytes: tuple[int, int] | None = None,
         base: BaseStorage = BaseStorage.COMPUTE,
         frozen_in_master: bool = False,
+        frozen_dtype: torch.dtype | None = None,
     ) -> None:
         handback.check_not_pieces(module)
         self.module = module
@@ -191,7 +192,8 @@ class ShardedModel:
             master_dtype = master_dtype_for(dtype)
             shard = materializer.master(index, unit, slots, self.comm.rank, master_dtype, buffers[index])
             self.units.append(FlatUnit(unit, slots, self.comm.rank, shard, [p.requires_grad for p in originals],
-                                       compute_dtype or dtype, self.observers, base, self._trainable[index]))
+                                       compute_dtype or dtype, self.observers, base, self._trainable[index],
+                                       frozen_dtype or compute_dtype or dtype))
         self.materialized_units = materializer.materialized_units
         self._plan_buckets()
         self.root = self.units[0]
