@@ -35,21 +35,12 @@ from pathlib import Path
 
 import torch
 
-from scenarios.ft_worker import FIT_PLAN, GLOBAL, ROOT, metric_lines
+from scenarios.ft_worker import FIT_PLAN, GLOBAL, ROOT, metric_lines, wait_for
 
 SAMPLES, TOTAL, SEED = 36, 8, 5
 KILL_STEP, RESUME_AT, LIGHTHOUSE_AT = 5, 4, 6
 LIGHTHOUSE_BACK_S = 2.0  # the lighthouse is down this long (far within the quorum timeout)
-WAIT_S = 120  # the longest any instrumented wait lasts
 PHASES = ("both-lost", "started-over", "resumed", "other-seeds")
-
-
-def _wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no {what} within {WAIT_S} s")
-        time.sleep(0.02)
 
 
 def life(work: Path, phase: str, group: int) -> None:
@@ -72,7 +63,7 @@ def life(work: Path, phase: str, group: int) -> None:
     class Instrumented(pl.Callback):
         def on_train_start(self, trainer, module):
             (work / f"ready-{phase}-{group}").write_text(str(pid))
-            _wait_for(lambda: all((work / f"ready-{phase}-{g}").exists() for g in (0, 1)), "both groups")
+            wait_for(lambda: all((work / f"ready-{phase}-{g}").exists() for g in (0, 1)), "both groups")
 
         def on_after_backward(self, trainer, module):
             if phase == "both-lost" and trainer.global_step == KILL_STEP:
@@ -81,7 +72,7 @@ def life(work: Path, phase: str, group: int) -> None:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if phase == "resumed" and group == 0 and trainer.global_step == LIGHTHOUSE_AT:
                 (work / "lighthouse-kill").write_text(str(time.time()))
-                _wait_for(lambda: (work / "lighthouse-down").exists(), "the lighthouse killed")
+                wait_for(lambda: (work / "lighthouse-down").exists(), "the lighthouse killed")
 
     seed = SEED + (group if phase == "other-seeds" else 0)
     folder = work / ("fresh" if phase == "other-seeds" else "run") / f"group-{group}"

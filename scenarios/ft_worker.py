@@ -59,7 +59,13 @@ HEARTBEAT_TIMEOUT_MS = 2000  # the lighthouse drops a group this long after its 
 JOIN_TIMEOUT_MS = 60_000  # how long a quorum waits for a heartbeating group that has not asked yet
 
 
-def _wait_for(condition, what: str) -> None:
+def event_line(part, committed: bool) -> str:
+    """One line of a life's events file: the step, who took part, their batches, whether it committed."""
+    return json.dumps({"step": part.step, "participants": list(part.participants), "batches": list(part.batches),
+                       "committed": committed, "time": time.time()}) + "\n"
+
+
+def wait_for(condition, what: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while not condition():
         if time.monotonic() > deadline:
@@ -82,7 +88,7 @@ def main(work: Path, group: int, lighthouse: str) -> None:
     first_life = not any(work.glob(f"ready-{group}-*"))
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the group's own store (one rank)
     if not first_life:
-        _wait_for(lambda: (work / "waiting").exists(), "group 0 at the return point")
+        wait_for(lambda: (work / "waiting").exists(), "group 0 at the return point")
     model = TinyLM().double()
     sharded = ShardedModel(model, [1.0])  # the group's in-group sharding (one rank here)
     parameters = list(sharded.parameters())
@@ -97,7 +103,7 @@ def main(work: Path, group: int, lighthouse: str) -> None:
         LighthouseClient(lighthouse, timedelta(seconds=20)).heartbeat(store.get(REPLICA_ID_KEY).decode())
     (work / f"ready-{group}-{pid}").write_text(str(time.time()))
     if first_life:
-        _wait_for(lambda: all(any(work.glob(f"ready-{g}-*")) for g in (0, 1)), "start of both groups")
+        wait_for(lambda: all(any(work.glob(f"ready-{g}-*")) for g in (0, 1)), "start of both groups")
     data = batches(TOTAL, GLOBAL)
     events = open(work / f"events-{group}-{pid}.jsonl", "a")
     waited = False
@@ -112,14 +118,13 @@ def main(work: Path, group: int, lighthouse: str) -> None:
             os.kill(pid, signal.SIGKILL)
         ft.reduce_gradients()
         committed = ft.commit()
-        events.write(json.dumps({"step": part.step, "participants": list(part.participants),
-                                 "batches": list(part.batches), "committed": committed, "time": time.time()}) + "\n")
+        events.write(event_line(part, committed))
         events.flush()
         if group == 0 and committed and part.step == WAIT_AT and not waited:
             waited = True
             (work / "waiting").write_text(str(time.time()))
-            _wait_for(lambda: len(list(work.glob("ready-1-*"))) > 1, "return of group 1")
-            _wait_for(lambda: _pending_quorum_requests(lighthouse) > 0, "group 1's first quorum request")
+            wait_for(lambda: len(list(work.glob("ready-1-*"))) > 1, "return of group 1")
+            wait_for(lambda: _pending_quorum_requests(lighthouse) > 0, "group 1's first quorum request")
     torch.save({name: p.detach().clone() for name, p in sharded.full_state_dict().items()}, work / f"final-{group}-{pid}.pt")
     ft.shutdown()
 
@@ -141,7 +146,7 @@ def lost_together_main(work: Path, group: int, lighthouse: str) -> None:
                         timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=WAIT_S))
     ft = ReplicaGroup(parameters, make_optimizer(parameters), PLAN3, group, settings)
     (work / f"ready-{group}-{pid}").write_text(str(time.time()))
-    _wait_for(lambda: all(any(work.glob(f"ready-{g}-*")) for g in (0, 1, 2)), "start of the three groups")
+    wait_for(lambda: all(any(work.glob(f"ready-{g}-*")) for g in (0, 1, 2)), "start of the three groups")
     data = batches(TOTAL, GLOBAL)
     events = open(work / f"events-{group}-{pid}.jsonl", "a")  # noqa: SIM115 (closed at exit)
     while ft.step < TOTAL:
@@ -153,8 +158,7 @@ def lost_together_main(work: Path, group: int, lighthouse: str) -> None:
             os.kill(pid, signal.SIGKILL)
         ft.reduce_gradients()
         committed = ft.commit()
-        events.write(json.dumps({"step": part.step, "participants": list(part.participants),
-                                 "batches": list(part.batches), "committed": committed, "time": time.time()}) + "\n")
+        events.write(event_line(part, committed))
         events.flush()
     torch.save({name: p.detach().clone() for name, p in sharded.full_state_dict().items()}, work / f"final-{group}-{pid}.pt")
     ft.shutdown()
@@ -231,7 +235,7 @@ def fit_main(work: Path, group: int) -> None:
     pid = os.getpid()
     first_life = not any(work.glob(f"ready-{group}-*"))
     if not first_life:
-        _wait_for(lambda: (work / "waiting").exists(), "group 0 at the return point")
+        wait_for(lambda: (work / "waiting").exists(), "group 0 at the return point")
     events = open(work / f"events-{group}-{pid}.jsonl", "a")
 
     class Instrumented(pl.Callback):
@@ -240,7 +244,7 @@ def fit_main(work: Path, group: int) -> None:
         def on_train_start(self, trainer, module):  # the manager heartbeats; the first quorum is next
             (work / f"ready-{group}-{pid}").write_text(str(time.time()))
             if first_life:
-                _wait_for(lambda: all(any(work.glob(f"ready-{g}-*")) for g in (0, 1)), "start of both groups")
+                wait_for(lambda: all(any(work.glob(f"ready-{g}-*")) for g in (0, 1)), "start of both groups")
 
         def on_after_backward(self, trainer, module):
             if group == 1 and first_life and trainer.global_step == KILL_AT:
@@ -250,14 +254,12 @@ def fit_main(work: Path, group: int) -> None:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             history = trainer.strategy.replica.history
             for part, committed in history[self.written:]:
-                events.write(json.dumps({"step": part.step, "participants": list(part.participants),
-                                         "batches": list(part.batches), "committed": committed,
-                                         "time": time.time()}) + "\n")
+                events.write(event_line(part, committed))
             events.flush()
             self.written = len(history)
             if group == 0 and trainer.global_step == WAIT_AT + 1 and not (work / "waiting").exists():
                 (work / "waiting").write_text(str(time.time()))
-                _wait_for(lambda: len(list(work.glob("ready-1-*"))) > 1, "return of group 1")
+                wait_for(lambda: len(list(work.glob("ready-1-*"))) > 1, "return of group 1")
                 time.sleep(RETURN_GRACE_S)
 
     module = LibraryLM(*FIT_MODEL)
