@@ -35,9 +35,10 @@ def datamodule(steps: int) -> pl.LightningDataModule:
     return TextDataModule(seq_len=SEQ, batch_size=GLOBAL_BATCH, max_train_samples=GLOBAL_BATCH * steps)
 
 
-def emulated_trainer(world: int, steps: int, root: str, callbacks: list, **options) -> pl.Trainer:
-    """An fp64 ``Trainer`` on the emulated cluster, the strategy planning it; no validation."""
-    return trainer(CephaloStrategy(emulate=EMULATE), world, steps, callbacks=callbacks, limit_val_batches=0,
+def emulated_trainer(world: int, steps: int, root: str, callbacks: list, emulate: list[dict] = EMULATE,
+                     **options) -> pl.Trainer:
+    """An fp64 ``Trainer`` on the emulated cluster (``emulate``), the strategy planning it; no validation."""
+    return trainer(CephaloStrategy(emulate=emulate), world, steps, callbacks=callbacks, limit_val_batches=0,
                    default_root_dir=root, precision="64-true", **options)
 
 

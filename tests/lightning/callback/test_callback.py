@@ -11,13 +11,16 @@ import torch
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy
 from cephalo_lightning.runtime.emulation.memory import EmulatedOutOfMemoryError
-from tests.demo_run import SEQ, datamodule, emulated_trainer, module, reference_params
+from tests.demo_run import EMULATE, SEQ, datamodule, emulated_trainer, module, reference_params
 from tests.distributed import run_distributed
 from tests.helpers import max_error
 from tests.plans import plan_of
 
 STEPS = 14
 SWITCH_AT = 5  # rank 0 becomes slow from this step on
+# rank 0: fast with little memory, so several micro-batches; rank 1 four times as slow with plenty: a
+# margin that a loaded host's profile (its per-micro-batch costs inflated) cannot turn around
+CLUSTER = [{**EMULATE[0]}, {**EMULATE[1], "slowdown": 4.0}]
 
 
 def _replan_run(rank: int, world: int, root: str):
@@ -45,7 +48,7 @@ def _replan_run(rank: int, world: int, root: str):
                 seen_shares.append(list(trainer.strategy.plan.state_shares))
 
     logger = WandbLogger(save_dir=root, offline=True, project="cephalo-test")
-    trainer = emulated_trainer(world, STEPS, root, [watcher, Throttle(), Record()], logger=logger)
+    trainer = emulated_trainer(world, STEPS, root, [watcher, Throttle(), Record()], emulate=CLUSTER, logger=logger)
     pl.seed_everything(0)
     trainer.fit(module(STEPS), datamodule(STEPS))
     return {
