@@ -45,11 +45,10 @@ def test_the_plan_command_imports_neither_torch_nor_lightning(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("first, then", [("cephalo_lightning", "lightning"), ("lightning", "cephalo_lightning")],
-                         ids=["package_first", "lightning_first"])
-def test_strategy_name_works_in_either_import_order(first, then):
-    """The Trainer's and Fabric's ``strategy="cephalo"``."""
-    _python(f"import {first}; import {then}; import lightning.pytorch as pl; {TRAINER}; {FABRIC}")
+def test_strategy_name_works_with_lightning_imported_first():
+    """The Trainer's and Fabric's ``strategy="cephalo"``, the package imported after Lightning (the other
+    order: :func:`test_lightning_keeps_its_own_loader_and_a_reload_registers_again`)."""
+    _python(f"import lightning; import cephalo_lightning; import lightning.pytorch as pl; {TRAINER}; {FABRIC}")
 
 
 @pytest.mark.multiprocess
@@ -63,6 +62,9 @@ def test_strategy_name_without_the_import_is_lightnings_invalid_name():
 
 @pytest.mark.multiprocess
 def test_lightning_keeps_its_own_loader_and_a_reload_registers_again():
+    """The package imported first: Lightning's strategies module keeps its loader, the name is registered
+    before the strategy's module is imported, a reload registers it again, and the Trainer's and
+    Fabric's ``strategy="cephalo"`` work."""
     code = (
         "import importlib, importlib.machinery, sys, cephalo_lightning, lightning.pytorch as pl; "
         "import lightning.pytorch.strategies as s; "
@@ -71,17 +73,6 @@ def test_lightning_keeps_its_own_loader_and_a_reload_registers_again():
         "assert 'cephalo_lightning.lightning.strategy.cephalo_strategy' not in sys.modules; "  # registered, not yet imported
         "assert 'ddp' in s.StrategyRegistry and 'cephalo' in s.StrategyRegistry; "
         "importlib.reload(s); assert 'cephalo' in s.StrategyRegistry; "
-        f"{TRAINER}"
+        f"{TRAINER}; {FABRIC}"
     )
     _python(code)
-
-
-@pytest.mark.multiprocess
-def test_strategy_name_on_the_lightning_cli_command_line(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "cephalo_lightning", "fit", "--config", str(ROOT / "configs" / "tiny-cli.yaml"),
-         "--trainer.strategy=cephalo", "--vars.steps=1", "--trainer.default_root_dir", str(tmp_path)],
-        capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=HANG_TIMEOUT_S,
-    )
-    assert result.returncode == 0, failure_report(result)
-    assert "Cephalo: layered mode" in result.stdout + result.stderr

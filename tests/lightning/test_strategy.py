@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
-import subprocess
-import sys
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +17,6 @@ import torch.multiprocessing as mp
 from cephalo_lightning import CephaloStrategy, Plan, PlanningError
 from cephalo_lightning.planner.schema.plan import ModelSummary
 from cephalo_lightning.runtime import checkpoint
-from tests.conftest import clean_env, failure_report
 from tests.distributed import run_distributed
 from tests.helpers import NUM_SAMPLES, fit, max_error, reference, trainer
 from tests.lightning_models import TinyLayered, TinyUniform, loader, token_data
@@ -197,28 +195,32 @@ def test_layered_plan_on_a_model_without_the_protocol_is_refused():
 # ----------------------------------------------------------------------------- LightningCLI
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("config", ["tiny-cli.yaml", "tiny-cli-name.yaml"], ids=["class_path", "name"])
-def test_lightning_cli_config_selects_the_strategy(config, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "cephalo_lightning", "fit", "--config", str(ROOT / "configs" / config),
-         "--trainer.default_root_dir", str(tmp_path)],
-        capture_output=True, text=True, cwd=tmp_path, env=clean_env(),
-    )
-    assert result.returncode == 0, failure_report(result)
-    assert "Cephalo: layered mode" in result.stdout + result.stderr
-    assert "max_steps=3" in result.stdout + result.stderr
+def _cli(args: list[str], where: Path, monkeypatch, capfd, caplog) -> str:
+    """``python -m cephalo_lightning ARGS`` in this process (its imports are done: a fresh interpreter
+    would spend seconds importing Lightning again), run from ``where``; what it printed and logged."""
+    from cephalo_lightning.__main__ import main
+
+    monkeypatch.chdir(where)
+    caplog.set_level(logging.INFO)
+    assert main(args) == 0
+    out, err = capfd.readouterr()
+    return out + err + caplog.text
 
 
-@pytest.mark.multiprocess
-def test_profile_command_writes_a_cluster_file_and_a_plan(tmp_path):
+@pytest.mark.parametrize("config, options", [("tiny-cli.yaml", []), ("tiny-cli-name.yaml", []),
+                                             ("tiny-cli.yaml", ["--trainer.strategy=cephalo"])],
+                         ids=["class_path", "name", "name_on_the_command_line"])
+def test_lightning_cli_config_selects_the_strategy(config, options, tmp_path, monkeypatch, capfd, caplog):
+    printed = _cli(["fit", "--config", str(ROOT / "configs" / config), *options, "--trainer.default_root_dir",
+                    str(tmp_path)], tmp_path, monkeypatch, capfd, caplog)
+    assert "Cephalo: layered mode" in printed
+    assert "max_steps=3" in printed
+
+
+def test_profile_command_writes_a_cluster_file_and_a_plan(tmp_path, monkeypatch, capfd, caplog):
     cluster_file, plan_file = tmp_path / "cluster.yaml", tmp_path / "plan.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "cephalo_lightning", "profile", "--config", str(ROOT / "configs" / "tiny-cli.yaml"),
-         "-o", str(cluster_file), "--plan-output", str(plan_file), "--trainer.default_root_dir", str(tmp_path)],
-        capture_output=True, text=True, cwd=tmp_path, env=clean_env(),
-    )
-    assert result.returncode == 0, failure_report(result)
+    _cli(["profile", "--config", str(ROOT / "configs" / "tiny-cli.yaml"), "-o", str(cluster_file), "--plan-output",
+          str(plan_file), "--trainer.default_root_dir", str(tmp_path)], tmp_path, monkeypatch, capfd, caplog)
     from cephalo_lightning.planner import load_cluster
 
     cluster = load_cluster(cluster_file)

@@ -17,8 +17,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -30,6 +28,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from cephalo_lightning import CephaloCallback, CephaloStrategy, Plan  # noqa: E402
+from cephalo_lightning.__main__ import main  # noqa: E402
 from cephalo_lightning._common.units import GIB  # noqa: E402
 from cephalo_lightning.lightning.fit import checkpoint_io  # noqa: E402
 from cephalo_lightning.planner import cluster_from_dict  # noqa: E402
@@ -427,9 +426,7 @@ def test_adapters_save_with_peft_and_the_export_merges_them(lora_runs):
         assert torch.equal(p, final[f"model.{name}"]), name
     merged = tuned.merge_and_unload()
     out = root / "merged"
-    done = subprocess.run([sys.executable, "-m", "cephalo_lightning", "export", str(root / "lora.ckpt"), "--hf", str(out)],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    assert main(["export", str(root / "lora.ckpt"), "--hf", str(out)]) == 0  # the command, in this process
     exported = transformers.LlamaForCausalLM.from_pretrained(out)
     want = merged.state_dict()
     got = exported.state_dict()
@@ -442,7 +439,7 @@ def test_adapters_save_with_peft_and_the_export_merges_them(lora_runs):
 
 
 @pytest.mark.multiprocess
-def test_a_qlora_export_merges_the_adapters_into_the_dequantised_base_in_bf16_and_says_so(lora_runs, tmp_path):
+def test_a_qlora_export_merges_the_adapters_into_the_dequantised_base_in_bf16_and_says_so(lora_runs, tmp_path, capsys):
     """The QLoRA fit's checkpoint exported: every tensor in bf16, what peft's merge_and_unload() gives
     from the fit's final model (its base the dequantised NF4 values) cast to bf16, and the command
     says the base was 4-bit."""
@@ -455,10 +452,9 @@ def test_a_qlora_export_merges_the_adapters_into_the_dequantised_base_in_bf16_an
     tuned = PeftModel(base, with_lora(transformers.LlamaForCausalLM(_config())).peft_config["default"])
     tuned.load_state_dict({k[len("model."):]: v for k, v in final.items()})
     want = {k: v.to(torch.bfloat16) for k, v in tuned.merge_and_unload().state_dict().items()}
-    done = subprocess.run([sys.executable, "-m", "cephalo_lightning", "export", str(root / "qlora.ckpt"), "--hf",
-                           str(tmp_path / "merged")], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "the base was stored as 4-bit NF4 blocks" in done.stdout and "in bf16" in done.stdout
+    assert main(["export", str(root / "qlora.ckpt"), "--hf", str(tmp_path / "merged")]) == 0  # in this process
+    printed = capsys.readouterr().out
+    assert "the base was stored as 4-bit NF4 blocks" in printed and "in bf16" in printed
     from safetensors.torch import load_file
 
     got = load_file(str(tmp_path / "merged" / "model.safetensors"))

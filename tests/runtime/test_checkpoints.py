@@ -19,6 +19,7 @@ import torch
 
 import cephalo_lightning.lightning.fit.checkpoint_io
 from cephalo_lightning import CephaloStrategy, Plan, consolidated
+from cephalo_lightning.__main__ import main
 from cephalo_lightning.runtime import checkpoint
 from cephalo_lightning.runtime.checkpoint import CheckpointError
 from tests import helpers
@@ -128,9 +129,7 @@ def test_lightning_tools_read_a_sharded_checkpoint(first_halves, tmp_path):
     restored = SGDModule.load_from_checkpoint(consolidated(path))  # Lightning's own loader, in memory
     assert max_error({k: v for k, v in restored.state_dict().items()}, want) == 0.0
     out = tmp_path / "model.ckpt"
-    cli = subprocess.run([sys.executable, "-m", "cephalo_lightning", "consolidate", str(path), "-o", str(out)],
-                         capture_output=True, text=True, env=clean_env())
-    assert cli.returncode == 0, cli.stderr
+    assert main(["consolidate", str(path), "-o", str(out)]) == 0  # the command, in this process
     plain = torch.load(out, weights_only=True)
     assert max_error({k: v.float() for k, v in plain["state_dict"].items()}, want) == 0.0 and plain["global_step"] == 3
     assert plain["optimizer_states"][0]["param_groups"][0]["lr"] == 0.5
