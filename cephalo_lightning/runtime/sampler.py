@@ -309,16 +309,20 @@ def pipelined_evaluation_loader(dataloader: DataLoader, pipelines: int, pipeline
     ``predicting``: every sample once, as the DataLoader's ``batch_size`` batches of one order (a
     distributed sampler's whole order: Lightning's predict sampler) cut into the pipelines' slices, so
     every pipeline takes as many steps, each with at least one sample (else refused, naming the fix)."""
-    if dataloader.batch_size is None:
+    batch_size, sampler, drop_last = dataloader.batch_size, dataloader.sampler, dataloader.drop_last
+    if predicting and batch_size is None:  # Lightning's predict loader batches by a sampler that records the indices
+        inner = dataloader.batch_sampler
+        batch_size = getattr(inner, "batch_size", None)
+        sampler, drop_last = getattr(inner, "sampler", sampler), getattr(inner, "drop_last", drop_last)
+    if batch_size is None:
         raise UnsupportedError("a pipelined plan deals each evaluation batch out to its pipelines, which a DataLoader "
                                "with a custom batch_sampler does not let it do: give the DataLoader a batch_size")
-    sampler = dataloader.sampler
     if predicting:
         if isinstance(sampler, DistributedSampler):  # one order on every rank: the whole of it
             sampler = copy.copy(sampler)
             sampler.num_replicas, sampler.rank = 1, 0
             sampler.num_samples = sampler.total_size = len(sampler.dataset)  # type: ignore[arg-type]
-        _check_predict_batches(len(sampler), dataloader.batch_size, pipelines)  # type: ignore[arg-type]
+        _check_predict_batches(len(sampler), batch_size, pipelines)  # type: ignore[arg-type]
     elif isinstance(sampler, DistributedSampler):
         dealt = copy.copy(sampler)
         dealt.num_replicas, dealt.rank = pipelines, pipeline
@@ -327,14 +331,14 @@ def pipelined_evaluation_loader(dataloader: DataLoader, pipelines: int, pipeline
         else:
             dealt.num_samples = math.ceil(len(sampler.dataset) / pipelines)  # type: ignore[arg-type]
         dealt.total_size = dealt.num_samples * pipelines
-        return DataLoader(dataloader.dataset, batch_size=-(-dataloader.batch_size // pipelines), sampler=dealt,
-                          drop_last=dataloader.drop_last, **loading_settings(dataloader))
-    if dataloader.drop_last:
+        return DataLoader(dataloader.dataset, batch_size=-(-batch_size // pipelines), sampler=dealt,
+                          drop_last=drop_last, **loading_settings(dataloader))
+    if drop_last:
         raise UnsupportedError("a pipelined plan cuts each evaluation batch into its pipelines' slices, and does not "
                                "drop a partial last batch: give the evaluation DataLoader drop_last=False")
     if isinstance(sampler, RandomSampler):
         raise UnsupportedError("a pipelined plan cuts each evaluation batch into its pipelines' slices of one order on "
                                "every rank, which a RandomSampler draws apart on each: give the evaluation DataLoader "
                                "shuffle=False")
-    slices = _PipelineSlices(sampler, dataloader.batch_size, pipelines, pipeline)
+    slices = _PipelineSlices(sampler, batch_size, pipelines, pipeline)
     return DataLoader(dataloader.dataset, batch_sampler=slices, **loading_settings(dataloader))

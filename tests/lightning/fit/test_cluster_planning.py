@@ -10,56 +10,22 @@ not know, and a predict batch that leaves a pipeline without a sample (its stage
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
-from torch.utils.data import DataLoader, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from cephalo_lightning._common.errors import ConfigurationError, UnsupportedError
 from cephalo_lightning._common.vocabulary import AUTO, Handback, Schedule
 from cephalo_lightning.lightning.fit.fit_runtime import pipeline_obstacle, refuse_pipelined_options
 from cephalo_lightning.lightning.fit.plan_resolution import from_cluster
 from cephalo_lightning.lightning.strategy_config import StrategyConfig
-from cephalo_lightning.planner import cluster_from_dict, plan
+from cephalo_lightning.planner import plan
 from cephalo_lightning.runtime.sampler import pipelined_evaluation_loader
-
-FWD, BWD = [0.05, 0.09, 0.13], [0.1, 0.18, 0.26]  # one layer's ms at micro-batch 1, 2, 3
-
-
-def slow_link_cluster(nodes: tuple[int, ...] = (2, 2)) -> Any:
-    """The tiny Llama of tests/library_models (4 layers, 6224 parameters) on CPU ranks whose nodes are
-    joined by 1 Mbit/s: a pipelined plan is predicted about 3x faster than any shard grouping (a margin
-    no measured timing enters: the cluster file fixes every figure)."""
-    device = {"name": "cpu", "memory_gb": 16.0, "layer_fwd_ms": FWD, "layer_bwd_ms": BWD,
-              "compute_memory_gb": [0.01, 0.01, 0.01]}
-    return cluster_from_dict({
-        "model": {"name": "llama", "num_layers": 4, "parameters": 6224, "hidden_size": 16, "seq_len": 12},
-        "settings": {"link_bandwidth": "16 GB/s per rank", "inter_node_bandwidth": "1 Mbit/s per link",
-                     "reserved_memory_gb": 0.5},
-        "nodes": [{"devices": [device] * n} for n in nodes]})
-
-
-@contextmanager
-def setup_lines() -> Iterator[list[str]]:
-    """The lines the planning says (Lightning's rank-zero logger, rank 0 in a single process)."""
-    seen: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield seen
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+from tests.plans import setup_lines, slow_link_cluster
 
 
 def planned(lines: list[str]) -> list[str]:
@@ -149,17 +115,20 @@ def test_the_pipelines_option_takes_true_false_or_auto() -> None:
         StrategyConfig.build(pipelines="yes")
 
 
-def _dealt(samples: int, batch: int, pipelines: int, pipeline: int) -> list[list[int]]:
-    """The predict batches pipeline ``pipeline`` gets from Lightning's predict sampler (on rank 2 of 4)."""
+def _dealt(samples: int, batch: int, pipelines: int, pipeline: int, batched: bool = False) -> list[list[int]]:
+    """The predict batches pipeline ``pipeline`` gets from Lightning's predict sampler (on rank 2 of 4);
+    ``batched``: as Lightning's predict loader has it, a batch sampler over it (which records the indices)."""
     data = list(range(samples))
     sampler = UnrepeatedDistributedSamplerWrapper(SequentialSampler(data), num_replicas=4, rank=2, shuffle=False)
-    loader = DataLoader(data, batch_size=batch, sampler=sampler)
+    loader = (DataLoader(data, batch_sampler=BatchSampler(sampler, batch, drop_last=False)) if batched
+              else DataLoader(data, batch_size=batch, sampler=sampler))
     dealt = pipelined_evaluation_loader(loader, pipelines, pipeline, predicting=True)
     return [b.tolist() for b in dealt]
 
 
-def test_predict_deals_every_sample_once_to_the_pipelines_in_as_many_steps() -> None:
-    got = [_dealt(10, 4, 2, d) for d in range(2)]
+@pytest.mark.parametrize("batched", [False, True], ids=["sampler", "batch-sampler"])
+def test_predict_deals_every_sample_once_to_the_pipelines_in_as_many_steps(batched) -> None:
+    got = [_dealt(10, 4, 2, d, batched) for d in range(2)]
     assert len(got[0]) == len(got[1]) == 3  # every pipeline's ranks take the same steps
     assert all(batch for batches in got for batch in batches)
     assert sorted(i for batches in got for batch in batches for i in batch) == list(range(10))
