@@ -23,7 +23,7 @@ single-process gradient.
 loss: the last stage keeps each micro-batch's last-layer output (a Hugging Face model's logits), and
 sends their concatenation to every other rank of its pipeline, so each rank of pipeline d returns the
 outputs of the samples it was given (its pipeline's). A stage gathers each unit once for the call
-(no layer by layer: a pipeline may get fewer micro-batches than another, even none).
+(no layer by layer: a pipeline may get fewer micro-batches than another).
 
 [Note: collective order] Every rank of a stage gathers the same units in the same order, reduces
 them in the same (reverse) order and takes part in the same all-reduces (the item count, the tied
@@ -180,7 +180,7 @@ class PipelineRunner:
     @torch.no_grad()
     def predict(self, micro_batches: Sequence[Any]) -> torch.Tensor:
         """[Note: predictions] The last layer's outputs of this pipeline's ``micro_batches`` (every rank of
-        the pipeline passes the same; none is fine), concatenated along the first dimension, on every
+        the pipeline passes the same, at least one; another pipeline may pass another count), concatenated along the first dimension, on every
         rank of the pipeline: forward only, each unit of the stage gathered once for the call."""
         sharded, observers = self.sharded, self.sharded.observers
         outputs: list[torch.Tensor] = []
