@@ -180,8 +180,9 @@ class PipelineRunner:
     @torch.no_grad()
     def predict(self, micro_batches: Sequence[Any]) -> torch.Tensor:
         """[Note: predictions] The last layer's outputs of this pipeline's ``micro_batches`` (every rank of
-        the pipeline passes the same, at least one; another pipeline may pass another count), concatenated along the first dimension, on every
-        rank of the pipeline: forward only, each unit of the stage gathered once for the call."""
+        the pipeline passes the same, at least one; another pipeline may pass another count),
+        concatenated along the first dimension, on every rank of the pipeline: forward only, each unit
+        of the stage gathered once for the call."""
         sharded, observers = self.sharded, self.sharded.observers
         outputs: list[torch.Tensor] = []
         with sharded.scheduled():
