@@ -23,7 +23,7 @@ from cephalo_lightning._common.vocabulary import AUTO, Handback, Schedule
 from cephalo_lightning.lightning.fit.fit_runtime import pipeline_obstacle, refuse_pipelined_options
 from cephalo_lightning.lightning.fit.plan_resolution import from_cluster
 from cephalo_lightning.lightning.strategy_config import StrategyConfig
-from cephalo_lightning.planner import plan
+from cephalo_lightning.planner import cluster_from_dict, plan
 from cephalo_lightning.runtime.sampler import pipelined_evaluation_loader
 from tests.plans import setup_lines, slow_link_cluster
 
@@ -42,6 +42,23 @@ def test_the_strategy_weighs_pipelines_as_the_cli_does_and_says_what_it_chose() 
     assert got.predicted_step_s < flat.predicted_step_s / 2
     [line] = planned(lines)
     assert "with pipelines weighed" in line and "2 pipeline(s) x 2 stages" in line, line
+    assert f"against {flat.predicted_step_s:.3g} s without a pipeline" in line, line
+
+
+def test_the_lab_cluster_gets_from_the_strategy_the_pipelined_plan_the_cli_prints() -> None:
+    """The 8B model on 4 A100 + 4 RTX 3090 over 10 GbE (docs/pipelining.md's lab case): the strategy's
+    plan is the pipelined one, several times faster than the shard grouping it planned before."""
+    lab = cluster_from_dict({
+        "model": {"name": "llama-8b", "num_layers": 34, "parameters": 8_030_261_248, "hidden_size": 4096,
+                  "seq_len": 2048},
+        "settings": {"link_bandwidth": "16 GB/s per rank", "inter_node_bandwidth": "10 Gbit/s per link"},
+        "nodes": [{"devices": [{"name": "a100-40gb", "count": 4}]}, {"devices": [{"name": "rtx3090", "count": 4}]}]})
+    with setup_lines() as lines:
+        got = from_cluster(lab, 64, Schedule.LAYERED, AUTO, None)
+    flat = plan(lab, 64)  # what the strategy planned before it weighed pipelines
+    assert got.pipelined and not got.idle_ranks and got == plan(lab, 64, pipelines=True)
+    assert got.predicted_step_s < flat.predicted_step_s / 4
+    [line] = planned(lines)
     assert f"against {flat.predicted_step_s:.3g} s without a pipeline" in line, line
 
 
