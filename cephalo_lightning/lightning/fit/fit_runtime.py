@@ -519,10 +519,14 @@ def refuse_pipelined_fit(trainer: pl.Trainer, callback: bool) -> None:
                                "callback and give the pipelined plan to CephaloStrategy(plan=...)")
 
 
-def pipeline_obstacle(config: StrategyConfig, layered: Any, trainer: pl.Trainer, callback: bool) -> str | None:
+def pipeline_obstacle(config: StrategyConfig, layered: Any, trainer: pl.Trainer, callback: bool, *,
+                      manual: bool = False) -> str | None:
     """Why this fit could not run a pipelined plan (None: it could), in the words of the refusals
-    above and of :func:`_pipeline`'s: what the strategy's planning from a cluster file says when it
-    plans without pipelines, so that it never picks a plan the runtime would refuse."""
+    above, of :func:`_pipeline`'s and of :func:`~.schedules.check_plan`'s (``manual``: the module's
+    manual optimization): what the strategy's planning from a cluster file says when it plans without
+    pipelines, so that it never picks a plan the runtime would refuse at setup."""
+    if manual:
+        return "manual optimization (automatic_optimization=False) runs your training_step itself"
     if layered is None:
         return "the fit runs in the uniform mode (a pipelined plan runs the model's layers, a stage's on each rank)"
     if layered.discovery is not None:

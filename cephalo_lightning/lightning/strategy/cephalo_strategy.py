@@ -247,7 +247,8 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                 plan=self._replication.shard_plan(self.plan), cluster=self.cluster,
                 schedule=schedule, config=self.config, trainer=trainer, world_size=self.world_size,
                 identities=self._identities, provisional=self.plan_follows,
-                pipeline_obstacle=pipeline_obstacle(self.config, layered, trainer, _has_cephalo_callback(trainer)))
+                pipeline_obstacle=pipeline_obstacle(self.config, layered, trainer, _has_cephalo_callback(trainer),
+                                                    manual=not module.automatic_optimization))
             plan_resolution.check_model(plan, module)
             self.fit_runtime = FitRuntime(
                 module, plan, self.config, schedule=schedule, resolution=resolution, rank=self.global_rank,

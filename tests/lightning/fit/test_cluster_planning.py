@@ -10,6 +10,7 @@ not know, and a predict batch that leaves a pipeline without a sample (its stage
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -121,6 +122,8 @@ def test_what_else_rules_pipelines_out_is_named_and_a_plain_fit_has_no_obstacle(
         "discovered": pipeline_obstacle(plain, _layered(discovered=True), _trainer(), callback=False),
         "accumulate_grad_batches=2": pipeline_obstacle(plain, _layered(), _trainer(2), callback=False),
         "CephaloCallback": pipeline_obstacle(plain, _layered(), _trainer(), callback=True),
+        "manual optimization": pipeline_obstacle(plain, None, _trainer(), callback=False, manual=True),
+        "pretrained=": pipeline_obstacle(StrategyConfig(pretrained=Path("base")), _layered(), _trainer(), callback=False),
     }
     for words, reason in reasons.items():
         assert reason is not None and words in reason, (words, reason)
