@@ -122,6 +122,9 @@ class StrategyConfig:
     replica_group: int | None = option(
         None, "under `fault_tolerance`: this node's shard group in the plan (its torchft replica group)",
         unset="the `REPLICA_GROUP_ID` environment variable")
+    pipelines: bool | Auto = option(
+        AUTO, "planning from `cluster`: weigh pipelined plans too (auto: where the fit can run one, else plan without "
+        "them and say why at setup; True: the same, refusing an option that rules them out; False: never)")
 
     def __post_init__(self) -> None:
         # a mode given as its string is held as its member (build refuses any other value)
@@ -186,6 +189,7 @@ class StrategyConfig:
             elastic=o["elastic"],
             fault_tolerance=o["fault_tolerance"],
             replica_group=_integer("replica_group", o["replica_group"], 0) if o["replica_group"] is not None else None,
+            pipelines=_pipelines(o["pipelines"]),
         )
         if checked.async_checkpoint and checked.state_dict_type != "sharded":
             raise ConfigurationError(
@@ -248,6 +252,13 @@ def _check_frozen_checkpoints(config: StrategyConfig) -> None:
         raise ConfigurationError(
             f"CephaloStrategy(checkpoint_frozen=False, state_dict_type={config.state_dict_type!r}): a single-file "
             "checkpoint is the whole model; use state_dict_type='sharded' (the default) or checkpoint_frozen=True")
+
+
+def _pipelines(value: Any) -> bool | Auto:
+    if value is True or value is False or value == AUTO:
+        return value
+    raise ConfigurationError(f"CephaloStrategy(pipelines={value!r}): choose True, False or 'auto' (weigh pipelined plans "
+                             "when planning from a cluster file where the fit can run one)")
 
 
 def _integer(name: str, value: Any, minimum: int) -> int:

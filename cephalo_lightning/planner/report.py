@@ -213,7 +213,7 @@ def next_line(plan: Plan, cluster: Cluster | None = None, output: str | None = N
         return (f"next: {first}train with Trainer(strategy=CephaloStrategy(plan=\"{path}\"), {layout}) "
                 f"and a DataLoader of batch_size={plan.global_batch_size}, the global batch, "
                 f"which the plan splits between its {len(plan.pipelines)} pipeline{'s' if len(plan.pipelines) > 1 else ''}; "
-                "a pipelined plan runs in the layered mode, without predict, CephaloCallback or Fabric yet: plan "
+                "a pipelined plan runs in the layered mode, without CephaloCallback or Fabric yet: plan "
                 "with --no-pipelines for those")
     return (f"next: {first}train with Trainer(strategy=CephaloStrategy(plan=\"{path}\"), {layout}) and a DataLoader "
             f"of batch_size={plan.global_batch_size}, the global batch, which the plan splits between the ranks")

@@ -270,6 +270,17 @@ def evaluation_loader(dataloader: DataLoader, world_size: int) -> DataLoader:
                       **loading_settings(dataloader))
 
 
+def _check_predict_batches(samples: int, batch_size: int, pipelines: int) -> None:
+    """Every predict batch deals at least one sample to each pipeline (a pipeline's ranks share its steps)."""
+    short = (samples % batch_size or batch_size) if samples else pipelines  # the last batch: the smallest
+    if short < pipelines:
+        raise UnsupportedError(
+            f"a pipelined plan deals each predict batch out to its {pipelines} pipelines, and a batch of {short} "
+            f"sample(s) ({samples} samples in batches of {batch_size}) leaves a pipeline without one: give the predict "
+            f"DataLoader a batch_size of at least {pipelines} and a last batch of at least {pipelines} samples (e.g. "
+            "drop the remainder from the dataset), or predict under a plan without pipelines")
+
+
 class _PipelineSlices(Sampler[list[int]]):
     """Pipeline ``pipeline``'s slice of every evaluation batch of ``batch_size`` samples of ``order``
     (one order on every rank): the batch cut into ``pipelines`` consecutive slices as even as can be."""
@@ -289,16 +300,30 @@ class _PipelineSlices(Sampler[list[int]]):
             yield batch[first:first + sizes[self.pipeline]]
 
 
-def pipelined_evaluation_loader(dataloader: DataLoader, pipelines: int, pipeline: int) -> DataLoader:
+def pipelined_evaluation_loader(dataloader: DataLoader, pipelines: int, pipeline: int, *,
+                                predicting: bool = False) -> DataLoader:
     """Under a pipelined plan every rank of pipeline ``pipeline`` takes the pipeline's samples of each
     evaluation batch (one collated batch, which its stages cut into micro-batches): a distributed
     sampler dealt out to the ``pipelines`` pipelines instead of the ranks, with ``batch_size / pipelines``
-    samples per step; a sampler of one order on every rank cut per batch into the pipelines' slices."""
-    if dataloader.batch_size is None:
+    samples per step; a sampler of one order on every rank cut per batch into the pipelines' slices.
+    ``predicting``: every sample once, as the DataLoader's ``batch_size`` batches of one order (a
+    distributed sampler's whole order: Lightning's predict sampler) cut into the pipelines' slices, so
+    every pipeline takes as many steps, each with at least one sample (else refused, naming the fix)."""
+    batch_size, sampler, drop_last = dataloader.batch_size, dataloader.sampler, dataloader.drop_last
+    if predicting and batch_size is None:  # Lightning's predict loader batches by a sampler that records the indices
+        inner = dataloader.batch_sampler
+        batch_size = getattr(inner, "batch_size", None)
+        sampler, drop_last = getattr(inner, "sampler", sampler), getattr(inner, "drop_last", drop_last)
+    if batch_size is None:
         raise UnsupportedError("a pipelined plan deals each evaluation batch out to its pipelines, which a DataLoader "
                                "with a custom batch_sampler does not let it do: give the DataLoader a batch_size")
-    sampler = dataloader.sampler
-    if isinstance(sampler, DistributedSampler):
+    if predicting:
+        if isinstance(sampler, DistributedSampler):  # one order on every rank: the whole of it
+            sampler = copy.copy(sampler)
+            sampler.num_replicas, sampler.rank = 1, 0
+            sampler.num_samples = sampler.total_size = len(sampler.dataset)  # type: ignore[arg-type]
+        _check_predict_batches(len(sampler), batch_size, pipelines)  # type: ignore[arg-type]
+    elif isinstance(sampler, DistributedSampler):
         dealt = copy.copy(sampler)
         dealt.num_replicas, dealt.rank = pipelines, pipeline
         if sampler.drop_last and len(sampler.dataset) % pipelines:  # type: ignore[arg-type]
@@ -306,14 +331,14 @@ def pipelined_evaluation_loader(dataloader: DataLoader, pipelines: int, pipeline
         else:
             dealt.num_samples = math.ceil(len(sampler.dataset) / pipelines)  # type: ignore[arg-type]
         dealt.total_size = dealt.num_samples * pipelines
-        return DataLoader(dataloader.dataset, batch_size=-(-dataloader.batch_size // pipelines), sampler=dealt,
-                          drop_last=dataloader.drop_last, **loading_settings(dataloader))
-    if dataloader.drop_last:
+        return DataLoader(dataloader.dataset, batch_size=-(-batch_size // pipelines), sampler=dealt,
+                          drop_last=drop_last, **loading_settings(dataloader))
+    if drop_last:
         raise UnsupportedError("a pipelined plan cuts each evaluation batch into its pipelines' slices, and does not "
                                "drop a partial last batch: give the evaluation DataLoader drop_last=False")
     if isinstance(sampler, RandomSampler):
         raise UnsupportedError("a pipelined plan cuts each evaluation batch into its pipelines' slices of one order on "
                                "every rank, which a RandomSampler draws apart on each: give the evaluation DataLoader "
                                "shuffle=False")
-    slices = _PipelineSlices(sampler, dataloader.batch_size, pipelines, pipeline)
+    slices = _PipelineSlices(sampler, batch_size, pipelines, pipeline)
     return DataLoader(dataloader.dataset, batch_sampler=slices, **loading_settings(dataloader))

@@ -7,8 +7,10 @@ the layers), on right-padded batches whose loss is a mean over the label tokens,
 GPipe, one with gradient clipping. Each is compared with single-process training on the same global
 batches (tests/reference.train_steps, tests/library_models.pipeline_reference), within the
 bounds the runtime's tests use. Their validation loops (the sanity check and one after training)
-and a ``trainer.test`` log the loss one process computes on the whole validation batch; predict is
-refused.
+and a ``trainer.test`` log the loss one process computes on the whole validation batch; predict
+returns, on every rank, one process's logits of the samples the rank was dealt. With no plan at all,
+``CephaloStrategy(cluster=...)`` picks the pipelined plan a slow inter-node link makes faster and
+trains like one process; an option that rules pipelines out gives the flat plan, said at setup.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tests.distributed import run_distributed
 from tests.library_models import pipeline_reference
 
 STEPS, GLOBAL = 2, 8
+PREDICT, PREDICT_BATCH = 10, 4  # predict batches of 4, 4 and 2 samples: every pipeline gets one of each
 VAL, VAL_SEED = 7, 5  # one validation batch of 7 samples: uneven over the pipelines and the ranks
 # [Note: library-model bounds] as tests/runtime/test_pipeline.py: four steps of fp64's grid above 1, or
 # where larger FLOOR_FACTOR x the noise floor (single-process training cut into the pipelines' micro-batches)
@@ -124,7 +127,6 @@ class _ValLosses(pl.Callback):
 def _fit(rank: int, world: int, folder: str) -> dict:
     warnings.simplefilter("ignore")
     from cephalo_lightning import CephaloStrategy
-    from cephalo_lightning._common.errors import UnsupportedError
     from tests.helpers import trainer
     from tests.library_models import PaddedTokens, loader
 
@@ -145,14 +147,47 @@ def _fit(rank: int, world: int, folder: str) -> dict:
                      "steps": t.global_step, "val": val.seen}
     t.test(t.lightning_module, loader(PaddedTokens(VAL, seed=VAL_SEED), VAL))  # the trained module again
     out["test"] = float(t.callback_metrics["test_loss"])
-    t = trainer(CephaloStrategy(plan=path), world, STEPS, precision="64-true")  # predict: refused
-    try:
-        t.predict(_validated(family), loader(PaddedTokens(GLOBAL), GLOBAL))
-        out["predict"] = None
-    except UnsupportedError as refused:
-        out["predict"] = str(refused)
+    predictions = _Predictions()  # the last scenario's plan (uneven micro-batch counts), the initial model
+    t = trainer(CephaloStrategy(plan=path), world, STEPS, precision="64-true", callbacks=[predictions])
+    returned = t.predict(_validated(family), loader(PaddedTokens(PREDICT), PREDICT_BATCH))
+    out["predict"] = {"seen": predictions.seen, "returned": returned}
+    out["cluster"] = _from_cluster(rank, world, folder)
     out["checkpoints"] = {name: _checkpoints(rank, world, folder, name) for name in SCENARIOS}
     return out
+
+
+class _Predictions(pl.Callback):
+    """Each predict batch this rank was given and what the step returned for it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[dict, torch.Tensor]] = []
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:  # noqa: ANN001
+        self.seen.append(({k: v.clone() for k, v in batch.items()}, outputs.detach().clone()))
+
+
+def _from_cluster(rank: int, world: int, folder: str) -> dict:
+    """No plan: a cluster file whose slow inter-node link makes a pipelined plan faster (tests/plans.py);
+    fit under what the strategy plans, then validate with an option that rules pipelines out."""
+    from cephalo_lightning import CephaloStrategy
+    from cephalo_lightning.planner import save_cluster
+    from tests.helpers import trainer
+    from tests.library_models import LibraryLM, PaddedTokens, loader
+    from tests.plans import setup_lines, slow_link_cluster
+
+    path = f"{folder}/slow-link.yaml"
+    if rank == 0:
+        save_cluster(slow_link_cluster(), path)
+    torch.distributed.barrier() if torch.distributed.is_initialized() else None
+    with setup_lines() as lines:
+        t = trainer(CephaloStrategy(cluster=path, global_batch_size=GLOBAL), world, STEPS, precision="64-true")
+        t.fit(LibraryLM("llama", "adamw"), loader(PaddedTokens(GLOBAL * STEPS), GLOBAL))
+        piped = {"plan": t.strategy.plan, "states": _states(t), "loss": float(t.callback_metrics["train_loss_step"])}
+        t = trainer(CephaloStrategy(cluster=path, global_batch_size=GLOBAL, state_dict_type="full"), world, STEPS,
+                    precision="64-true")
+        t.validate(_validated("llama"), loader(PaddedTokens(VAL, seed=VAL_SEED), VAL))
+    return {"piped": piped, "flat": t.strategy.plan,
+            "lines": [line for line in lines if line.startswith("Cephalo: planned from the cluster file")]}
 
 
 @pytest.fixture(scope="module")
@@ -166,26 +201,60 @@ def runs(folder):
     return run_distributed(_fit, 4, str(folder))
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_a_pipelined_plan_file_trains_in_lightning_like_one_process(runs, name):
-    family, stage_layers, rows, _, clip = SCENARIOS[name]
-    plan = _plan(stage_layers, rows, SCENARIOS[name][3])
+def _trained_like_one_process(name: str, family: str, plan, clip, got: dict, logged: set[float]) -> None:  # noqa: ANN001
+    """``got`` (the parameters after STEPS steps under ``plan``) within the noise floor of one process's,
+    and the loss every rank logged the global one."""
     losses: list[float] = []
     want = pipeline_reference(family, STEPS, GLOBAL, clip=clip, losses=losses)
     cuts = tuple(n for chain in plan.pipelines for n in plan.ranks[chain[0]].micro_batch_sizes)
     cut = pipeline_reference(family, STEPS, GLOBAL, cuts, clip)
     floor = max((cut[k] - v).abs().max().item() for k, v in want.items())
     bound = max(EXACT, FLOOR_FACTOR * floor)
-    got = runs[0][name]["states"]
-    assert all(r[name]["steps"] == STEPS for r in runs)
     assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(v.shape) for k, v in want.items()}
     err = max((got[k] - v).abs().max().item() for k, v in want.items())
     print(f"{name}: largest difference {err:.3e} (noise floor {floor:.3e}, bound {bound:.3e})")
     assert err <= bound, f"{name}: parameters differ from one process's by {err:.2e} > {bound:.2e}"
-    logged = {r[name]["loss"] for r in runs}  # the last stage's loss, logged alike on every rank
-    assert len(logged) == 1, f"{name}: the ranks logged {logged}"
+    assert len(logged) == 1, f"{name}: the ranks logged {logged}"  # the last stage's loss, alike on every rank
     assert logged.pop() == pytest.approx(float(losses[-1]), rel=1e-6), f"{name}: the logged loss is not the global one"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_a_pipelined_plan_file_trains_in_lightning_like_one_process(runs, name):
+    family, stage_layers, rows, schedule, clip = SCENARIOS[name]
+    assert all(r[name]["steps"] == STEPS for r in runs)
+    _trained_like_one_process(name, family, _plan(stage_layers, rows, schedule), clip, runs[0][name]["states"],
+                              {r[name]["loss"] for r in runs})
+
+
+@pytest.mark.multiprocess
+def test_a_cluster_file_alone_gets_the_pipelined_plan_the_cli_picks_and_trains_like_one_process(runs):
+    """CephaloStrategy(cluster=...) with no plan: the planning weighs pipelines as the CLI does (the
+    slow link's pipelined plan, about 3x faster by the cluster file's figures), and the fit under it
+    lands where one process's does; the setup line says what was picked."""
+    from cephalo_lightning.planner import plan as make_plan
+    from tests.plans import slow_link_cluster
+
+    piped = runs[0]["cluster"]["piped"]
+    want = make_plan(slow_link_cluster(), GLOBAL, pipelines=True)
+    assert piped["plan"].pipelined and piped["plan"] == want
+    assert all(r["cluster"]["piped"]["plan"] == want for r in runs)
+    _trained_like_one_process("cluster", "llama", piped["plan"], None, piped["states"],
+                              {r["cluster"]["piped"]["loss"] for r in runs})
+    line = runs[0]["cluster"]["lines"][0]
+    assert "with pipelines weighed" in line and f"{len(want.pipelines)} pipeline(s) x 2 stages" in line, line
+
+
+@pytest.mark.multiprocess
+def test_an_option_that_rules_pipelines_out_gets_the_flat_plan_and_the_setup_line_says_why(runs):
+    from cephalo_lightning.planner import plan as make_plan
+    from tests.plans import slow_link_cluster
+
+    flat = runs[0]["cluster"]["flat"]
+    assert not flat.pipelined and flat == make_plan(slow_link_cluster(), GLOBAL)
+    assert len(runs[0]["cluster"]["lines"]) == 2, runs[0]["cluster"]["lines"]  # one line a setup
+    line = runs[0]["cluster"]["lines"][1]
+    assert "without weighing pipelines" in line and "state_dict_type='full'" in line, line
 
 
 @pytest.mark.multiprocess
@@ -213,10 +282,36 @@ def test_a_validation_loop_under_a_pipelined_plan_logs_one_process_loss_on_every
 
 
 @pytest.mark.multiprocess
-def test_predict_under_a_pipelined_plan_is_refused_naming_what_runs(runs):
-    for result in runs:
-        assert result["predict"] is not None, "a predict step ran the whole model on a stage"
-        assert "val_loss" in result["predict"] and "without pipelines" in result["predict"]
+def test_predict_under_a_pipelined_plan_returns_one_process_logits_on_every_rank(runs):
+    """GPT-2 under 2 stages x 2 pipelines (3 and 2 micro-batches), the initial model: every rank returns,
+    for each batch it was dealt, the logits one process computes on that batch (the last stage's, sent
+    to the first); the ranks of a pipeline are dealt the same batches, the pipelines every sample once."""
+    from tests.library_models import LibraryLM, PaddedTokens
+
+    family, stage_layers, rows, schedule, _ = SCENARIOS["gpt2-gpipe-clip"]
+    plan = _plan(stage_layers, rows, schedule)
+    module = LibraryLM(family, "adamw").to(torch.float64)
+    for rank, result in enumerate(runs):
+        seen, returned = result["predict"]["seen"], result["predict"]["returned"]
+        assert len(seen) == len(returned) == -(-PREDICT // PREDICT_BATCH), f"rank {rank}: {len(seen)} batches"
+        for (batch, got), back in zip(seen, returned):
+            assert torch.equal(got, back), f"rank {rank}: trainer.predict returned other outputs than the step's"
+            with torch.no_grad():
+                want = module.model(**batch).logits
+                rows_alone = torch.cat([module.model(**{k: v[i:i + 1] for k, v in batch.items()}).logits
+                                        for i in range(len(want))])
+            floor = (rows_alone - want).abs().max().item()  # the same maths, another batch size
+            bound = max(EXACT * want.abs().max().item(), FLOOR_FACTOR * floor)
+            assert got.shape == want.shape, (rank, got.shape, want.shape)
+            err = (got - want).abs().max().item()
+            assert err <= bound, f"rank {rank}: logits differ from one process's by {err:.2e} > {bound:.2e}"
+    for chain in plan.pipelines:  # the ranks of a pipeline: the same batches
+        first = [b["input_ids"] for b, _ in runs[chain[0]]["predict"]["seen"]]
+        for r in chain[1:]:
+            assert all(torch.equal(a, b["input_ids"]) for a, (b, _) in zip(first, runs[r]["predict"]["seen"]))
+    dealt = sorted(tuple(row) for chain in plan.pipelines for b, _ in runs[chain[0]]["predict"]["seen"]
+                   for row in b["input_ids"].tolist())
+    assert dealt == sorted(tuple(row) for row in PaddedTokens(PREDICT).batch(0, PREDICT)["input_ids"].tolist())
 
 
 @pytest.mark.multiprocess

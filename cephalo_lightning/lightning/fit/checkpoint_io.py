@@ -157,7 +157,8 @@ class FitCheckpoints:
         if self.stage is not None:
             raise checkpoint.CheckpointError(f"{path} is a single-file checkpoint, which a pipelined plan does not load "
                                              "yet: resume from a sharded checkpoint directory, or under a plan without "
-                                             "pipelines")
+                                             "pipelines (CephaloStrategy(pipelines=False) where it plans from a "
+                                             "cluster file)")
         rank_zero_info("Cephalo: loading weights from a single-file checkpoint; optimizer state starts fresh.")
         return self.load_full(path, trusted)
 

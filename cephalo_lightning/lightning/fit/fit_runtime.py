@@ -26,8 +26,9 @@ stage's ranks; the step (:class:`~cephalo_lightning.lightning.steps.pipeline_ste
 agrees over the whole world; the optimizers keep the stage's pieces
 (:meth:`FitRuntime.keep_stage_pieces`); clipping is the runner's global norm; a checkpoint is one
 save over every stage (:mod:`~cephalo_lightning.runtime.pipelining.stage_checkpoint`), loaded into a
-stage by the names in the model. What it cannot run yet (validation, plan switches, accumulation,
-fault tolerance, elastic restarts) is refused at setup, naming the fix.
+stage by the names in the model; validation, test and predict steps run through the pipeline. What it
+cannot run yet (plan switches, accumulation, fault tolerance, elastic restarts) is refused at setup,
+naming the fix (:func:`pipeline_obstacle` in the same words, for planning without pipelines).
 """
 
 from __future__ import annotations
@@ -295,12 +296,9 @@ class FitRuntime:
 
     @contextlib.contextmanager
     def evaluation_step(self) -> Iterator[None]:
-        """The ``with`` block around a validation, test or predict step: the root unit gathered for it."""
-        if self.pipeline is not None:
-            raise UnsupportedError(
-                "predict steps do not run under a pipelined plan yet (the user's step would run the whole model, "
-                "which a stage holds a part of): predict under a plan without pipelines (validation and test "
-                "steps run: the model's loss through the pipeline, logged as val_loss and test_loss)")
+        """The ``with`` block around a validation, test or predict step: the root unit gathered for it
+        (not under a pipelined plan: :meth:`pipelined_evaluation`, :meth:`pipelined_prediction`)."""
+        assert self.pipeline is None, "a pipelined plan's evaluation steps run through the pipeline"
         self.sharded.gather_root()
         try:
             yield
@@ -313,6 +311,13 @@ class FitRuntime:
         model, is not called."""
         assert isinstance(self.steps, PipelineSteps)
         return self.steps.evaluate(batch, hook)
+
+    def pipelined_prediction(self, batch: Any) -> torch.Tensor:
+        """A predict step under a pipelined plan: the last layer's outputs of the pipeline's samples
+        (:meth:`~.pipeline_steps.PipelineSteps.predict`); the user's ``predict_step``, which would run the
+        whole model, is not called."""
+        assert isinstance(self.steps, PipelineSteps)
+        return self.steps.predict(batch)
 
     def describe(self) -> str:
         what = self.layered_model.name if self.layered_model is not None else type(self.module).__name__
@@ -480,8 +485,8 @@ def _shard(module: pl.LightningModule, plan: Plan, config: StrategyConfig, resol
     return sharded
 
 
-def refuse_pipelined_options(config: StrategyConfig) -> None:
-    """What a pipelined plan cannot run with, refused at setup with the fix."""
+def pipelined_option_conflicts(config: StrategyConfig) -> list[tuple[str, str]]:
+    """The strategy's options a pipelined plan cannot run with: (the option as given, why)."""
     refused = [(config.fault_tolerance, "fault_tolerance=True", "replica groups recover a stage's pieces from no peer"),
                (config.elastic, "elastic=True", "an elastic restart re-plans for the ranks present, without stages"),
                (config.async_checkpoint, "async_checkpoint=True", "a pipelined plan's save is written in the step"),
@@ -491,10 +496,16 @@ def refuse_pipelined_options(config: StrategyConfig) -> None:
                (config.gather_on_teardown not in (vocabulary.AUTO, vocabulary.Handback.NONE),
                 f"gather_on_teardown='{config.gather_on_teardown}'", "no rank holds the whole model: each keeps its "
                 "stage's pieces after fit; consolidate a checkpoint for the whole model")]
-    for on, option, why in refused:
-        if on:
-            raise UnsupportedError(f"CephaloStrategy({option}) cannot run a pipelined plan ({why}): drop {option}, or "
-                                   "re-plan without pipelines (`python -m cephalo_lightning plan --no-pipelines`)")
+    return [(option, why) for on, option, why in refused if on]
+
+
+def refuse_pipelined_options(config: StrategyConfig) -> None:
+    """What a pipelined plan cannot run with, refused at setup with the fix."""
+    conflicts = pipelined_option_conflicts(config)
+    if conflicts:
+        option, why = conflicts[0]
+        raise UnsupportedError(f"CephaloStrategy({option}) cannot run a pipelined plan ({why}): drop {option}, or "
+                               "re-plan without pipelines (`python -m cephalo_lightning plan --no-pipelines`)")
 
 
 def refuse_pipelined_fit(trainer: pl.Trainer, callback: bool) -> None:
@@ -506,6 +517,31 @@ def refuse_pipelined_fit(trainer: pl.Trainer, callback: bool) -> None:
     if callback:
         raise UnsupportedError("CephaloCallback re-plans by switching plans, which a pipelined plan cannot: drop the "
                                "callback and give the pipelined plan to CephaloStrategy(plan=...)")
+
+
+def pipeline_obstacle(config: StrategyConfig, layered: Any, trainer: pl.Trainer, callback: bool, *,
+                      manual: bool = False) -> str | None:
+    """Why this fit could not run a pipelined plan (None: it could), in the words of the refusals
+    above, of :func:`_pipeline`'s and of :func:`~.schedules.check_plan`'s (``manual``: the module's
+    manual optimization): what the strategy's planning from a cluster file says when it plans without
+    pipelines, so that it never picks a plan the runtime would refuse at setup."""
+    if manual:
+        return "manual optimization (automatic_optimization=False) runs your training_step itself"
+    if layered is None:
+        return "the fit runs in the uniform mode (a pipelined plan runs the model's layers, a stage's on each rank)"
+    if layered.discovery is not None:
+        return (f"{layered.name}'s layers were discovered from its structure, which the first step checks on the whole "
+                "model (give the LightningModule the layered protocol)")
+    if config.pretrained is not None:
+        return "pretrained= is read into the shards of a plan without pipelines only"
+    conflicts = pipelined_option_conflicts(config)
+    if conflicts:
+        return "; ".join(f"{option} ({why})" for option, why in conflicts)
+    if trainer.accumulate_grad_batches != 1:
+        return f"accumulate_grad_batches={trainer.accumulate_grad_batches} (a pipelined plan runs each step whole)"
+    if callback:
+        return "CephaloCallback re-plans by switching plans, which a pipelined plan cannot"
+    return None
 
 
 def _pipeline(module: pl.LightningModule, plan: Plan, config: StrategyConfig, layered: Any, loss: Any,

@@ -4,6 +4,15 @@ A plan is only right for the job it was made for: the same number of ranks, the 
 each rank on the device the plan assumed (a rank launched on another GPU would get another GPU's
 batch and share: silently slow, or out of memory once training is under way). :func:`check_devices`
 compares every rank's actual device with the plan's before anything is trained.
+
+[Note: planning from a cluster file weighs pipelines as the CLI does] ``CephaloStrategy(cluster=...)``
+plans at setup as ``python -m cephalo_lightning plan`` does, pipelined plans weighed
+(:func:`from_cluster`), wherever the fit could run the plan chosen: not where an option, the
+schedule or the model rules a pipeline out (``pipeline_obstacle``: then the plan is made without
+them), and never a plan that leaves ranks idle (the runtime refuses those: a pipelined plan that
+would, wins over the plan over every rank only in the CLI). One setup line says which plan was
+made and, where pipelines were not weighed, why; ``pipelines=False`` never weighs them,
+``pipelines=True`` refuses what rules them out instead of planning without them.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from cephalo_lightning.lightning.steps.schedules import refuse_idle
 from cephalo_lightning.lightning.strategy_config import MAX_SEED, StrategyConfig
 from cephalo_lightning.planner import Cluster, Plan, PlanningError
 from cephalo_lightning.planner import plan as make_plan
+from cephalo_lightning.planner.choice import NO_PIPELINE, PIPELINED, span_text
 from cephalo_lightning.planner.replan import replan
 from cephalo_lightning.planner.schema.catalog import lookup, same_gpu
 from cephalo_lightning.planner.schema.gpu_names import memory_agrees
@@ -113,8 +123,9 @@ def check_loader_batch(batch_size: int | None, plan: Plan, configured: int | Non
 
 def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: vocabulary.Schedule, config: StrategyConfig,
             trainer: Any, world_size: int, identities: Callable[[], list[DeviceIdentity]],
-            provisional: bool) -> Plan:
-    """The plan to shard by at setup: the given one, one made from ``cluster``, or an even one
+            provisional: bool, pipeline_obstacle: str | None = None) -> Plan:
+    """The plan to shard by at setup: the given one, one made from ``cluster`` (:func:`from_cluster`;
+    ``pipeline_obstacle``: why this fit could not run a pipelined plan, None: it could), or an even one
     (``provisional``: state shares by memory until the callback's plan arrives). A given plan is
     checked against the world size and, ``config.check_devices``, the ranks' devices. The global
     batch (:func:`global_batch`) and the ranks' identities (a collective) are asked for only if needed."""
@@ -126,7 +137,7 @@ def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: vocabulary.
         return replanned(plan, cluster, plan.global_batch_size if plan is not None else batch(),
                          plan.mode if plan is not None else planner_mode, identities)
     if plan is None and cluster is not None:
-        plan = make_plan(cluster, batch(), mode=planner_mode)
+        plan = from_cluster(cluster, batch(), planner_mode, config.pipelines, pipeline_obstacle)
     if plan is None:
         plan = Plan.even(world_size, batch(), mode=schedule)
         if provisional:
@@ -146,6 +157,47 @@ def resolve(*, plan: Plan | None, cluster: Cluster | None, schedule: vocabulary.
     if config.check_devices:
         check_devices(plan, identities())
     return plan
+
+
+def from_cluster(cluster: Cluster, global_batch_size: int, mode: vocabulary.Schedule,
+                 pipelines: bool | vocabulary.Auto, obstacle: str | None) -> Plan:
+    """[Note: planning from a cluster file weighs pipelines as the CLI does] The plan for ``cluster``,
+    pipelined plans weighed unless ``pipelines`` is False or ``obstacle`` (why the fit could not run
+    one) rules them out; said in one setup line."""
+    if pipelines is True and obstacle is not None:
+        raise ConfigurationError(f"CephaloStrategy(pipelines=True) weighs pipelined plans, which this fit cannot run: "
+                                 f"{obstacle}. Drop pipelines=True (the plan is then made without pipelines) or what "
+                                 "rules them out")
+    weigh = pipelines is not False and obstacle is None and mode == vocabulary.Schedule.LAYERED
+    plan = make_plan(cluster, global_batch_size, mode=mode, pipelines=weigh)
+    if not weigh:
+        why = "pipelines=False" if pipelines is False else obstacle or f"the {mode} mode"
+        rank_zero_info(f"Cephalo: planned from the cluster file without weighing pipelines ({why}): {_shape(plan)}")
+        return plan
+    if plan.idle_ranks:  # the runtime runs every rank: the plan over every rank instead
+        idle = span_text(plan.idle_ranks)
+        plan = make_plan(cluster, global_batch_size, mode=mode)
+        rank_zero_info(f"Cephalo: planned from the cluster file with pipelines weighed: the best pipelined plan leaves "
+                       f"ranks {idle} idle, which the strategy does not run; the plan over every rank: {_shape(plan)}")
+        return plan
+    flat, piped = plan.baselines.get(NO_PIPELINE), plan.baselines.get(PIPELINED)
+    against = (f" against {flat.predicted_step_s:.3g} s without a pipeline" if plan.pipelined and flat is not None
+               and flat.predicted_step_s is not None else "")
+    if not plan.pipelined and piped is not None:
+        against = (f" (the best pipelined plan: {piped.predicted_step_s:.3g} s)" if piped.predicted_step_s is not None
+                   else f" (pipelined: {piped.reason})")
+    rank_zero_info(f"Cephalo: planned from the cluster file with pipelines weighed: {_shape(plan)}{against}")
+    return plan
+
+
+def _shape(plan: Plan) -> str:
+    """The plan's shape and predicted step, in a few words."""
+    if plan.pipelined:
+        shape = (f"{len(plan.pipelines)} pipeline(s) x {len(plan.stage_layers)} stages (layers "
+                 f"{'+'.join(map(str, plan.stage_layers))}, {plan.pipeline_schedule})")
+    else:
+        shape = f"{plan.num_shard_groups} shard group(s), no pipeline"
+    return f"{shape}, predicted {plan.predicted_step_s:.3g} s a step"
 
 
 def replanned(plan: Plan | None, cluster: Cluster | None, global_batch_size: int, mode: vocabulary.Schedule,

@@ -15,6 +15,10 @@ planned sampler gives every rank of pipeline d the pipeline's samples, cut here 
               evaluation batch, cut into at most M_d micro-batches; runner.evaluate(micro-batches)
               runs the forward passes only and returns the loss over every pipeline's samples /
               their item count, the same on every rank, logged as ``val_loss`` (``test_loss``)
+    predict   a predict step: the pipeline's samples in at most M_d micro-batches; runner.predict
+              returns the last layer's outputs of those samples (a Hugging Face model's logits, the
+              protocol's input of ``cephalo_loss``) on every rank of the pipeline, which is what
+              Lightning's predict gets back from this rank; the user's ``predict_step`` is not called
 
 [Note: the step runs in the forward] Lightning calls ``training_step`` then ``backward``; under a
 pipeline a stage's backward of one micro-batch comes before its forward of a later one (1F1B), so
@@ -141,3 +145,11 @@ class PipelineSteps:
         name = "val_loss" if hook == "validation_step" else "test_loss"
         log_scalar(self.module, name, loss.item(), int(counts[0].item()), hook=hook, prog_bar=True)
         return loss
+
+    def predict(self, batch: Any) -> torch.Tensor:
+        """A predict step: this pipeline's samples in at most its micro-batch count, forward only; the last
+        layer's outputs of those samples, in their order, on every rank of the pipeline."""
+        runner = self.runner
+        samples = leading_size(batch) or 0
+        count = min(samples, runner.layout.micro_batches[runner.pipeline])
+        return runner.predict(micro_batches(batch, split_sizes(samples, count)))

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from cephalo_lightning._common.errors import UnsupportedError
-from cephalo_lightning._common.vocabulary import CollectiveChoice, Handback, HandbackChoice, ScheduleChoice
+from cephalo_lightning._common.vocabulary import Auto, CollectiveChoice, Handback, HandbackChoice, Schedule, ScheduleChoice
 from cephalo_lightning.lightning._private import (
     logging_as,
     module_hidden_from,
@@ -47,7 +47,7 @@ from cephalo_lightning.lightning.fit.callback_api import CallbackAPI
 from cephalo_lightning.lightning.fit.fault_tolerance import ReplicaGroup
 from cephalo_lightning.lightning.fit.fault_tolerance import check_options as check_fault_tolerance_options
 from cephalo_lightning.lightning.fit.fault_tolerant_fit import FitReplica
-from cephalo_lightning.lightning.fit.fit_runtime import FitRuntime, stash_offloaded
+from cephalo_lightning.lightning.fit.fit_runtime import FitRuntime, pipeline_obstacle, stash_offloaded
 from cephalo_lightning.lightning.fit.preemption import Preemption
 from cephalo_lightning.lightning.fit.replication import OneReplica
 from cephalo_lightning.lightning.fit.run_folders import FailureReport
@@ -108,6 +108,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                  verify_checksums: bool = DEFAULTS.verify_checksums, progress_every: int | None = DEFAULTS.progress_every,
                  async_checkpoint: bool = DEFAULTS.async_checkpoint, elastic: bool = DEFAULTS.elastic,
                  fault_tolerance: bool = DEFAULTS.fault_tolerance, replica_group: int | None = DEFAULTS.replica_group,
+                 pipelines: bool | Auto = DEFAULTS.pipelines,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  **kwargs: Any) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout, **kwargs)
@@ -120,7 +121,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             base_storage=base_storage, checkpoint_frozen=checkpoint_frozen, verify_loss=verify_loss,
             max_nonfinite_skips=max_nonfinite_skips, check_devices=check_devices, safe_globals=safe_globals, seed=seed,
             verify_checksums=verify_checksums, progress_every=progress_every, async_checkpoint=async_checkpoint,
-            elastic=elastic, fault_tolerance=fault_tolerance, replica_group=replica_group)
+            elastic=elastic, fault_tolerance=fault_tolerance, replica_group=replica_group, pipelines=pipelines)
         if self.config.fault_tolerance:
             check_fault_tolerance_options(self.config.mode, self.config.plan)
         self.plan, self.cluster = self.config.plan, self.config.cluster  # the plan in force; the callback's cluster
@@ -241,10 +242,13 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             resolution = resolve(module, self.config.router_aux_loss)
             schedule = decide_schedule(self.config.mode, resolution, module)
             self._replication.check_schedule(schedule)
+            layered = resolution.layered if schedule == Schedule.LAYERED else None
             plan = plan_resolution.resolve(
                 plan=self._replication.shard_plan(self.plan), cluster=self.cluster,
                 schedule=schedule, config=self.config, trainer=trainer, world_size=self.world_size,
-                identities=self._identities, provisional=self.plan_follows)
+                identities=self._identities, provisional=self.plan_follows,
+                pipeline_obstacle=pipeline_obstacle(self.config, layered, trainer, _has_cephalo_callback(trainer),
+                                                    manual=not module.automatic_optimization))
             plan_resolution.check_model(plan, module)
             self.fit_runtime = FitRuntime(
                 module, plan, self.config, schedule=schedule, resolution=resolution, rank=self.global_rank,
@@ -312,8 +316,9 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
             return dataloader
         if trainer.state.stage != RunningStage.TRAINING:
             runner = self.fit_runtime.pipeline if self.fit_runtime is not None else None
-            if runner is not None and trainer.state.stage != RunningStage.PREDICTING:  # a pipeline's ranks its samples
-                return pipelined_evaluation_loader(dataloader, len(runner.layout.pipelines), runner.pipeline)
+            if runner is not None:  # a pipeline's ranks its samples
+                return pipelined_evaluation_loader(dataloader, len(runner.layout.pipelines), runner.pipeline,
+                                                   predicting=trainer.state.stage == RunningStage.PREDICTING)
             return evaluation_loader(dataloader, self.world_size)
         plan_resolution.check_loader_batch(dataloader.batch_size, self.fit_runtime.plan, self.config.global_batch_size)
         seed = plan_resolution.data_seed(self.config.seed, os.environ)
@@ -380,7 +385,9 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                 return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
 
     def _eval_step(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        if name != "predict_step" and self.fit_runtime.pipeline is not None:
+        if self.fit_runtime.pipeline is not None:  # the user's step would run the whole model: the pipeline's
+            if name == "predict_step":
+                return self.fit_runtime.pipelined_prediction(args[0])
             return self.fit_runtime.pipelined_evaluation(args[0], name)
         with self.fit_runtime.evaluation_step():
             return getattr(super(), name)(*args, **kwargs)

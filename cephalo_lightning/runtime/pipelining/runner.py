@@ -19,6 +19,12 @@ pipeline holds, and never sent. Gradients add up over the micro-batches on the g
 so the result is d(sum over the global batch of the per-item losses / N) whatever the layout: the
 single-process gradient.
 
+[Note: predictions] ``predict`` runs the forward passes of the pipeline's micro-batches without a
+loss: the last stage keeps each micro-batch's last-layer output (a Hugging Face model's logits), and
+sends their concatenation to every other rank of its pipeline, so each rank of pipeline d returns the
+outputs of the samples it was given (its pipeline's). A stage gathers each unit once for the call
+(no layer by layer: a pipeline may get fewer micro-batches than another).
+
 [Note: collective order] Every rank of a stage gathers the same units in the same order, reduces
 them in the same (reverse) order and takes part in the same all-reduces (the item count, the tied
 parameters in a fixed order, the loss), whatever its micro-batch count, batch (zero too) or share.
@@ -170,6 +176,39 @@ class PipelineRunner:
         stage in the same count."""
         total = self._global_items(micro_batches)
         return self._run(micro_batches, total, train=False)
+
+    @torch.no_grad()
+    def predict(self, micro_batches: Sequence[Any]) -> torch.Tensor:
+        """[Note: predictions] The last layer's outputs of this pipeline's ``micro_batches`` (every rank of
+        the pipeline passes the same, at least one; another pipeline may pass another count),
+        concatenated along the first dimension, on every rank of the pipeline: forward only, each unit
+        of the stage gathered once for the call."""
+        sharded, observers = self.sharded, self.sharded.observers
+        outputs: list[torch.Tensor] = []
+        with sharded.scheduled():
+            for index in range(len(sharded.units)):  # every rank of the stage alike, whatever its micro-batches
+                sharded.gather(index, prefetch=index + 1)
+            for k, micro_batch in enumerate(micro_batches):
+                received = None if self.previous is None else self.transfers.recv(self.previous, Pass.FORWARD, k)
+                with observers.compute("stage_forward"):
+                    first_input, side = self.prepare(micro_batch)
+                    h = first_input if received is None else received
+                    for layer in self.layers:
+                        h = layer(h, side)
+                if self.next is None:
+                    outputs.append(h)
+                else:
+                    self.transfers.send(h, self.next, Pass.FORWARD, k)
+            self.transfers.flush()
+            sharded.free_all()
+        chain, handed = self.layout.pipelines[self.pipeline], len(micro_batches)  # a tag no micro-batch's send uses
+        if self.next is not None:
+            return self.transfers.recv(chain[-1], Pass.FORWARD, handed)
+        out = torch.cat(outputs)
+        for peer in chain[:-1]:
+            self.transfers.send(out, peer, Pass.FORWARD, handed)
+        self.transfers.flush()
+        return out
 
     def _global_items(self, micro_batches: Sequence[Any]) -> float:
         """N: every pipeline's items counted once (by its first stage), summed over the world."""
