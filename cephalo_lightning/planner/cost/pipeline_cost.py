@@ -29,8 +29,9 @@ and j + 1, either way) takes h_j, the slowest pipeline's (:meth:`PipelineCost.ho
     H = 2 sum_j h_j + 2 floor((M - 1)(S - 1) / S) max_j h_j        (1F1B)
     step >= step_overhead + sum_i busy_i / slowdown_i / host_cores   (ranks sharing a host's cores)
 
-(:func:`exposed_hops_ms`; [Note: point-to-point on the critical path]). The bubble is (S - 1) / (M + S - 1) of the compute. ``opt_i`` is the optimizer step of the
-rank's share of its stage's state. Memory of rank i::
+(:func:`exposed_hops_ms`; [Note: point-to-point on the critical path]). The bubble is
+(S - 1) / (M + S - 1) of the compute. ``opt_i`` is the optimizer step of the rank's share of its
+stage's state. Memory of rank i::
 
     compute_memory(m_d) + k_s m_d l_s a + reserved + r_i (l_s / L state_bytes + reduction_bytes)
         <= usable_memory_fraction * memory_i
@@ -51,9 +52,10 @@ more is exposed. 1F1B alternates a forward and a backward once the pipeline is f
 next forward waits on stage s - 1, which sends it only after the backward that waited on stage s's
 gradient, a round trip of 2 h over the cut per micro-batch, of which the stages' slack (stage s
 holds S - s micro-batches in flight) hides all but floor((M - 1)(S - 1) / S) over the step. For
-equal stages and cuts this is the step of the runtime's action order (:mod:`cephalo_lightning.runtime
-.pipelining.schedule`) with blocking receives, exactly; with unequal cuts the slowest cut's round
-trips price every exposed one, an upper bound (tests: a timed run of the schedules).
+equal stages and cuts this is the step of the runtime's action order
+(:mod:`cephalo_lightning.runtime.pipelining.schedule`) with blocking receives, exactly; with unequal
+cuts the slowest cut's round trips price every exposed one, an upper bound (tests: a timed run of
+the schedules).
 """
 
 from __future__ import annotations

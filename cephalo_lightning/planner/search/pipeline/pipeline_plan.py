@@ -5,7 +5,8 @@ first rank, as :func:`~cephalo_lightning.planner.schema.plan.validate_plan` asks
 is predicted the plan's step (the pipelines advance together); a rank binds by what dominates its
 stage's micro-step: its compute and in-stage collectives (``compute``) or its point-to-point sends
 (``link``); the messages on the schedule's critical path are the step's, priced once
-(:func:`~cephalo_lightning.planner.cost.pipeline_cost.exposed_hops_ms`, [Note: point-to-point on the critical path]). Ranks outside every pipeline are idle.
+(:func:`~cephalo_lightning.planner.cost.pipeline_cost.exposed_hops_ms`). Ranks outside every pipeline
+are idle.
 """
 
 from __future__ import annotations

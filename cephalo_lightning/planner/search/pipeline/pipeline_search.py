@@ -10,8 +10,8 @@ every micro-batch's stash (never less memory) and is priced the same compute; it
 messages between stages (none in its steady state), so where those weigh it could be the faster, and
 it is not weighed (below).
 
-[Note: what the pipeline search leaves out] The GPipe schedule, uneven batches between pipelines, a micro-batch count
-per pipeline, interleaved schedules and keeping a stage's autograd graph (no recompute) are not
+[Note: what the pipeline search leaves out] The GPipe schedule, uneven batches between pipelines, a
+micro-batch count per pipeline, interleaved schedules and keeping a stage's autograd graph (no recompute) are not
 weighed, nor the layouts :mod:`.layouts` leaves out; the pipelined plan is the best of what is
 weighed, with no certified gap.
 """
