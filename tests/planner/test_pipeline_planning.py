@@ -16,11 +16,18 @@ import pytest
 from cephalo_lightning._common.units import GIB
 from cephalo_lightning._common.vocabulary import PipelineSchedule
 from cephalo_lightning.planner import Plan, PlanningError, cluster_from_dict, plan
-from cephalo_lightning.planner.cost.pipeline_cost import PipelineCost, PipelineShape, bubble_fraction, in_flight
+from cephalo_lightning.planner.cost.pipeline_cost import (
+    PipelineCost,
+    PipelineShape,
+    bubble_fraction,
+    exposed_hops_ms,
+    in_flight,
+)
 from cephalo_lightning.planner.search.pipeline.cuts import best_cuts
 from cephalo_lightning.planner.search.pipeline.layouts import StageLayout, stage_layouts
 from cephalo_lightning.planner.search.pipeline.pipeline_search import best_for, price_cut
 from cephalo_lightning.planner.search.subsets import candidate_subsets, sub_cluster
+from cephalo_lightning.runtime.pipelining.schedule import Pass, stage_actions  # torch-free: the runtime's order
 
 FWD, BWD = [4.0, 7.0, 10.0], [8.0, 15.0, 21.0]  # one layer's ms at micro-batch 1, 2, 3 (linear beyond)
 
@@ -116,6 +123,74 @@ def test_point_to_point_sends_cross_the_slow_link_at_its_price() -> None:
     assert cost.sends_ms(0)[0] == pytest.approx(one_way)  # activations forward
     assert cost.sends_ms(1)[0] == pytest.approx(one_way)  # their gradients back
     assert cost.cross_node_bytes() == 2 * M * m * act
+
+
+def timed_schedule(schedule: PipelineSchedule, M: int, f: list[float], b: list[float], hops: list[float]) -> float:
+    """The step of the runtime's action order (``stage_actions``) run event by event: stage s computes a
+    forward in f[s] and a backward in b[s], one at a time in its order; a forward waits for the stage
+    before's output and a backward for the stage after's gradient, each arriving hops[j] after it was
+    sent across cut j; sends do not wait."""
+    S = len(f)
+    plans = [stage_actions(schedule, s, S, M) for s in range(S)]
+    at, clock, done = [0] * S, [0.0] * S, {}
+    while any(at[s] < len(plans[s]) for s in range(S)):
+        moved = False
+        for s in range(S):
+            if at[s] == len(plans[s]):
+                continue
+            action = plans[s][at[s]]
+            forward = action.kind is Pass.FORWARD
+            source = s - 1 if forward else s + 1
+            if 0 <= source < S:
+                sent = done.get((source, action.kind, action.micro_batch))
+                if sent is None:
+                    continue
+                ready = sent + hops[min(s, source)]
+            else:
+                ready = 0.0
+            clock[s] = max(clock[s], ready) + (f[s] if forward else b[s])
+            done[(s, action.kind, action.micro_batch)] = clock[s]
+            at[s] += 1
+            moved = True
+        assert moved, "the schedule deadlocked"
+    return max(clock)
+
+
+@pytest.mark.parametrize("schedule", list(PipelineSchedule))
+def test_the_messages_on_the_critical_path_are_the_timed_schedules(schedule: PipelineSchedule) -> None:
+    """Equal stages and cuts: (M + S - 1)(f + b) + H is the timed run of the runtime's order, exactly
+    (a message hidden behind compute, or one counted per micro-step, would miss it); unequal cuts:
+    never below it (the prediction never flatters) and within 15% of it."""
+    for S, M in itertools.product(range(2, 6), range(1, 11)):
+        for f, b, h in ((1.0, 2.0, 0.3), (1.0, 1.0, 0.9), (2.0, 5.0, 0.05)):
+            step = timed_schedule(schedule, M, [f] * S, [b] * S, [h] * (S - 1))
+            assert (M + S - 1) * (f + b) + exposed_hops_ms(schedule, M, [h] * (S - 1)) == pytest.approx(step), (S, M)
+    import random
+    rng = random.Random(0)
+    for _ in range(300):
+        S, M = rng.randint(2, 6), rng.randint(1, 12)
+        hops = [rng.uniform(0.0, 0.6) for _ in range(S - 1)]
+        step = timed_schedule(schedule, M, [1.0] * S, [2.5] * S, hops)
+        priced = (M + S - 1) * 3.5 + exposed_hops_ms(schedule, M, hops)
+        assert step * (1 - 1e-12) <= priced <= 1.15 * step, (S, M, hops)
+
+
+def test_the_step_prices_the_messages_between_stages_once_on_its_critical_path() -> None:
+    """Two stages across the slow link, 1F1B, M = 4: (M + S - 1) t + 2 h + 2 floor(3 / 2) h, h one
+    micro-batch's activation over the link's share plus its latency (the sends priced beside each
+    micro-step, or not at all, miss it)."""
+    c = cluster([[device("a")], [device("a")]], inter_node_latency_ms=0.5)
+    M, S, m = 4, 2, 3
+    cost = PipelineCost(c, PipelineShape(((0, 1),), (M * m,), M), PipelineSchedule.ONE_F_ONE_B)
+    stages = [cost.stage(0, 3), cost.stage(1, 3)]
+    h = m * 512 * 1024 * 2 / (1 / 8 * 1e9) * 1e3 + 0.5
+    t = max(float(p.micro_step_ms.max()) for p in stages)
+    assert t == pytest.approx(float(stages[0].compute_ms[0]))
+    assert cost.hops_ms() == pytest.approx([h])
+    assert cost.step_ms(stages) == pytest.approx((M + S - 1) * t + 4 * h + max(float(p.optimizer_ms.max()) for p in stages))
+    gpipe = PipelineCost(c, cost.shape, PipelineSchedule.GPIPE)
+    assert gpipe.step_ms([gpipe.stage(0, 3), gpipe.stage(1, 3)]) == pytest.approx(
+        (M + S - 1) * max(t, h) + 2 * h + max(float(p.optimizer_ms.max()) for p in stages))
 
 
 # ----------------------------------------------------------------------------- the choice

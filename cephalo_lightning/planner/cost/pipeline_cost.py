@@ -10,7 +10,6 @@ and reduce-scatter over the stage's group, :mod:`.collective_prices`)::
     u_i = comb((l_s - t_bf / M) AG, l_s F) + comb((l_s - t_fb / M) AG + l_s RS, l_s (F + B) + c)
                                                                   (each layer recomputed)
     p_i = m_d a / link(i, prev) + m_d a / link(i, next)  [+ latency per message crossing nodes]
-    w_i = comb(p_i, u_i)
 
 where t_fb and t_bf count the stage's turns from a forward to a backward and back in one step (the
 runtime keeps the layer at a turn gathered: the backward starts on the layer the forward ended on,
@@ -20,14 +19,19 @@ hidden_size x compute bytes), sent forward and its gradient backward, over the i
 between nodes, the inter-node one (GB/s per rank, as the collectives price them). The gathers and
 the reduction run per micro-batch: the stage's ranks never hold the stage's whole gradient. The
 ranks of one stage wait for each other in every collective, so the stage's micro-step is its
-slowest rank's, and the pipelines advance together::
+slowest rank's, and the pipelines advance together. One message across cut j (between stages j
+and j + 1, either way) takes h_j, the slowest pipeline's (:meth:`PipelineCost.hops_ms`)::
 
-    t_s = max_{i in stage s} w_i
-    step = contention * ((M + S - 1) * max_s t_s + max_i opt_i) + step_overhead
+    t_s = max_{i in stage s} u_i,        t = max_s t_s   (GPipe: t >= max_j h_j, one message a cut a micro-step)
+    h_j = max_d m_d a / link(chain_d[j], chain_d[j + 1])  [+ latency across nodes]
+    step = contention * ((M + S - 1) * t + H + max_i opt_i) + step_overhead
+    H = 2 sum_j h_j                                                (GPipe)
+    H = 2 sum_j h_j + 2 floor((M - 1)(S - 1) / S) max_j h_j        (1F1B)
     step >= step_overhead + sum_i busy_i / slowdown_i / host_cores   (ranks sharing a host's cores)
 
-(GPipe and 1F1B alike: the bubble is (S - 1) / (M + S - 1) of the step). ``opt_i`` is the
-optimizer step of the rank's share of its stage's state. Memory of rank i::
+(:func:`exposed_hops_ms`; [Note: point-to-point on the critical path]). The bubble is
+(S - 1) / (M + S - 1) of the compute. ``opt_i`` is the optimizer step of the rank's share of its
+stage's state. Memory of rank i::
 
     compute_memory(m_d) + k_s m_d l_s a + reserved + r_i (l_s / L state_bytes + reduction_bytes)
         <= usable_memory_fraction * memory_i
@@ -38,6 +42,20 @@ optimizer step of the rank's share of its stage's state. Memory of rank i::
 The shares are water-filled over the stage group's room (:func:`.device_cost.water_fill`). The
 model's parameters are spread over its layers evenly (``parameters / num_layers`` a layer), as the
 collectives price them.
+
+[Note: point-to-point on the critical path] A stage blocks in a receive and has nothing else to
+compute meanwhile, so a message's time overlaps no compute of the stage waiting for it. The first
+micro-batch crosses every cut forward and its gradient every cut back before the pipeline is full
+and after it drains: 2 sum_j h_j, under both schedules. GPipe's later messages travel while both
+stages compute other micro-batches (a stage runs every forward, then every backward), so nothing
+more is exposed. 1F1B alternates a forward and a backward once the pipeline is full: stage s's
+next forward waits on stage s - 1, which sends it only after the backward that waited on stage s's
+gradient, a round trip of 2 h over the cut per micro-batch, of which the stages' slack (stage s
+holds S - s micro-batches in flight) hides all but floor((M - 1)(S - 1) / S) over the step. For
+equal stages and cuts this is the step of the runtime's action order
+(:mod:`cephalo_lightning.runtime.pipelining.schedule`) with blocking receives, exactly; with unequal
+cuts the slowest cut's round trips price every exposed one, an upper bound (tests: a timed run of
+the schedules).
 """
 
 from __future__ import annotations
@@ -87,6 +105,20 @@ def turns(schedule: PipelineSchedule, num_micro_batches: int, num_stages: int, s
     return (1, 0) if warmup >= M else (M - warmup, M - warmup - 1)
 
 
+def exposed_hops_ms(schedule: PipelineSchedule, num_micro_batches: int, hops_ms: np.ndarray | list[float]) -> float:
+    """H: the point-to-point time on the step's critical path, from one message's time across each of
+    the S - 1 cuts ([Note: point-to-point on the critical path]): 2 sum_j h_j (GPipe), plus
+    2 floor((M - 1)(S - 1) / S) max_j h_j round trips (1F1B)."""
+    hops = np.asarray(hops_ms, dtype=float)
+    if not len(hops):
+        return 0.0
+    fill_and_drain = 2.0 * float(hops.sum())
+    if PipelineSchedule(schedule) == PipelineSchedule.GPIPE:
+        return fill_and_drain
+    S = len(hops) + 1
+    return fill_and_drain + 2.0 * ((num_micro_batches - 1) * (S - 1) // S) * float(hops.max())
+
+
 def bubble_fraction(num_micro_batches: int, num_stages: int) -> float:
     """The share of the step a stage waits in the pipeline's fill and drain: (S - 1) / (M + S - 1)."""
     return (num_stages - 1) / (num_micro_batches + num_stages - 1)
@@ -119,9 +151,9 @@ def send_ms(cluster: Cluster, across: bool, nbytes: float) -> float:
 class StagePrice:
     """One stage at a given layer count: its ranks' micro-steps (ms), memory (GiB), shares; fits."""
 
-    micro_step_ms: np.ndarray  # w_i of the stage's ranks, in the order of PipelineShape.stage_ranks
+    micro_step_ms: np.ndarray  # u_i of the stage's ranks (t_s is their max), in the order of PipelineShape.stage_ranks
     compute_ms: np.ndarray  # u_i
-    send_ms: np.ndarray  # p_i
+    send_ms: np.ndarray  # p_i: the rank's sends a micro-batch (priced on the step's critical path as H)
     memory_gb: np.ndarray
     shares: np.ndarray
     optimizer_ms: np.ndarray
@@ -157,6 +189,17 @@ class PipelineCost:
             out.append(total)
         return np.array(out)
 
+    def hops_ms(self) -> np.ndarray:
+        """h_j of every cut j (between stages j and j + 1): one micro-batch's activation, or its gradient,
+        across it, the slowest pipeline's (0 with ``free_links``)."""
+        S = self.shape.num_stages
+        out = np.zeros(S - 1)
+        for d, chain in enumerate(self.shape.chains):
+            nbytes = self.micro[d] * self.act
+            for j in range(S - 1):
+                out[j] = max(out[j], send_ms(self.cluster, self.nodes[chain[j]] != self.nodes[chain[j + 1]], nbytes))
+        return out
+
     def stage(self, stage: int, layers: int) -> StagePrice:
         """Stage ``stage`` computing ``layers`` layers: shares water-filled under memory, then times."""
         return self.stage_table(stage, np.array([layers]))[0]
@@ -189,7 +232,7 @@ class PipelineCost:
         u = (combine((l - bf / M) * ag, l * f, s.priced_overlap)
              + combine((l - fb / M) * ag + l * rs, l * (f + b) + over, s.priced_overlap))
         p = self.sends_ms(stage)[:, None]
-        w = combine(p, u, s.priced_overlap)
+        w = u  # the sends are priced on the step's critical path ([Note: point-to-point on the critical path])
         optimizer = np.array([[c.optimizer_ms_per_share] for c in costs]) * shares * fraction
         memory = used + s.reserved_memory_gb + shares * share_gb
         busy = M * (l * (2 * f + b) + over) + optimizer
@@ -199,11 +242,15 @@ class PipelineCost:
 
     def step_ms(self, stages: list[StagePrice]) -> float:
         """The step of every pipeline (they advance together): fill, M micro-steps of the slowest stage
-        and drain, then the slowest optimizer step."""
+        and drain, the point-to-point messages on the critical path (H), then the slowest optimizer step."""
         M, S = self.shape.num_micro_batches, self.shape.num_stages
         slowest = max(float(p.micro_step_ms.max()) for p in stages)
+        hops = self.hops_ms()
+        if self.schedule == PipelineSchedule.GPIPE and len(hops):
+            slowest = max(slowest, float(hops.max()))  # a cut carries M messages each way back to back
         optimizer = max(float(p.optimizer_ms.max()) for p in stages)
-        step = float(step_ms(self.cluster.settings, (M + S - 1) * slowest + optimizer))
+        exposed = exposed_hops_ms(self.schedule, M, hops)
+        step = float(step_ms(self.cluster.settings, (M + S - 1) * slowest + exposed + optimizer))
         cores = self.cluster.settings.host_cores
         if cores:  # ranks sharing one host's cores: their real compute spread over the cores
             real = sum(float((p.busy_ms / [slowdown_of(self.cluster.devices[r]) for r in self.shape.stage_ranks(i)]).sum())

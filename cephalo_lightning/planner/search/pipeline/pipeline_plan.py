@@ -4,12 +4,14 @@ The ranks of stage s form its shard group; groups are numbered 0, 1, ... in the 
 first rank, as :func:`~cephalo_lightning.planner.schema.plan.validate_plan` asks. Every active rank
 is predicted the plan's step (the pipelines advance together); a rank binds by what dominates its
 stage's micro-step: its compute and in-stage collectives (``compute``) or its point-to-point sends
-(``link``). Ranks outside every pipeline are idle.
+(``link``); the messages on the schedule's critical path are the step's, priced once
+(:func:`~cephalo_lightning.planner.cost.pipeline_cost.exposed_hops_ms`). Ranks outside every pipeline
+are idle.
 """
 
 from __future__ import annotations
 
-from cephalo_lightning.planner.cost.pipeline_cost import bubble_fraction
+from cephalo_lightning.planner.cost.pipeline_cost import bubble_fraction, exposed_hops_ms
 from cephalo_lightning.planner.schema.cluster_spec import Cluster
 from cephalo_lightning.planner.schema.plan import Binding, RankPlan
 from cephalo_lightning.planner.search.pipeline.pipeline_search import PipelineCandidate
@@ -38,6 +40,7 @@ def pipeline_ranks(cluster: Cluster, found: PipelineCandidate) -> tuple[RankPlan
     step_s = found.step_ms / 1e3
     slowest = max(float(p.micro_step_ms.max()) for p in found.stages)
     bubble = bubble_fraction(M, S)
+    hops = exposed_hops_ms(found.schedule, M, found.hops_ms)
     spans = stage_spans(found.stage_layers)
     placed: dict[int, RankPlan] = {}
     group_of_stage: dict[int, int] = {}
@@ -50,9 +53,10 @@ def pipeline_ranks(cluster: Cluster, found: PipelineCandidate) -> tuple[RankPlan
         w, u, p = (float(price.micro_step_ms[d]) / 1e3, float(price.compute_ms[d]) / 1e3, float(price.send_ms[d]) / 1e3)
         binding = Binding.LINK if p > u else Binding.COMPUTE
         first, last = spans[s]
-        why = (f"stage {s} (layers {first}-{last}): micro-step {w:.3g} s ({u:.3g} s compute and "
-               f"in-stage collectives, {p:.3g} s sends); the slowest stage's {slowest / 1e3:.3g} s x ({M} + {S} - 1) "
-               f"sets the step, {100 * bubble:.0f}% of it the pipeline's fill and drain")
+        why = (f"stage {s} (layers {first}-{last}): micro-step {w:.3g} s of compute and in-stage collectives "
+               f"({p:.3g} s sends a micro-batch); the slowest stage's {slowest / 1e3:.3g} s x ({M} + {S} - 1), "
+               f"{100 * bubble:.0f}% of it the pipeline's fill and drain, and {hops / 1e3:.3g} s of messages between "
+               f"stages on the schedule's critical path set the step")
         placed[rank] = RankPlan(
             rank, device.name, shape.batches[d], M, -(-shape.batches[d] // M), float(price.shares[d]),
             predicted_step_s=step_s, predicted_memory_gb=float(price.memory_gb[d]), source=device.source,

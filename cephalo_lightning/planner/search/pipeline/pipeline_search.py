@@ -5,11 +5,13 @@ For every layout (:mod:`.layouts`) the D pipelines take near-equal batches B_d (
 ``ceil(max_d B_d / M)``, M <= min_d B_d, is weighed (the fewest micro-batches of each size: [Note:
 the fewest micro-batches of a size]); for each, the layer cut minimising the slowest
 stage's micro-step (:func:`.cuts.best_cuts`, memory included) is priced as a whole step
-(:class:`~cephalo_lightning.planner.cost.pipeline_cost.PipelineCost`). The schedule is 1F1B: the cost
-model prices GPipe's step alike and its memory never lower, so GPipe is never the faster.
+(:class:`~cephalo_lightning.planner.cost.pipeline_cost.PipelineCost`). The schedule is 1F1B: GPipe holds
+every micro-batch's stash (never less memory) and is priced the same compute; it exposes fewer
+messages between stages (none in its steady state), so where those weigh it could be the faster, and
+it is not weighed (below).
 
-[Note: what the pipeline search leaves out] Uneven batches between pipelines, a micro-batch count
-per pipeline, interleaved schedules and keeping a stage's autograd graph (no recompute) are not
+[Note: what the pipeline search leaves out] The GPipe schedule, uneven batches between pipelines, a
+micro-batch count per pipeline, interleaved schedules and keeping a stage's autograd graph (no recompute) are not
 weighed, nor the layouts :mod:`.layouts` leaves out; the pipelined plan is the best of what is
 weighed, with no certified gap.
 """
@@ -41,6 +43,7 @@ class PipelineCandidate:
     stages: tuple[StagePrice, ...]
     step_ms: float
     cross_node_bytes: float
+    hops_ms: tuple[float, ...]  # one message's time across each cut (PipelineCost.hops_ms)
 
 
 def near_equal(total: int, parts: int) -> tuple[int, ...]:
@@ -66,7 +69,8 @@ def price_cut(cluster: Cluster, shape: PipelineShape, schedule: PipelineSchedule
     """One candidate priced whole."""
     cost = PipelineCost(cluster, shape, schedule)
     stages = tuple(cost.stage(s, layers) for s, layers in enumerate(cuts))
-    return PipelineCandidate(layout, shape, schedule, cuts, stages, cost.step_ms(list(stages)), cost.cross_node_bytes())
+    return PipelineCandidate(layout, shape, schedule, cuts, stages, cost.step_ms(list(stages)), cost.cross_node_bytes(),
+                             tuple(cost.hops_ms()))
 
 
 def best_for(cluster: Cluster, layout: StageLayout, batches: tuple[int, ...], M: int,
@@ -84,7 +88,7 @@ def best_for(cluster: Cluster, layout: StageLayout, batches: tuple[int, ...], M:
         return None
     stages = tuple(prices[s][layers] for s, layers in enumerate(found[0]))
     return PipelineCandidate(layout, shape, schedule, found[0], stages, cost.step_ms(list(stages)),
-                             cost.cross_node_bytes())
+                             cost.cross_node_bytes(), tuple(cost.hops_ms()))
 
 
 def search_pipelines(cluster: Cluster, global_batch: int) -> PipelineCandidate | None:
