@@ -4,8 +4,8 @@
 
 ``no pipeline`` is the searched plan over every rank (:func:`.planning.solved_plan`: the best shard
 grouping); ``best subset`` the best such plan over the subsets of :mod:`.search.subsets` (the ranks
-outside it idle; a subset whose step is bounded above the best found is not planned: [Note: the
-pruned subset search]); ``pipelined`` the best pipelined candidate of :mod:`.search.pipeline`. A
+outside it idle; a subset whose step is bounded above the best found is not planned:
+[Note: the pruned subset search]); ``pipelined`` the best pipelined candidate of :mod:`.search.pipeline`. A
 departure from ``no pipeline`` needs a strictly shorter predicted step. The chosen plan keeps the
 baselines of the plan over every rank and adds the three, each naming its shape, and says of any
 idle rank what the plan over every rank predicts.
