@@ -59,7 +59,8 @@ def with_idle(cluster: Cluster, sub: Plan, kept: tuple[int, ...], upper: float |
 
 
 def subset_bound_s(cluster: Cluster, global_batch: int) -> float:
-    """A lower bound on the step of any plan over ``cluster`` (a subset's): B over its upper bound on samples/s.
+    """A lower bound on the step of any plan over ``cluster`` (a subset's, in the layered mode, the only
+    one subsets are weighed in): B over its upper bound on samples/s.
 
     [Note: why the subset bound is valid] :func:`.baselines.upper_bound_samples_per_s` sums every
     device's best samples/s at the micro-batch sizes it can hold with no state, its compute alone

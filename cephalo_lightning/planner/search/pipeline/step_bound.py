@@ -40,7 +40,6 @@ def step_bounds(cluster: Cluster, layout: StageLayout, batches: tuple[int, ...],
     M = np.asarray(counts, dtype=np.int64)
     S, L, s = layout.num_stages, cluster.model.num_layers, cluster.settings
     slowest = np.zeros(len(M))
-    may_fit = np.ones(len(M), dtype=bool)
     held = np.zeros((S, len(M)), dtype=bool)  # some rank of the stage holds its micro-batch
     for d, chain in enumerate(layout.chains):
         micro = -(-batches[d] // M)
@@ -54,6 +53,4 @@ def step_bounds(cluster: Cluster, layout: StageLayout, batches: tuple[int, ...],
             held[stage] |= np.asarray(cost.compute_memory(micro), dtype=float) <= cost.budget_gb
         with np.errstate(divide="ignore"):
             slowest = np.maximum(slowest, L / inverse + least_overhead)
-    may_fit &= held.all(axis=0)
-    bound = s.host_contention * (M + S - 1) * slowest + s.step_overhead_ms
-    return bound, may_fit
+    return s.host_contention * (M + S - 1) * slowest + s.step_overhead_ms, held.all(axis=0)
