@@ -170,9 +170,10 @@ def _plans(cluster: Any, batch: int) -> dict[str, tuple[Any, str]]:
 
     def solve(over: Any) -> Any:
         from cephalo_lightning._common.vocabulary import Schedule
-        return solved_plan(over, Problem(without_fixed_terms(over), batch, Schedule.LAYERED), tuple(Grouping))
+        return solved_plan(over, Problem(without_fixed_terms(over), batch, Schedule.LAYERED), tuple(Grouping),
+                           baselines=False)
 
-    sub, kept = best_subset(cluster, solve, base.upper_bound_samples_per_s)
+    sub, kept = best_subset(cluster, solve, batch, base.upper_bound_samples_per_s)
     out["best-subset"] = ((sub, f"ranks {list(kept)} alone, the others idle") if sub is not None
                           else (None, "infeasible: no subset of the ranks holds the state"))
     return out

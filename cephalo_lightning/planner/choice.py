@@ -4,7 +4,8 @@
 
 ``no pipeline`` is the searched plan over every rank (:func:`.planning.solved_plan`: the best shard
 grouping); ``best subset`` the best such plan over the subsets of :mod:`.search.subsets` (the ranks
-outside it idle); ``pipelined`` the best pipelined candidate of :mod:`.search.pipeline`. A
+outside it idle; a subset whose step is bounded above the best found is not planned:
+[Note: the pruned subset search]); ``pipelined`` the best pipelined candidate of :mod:`.search.pipeline`. A
 departure from ``no pipeline`` needs a strictly shorter predicted step. The chosen plan keeps the
 baselines of the plan over every rank and adds the three, each naming its shape, and says of any
 idle rank what the plan over every rank predicts.
@@ -16,6 +17,7 @@ subset's plan its own over the subset.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -25,12 +27,14 @@ from cephalo_lightning.planner.schema.cluster_spec import Cluster
 from cephalo_lightning.planner.schema.plan import BaselineResult, Plan
 from cephalo_lightning.planner.schema.planning_error import PlanningError
 from cephalo_lightning.planner.search.assemble import model_summary
+from cephalo_lightning.planner.search.baselines import upper_bound_samples_per_s
 from cephalo_lightning.planner.search.pipeline.pipeline_plan import idle_rank, pipeline_ranks
 from cephalo_lightning.planner.search.pipeline.pipeline_search import PipelineCandidate, search_pipelines
 from cephalo_lightning.planner.search.subsets import candidate_subsets, sub_cluster
 
 NO_PIPELINE, BEST_SUBSET, PIPELINED = "no pipeline", "best subset", "pipelined"
 MAX_SHAPE_RANKS = 64  # beyond, neither subsets nor pipelines are weighed (each subset is a solve of its own)
+BOUND_SLACK = 1e-6  # a subset whose bound is within this fraction of the best step is planned still (rounding)
 
 
 def span_text(ranks: tuple[int, ...]) -> str:
@@ -54,18 +58,43 @@ def with_idle(cluster: Cluster, sub: Plan, kept: tuple[int, ...], upper: float |
     return replace(sub, ranks=ranks, baselines={}, upper_bound_samples_per_s=upper)
 
 
-def best_subset(cluster: Cluster, solve: Callable[[Cluster], Plan], upper: float | None = None
-                ) -> tuple[Plan | None, tuple[int, ...]]:
-    """The fastest plan over the subsets weighed (``solve``: a cluster's plan over its every rank)."""
-    best, kept_best = None, ()
+def subset_bound_s(cluster: Cluster, global_batch: int) -> float:
+    """A lower bound on the step of any plan over ``cluster`` (a subset's, in the layered mode, the only
+    one subsets are weighed in): B over its upper bound on samples/s.
+
+    [Note: why the subset bound is valid] :func:`.baselines.upper_bound_samples_per_s` sums every
+    device's best samples/s at the micro-batch sizes it can hold with no state, its compute alone
+    (no collectives, no overhead): a rank given b samples computes at least b times its best time
+    per sample, so any plan's B / step is at most the sum and its step at least B / upper. The
+    subset's plan is priced on the same calibrated profiles (:func:`.planning.solved_plan`), and its
+    fixed terms (the step overhead, a contention >= 1) only lengthen its step."""
+    upper = upper_bound_samples_per_s(calibrated(cluster), global_batch, Schedule.LAYERED)
+    return global_batch / upper if upper > 0 else math.inf
+
+
+def best_subset(cluster: Cluster, solve: Callable[[Cluster], Plan], global_batch: int, upper: float | None = None,
+                *, prune: bool = True) -> tuple[Plan | None, tuple[int, ...]]:
+    """The fastest plan over the subsets weighed (``solve``: a cluster's plan over its every rank;
+    the first of equal steps in :func:`.subsets.candidate_subsets`' order).
+
+    [Note: the pruned subset search] With ``prune`` the subsets are planned in the order of their
+    lower bound (:func:`subset_bound_s`), and the search stops at the first bound above the best
+    step found: every later subset's step is at least its bound. Of equal steps the first in the
+    order listed wins either way, so the pruned search keeps the same subset."""
+    best, kept_best, first = None, (), -1
     source = calibrated(cluster)
-    for kept in candidate_subsets(cluster):
+    kept_of = candidate_subsets(cluster)
+    subsets = [sub_cluster(source, kept) for kept in kept_of]
+    bounds = [subset_bound_s(sub, global_batch) for sub in subsets] if prune else [0.0] * len(subsets)
+    for i in sorted(range(len(subsets)), key=lambda i: (bounds[i], i)):
+        if best is not None and bounds[i] > best.predicted_step_s * (1 + BOUND_SLACK):
+            break
         try:
-            found = solve(sub_cluster(source, kept))
+            found = solve(subsets[i])
         except PlanningError:
             continue  # the subset cannot hold the model or the batch
-        if best is None or found.predicted_step_s < best.predicted_step_s:
-            best, kept_best = found, kept
+        if best is None or (found.predicted_step_s, i) < (best.predicted_step_s, first):
+            best, kept_best, first = found, kept_of[i], i
     return (with_idle(cluster, best, kept_best, upper), kept_best) if best is not None else (None, ())
 
 
@@ -90,7 +119,10 @@ def pipeline_text(found: PipelineCandidate, cross_node_gib: float) -> str:
 
 
 def choose(cluster: Cluster, base: Plan, solve: Callable[[Cluster], Plan], pipelines: bool, subsets: bool) -> Plan:
-    """The fastest of ``base`` (the plan over every rank), the best subset's and the best pipelined plan."""
+    """The fastest of ``base`` (the plan over every rank), the best subset's and the best pipelined plan.
+
+    ``solve``: a cluster's plan over its every rank; the subsets' baselines are not read (it may
+    leave them out)."""
     candidates: list[Plan] = [base]
     extra: dict[str, BaselineResult] = {NO_PIPELINE: _result(base, "the best shard grouping over every rank")}
     if cluster.world_size > MAX_SHAPE_RANKS:
@@ -99,7 +131,7 @@ def choose(cluster: Cluster, base: Plan, solve: Callable[[Cluster], Plan], pipel
         extra.update({name: skipped for name, asked in ((BEST_SUBSET, subsets), (PIPELINED, pipelines)) if asked})
         return replace(base, baselines={**base.baselines, **extra})
     if subsets and cluster.world_size > 1:
-        sub, kept = best_subset(cluster, solve, base.upper_bound_samples_per_s)
+        sub, kept = best_subset(cluster, solve, base.global_batch_size, base.upper_bound_samples_per_s)
         idle = tuple(r for r in range(cluster.world_size) if r not in kept)
         reason = (f"ranks {span_text(kept)}: {devices_text(cluster, kept)}; idle {span_text(idle)}: "
                   f"{devices_text(cluster, idle)}") if sub is not None else "no subset weighed fits"

@@ -54,18 +54,20 @@ def plan(cluster: Cluster, global_batch_size: int, mode: Schedule = Schedule.LAY
         raise PlanningError(f"pipelined plans and subsets are weighed in the layered mode only, not {mode}; plan with "
                             "mode layered, or without pipelines and subsets")
 
-    def solve(over: Cluster) -> Plan:
-        return solved_plan(over, Problem(without_fixed_terms(over), B, mode), names)
+    def solve(over: Cluster, baselines: bool = True) -> Plan:
+        return solved_plan(over, Problem(without_fixed_terms(over), B, mode), names, baselines=baselines)
 
     base = solve(cluster)
-    return choose(cluster, base, solve, pipelines, subsets) if pipelines or subsets else base
+    if not (pipelines or subsets):
+        return base
+    return choose(cluster, base, lambda over: solve(over, baselines=False), pipelines, subsets)
 
 
-def solved_plan(source: Cluster, problem: Problem, groupings: tuple[str, ...]) -> Plan:
+def solved_plan(source: Cluster, problem: Problem, groupings: tuple[str, ...], *, baselines: bool = True) -> Plan:
     """The searched plan of ``source`` over the ``groupings`` named, from ``problem``: the problem of
     :func:`without_fixed_terms` of ``source`` (:func:`plan` folds its ranks into kinds), its batch
     and its mode. ``source`` keeps any calibration: each plan is priced as the calibration prices
-    its grouping."""
+    its grouping. ``baselines=False`` leaves the baselines out (a subset's plan, whose are not read)."""
     B, mode, cluster = problem.B, problem.mode, calibrated(source)
     upper = upper_bound_samples_per_s(cluster, B, mode)
     fixed_s, contention = cluster.settings.step_overhead_ms / 1e3, cluster.settings.host_contention
@@ -89,7 +91,7 @@ def solved_plan(source: Cluster, problem: Problem, groupings: tuple[str, ...]) -
         predicted_samples_per_s=B / step,
         upper_bound_samples_per_s=upper,
         model=model_summary(cluster),
-        baselines=compute_baselines(source, B, mode, problem=by_kinds),
+        baselines=compute_baselines(source, B, mode, problem=by_kinds) if baselines else {},
         planner=Planner.CEPHALO,
         emulated=cluster.emulated,
         optimality_gap=max(0.0, step / lower_s - 1.0) if lower_s > 0 else None,

@@ -8,7 +8,8 @@ stage's micro-step (:func:`.cuts.best_cuts`, memory included) is priced as a who
 (:class:`~cephalo_lightning.planner.cost.pipeline_cost.PipelineCost`). The schedule is 1F1B: GPipe holds
 every micro-batch's stash (never less memory) and is priced the same compute; it exposes fewer
 messages between stages (none in its steady state), so where those weigh it could be the faster, and
-it is not weighed (below).
+it is not weighed (below). The candidates are priced lowest bound first and the search stops
+where the bound passes the best step ([Note: the pruned pipeline search]).
 
 [Note: what the pipeline search leaves out] The GPipe schedule, uneven batches between pipelines, a
 micro-batch count per pipeline, interleaved schedules and keeping a stage's autograd graph (no recompute) are not
@@ -24,12 +25,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from cephalo_lightning._common.vocabulary import PipelineSchedule
+from cephalo_lightning.planner.cost.device_cost import kind_costs
 from cephalo_lightning.planner.cost.pipeline_cost import PipelineCost, PipelineShape, StagePrice
 from cephalo_lightning.planner.schema.cluster_spec import Cluster
 from cephalo_lightning.planner.search.pipeline.cuts import best_cuts
 from cephalo_lightning.planner.search.pipeline.layouts import StageLayout, stage_layouts
+from cephalo_lightning.planner.search.pipeline.step_bound import step_bounds
 
 SCHEDULE = PipelineSchedule.ONE_F_ONE_B
+BOUND_SLACK = 1e-9  # a bound within this fraction of the best step is priced still (rounding)
 
 
 @dataclass(frozen=True)
@@ -91,15 +95,37 @@ def best_for(cluster: Cluster, layout: StageLayout, batches: tuple[int, ...], M:
                              cost.cross_node_bytes(), tuple(cost.hops_ms()))
 
 
-def search_pipelines(cluster: Cluster, global_batch: int) -> PipelineCandidate | None:
-    """The fastest pipelined candidate weighed (see the module), or None when none fits."""
-    best: PipelineCandidate | None = None
+def search_pipelines(cluster: Cluster, global_batch: int, *, prune: bool = True) -> PipelineCandidate | None:
+    """The fastest pipelined candidate weighed (see the module), or None when none fits.
+
+    [Note: the pruned pipeline search] Every (layout, micro-batch count) is weighed; with ``prune``
+    they are priced in the order of their lower bound (:mod:`.step_bound`), those no rank of a
+    stage can hold skipped, and the search stops at the first bound above the best step found
+    (every later candidate's step is at least its bound). Of equal steps the first in the order
+    listed wins, as without ``prune``: the same candidate either way."""
+    weighed: list[tuple[StageLayout, tuple[int, ...], int]] = []
+    bounds, fits = [np.zeros(0)], [np.zeros(0, dtype=bool)]
+    costs = kind_costs(cluster) if prune else None
     for layout in stage_layouts(cluster):
         if global_batch < layout.num_pipelines:
             continue
         batches = near_equal(global_batch, layout.num_pipelines)
-        for M in micro_batch_counts(batches):
-            found = best_for(cluster, layout, batches, M)
-            if found is not None and (best is None or found.step_ms < best.step_ms):
-                best = found
+        counts = micro_batch_counts(batches)
+        weighed += [(layout, batches, M) for M in counts]
+        if costs is not None:
+            layout_bounds, layout_fits = step_bounds(cluster, layout, batches, counts, costs)
+            bounds.append(layout_bounds)
+            fits.append(layout_fits)
+    bound, may_fit = np.concatenate(bounds), np.concatenate(fits)
+    order = list(range(len(weighed)))
+    if prune:  # the lowest bound first, the order listed among equals
+        order = [int(i) for i in np.lexsort((np.arange(len(weighed)), bound)) if may_fit[i]]
+    best: PipelineCandidate | None = None
+    first = len(weighed)  # the best's place in the order listed
+    for i in order:
+        if prune and best is not None and bound[i] > best.step_ms * (1 + BOUND_SLACK):
+            break
+        found = best_for(cluster, *weighed[i])
+        if found is not None and (best is None or (found.step_ms, i) < (best.step_ms, first)):
+            best, first = found, i
     return best
