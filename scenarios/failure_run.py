@@ -27,6 +27,7 @@ import signal
 import sys
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -37,6 +38,7 @@ from tests.plans import plan_of
 GLOBAL = 12
 SLOWDOWN = 300.0  # every rank's compute emulated this much slower: steps of seconds, as a GPU job's, against start-ups of seconds
 START_WAIT_S = 300  # how long a group's first life waits for the other's at the start
+PG_TIMEOUT_S = 300  # checkpoint-restart: a collective stuck this long fails the rank, and torchrun restarts it
 PLAN = plan_of(batches=[6, 6], micro=[1, 1], shares=[1.0, 1.0], devices=["cpu", "cpu"], groups=[0, 1])
 
 
@@ -101,7 +103,8 @@ def main(work: Path, way: str, group_arg: str, steps: int, every: int, checkpoin
     rank = int(os.environ["RANK"])
     saver = ModelCheckpoint(dirpath=str(work / "ckpt"), save_top_k=0, save_last=True,
                             every_n_train_steps=checkpoint_every)
-    strategy = CephaloStrategy(plan=PLAN, check_devices=False, seed=0, emulate=[{"slowdown": SLOWDOWN}] * 2)
+    strategy = CephaloStrategy(plan=PLAN, check_devices=False, seed=0, emulate=[{"slowdown": SLOWDOWN}] * 2,
+                               timeout=timedelta(seconds=PG_TIMEOUT_S))
     trainer = helpers.trainer(strategy, 2, steps, default_root_dir=str(work), enable_checkpointing=True,
                               callbacks=[Failures(work, way, rank, every, steps), saver])
     trainer.fit(LibraryLM("llama", "adamw"), data, ckpt_path="last")
