@@ -5,7 +5,6 @@ past its deadline printed as such (no figures, no ratio)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
