@@ -178,7 +178,8 @@ def checkpoint_restart(work: Path, steps: int, every: int, checkpoint_every: int
             end_tree(job)  # past the deadline: torchrun and its ranks (each in a session of its own)
     failure = f"failed: torchrun exited with {job.returncode}" if finished and job.returncode != 0 else None
     tail = _tail(work, "torchrun.log") if failure or not finished else None
-    return {**_summary(work, wall, len(_records(work / "lives.jsonl"))), **_outcome(finished, deadline, failure, tail)}
+    started = (work / "started").read_text().split() if (work / "started").exists() else []  # failed starts too
+    return {**_summary(work, wall, len(started)), **_outcome(finished, deadline, failure, tail)}
 
 
 def options(parser: argparse.ArgumentParser) -> None:
@@ -244,8 +245,8 @@ def print_report(result: dict[str, Any]) -> None:
     else:
         print("\nno ratio: an arm did not finish (above).")
     print("completed again: completed steps trained a second time (the restart's steps since its checkpoint); "
-          "interrupted redone: steps cut by a kill and trained again; processes: the training processes started "
-          "(fault tolerance restarts one group's, torchrun every rank's).")
+          "interrupted redone: steps cut by a kill and trained again; processes: the training processes started, "
+          "those that failed before training included (fault tolerance restarts one group's, torchrun every rank's).")
     print(common.load_note(*result["load"]))
 
 

@@ -14,7 +14,8 @@ after its backward and before the cross-group sum: mid-step.
   start resuming from the newest (``fit(ckpt_path="last")``); torchrun restarts both ranks when one dies.
 
 The groups' first lives wait for each other at ``on_train_start`` (``ready-G``), so the first quorum
-holds both. Each life appends to ``lives.jsonl`` (way, group or rank, the step it starts at, the time); each
+holds both. Each process appends its pid to ``started`` as it starts (a life that fails before training
+counts too); each life appends to ``lives.jsonl`` (way, group or rank, the step it starts at, the time); each
 committed or redone step to ``steps-G.jsonl`` (fault tolerance: the replica group's history); the
 run's end writes ``done-G`` (the time).
 """
@@ -90,6 +91,8 @@ def main(work: Path, way: str, group_arg: str, steps: int, every: int, checkpoin
     from tests import helpers
     from tests.library_models import LibraryLM, PaddedTokens, loader
 
+    with open(work / "started", "a") as started:
+        started.write(f"{os.getpid()}\n")
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     data = loader(PaddedTokens(steps * GLOBAL), GLOBAL)
