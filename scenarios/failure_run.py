@@ -14,7 +14,8 @@ after its backward and before the cross-group sum: mid-step.
   start resuming from the newest (``fit(ckpt_path="last")``); torchrun restarts both ranks when one dies.
 
 The groups' first lives wait for each other at ``on_train_start`` (``ready-G``), so the first quorum
-holds both. Each life appends to ``lives.jsonl`` (way, group or rank, the step it starts at, the time); each
+holds both. Each process appends its pid to ``started`` as it starts (a life that fails before training
+counts too); each life appends to ``lives.jsonl`` (way, group or rank, the step it starts at, the time); each
 committed or redone step to ``steps-G.jsonl`` (fault tolerance: the replica group's history); the
 run's end writes ``done-G`` (the time).
 """
@@ -27,6 +28,7 @@ import signal
 import sys
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -37,6 +39,7 @@ from tests.plans import plan_of
 GLOBAL = 12
 SLOWDOWN = 300.0  # every rank's compute emulated this much slower: steps of seconds, as a GPU job's, against start-ups of seconds
 START_WAIT_S = 300  # how long a group's first life waits for the other's at the start
+PG_TIMEOUT_S = 300  # checkpoint-restart: a collective stuck this long fails the rank, and torchrun restarts it
 PLAN = plan_of(batches=[6, 6], micro=[1, 1], shares=[1.0, 1.0], devices=["cpu", "cpu"], groups=[0, 1])
 
 
@@ -88,6 +91,8 @@ def main(work: Path, way: str, group_arg: str, steps: int, every: int, checkpoin
     from tests import helpers
     from tests.library_models import LibraryLM, PaddedTokens, loader
 
+    with open(work / "started", "a") as started:
+        started.write(f"{os.getpid()}\n")
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     data = loader(PaddedTokens(steps * GLOBAL), GLOBAL)
@@ -101,7 +106,8 @@ def main(work: Path, way: str, group_arg: str, steps: int, every: int, checkpoin
     rank = int(os.environ["RANK"])
     saver = ModelCheckpoint(dirpath=str(work / "ckpt"), save_top_k=0, save_last=True,
                             every_n_train_steps=checkpoint_every)
-    strategy = CephaloStrategy(plan=PLAN, check_devices=False, seed=0, emulate=[{"slowdown": SLOWDOWN}] * 2)
+    strategy = CephaloStrategy(plan=PLAN, check_devices=False, seed=0, emulate=[{"slowdown": SLOWDOWN}] * 2,
+                               timeout=timedelta(seconds=PG_TIMEOUT_S))
     trainer = helpers.trainer(strategy, 2, steps, default_root_dir=str(work), enable_checkpointing=True,
                               callbacks=[Failures(work, way, rank, every, steps), saver])
     trainer.fit(LibraryLM("llama", "adamw"), data, ckpt_path="last")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scenarios.launch_env import clean_env
+from scenarios.launch_env import torchrun_env
 
 ROOT = Path(__file__).resolve().parents[1]
 RDZV_CONF = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=300"
@@ -22,8 +22,7 @@ def start_agent(work: Path, port: int, node: str, ranks: int, host: bool) -> sub
                "--max-restarts", "3", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                "--rdzv-id", "elastic-test", "--rdzv-conf", f"is_host={int(host)},{RDZV_CONF}",
                "--monitor-interval", "0.1", str(ROOT / "scenarios" / "elastic_worker.py"), str(work)]
-    env = clean_env(ELASTIC_NODE=node, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LOGLEVEL="INFO",
-                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = torchrun_env(ELASTIC_NODE=node, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", LOGLEVEL="INFO")
     log = open(work / f"agent-{node}-{len(list(work.glob(f'agent-{node}-*')))}.log", "w")  # noqa: SIM115
     return subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
