@@ -19,7 +19,7 @@ pipeline holds, and never sent. Gradients add up over the micro-batches on the g
 so the result is d(sum over the global batch of the per-item losses / N) whatever the layout: the
 single-process gradient.
 
-[Note: predictions] ``predict`` runs the forward passes of the pipeline's micro-batches without a
+[Note: predictions through the pipeline] ``predict`` runs the forward passes of the pipeline's micro-batches without a
 loss: the last stage keeps each micro-batch's last-layer output (a Hugging Face model's logits), and
 sends their concatenation to every other rank of its pipeline, so each rank of pipeline d returns the
 outputs of the samples it was given (its pipeline's). A stage gathers each unit once for the call
@@ -179,7 +179,7 @@ class PipelineRunner:
 
     @torch.no_grad()
     def predict(self, micro_batches: Sequence[Any]) -> torch.Tensor:
-        """[Note: predictions] The last layer's outputs of this pipeline's ``micro_batches`` (every rank of
+        """[Note: predictions through the pipeline] The last layer's outputs of this pipeline's ``micro_batches`` (every rank of
         the pipeline passes the same, at least one; another pipeline may pass another count),
         concatenated along the first dimension, on every rank of the pipeline: forward only, each unit
         of the stage gathered once for the call."""
