@@ -9,8 +9,9 @@ Instrumented points, each a file in WORKDIR as well:
 
 * **start**: every life writes ``ready-G-PID`` once its manager heartbeats; a group's first life
   waits for both groups' (so the first quorum holds both);
-* **the kill**: group 1's first life, in step :data:`KILL_AT` after its backward and before the
-  cross-group all-reduce, writes ``killed`` (the time) and SIGKILLs itself: the group is lost mid-step;
+* **the kill**: group 1's first life, in step :data:`KILL_AT` after its forward and before its
+  backward (where the gradients are summed over the groups), writes ``killed`` (the time) and
+  SIGKILLs itself: the group is lost mid-step;
 * **the return**: group 0, after committing step :data:`WAIT_AT`, writes ``waiting`` and waits (at
   most :data:`WAIT_S`) for the ``ready`` of a later life of group 1, which starts its manager only
   once ``waiting`` is there and writes ``ready`` only once the lighthouse has its heartbeat (one sent
@@ -95,7 +96,7 @@ def main(work: Path, group: int, lighthouse: str) -> None:
     optimizer = make_optimizer(parameters)
     settings = Settings(lighthouse=lighthouse, store_addr="127.0.0.1", store_port=store.port, hostname="127.0.0.1",
                         timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=WAIT_S))
-    ft = ReplicaGroup(parameters, optimizer, PLAN, group, settings)
+    ft = ReplicaGroup(parameters, optimizer, PLAN, group, settings, sharded=sharded)
     if not first_life:  # the lighthouse knows this life is up before group 0 asks for its next quorum
         from torchft.coordination import LighthouseClient
         from torchft.manager import REPLICA_ID_KEY
@@ -112,11 +113,11 @@ def main(work: Path, group: int, lighthouse: str) -> None:
         x, y = data[part.step]
         x, y = x[part.start:part.start + part.size], y[part.start:part.start + part.size]
         loss = model.loss(model(x), y) * (part.size / GLOBAL)
-        sharded.backward(loss)
         if group == 1 and first_life and part.step == KILL_AT:
             (work / "killed").write_text(json.dumps({"time": time.time(), "step": part.step}))
             os.kill(pid, signal.SIGKILL)
-        ft.reduce_gradients()
+        sharded.backward(loss)  # the gradients summed over the groups in it
+        ft.finish_sums()
         committed = ft.commit()
         events.write(event_line(part, committed))
         events.flush()
@@ -130,7 +131,7 @@ def main(work: Path, group: int, lighthouse: str) -> None:
 
 
 # two of three groups lost in the same step (the plain loop): groups 1 and 2 SIGKILL themselves in step KILL_AT
-# after their backward; group 0 redoes the step alone and trains to TOTAL
+# after their forward, before their backward; group 0 redoes the step alone and trains to TOTAL
 PLAN3 = plan_of(batches=[4, 4, 4], micro=[1, 1, 1], shares=[1.0, 1.0, 1.0], devices=["cpu"] * 3, groups=[0, 1, 2])
 
 
@@ -144,7 +145,7 @@ def lost_together_main(work: Path, group: int, lighthouse: str) -> None:
     parameters = list(sharded.parameters())
     settings = Settings(lighthouse=lighthouse, store_addr="127.0.0.1", store_port=store.port, hostname="127.0.0.1",
                         timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=WAIT_S))
-    ft = ReplicaGroup(parameters, make_optimizer(parameters), PLAN3, group, settings)
+    ft = ReplicaGroup(parameters, make_optimizer(parameters), PLAN3, group, settings, sharded=sharded)
     (work / f"ready-{group}-{pid}").write_text(str(time.time()))
     wait_for(lambda: all(any(work.glob(f"ready-{g}-*")) for g in (0, 1, 2)), "start of the three groups")
     data = batches(TOTAL, GLOBAL)
@@ -153,10 +154,11 @@ def lost_together_main(work: Path, group: int, lighthouse: str) -> None:
         part = ft.start_step()
         x, y = data[part.step]
         x, y = x[part.start:part.start + part.size], y[part.start:part.start + part.size]
-        sharded.backward(model.loss(model(x), y) * (part.size / GLOBAL))
+        loss = model.loss(model(x), y) * (part.size / GLOBAL)
         if group > 0 and part.step == KILL_AT:
             os.kill(pid, signal.SIGKILL)
-        ft.reduce_gradients()
+        sharded.backward(loss)
+        ft.finish_sums()
         committed = ft.commit()
         events.write(event_line(part, committed))
         events.flush()
@@ -224,7 +226,8 @@ def steps_and_epochs(lines: list[dict]) -> tuple[list[float], list[tuple[float, 
 
 def fit_main(work: Path, group: int) -> None:
     """One life of one group under ``Trainer.fit``, with the instrumented points of :func:`main`
-    as a callback (the kill in ``on_after_backward``: after the backward, before the cross-group sum)."""
+    as a callback (the kill in ``on_before_backward``: after the forward, before the backward and its
+    sum over the groups)."""
     import lightning.pytorch as pl
 
     from cephalo_lightning import CephaloStrategy
@@ -246,7 +249,7 @@ def fit_main(work: Path, group: int) -> None:
             if first_life:
                 wait_for(lambda: all(any(work.glob(f"ready-{g}-*")) for g in (0, 1)), "start of both groups")
 
-        def on_after_backward(self, trainer, module):
+        def on_before_backward(self, trainer, module, loss):
             if group == 1 and first_life and trainer.global_step == KILL_AT:
                 (work / "killed").write_text(json.dumps({"time": time.time(), "step": trainer.global_step}))
                 os.kill(pid, signal.SIGKILL)

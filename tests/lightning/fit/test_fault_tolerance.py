@@ -2,8 +2,8 @@
 
 The scenario (one run for the module, scenarios/ft_worker.py): two shard groups of one gloo rank each
 (8 and 4 of the 12 samples of every global batch), a torchft lighthouse on 127.0.0.1; group 1 is
-SIGKILLed in step 3 between its backward and the cross-group sum; group 0 goes on in the same
-process; group 1 is started again and recovers the live state from group 0. The final parameters
+SIGKILLed in step 3 between its forward and its backward (which sums the gradients over the groups);
+group 0 goes on in the same process; group 1 is started again and recovers the live state from group 0. The final parameters
 of both groups are compared with single-process AdamW on the same 10 global batches in fp64.
 The same scenario runs twice: each life a plain loop driving ``ReplicaGroup``, then each life a
 ``Trainer.fit`` under ``CephaloStrategy(fault_tolerance=True)`` (a tiny Hugging Face Llama with AdamW
@@ -130,7 +130,7 @@ def _two_groups_of_two(rank: int, world: int, lighthouse: str):
     parameters = list(sharded.parameters())
     ft = ReplicaGroup(parameters, make_optimizer(parameters), PLAN4, group,
                       Settings(lighthouse=lighthouse, store_addr="127.0.0.1", store_port=port, hostname="127.0.0.1"),
-                      rank=local, world_size=2)
+                      sharded=sharded, rank=local, world_size=2)
     dist.barrier()  # both groups heartbeat before the first quorum
     data, seen = batches(HSDP_STEPS, PLAN4.global_batch_size), []
     while ft.step < HSDP_STEPS:
@@ -138,8 +138,8 @@ def _two_groups_of_two(rank: int, world: int, lighthouse: str):
         start, size = rank_slice(part, [5, 3], local)
         x, y = data[part.step]
         loss = model.loss(model(x[start:start + size]), y[start:start + size]) * (size / PLAN4.global_batch_size)
-        sharded.backward(loss)
-        ft.reduce_gradients()
+        sharded.backward(loss)  # each unit's shard summed over the groups after its in-group reduce-scatter
+        ft.finish_sums()
         assert ft.commit()
         seen.append((part.participants, start, size))
     state = {k: v.clone() for k, v in sharded.full_state_dict().items()}
@@ -250,9 +250,9 @@ def test_trainer_fit_under_fault_tolerance_is_refused_at_setup_without_the_whole
         FitReplica.check_data_seed(None, shuffle=True)
     FitReplica.check_data_seed(None, shuffle=False)
     with pytest.raises(UnsupportedError, match=r"accumulate_grad_batches=2\).*raise the global batch"):
-        FitReplica(FIT_PLAN, 0).join([], accumulate=2, rank=0, world_size=1)
+        FitReplica(FIT_PLAN, 0).join([], accumulate=2, rank=0, world_size=1, sharded=None)
     with pytest.raises(UnsupportedError, match=r"returned 2 optimizers.*return one"):
-        FitReplica(FIT_PLAN, 0).join([None, None], accumulate=1, rank=0, world_size=1)
+        FitReplica(FIT_PLAN, 0).join([None, None], accumulate=1, rank=0, world_size=1, sharded=None)
     with pytest.raises(ConfigurationError, match=r"uniform mode.*layered protocol"):
         FitReplica.check_schedule("uniform")
     for strategy, match in ((CephaloStrategy(fault_tolerance=True, mode="layered"), r"needs plan= naming every group"),
