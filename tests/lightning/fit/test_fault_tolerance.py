@@ -105,6 +105,37 @@ def test_both_groups_end_on_the_single_process_replay_of_the_same_global_batches
         assert error <= TOLERANCE, (life, error)
 
 
+def replay_gradient(step: int, steps: int, global_batch: int) -> dict[str, torch.Tensor]:
+    """The single-process gradient of global batch ``step`` at the replay's weights after ``step`` steps."""
+    model = TinyLM().double()
+    data = batches(steps, global_batch)
+    train_steps(make_optimizer(model.parameters()), tiny_loss(model), whole(data[:step]))
+    tiny_loss(model)(data[step]).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_the_backward_sums_every_bucket_over_the_groups_once_and_a_redo_starts_from_zero(scenario):
+    """The sum runs in the backward, bucket by bucket: a bucket skipped leaves this group's part of the
+    gradient (step KILL_AT - 1, both groups), a failed attempt's sum left in the gradients is added to the
+    redo's (step KILL_AT, group 0 alone); each is ~1e-2 off the replay's gradient."""
+    from scenarios.ft_worker import GLOBAL, KILL_AT, SUMMED_AT, TOTAL
+
+    (pid,) = scenario.lives(0)
+    events = scenario.events[0, pid]
+    buckets = events[0]["buckets"]
+    assert buckets > 1, events  # the units are cut into several buckets
+    assert [e["sums"] for e in events] == [buckets] * len(events), events  # one all-reduce a bucket, every attempt
+    assert [e["committed"] for e in events if e["step"] == KILL_AT] == [False, True], events
+    assert sorted(scenario.grads) == sorted(str(s) for s in SUMMED_AT), scenario.logs
+    for step in SUMMED_AT:
+        want, got = replay_gradient(step, TOTAL, GLOBAL), scenario.grads[str(step)]
+        assert set(got) == set(want)
+        error = max((got[k].reshape(want[k].shape) - want[k]).abs().max().item() for k in want)  # local pieces: flat
+        assert error <= TOLERANCE, (step, error)
+
+
 # ----------------------------------------------------------------------------- groups of two ranks (HSDP)
 
 # two groups of two ranks, each sharding the state 0.7 / 0.3 inside and taking 5 + 3 of the group's 8 samples
