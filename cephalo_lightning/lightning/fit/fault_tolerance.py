@@ -12,16 +12,17 @@ sum of the participants' gradients (all-reduce SUMs over the managed process gro
 ``∇ (1/B) Σ_{i ∈ G_s} ℓ_i`` whoever participates: the single-process step on the global batch.
 
 [Note: the sum inside the backward] The group's sharded model sums its gradients over the groups
-itself (:meth:`ShardedModel.sum_across` with a :class:`ManagedSum`, the runtime's [Note: a sum across
-jobs]): rank i of every group holds the same ranges (the groups are cut alike), so each bucket's
-all-reduce (groups of one rank) or each unit's (groups of several ranks, after the in-group
-reduce-scatter) goes to torchft as soon as it is ready, during the backward, and the backward waits
-for them at its end, as the runtime waits its own replica sum. Every participant issues the same
-all-reduces in the same order each step: the control sum (names, fingerprints, seeds: see [Note: one
-data order]) at :meth:`ReplicaGroup.start_step`, before the forward; the gradients' during the
-backward; the logged values in :meth:`ReplicaGroup.finish_sums`, after it, where the control sum is
-also compared, before the commit. A redo starts from zeroed gradients (the fit sets them to None,
-:meth:`ReplicaGroup.commit` zeroes them), so no attempt's sum is added twice.
+itself (:meth:`ShardedModel.sum_across` given a :class:`ManagedSum`; the runtime's
+[Note: a sum across jobs]): rank i of every group holds the same ranges (the groups are cut
+alike), so each bucket's all-reduce (groups of one rank) or each unit's (groups of several ranks,
+after the in-group reduce-scatter) goes to torchft as soon as it is ready, during the backward, and
+the backward waits for them at its end, as the runtime waits its own replica sum. Every
+participant issues the same all-reduces in the same order each step: the control sum (names,
+fingerprints, seeds: see [Note: one data order]) at :meth:`ReplicaGroup.start_step`, before the
+forward; the gradients' during the backward; the logged values in :meth:`ReplicaGroup.finish_sums`,
+after it, where the control sum is also compared, before the commit. A redo starts from zeroed
+gradients (the fit sets them to None, :meth:`ReplicaGroup.commit` zeroes them), so no attempt's
+sum is added twice.
 
 [Note: a group lost mid-step] The others' all-reduce of that step fails (the peer's sockets close) or
 their quorum drops it; torchft then answers ``should_commit() == False``, the optimizer is not stepped,
@@ -248,8 +249,9 @@ class ReplicaGroup:
 
     ``parameters``: this rank's local pieces (what its optimizer steps), the same ranges as rank
     ``i`` of every other group; ``sharded``: the group's sharded model, which is given the sum over
-    the groups ([Note: the sum inside the backward]); ``plan``: every group's ranks (its shard groups are the replica
-    groups, cut alike: :func:`check_groups_cut_alike`); ``group``: this group's index among them;
+    the groups ([Note: the sum inside the backward]); ``plan``: every group's ranks (its shard
+    groups are the replica groups, cut alike: :func:`check_groups_cut_alike`); ``group``: this
+    group's index among them;
     ``cluster``: re-plan the survivors from its profiles (:func:`survivors_batches`);
     ``sampler_state``/``load_sampler_state``: the data order's position beyond the step (an epoch, a
     seed), sent to a group that comes back with the weights.

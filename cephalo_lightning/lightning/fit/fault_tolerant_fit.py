@@ -8,8 +8,9 @@ participants; this rank trains on ``G_s[o + a_r : o + a_r + b_r]`` (``o``: its g
 re-plan over the participants, ``a_r, b_r``: its part of the group's samples, :func:`~.fault_tolerance.rank_slice`)
 with its micro-batch count kept (:func:`~.fault_tolerance.step_rank_plan`), each sample's loss weighted
 ``1/B`` as always. ``optimizer_step`` runs the closure (whose backward sums the gradients over the
-participants: [Note: the sum inside the backward]), sums the logged values, and steps only if torchft commits; otherwise it runs the closure again on the same ``G_s`` under the next
-quorum (the redo), so Lightning counts one optimizer step per committed step.
+participants: [Note: the sum inside the backward]), sums the logged values, and steps only if
+torchft commits; otherwise it runs the closure again on the same ``G_s`` under the next quorum (the
+redo), so Lightning counts one optimizer step per committed step.
 
 [Note: a group joining late] Its first quorum is at ``on_train_start``, after the loader exists and
 before it is iterated: torchft sends it the live weights, optimizer state and step ``S`` there, the
