@@ -216,6 +216,7 @@ class ReplicaReducer:
             raise ValueError(f"a sum across jobs needs the world to be one shard group (here {len(shard_groups)}: "
                              f"{[list(g) for g in shard_groups]}); each job holds one replica")
         self.world = world
+        self.world_replica = replica  # the replica group inside the world (kept when ``across`` changes)
         self.replica: Collectives | ReplicaSum | None = across if across is not None else replica
         self.across = across is not None
         self.num_groups = len(shard_groups)

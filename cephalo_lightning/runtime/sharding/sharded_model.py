@@ -370,8 +370,8 @@ class ShardedModel:
         replica cut alike (fault tolerance's replica groups; see [Note: a sum across jobs] in
         :mod:`.replicas`), during the backward as the replica group's sum runs; None: stop. The world
         must be one shard group."""
-        self.replicas = ReplicaReducer(self.trainable_layouts(), self.shard_groups, self.world, self.replicas.replica
-                                       if not self.replicas.across else None, across)
+        self.replicas = ReplicaReducer(self.trainable_layouts(), self.shard_groups, self.world,
+                                       self.replicas.world_replica, across)
         self.across = across
         self._plan_buckets()
 
@@ -532,7 +532,7 @@ class ShardedModel:
         self.shard_groups, self.layouts = shard_groups, layouts
         self.group_index = next(g for g, ranks in enumerate(shard_groups) if self.world.rank in ranks)
         self.layout = layouts[self.group_index]
-        replica = None if self.replicas.across else self.replicas.replica
+        replica = self.replicas.world_replica
         if regrouped:
             self.comm, replica = group_collectives(self.world, shard_groups, self.group_spec)
         self.replicas = ReplicaReducer(self.trainable_layouts(), shard_groups, self.world, replica, self.across)
