@@ -10,11 +10,14 @@ TinyLM in fp32 (``scenarios/ft_steady.py``). Each round runs the plan twice, bac
 * **off**: the two groups as one world, ``CephaloStrategy(fault_tolerance=False)``'s runtime (the
   cross-group sum is the bucketed all-reduce, started during the backward);
 * **on**: each group its own process group and a torchft replica group on a lighthouse on loopback:
-  the step's quorum, the cross-group sum over torchft's managed process group, the commit.
+  the step's quorum (its small control sum started with it), the cross-group sum over torchft's
+  managed process group in the same buckets, started during the backward as the off way's, the commit.
 
 The rounds alternate the order (on first, then off first), so a change in the machine's load hits both.
 Printed: the median step of each way over the steps after :data:`WARMUP`, the overhead
-``median(on) / median(off) - 1``, and where the on-way's step goes (the median of each phase). The
+``median(on) / median(off) - 1``, and where each way's step goes (the median of each phase: the
+quorum, the forward and backward with the cross-group sum inside, what is left to wait after the
+backward, the commit decision, the optimizer). The
 two ways train the same steps on the same data, so their final weights are compared too (the
 largest difference; the sums add the same two numbers, so it should be 0). MEASURED, emulated on CPU.
 """
@@ -124,12 +127,14 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"\noverhead of fault tolerance: {result['overhead'] * 100:+.1f}% of the step "
           f"({result['overhead_s'] * 1e3:+.1f} ms per step); the final weights differ by at most "
           f"{result['max_weight_difference']:.1e}")
+    inside = result["phases_s"]["ft"]["compute"] - result["phases_s"]["off"]["compute"]
     print(f"torchft's own steps (quorum + commit): {own * 1e3:.1f} ms, {own / result['step_s']['ft'] * 100:.1f}% of the "
-          "on-way's step; the rest of the difference is where the cross-group sum runs (after the backward with "
-          "fault tolerance, inside it without).")
-    print("Phases (medians, so they need not add up to the step): quorum = torchft's quorum before the forward; "
-          "compute = forward and backward (the off way's bucketed cross-group sum runs inside it); sum = waiting for "
-          "the cross-group sum after the backward; commit = torchft's commit decision.")
+          f"on-way's step; the forward and backward (the cross-group sum inside, both ways) take {inside * 1e3:+.1f} ms "
+          "more with torchft's managed process group than with the job's own.")
+    print("Phases (medians, so they need not add up to the step): quorum = torchft's quorum before the forward (and "
+          "the start of the step's control sum); compute = forward and backward, each gradient bucket's cross-group "
+          "all-reduce started as it fills and waited at the end (both ways); sum = what is left after the backward "
+          "(on: the control sum compared; off: nothing); commit = torchft's commit decision. MEASURED, emulated on CPU.")
     print(common.load_note(*result["load"]))
 
 

@@ -10,12 +10,13 @@ each train :func:`model` (fp32) on their halves of every global batch of :data:`
   runs this plan;
 * ``ft``: each group its own :class:`ShardedModel` of one rank and a
   :class:`~cephalo_lightning.lightning.fit.fault_tolerance.ReplicaGroup` on the lighthouse at
-  ``ENDPOINT``: a quorum, the cross-group sum over torchft's managed process group and the commit, as
-  ``CephaloStrategy(fault_tolerance=True)`` runs it.
+  ``ENDPOINT``: a quorum, the cross-group sum over torchft's managed process group (the same buckets,
+  started during the backward) and the commit, as ``CephaloStrategy(fault_tolerance=True)`` runs it.
 
 Every step writes one line to ``steps-GROUP-MODE.jsonl``: its phases' lengths in seconds (``quorum``,
-``compute``: forward and backward, ``sum``: waiting for the cross-group sum after the backward,
-``commit``: the commit decision, ``optimizer``) and the whole step (``step``).
+``compute``: forward and backward, the cross-group sum's buckets started and waited inside it,
+``sum``: what is left after the backward (``on``: the step's control sum waited and compared;
+``off``: nothing), ``commit``: the commit decision, ``optimizer``) and the whole step (``step``).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def main(work: Path, group: int, mode: str, endpoint: str, steps: int) -> None:
     if mode == "ft":
         settings = Settings(lighthouse=endpoint, store_addr="127.0.0.1", store_port=store.port, hostname="127.0.0.1",
                             timeout=timedelta(seconds=60), quorum_timeout=timedelta(seconds=120))
-        ft = ReplicaGroup(list(sharded.parameters()), optimizer, PLAN, group, settings)
+        ft = ReplicaGroup(list(sharded.parameters()), optimizer, PLAN, group, settings, sharded=sharded)
     out = open(work / f"steps-{group}-{mode}.jsonl", "w")  # noqa: SIM115
     step = 0
     while step < steps:
@@ -79,10 +80,10 @@ def main(work: Path, group: int, mode: str, endpoint: str, steps: int) -> None:
         t1 = time.perf_counter()
         x, y = data[step]
         loss = net.loss(net(x[start:start + size]), y[start:start + size]) * (size / GLOBAL)
-        sharded.backward(loss)
+        sharded.backward(loss)  # both ways: the cross-group sum's buckets start and are waited in it
         t2 = time.perf_counter()
         if ft is not None:
-            ft.reduce_gradients()
+            ft.finish_sums()
         else:
             sharded.wait_reductions()
         t3 = time.perf_counter()

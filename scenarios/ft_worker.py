@@ -9,8 +9,9 @@ Instrumented points, each a file in WORKDIR as well:
 
 * **start**: every life writes ``ready-G-PID`` once its manager heartbeats; a group's first life
   waits for both groups' (so the first quorum holds both);
-* **the kill**: group 1's first life, in step :data:`KILL_AT` after its backward and before the
-  cross-group all-reduce, writes ``killed`` (the time) and SIGKILLs itself: the group is lost mid-step;
+* **the kill**: group 1's first life, in step :data:`KILL_AT` after its forward and before its
+  backward (where the gradients are summed over the groups), writes ``killed`` (the time) and
+  SIGKILLs itself: the group is lost mid-step;
 * **the return**: group 0, after committing step :data:`WAIT_AT`, writes ``waiting`` and waits (at
   most :data:`WAIT_S`) for the ``ready`` of a later life of group 1, which starts its manager only
   once ``waiting`` is there and writes ``ready`` only once the lighthouse has its heartbeat (one sent
@@ -20,8 +21,11 @@ Instrumented points, each a file in WORKDIR as well:
   lands at step ``WAIT_AT + 1`` whatever the machine's load.
 
 Every step appends a line to ``events-G-PID.jsonl`` (the step, the quorum's participants, the
-batches, whether it committed, the time); a life that trains to the end writes ``final-G-PID.pt``
-(its parameters, by name).
+batches, whether it committed, the time; in the plain loop also the cross-group all-reduces the
+step's backward started and the buckets there are: :data:`BUCKET_BYTES` cuts several); a life that
+trains to the end writes ``final-G-PID.pt`` (its parameters, by name). Group 0's plain loop also
+writes ``grads-0-PID.pt``: the summed gradient of steps :data:`SUMMED_AT` as it stood before each
+committed optimizer step (by parameter name), for the replay to check.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from tests.reference import make_optimizer
 from tests.tiny_lm import TinyLM, batches
 
 GLOBAL, TOTAL, KILL_AT, WAIT_AT = 12, 10, 3, 6
+SUMMED_AT = (KILL_AT - 1, KILL_AT)  # both groups' sum; the survivor's redo after a failed attempt
+BUCKET_BYTES = (256, 512)  # TinyLM's units (fp64) in buckets of their own: a sum skipped for one shows
 WAIT_S = 120  # the longest any instrumented wait lasts; past it the life fails
 # two groups of one rank each: a big device (8 of 12 samples) and a small one (4 of 12)
 PLAN = plan_of(batches=[8, 4], micro=[1, 1], shares=[1.0, 1.0], devices=["cpu (emulated big)", "cpu (emulated small)"],
@@ -59,10 +65,10 @@ HEARTBEAT_TIMEOUT_MS = 2000  # the lighthouse drops a group this long after its 
 JOIN_TIMEOUT_MS = 60_000  # how long a quorum waits for a heartbeating group that has not asked yet
 
 
-def event_line(part, committed: bool) -> str:
-    """One line of a life's events file: the step, who took part, their batches, whether it committed."""
+def event_line(part, committed: bool, **more: int) -> str:
+    """One line of a life's events file: the step, who took part, their batches, whether it committed (and ``more``)."""
     return json.dumps({"step": part.step, "participants": list(part.participants), "batches": list(part.batches),
-                       "committed": committed, "time": time.time()}) + "\n"
+                       "committed": committed, "time": time.time(), **more}) + "\n"
 
 
 def wait_for(condition, what: str) -> None:
@@ -90,12 +96,12 @@ def main(work: Path, group: int, lighthouse: str) -> None:
     if not first_life:
         wait_for(lambda: (work / "waiting").exists(), "group 0 at the return point")
     model = TinyLM().double()
-    sharded = ShardedModel(model, [1.0])  # the group's in-group sharding (one rank here)
+    sharded = ShardedModel(model, [1.0], bucket_bytes=BUCKET_BYTES)  # the group's in-group sharding (one rank here)
     parameters = list(sharded.parameters())
     optimizer = make_optimizer(parameters)
     settings = Settings(lighthouse=lighthouse, store_addr="127.0.0.1", store_port=store.port, hostname="127.0.0.1",
                         timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=WAIT_S))
-    ft = ReplicaGroup(parameters, optimizer, PLAN, group, settings)
+    ft = ReplicaGroup(parameters, optimizer, PLAN, group, settings, sharded=sharded)
     if not first_life:  # the lighthouse knows this life is up before group 0 asks for its next quorum
         from torchft.coordination import LighthouseClient
         from torchft.manager import REPLICA_ID_KEY
@@ -107,18 +113,23 @@ def main(work: Path, group: int, lighthouse: str) -> None:
     data = batches(TOTAL, GLOBAL)
     events = open(work / f"events-{group}-{pid}.jsonl", "a")
     waited = False
+    summed: dict[str, dict[str, torch.Tensor]] = {}
     while ft.step < TOTAL:
+        issued = ft.sum.issued
         part = ft.start_step()
         x, y = data[part.step]
         x, y = x[part.start:part.start + part.size], y[part.start:part.start + part.size]
         loss = model.loss(model(x), y) * (part.size / GLOBAL)
-        sharded.backward(loss)
         if group == 1 and first_life and part.step == KILL_AT:
             (work / "killed").write_text(json.dumps({"time": time.time(), "step": part.step}))
             os.kill(pid, signal.SIGKILL)
-        ft.reduce_gradients()
+        sharded.backward(loss)  # the gradients summed over the groups in it
+        ft.finish_sums()
+        grads = {name: p.grad.clone() for name, p in sharded.named_parameters()} if part.step in SUMMED_AT else None
         committed = ft.commit()
-        events.write(event_line(part, committed))
+        if committed and grads is not None:
+            summed[str(part.step)] = grads
+        events.write(event_line(part, committed, sums=ft.sum.issued - issued, buckets=len(sharded.replicas.buckets)))
         events.flush()
         if group == 0 and committed and part.step == WAIT_AT and not waited:
             waited = True
@@ -126,11 +137,13 @@ def main(work: Path, group: int, lighthouse: str) -> None:
             wait_for(lambda: len(list(work.glob("ready-1-*"))) > 1, "return of group 1")
             wait_for(lambda: _pending_quorum_requests(lighthouse) > 0, "group 1's first quorum request")
     torch.save({name: p.detach().clone() for name, p in sharded.full_state_dict().items()}, work / f"final-{group}-{pid}.pt")
+    if group == 0:
+        torch.save(summed, work / f"grads-{group}-{pid}.pt")
     ft.shutdown()
 
 
 # two of three groups lost in the same step (the plain loop): groups 1 and 2 SIGKILL themselves in step KILL_AT
-# after their backward; group 0 redoes the step alone and trains to TOTAL
+# after their forward, before their backward; group 0 redoes the step alone and trains to TOTAL
 PLAN3 = plan_of(batches=[4, 4, 4], micro=[1, 1, 1], shares=[1.0, 1.0, 1.0], devices=["cpu"] * 3, groups=[0, 1, 2])
 
 
@@ -144,7 +157,7 @@ def lost_together_main(work: Path, group: int, lighthouse: str) -> None:
     parameters = list(sharded.parameters())
     settings = Settings(lighthouse=lighthouse, store_addr="127.0.0.1", store_port=store.port, hostname="127.0.0.1",
                         timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=WAIT_S))
-    ft = ReplicaGroup(parameters, make_optimizer(parameters), PLAN3, group, settings)
+    ft = ReplicaGroup(parameters, make_optimizer(parameters), PLAN3, group, settings, sharded=sharded)
     (work / f"ready-{group}-{pid}").write_text(str(time.time()))
     wait_for(lambda: all(any(work.glob(f"ready-{g}-*")) for g in (0, 1, 2)), "start of the three groups")
     data = batches(TOTAL, GLOBAL)
@@ -153,10 +166,11 @@ def lost_together_main(work: Path, group: int, lighthouse: str) -> None:
         part = ft.start_step()
         x, y = data[part.step]
         x, y = x[part.start:part.start + part.size], y[part.start:part.start + part.size]
-        sharded.backward(model.loss(model(x), y) * (part.size / GLOBAL))
+        loss = model.loss(model(x), y) * (part.size / GLOBAL)
         if group > 0 and part.step == KILL_AT:
             os.kill(pid, signal.SIGKILL)
-        ft.reduce_gradients()
+        sharded.backward(loss)
+        ft.finish_sums()
         committed = ft.commit()
         events.write(event_line(part, committed))
         events.flush()
@@ -224,7 +238,8 @@ def steps_and_epochs(lines: list[dict]) -> tuple[list[float], list[tuple[float, 
 
 def fit_main(work: Path, group: int) -> None:
     """One life of one group under ``Trainer.fit``, with the instrumented points of :func:`main`
-    as a callback (the kill in ``on_after_backward``: after the backward, before the cross-group sum)."""
+    as a callback (the kill in ``on_before_backward``: after the forward, before the backward and its
+    sum over the groups)."""
     import lightning.pytorch as pl
 
     from cephalo_lightning import CephaloStrategy
@@ -246,7 +261,7 @@ def fit_main(work: Path, group: int) -> None:
             if first_life:
                 wait_for(lambda: all(any(work.glob(f"ready-{g}-*")) for g in (0, 1)), "start of both groups")
 
-        def on_after_backward(self, trainer, module):
+        def on_before_backward(self, trainer, module, loss):
             if group == 1 and first_life and trainer.global_step == KILL_AT:
                 (work / "killed").write_text(json.dumps({"time": time.time(), "step": trainer.global_step}))
                 os.kill(pid, signal.SIGKILL)
@@ -280,6 +295,7 @@ class Scenario:
     exit_codes: dict[tuple[int, int], int]
     logs: str
     metrics: dict[tuple[int, int], list[dict]]  # (group, pid) -> what its Trainer logged (Trainer.fit lives)
+    grads: dict[str, dict[str, torch.Tensor]]  # group 0's summed gradient of steps SUMMED_AT (plain loop), by step
 
     def lives(self, group: int) -> list[int]:
         """The pids of ``group``'s lives, in start order."""
@@ -416,7 +432,8 @@ def _read(work: Path, lives: list[subprocess.Popen], groups: tuple[int, ...]) ->
     for path in work.glob("metrics-*.jsonl"):
         _, group, pid = path.stem.split("-")
         metrics[int(group), int(pid)] = [json.loads(line) for line in path.read_text().splitlines()]
-    return Scenario(events, killed, finals, codes, logs(), metrics)
+    grads = {k: v for path in work.glob("grads-0-*.pt") for k, v in torch.load(path).items()}
+    return Scenario(events, killed, finals, codes, logs(), metrics, grads)
 
 
 if __name__ == "__main__":

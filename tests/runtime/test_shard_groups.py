@@ -430,3 +430,50 @@ def test_gradient_buckets_take_consecutive_units_from_the_last_and_skip_frozen_o
         (("b", "root"), (0, 50), 60, f32),  # the frozen unit is skipped; the last bucket closes at the end
     ]
     assert gradient_buckets([None, None], [f32, f32], ["root", "a"]) == []
+
+
+# ----------------------------------------------------------------------------- a sum across jobs (one process)
+
+class _SameSamplesElsewhere:
+    """The sum over a second job that trained the very samples this one did (its gradient equals
+    this job's), so the sum is twice the local gradient: a bucket left out keeps 1x, one summed twice 4x."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def start_all_reduce(self, tensor, op=torch.distributed.ReduceOp.SUM, name=""):
+        from cephalo_lightning.runtime.collectives import PendingWork
+
+        self.names.append(name)
+        tensor.mul_(2)
+        return PendingWork()
+
+
+def test_a_sum_across_jobs_runs_once_per_bucket_in_the_backward_and_can_be_taken_away():
+    x, y = batches(1, GLOBAL_BATCH)[0]
+    reference = TinyLM().double()
+    tiny_loss(reference)((x, y)).backward()
+    want = {name: p.grad for name, p in reference.named_parameters()}
+    model = TinyLM().double()
+    sharded = ShardedModel(model, [1.0], bucket_bytes=(256, 512))
+    assert not sharded.replicas.active  # one job alone: nothing is summed
+    across = _SameSamplesElsewhere()
+    sharded.sum_across(across)
+    buckets = sharded.replicas.buckets
+    assert len(buckets) > 1 and not sharded.replicated_grads  # the world (one rank) is one group
+    for factor in (2.0, 1.0):  # summed with the other job's, then alone again
+        sharded.backward(tiny_loss(model)((x, y)))
+        assert across.names == [f"replicas:{b.names[0] if len(b.names) == 1 else f'{b.names[0]}..{b.names[-1]}'}"
+                                for b in buckets], across.names  # every bucket once, in the reduction order
+        for name, p in sharded.named_parameters():
+            assert torch.equal(p.grad.reshape(want[name].shape), factor * want[name]), (name, factor)
+            p.grad = None
+        sharded.sum_across(None)
+
+
+def test_a_sum_across_jobs_is_refused_where_the_world_holds_several_shard_groups():
+    from cephalo_lightning.runtime.collectives import Collectives
+    from cephalo_lightning.runtime.sharding.replicas import ReplicaReducer
+
+    with pytest.raises(ValueError, match=r"one shard group \(here 2: \[\[0\], \[1\]\]\)"):
+        ReplicaReducer([], [[0], [1]], Collectives(), None, across=_SameSamplesElsewhere())

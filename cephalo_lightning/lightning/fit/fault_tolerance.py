@@ -8,8 +8,21 @@ split over them by the re-plan over the participants (:mod:`cephalo_lightning.pl
 group plan, one :class:`~cephalo_lightning.planner.RankPlan` per group, over the participants'
 devices): participant ``k`` trains on ``G_s[o_k : o_k + b_k]`` with ``b`` the re-plan's batches,
 ``o`` their prefix sums and ``Σ b = B``. Each group's loss is ``Σ_{i in its slice} ℓ_i / B``, so the
-sum of the participants' gradients (all-reduce SUMs over the managed process group, in buckets)
-is ``∇ (1/B) Σ_{i ∈ G_s} ℓ_i`` whoever participates: the single-process step on the global batch.
+sum of the participants' gradients (all-reduce SUMs over the managed process group) is
+``∇ (1/B) Σ_{i ∈ G_s} ℓ_i`` whoever participates: the single-process step on the global batch.
+
+[Note: the sum inside the backward] The group's sharded model sums its gradients over the groups
+itself (:meth:`ShardedModel.sum_across` given a :class:`ManagedSum`; the runtime's
+[Note: a sum across jobs]): rank i of every group holds the same ranges (the groups are cut
+alike), so each bucket's all-reduce (groups of one rank) or each unit's (groups of several ranks,
+after the in-group reduce-scatter) goes to torchft as soon as it is ready, during the backward, and
+the backward waits for them at its end, as the runtime waits its own replica sum. Every
+participant issues the same all-reduces in the same order each step: the control sum (names,
+fingerprints, seeds: see [Note: one data order]) at :meth:`ReplicaGroup.start_step`, before the
+forward; the gradients' during the backward; the logged values in :meth:`ReplicaGroup.finish_sums`,
+after it, where the control sum is also compared, before the commit. A redo starts from zeroed
+gradients (the fit sets them to None, :meth:`ReplicaGroup.commit` zeroes them), so no attempt's
+sum is added twice.
 
 [Note: a group lost mid-step] The others' all-reduce of that step fails (the peer's sockets close) or
 their quorum drops it; torchft then answers ``should_commit() == False``, the optimizer is not stepped,
@@ -24,9 +37,9 @@ slice of the very step the others are on.
 
 [Note: one data order] Every group draws global batch ``G_s`` from the same order: each step the
 participants sum, besides their names, a fingerprint of the sample indices of the step each trains
-and their data seeds (:meth:`ReplicaGroup.start_step` writes them, :meth:`ReplicaGroup.reduce_gradients`
-sums them in one small all-reduce beside the gradients', so the step waits for no exchange before its
-forward); fingerprints that differ stop every group of the quorum with an error naming each group's
+and their data seeds (:meth:`ReplicaGroup.start_step` writes them and starts their small all-reduce,
+which runs during the forward: the step waits for no exchange before it; :meth:`ReplicaGroup.finish_sums`
+compares them); fingerprints that differ stop every group of the quorum with an error naming each group's
 fingerprint and seed (different seeds, data or global batch) before the commit, so no optimizer steps
 on them. The data seed also travels with the recovered state:
 a group that comes back with another seed says which seed the live groups draw with, and the quorum
@@ -60,7 +73,7 @@ from cephalo_lightning._common.errors import ConfigurationError, UnsupportedErro
 from cephalo_lightning.planner import Cluster, Plan
 from cephalo_lightning.planner.replan import replan
 from cephalo_lightning.planner.replica_groups import StepSlice, check_groups_cut_alike, survivors_batches
-from cephalo_lightning.runtime.sharding.replicas import Bucket, gradient_buckets
+from cephalo_lightning.runtime.sharding.replicas import ReplicaSum
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +130,31 @@ def check_fit(plan: Plan, group: int | None) -> None:
             "REPLICA_GROUP_ID environment variable)")
 
 
-def _sum() -> dist.AllreduceOptions:
+def _sum(op: dist.ReduceOp = dist.ReduceOp.SUM) -> dist.AllreduceOptions:
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
+    opts.reduceOp = op
     return opts
+
+
+class ManagedSum:
+    """This rank's sum over the participating groups (rank i of each) as the runtime starts it
+    ([Note: the sum inside the backward]): an all-reduce over torchft's managed process group, whose
+    errors torchft records (the step then does not commit) rather than raises. ``issued``: the
+    all-reduces started so far."""
+
+    def __init__(self, managed: Any) -> None:
+        self.managed = managed
+        self.issued = 0
+
+    def start_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, name: str = "") -> Any:
+        self.issued += 1
+        return self.managed.allreduce([tensor], _sum(op))
+
+
+class SumsAcross(Protocol):
+    """A sharded model that sums its gradients over jobs beyond its world (:class:`ShardedModel`)."""
+
+    def sum_across(self, across: ReplicaSum | None) -> None: ...
 
 
 def quorum_process_group(timeout: timedelta) -> Any:
@@ -130,7 +164,7 @@ def quorum_process_group(timeout: timedelta) -> Any:
     replica id's trailing digits, ``cephalo_group_<g>``, times the group's size, plus the rank) in the
     quorum's order, so ``global_ranks[k] // group_world_size`` is participant ``k``'s group: the
     participants are known when the quorum is, with no exchange before the forward. The names are
-    still summed with the gradients and compared (:meth:`ReplicaGroup.reduce_gradients`)."""
+    still summed and compared before the commit (:meth:`ReplicaGroup.finish_sums`)."""
     from torchft.process_group import ProcessGroupGloo
 
     class QuorumGloo(ProcessGroupGloo):
@@ -214,15 +248,18 @@ class ReplicaGroup:
     """One shard group (this rank's part of it) as a torchft replica group; see the module notes.
 
     ``parameters``: this rank's local pieces (what its optimizer steps), the same ranges as rank
-    ``i`` of every other group; ``plan``: every group's ranks (its shard groups are the replica
-    groups, cut alike: :func:`check_groups_cut_alike`); ``group``: this group's index among them;
+    ``i`` of every other group; ``sharded``: the group's sharded model, which is given the sum over
+    the groups ([Note: the sum inside the backward]); ``plan``: every group's ranks (its shard
+    groups are the replica groups, cut alike: :func:`check_groups_cut_alike`); ``group``: this
+    group's index among them;
     ``cluster``: re-plan the survivors from its profiles (:func:`survivors_batches`);
     ``sampler_state``/``load_sampler_state``: the data order's position beyond the step (an epoch, a
     seed), sent to a group that comes back with the weights.
     """
 
     def __init__(self, parameters: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer, plan: Plan,
-                 group: int, settings: Settings, *, cluster: Cluster | None = None, rank: int = 0, world_size: int = 1,
+                 group: int, settings: Settings, *, sharded: SumsAcross, cluster: Cluster | None = None, rank: int = 0,
+                 world_size: int = 1,
                  sampler_state: Callable[[], dict[str, Any]] = dict,
                  load_sampler_state: Callable[[dict[str, Any]], None] = lambda state: None) -> None:
         torchft = require_torchft()
@@ -252,12 +289,14 @@ class ReplicaGroup:
         self.manager.register_state_dict_fn("optimizer", self.optimizer.load_state_dict, self.optimizer.state_dict)
         self.manager.register_state_dict_fn("sampler", self._load_sampler_state, self._sampler_state)
         self.managed = ManagedProcessGroup(self.manager)  # the cross-group reduction: quorum-sized, errors reported
+        self.sum = ManagedSum(self.managed)
+        sharded.sum_across(self.sum)  # the gradients' sum over the groups runs in the backward
         self._participants: tuple[int, ...] = ()  # the last quorum's groups (a change is re-planned and logged)
         self._batches: tuple[int, ...] = ()  # their samples of every global batch
         self.redone = 0  # steps this group started and did not commit (redone at the next quorum)
         self._part: StepSlice | None = None  # the step in progress
-        self._buckets: list[Bucket] | None = None  # the gradient sum's buckets, cut at the first sum
-        self._check: torch.Tensor | None = None  # the step's names, fingerprints and seeds, summed with the gradients
+        self._check: torch.Tensor | None = None  # the step's names, fingerprints and seeds, summed before the commit
+        self._check_work: Any = None  # their all-reduce, started with the step
         self._quorum: tuple[int, ...] | None = None  # the groups they must name (None: the step's quorum broke)
         self.history: list[tuple[StepSlice, bool]] = []  # every step this group trained: its part, committed
         self._phase: tuple[int, float, int, float | None] | None = None  # the participants' phase: first step, time, commits, prediction
@@ -293,11 +332,12 @@ class ReplicaGroup:
         n, k = self.manager.num_participants(), self.manager.participating_rank()
         m = max(n, 1)
         errored = self.manager.errored() is not None
-        # the groups' names, their fingerprints, their seeds: summed with the gradients, compared before the commit
+        # the groups' names, their fingerprints, their seeds: summed during the forward, compared before the commit
         self._check = None if errored else torch.zeros(3 * m, dtype=torch.float64)
-        self._quorum = None
+        self._check_work = self._quorum = None
         if errored or k is None:
             # the quorum already broke: this step will not commit; train on the whole batch, dropped later
+            self._start_check()
             self._part = StepSlice(self.step, 0, self.plan.global_batch_size, (self.group,), (self.plan.global_batch_size,))
             return self._part
         participants = self._pg.groups
@@ -307,6 +347,7 @@ class ReplicaGroup:
         self._check[k], self._quorum = self.group + 1, participants
         if order is not None:
             self._check[m + k], self._check[2 * m + k] = order.fingerprint(self.step) + 1, order.seed + 1
+        self._start_check()
         if participants != self._participants:
             self._end_phase()
             self._batches, how = survivors_batches(self.plan, participants, self.cluster)
@@ -320,36 +361,29 @@ class ReplicaGroup:
         self._part = StepSlice(self.step, sum(batches[:k]), batches[k], participants, batches)
         return self._part
 
+    def _start_check(self) -> None:
+        """Start the step's control sum ([Note: the sum inside the backward]): the first all-reduce
+        of the step on every participant."""
+        if self._check is not None:
+            self._check_work = self.managed.allreduce([self._check], _sum())
+
     @torch.no_grad()
-    def reduce_gradients(self, values: torch.Tensor | None = None) -> None:
-        """Sum every local piece's gradient over the participating groups (the managed process group),
-        and ``values`` in place (the step's logged values, each group's part of them). The gradients go
-        in buckets: [Note: gradient buckets] of the runtime's cut, one all-reduce each (a call through
-        torchft per bucket, not per piece), each bucket's sum copied back into its pieces' gradients."""
-        small = [t for t in (self._check, values) if t is not None and t.numel()]
-        control = torch.cat([t.to(torch.float64) for t in small]) if small else None
-        value_work = self.managed.allreduce([control], _sum()) if control is not None else None
-        for p in self.parameters:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self._buckets is None:
-            self._buckets = gradient_buckets([p.numel() for p in self.parameters], [p.grad.dtype for p in self.parameters],
-                                             [str(i) for i in range(len(self.parameters))])
-        works = []
-        for bucket in self._buckets:
-            flat = torch.cat([self.parameters[u].grad.reshape(-1) for u in bucket.units])
-            works.append((bucket, flat, self.managed.allreduce([flat], _sum())))
+    def finish_sums(self, values: torch.Tensor | None = None) -> None:
+        """After the backward (whose gradients the sharded model summed over the participating groups):
+        sum ``values`` in place (the step's logged values, each group's part of them) and compare
+        the control sum started with the step (names, fingerprints, seeds: :meth:`_compare`)."""
+        value_work = summed = None
+        if values is not None and values.numel():
+            summed = values.to(torch.float64)
+            value_work = self.managed.allreduce([summed], _sum())
+        if self._check_work is not None:
+            self._check_work.wait()
+            self._check_work = None
+            assert self._check is not None
+            self._compare(self._check)
         if value_work is not None:
             value_work.wait()
-            if self._check is not None:
-                self._compare(control[:self._check.numel()])
-            if values is not None and values.numel():
-                values.copy_(control[control.numel() - values.numel():].to(values.dtype))
-        for bucket, flat, work in works:
-            work.wait()
-            for u, offset in zip(bucket.units, bucket.offsets):
-                grad = self.parameters[u].grad
-                grad.copy_(flat.narrow(0, offset, grad.numel()).view_as(grad))
+            values.copy_(summed)
 
     def _compare(self, summed: torch.Tensor) -> None:
         """The step's names, fingerprints and seeds as summed over the participants: the quorum's order
@@ -357,12 +391,12 @@ class ReplicaGroup:
         if self.manager.errored() is not None or self._quorum is None or self._part is None:
             return  # the quorum or the sum broke: the step does not commit
         n = summed.numel() // 3
-        names = tuple(int(v) - 1 for v in summed[:n].tolist())
+        every = [int(v) - 1 for v in summed.tolist()]  # one host sync
+        names = tuple(every[:n])
         if names != self._quorum:
             raise RuntimeError(f"Cephalo fault tolerance: the quorum's groups {list(self._quorum)} (as torchft "
                                f"configured this group) differ from the names the participants sent {list(names)}")
-        check_one_order(self._part.step, names, [int(v) - 1 for v in summed[n:2 * n].tolist()],
-                        [int(v) - 1 for v in summed[2 * n:].tolist()])
+        check_one_order(self._part.step, names, every[n:2 * n], every[2 * n:])
 
     def agree(self) -> bool:
         """Whether every participating group finished this step (torchft's ``should_commit``, which

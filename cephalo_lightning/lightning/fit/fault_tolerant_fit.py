@@ -7,9 +7,10 @@ prefetches never depends on which groups are up. Inside ``training_step`` the st
 participants; this rank trains on ``G_s[o + a_r : o + a_r + b_r]`` (``o``: its group's offset in the
 re-plan over the participants, ``a_r, b_r``: its part of the group's samples, :func:`~.fault_tolerance.rank_slice`)
 with its micro-batch count kept (:func:`~.fault_tolerance.step_rank_plan`), each sample's loss weighted
-``1/B`` as always. ``optimizer_step`` runs the closure, sums the gradients over the participants, and
-steps only if torchft commits; otherwise it runs the closure again on the same ``G_s`` under the next
-quorum (the redo), so Lightning counts one optimizer step per committed step.
+``1/B`` as always. ``optimizer_step`` runs the closure (whose backward sums the gradients over the
+participants: [Note: the sum inside the backward]), sums the logged values, and steps only if
+torchft commits; otherwise it runs the closure again on the same ``G_s`` under the next quorum (the
+redo), so Lightning counts one optimizer step per committed step.
 
 [Note: a group joining late] Its first quorum is at ``on_train_start``, after the loader exists and
 before it is iterated: torchft sends it the live weights, optimizer state and step ``S`` there, the
@@ -92,8 +93,10 @@ class FitReplica(OneReplica):
                 "again for every group")
         return cls(plan, group)
 
-    def join(self, optimizers: Sequence[torch.optim.Optimizer], *, accumulate: int, rank: int, world_size: int) -> None:
-        """Start this rank's torchft manager (it heartbeats to the lighthouse from now)."""
+    def join(self, optimizers: Sequence[torch.optim.Optimizer], *, accumulate: int, rank: int, world_size: int,
+             sharded: Any) -> None:
+        """Start this rank's torchft manager (it heartbeats to the lighthouse from now); ``sharded``
+        sums the gradients over the groups in its backward from now on."""
         if accumulate != 1:
             raise UnsupportedError(
                 f"CephaloStrategy(fault_tolerance=True): Trainer(accumulate_grad_batches={accumulate}) is not supported "
@@ -104,7 +107,7 @@ class FitReplica(OneReplica):
                 "a replica group sums and recovers the state of one optimizer: return one")
         optimizer = optimizers[0]
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        self.replica = ReplicaGroup(parameters, optimizer, self.plan, self.group, Settings(), rank=rank,
+        self.replica = ReplicaGroup(parameters, optimizer, self.plan, self.group, Settings(), sharded=sharded, rank=rank,
                                     world_size=world_size, sampler_state=self._sampler_state,
                                     load_sampler_state=self._load_sampler_state)
 
@@ -213,7 +216,7 @@ class FitReplica(OneReplica):
         return slice_batch(batch, start, start + size), step_rank_plan(rank_plan, size), items
 
     def until_committed(self, closure: Callable[[], Any], optimizer: Any) -> Any:
-        """Run the step's closure and sum its gradients over the participants until torchft commits the
+        """Run the step's closure (its backward sums the gradients over the participants) until torchft commits the
         step (a group lost mid-step: the survivors run it again on the same global batch). Returns the
         committed run's closure result."""
         assert self.replica is not None
@@ -222,7 +225,7 @@ class FitReplica(OneReplica):
             self._logs.clear()
             result = closure()
             values = torch.tensor([float(v) for _, v, _ in self._logs], dtype=torch.float64)
-            self.replica.reduce_gradients(values)  # each group's part of the logged values: summed, the step's
+            self.replica.finish_sums(values)  # each group's part of the logged values: summed, the step's
             if self.replica.agree():
                 self.redoing = False
                 if self._module is not None:  # the committed attempt's values, once (a failed one logs nothing)

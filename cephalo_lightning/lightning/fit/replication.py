@@ -62,8 +62,9 @@ class OneReplica:
     def check_data_seed(self, seed: int | None, shuffle: bool) -> None:
         """Refuse a data order the replicas could draw differently (one replica draws one order)."""
 
-    def join(self, optimizers: Sequence[torch.optim.Optimizer], *, accumulate: int, rank: int, world_size: int) -> None:
-        """The optimizer exists: start taking part (nothing to start here)."""
+    def join(self, optimizers: Sequence[torch.optim.Optimizer], *, accumulate: int, rank: int, world_size: int,
+             sharded: Any) -> None:
+        """The optimizer exists: start taking part, ``sharded`` the module's sharded model (nothing to start here)."""
 
     def start(self, trainer: pl.Trainer, sampler: PlannedBatchSampler) -> None:
         """Training starts: the fit starts where its checkpoint (if any) put it."""

@@ -277,7 +277,7 @@ class CephaloStrategy(CallbackAPI, ShardedStrategy):
                                                         reported_elsewhere=_has_cephalo_callback(trainer))
             # fault tolerance: heartbeats from now; the first quorum is at on_train_start
             self._replication.join(self.optimizers, accumulate=trainer.accumulate_grad_batches, rank=self.global_rank,
-                                   world_size=self.world_size)
+                                   world_size=self.world_size, sharded=self.fit_runtime.sharded)
         self.setup_precision_plugin()
 
     def _identities(self) -> list[plan_resolution.DeviceIdentity]:

@@ -29,12 +29,23 @@ hands every rank the same bits, so the replicas stay identical whatever the cut.
 
 Every rank issues the same collectives for the same units in the same order (the choice between the
 two ways is a pure function of the layouts), including ranks whose range of a unit is empty.
+
+[Note: a sum across jobs] The replicas may also live outside this world: each job one shard group
+(fault tolerance's replica groups, each its own process group), cut alike, so rank i of every job
+holds the same ranges. The caller then hands in ``across``, a :class:`ReplicaSum` over rank i of
+every job (it may change between steps; the runtime only starts and waits its all-reduces), and the
+world is one shard group: the sum runs exactly as the replica group's above, during the backward,
+a bucket's all-reduce (groups of one rank) or a unit's (groups of several ranks, after its in-group
+reduce-scatter) started as soon as it is ready and waited in :meth:`ReplicaReducer.wait`. Every job
+cuts the same buckets (a pure function of the units), so every job issues the same all-reduces in
+the same order. An empty range issues nothing, on every job alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -46,6 +57,19 @@ from cephalo_lightning.runtime.sharding.layout import ShardLayout, UnitLayout, r
 
 Consume = Callable[[torch.Tensor], None]
 Fill = Callable[[torch.Tensor], None]
+
+
+class Waitable(Protocol):
+    def wait(self) -> object: ...
+
+
+class ReplicaSum(Protocol):
+    """A sum over the replicas of this rank's ranges beyond the world ([Note: a sum across jobs])."""
+
+    def start_all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                         name: str = "") -> Waitable:
+        """Begin summing ``tensor`` in place; it holds the sum after ``wait()``."""
+        ...
 
 
 Runs = tuple[tuple[int, int], ...]  # (offset, length) runs of a buffer, in the order they are used
@@ -182,14 +206,21 @@ class ReplicaReducer:
 
     ``layouts``: every shard group's layout (group order); ``world``: the collectives of the group
     spanning all replicas; ``replica``: those of this rank's replica group (rank i of every group),
-    or None when the groups differ in size (no unit can then be cut alike).
+    or None when the groups differ in size (no unit can then be cut alike); ``across``: the sum over
+    the replicas outside the world, where the world is one shard group ([Note: a sum across jobs]).
     """
 
     def __init__(self, layouts: Sequence[ShardLayout], shard_groups: Sequence[Sequence[int]], world: Collectives,
-                 replica: Collectives | None) -> None:
+                 replica: Collectives | None, across: ReplicaSum | None = None) -> None:
+        if across is not None and len(shard_groups) != 1:
+            raise ValueError(f"a sum across jobs needs the world to be one shard group (here {len(shard_groups)}: "
+                             f"{[list(g) for g in shard_groups]}); each job holds one replica")
         self.world = world
-        self.replica = replica
+        self.world_replica = replica  # the replica group inside the world (kept when ``across`` changes)
+        self.replica: Collectives | ReplicaSum | None = across if across is not None else replica
+        self.across = across is not None
         self.num_groups = len(shard_groups)
+        self._one_rank_groups = all(len(ranks) == 1 for ranks in shard_groups)
         group_of = [0] * world.world_size
         for g, ranks in enumerate(shard_groups):
             for r in ranks:
@@ -200,19 +231,25 @@ class ReplicaReducer:
                 self._plans.append(None)
             else:
                 self._plans.append(_exchange(units, shard_groups, group_of, world.rank))
-        self._pending: list[tuple[PendingWork, torch.Tensor, Consume]] = []
+        self._pending: list[tuple[Waitable, torch.Tensor, Consume]] = []
         self.buckets: list[Bucket] = []
         self._bucket_of: dict[int, tuple[int, int, str]] = {}  # unit index -> (bucket, offset in it, name)
         self._open: _OpenBucket | None = None
 
     @property
     def active(self) -> bool:
-        return self.num_groups > 1
+        return self.num_groups > 1 or self.across
 
     @property
     def data_parallel(self) -> bool:
         """Every group is one rank: units' gradients are all-reduced whole, in buckets."""
-        return self.active and self.replica is not None and self.replica.world_size == self.world.world_size
+        return self.active and self.replica is not None and self._one_rank_groups
+
+    @property
+    def replicated_in_world(self) -> bool:
+        """Every rank of the world ends the backward holding the same whole gradient (data
+        parallelism inside the world; a sum across jobs leaves the world one group)."""
+        return self.data_parallel and not self.across
 
     def plan_buckets(self, numels: Sequence[int | None], dtypes: Sequence[torch.dtype], names: Sequence[str],
                      first_bytes: int = FIRST_BUCKET_BYTES, bucket_bytes: int = BUCKET_BYTES) -> None:
@@ -247,6 +284,7 @@ class ReplicaReducer:
     def _start(self, run: _OpenBucket) -> None:
         self._open = None
         flat = run.buffer.narrow(0, 0, run.filled - run.start)
+        assert self.replica is not None
         work = self.replica.start_all_reduce(flat, name=f"replicas:{_label(run.names)}") if flat.numel() else PendingWork()
         consumers = run.consumers
 
@@ -265,7 +303,9 @@ class ReplicaReducer:
         plan = self._plans[index]
         if plan is None:
             assert self.replica is not None
-            self._pending.append((self.replica.start_all_reduce(shard, name=f"replicas:{unit.name}"), shard, consume))
+            empty = self.across and not shard.numel()  # [Note: a sum across jobs]: nothing to send, on every job
+            work = PendingWork() if empty else self.replica.start_all_reduce(shard, name=f"replicas:{unit.name}")
+            self._pending.append((work, shard, consume))
             return
         consume(self._exchange(plan, unit, shard))
 

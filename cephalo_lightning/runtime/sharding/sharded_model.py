@@ -82,6 +82,7 @@ from cephalo_lightning.runtime.sharding.replicas import (
     FIRST_BUCKET_BYTES,
     GroupSpec,
     ReplicaReducer,
+    ReplicaSum,
     group_collectives,
 )
 from cephalo_lightning.runtime.sharding.reshard import reshard
@@ -180,6 +181,7 @@ class ShardedModel:
         # each unit's trainable part; frozen_in_master: every parameter (how frozen ones were held
         # before the split; only benchmarks/bench_frozen_base.py's comparison asks for it)
         self._trainable = [[frozen_in_master or slot.current.requires_grad for slot in slots] for slots in slot_groups]
+        self.across: ReplicaSum | None = None  # see sum_across
         self.replicas = ReplicaReducer(self.trainable_layouts(), self.shard_groups, self.world, replica)
         self.reduce_dtype = reduce_dtype
         self.bucket_bytes = bucket_bytes or (FIRST_BUCKET_BYTES, BUCKET_BYTES)
@@ -225,7 +227,7 @@ class ShardedModel:
         """Groups of one rank (data parallelism): after a synchronised backward every rank holds the
         whole reduced gradient, the same bits (one all-reduce per bucket, :mod:`.replicas`), so a
         check of it gives every rank the same answer without any exchange."""
-        return self.replicas.data_parallel
+        return self.replicas.replicated_in_world
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's local pieces (what the optimizer should own)."""
@@ -362,6 +364,16 @@ class ShardedModel:
         self.replicas.plan_buckets([u.trainable_layout.numel if u.trainable else None for u in self.units],
                                    [self.reduce_dtype or u.master_dtype for u in self.units],
                                    [u.name for u in self.units], *self.bucket_bytes)
+
+    def sum_across(self, across: ReplicaSum | None) -> None:
+        """Sum every reduced gradient also over ``across``: rank i of other jobs that each hold one
+        replica cut alike (fault tolerance's replica groups; see [Note: a sum across jobs] in
+        :mod:`.replicas`), during the backward as the replica group's sum runs; None: stop. The world
+        must be one shard group."""
+        self.replicas = ReplicaReducer(self.trainable_layouts(), self.shard_groups, self.world,
+                                       self.replicas.world_replica, across)
+        self.across = across
+        self._plan_buckets()
 
     def wait_reductions(self) -> None:
         """The gradients of every reduced unit are ready for the optimizer: the cross-group
@@ -520,10 +532,10 @@ class ShardedModel:
         self.shard_groups, self.layouts = shard_groups, layouts
         self.group_index = next(g for g, ranks in enumerate(shard_groups) if self.world.rank in ranks)
         self.layout = layouts[self.group_index]
-        replica = self.replicas.replica
+        replica = self.replicas.world_replica
         if regrouped:
             self.comm, replica = group_collectives(self.world, shard_groups, self.group_spec)
-        self.replicas = ReplicaReducer(self.trainable_layouts(), shard_groups, self.world, replica)
+        self.replicas = ReplicaReducer(self.trainable_layouts(), shard_groups, self.world, replica, self.across)
         self._plan_buckets()
 
 

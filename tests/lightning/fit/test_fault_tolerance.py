@@ -2,8 +2,8 @@
 
 The scenario (one run for the module, scenarios/ft_worker.py): two shard groups of one gloo rank each
 (8 and 4 of the 12 samples of every global batch), a torchft lighthouse on 127.0.0.1; group 1 is
-SIGKILLed in step 3 between its backward and the cross-group sum; group 0 goes on in the same
-process; group 1 is started again and recovers the live state from group 0. The final parameters
+SIGKILLed in step 3 between its forward and its backward (which sums the gradients over the groups);
+group 0 goes on in the same process; group 1 is started again and recovers the live state from group 0. The final parameters
 of both groups are compared with single-process AdamW on the same 10 global batches in fp64.
 The same scenario runs twice: each life a plain loop driving ``ReplicaGroup``, then each life a
 ``Trainer.fit`` under ``CephaloStrategy(fault_tolerance=True)`` (a tiny Hugging Face Llama with AdamW
@@ -105,6 +105,37 @@ def test_both_groups_end_on_the_single_process_replay_of_the_same_global_batches
         assert error <= TOLERANCE, (life, error)
 
 
+def replay_gradient(step: int, steps: int, global_batch: int) -> dict[str, torch.Tensor]:
+    """The single-process gradient of global batch ``step`` at the replay's weights after ``step`` steps."""
+    model = TinyLM().double()
+    data = batches(steps, global_batch)
+    train_steps(make_optimizer(model.parameters()), tiny_loss(model), whole(data[:step]))
+    tiny_loss(model)(data[step]).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@needs_torchft
+@pytest.mark.multiprocess
+def test_the_backward_sums_every_bucket_over_the_groups_once_and_a_redo_starts_from_zero(scenario):
+    """The sum runs in the backward, bucket by bucket: a bucket skipped leaves this group's part of the
+    gradient (step KILL_AT - 1, both groups), a failed attempt's sum left in the gradients is added to the
+    redo's (step KILL_AT, group 0 alone); each is ~1e-2 off the replay's gradient."""
+    from scenarios.ft_worker import GLOBAL, KILL_AT, SUMMED_AT, TOTAL
+
+    (pid,) = scenario.lives(0)
+    events = scenario.events[0, pid]
+    buckets = events[0]["buckets"]
+    assert buckets > 1, events  # the units are cut into several buckets
+    assert [e["sums"] for e in events] == [buckets] * len(events), events  # one all-reduce a bucket, every attempt
+    assert [e["committed"] for e in events if e["step"] == KILL_AT] == [False, True], events
+    assert sorted(scenario.grads) == sorted(str(s) for s in SUMMED_AT), scenario.logs
+    for step in SUMMED_AT:
+        want, got = replay_gradient(step, TOTAL, GLOBAL), scenario.grads[str(step)]
+        assert set(got) == set(want)
+        error = max((got[k].reshape(want[k].shape) - want[k]).abs().max().item() for k in want)  # local pieces: flat
+        assert error <= TOLERANCE, (step, error)
+
+
 # ----------------------------------------------------------------------------- groups of two ranks (HSDP)
 
 # two groups of two ranks, each sharding the state 0.7 / 0.3 inside and taking 5 + 3 of the group's 8 samples
@@ -130,7 +161,7 @@ def _two_groups_of_two(rank: int, world: int, lighthouse: str):
     parameters = list(sharded.parameters())
     ft = ReplicaGroup(parameters, make_optimizer(parameters), PLAN4, group,
                       Settings(lighthouse=lighthouse, store_addr="127.0.0.1", store_port=port, hostname="127.0.0.1"),
-                      rank=local, world_size=2)
+                      sharded=sharded, rank=local, world_size=2)
     dist.barrier()  # both groups heartbeat before the first quorum
     data, seen = batches(HSDP_STEPS, PLAN4.global_batch_size), []
     while ft.step < HSDP_STEPS:
@@ -138,8 +169,8 @@ def _two_groups_of_two(rank: int, world: int, lighthouse: str):
         start, size = rank_slice(part, [5, 3], local)
         x, y = data[part.step]
         loss = model.loss(model(x[start:start + size]), y[start:start + size]) * (size / PLAN4.global_batch_size)
-        sharded.backward(loss)
-        ft.reduce_gradients()
+        sharded.backward(loss)  # each unit's shard summed over the groups after its in-group reduce-scatter
+        ft.finish_sums()
         assert ft.commit()
         seen.append((part.participants, start, size))
     state = {k: v.clone() for k, v in sharded.full_state_dict().items()}
@@ -250,9 +281,9 @@ def test_trainer_fit_under_fault_tolerance_is_refused_at_setup_without_the_whole
         FitReplica.check_data_seed(None, shuffle=True)
     FitReplica.check_data_seed(None, shuffle=False)
     with pytest.raises(UnsupportedError, match=r"accumulate_grad_batches=2\).*raise the global batch"):
-        FitReplica(FIT_PLAN, 0).join([], accumulate=2, rank=0, world_size=1)
+        FitReplica(FIT_PLAN, 0).join([], accumulate=2, rank=0, world_size=1, sharded=None)
     with pytest.raises(UnsupportedError, match=r"returned 2 optimizers.*return one"):
-        FitReplica(FIT_PLAN, 0).join([None, None], accumulate=1, rank=0, world_size=1)
+        FitReplica(FIT_PLAN, 0).join([None, None], accumulate=1, rank=0, world_size=1, sharded=None)
     with pytest.raises(ConfigurationError, match=r"uniform mode.*layered protocol"):
         FitReplica.check_schedule("uniform")
     for strategy, match in ((CephaloStrategy(fault_tolerance=True, mode="layered"), r"needs plan= naming every group"),
