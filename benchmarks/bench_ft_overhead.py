@@ -48,6 +48,7 @@ def _run(work: Path, mode: str, steps: int, deadline_s: float = 600) -> list[lis
     from cephalo_lightning.testing.local_ranks import free_port
     from scenarios.launch_env import clean_env
 
+    os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs every quorum otherwise
     lighthouse = None
     if mode == "ft":
         from torchft._torchft import LighthouseServer
@@ -57,7 +58,6 @@ def _run(work: Path, mode: str, steps: int, deadline_s: float = 600) -> list[lis
         endpoint = lighthouse.address()
     else:
         endpoint = f"127.0.0.1:{free_port()}"
-    os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse logs every quorum otherwise
     env = clean_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RUST_LOG="warn")
     procs = [subprocess.Popen([sys.executable, str(ROOT / "scenarios" / "ft_steady.py"), str(work), str(g), mode,
                                endpoint, str(steps)], cwd=ROOT, env=env,
