@@ -1,6 +1,6 @@
 """Fault tolerance's cost per step when nothing fails: the same two-group plan with it on and off, in one run.
 
-    python -m benchmarks.bench_ft_overhead            # 3 rounds of 40 steps each way (about 3 minutes)
+    python -m benchmarks.bench_ft_overhead            # 6 rounds of 40 steps each way (about 3 minutes)
     python -m benchmarks.bench_ft_overhead --quick    # 1 round of 14 steps each way (about 30 s)
 
 An emulated 2-group cluster: two CPU processes on this machine (one thread each), gloo over
@@ -15,7 +15,8 @@ TinyLM in fp32 (``scenarios/ft_steady.py``). Each round runs the plan twice, bac
 
 The rounds alternate the order (on first, then off first), so a change in the machine's load hits both.
 Printed: the median step of each way over the steps after :data:`WARMUP`, the overhead
-``median(on) / median(off) - 1``, and where each way's step goes (the median of each phase: the
+``median(on) / median(off) - 1`` (and each round's own, its two ways back to back: their spread is
+the measurement's), and where each way's step goes (the median of each phase: the
 quorum, the forward and backward with the cross-group sum inside, what is left to wait after the
 backward, the commit decision, the optimizer). The
 two ways train the same steps on the same data, so their final weights are compared too (the
@@ -90,28 +91,34 @@ def _max_difference(work: Path) -> float:
 
 
 def options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=int, default=None, help="rounds of both ways (default 3; --quick: 1)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of both ways (default 6; --quick: 1)")
     parser.add_argument("--steps", type=int, default=None, help="steps per way and round (default 40; --quick: 14)")
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 6)
     steps = args.steps or (14 if args.quick else 40)
     load = common.load_average()
     steady: dict[str, list[dict]] = {"ft": [], "off": []}
+    paired: list[float] = []  # each round's own overhead: its two ways ran back to back
     difference = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
+            this_round: dict[str, list[float]] = {"ft": [], "off": []}
             for mode in (("ft", "off") if r % 2 == 0 else ("off", "ft")):
                 work = Path(tmp) / f"round-{r}"
                 work.mkdir(exist_ok=True)
                 for records in _run(work, mode, steps):
-                    steady[mode] += [s for s in records[WARMUP:] if s["committed"]]
+                    kept = [s for s in records[WARMUP:] if s["committed"]]
+                    steady[mode] += kept
+                    this_round[mode] += [s["step"] for s in kept]
+            paired.append(statistics.median(this_round["ft"]) / statistics.median(this_round["off"]) - 1)
             difference = max(difference, _max_difference(Path(tmp) / f"round-{r}"))
     median = {mode: statistics.median(s["step"] for s in records) for mode, records in steady.items()}
     phases = {mode: {p: statistics.median(s[p] for s in records) for p in PHASES} for mode, records in steady.items()}
     return {"rounds": rounds, "steps": steps, "warmup": WARMUP, "step_s": median, "phases_s": phases,
             "overhead": median["ft"] / median["off"] - 1, "overhead_s": median["ft"] - median["off"],
+            "round_overheads": paired,
             "max_weight_difference": difference, "load": common.load_span(load)}
 
 
@@ -127,6 +134,11 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"\noverhead of fault tolerance: {result['overhead'] * 100:+.1f}% of the step "
           f"({result['overhead_s'] * 1e3:+.1f} ms per step); the final weights differ by at most "
           f"{result['max_weight_difference']:.1e}")
+    rounds = result.get("round_overheads") or []
+    if len(rounds) > 1:
+        print("each round's own overhead (its two ways back to back): "
+              + ", ".join(f"{o * 100:+.1f}%" for o in rounds)
+              + f"; median {statistics.median(rounds) * 100:+.1f}%, from {min(rounds) * 100:+.1f}% to {max(rounds) * 100:+.1f}%")
     inside = result["phases_s"]["ft"]["compute"] - result["phases_s"]["off"]["compute"]
     print(f"torchft's own steps (quorum + commit): {own * 1e3:.1f} ms, {own / result['step_s']['ft'] * 100:.1f}% of the "
           f"on-way's step; the forward and backward (the cross-group sum inside, both ways) take {inside * 1e3:+.1f} ms "
