@@ -5,8 +5,9 @@
 
 An emulated 2-group cluster: CPU processes on this machine (one thread each), gloo over loopback,
 ``Trainer.fit`` of a tiny Hugging Face Llama (AdamW, fp32) on the same global batches either way
-(``scenarios/failure_run.py``). Group 1 SIGKILLs itself mid-step (after its backward, before the
-cross-group sum) in steps K, 2K, ... up to N - K, once each, and comes back:
+(``scenarios/failure_run.py``), every attempt at a step given a fixed emulated device time
+(``DEVICE_STEP_S`` there). Group 1 SIGKILLs itself mid-step (after its backward, before the step
+commits) in steps K, 2K, ... up to N - K, once each, and comes back:
 
 * **fault tolerance**: ``CephaloStrategy(fault_tolerance=True)``, each group its own process, a
   lighthouse on loopback (heartbeat timeout :data:`HEARTBEAT_TIMEOUT_MS` ms); group 0 trains on alone,
@@ -49,7 +50,7 @@ SCRIPT = ROOT / "scenarios" / "failure_run.py"
 HEARTBEAT_TIMEOUT_MS = 2000
 LATE_S = 5  # group 0 done this long and group 1 still running: its last life came back too late to rejoin
 # an arm's deadline: SLACK times a slow host's expected wall time (steps of at most STEP_S, START_S a life's
-# start-up; the emulated steps take 4-8 s and a start 20-40 s on 2 loaded cores)
+# start-up; the steps take about 3 s (their emulated device time) and a start 20-40 s on 2 loaded cores)
 STEP_S, START_S, SLACK = 10.0, 60.0, 3.0
 JOIN_TIMEOUT_S = 120  # torchrun: a rendezvous round that cannot complete fails this soon (its default: 600 s)
 TAIL_LINES = 12  # of a failed or unfinished arm's log, kept in its row

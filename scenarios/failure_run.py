@@ -4,7 +4,11 @@ group killed every ``K`` steps, with fault tolerance or with checkpoint-restart.
 Both ways train a tiny Hugging Face Llama (tests/library_models.LibraryLM, AdamW, fp32) on the planned
 loader's global batches of :data:`GLOBAL` for ``N`` steps; group (or rank) 1 SIGKILLs itself in step
 ``s`` for every ``s`` in ``K, 2K, ...`` up to ``N - K``, once per step (a ``killed-S`` file marks it done),
-after its backward and before the cross-group sum: mid-step.
+after its backward and before the step commits: mid-step. Every attempt at a step waits :data:`DEVICE_STEP_S`
+after its backward, on every rank: the device's compute, emulated as a fixed time (a GPU job's steps of seconds against
+start-ups of seconds). A fixed wait rather than an emulated slowdown: a slowdown multiplies each compute
+region's measured time, and on an idle host a region that runs right after a long wait runs cold and
+measures several times longer, which the multiplier turns into minutes a step.
 
 * ``python scenarios/failure_run.py WORK ft GROUP N K``: one life of one group (one rank) under
   ``CephaloStrategy(fault_tolerance=True)``; the benchmark starts group 1 again as soon as it dies
@@ -37,7 +41,7 @@ import torch
 from tests.plans import plan_of
 
 GLOBAL = 12
-SLOWDOWN = 300.0  # every rank's compute emulated this much slower: steps of seconds, as a GPU job's, against start-ups of seconds
+DEVICE_STEP_S = 3.0  # every step's emulated device compute, on every rank (see the module notes)
 START_WAIT_S = 300  # how long a group's first life waits for the other's at the start
 PG_TIMEOUT_S = 300  # checkpoint-restart: a collective stuck this long fails the rank, and torchrun restarts it
 PLAN = plan_of(batches=[6, 6], micro=[1, 1], shares=[1.0, 1.0], devices=["cpu", "cpu"], groups=[0, 1])
@@ -64,6 +68,7 @@ class Failures(pl.Callback):
                                   "start_step": trainer.global_step, "time": time.time()}) + "\n")
 
     def on_after_backward(self, trainer, module):
+        time.sleep(DEVICE_STEP_S)  # the device's compute of this attempt (a redone step pays it again)
         step = trainer.global_step
         marker = self.work / f"killed-{step}"
         if self.group == 1 and 0 < step <= self.steps - self.every and step % self.every == 0 and not marker.exists():
@@ -98,16 +103,14 @@ def main(work: Path, way: str, group_arg: str, steps: int, every: int, checkpoin
     data = loader(PaddedTokens(steps * GLOBAL), GLOBAL)
     if way == "ft":
         group = int(group_arg)
-        strategy = CephaloStrategy(plan=PLAN, fault_tolerance=True, replica_group=group, check_devices=False, seed=0,
-                                   emulate=[{"slowdown": SLOWDOWN}])
+        strategy = CephaloStrategy(plan=PLAN, fault_tolerance=True, replica_group=group, check_devices=False, seed=0)
         trainer = helpers.trainer(strategy, 1, steps, callbacks=[Failures(work, way, group, every, steps)])
         trainer.fit(LibraryLM("llama", "adamw"), data)
         return
     rank = int(os.environ["RANK"])
     saver = ModelCheckpoint(dirpath=str(work / "ckpt"), save_top_k=0, save_last=True,
                             every_n_train_steps=checkpoint_every)
-    strategy = CephaloStrategy(plan=PLAN, check_devices=False, seed=0, emulate=[{"slowdown": SLOWDOWN}] * 2,
-                               timeout=timedelta(seconds=PG_TIMEOUT_S))
+    strategy = CephaloStrategy(plan=PLAN, check_devices=False, seed=0, timeout=timedelta(seconds=PG_TIMEOUT_S))
     trainer = helpers.trainer(strategy, 2, steps, default_root_dir=str(work), enable_checkpointing=True,
                               callbacks=[Failures(work, way, rank, every, steps), saver])
     trainer.fit(LibraryLM("llama", "adamw"), data, ckpt_path="last")
