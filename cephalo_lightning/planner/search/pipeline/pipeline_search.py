@@ -28,6 +28,7 @@ from cephalo_lightning._common.vocabulary import PipelineSchedule
 from cephalo_lightning.planner.cost.device_cost import kind_costs
 from cephalo_lightning.planner.cost.pipeline_cost import PipelineCost, PipelineShape, StagePrice
 from cephalo_lightning.planner.schema.cluster_spec import Cluster
+from cephalo_lightning.planner.schema.plan import split_sizes
 from cephalo_lightning.planner.search.pipeline.cuts import best_cuts
 from cephalo_lightning.planner.search.pipeline.layouts import StageLayout, stage_layouts
 from cephalo_lightning.planner.search.pipeline.step_bound import step_bounds
@@ -51,8 +52,9 @@ class PipelineCandidate:
 
 
 def near_equal(total: int, parts: int) -> tuple[int, ...]:
-    q, rem = divmod(total, parts)
-    return tuple(q + (1 if d < rem else 0) for d in range(parts))
+    """The D pipelines' batches: the plan's near-equal split (:func:`~cephalo_lightning.planner.schema.plan.split_sizes`, the first
+    ``total mod parts`` one sample more), ``parts <= total``."""
+    return tuple(split_sizes(total, parts))
 
 
 def micro_batch_counts(batches: tuple[int, ...]) -> list[int]:
