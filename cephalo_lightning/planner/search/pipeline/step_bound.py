@@ -8,13 +8,14 @@ l_0 + ... + l_{S-1} = L gives the slowest stage at least::
     step >= contention * (M + S - 1) * max_d (L / sum_s (1 / g_ds) + min_s c_ds) + step_overhead
 
 [Note: why the step bound is valid] :mod:`.pipeline_cost` prices rank i's micro-step as
-``w = comb(p, u)`` and ``u = comb(., l F) + comb(., l (F + B) + c)`` with ``comb(x, y) = max(x, y)
-+ (1 - overlap) min(x, y) >= y`` for x, y >= 0 and overlap <= 1 (the sends, gathers and reductions
-are never negative), so ``w >= l (2 F + B) + c``: the compute alone, no communication. If every
+``u = comb(., l F) + comb(., l (F + B) + c)`` with ``comb(x, y) = max(x, y) + (1 - overlap)
+min(x, y) >= y`` for x, y >= 0 and overlap <= 1 (the gathers and reductions are never negative), so
+``u >= l (2 F + B) + c``: the compute alone, no communication. If every
 stage of pipeline d took less than T, then l_s < (T - c_ds) / g_ds <= (T - min c) / g_ds and
 L = sum_s l_s < (T - min c) sum_s 1 / g_ds, so the slowest stage takes at least the bound (integer
-cuts and the memory only raise it). The step is ``contention ((M + S - 1) max_s t_s + max_i opt_i)
-+ step_overhead`` (contention >= 1, the optimizer step >= 0), or more on a shared host.
+cuts and the memory only raise it). The step is ``contention ((M + S - 1) max_s t_s + H + max_i opt_i)
++ step_overhead`` (contention >= 1; the messages on the critical path H and the optimizer step >= 0),
+or more on a shared host.
 
 [Note: a micro-batch no rank of a stage holds] A stage's ranks' caps are ``(budget - used) /
 share`` with ``used >= compute_memory(m_d)`` at any layer count, clipped at 0: where
